@@ -1,0 +1,1 @@
+"""Tokenizers, the default corpus, indexed datasets and the GPT sample stream."""

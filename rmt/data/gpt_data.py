@@ -1,0 +1,142 @@
+"""Training and validation samples through megatron-core's GPTDataset.
+
+:func:`resolve_data` finds (or builds, for the default corpus) the indexed dataset and checks it
+against the model's vocabulary; :func:`build_datasets` makes the train/valid splits;
+:func:`microbatches` yields the microbatches of one global batch for this data-parallel rank.
+The order of samples depends only on the number consumed, so training resumes at the exact
+position and a change of data-parallel size with the same global batch sees the same samples.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+from rmt.config import RMTConfig
+from rmt.data.corpus import corpus_documents
+from rmt.data.indexed import max_token_id, open_indexed, read_metadata, write_indexed
+from rmt.data.tokenizers import build_tokenizer
+from rmt.errors import UserError
+
+
+@dataclass
+class DataSpec:
+    prefix: str
+    vocab_size: int
+    eod: int
+
+
+class _TokenizerInfo:
+    """What GPTDataset reads from a tokenizer."""
+
+    def __init__(self, vocab_size: int, eod: int):
+        self.vocab_size, self.eod = vocab_size, eod
+        # Part of the dataset cache's identity (megatron-core hashes it into the cache name).
+        self.unique_identifiers = {"vocab_size": vocab_size, "eod": eod}
+
+
+def default_corpus_prefix(config: RMTConfig) -> str:
+    d = config.data
+    tok = d.tokenizer if d.tokenizer in ("byte", "bpe") else "hf_" + os.path.basename(d.tokenizer.rstrip("/"))
+    if d.tokenizer == "bpe":
+        tok += str(d.bpe_vocab_size)
+    return os.path.join(d.cache_dir, f"stdlib_{tok}_{d.max_documents or 'all'}", "corpus")
+
+
+def prepare_default_corpus(config: RMTConfig) -> str:
+    """Tokenize the default corpus into the cache once; returns its prefix."""
+    prefix = default_corpus_prefix(config)
+    if not os.path.isfile(prefix + ".idx"):
+        d = config.data
+        tok = build_tokenizer(d.tokenizer, d.cache_dir, d.bpe_vocab_size, d.max_documents)
+        docs = corpus_documents(d.max_documents)
+        batch = getattr(tok, "tokenize_batch", None)
+        ids = batch(list(docs)) if batch else [tok.tokenize(t) for t in docs]
+        write_indexed(prefix, ids, tok)
+    return prefix
+
+
+def resolve_data(config: RMTConfig) -> DataSpec:
+    """Open and check the dataset (building the default corpus on global rank 0 first), and
+    fix ``model.vocab_size`` from it when unset. Raises UserError for bad data."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if config.data.path is None:
+        if rank == 0:
+            prepare_default_corpus(config)
+        if dist.is_initialized():
+            dist.barrier()
+        prefix = default_corpus_prefix(config)
+    else:
+        prefix = config.data.path
+    ds = open_indexed(prefix)
+    meta = read_metadata(prefix)
+    if meta is not None:
+        vocab, eod = int(meta["vocab_size"]), int(meta["eod"])
+    else:
+        tok = build_tokenizer(config.data.tokenizer, config.data.cache_dir, config.data.bpe_vocab_size)
+        vocab, eod = tok.vocab_size, tok.eod
+    if config.model.vocab_size is None:
+        config.model.vocab_size = vocab
+    top = max_token_id(prefix, ds)
+    if top >= config.model.vocab_size:
+        raise UserError(
+            f"dataset '{prefix}' holds token id {top}, out of range for model.vocab_size "
+            f"{config.model.vocab_size}")
+    return DataSpec(prefix, config.model.vocab_size, eod)
+
+
+def build_datasets(config: RMTConfig, spec: DataSpec, num_train: int, num_valid: int):
+    """``(train, valid)`` GPTDatasets with ``num_*`` samples each (valid may be None).
+    Global rank 0 builds the index caches first; the other ranks then load them."""
+    t = config.train
+    gcfg = GPTDatasetConfig(
+        random_seed=t.seed,
+        sequence_length=config.model.seq_length,
+        blend=([spec.prefix], None),
+        split=config.data.split,
+        path_to_cache=os.path.join(os.path.dirname(os.path.abspath(spec.prefix)), "index_cache"),
+        tokenizer=_TokenizerInfo(spec.vocab_size, spec.eod),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+        mid_level_dataset_surplus=0.005,
+    )
+    sizes = [num_train, num_valid or None, None]
+
+    def build():
+        return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, gcfg).build()
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        out = build()
+    if dist.is_initialized():
+        dist.barrier()
+    if rank != 0:
+        out = build()
+    train, valid, _ = out
+    if train is None or len(train) == 0:
+        raise UserError(f"dataset '{spec.prefix}' is too small for sequences of {config.model.seq_length} tokens")
+    if num_valid and valid is None:
+        raise UserError(f"dataset '{spec.prefix}' gives no validation samples with split '{config.data.split}'")
+    return train, valid
+
+
+def microbatches(dataset, first_sample: int, micro_batch_size: int, num_microbatches: int,
+                 dp_rank: int, dp_size: int) -> List[Dict[str, torch.Tensor]]:
+    """The microbatches of the global batch that starts at sample ``first_sample``, for one
+    data-parallel rank: microbatch j holds samples ``first + j*mbs*dp + dp_rank*mbs + [0, mbs)``
+    (megatron's pretraining sampler order)."""
+    out = []
+    for j in range(num_microbatches):
+        start = first_sample + (j * dp_size + dp_rank) * micro_batch_size
+        samples = [dataset[(start + i) % len(dataset)] for i in range(micro_batch_size)]
+        out.append({k: torch.stack([s[k] for s in samples]) for k in samples[0]})
+    return out
+

@@ -1,0 +1,85 @@
+"""megatron-core indexed datasets (``.bin``/``.idx``) plus a small ``.json`` sidecar that
+records the tokenizer, vocabulary size, end-of-document id and largest token id, so training
+can reject out-of-range ids before it starts."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterable, List
+
+import numpy as np
+import torch
+from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+
+from rmt.errors import UserError
+
+
+def _dtype_for(vocab_size: int):
+    return np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
+
+
+def write_indexed(prefix: str, documents: Iterable[List[int]], tokenizer) -> dict:
+    """Write token documents (each followed by EOD) to ``prefix.bin/.idx/.json`` atomically:
+    the files are written under a temporary name and renamed once complete."""
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    tmp = prefix + ".tmp"
+    dtype = _dtype_for(tokenizer.vocab_size)
+    builder = IndexedDatasetBuilder(tmp + ".bin", dtype=dtype)
+    num_docs = num_tokens = max_id = 0
+    for ids in documents:
+        ids = list(ids) + [tokenizer.eod]
+        builder.add_item(torch.tensor(ids, dtype=torch.int64))
+        builder.end_document()
+        num_docs += 1
+        num_tokens += len(ids)
+        max_id = max(max_id, max(ids))
+    builder.finalize(tmp + ".idx")
+    meta = {"tokenizer": tokenizer.spec, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod,
+            "num_documents": num_docs, "num_tokens": num_tokens, "max_token_id": max_id}
+    with open(tmp + ".json", "w") as f:
+        json.dump(meta, f, indent=1)
+    for ext in (".bin", ".idx", ".json"):
+        os.replace(tmp + ext, prefix + ext)
+    return meta
+
+
+def open_indexed(prefix: str) -> IndexedDataset:
+    """Open ``prefix.bin/.idx``, turning a missing, truncated or corrupt file into one sentence."""
+    for ext in (".bin", ".idx"):
+        if not os.path.isfile(prefix + ext):
+            raise UserError(f"dataset '{prefix}' has no '{prefix}{ext}' (run rmt-preprocess first)")
+    try:
+        ds = IndexedDataset(prefix, mmap=True)
+        lengths, pointers = ds.index.sequence_lengths, ds.index.sequence_pointers
+    except Exception as err:
+        msg = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise UserError(f"dataset index '{prefix}.idx' is corrupt or truncated ({msg})") from None
+    if len(lengths) == 0:
+        raise UserError(f"dataset '{prefix}' holds no documents")
+    expected = int(pointers[-1]) + int(lengths[-1]) * ds.index.dtype_size
+    actual = os.path.getsize(prefix + ".bin")
+    if actual != expected:
+        raise UserError(
+            f"dataset '{prefix}.bin' has {actual} bytes but its index describes {expected}: "
+            "the files are truncated or do not belong together")
+    return ds
+
+
+def read_metadata(prefix: str):
+    """The sidecar written by :func:`write_indexed`, or None for datasets made elsewhere."""
+    path = prefix + ".json"
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as err:
+        raise UserError(f"dataset metadata '{path}' is unreadable ({err})") from None
+
+
+def max_token_id(prefix: str, ds: IndexedDataset) -> int:
+    meta = read_metadata(prefix)
+    if meta is not None and "max_token_id" in meta:
+        return int(meta["max_token_id"])
+    return int(np.max(np.memmap(prefix + ".bin", dtype=ds.index.dtype, mode="r")))

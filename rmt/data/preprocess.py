@@ -1,0 +1,85 @@
+"""``rmt-preprocess``: jsonl / txt / parquet (read with HF ``datasets``, local files only) ->
+megatron-core indexed dataset ``PREFIX.bin/.idx`` plus ``PREFIX.json``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List, Optional
+
+from rmt.data.indexed import write_indexed
+from rmt.data.tokenizers import build_tokenizer
+from rmt.errors import UserError, cli_entry
+
+_FORMATS = {".jsonl": "json", ".json": "json", ".txt": "text", ".text": "text",
+            ".parquet": "parquet"}
+
+
+def _format_of(paths: List[str]) -> str:
+    kinds = {_FORMATS.get(os.path.splitext(p)[1].lower()) for p in paths}
+    if None in kinds:
+        bad = [p for p in paths if os.path.splitext(p)[1].lower() not in _FORMATS]
+        raise UserError(f"input '{bad[0]}' is not .jsonl, .json, .txt or .parquet")
+    if len(kinds) > 1:
+        raise UserError("all inputs must have the same format (jsonl, txt or parquet)")
+    return kinds.pop()
+
+
+def preprocess(inputs: List[str], output_prefix: str, tokenizer_spec: str = "byte",
+               text_key: str = "text", cache_dir: str = ".rmt_cache",
+               bpe_vocab_size: int = 2048, workers: int = 1) -> dict:
+    for p in inputs:
+        if not os.path.isfile(p):
+            raise UserError(f"input file '{p}' does not exist")
+    fmt = _format_of(inputs)
+    tokenizer = build_tokenizer(tokenizer_spec, cache_dir, bpe_vocab_size)
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        ds = datasets.load_dataset(fmt, data_files=inputs, split="train",
+                                   cache_dir=os.path.join(cache_dir, "hf_datasets"))
+    except Exception as err:
+        raise UserError(f"could not read {inputs[0]} as {fmt} ({str(err).splitlines()[0]})") from None
+    if text_key not in ds.column_names:
+        raise UserError(f"inputs have no '{text_key}' field; fields are: {', '.join(ds.column_names)}")
+    ds = ds.map(lambda batch: {"ids": [tokenizer.tokenize(t or "") for t in batch[text_key]]},
+                batched=True, remove_columns=ds.column_names, num_proc=workers if workers > 1 else None)
+    return write_indexed(output_prefix, (row["ids"] for row in ds), tokenizer)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="rmt-preprocess",
+        description="Tokenize jsonl/txt/parquet files into a megatron-core indexed dataset.")
+    ap.add_argument("--input", nargs="+", required=True,
+                    help="input files: .jsonl/.json (one object per line), .txt (one document "
+                         "per line) or .parquet")
+    ap.add_argument("--output-prefix", required=True,
+                    help="writes PREFIX.bin, PREFIX.idx and PREFIX.json (tokenizer metadata)")
+    ap.add_argument("--tokenizer", default="byte",
+                    help="'byte' (default), 'bpe' (trained on the default corpus) or a path to a "
+                         "HF tokenizer.json / directory")
+    ap.add_argument("--text-key", default="text", help="field holding the text (jsonl/parquet)")
+    ap.add_argument("--bpe-vocab-size", type=int, default=2048, help="vocabulary of the 'bpe' tokenizer")
+    ap.add_argument("--cache-dir", default=".rmt_cache", help="where trained tokenizers and HF caches live")
+    ap.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    return ap
+
+
+@cli_entry("rmt-preprocess")
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.workers < 1 or args.bpe_vocab_size < 1:
+        raise UserError("--workers and --bpe-vocab-size must be positive")
+    meta = preprocess(args.input, args.output_prefix, args.tokenizer, args.text_key,
+                      args.cache_dir, args.bpe_vocab_size, args.workers)
+    print(f"wrote {args.output_prefix}.bin/.idx: {meta['num_documents']} documents, "
+          f"{meta['num_tokens']} tokens, vocab {meta['vocab_size']}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Layout-independent weight initialisation.
+
+Each random global tensor is drawn in full from a generator seeded by (seed, key) and every
+rank copies out its own shard, so TP/PP/DP layouts start from identical weights (the basis of
+the 'distributed == single process' tests and of reproducible runs across cluster shapes).
+Constant-initialised tensors (biases, norm gains) are left as the modules built them.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from rmt.config import RMTConfig
+from rmt.parallel.sharding import shards
+
+# Output projections of residual branches get std / sqrt(2 L) (GPT-2; megatron-core's
+# scaled_init_method_normal).
+_RESIDUAL_OUTPUTS = ("linear_proj.weight", "linear_fc2.weight")
+
+
+def default_std_rule(config: RMTConfig) -> Callable[[str, torch.Tensor], Optional[float]]:
+    std = config.model.init_std
+    scaled = std / math.sqrt(2.0 * config.model.num_layers)
+
+    def rule(key: str, param: torch.Tensor) -> Optional[float]:
+        if param.dim() < 2:
+            return None
+        return scaled if key.endswith(_RESIDUAL_OUTPUTS) else std
+
+    return rule
+
+
+@torch.no_grad()
+def initialize_weights(chunks: Iterable[torch.nn.Module], seed: int,
+                       std_rule: Callable[[str, torch.Tensor], Optional[float]]) -> None:
+    cache = {}
+    for shard in shards(chunks):
+        std = std_rule(shard.key, shard.param)
+        if std is None:
+            continue
+        if shard.key not in cache:
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(shard.key.encode()))
+            cache[shard.key] = torch.randn(shard.global_shape, generator=gen) * std
+        piece = cache[shard.key][shard.index]
+        shard.param.copy_(piece.reshape(shard.param.shape).to(shard.param.dtype))

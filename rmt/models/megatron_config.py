@@ -1,0 +1,49 @@
+"""Translate an :class:`rmt.config.RMTConfig` into megatron-core's ``TransformerConfig``."""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer import TransformerConfig
+
+from rmt.config import RMTConfig
+from rmt.parallel import compat
+
+
+def padded_vocab_size(config: RMTConfig) -> int:
+    """Vocabulary padded to a multiple of ``make_vocab_size_divisible_by`` (kept independent of
+    the TP size so that every parallel layout has the same embedding table)."""
+    multiple = config.model.make_vocab_size_divisible_by
+    return -(-config.model.vocab_size // multiple) * multiple
+
+
+def transformer_config(config: RMTConfig, **extra) -> TransformerConfig:
+    m, p, t = config.model, config.parallel, config.train
+    dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
+        pipeline_dtype=dtype,
+        params_dtype=torch.float32,
+        autocast_dtype=dtype,
+        use_cpu_initialization=not compat.cuda_available(),
+        init_method_std=m.init_std,
+        hidden_dropout=m.dropout,
+        attention_dropout=m.dropout,
+        normalization=m.normalization,
+        layernorm_epsilon=m.layernorm_epsilon,
+        activation_func=torch.nn.functional.gelu,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        bias_dropout_fusion=False,
+        # gloo computes silently wrong interleaved-pipeline losses with batched p2p.
+        batch_p2p_comm=False,
+        **extra,
+    )

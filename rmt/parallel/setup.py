@@ -1,0 +1,51 @@
+"""Bring up and tear down torch.distributed and megatron-core's parallel state."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from rmt.config import RMTConfig
+from rmt.parallel import compat
+from rmt.parallel.launch_env import read_launch_env
+
+
+def initialize(config: RMTConfig) -> None:
+    """Create the default process group (NCCL with CUDA, else gloo) and megatron-core's
+    TP/PP/DP groups; seed every RNG. ``validate(config)`` must have run already."""
+    compat.apply()
+    launch = read_launch_env()
+    if not dist.is_initialized():
+        backend = config.parallel.backend
+        if backend == "auto":
+            backend = "nccl" if compat.cuda_available() else "gloo"
+        if compat.cuda_available():
+            torch.cuda.set_device(launch.local_rank)
+        os.environ.setdefault("MASTER_ADDR", launch.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(launch.master_port))
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=datetime.timedelta(minutes=config.parallel.timeout_minutes),
+        )
+    p = config.parallel
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=p.tensor_model_parallel_size,
+            pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
+        )
+    compat.seed_model_parallel(config.train.seed)
+
+
+def destroy() -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

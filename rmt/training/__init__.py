@@ -1,0 +1,1 @@
+"""Trainer loop, loss, optimizer and schedule, checkpoints, logging."""

@@ -1,0 +1,132 @@
+"""Checkpoints through ``megatron.core.dist_checkpointing`` (torch_dist format).
+
+A checkpoint holds the model shards, the AdamW moments as shards of the same global tensors
+(so both reshard to any TP/PP layout), and a common part: iteration, samples consumed,
+scheduler state and the config. Writing is atomic: every rank writes into
+``iter_NNNNNNN.tmp``; once all are done global rank 0 renames it and then rewrites ``latest``.
+A crash mid-save leaves only a ``.tmp`` directory, which loading ignores.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+
+from rmt.errors import UserError
+from rmt.parallel.sharding import shards
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """AdamW creates its moments lazily; create them (zeros) so they can be loaded into."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                for name in _MOMENTS:
+                    state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def sharded_state(chunks: List[torch.nn.Module], optimizer, common: dict) -> dict:
+    state = {f"model{i}": getattr(c, "module", c).sharded_state_dict() for i, c in enumerate(chunks)}
+    if optimizer is not None:
+        _ensure_optimizer_state(optimizer)
+        for shard in shards(chunks):
+            st = optimizer.state[shard.param]
+            for name in _MOMENTS:
+                state[f"optimizer.{name}.{shard.key}"] = make_sharded_optimizer_tensor(
+                    shard.sharded, st[name], prefix=f"optimizer.{name}")
+    state["common"] = common
+    return state
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def save_checkpoint(root: str, iteration: int, chunks, optimizer, common: dict) -> str:
+    final = iteration_dir(root, iteration)
+    tmp = final + ".tmp"
+    if _rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    dist_checkpointing.save(sharded_state(chunks, optimizer, common), tmp)
+    _barrier()
+    if _rank() == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        with open(os.path.join(root, "latest.tmp"), "w") as f:
+            f.write(str(iteration))
+        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+    _barrier()
+    return final
+
+
+def find_checkpoint(path: str) -> str:
+    """``path`` is an ``iter_*`` directory or a root with a ``latest`` file."""
+    latest = os.path.join(path, "latest")
+    if os.path.isfile(latest):
+        try:
+            with open(latest) as f:
+                path = iteration_dir(path, int(f.read().strip()))
+        except ValueError:
+            raise UserError(f"checkpoint file '{latest}' is corrupt") from None
+    if not os.path.isdir(path) or not dist_checkpointing.check_is_distributed_checkpoint(path):
+        raise UserError(f"'{path}' is not a complete rmt checkpoint (no dist_checkpointing metadata)")
+    return path
+
+
+def load_common(path: str) -> dict:
+    try:
+        return dist_checkpointing.load_common_state_dict(find_checkpoint(path))["common"]
+    except UserError:
+        raise
+    except Exception as err:
+        raise UserError(f"checkpoint '{path}' is corrupt ({str(err).splitlines()[0]})") from None
+
+
+def load_checkpoint(path: str, chunks, optimizer) -> dict:
+    """Load model (and optimizer moments, if ``optimizer``) in place; returns the common part."""
+    path = find_checkpoint(path)
+    template = sharded_state(chunks, optimizer, {})
+    template.pop("common")
+    try:
+        loaded = dist_checkpointing.load(template, path)
+    except Exception as err:
+        raise UserError(
+            f"checkpoint '{path}' does not fit this model or is corrupt "
+            f"({str(err).splitlines()[0][:300]})") from None
+    for i, chunk in enumerate(chunks):
+        getattr(chunk, "module", chunk).load_state_dict(loaded[f"model{i}"], strict=True)
+    if optimizer is not None:
+        for shard in shards(chunks):
+            st = optimizer.state[shard.param]
+            for name in _MOMENTS:
+                st[name].copy_(loaded[f"optimizer.{name}.{shard.key}"])
+    return load_common(path)
+
+
+def set_optimizer_step(optimizer, step: int) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p in optimizer.state and "step" in optimizer.state[p]:
+                optimizer.state[p]["step"].fill_(float(step))

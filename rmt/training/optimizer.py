@@ -1,0 +1,69 @@
+"""AdamW with parameter groups, the warmup + decay schedule, and model-parallel grad clipping.
+
+Apex's FusedAdam is used when importable on CUDA; otherwise torch's AdamW (foreach).
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.module import param_is_not_shared
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+from rmt.config import RMTConfig
+
+
+def _no_decay(name: str, param: torch.Tensor) -> bool:
+    """Norm gains, biases, embeddings and the unembedding are not decayed."""
+    return param.dim() < 2 or "embedding" in name or "output_layer" in name
+
+
+def param_groups(chunks: List[torch.nn.Module], config: RMTConfig) -> List[dict]:
+    decay, no_decay = [], []
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            if p.requires_grad:
+                (no_decay if _no_decay(name, p) else decay).append(p)
+    wd = config.train.weight_decay
+    return [g for g in ({"params": decay, "weight_decay": wd, "wd_mult": 1.0},
+                        {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}) if g["params"]]
+
+
+def build_optimizer(chunks: List[torch.nn.Module], config: RMTConfig) -> torch.optim.Optimizer:
+    t = config.train
+    groups = param_groups(chunks, config)
+    kwargs = dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+    if torch.cuda.is_available():
+        try:
+            from apex.optimizers import FusedAdam
+
+            return FusedAdam(groups, adam_w_mode=True, **kwargs)
+        except ImportError:
+            pass
+    return torch.optim.AdamW(groups, foreach=True, **kwargs)
+
+
+def build_scheduler(optimizer, config: RMTConfig) -> OptimizerParamScheduler:
+    """megatron-core's scheduler: linear warmup to ``lr`` then cosine/linear decay to
+    ``min_lr_ratio * lr`` at the last step. Weight decay stays constant."""
+    t = config.train
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.lr * t.min_lr_ratio,
+        lr_warmup_steps=t.warmup_steps, lr_decay_steps=t.steps, lr_decay_style=t.lr_decay_style,
+        start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=t.steps,
+        wd_incr_style="constant")
+
+
+def clip_gradients(params: List[torch.nn.Parameter], max_norm: float) -> float:
+    """Global L2 norm over the model-parallel group (each TP-duplicated parameter counted
+    once); scales gradients in place when above ``max_norm``. Returns the norm."""
+    grads = [p.grad for p in params if p.grad is not None
+             and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
+    norm = get_grad_norm_fp32(grads, grad_stats_parallel_group=parallel_state.get_model_parallel_group())
+    if max_norm > 0 and norm > max_norm:
+        torch._foreach_mul_([p.grad for p in params if p.grad is not None], max_norm / (norm + 1e-6))
+    return norm

@@ -1,0 +1,226 @@
+"""The training loop on megatron-core: DDP-wrapped model chunks, the forward-backward schedule
+(microbatches, gradient accumulation, 1F1B or interleaved pipelining), AdamW, the LR schedule,
+gradient clipping, validation, checkpoints, TensorBoard scalars and a progress bar."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from functools import partial
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from rmt import config as rmt_config
+from rmt.config import RMTConfig
+from rmt.data.gpt_data import build_datasets, microbatches, resolve_data
+from rmt.models.build import build
+from rmt.parallel import compat
+from rmt.training import checkpoint
+from rmt.training.loss import lm_loss
+from rmt.training.optimizer import build_optimizer, build_scheduler, clip_gradients
+
+
+def causal_mask(seq_length: int, device) -> torch.Tensor:
+    """``[1, 1, s, s]`` boolean mask, True above the diagonal (megatron-core's convention).
+    Always passed explicitly: megatron builds an implicit one on CUDA."""
+    return torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool, device=device), 1)[None, None]
+
+
+class Trainer:
+    """Build everything for ``config`` in the current process group and train.
+
+    ``initialize`` (process groups) must have run. Data problems raise ``UserError`` before any
+    step runs.
+    """
+
+    def __init__(self, config: RMTConfig):
+        self.config = config
+        t = config.train
+        if t.threads:
+            torch.set_num_threads(t.threads)
+        self.device = compat.device()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.global_batch = t.global_batch_size or t.micro_batch_size * self.dp_size
+        self.num_microbatches = self.global_batch // (t.micro_batch_size * self.dp_size)
+        self.data = resolve_data(config)
+        evals = (t.steps // t.eval_interval + 2) if t.eval_iters else 0
+        self.train_ds, self.valid_ds = build_datasets(
+            config, self.data, t.steps * self.global_batch, evals * t.eval_iters * self.global_batch)
+        self.chunks = self._wrap(build(config))
+        self.params = [p for c in self.chunks for p in c.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.chunks, config)
+        self.scheduler = build_scheduler(self.optimizer, config)
+        self.mask = causal_mask(config.model.seq_length, self.device)
+        self.iteration = 0
+        self.consumed_samples = 0
+        self.history: List[Dict] = []
+        if t.load:
+            self._load(t.load)
+
+    # -- setup ---------------------------------------------------------------------------
+    def _wrap(self, chunks):
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=False)
+        wrapped = []
+        for i, chunk in enumerate(chunks):
+            chunk.to(self.device)
+            wrapped.append(DistributedDataParallel(config=chunk.config, ddp_config=ddp_config,
+                                                   module=chunk, disable_bucketing=i > 0))
+        mcfg = wrapped[0].config
+        mcfg.finalize_model_grads_func = finalize_model_grads
+        mcfg.no_sync_func = [c.no_sync for c in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
+        return wrapped
+
+    def _load(self, path: str) -> None:
+        common = checkpoint.load_checkpoint(path, self.chunks, self.optimizer)
+        self.iteration = int(common["iteration"])
+        self.consumed_samples = int(common["consumed_samples"])
+        checkpoint.set_optimizer_step(self.optimizer, self.iteration)
+        if self.iteration:
+            self.scheduler.step(self.iteration)
+
+    # -- one step ------------------------------------------------------------------------
+    def _forward_step(self, data_iterator, model):
+        batch = next(data_iterator)
+        tokens = batch["tokens"].to(self.device)
+        positions = batch["position_ids"].to(self.device)
+        labels = batch["labels"].to(self.device)
+        loss_mask = batch["loss_mask"].to(self.device)
+        with self._autocast():
+            output = model(tokens, positions, self.mask)
+        return output, partial(self._loss, labels, loss_mask)
+
+    def _loss(self, labels, loss_mask, output):
+        loss, ce = lm_loss(output, labels, loss_mask, self.config.train.z_loss)
+        return loss, {"lm loss": ce.clone(), "loss": loss.detach().clone()}
+
+    def _autocast(self):
+        if self.config.train.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _run_schedule(self, dataset, first_sample: int, forward_only: bool) -> Dict[str, float]:
+        t = self.config.train
+        batches = microbatches(dataset, first_sample, t.micro_batch_size, self.num_microbatches,
+                               self.dp_rank, self.dp_size)
+        iters = [iter(batches) for _ in self.chunks]
+        losses = get_forward_backward_func()(
+            forward_step_func=self._forward_step,
+            data_iterator=iters if len(iters) > 1 else iters[0],
+            model=self.chunks,
+            num_microbatches=self.num_microbatches,
+            seq_length=self.config.model.seq_length,
+            micro_batch_size=t.micro_batch_size,
+            forward_only=forward_only,
+        )
+        return self._reduce_losses(losses)
+
+    def _reduce_losses(self, losses) -> Dict[str, float]:
+        """Mean over microbatches and data-parallel ranks, made known to every rank."""
+        names = ("lm loss", "loss")
+        vals = torch.zeros(len(names), dtype=torch.float64)
+        owner = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+                 and parallel_state.get_tensor_model_parallel_rank() == 0)
+        if owner and losses:
+            for i, n in enumerate(names):
+                vals[i] = sum(float(d[n]) for d in losses) / len(losses) / self.dp_size
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(vals)
+        return dict(zip(names, vals.tolist()))
+
+    def train_step(self) -> Dict[str, float]:
+        start = time.perf_counter()
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = self._run_schedule(self.train_ds, self.consumed_samples, forward_only=False)
+        for p in self.params:
+            p.grad = p.main_grad
+        metrics["grad_norm"] = clip_gradients(self.params, self.config.train.clip_grad)
+        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step(1)
+        self.iteration += 1
+        self.consumed_samples += self.global_batch
+        elapsed = time.perf_counter() - start
+        metrics["tokens_per_s"] = self.global_batch * self.config.model.seq_length / elapsed
+        metrics["step"] = self.iteration
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Validation loss (cross-entropy) over ``eval_iters`` fixed global batches."""
+        t = self.config.train
+        total = 0.0
+        for i in range(t.eval_iters):
+            total += self._run_schedule(self.valid_ds, i * self.global_batch, forward_only=True)["lm loss"]
+        return total / t.eval_iters
+
+    def save(self) -> str:
+        common = {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
+                  "global_batch_size": self.global_batch, "config": rmt_config.to_dict(self.config)}
+        return checkpoint.save_checkpoint(self.config.train.save, self.iteration, self.chunks,
+                                          self.optimizer, common)
+
+    # -- loop ----------------------------------------------------------------------------
+    def train(self) -> List[Dict]:
+        t = self.config.train
+        is_logger = (dist.get_rank() if dist.is_initialized() else 0) == 0
+        writer = _tensorboard(t.tensorboard_dir) if is_logger else None
+        log = open(t.log_file, "a") if (is_logger and t.log_file) else None
+        bar = None
+        if is_logger and t.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=t.steps, initial=self.iteration, desc="train", unit="step", dynamic_ncols=True)
+        try:
+            while self.iteration < t.steps:
+                m = self.train_step()
+                if t.eval_iters and (self.iteration % t.eval_interval == 0 or self.iteration == t.steps):
+                    m["val_loss"] = self.evaluate()
+                self.history.append(m)
+                if is_logger:
+                    _emit(m, writer, log, bar, self.iteration % t.log_interval == 0 or "val_loss" in m)
+                if t.save and ((t.save_interval and self.iteration % t.save_interval == 0)
+                               or self.iteration == t.steps):
+                    self.save()
+        finally:
+            for h in (bar, writer, log):
+                if h is not None:
+                    h.close()
+        return self.history
+
+
+def _tensorboard(path: Optional[str]):
+    if not path:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(path)
+
+
+def _emit(m: Dict, writer, log, bar, verbose: bool) -> None:
+    step = m["step"]
+    if writer is not None:
+        for k in ("loss", "lm loss", "lr", "grad_norm", "tokens_per_s", "val_loss"):
+            if k in m and math.isfinite(m[k]):
+                writer.add_scalar(f"train/{k.replace(' ', '_')}" if k != "val_loss" else "valid/loss", m[k], step)
+    if log is not None:
+        log.write(json.dumps(m) + "\n")
+        log.flush()
+    if bar is not None:
+        bar.set_postfix(loss=f"{m['lm loss']:.4f}", lr=f"{m['lr']:.2e}", refresh=False)
+        bar.update(1)
+        if verbose:
+            val = f" val_loss {m['val_loss']:.4f}" if "val_loss" in m else ""
+            bar.write(f"step {step:5d} loss {m['lm loss']:.4f}{val} lr {m['lr']:.3e} "
+                      f"grad_norm {m['grad_norm']:.3f} tok/s {m['tokens_per_s']:.0f}")
