@@ -202,7 +202,7 @@ def data_parallel_size(config: RMTConfig, world_size: int) -> int:
 
 def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
     """Reject impossible settings with one sentence (:class:`ConfigError`). Returns ``config``."""
-    from rmt.models.build import registered_archs
+    from rmt.models.build import registered_archs, validate_arch
 
     world_size = world_size_from_env() if world_size is None else world_size
     m, p, d, t = config.model, config.parallel, config.data, config.train
@@ -219,8 +219,6 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
     archs = registered_archs()
     if m.arch not in archs:
         raise ConfigError(f"model.arch '{m.arch}' is not a known architecture; choose one of: {', '.join(archs)}")
-    if m.position not in ("learned", "rope"):
-        raise ConfigError(f"model.position must be 'learned' or 'rope', got '{m.position}'")
     if m.normalization not in ("LayerNorm", "RMSNorm"):
         raise ConfigError(f"model.normalization must be 'LayerNorm' or 'RMSNorm', got '{m.normalization}'")
     if not 0.0 <= m.dropout < 1.0:
@@ -296,6 +294,7 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
         raise ConfigError(f"data.split must be three non-negative weights 'train,valid,test', got '{d.split}'")
     if t.eval_iters and split[1] <= 0:
         raise ConfigError("data.split gives no validation data but train.eval_iters > 0")
+    validate_arch(config)
     if config.memory.type != "none":
         raise ConfigError(f"memory.type '{config.memory.type}' is not available; valid: none")
     return config

@@ -19,17 +19,21 @@ from rmt.models.init import default_std_rule, initialize_weights
 
 _BUILDERS: Dict[str, Callable] = {}
 _STD_RULES: Dict[str, Callable] = {}
+_VALIDATORS: Dict[str, Callable] = {}
 # Modules that register architectures when imported.
 _ARCH_MODULES = ("rmt.models.transformer",)
 
 
-def register(name: str, std_rule: Callable = default_std_rule):
-    """Register a chunk builder; ``std_rule(config)(key, param)`` gives the init std of each
-    global parameter (None keeps the module's own constant init), see :mod:`rmt.models.init`."""
+def register(name: str, std_rule: Callable = default_std_rule, validate: Callable = None):
+    """Register a chunk builder. ``std_rule(config)(key, param)`` gives the init std of each
+    global parameter (None keeps the module's own constant init, see :mod:`rmt.models.init`);
+    ``validate(config)`` raises ``ConfigError`` for settings this architecture cannot take."""
 
     def deco(fn):
         _BUILDERS[name] = fn
         _STD_RULES[name] = std_rule
+        if validate is not None:
+            _VALIDATORS[name] = validate
         return fn
 
     return deco
@@ -39,6 +43,14 @@ def registered_archs() -> List[str]:
     for mod in _ARCH_MODULES:
         importlib.import_module(mod)
     return sorted(_BUILDERS)
+
+
+def validate_arch(config: RMTConfig) -> None:
+    """Run the architecture's own checks (``model.arch`` must be registered)."""
+    registered_archs()
+    check = _VALIDATORS.get(config.model.arch)
+    if check is not None:
+        check(config)
 
 
 def build(config: RMTConfig) -> List[torch.nn.Module]:

@@ -9,13 +9,19 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
 from rmt.config import RMTConfig
+from rmt.errors import ConfigError
 from rmt.models.build import register
 from rmt.models.megatron_config import padded_vocab_size, transformer_config
 
 _POSITIONS = {"learned": "learned_absolute", "rope": "rope"}
 
 
-@register("transformer")
+def validate_transformer(config: RMTConfig) -> None:
+    if config.model.position not in _POSITIONS:
+        raise ConfigError(f"model.position must be 'learned' or 'rope' for the transformer, got '{config.model.position}'")
+
+
+@register("transformer", validate=validate_transformer)
 def build_transformer(config: RMTConfig, pre_process: bool, post_process: bool, vp_stage):
     m = config.model
     return GPTModel(
