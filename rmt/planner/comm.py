@@ -244,6 +244,7 @@ def plot_decision_boundary(path: str, tokens: int, topm: int, *, p_max: int = 64
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.patches import Patch
 
     cores = options.get("cores", 1)
     ps = np.arange(2, max(p_max, 3) + 1)
@@ -261,10 +262,12 @@ def plot_decision_boundary(path: str, tokens: int, topm: int, *, p_max: int = 64
         ax.contour(ps, dims, ratio, levels=[1.0], colors="k", linewidths=1.5)
     if mark is not None:
         ax.plot([mark[0]], [mark[1]], "o", color="crimson")
+    ax.legend(handles=[Patch(color="#f6c8a8", label="number/dimension > 1: dimension-wise"),
+                       Patch(color="#e8f0fa", label="number/dimension < 1: number-wise")],
+              loc="upper left", fontsize=8)
     ax.set_xlabel("group size P")
     ax.set_ylabel("v_dim")
-    ax.set_title(f"number / dimension = 1 (top-m={topm}, {phase})\n"
-                 "shaded: number-wise sends more -> dimension-wise")
+    ax.set_title(f"number / dimension = 1 (T={tokens}, top-m={topm}, {phase})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
