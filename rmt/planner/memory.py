@@ -78,16 +78,16 @@ def memory_per_rank(slots: int, dim: int, P: int, *, dtype: str = "bf16",
     """
     _validate(slots, dim, P, dtype, optimizer, grad, tokens, topm, partition)
     if partition == "number":
-        rows, cols, touched_rows = math.ceil(slots / P), dim, None
+        rows, cols = math.ceil(slots / P), dim
     else:
-        rows, cols, touched_rows = slots, math.ceil(dim / P), None
+        rows, cols = slots, math.ceil(dim / P)
+    touched_rows = None
     if tokens is not None and topm is not None:
         touched_rows = tokens * topm * (1 if partition == "number" else P)
     elements = rows * cols
     param_bytes = DTYPE_BYTES[dtype]
     wide = master_fp32 or dtype == "fp32"
-    grad_bytes = 4 if wide else param_bytes
-    state_bytes = 4 if wide else param_bytes
+    grad_bytes = state_bytes = 4 if wide else param_bytes
     dense = elements * grad_bytes
     sparse = None if touched_rows is None else touched_rows * (
         cols * grad_bytes + SPARSE_INDEX_BYTES)
@@ -109,7 +109,10 @@ def min_group_size(slots: int, dim: int, budget_bytes: int, **options) -> int | 
     dimension-wise sparse gradients can, so that case scans 1..D.
     """
     partition = options.get("partition", "number")
-    fits = lambda p: memory_per_rank(slots, dim, p, **options)["total"] <= budget_bytes
+
+    def fits(p: int) -> bool:
+        return memory_per_rank(slots, dim, p, **options)["total"] <= budget_bytes
+
     if partition == "dimension":
         return next((p for p in range(1, dim + 1) if fits(p)), None)
     if not fits(slots):
