@@ -1,0 +1,136 @@
+"""rmt-plan: output, JSON schema, plot, exit status 2 on bad input, registry."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rmt.planner import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+COMM = ["comm", "--tokens", "4096", "--topm", "32", "--v-dim", "64", "--group-size", "8"]
+
+
+def run_module(*args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "rmt.planner.cli", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_comm_table(capsys):
+    assert cli.main(COMM) == 0
+    out = capsys.readouterr().out
+    assert "all_to_all_values" in out and "14,680,064" in out
+    assert "all_gather_scores" in out and "1,835,008" in out
+    assert "choice (forward): dimension-wise" in out
+
+
+def test_comm_json_schema(tmp_path):
+    path = tmp_path / "comm.json"
+    assert cli.main(COMM + ["--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert type(doc["number_bytes"]) is int and type(doc["dimension_bytes"]) is int
+    assert doc["number_bytes"] == 4 * 4096 * 32 * 7 // 8 + 2 * 4096 * 32 * 64 * 7 // 8
+    assert doc["dimension_bytes"] == 4 * 4096 * 32 * 7 + 2 * 4096 * 32 * 7 \
+        + 2 * 4096 * 64 * 7 // 8
+    assert doc["choice"] == "dimension" and doc["phase"] == "forward"
+    for part in ("number", "dimension"):
+        vol = doc["collectives"][part]
+        assert set(vol) == {"forward", "backward", "forward_total", "backward_total",
+                            "forward_backward_total"}
+        assert all(type(v) is int for v in vol["forward"].values())
+    assert doc["collectives"]["number"]["forward_total"] == doc["number_bytes"]
+
+
+def test_comm_options_and_phase(tmp_path):
+    path = tmp_path / "c.json"
+    args = COMM + ["--owner-reduce", "--ive", "2", "--cores", "2", "--phase",
+                   "forward_backward", "--json", str(path)]
+    assert cli.main(args) == 0
+    doc = json.loads(path.read_text())
+    assert "all_to_all_partial_sums" in doc["collectives"]["number"]["forward"]
+    assert doc["number_bytes"] == doc["collectives"]["number"]["forward_backward_total"]
+    assert cli.main(COMM + ["--dedup", "--slots", "1000000", "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["number_bytes"] < 458752 + 14680064
+
+
+def test_comm_plot_png(tmp_path):
+    png = tmp_path / "fig9.png"
+    assert cli.main(COMM + ["--plot", str(png), "--plot-p-max", "16",
+                            "--plot-v-dim-max", "128"]) == 0
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+
+
+def test_memory_ten_billion_slots(tmp_path, capsys):
+    path = tmp_path / "mem.json"
+    assert cli.main(["memory", "--slots", "10000000000", "--dim", "64", "--dtype", "bf16",
+                     "--optimizer", "adam", "--gpu-mem-gib", "80", "--json", str(path)]) == 0
+    assert "minimal group size: 60 GPUs of 80 GiB" in capsys.readouterr().out
+    doc = json.loads(path.read_text())
+    assert doc["min_group_size"] == 60 and doc["fits"] is False
+    assert doc["bytes_per_rank"]["total"] == 10 ** 10 * 64 * 8
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["comm", "--tokens", "-3", "--topm", "4", "--v-dim", "8", "--group-size", "2"],
+     "positive integer"),
+    (["comm", "--tokens", "3", "--topm", "0", "--v-dim", "8", "--group-size", "2"],
+     "positive integer"),
+    (COMM + ["--cores", "3"], "divisible"),
+    (COMM + ["--slots", "16"], "cannot exceed"),
+    (COMM + ["--dedup"], "needs exactly one"),
+    (COMM + ["--frobnicate"], "unrecognized arguments"),
+    (["comm", "--tokens", "3"], "required"),
+    (["memory", "--slots", "10", "--dim", "4", "--group-size", "20"], "exceeds slots"),
+    (["memory", "--slots", "10", "--dim", "4", "--grad", "sparse"], "tokens and topm"),
+    (["memory", "--slots", "10", "--dim", "4", "--dtype", "int3"], "invalid choice"),
+    (["memory", "--slots", "10", "--dim", "4", "--reserve-gib", "90"], "reserve"),
+    ([], "required"),
+])
+def test_bad_input_exit_2_one_line(argv, match, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and match in err
+    assert err.startswith("rmt-plan")
+
+
+def test_subprocess_entry_point(tmp_path):
+    ok = run_module(*COMM, "--json", str(tmp_path / "c.json"))
+    assert ok.returncode == 0 and "choice" in ok.stdout
+    for argv in (["comm", "--tokens", "0", "--topm", "1", "--v-dim", "1",
+                  "--group-size", "1"], COMM + ["--bogus"], COMM + ["--cores", "5"]):
+        bad = run_module(*argv)
+        assert bad.returncode == 2
+        assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_help_documents_every_option(capsys):
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    for name, subparser in sub.choices.items():
+        assert cli.main([name, "--help"]) == 0
+        text = capsys.readouterr().out
+        for action in subparser._actions:
+            assert action.help, (name, action.dest)
+            for flag in action.option_strings:
+                assert flag in text
+
+
+def test_one_line_registration(monkeypatch, capsys):
+    def add_arguments(p):
+        p.add_argument("--layers", type=cli.positive_int, required=True, help="layers")
+
+    def run(args):
+        print(f"layers={args.layers}")
+        return 0
+
+    monkeypatch.setattr(cli, "SUBCOMMANDS", list(cli.SUBCOMMANDS))
+    cli.SUBCOMMANDS.append(cli.Subcommand("model", "parameters and FLOPs", add_arguments,
+                                          run))
+    assert cli.main(["model", "--layers", "3"]) == 0
+    assert "layers=3" in capsys.readouterr().out
+    assert cli.main(["model", "--layers", "x"]) == 2
