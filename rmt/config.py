@@ -85,6 +85,7 @@ class TrainConfig:
     eval_iters: int = 4
     save: Optional[str] = None
     save_interval: int = 0
+    exit_interval: Optional[int] = None
     load: Optional[str] = None
     tensorboard_dir: Optional[str] = None
     log_file: Optional[str] = None
@@ -214,7 +215,7 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
         "parallel.virtual_pipeline_model_parallel_size", "parallel.data_parallel_size",
         "parallel.timeout_minutes", "data.bpe_vocab_size", "train.steps",
         "train.micro_batch_size", "train.global_batch_size", "train.lr", "train.log_interval",
-        "train.eval_interval", "train.eval_iters", "train.threads",
+        "train.eval_interval", "train.threads", "train.exit_interval",
     ])
     archs = registered_archs()
     if m.arch not in archs:
@@ -273,6 +274,8 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
         raise ConfigError(f"train.min_lr_ratio must lie in [0, 1], got {t.min_lr_ratio}")
     if t.z_loss < 0 or t.weight_decay < 0 or t.clip_grad < 0:
         raise ConfigError("train.z_loss, train.weight_decay and train.clip_grad must not be negative")
+    if t.eval_iters < 0:
+        raise ConfigError(f"train.eval_iters must not be negative, got {t.eval_iters} (0 disables validation)")
     if t.save_interval < 0:
         raise ConfigError(f"train.save_interval must not be negative, got {t.save_interval}")
     if t.save_interval and not t.save:

@@ -108,24 +108,35 @@ def build_datasets(config: RMTConfig, spec: DataSpec, num_train: int, num_valid:
         create_attention_mask=False,
         mid_level_dataset_surplus=0.005,
     )
+    _check_split(spec.prefix, config.data.split, bool(num_valid))
     sizes = [num_train, num_valid or None, None]
-
-    def build():
-        return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, gcfg).build()
-
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0:
-        out = build()
-    if dist.is_initialized():
-        dist.barrier()
-    if rank != 0:
-        out = build()
+    # megatron-core builds on global rank 0 first, then on the other ranks (it barriers itself).
+    out = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, gcfg).build()
     train, valid, _ = out
     if train is None or len(train) == 0:
         raise UserError(f"dataset '{spec.prefix}' is too small for sequences of {config.model.seq_length} tokens")
     if num_valid and valid is None:
         raise UserError(f"dataset '{spec.prefix}' gives no validation samples with split '{config.data.split}'")
     return train, valid
+
+
+def _check_split(prefix: str, split: str, need_valid: bool) -> None:
+    """Reject splits that leave the train (or a needed validation) part without documents;
+    megatron-core would loop forever looking for tokens there. Bounds as megatron computes them."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix, parse_and_normalize_split)
+
+    num_docs = len(open_indexed(prefix))
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    for i, name in enumerate(("train", "validation")):
+        if i == 1 and not need_valid:
+            continue
+        bounds = matrix[i]
+        count = 0 if bounds is None else int(round(bounds[1] * num_docs)) - int(round(bounds[0] * num_docs))
+        if count == 0:
+            raise UserError(
+                f"data.split '{split}' leaves no {name} documents out of the {num_docs} in "
+                f"'{prefix}'; use more data or a larger {name} share")
 
 
 def microbatches(dataset, first_sample: int, micro_batch_size: int, num_microbatches: int,

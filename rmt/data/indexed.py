@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from typing import Iterable, List
 
 import numpy as np
@@ -44,17 +45,34 @@ def write_indexed(prefix: str, documents: Iterable[List[int]], tokenizer) -> dic
     return meta
 
 
+_IDX_MAGIC = b"MMIDIDX\x00\x00"
+_IDX_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, documents
+
+
+def _check_idx(path: str) -> None:
+    """Header and size checks of a megatron ``.idx`` file, before megatron-core maps it
+    (its reader asserts, and then fails again in ``__del__``)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(_IDX_HEADER.size)
+    if len(head) < _IDX_HEADER.size:
+        raise UserError(f"dataset index '{path}' is corrupt or truncated ({size} bytes, header needs {_IDX_HEADER.size})")
+    magic, version, _, sequences, documents = _IDX_HEADER.unpack(head)
+    if magic != _IDX_MAGIC or version != 1:
+        raise UserError(f"dataset index '{path}' is corrupt or truncated (not a megatron-core index file)")
+    needed = _IDX_HEADER.size + sequences * (4 + 8) + documents * 8
+    if size < needed:
+        raise UserError(f"dataset index '{path}' is corrupt or truncated ({size} bytes, its header describes {needed})")
+
+
 def open_indexed(prefix: str) -> IndexedDataset:
     """Open ``prefix.bin/.idx``, turning a missing, truncated or corrupt file into one sentence."""
     for ext in (".bin", ".idx"):
         if not os.path.isfile(prefix + ext):
             raise UserError(f"dataset '{prefix}' has no '{prefix}{ext}' (run rmt-preprocess first)")
-    try:
-        ds = IndexedDataset(prefix, mmap=True)
-        lengths, pointers = ds.index.sequence_lengths, ds.index.sequence_pointers
-    except Exception as err:
-        msg = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise UserError(f"dataset index '{prefix}.idx' is corrupt or truncated ({msg})") from None
+    _check_idx(prefix + ".idx")
+    ds = IndexedDataset(prefix, mmap=True)
+    lengths, pointers = ds.index.sequence_lengths, ds.index.sequence_pointers
     if len(lengths) == 0:
         raise UserError(f"dataset '{prefix}' holds no documents")
     expected = int(pointers[-1]) + int(lengths[-1]) * ds.index.dtype_size

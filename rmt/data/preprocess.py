@@ -28,7 +28,7 @@ def _format_of(paths: List[str]) -> str:
 
 def preprocess(inputs: List[str], output_prefix: str, tokenizer_spec: str = "byte",
                text_key: str = "text", cache_dir: str = ".rmt_cache",
-               bpe_vocab_size: int = 2048, workers: int = 1) -> dict:
+               bpe_vocab_size: int = 2048) -> dict:
     for p in inputs:
         if not os.path.isfile(p):
             raise UserError(f"input file '{p}' does not exist")
@@ -45,9 +45,16 @@ def preprocess(inputs: List[str], output_prefix: str, tokenizer_spec: str = "byt
         raise UserError(f"could not read {inputs[0]} as {fmt} ({str(err).splitlines()[0]})") from None
     if text_key not in ds.column_names:
         raise UserError(f"inputs have no '{text_key}' field; fields are: {', '.join(ds.column_names)}")
-    ds = ds.map(lambda batch: {"ids": [tokenizer.tokenize(t or "") for t in batch[text_key]]},
-                batched=True, remove_columns=ds.column_names, num_proc=workers if workers > 1 else None)
-    return write_indexed(output_prefix, (row["ids"] for row in ds), tokenizer)
+    return write_indexed(output_prefix, _tokenized(ds, text_key, tokenizer), tokenizer)
+
+
+def _tokenized(ds, text_key: str, tokenizer, batch_size: int = 1024):
+    """Token ids per document, in order. (Not ``Dataset.map``: its fingerprinting pickles the
+    function, and pickling a Rust tokenizer crashes; HF tokenizers batch-encode in parallel.)"""
+    encode = getattr(tokenizer, "tokenize_batch", None)
+    for batch in ds.iter(batch_size=batch_size):
+        texts = [t or "" for t in batch[text_key]]
+        yield from (encode(texts) if encode else [tokenizer.tokenize(t) for t in texts])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,17 +72,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--text-key", default="text", help="field holding the text (jsonl/parquet)")
     ap.add_argument("--bpe-vocab-size", type=int, default=2048, help="vocabulary of the 'bpe' tokenizer")
     ap.add_argument("--cache-dir", default=".rmt_cache", help="where trained tokenizers and HF caches live")
-    ap.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     return ap
 
 
 @cli_entry("rmt-preprocess")
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.workers < 1 or args.bpe_vocab_size < 1:
-        raise UserError("--workers and --bpe-vocab-size must be positive")
+    if args.bpe_vocab_size < 1:
+        raise UserError("--bpe-vocab-size must be positive")
     meta = preprocess(args.input, args.output_prefix, args.tokenizer, args.text_key,
-                      args.cache_dir, args.bpe_vocab_size, args.workers)
+                      args.cache_dir, args.bpe_vocab_size)
     print(f"wrote {args.output_prefix}.bin/.idx: {meta['num_documents']} documents, "
           f"{meta['num_tokens']} tokens, vocab {meta['vocab_size']}", file=sys.stderr)
     return 0

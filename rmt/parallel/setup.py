@@ -27,9 +27,12 @@ def initialize(config: RMTConfig) -> None:
             torch.cuda.set_device(launch.local_rank)
         os.environ.setdefault("MASTER_ADDR", launch.master_addr)
         os.environ.setdefault("MASTER_PORT", str(launch.master_port))
+        # torchrun already serves a store at MASTER_ADDR:MASTER_PORT (env://); SLURM and
+        # single-process launches rendezvous over TCP.
+        init = "env://" if launch.launcher == "torchrun" else f"tcp://{launch.master_addr}:{launch.master_port}"
         dist.init_process_group(
             backend=backend,
-            init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+            init_method=init,
             rank=launch.rank,
             world_size=launch.world_size,
             timeout=datetime.timedelta(minutes=config.parallel.timeout_minutes),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import List, Optional, Tuple
+from typing import List
 
 import torch
 import torch.distributed as dist
@@ -48,10 +48,12 @@ def sharded_state(chunks: List[torch.nn.Module], optimizer, common: dict) -> dic
     state = {f"model{i}": getattr(c, "module", c).sharded_state_dict() for i, c in enumerate(chunks)}
     if optimizer is not None:
         _ensure_optimizer_state(optimizer)
-        for shard in shards(chunks):
+        # Dict keys only need to be unique locally (layers stacked under one global key share
+        # it); the ShardedTensor keys are what checkpoints match on.
+        for i, shard in enumerate(shards(chunks)):
             st = optimizer.state[shard.param]
             for name in _MOMENTS:
-                state[f"optimizer.{name}.{shard.key}"] = make_sharded_optimizer_tensor(
+                state[f"optimizer.{name}.{i}"] = make_sharded_optimizer_tensor(
                     shard.sharded, st[name], prefix=f"optimizer.{name}")
     state["common"] = common
     return state
@@ -118,10 +120,10 @@ def load_checkpoint(path: str, chunks, optimizer) -> dict:
     for i, chunk in enumerate(chunks):
         getattr(chunk, "module", chunk).load_state_dict(loaded[f"model{i}"], strict=True)
     if optimizer is not None:
-        for shard in shards(chunks):
+        for i, shard in enumerate(shards(chunks)):
             st = optimizer.state[shard.param]
             for name in _MOMENTS:
-                st[name].copy_(loaded[f"optimizer.{name}.{shard.key}"])
+                st[name].copy_(loaded[f"optimizer.{name}.{i}"])
     return load_common(path)
 
 

@@ -190,9 +190,12 @@ class Trainer:
                 self.history.append(m)
                 if is_logger:
                     _emit(m, writer, log, bar, self.iteration % t.log_interval == 0 or "val_loss" in m)
-                if t.save and ((t.save_interval and self.iteration % t.save_interval == 0)
-                               or self.iteration == t.steps):
+                stop = bool(t.exit_interval) and self.iteration % t.exit_interval == 0
+                if t.save and (stop or self.iteration == t.steps
+                               or (t.save_interval and self.iteration % t.save_interval == 0)):
                     self.save()
+                if stop:
+                    break
         finally:
             for h in (bar, writer, log):
                 if h is not None:

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create .venv (Python 3.11) in the repository root and install rmt with its pinned
+# dependencies. Idempotent: re-running only installs what changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
+"$PY" -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else 1)' || {
+  echo "setup_env.sh: Python 3.11 is required (found $("$PY" --version 2>&1)); set PYTHON=/path/to/python3.11" >&2
+  exit 2
+}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+stamp=.venv/.rmt-installed
+if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  # torch first, pinned: a looser requirement elsewhere would otherwise pull a CUDA build.
+  .venv/bin/python -m pip install -q torch==2.13.0
+  .venv/bin/python -m pip install -q -e ".[dev]"
+  touch "$stamp"
+fi

@@ -1,0 +1,41 @@
+"""rmt: a megatron-core based pretraining framework for memory-centric language models.
+
+The C++/CUDA lookup-reduce kernels in csrc/ are compiled on first use (torch JIT extension
+with ninja), so a plain ``pip install -e .`` needs no compiler step.
+"""
+
+from setuptools import find_packages, setup
+
+INSTALL_REQUIRES = [
+    "torch==2.13.0",
+    "megatron-core==0.16.1",
+    "triton==3.9.0",
+    "deepspeed==0.19.8",
+    "datasets==5.2.0",
+    "tokenizers==0.23.3",
+    "tensorboard==2.21.0",
+    "omegaconf==2.4.0",
+    "pyyaml==6.0.3",
+    "tqdm==4.70.1",
+    "numpy==2.4.6",
+    "matplotlib==3.11.2",
+    "ninja==1.13.2",
+]
+
+setup(
+    name="rmt",
+    version="0.1.0",
+    description="Megatron-core pretraining of memory-centric LMs: RMT, UltraMem, recurrent "
+                "transformers and repeat mixers, with sharded memory tables and a planner",
+    python_requires=">=3.11,<3.12",
+    packages=find_packages(include=["rmt", "rmt.*"]),
+    install_requires=INSTALL_REQUIRES,
+    extras_require={"dev": ["pytest==9.2.0", "pytest-xdist==3.8.0"]},
+    entry_points={
+        "console_scripts": [
+            "rmt-train=rmt.training.cli:main",
+            "rmt-preprocess=rmt.data.preprocess:main",
+            "rmt-plan=rmt.planner.cli:main",
+        ]
+    },
+)
