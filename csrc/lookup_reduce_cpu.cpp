@@ -27,12 +27,13 @@ struct Acc<double> {
   using type = double;
 };
 
-constexpr int64_t kPrefetchDistance = 8;
+// Rows prefetched ahead of use, into L1 (locality 3): measured best for 256-byte rows on 2 cores.
+constexpr int64_t kPrefetchDistance = 16;
 constexpr int kRadixBits = 11;
 
 inline void prefetch_row(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 0);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
 }
 
 template <typename scalar_t>
@@ -48,10 +49,10 @@ void forward_kernel(const scalar_t* table, const int64_t* idx, const scalar_t* s
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
       std::fill(acc.begin(), acc.end(), acc_t(0));
-      const int64_t* it = idx + t * K;
       for (int64_t k = 0; k < K; ++k) {
-        if (k + kPrefetchDistance < K) prefetch_row(table + it[k + kPrefetchDistance] * D, row_bytes);
-        const scalar_t* row = table + it[k] * D;
+        const int64_t ahead = t * K + k + kPrefetchDistance;
+        if (ahead < T * K) prefetch_row(table + idx[ahead] * D, row_bytes);
+        const scalar_t* row = table + idx[t * K + k] * D;
         acc_t* a = acc.data() + (blk ? blk[t * K + k] : 0) * D;
         const scalar_t* s = scores + (t * K + k) * C;
         for (int64_t c = 0; c < C; ++c) {
@@ -92,6 +93,22 @@ void radix_sort_pairs(std::vector<int64_t>& keys, std::vector<int64_t>& pos, int
   }
 }
 
+// Dot product of a[0:n] and b[0:n] with kLanes independent partial sums (vectorizable without
+// -ffast-math), combined in a fixed order so the result does not depend on threading.
+constexpr int64_t kLanes = 8;
+
+template <typename acc_t>
+inline acc_t fixed_order_dot(const acc_t* a, const acc_t* b, int64_t n) {
+  acc_t part[kLanes] = {};
+  int64_t d = 0;
+  for (; d + kLanes <= n; d += kLanes)
+    for (int64_t j = 0; j < kLanes; ++j) part[j] += a[d + j] * b[d + j];
+  for (; d < n; ++d) part[0] += a[d] * b[d];
+  acc_t sum = acc_t(0);
+  for (int64_t j = 0; j < kLanes; ++j) sum += part[j];
+  return sum;
+}
+
 template <typename scalar_t>
 void segment_backward_kernel(const scalar_t* grad_out, const scalar_t* table,
                              const scalar_t* scores, const int64_t* blk,
@@ -105,7 +122,7 @@ void segment_backward_kernel(const scalar_t* grad_out, const scalar_t* table,
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    std::vector<acc_t> acc(D), trow(D);
+    std::vector<acc_t> acc(D), trow(D), grow(D);
 #pragma omp for schedule(dynamic, 64)
     for (int64_t u = 0; u < U; ++u) {
       if (u + kPrefetchDistance < U) prefetch_row(table + rows[u + kPrefetchDistance] * D, row_bytes);
@@ -119,15 +136,12 @@ void segment_backward_kernel(const scalar_t* grad_out, const scalar_t* table,
         const int64_t b = blk ? blk[p] : 0;
         const scalar_t* g = grad_out + ((p / K) * E + b) * D;
         const scalar_t* s = scores + p * C;
+        for (int64_t d = 0; d < D; ++d) grow[d] = static_cast<acc_t>(g[d]);
         for (int64_t c = 0; c < C; ++c) {
           const acc_t w = static_cast<acc_t>(s[c]);
-          acc_t dot = acc_t(0);
-          for (int64_t d = c * Dc; d < (c + 1) * Dc; ++d) {
-            const acc_t gd = static_cast<acc_t>(g[d]);
-            dot += trow[d] * gd;
-            acc[d] += w * gd;
-          }
-          grad_scores[p * C + c] = static_cast<scalar_t>(dot);
+          for (int64_t d = c * Dc; d < (c + 1) * Dc; ++d) acc[d] += w * grow[d];
+          grad_scores[p * C + c] =
+              static_cast<scalar_t>(fixed_order_dot(trow.data() + c * Dc, grow.data() + c * Dc, Dc));
         }
       }
       scalar_t* v = values + u * D;
