@@ -51,15 +51,26 @@ def available_backends(device):
     return [name for name in BACKENDS if _backend_module(name).is_available(device)]
 
 
-def select_backend(device, backend=None):
-    """Resolve the backend name: explicit argument, else $RMT_LOOKUP_BACKEND, else the fastest present."""
+FLOAT64_BACKENDS = ("cpu", "reference")
+
+
+def select_backend(device, backend=None, dtype=torch.float32):
+    """Resolve the backend name: explicit argument, else $RMT_LOOKUP_BACKEND, else the fastest present.
+
+    float64 runs only on the reference and CPU backends (the GPU kernels accumulate in fp32).
+    """
     device = torch.device(device)
     forced = backend or os.environ.get(ENV_BACKEND) or None
     if forced is not None:
+        if dtype == torch.float64 and forced not in FLOAT64_BACKENDS:
+            raise ValueError(f"lookup_reduce: float64 runs only on the {' and '.join(FLOAT64_BACKENDS)} "
+                             f"backends; got backend {forced!r}")
         if not _backend_module(forced).is_available(device):
             raise RuntimeError(f"lookup_reduce: backend {forced!r} is not available for {device} tensors")
         return forced
     order = ("cuda", "triton", "reference") if device.type == "cuda" else ("cpu", "reference")
+    if dtype == torch.float64:
+        order = tuple(name for name in order if name in FLOAT64_BACKENDS)
     return next(name for name in order if _backend_module(name).is_available(device))
 
 
@@ -102,7 +113,7 @@ def lookup_reduce(table, indices, scores, block_ids=None, num_blocks=1, *, backe
     """Gather-and-weighted-sum of memory value rows, grouped by IVE virtual block.
 
     Args:
-        table: [N, D] value table (float32, bfloat16, float16; float64 on reference/cpu).
+        table: [N, D] value table (float32, bfloat16, float16; float64 on reference and cpu).
         indices: [T, K] int32/int64 row indices in [0, N); duplicates within a token are allowed.
         scores: [T, K, C] weights, same dtype as ``table``; column c scales the c-th D/C slice
             (multi-core scores, UltraMem Eq. 16-17). D must be divisible by C.
@@ -119,7 +130,7 @@ def lookup_reduce(table, indices, scores, block_ids=None, num_blocks=1, *, backe
         [T, num_blocks, D] tensor of ``table.dtype`` (accumulated in fp32).
     """
     check_inputs(table, indices, scores, block_ids, num_blocks, check_range=validate)
-    name = select_backend(table.device, backend)
+    name = select_backend(table.device, backend, table.dtype)
     indices = indices.to(torch.int64).contiguous()
     if block_ids is not None:
         block_ids = block_ids.to(torch.int64).contiguous()
