@@ -9,7 +9,7 @@ NAME = "rmt_lookup_reduce_cuda"
 
 def _ext():
     return load_extension(NAME, ["lookup_reduce_cuda.cpp", "lookup_reduce_cuda_kernels.cu"],
-                          extra_cflags=["-O3"], extra_cuda_cflags=["-O3", "-std=c++17"])
+                          extra_cflags=["-O3"], extra_cuda_cflags=["-O3"])
 
 
 def is_available(device):
