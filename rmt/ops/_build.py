@@ -1,5 +1,6 @@
 """Lazy JIT build of the csrc extensions with torch's cpp_extension (ninja)."""
 
+import hashlib
 import os
 import warnings
 from pathlib import Path
@@ -10,10 +11,15 @@ _cache = {}
 
 
 def build_dir(name):
-    """Build directory: $TORCH_EXTENSIONS_DIR/<name> or ~/.cache/rmt/torch_extensions/<name>."""
+    """Build directory $TORCH_EXTENSIONS_DIR (or ~/.cache/rmt/torch_extensions) / <name>-<tag>.
+
+    The tag hashes the csrc path, so clones sharing a home directory do not rebuild over each
+    other's objects.
+    """
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "rmt", "torch_extensions")
-    path = Path(root) / name
+    tag = hashlib.sha1(str(CSRC).encode()).hexdigest()[:10]
+    path = Path(root) / f"{name}-{tag}"
     path.mkdir(parents=True, exist_ok=True)
     return str(path)
 
