@@ -1,7 +1,7 @@
 // Torch binding of the CUDA lookup-reduce kernels (lookup_reduce_cuda_kernels.cu). Inputs arrive
 // validated and contiguous from rmt/ops/lookup_reduce.py, indices and block ids as int64.
 #include <torch/extension.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include <tuple>
 
@@ -37,7 +37,7 @@ at::Tensor lookup_reduce_forward(const at::Tensor& table, const at::Tensor& indi
   check(rmt_lookup_reduce_forward_cuda(dtype_code(table.scalar_type()), table.data_ptr(),
                                        indices.data_ptr<int64_t>(), scores.data_ptr(),
                                        block_ptr(block_ids), out.data_ptr(), T, K, C, D, num_blocks,
-                                       at::cuda::getCurrentCUDAStream()));
+                                       c10::cuda::getCurrentCUDAStream().stream()));
   return out;
 }
 
@@ -48,7 +48,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lookup_reduce_backward(
   const int64_t M = T * K;
   int end_bit = 1;
   while (end_bit < 63 && (int64_t(1) << end_bit) < table.size(0)) ++end_bit;
-  auto stream = at::cuda::getCurrentCUDAStream();
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
   auto i64 = indices.options();
   auto positions_in = at::empty({M}, i64), sorted_keys = at::empty({M}, i64);
   auto sorted_positions = at::empty({M}, i64), unique_rows = at::empty({M}, i64);
