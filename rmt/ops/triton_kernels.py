@@ -1,0 +1,67 @@
+"""Triton kernels of the fused lookup-reduce (imported only when Triton is used).
+
+Forward: one program per (token, virtual block); it walks the token's K lookups, loads the
+rows whose block id matches, and accumulates ``score[col // (D/C)] * row`` in fp32 over a
+padded power-of-two lane vector (any D works through masking).
+
+Backward: lookups are sorted by row (stable), so each program owns one unique row and sums
+its contributions in position order: no atomics, bit-identical table gradients. The same
+program computes the score gradients of the lookups it owns, reading the table row once.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def lookup_reduce_fwd_kernel(table, indices, scores, block_ids, out, K, D, E, DC,
+                             C: tl.constexpr, HAS_BLOCKS: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    col = d // DC
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for k in range(K):
+        p = t * K + k
+        row = tl.load(indices + p)
+        if HAS_BLOCKS:
+            # The block id is loaded as a broadcast vector: the interpreter rejects a mask
+            # built from a scalar comparison.
+            m = dmask & (tl.load(block_ids + p + tl.zeros([BLOCK_D], dtype=tl.int64)) == b)
+        else:
+            m = dmask
+        s = tl.load(scores + p * C + col, mask=m, other=0.0).to(tl.float32)
+        v = tl.load(table + row * D + d, mask=m, other=0.0).to(tl.float32)
+        acc += s * v
+    tl.store(out + (t * E + b) * D + d, acc.to(out.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def lookup_reduce_bwd_kernel(grad_out, table, scores, block_ids, sorted_pos, seg_start, rows,
+                             values, grad_scores, K, D, E, DC,
+                             C: tl.constexpr, HAS_BLOCKS: tl.constexpr, BLOCK_D: tl.constexpr):
+    u = tl.program_id(0).to(tl.int64)
+    start = tl.load(seg_start + u)
+    end = tl.load(seg_start + u + 1)
+    row = tl.load(rows + u)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    col = d // DC
+    trow = tl.load(table + row * D + d, mask=dmask, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for j in range(start, end):
+        p = tl.load(sorted_pos + j)
+        t = p // K
+        if HAS_BLOCKS:
+            b = tl.load(block_ids + p)
+        else:
+            b = 0
+        g = tl.load(grad_out + (t * E + b) * D + d, mask=dmask, other=0.0).to(tl.float32)
+        s = tl.load(scores + p * C + col, mask=dmask, other=0.0).to(tl.float32)
+        acc += s * g
+        prod = trow * g
+        for c in tl.static_range(C):
+            dot = tl.sum(tl.where(col == c, prod, 0.0), axis=0)
+            tl.store(grad_scores + p * C + c, dot.to(grad_scores.dtype.element_ty))
+    tl.store(values + u * D + d, acc.to(values.dtype.element_ty), mask=dmask)

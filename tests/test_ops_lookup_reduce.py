@@ -1,0 +1,113 @@
+"""lookup_reduce: reference and CPU-extension backends against the plain-torch reference."""
+
+import pytest
+import torch
+
+from rmt.ops import lookup_reduce, reference_backward, reference_forward, select_backend
+from rmt.ops import _build, cpu_backend
+from rmt.ops.testing import CASES, check_backend, make_case
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_backend_matches_reference(backend, case, dtype):
+    check_backend(backend, case, dtype)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_sparse_grad_matches_dense(backend):
+    for case in CASES:
+        check_backend(backend, case, torch.float32, sparse_grad=True)
+
+
+def test_sparse_grad_is_coalesced_touched_rows():
+    table, indices, scores, block_ids, grad_out = make_case(100, 12, 5, 7, 2, 4)
+    table.requires_grad_(True)
+    out = lookup_reduce(table, indices, scores, block_ids, 4, backend="cpu", sparse_grad=True)
+    (g,) = torch.autograd.grad(out, [table], grad_out)
+    assert g.is_sparse and g.is_coalesced()
+    assert torch.equal(g.indices()[0], torch.unique(indices))
+
+
+def test_reference_backward_matches_autograd():
+    table, indices, scores, block_ids, grad_out = make_case(40, 12, 6, 9, 3, 2, torch.float64)
+    rows, values, g_scores = reference_backward(grad_out, table, indices, scores, block_ids, 2)
+    t, s = table.clone().requires_grad_(True), scores.clone().requires_grad_(True)
+    want_table, want_scores = torch.autograd.grad(reference_forward(t, indices, s, block_ids, 2),
+                                                  [t, s], grad_out)
+    dense = torch.zeros_like(table).index_copy_(0, rows, values)
+    torch.testing.assert_close(dense, want_table)
+    torch.testing.assert_close(g_scores, want_scores)
+
+
+def test_cpu_table_grad_is_deterministic():
+    table, indices, scores, block_ids, grad_out = make_case(50, 24, 64, 32, 2, 4)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (threads, 1, threads):
+            torch.set_num_threads(n)
+            results.append(cpu_backend.backward(grad_out, table, indices, scores, block_ids, 4))
+    finally:
+        torch.set_num_threads(threads)
+    for rows, values, g_scores in results[1:]:
+        assert torch.equal(rows, results[0][0])
+        assert torch.equal(values, results[0][1])
+        assert torch.equal(g_scores, results[0][2])
+
+
+def _bad_inputs():
+    table, indices, scores, block_ids, _ = make_case(10, 8, 3, 4, 2, 3)
+    yield "indices must lie in \\[0, 10\\); got max 10", (table, indices.clone().fill_(10), scores, block_ids, 3)
+    yield "indices must lie in \\[0, 10\\); got min -1", (table, indices.clone().fill_(-1), scores, block_ids, 3)
+    yield "block_ids must lie in \\[0, 3\\)", (table, indices, scores, block_ids.clone().fill_(3), 3)
+    yield "scores must be \\[T, K, C\\]", (table, indices, scores[:2], block_ids, 3)
+    yield "scores dtype", (table, indices, scores.double(), block_ids, 3)
+    yield "indices dtype", (table, indices.float(), scores, block_ids, 3)
+    yield "divisible", (table, indices, torch.zeros(3, 4, 3), block_ids, 3)
+    yield "num_blocks must be 1", (table, indices, scores, None, 3)
+    yield "block_ids shape", (table, indices, scores, block_ids[:, :2], 3)
+    yield "table must be 2-D", (table[None], indices, scores, block_ids, 3)
+
+
+@pytest.mark.parametrize("message,args", list(_bad_inputs()))
+def test_invalid_inputs_rejected_before_kernels(monkeypatch, message, args):
+    def no_kernel(*a, **k):
+        raise AssertionError("a kernel ran before validation")
+
+    monkeypatch.setattr(cpu_backend, "forward", no_kernel)
+    with pytest.raises(ValueError, match="^lookup_reduce: .*" + message):
+        lookup_reduce(*args, backend="cpu")
+
+
+def test_validation_can_skip_range_check():
+    table, indices, scores, _, _ = make_case(10, 8, 3, 4, 1, 1)
+    bad = indices.clone().fill_(10)
+    with pytest.raises(ValueError):
+        lookup_reduce(table, bad, scores, backend="reference")
+    out = lookup_reduce(table, indices, scores, backend="reference", validate=False)
+    assert out.shape == (3, 1, 8)
+
+
+def test_dispatch(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("RMT_LOOKUP_BACKEND", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert select_backend(cpu) == "cpu"
+    assert select_backend(cpu, "reference") == "reference"
+    assert select_backend(cpu, dtype=torch.float64) == "cpu"
+    monkeypatch.setenv("RMT_LOOKUP_BACKEND", "reference")
+    assert select_backend(cpu) == "reference"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        select_backend(cpu, "fast")
+    with pytest.raises(RuntimeError, match="not available"):
+        select_backend(cpu, "triton")
+    with pytest.raises(ValueError, match="float64"):
+        select_backend(cpu, "triton", torch.float64)
+
+
+def test_failed_build_falls_back_to_reference(monkeypatch):
+    monkeypatch.delenv("RMT_LOOKUP_BACKEND", raising=False)
+    monkeypatch.setitem(_build._cache, cpu_backend.NAME, None)
+    assert select_backend(torch.device("cpu")) == "reference"

@@ -1,0 +1,157 @@
+"""Benchmark the fused lookup-reduce against torch's embedding_bag and a naive gather+sum.
+
+UltraMem-like shapes: a [N, 64] value table, T=4096 tokens, K lookups per token, C score
+columns (multi-core scoring) and E virtual blocks (IVE). For every method it reports forward,
+backward and fwd+bwd medians and effective GB/s, where the byte count is the minimum the op must
+move (the same for every method):
+
+    forward:  K*T looked-up rows + indices/scores/block ids + the [T, E, D] output
+    backward: the [T, E, D] output gradient + each touched row read once (score gradients)
+              + each touched row's gradient written once + indices/scores/score gradients
+
+and compares it with the memory bandwidth of a large copy measured in the same run.
+
+    PYTHONPATH=. python tools/bench_lookup_reduce.py [--quick] [--json FILE]
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from rmt.ops import lookup_reduce, select_backend
+
+HEADLINE = dict(N=1 << 20, D=64, T=4096, K=32, C=1, E=1)
+
+
+def measure_bandwidth(mib, repeats):
+    """GB/s of ``dst.copy_(src)`` on a buffer of ``mib`` MiB (bytes read + bytes written)."""
+    src = torch.randn(mib << 18)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / statistics.median(times) / 1e9
+
+
+def bytes_touched(N, D, T, K, C, E, unique, elem=4):
+    index_bytes = T * K * (8 + C * elem + (8 if E > 1 else 0))
+    fwd = T * K * D * elem + index_bytes + T * E * D * elem
+    bwd = T * E * D * elem + 2 * unique * D * elem + index_bytes + T * K * C * elem
+    return fwd, bwd
+
+
+def methods(shape, backend):
+    """name -> callable(table, indices, scores, block_ids) -> output, for the shape's C and E."""
+    C, E = shape["C"], shape["E"]
+    out = {
+        f"lookup_reduce[{backend}] sparse grad": lambda t, i, s, b: lookup_reduce(
+            t, i, s, b, E, backend=backend, sparse_grad=True, validate=False),
+        f"lookup_reduce[{backend}] dense grad": lambda t, i, s, b: lookup_reduce(
+            t, i, s, b, E, backend=backend, sparse_grad=False, validate=False),
+    }
+    if C == 1 and E == 1:
+        out["embedding_bag dense"] = lambda t, i, s, b: F.embedding_bag(
+            i, t, per_sample_weights=s[..., 0], mode="sum").unsqueeze(1)
+        out["embedding_bag sparse"] = lambda t, i, s, b: F.embedding_bag(
+            i, t, per_sample_weights=s[..., 0], mode="sum", sparse=True).unsqueeze(1)
+        out["naive gather+sum"] = lambda t, i, s, b: (t[i] * s).sum(1, keepdim=True)
+    return out
+
+
+def time_method(fn, table, indices, scores, block_ids, grad_out):
+    t0 = time.perf_counter()
+    out = fn(table, indices, scores, block_ids)
+    t1 = time.perf_counter()
+    torch.autograd.grad(out, [table, scores], grad_out)
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1
+
+
+def bench_shape(shape, repeats, backend, seed=0):
+    N, D, T, K, C, E = (shape[k] for k in ("N", "D", "T", "K", "C", "E"))
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randn(N, D, generator=gen).requires_grad_(True)
+    indices = torch.randint(0, N, (T, K), generator=gen)
+    scores = torch.randn(T, K, C, generator=gen).requires_grad_(True)
+    block_ids = torch.randint(0, E, (T, K), generator=gen) if E > 1 else None
+    grad_out = torch.randn(T, E, D, generator=gen)
+    unique = torch.unique(indices).numel()
+    fwd_bytes, bwd_bytes = bytes_touched(N, D, T, K, C, E, unique)
+    fns = methods(shape, backend)
+    samples = {name: [] for name in fns}
+    for rep in range(repeats + 1):  # the first round warms up (JIT build, allocator) and is dropped
+        for name, fn in fns.items():
+            sample = time_method(fn, table, indices, scores, block_ids, grad_out)
+            if rep:
+                samples[name].append(sample)
+    rows = []
+    for name, s in samples.items():
+        fwd = statistics.median(x[0] for x in s)
+        bwd = statistics.median(x[1] for x in s)
+        total = statistics.median(x[0] + x[1] for x in s)
+        rows.append(dict(shape, method=name, unique_rows=unique, fwd_s=fwd, bwd_s=bwd, fwd_bwd_s=total,
+                         fwd_gbps=fwd_bytes / fwd / 1e9, bwd_gbps=bwd_bytes / bwd / 1e9,
+                         fwd_bwd_gbps=(fwd_bytes + bwd_bytes) / total / 1e9))
+    return rows
+
+
+def shapes(quick):
+    if quick:
+        return [HEADLINE, dict(HEADLINE, K=128, C=2, E=4)]
+    grid = [dict(HEADLINE, K=k, C=c, E=e) for k in (32, 128) for c in (1, 2) for e in (1, 4)]
+    return grid + [dict(HEADLINE, N=1 << 22)]
+
+
+def print_table(rows, bandwidth):
+    print(f"memory bandwidth (copy): {bandwidth:.1f} GB/s")
+    header = f"{'N':>8} {'K':>4} {'C':>2} {'E':>2}  {'method':<34} {'fwd ms':>8} {'bwd ms':>8} {'f+b ms':>8} {'f+b GB/s':>9}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['N']:>8} {r['K']:>4} {r['C']:>2} {r['E']:>2}  {r['method']:<34} {r['fwd_s'] * 1e3:8.2f} "
+              f"{r['bwd_s'] * 1e3:8.2f} {r['fwd_bwd_s'] * 1e3:8.2f} {r['fwd_bwd_gbps']:9.2f}")
+
+
+def summarize(rows, bandwidth, backend):
+    head = {r["method"]: r for r in rows if all(r[k] == v for k, v in HEADLINE.items())}
+    ours = head[f"lookup_reduce[{backend}] sparse grad"]
+    return {
+        "speedup_vs_embedding_bag_sparse": head["embedding_bag sparse"]["fwd_bwd_s"] / ours["fwd_bwd_s"],
+        "speedup_vs_embedding_bag_dense": head["embedding_bag dense"]["fwd_bwd_s"] / ours["fwd_bwd_s"],
+        "fraction_of_bandwidth": ours["fwd_bwd_gbps"] / bandwidth,
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="two shapes, fewer repeats (~1-3 minutes on 2 cores)")
+    parser.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per method (default 5, quick 3)")
+    parser.add_argument("--backend", default=None, help="lookup_reduce backend (default: auto / $RMT_LOOKUP_BACKEND)")
+    args = parser.parse_args(argv)
+    repeats = args.repeats or (3 if args.quick else 5)
+    backend = args.backend or select_backend(torch.device("cpu"))
+    bandwidth = measure_bandwidth(64 if args.quick else 256, 5)
+    rows = [r for shape in shapes(args.quick) for r in bench_shape(shape, repeats, backend)]
+    print_table(rows, bandwidth)
+    summary = summarize(rows, bandwidth, backend)
+    print("summary (fwd+bwd at N=1M, D=64, T=4096, K=32, C=1, E=1, fp32):")
+    for key, value in summary.items():
+        print(f"  {key}: {value:.3f}")
+    if args.json:
+        machine = dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
+                       torch=torch.__version__, threads=torch.get_num_threads(), backend=backend,
+                       copy_bandwidth_gbps=bandwidth)
+        with open(args.json, "w") as f:
+            json.dump(dict(benchmark="bench_lookup_reduce", machine=machine, rows=rows, summary=summary), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
