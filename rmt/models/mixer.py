@@ -37,6 +37,7 @@ from typing import List, Optional
 
 import torch
 from torch import nn
+from megatron.core.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 
 from rmt.config import RMTConfig
@@ -182,6 +183,7 @@ class MixerModel(MegatronModule):
     def __init__(self, config: RMTConfig):
         super().__init__(config=transformer_config(config))
         m = config.model
+        self.model_type = ModelType.encoder_or_decoder  # read by megatron-core's schedules
         vocab = padded_vocab_size(config)
         self.embedding = nn.Embedding(vocab, m.hidden_size)
         self.layers = nn.ModuleList(MixerBlock(config) for _ in range(m.num_layers))

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
@@ -88,6 +89,7 @@ class RecurrentTransformer(MegatronModule):
     def __init__(self, config: RMTConfig):
         super().__init__(config=transformer_config(config))
         m = config.model
+        self.model_type = ModelType.encoder_or_decoder  # read by megatron-core's schedules
         vocab = padded_vocab_size(config)
         self.embedding = nn.Embedding(vocab, m.hidden_size)
         self.position_embedding = nn.Embedding(m.seq_length, m.hidden_size)
