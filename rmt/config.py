@@ -35,6 +35,13 @@ class ModelConfig:
     layernorm_epsilon: float = 1e-5
     init_std: float = 0.02
     dropout: float = 0.0
+    # Recurrent transformer (arch: recurrent) and masked / repeat mixer (arch: mixer).
+    block_width: int = 32
+    recurrent_alpha: float = 0.5
+    recurrent_alpha_learned: bool = True
+    mixer_kind: str = "mixed"
+    mixer_decay: bool = False
+    mixer_decay_scale: float = 1.0
 
 
 @dataclass
@@ -59,6 +66,13 @@ class DataConfig:
     split: str = "98,2,0"
     cache_dir: str = ".rmt_cache"
     max_documents: Optional[int] = None
+    # Synthetic tasks (rmt.data.tasks) and their noise-length curriculum; task "none" = corpus.
+    task: str = "none"
+    task_tokens: int = 16
+    task_alphabet: int = 16
+    noise_length: int = 128
+    curriculum_threshold: Optional[float] = None
+    curriculum_target: Optional[int] = None
 
 
 @dataclass

@@ -21,6 +21,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from rmt import config as rmt_config
 from rmt.config import RMTConfig
 from rmt.data.gpt_data import build_datasets, microbatches, resolve_data
+from rmt.data.tasks import build_task_datasets, curriculum_hook
 from rmt.models.build import build
 from rmt.parallel import compat
 from rmt.training import checkpoint
@@ -51,10 +52,16 @@ class Trainer:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.global_batch = t.global_batch_size or t.micro_batch_size * self.dp_size
         self.num_microbatches = self.global_batch // (t.micro_batch_size * self.dp_size)
-        self.data = resolve_data(config)
         evals = (t.steps // t.eval_interval + 2) if t.eval_iters else 0
-        self.train_ds, self.valid_ds = build_datasets(
-            config, self.data, t.steps * self.global_batch, evals * t.eval_iters * self.global_batch)
+        # Synthetic tasks (rmt.data.tasks) replace the corpus and may run a curriculum hook.
+        if config.data.task != "none":
+            self.train_ds, self.valid_ds = build_task_datasets(
+                config, t.steps * self.global_batch, t.eval_iters * self.global_batch)
+        else:
+            self.data = resolve_data(config)
+            self.train_ds, self.valid_ds = build_datasets(
+                config, self.data, t.steps * self.global_batch, evals * t.eval_iters * self.global_batch)
+        self.after_eval_hook = curriculum_hook(config)
         self.chunks = self._wrap(build(config))
         self.params = [p for c in self.chunks for p in c.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.chunks, config)
@@ -96,7 +103,8 @@ class Trainer:
         labels = batch["labels"].to(self.device)
         loss_mask = batch["loss_mask"].to(self.device)
         with self._autocast():
-            output = model(tokens, positions, self.mask)
+            mask = self.mask if tokens.shape[1] == self.mask.shape[-1] else causal_mask(tokens.shape[1], self.device)
+            output = model(tokens, positions, mask)
         return output, partial(self._loss, labels, loss_mask)
 
     def _loss(self, labels, loss_mask, output):
@@ -187,6 +195,8 @@ class Trainer:
                 m = self.train_step()
                 if t.eval_iters and (self.iteration % t.eval_interval == 0 or self.iteration == t.steps):
                     m["val_loss"] = self.evaluate()
+                    if self.after_eval_hook is not None:
+                        self.after_eval_hook(self, m)
                 self.history.append(m)
                 if is_logger:
                     _emit(m, writer, log, bar, self.iteration % t.log_interval == 0 or "val_loss" in m)

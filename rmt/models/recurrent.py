@@ -1,0 +1,134 @@
+"""Recurrent transformer (``model.arch: recurrent``), from "Efficient LLM Architectures" §5.
+
+One megatron-core ``TransformerLayer`` ``tau`` (local spec, causal attention) is slid over the
+sequence in blocks of width ``k = model.block_width``, always on a window of ``2k`` tokens
+(eqs. 6-8)::
+
+    h_1 = tau(x_1)                                                   (6)
+    (y_i, h_{i+1}) = tau(a A_i + h_i, a A_i + x_{i+1}),  a in [0, 1]  (7)
+    y_t = tau(h_t)                                                   (8)
+
+where, as in the authors' code, ``A_i`` is the first half of the previous window (``x_1`` for
+the first step, then ``y_{i-1}``). ``a`` is the trainable accumulation parameter
+(``model.recurrent_alpha`` initial value, learned unless ``model.recurrent_alpha_learned`` is
+false), kept in [0, 1]. The cost is linear in the sequence length (§5.1: ``r(4dlk + 2ld^2)``
+against ``r(l^2 d + l d^2)``, see :mod:`rmt.planner.recurrent_ops`). ``model.num_layers``
+recurrent layers (each with its own ``tau`` and ``a``) are stacked.
+
+With ``k = l`` (one block) eqs. 6 and 8 give ``y = tau(tau(x))``: the layer applied twice.
+A sequence length that is not a multiple of ``k`` is right-padded to one; causality makes the
+outputs of the real positions exact.
+
+Tensor and pipeline parallelism are not supported (rejected by the validator); data parallelism
+works through the trainer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.enums import ModelType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import build_module
+
+from rmt.config import RMTConfig
+from rmt.errors import ConfigError
+from rmt.models.build import register
+from rmt.models.megatron_config import padded_vocab_size, transformer_config
+from rmt.models.mixer import norm
+
+
+def window_mask(length: int, device) -> torch.Tensor:
+    """Causal ``[1, 1, n, n]`` mask, True above the diagonal (megatron-core's convention)."""
+    return torch.ones(length, length, dtype=torch.bool, device=device).triu(1)[None, None]
+
+
+class RecurrentLayer(MegatronModule):
+    """One transformer layer applied recurrently over blocks of width ``k`` (eqs. 6-8)."""
+
+    def __init__(self, config: RMTConfig, layer_number: int):
+        tcfg = transformer_config(config)
+        super().__init__(config=tcfg)
+        self.block_width = config.model.block_width
+        self.layer = build_module(get_gpt_layer_local_spec(normalization=config.model.normalization),
+                                  config=tcfg, layer_number=layer_number)
+        self.alpha = nn.Parameter(torch.tensor(float(config.model.recurrent_alpha)),
+                                  requires_grad=config.model.recurrent_alpha_learned)
+
+    def accumulation(self) -> torch.Tensor:
+        """The accumulation parameter ``a`` of eq. 7, clamped into [0, 1] in place first."""
+        with torch.no_grad():
+            self.alpha.clamp_(0.0, 1.0)
+        return self.alpha
+
+    def tau(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x, attention_mask=window_mask(x.shape[0], x.device))[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[s, b, h]`` -> ``[s, b, h]``."""
+        k, s = self.block_width, x.shape[0]
+        pad = -s % k
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+        blocks = x.split(k)
+        a = self.accumulation()
+        window = torch.cat([blocks[0], self.tau(blocks[0])])  # (x_1, h_1), eq. 6
+        outputs = []
+        for block in blocks[1:]:
+            carried = a * window[:k]
+            window = self.tau(torch.cat([carried + window[k:], carried + block]))  # eq. 7
+            outputs.append(window[:k])
+        outputs.append(self.tau(window[k:]))  # eq. 8
+        return torch.cat(outputs)[:s]
+
+
+class RecurrentTransformer(MegatronModule):
+    """Token + learned position embeddings, recurrent layers, final norm, output layer."""
+
+    def __init__(self, config: RMTConfig):
+        super().__init__(config=transformer_config(config))
+        m = config.model
+        self.model_type = ModelType.encoder_or_decoder  # read by megatron-core's schedules
+        vocab = padded_vocab_size(config)
+        self.embedding = nn.Embedding(vocab, m.hidden_size)
+        self.position_embedding = nn.Embedding(m.seq_length, m.hidden_size)
+        self.layers = nn.ModuleList(RecurrentLayer(config, i + 1) for i in range(m.num_layers))
+        self.final_norm = norm(config, m.hidden_size)
+        self.output_layer = nn.Linear(m.hidden_size, vocab, bias=False)
+        self.dropout = nn.Dropout(m.dropout)
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Called by megatron-core's schedule; with one pipeline stage it always passes None."""
+        assert all(t is None for t in input_tensor), "the recurrent transformer does not support pipeline parallelism"
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None):
+        """Logits ``[b, s, V]``. The attention mask of the common interface is not used: each
+        window builds its own causal mask. ``position_ids`` default to ``0..s-1``."""
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        x = self.dropout(self.embedding(input_ids) + self.position_embedding(position_ids))
+        x = x.transpose(0, 1)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output_layer(self.final_norm(x.transpose(0, 1)))
+
+
+def validate_recurrent(config: RMTConfig) -> None:
+    m, p = config.model, config.parallel
+    if p.tensor_model_parallel_size > 1 or p.pipeline_model_parallel_size > 1:
+        raise ConfigError("model.arch 'recurrent' supports data parallelism only; set "
+                          "parallel.tensor_model_parallel_size and pipeline_model_parallel_size to 1")
+    if m.block_width <= 0:
+        raise ConfigError(f"model.block_width must be positive, got {m.block_width}")
+    if m.block_width > m.seq_length:
+        raise ConfigError(f"model.block_width ({m.block_width}) must not exceed model.seq_length ({m.seq_length})")
+    if not 0.0 <= m.recurrent_alpha <= 1.0:
+        raise ConfigError(f"model.recurrent_alpha must lie in [0, 1], got {m.recurrent_alpha}")
+    if m.position != "learned":
+        raise ConfigError(f"model.position must be 'learned' for the recurrent transformer, got '{m.position}'")
+
+
+@register("recurrent", validate=validate_recurrent)
+def build_recurrent(config: RMTConfig, pre_process: bool, post_process: bool, vp_stage):
+    return RecurrentTransformer(config)

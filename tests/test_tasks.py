@@ -1,0 +1,90 @@
+"""Copy / selective copy layouts, determinism, validation, and the curriculum in the trainer."""
+
+import warnings
+
+import pytest
+import torch
+
+from rmt import parallel
+from rmt.config import load_config, validate
+from rmt.data.tasks import TaskDataset, make_sample, recall_accuracy, validate_task
+from rmt.errors import ConfigError
+
+warnings.filterwarnings("ignore")
+
+
+def sample(task, noise):
+    return make_sample(task, torch.Generator().manual_seed(3), 16, 16, noise)
+
+
+def test_copy_layout():
+    s = sample("copy", 40)
+    tokens, labels, mask = s["tokens"], s["labels"], s["loss_mask"]
+    assert tokens.shape == (16 + 40 + 16,)
+    assert (tokens[:16] < 14).all()
+    assert (tokens[16:56] == 14).all() and (tokens[56:] == 15).all()
+    assert torch.equal(labels[56:], tokens[:16])
+    assert mask.sum() == 16 and (mask[56:] == 1).all()
+    assert torch.equal(s["position_ids"], torch.arange(72))
+
+
+def test_selective_copy_layout():
+    s = sample("selective_copy", 40)
+    tokens, labels = s["tokens"], s["labels"]
+    prefix = tokens[:56]
+    data = prefix[prefix != 14]
+    assert data.numel() == 16 and (data < 14).all()
+    assert (tokens[56:] == 15).all()
+    assert torch.equal(labels[56:], data)  # recalled in their original order
+    assert not torch.equal(prefix[:16], data)  # scattered, not a copy prefix (for this seed)
+
+
+def test_dataset_is_deterministic_and_follows_noise_length():
+    config = load_config(None, ["data.task=selective_copy", "data.noise_length=8", "model.seq_length=40"])
+    ds = TaskDataset(config, "train", 100)
+    assert torch.equal(ds[5]["tokens"], TaskDataset(config, "train", 100)[5]["tokens"])
+    assert not torch.equal(ds[5]["tokens"], ds[6]["tokens"])
+    assert not torch.equal(ds[5]["tokens"], TaskDataset(config, "valid", 100)[5]["tokens"])
+    ds.noise_length = 16
+    assert ds[5]["tokens"].shape == (48,)
+
+
+def test_recall_accuracy():
+    labels = torch.tensor([[0, 3, 5]])
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    logits = torch.zeros(1, 3, 8)
+    logits[0, 1, 3] = 1
+    logits[0, 2, 7] = 5  # outside the alphabet of 6: ignored, argmax falls back to id 0
+    assert recall_accuracy(logits, labels, mask, 6) == 0.5
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["data.task=paste"], "data.task must be"),
+    (["data.task=copy", "model.seq_length=40"], "must hold the longest task sample"),
+    (["data.task=copy", "data.curriculum_target=512", "model.seq_length=1024"], "set both"),
+    (["data.task=copy", "data.noise_length=64", "data.curriculum_target=32",
+      "data.curriculum_threshold=0.3", "model.seq_length=1024"], "is below data.noise_length"),
+])
+def test_validate_task(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_task(load_config(None, overrides))
+
+
+@pytest.mark.parametrize("arch", ["recurrent", "transformer"])
+def test_curriculum_doubles_noise_in_trainer(arch):
+    from rmt.training.trainer import Trainer
+
+    config = validate(load_config(None, [
+        f"model.arch={arch}", "model.num_layers=1", "model.hidden_size=16", "model.num_attention_heads=2",
+        "model.seq_length=48", "model.block_width=8", "data.task=copy", "data.task_tokens=4",
+        "data.task_alphabet=8", "data.noise_length=4", "data.curriculum_threshold=100",
+        "data.curriculum_target=32", "train.steps=5", "train.warmup_steps=0", "train.micro_batch_size=2",
+        "train.eval_interval=1", "train.eval_iters=1", "train.progress=false"]), 1)
+    parallel.initialize(config)
+    try:
+        history = Trainer(config).train()
+    finally:
+        parallel.destroy()
+    assert config.model.vocab_size == 8
+    assert [m["noise_length"] for m in history] == [8, 16, 32, 32, 32]
+    assert all(torch.isfinite(torch.tensor(m["lm loss"])) for m in history)
