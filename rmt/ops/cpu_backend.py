@@ -1,0 +1,23 @@
+"""CPU backend: the OpenMP C++ kernels of csrc/lookup_reduce_cpu.cpp, JIT-built on first use."""
+
+from ._build import load_extension
+
+NAME = "rmt_lookup_reduce_cpu"
+
+
+def _ext():
+    return load_extension(NAME, ["lookup_reduce_cpu.cpp"],
+                          extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"])
+
+
+def is_available(device):
+    """True for CPU tensors once the extension builds."""
+    return device.type == "cpu" and _ext() is not None
+
+
+def forward(table, indices, scores, block_ids, num_blocks):
+    return _ext().forward(table, indices, scores, block_ids, num_blocks)
+
+
+def backward(grad_out, table, indices, scores, block_ids, num_blocks):
+    return tuple(_ext().backward(grad_out, table, indices, scores, block_ids, num_blocks))

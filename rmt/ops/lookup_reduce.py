@@ -1,0 +1,127 @@
+"""Fused lookup-reduce: the memory layer's hot op (UltraMem, arXiv 2411.12364).
+
+Each token t looks up K value rows ``table[indices[t, k]]`` (the top-m retrieved slots) and
+sums them weighted by their scores. Two UltraMem refinements shape the contract:
+
+* multi-core scoring (Eq. 16-17): ``scores[t, k, c]`` has C columns; column c weights the c-th
+  D/C slice of the row, so the output is the concatenation ``[s^(1)T V^(1), ..., s^(h)T V^(h)]``;
+* implicit value expansion, IVE (Eq. 13-15): each lookup belongs to a virtual block
+  ``block_ids[t, k]`` in ``[0, num_blocks)``; the op returns one pooled vector per virtual
+  block, ``V^T s_p`` of Eq. 15, and the caller applies the per-block projections ``W_p``.
+
+    out[t, b, c*D/C:(c+1)*D/C] = sum_{k : block_ids[t,k] == b} scores[t,k,c] * table[indices[t,k], c*D/C:(c+1)*D/C]
+
+Backends (fastest present first): CUDA extension (CUDA tensors) > Triton (CUDA tensors) >
+C++/OpenMP extension (CPU tensors) > plain torch reference. Force one with ``backend=`` or the
+environment variable ``RMT_LOOKUP_BACKEND`` (``reference|cpu|triton|cuda``; Triton on CPU only
+under ``TRITON_INTERPRET=1``). Every backend accumulates in fp32 and computes the table gradient
+without atomics: lookups are sorted by row, then each row's contributions are summed in a fixed
+order, so the table gradient is bit-identical from run to run.
+"""
+
+import os
+
+import torch
+
+from . import reference
+from .validate import check_inputs
+
+ENV_BACKEND = "RMT_LOOKUP_BACKEND"
+BACKENDS = ("cuda", "triton", "cpu", "reference")
+
+
+def _backend_module(name):
+    if name == "reference":
+        return reference
+    if name == "cpu":
+        from . import cpu_backend
+        return cpu_backend
+    if name == "triton":
+        from . import triton_backend
+        return triton_backend
+    if name == "cuda":
+        from . import cuda_backend
+        return cuda_backend
+    raise ValueError(f"lookup_reduce: backend must be one of {', '.join(BACKENDS)}; got {name!r}")
+
+
+def available_backends(device):
+    """Names of the backends that can run on ``device``, fastest first."""
+    device = torch.device(device)
+    return [name for name in BACKENDS if _backend_module(name).is_available(device)]
+
+
+def select_backend(device, backend=None):
+    """Resolve the backend name: explicit argument, else $RMT_LOOKUP_BACKEND, else the fastest present."""
+    device = torch.device(device)
+    forced = backend or os.environ.get(ENV_BACKEND) or None
+    if forced is not None:
+        if not _backend_module(forced).is_available(device):
+            raise RuntimeError(f"lookup_reduce: backend {forced!r} is not available for {device} tensors")
+        return forced
+    order = ("cuda", "triton", "reference") if device.type == "cuda" else ("cpu", "reference")
+    return next(name for name in order if _backend_module(name).is_available(device))
+
+
+class LookupReduceFunction(torch.autograd.Function):
+    """autograd.Function over one backend's forward/backward kernels.
+
+    The backward returns the table gradient either as a coalesced sparse COO tensor of the
+    touched rows (``sparse_grad=True``; no table-sized tensor is created) or scattered into a
+    dense zero tensor (``sparse_grad=False``).
+    """
+
+    @staticmethod
+    def forward(ctx, table, scores, indices, block_ids, num_blocks, backend, sparse_grad):
+        impl = _backend_module(backend) if indices.numel() else reference
+        ctx.impl, ctx.num_blocks, ctx.sparse_grad = impl, num_blocks, sparse_grad
+        ctx.save_for_backward(table, scores, indices, block_ids)
+        return impl.forward(table, indices, scores, block_ids, num_blocks)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        table, scores, indices, block_ids = ctx.saved_tensors
+        grad_out = grad_out.to(table.dtype).contiguous()
+        rows, values, grad_scores = ctx.impl.backward(
+            grad_out, table, indices, scores, block_ids, ctx.num_blocks)
+        grad_table = None
+        if ctx.needs_input_grad[0]:
+            if ctx.sparse_grad:
+                grad_table = torch.sparse_coo_tensor(rows.unsqueeze(0), values, table.shape,
+                                                     is_coalesced=True, check_invariants=False)
+            else:
+                grad_table = table.new_zeros(table.shape).index_copy_(0, rows, values)
+        if not ctx.needs_input_grad[1]:
+            grad_scores = None
+        return grad_table, grad_scores, None, None, None, None, None
+
+
+def lookup_reduce(table, indices, scores, block_ids=None, num_blocks=1, *, backend=None,
+                  sparse_grad=False, validate=True):
+    """Gather-and-weighted-sum of memory value rows, grouped by IVE virtual block.
+
+    Args:
+        table: [N, D] value table (float32, bfloat16, float16; float64 on reference/cpu).
+        indices: [T, K] int32/int64 row indices in [0, N); duplicates within a token are allowed.
+        scores: [T, K, C] weights, same dtype as ``table``; column c scales the c-th D/C slice
+            (multi-core scores, UltraMem Eq. 16-17). D must be divisible by C.
+        block_ids: [T, K] int virtual-block ids in [0, num_blocks) (IVE, Eq. 13-15), or None
+            for a single block.
+        num_blocks: number of virtual blocks E.
+        backend: None (auto / $RMT_LOOKUP_BACKEND) or one of "reference", "cpu", "triton", "cuda".
+        sparse_grad: return the table gradient as a sparse COO tensor of the touched rows
+            (use with ``torch.optim.SparseAdam`` or ``rmt.ops.sparse_optim.RowWiseAdagrad``).
+        validate: check index ranges (one min/max reduction each); shape and dtype checks
+            always run.
+
+    Returns:
+        [T, num_blocks, D] tensor of ``table.dtype`` (accumulated in fp32).
+    """
+    check_inputs(table, indices, scores, block_ids, num_blocks, check_range=validate)
+    name = select_backend(table.device, backend)
+    indices = indices.to(torch.int64).contiguous()
+    if block_ids is not None:
+        block_ids = block_ids.to(torch.int64).contiguous()
+    return LookupReduceFunction.apply(table.contiguous(), scores.contiguous(), indices,
+                                      block_ids, num_blocks, name, sparse_grad)
