@@ -44,7 +44,7 @@ class MemorySpec:
     ive_blocks: int = 4
     ive_shuffle: bool = True
     softmax: bool = False
-    value_dim: int = 0
+    value_dim: int = 0  # 0: hidden_size // 2 (§3.2 item 6)
     share_query: bool = True
     query_key_norm: bool = True
     conv_kernel: int = 3
@@ -54,6 +54,10 @@ class MemorySpec:
     aux_loss_margin: float = 0.15
     init_std: float = 0.02
     seed: int = 0
+
+    def __post_init__(self):
+        if not self.value_dim:
+            self.value_dim = self.hidden_size // 2
 
     @classmethod
     def from_config(cls, config, index: int = 0) -> "MemorySpec":
