@@ -37,7 +37,7 @@ class MoELayer(torch.nn.Module):
     def forward(self, x: torch.Tensor, state=None) -> torch.Tensor:
         shape = x.shape
         h = self.norm(x).reshape(-1, shape[-1])
-        probs = torch.softmax(self.router(h).float(), dim=-1)
+        probs = torch.softmax(self.router(h).to(torch.promote_types(h.dtype, torch.float32)), dim=-1)
         gate, expert = probs.topk(self.topk, dim=-1)
         gate = (gate / gate.sum(-1, keepdim=True)).to(h.dtype)
         counts = torch.bincount(expert.reshape(-1), minlength=self.num_experts)

@@ -13,6 +13,10 @@ MEMORY_TYPES = ("none", "ultramem", "pkm", "moe")
 def parse_placement(text: str, num_layers: int) -> List[Tuple[int, int]]:
     """``"3:5/6:8"`` -> ``[(3, 5), (6, 8)]``: memory input taken after layer i, its output
     added after layer j (1-based global layer numbers, UltraMem Appendix E notation)."""
+    if text.isdigit():
+        raise ConfigError(
+            f"memory.placement '{text}' has no 'i:j' entry: YAML reads an unquoted single i:j as a "
+            f"base-60 number, so quote it (memory.placement='3:5')")
     pairs = []
     for item in text.split("/"):
         parts = item.strip().split(":")
