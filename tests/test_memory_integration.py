@@ -181,3 +181,10 @@ def test_pop_memory_stats_names(megatron):
         "slot_hit_fraction", "top1_score_mean", "top1_score_max", "topm_score_mean"))
     assert 0 < stats["memory/layer0/slot_hit_fraction"] <= 1
     assert isinstance(model.memory[0], MemoryLayer)
+
+
+@pytest.mark.parametrize("name", ["ultramem_tiny", "pkm_tiny", "moe_tiny", "ultramem_151m_x12",
+                                  "ultramem_680m_x12", "ultramem_1.6b_x12", "pkm_151m_x12", "moe_151m_2in32"])
+def test_shipped_configs_validate(name):
+    cfg = validate(load_config(f"configs/{name}.yaml"), world_size=1)
+    assert cfg.memory.type in ("ultramem", "pkm", "moe")
