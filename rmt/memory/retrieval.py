@@ -25,13 +25,15 @@ def product_topk(s_row: torch.Tensor, s_col: torch.Tensor, m: int) -> Tuple[torc
     return addr, best.unsqueeze(-1)
 
 
-def _candidates(approx: torch.Tensor, m: int) -> torch.Tensor:
-    """Indices of the m largest and the m smallest entries of the rank-1 side scores
-    (``[T, H, n]`` -> ``[T, H, 2m]``, or all n when ``2m >= n``)."""
-    n = approx.shape[-1]
+def _candidates(a: torch.Tensor, b: torch.Tensor, m: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per side, indices of the m largest and the m smallest entries of the rank-1 side scores
+    ``a``, ``b`` (``[T, H, n]`` -> ``[T, H, 2m]``, or all n when ``2m >= n``), one topk call."""
+    n = a.shape[-1]
     if 2 * m >= n:
-        return torch.arange(n, device=approx.device).expand(*approx.shape[:-1], n)
-    return torch.cat([approx.topk(m, dim=-1).indices, (-approx).topk(m, dim=-1).indices], dim=-1)
+        every = torch.arange(n, device=a.device).expand(*a.shape[:-1], n)
+        return every, every
+    idx = torch.stack([a, -a, b, -b]).topk(m, dim=-1).indices
+    return torch.cat([idx[0], idx[1]], -1), torch.cat([idx[2], idx[3]], -1)
 
 
 def leading_singular_vectors(core: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -56,8 +58,7 @@ def tucker_topk(s_row: torch.Tensor, s_col: torch.Tensor, cores: torch.Tensor, m
     n = s_row.shape[-1]
     total = cores.sum(1)
     u, t = leading_singular_vectors(total)
-    rows = _candidates(torch.einsum("thrn,hr->thn", s_row, u), m)
-    cols = _candidates(torch.einsum("thrn,hr->thn", s_col, t), m)
+    rows, cols = _candidates(torch.einsum("thrn,hr->thn", s_row, u), torch.einsum("thrn,hr->thn", s_col, t), m)
     sr = s_row.gather(-1, rows.unsqueeze(2).expand(-1, -1, s_row.shape[2], -1))
     sc = s_col.gather(-1, cols.unsqueeze(2).expand(-1, -1, s_col.shape[2], -1))
     per_core = torch.einsum("thai,hkab,thbj->thijk", sr, cores, sc)
