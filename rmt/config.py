@@ -112,6 +112,34 @@ class MemoryConfig:
     """Sparse memory layers added to the dense model (``type: none`` adds none)."""
 
     type: str = "none"
+    # --- UltraMem / PKM / MoE memory layers (rmt/memory; UltraMem arXiv 2411.12364) ---
+    # type: none | ultramem | pkm | moe. placement "i:j/k:l": input after layer i, output added
+    # after layer j (1-based global layer numbers, i <= j).
+    placement: str = ""
+    num_heads: int = 2
+    topk: int = 16
+    key_dim: int = 64
+    num_keys: int = 32
+    retrieval: str = "tucker"
+    tucker_rank: int = 2
+    num_cores: int = 2
+    ive_blocks: int = 4
+    ive_shuffle: bool = True
+    softmax: bool = False
+    half_value_dim: bool = True
+    share_query: bool = True
+    query_key_norm: bool = True
+    query_conv: bool = True
+    conv_kernel: int = 3
+    improved_init: bool = True
+    init_samples: int = 4
+    aux_loss_weight: float = 0.001
+    aux_loss_margin: float = 0.15
+    value_lr_mult: float = 10.0
+    num_experts: int = 8
+    moe_topk: int = 2
+    expert_hidden_size: Optional[int] = None
+    balance_loss_weight: float = 0.01
 
 
 @dataclass
@@ -312,6 +340,7 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
     if t.eval_iters and split[1] <= 0:
         raise ConfigError("data.split gives no validation data but train.eval_iters > 0")
     validate_arch(config)
-    if config.memory.type != "none":
-        raise ConfigError(f"memory.type '{config.memory.type}' is not available; valid: none")
+    from rmt.memory.validate import validate_memory
+
+    validate_memory(config)
     return config

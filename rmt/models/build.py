@@ -69,5 +69,10 @@ def build(config: RMTConfig) -> List[torch.nn.Module]:
                     parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=i), i)
             for i in range(vpp)
         ]
-    initialize_weights(chunks, config.train.seed, _STD_RULES[config.model.arch](config))
+    std_rule = _STD_RULES[config.model.arch](config)
+    if config.memory.type != "none":
+        from rmt.memory.attach import attach_memory
+
+        std_rule = attach_memory(chunks, config, std_rule)
+    initialize_weights(chunks, config.train.seed, std_rule)
     return chunks

@@ -15,6 +15,7 @@ from megatron.core.transformer.module import param_is_not_shared
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
 from rmt.config import RMTConfig
+from rmt.memory.optim import ValueLRScheduler, split_value_group
 
 
 def _no_decay(name: str, param: torch.Tensor) -> bool:
@@ -29,8 +30,9 @@ def param_groups(chunks: List[torch.nn.Module], config: RMTConfig) -> List[dict]
             if p.requires_grad:
                 (no_decay if _no_decay(name, p) else decay).append(p)
     wd = config.train.weight_decay
-    return [g for g in ({"params": decay, "weight_decay": wd, "wd_mult": 1.0},
-                        {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}) if g["params"]]
+    groups = [g for g in ({"params": decay, "weight_decay": wd, "wd_mult": 1.0},
+                          {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}) if g["params"]]
+    return split_value_group(groups, config.memory.value_lr_mult)
 
 
 def build_optimizer(chunks: List[torch.nn.Module], config: RMTConfig) -> torch.optim.Optimizer:
@@ -49,9 +51,10 @@ def build_optimizer(chunks: List[torch.nn.Module], config: RMTConfig) -> torch.o
 
 def build_scheduler(optimizer, config: RMTConfig) -> OptimizerParamScheduler:
     """megatron-core's scheduler: linear warmup to ``lr`` then cosine/linear decay to
-    ``min_lr_ratio * lr`` at the last step. Weight decay stays constant."""
+    ``min_lr_ratio * lr`` at the last step. Weight decay stays constant. Memory values (a group
+    of their own) get ``memory.value_lr_mult`` times that, decaying linearly to 1x."""
     t = config.train
-    return OptimizerParamScheduler(
+    return ValueLRScheduler(
         optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.lr * t.min_lr_ratio,
         lr_warmup_steps=t.warmup_steps, lr_decay_steps=t.steps, lr_decay_style=t.lr_decay_style,
         start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=t.steps,

@@ -22,6 +22,7 @@ from rmt import config as rmt_config
 from rmt.config import RMTConfig
 from rmt.data.gpt_data import build_datasets, microbatches, resolve_data
 from rmt.data.tasks import build_task_datasets, curriculum_hook
+from rmt.memory import pop_aux_loss, pop_memory_stats
 from rmt.models.build import build
 from rmt.parallel import compat
 from rmt.training import checkpoint
@@ -105,10 +106,12 @@ class Trainer:
         with self._autocast():
             mask = self.mask if tokens.shape[1] == self.mask.shape[-1] else causal_mask(tokens.shape[1], self.device)
             output = model(tokens, positions, mask)
-        return output, partial(self._loss, labels, loss_mask)
+        return output, partial(self._loss, labels, loss_mask, pop_aux_loss(model))
 
-    def _loss(self, labels, loss_mask, output):
+    def _loss(self, labels, loss_mask, aux_loss, output):
         loss, ce = lm_loss(output, labels, loss_mask, self.config.train.z_loss)
+        if aux_loss is not None:
+            loss = loss + aux_loss
         return loss, {"lm loss": ce.clone(), "loss": loss.detach().clone()}
 
     def _autocast(self):
@@ -197,6 +200,8 @@ class Trainer:
                     m["val_loss"] = self.evaluate()
                     if self.after_eval_hook is not None:
                         self.after_eval_hook(self, m)
+                if self.iteration % t.log_interval == 0:
+                    m.update(pop_memory_stats(self.chunks, parallel_state.get_data_parallel_group()))
                 self.history.append(m)
                 if is_logger:
                     _emit(m, writer, log, bar, self.iteration % t.log_interval == 0 or "val_loss" in m)
@@ -227,6 +232,9 @@ def _emit(m: Dict, writer, log, bar, verbose: bool) -> None:
         for k in ("loss", "lm loss", "lr", "grad_norm", "tokens_per_s", "val_loss"):
             if k in m and math.isfinite(m[k]):
                 writer.add_scalar(f"train/{k.replace(' ', '_')}" if k != "val_loss" else "valid/loss", m[k], step)
+        for k in m:
+            if k.startswith("memory/"):
+                writer.add_scalar(k, m[k], step)
     if log is not None:
         log.write(json.dumps(m) + "\n")
         log.flush()

@@ -1,0 +1,123 @@
+"""Attach memory layers to an architecture by config (``memory.*``), with forward hooks.
+
+An architecture only has to expose its blocks: either a method ``memory_hook_layers()``
+returning ``(layers, seq_dim)`` (the list of global layers 1..L of this chunk, and the sequence
+dimension of their hidden states), or megatron's ``decoder.layers`` (GPTModel; ``[s, b, h]``).
+A block's output may be a tensor or a tuple whose first element is the hidden state. For the
+placement ``i:j`` the hook on layer i keeps its output and the hook on layer j adds
+``memory(kept)`` to its output (UltraMem §3.2 "skip-layer" structure, Appendix E notation).
+
+Memory layers are replicated across tensor-parallel ranks (every TP rank holds the full hidden
+state without sequence parallelism, so they compute the same result and receive the same
+gradients). Pipeline parallelism is rejected by the config validation.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from rmt.memory.layer import MemoryLayer, MemorySpec
+from rmt.memory.moe import MoELayer
+from rmt.memory.validate import parse_placement
+
+
+def build_memory_layer(config, index: int) -> torch.nn.Module:
+    """The ``index``-th memory module of ``config`` (UltraMem, PKM or MoE)."""
+    mem, m = config.memory, config.model
+    if mem.type == "moe":
+        return MoELayer(m.hidden_size, mem.num_experts,
+                        mem.expert_hidden_size or 2 * (m.ffn_hidden_size or 4 * m.hidden_size) // mem.moe_topk,
+                        mem.moe_topk, mem.balance_loss_weight, m.init_std, m.num_layers)
+    return MemoryLayer(MemorySpec.from_config(config, index))
+
+
+def _hook_layers(chunk: torch.nn.Module):
+    if hasattr(chunk, "memory_hook_layers"):
+        return chunk.memory_hook_layers()
+    return chunk.decoder.layers, 0
+
+
+def _hidden(output):
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _replace_hidden(output, hidden):
+    return (hidden,) + tuple(output[1:]) if isinstance(output, tuple) else hidden
+
+
+class MemoryWiring:
+    """The hooks of one chunk: ``placement`` pairs -> ``chunk.memory[k]``."""
+
+    def __init__(self, chunk: torch.nn.Module, placement: List, seq_dim: int, layers):
+        self.placement, self.seq_dim = placement, seq_dim
+        self.modules = chunk.memory
+        self.kept: Dict[int, torch.Tensor] = {}
+        self.handles = []
+        starts = {i for i, _ in placement}
+        for number in sorted(starts | {j for _, j in placement}):
+            self.handles.append(layers[number - 1].register_forward_hook(self._hook(number, number in starts)))
+
+    def _hook(self, number: int, keep: bool) -> Callable:
+        def hook(module, args, output):
+            hidden = _hidden(output)
+            if keep:
+                self.kept[number] = hidden
+            added = None
+            for k, (i, j) in enumerate(self.placement):
+                if j != number:
+                    continue
+                x = self.kept[i] if self.seq_dim == 0 else self.kept[i].transpose(0, self.seq_dim)
+                y = self.modules[k](x)
+                y = y if self.seq_dim == 0 else y.transpose(0, self.seq_dim)
+                added = y if added is None else added + y
+            if number == max(j for _, j in self.placement):
+                self.kept.clear()
+            return None if added is None else _replace_hidden(output, hidden + added)
+
+        return hook
+
+
+def attach_memory(chunks: List[torch.nn.Module], config,
+                  std_rule: Callable[[str, torch.Tensor], Optional[float]]):
+    """Add ``config.memory`` layers to every chunk (as ``chunk.memory``, a ModuleList, so they
+    are in the chunk's parameters and ``sharded_state_dict``) and return the init rule that
+    gives memory parameters their own std (``memory_init_std``; None keeps the module's init)."""
+    placement = parse_placement(config.memory.placement, config.model.num_layers)
+    for chunk in chunks:
+        layers, seq_dim = _hook_layers(chunk)
+        chunk.memory = torch.nn.ModuleList(build_memory_layer(config, k) for k in range(len(placement)))
+        chunk.memory_wiring = MemoryWiring(chunk, placement, seq_dim, layers)
+
+    def rule(key: str, param: torch.Tensor) -> Optional[float]:
+        if hasattr(param, "memory_init_std"):
+            return param.memory_init_std
+        return std_rule(key, param)
+
+    return rule
+
+
+def memory_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
+    return [m for m in model.modules() if isinstance(m, (MemoryLayer, MoELayer))]
+
+
+def pop_aux_loss(model: torch.nn.Module) -> Optional[torch.Tensor]:
+    """Sum of the auxiliary losses (TDQKR Eq. 12, MoE balance) of the last forward; clears them."""
+    total = None
+    for m in memory_modules(model):
+        if m.aux_loss is not None:
+            total = m.aux_loss if total is None else total + m.aux_loss
+            m.aux_loss = None
+    return total
+
+
+def pop_memory_stats(chunks: List[torch.nn.Module], group=None) -> Dict[str, float]:
+    """``memory/layer{k}/<stat>`` slot-usage scalars since the last call (collective over
+    ``group``); empty without UltraMem/PKM layers."""
+    out = {}
+    layers = [m for c in chunks for m in memory_modules(c) if isinstance(m, MemoryLayer)]
+    for k, layer in enumerate(layers):
+        for name, value in layer.pop_stats(group).items():
+            out[f"memory/layer{k}/{name}"] = value
+    return out

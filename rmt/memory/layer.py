@@ -1,0 +1,260 @@
+"""UltraMem memory layer (arXiv 2411.12364 §3) and the PKM layer (Lample et al. 2019) as one
+module whose every §3.2 / Table 2 improvement is a switch of :class:`MemorySpec`.
+
+Forward of one layer on hidden states ``x [s, b, hidden]`` (sequence first):
+
+1. input LayerNorm; optional causal depthwise conv over the sequence (§3.2 item 4);
+2. query projection, per head, shared by row and column keys or not (item 5);
+3. optional LayerNorm of queries and keys (item 2), gains per Appendix A;
+4. retrieval: product keys (Eq. 2-3) or TDQKR with multi-core scoring (Eq. 4-10, 16);
+5. optional softmax over the top-m (PKM; removed in UltraMem, item 1);
+6. IVE: shuffled virtual address -> (physical slot, virtual block) (Eq. 14);
+7. ``MemoryTable.lookup_reduce`` pools per virtual block and core column (Eq. 15, 17);
+8. per-block projectors ``W_p`` sum to the output (Eq. 15; with E = 1 this is the output
+   projection of the halved value dim, item 6).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from rmt.memory.retrieval import expected_topm_mean, grid_side, product_topk, tucker_aux_loss, tucker_topk
+from rmt.memory.table import MemoryTable
+
+
+@dataclass
+class MemorySpec:
+    """Resolved shape and switches of one memory layer."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int = 2
+    topk: int = 16
+    side_dim: int = 64
+    num_keys: int = 32
+    retrieval: str = "tucker"
+    tucker_rank: int = 2
+    num_cores: int = 2
+    ive_blocks: int = 4
+    ive_shuffle: bool = True
+    softmax: bool = False
+    value_dim: int = 0  # 0: hidden_size // 2 (§3.2 item 6)
+    share_query: bool = True
+    query_key_norm: bool = True
+    conv_kernel: int = 3
+    improved_init: bool = True
+    init_samples: int = 4
+    aux_loss_weight: float = 0.001
+    aux_loss_margin: float = 0.15
+    init_std: float = 0.02
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.value_dim:
+            self.value_dim = self.hidden_size // 2
+
+    @classmethod
+    def from_config(cls, config, index: int = 0) -> "MemorySpec":
+        """``memory.type`` ultramem (every switch from ``memory.*``) or pkm (Lample et al.:
+        product keys split in row/column halves, softmax, value dim = hidden, no norm/conv/IVE)."""
+        mem, m = config.memory, config.model
+        common = dict(hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=mem.num_heads,
+                      topk=mem.topk, num_keys=mem.num_keys, init_std=m.init_std,
+                      seed=config.train.seed * 1000 + index)
+        if mem.type == "pkm":
+            return cls(side_dim=mem.key_dim // 2, retrieval="product", tucker_rank=1, num_cores=1,
+                       ive_blocks=1, ive_shuffle=False, softmax=True, value_dim=m.hidden_size,
+                       share_query=False, query_key_norm=False, conv_kernel=0, improved_init=False,
+                       aux_loss_weight=0.0, **common)
+        product = mem.retrieval == "product"
+        return cls(side_dim=mem.key_dim, retrieval=mem.retrieval,
+                   tucker_rank=1 if product else mem.tucker_rank, num_cores=mem.num_cores,
+                   ive_blocks=mem.ive_blocks, ive_shuffle=mem.ive_shuffle, softmax=mem.softmax,
+                   value_dim=m.hidden_size // 2 if mem.half_value_dim else m.hidden_size,
+                   share_query=mem.share_query, query_key_norm=mem.query_key_norm,
+                   conv_kernel=mem.conv_kernel if mem.query_conv else 0,
+                   improved_init=mem.improved_init, init_samples=mem.init_samples,
+                   aux_loss_weight=0.0 if product else mem.aux_loss_weight,
+                   aux_loss_margin=mem.aux_loss_margin, **common)
+
+    @property
+    def grid(self) -> int:
+        return grid_side(self.num_keys, self.ive_blocks)
+
+    @property
+    def num_values(self) -> int:
+        return self.num_keys * self.num_keys
+
+
+def _tag(param: torch.nn.Parameter, std: Optional[float]) -> torch.nn.Parameter:
+    param.memory_init_std = std
+    return param
+
+
+class MemoryLayer(torch.nn.Module):
+    """One UltraMem / PKM layer; see the module docstring. ``aux_loss`` holds Eq. 12 of the
+    last forward; slot-usage statistics accumulate in training mode (:meth:`pop_stats`)."""
+
+    def __init__(self, spec: MemorySpec):
+        super().__init__()
+        self.spec = s = spec
+        H, r, n, E = s.num_heads, s.tucker_rank, s.grid, s.ive_blocks
+        self.sub_dim = s.side_dim // r
+        self.norm = torch.nn.LayerNorm(s.hidden_size)
+        if s.conv_kernel:
+            # Causal depthwise conv (§3.2 item 4), initialised to the identity (current token).
+            w = torch.zeros(s.hidden_size, 1, s.conv_kernel)
+            w[..., -1] = 1.0
+            self.conv = _tag(torch.nn.Parameter(w), None)
+        sides = 1 if s.share_query else 2
+        self.query = torch.nn.Linear(s.hidden_size, H * sides * s.side_dim, bias=False)
+        _tag(self.query.weight, s.init_std)
+        key_std = 1.0 / math.sqrt(self.sub_dim)
+        self.keys = _tag(torch.nn.Parameter(torch.randn(H, 2, r, n, self.sub_dim) * key_std), key_std)
+        if s.query_key_norm:
+            self.query_norm = torch.nn.LayerNorm(self.sub_dim)
+            self.key_norm = torch.nn.LayerNorm(self.sub_dim)
+            if s.improved_init:
+                # Appendix A: gains 1/sqrt(E[Y]) (query) and 1/sqrt(d) (keys).
+                ey = expected_topm_mean(n * n, s.topk, s.init_samples, seed=s.seed)
+                with torch.no_grad():
+                    self.query_norm.weight.fill_(1.0 / math.sqrt(ey))
+                    self.key_norm.weight.fill_(1.0 / math.sqrt(self.sub_dim))
+        if s.retrieval == "tucker":
+            core_std = 1.0 / (r * math.sqrt(s.num_cores))
+            self.cores = _tag(torch.nn.Parameter(torch.randn(H, s.num_cores, r, r) * core_std), core_std)
+        if s.improved_init:
+            value_std = math.sqrt(E / (2.0 * s.topk * H * s.num_layers))
+        else:
+            value_std = 1.0 / math.sqrt(s.value_dim)
+        self.values = MemoryTable(s.num_values, s.value_dim, value_std)
+        self.has_proj = E > 1 or s.value_dim != s.hidden_size
+        if self.has_proj:
+            proj_std = (1.0 / math.sqrt(E * s.value_dim) if s.improved_init
+                        else s.init_std / math.sqrt(2.0 * s.num_layers))
+            self.proj = _tag(torch.nn.Parameter(torch.randn(E, s.value_dim, s.hidden_size) * proj_std), proj_std)
+        if s.ive_shuffle and E > 1:
+            gen = torch.Generator().manual_seed(s.seed)
+            self.register_buffer("shuffle", torch.randperm(n * n, generator=gen), persistent=False)
+        else:
+            self.shuffle = None
+        self.register_buffer("hits", torch.zeros(s.num_values, dtype=torch.uint8), persistent=False)
+        self.register_buffer("score_stats", torch.zeros(4, dtype=torch.float64), persistent=False)
+        self._reset_stats()
+        self.aux_loss: Optional[torch.Tensor] = None
+
+    # -- pieces ----------------------------------------------------------------------------
+    def query_input(self, x: torch.Tensor, state: Optional[Dict] = None) -> torch.Tensor:
+        """Normed (and causally convolved) input ``[s, b, hidden]``. ``state`` (decoding) keeps
+        the last ``kernel - 1`` normed inputs between calls."""
+        h = self.norm(x)
+        if not self.spec.conv_kernel:
+            return h
+        k = self.spec.conv_kernel
+        if state is not None:
+            past = state.get("conv")
+            if past is None:
+                past = h.new_zeros(k - 1, *h.shape[1:])
+            full = torch.cat([past, h], 0)
+            state["conv"] = full[-(k - 1):] if k > 1 else full[:0]
+            left = 0
+        else:
+            full, left = h, k - 1
+        y = F.conv1d(F.pad(full.permute(1, 2, 0), (left, 0)), self.conv, groups=self.spec.hidden_size)
+        return y[..., -h.shape[0]:].permute(2, 0, 1)
+
+    def side_scores(self, h: torch.Tensor):
+        """Row and column scores ``S_row, S_col`` of Eq. 4, each ``[T, H, r, n]``."""
+        s = self.spec
+        T = h.shape[0]
+        q = self.query(h).view(T, s.num_heads, 1 if s.share_query else 2, s.tucker_rank, self.sub_dim)
+        keys = self.keys
+        if s.query_key_norm:
+            q = self.query_norm(q)
+            keys = self.key_norm(keys)
+        q = q.expand(-1, -1, 2, -1, -1)
+        both = torch.einsum("thsrd,hsrnd->thsrn", q, keys)
+        return both[:, :, 0], both[:, :, 1]
+
+    def retrieve(self, h: torch.Tensor):
+        """Flat ``[T, H*m]`` virtual addresses and ``[T, H*m, C]`` scores."""
+        s = self.spec
+        s_row, s_col = self.side_scores(h)
+        if s.retrieval == "tucker":
+            addr, scores = tucker_topk(s_row, s_col, self.cores, s.topk)
+        else:
+            addr, scores = product_topk(s_row, s_col, s.topk)
+        if self.training:
+            self._record_scores(scores.detach().sum(-1))
+        if s.softmax:
+            scores = torch.softmax(scores.float(), dim=2).to(scores.dtype)
+        T = h.shape[0]
+        return addr.reshape(T, -1), scores.reshape(T, -1, scores.shape[-1])
+
+    def physical(self, addr: torch.Tensor):
+        """IVE (Eq. 14): virtual address -> (physical slot, virtual block)."""
+        s = self.spec
+        if self.shuffle is not None:
+            addr = self.shuffle[addr]
+        if s.ive_blocks == 1:
+            return addr, None
+        return addr % s.num_values, addr // s.num_values
+
+    def forward(self, x: torch.Tensor, state: Optional[Dict] = None) -> torch.Tensor:
+        s = self.spec
+        seq, b = x.shape[:2]
+        h = self.query_input(x, state).reshape(seq * b, s.hidden_size)
+        addr, scores = self.retrieve(h)
+        slots, blocks = self.physical(addr)
+        if self.training:
+            with torch.no_grad():
+                self.hits[slots.reshape(-1)] = 1
+        pooled = self.values.lookup_reduce(slots, scores, blocks, s.ive_blocks)
+        if self.has_proj:
+            out = torch.einsum("tpd,pdo->to", pooled, self.proj.to(pooled.dtype))
+        else:
+            out = pooled[:, 0]
+        self.aux_loss = (tucker_aux_loss(self.cores, s.aux_loss_weight, s.aux_loss_margin)
+                         if s.retrieval == "tucker" else None)
+        return out.reshape(seq, b, s.hidden_size)
+
+    # -- slot usage ------------------------------------------------------------------------
+    @torch.no_grad()
+    def _record_scores(self, agg: torch.Tensor) -> None:
+        """Accumulate top-1 sum, top-1 max, mean top-m sum and count (``agg``: ``[T, H, m]``)."""
+        top1 = agg.double().amax(-1)
+        self.score_stats[0] += top1.sum()
+        self.score_stats[1] = torch.maximum(self.score_stats[1], top1.max())
+        self.score_stats[2] += agg.double().mean(-1).sum()
+        self.score_stats[3] += top1.numel()
+
+    def _reset_stats(self) -> None:
+        self.hits.zero_()
+        self.score_stats.copy_(torch.tensor([0.0, -math.inf, 0.0, 0.0], dtype=torch.float64))
+
+    @torch.no_grad()
+    def pop_stats(self, group=None) -> Dict[str, float]:
+        """Fraction of physical slots hit, mean/max top-1 score and mean top-m score since the
+        last call (reduced over ``group``, e.g. the data-parallel ranks); resets the counters."""
+
+        hits = self.hits.clone()
+        stats = self.score_stats.clone()
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            hits_i = hits.to(torch.int32)
+            dist.all_reduce(hits_i, op=dist.ReduceOp.MAX, group=group)
+            hits = hits_i
+            sums = stats[[0, 2, 3]].clone()
+            mx = stats[1:2].clone()
+            dist.all_reduce(sums, group=group)
+            dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group)
+            stats = torch.stack([sums[0], mx[0], sums[1], sums[2]])
+        self._reset_stats()
+        count = max(float(stats[3]), 1.0)
+        return {"slot_hit_fraction": float(hits.float().mean()), "top1_score_mean": float(stats[0]) / count,
+                "top1_score_max": float(stats[1]), "topm_score_mean": float(stats[2]) / count}

@@ -1,0 +1,100 @@
+"""Key retrieval of memory layers: product keys (PKM, UltraMem Eq. 2-3) and Tucker-decomposed
+query-key retrieval with multi-core scoring (TDQKR + MCS, Eq. 4-12 and 16-17).
+
+All functions take per-side scores of shape ``[T, H, r, n]`` (T tokens, H heads, Tucker rank r
+(1 for product keys), n keys per side) and return grid addresses ``row * n + col`` of shape
+``[T, H, m]`` with their scores ``[T, H, m, C]`` (C = number of cores, 1 for product keys).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Tuple
+
+import torch
+
+
+def product_topk(s_row: torch.Tensor, s_col: torch.Tensor, m: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Two-phase top-m of ``s_row[i] + s_col[j]`` (Eq. 2-3); exact. Inputs ``[T, H, 1, n]``."""
+    n = s_row.shape[-1]
+    vr, ir = s_row[:, :, 0].topk(m, dim=-1)
+    vc, ic = s_col[:, :, 0].topk(m, dim=-1)
+    grid = (vr.unsqueeze(-1) + vc.unsqueeze(-2)).flatten(-2)
+    best, pos = grid.topk(m, dim=-1)
+    addr = ir.gather(-1, pos // m) * n + ic.gather(-1, pos % m)
+    return addr, best.unsqueeze(-1)
+
+
+def _candidates(a: torch.Tensor, b: torch.Tensor, m: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per side, indices of the m largest and the m smallest entries of the rank-1 side scores
+    ``a``, ``b`` (``[T, H, n]`` -> ``[T, H, 2m]``, or all n when ``2m >= n``), one topk call."""
+    n = a.shape[-1]
+    if 2 * m >= n:
+        every = torch.arange(n, device=a.device).expand(*a.shape[:-1], n)
+        return every, every
+    idx = torch.stack([a, -a, b, -b]).topk(m, dim=-1).indices
+    return torch.cat([idx[0], idx[1]], -1), torch.cat([idx[2], idx[3]], -1)
+
+
+def leading_singular_vectors(core: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``u, t`` of the rank-1 SVD approximation ``C ~ lambda_1 u t^T`` (Eq. 6-7) of ``[H, r, r]``
+    cores; no gradient (they only select candidates)."""
+    with torch.no_grad():
+        U, _, Vh = torch.linalg.svd(core.float())
+    return U[..., :, 0].to(core.dtype), Vh[..., 0, :].to(core.dtype)
+
+
+def tucker_topk(s_row: torch.Tensor, s_col: torch.Tensor, cores: torch.Tensor, m: int):
+    """TDQKR two-phase top-m (Eq. 7-10) with multi-core scoring (Eq. 16).
+
+    ``cores`` is ``[H, h, r, r]``; the selection uses the aggregated core ``C = sum_i C^(i)``.
+    Phase 1 keeps, per side, the candidates of the rank-1 objective ``u^T S_row`` / ``t^T S_col``
+    (Eq. 8-9). Singular vectors have no canonical sign and side scores take both signs, so the
+    m largest *and* the m smallest entries are kept: then the selection is exact whenever C has
+    rank 1 and the m-th best grid score is positive. Phase 2 takes the exact top-m of
+    ``S_row^T C S_col`` over the candidate grid (Eq. 10) and returns each core's score
+    ``S_row^T C^(i) S_col`` (Eq. 16) as the C columns.
+    """
+    n = s_row.shape[-1]
+    total = cores.sum(1)
+    u, t = leading_singular_vectors(total)
+    rows, cols = _candidates(torch.einsum("thrn,hr->thn", s_row, u), torch.einsum("thrn,hr->thn", s_col, t), m)
+    sr = s_row.gather(-1, rows.unsqueeze(2).expand(-1, -1, s_row.shape[2], -1))
+    sc = s_col.gather(-1, cols.unsqueeze(2).expand(-1, -1, s_col.shape[2], -1))
+    per_core = torch.einsum("thai,hkab,thbj->thijk", sr, cores, sc)
+    cr, cc = rows.shape[-1], cols.shape[-1]
+    flat = per_core.flatten(2, 3)
+    best, pos = flat.sum(-1).topk(m, dim=-1)
+    addr = rows.gather(-1, pos // cc) * n + cols.gather(-1, pos % cc)
+    scores = flat.gather(2, pos.unsqueeze(-1).expand(-1, -1, -1, flat.shape[-1]))
+    return addr, scores
+
+
+def tucker_aux_loss(cores: torch.Tensor, weight: float, margin: float) -> torch.Tensor:
+    """Eq. 11-12: ``alpha / (r-1) * sum_{i>=2} max(0, lambda_i - tau)^2`` of the aggregated core
+    ``C = sum_i C^(i)``, averaged over heads (``cores``: ``[H, h, r, r]``)."""
+    r = cores.shape[-1]
+    if r < 2 or weight == 0:
+        return cores.new_zeros(())
+    lam = torch.linalg.svdvals(cores.sum(1))
+    return weight / (r - 1) * torch.relu(lam[:, 1:] - margin).pow(2).sum(-1).mean()
+
+
+def expected_topm_mean(num_candidates: int, m: int, samples: int, seed: int = 0) -> float:
+    """E[Y], Y = mean of the top-m of ``num_candidates`` standard normals, estimated from
+    ``samples`` draws (UltraMem Appendix A)."""
+    gen = torch.Generator().manual_seed(seed)
+    total = 0.0
+    chunk = max(1, (1 << 24) // max(num_candidates, 1))
+    done = 0
+    while done < samples:
+        k = min(chunk, samples - done)
+        x = torch.randn(k, num_candidates, generator=gen)
+        total += x.topk(min(m, num_candidates), dim=-1).values.mean(-1).sum().item()
+        done += k
+    return total / samples
+
+
+def grid_side(num_keys: int, ive_blocks: int) -> int:
+    """Keys per side of the virtual grid: ``num_keys * sqrt(E)`` (IVE grows the keys by sqrt(E))."""
+    return num_keys * math.isqrt(ive_blocks)

@@ -1,0 +1,88 @@
+"""Config checks of the ``memory.*`` keys, called from :func:`rmt.config.validate`."""
+
+from __future__ import annotations
+
+import math
+from typing import List, Tuple
+
+from rmt.errors import ConfigError
+
+MEMORY_TYPES = ("none", "ultramem", "pkm", "moe")
+
+
+def parse_placement(text: str, num_layers: int) -> List[Tuple[int, int]]:
+    """``"3:5/6:8"`` -> ``[(3, 5), (6, 8)]``: memory input taken after layer i, its output
+    added after layer j (1-based global layer numbers, UltraMem Appendix E notation)."""
+    if text.isdigit():
+        raise ConfigError(
+            f"memory.placement '{text}' has no 'i:j' entry: YAML reads an unquoted single i:j as a "
+            f"base-60 number, so quote it (memory.placement='3:5')")
+    pairs = []
+    for item in text.split("/"):
+        parts = item.strip().split(":")
+        try:
+            start, end = (int(p) for p in parts)
+        except ValueError:
+            raise ConfigError(f"memory.placement entry '{item}' must have the form 'i:j' with integer layers")
+        if start > end:
+            raise ConfigError(f"memory.placement entry '{item}' ends (layer {end}) before it starts (layer {start})")
+        if start < 1 or end > num_layers:
+            raise ConfigError(
+                f"memory.placement entry '{item}' must lie within layers 1..model.num_layers ({num_layers})")
+        pairs.append((start, end))
+    return pairs
+
+
+def validate_memory(config) -> None:
+    """Raise :class:`ConfigError` (one sentence) for impossible ``memory.*`` settings."""
+    mem, m = config.memory, config.model
+    if mem.type not in MEMORY_TYPES:
+        raise ConfigError(f"memory.type '{mem.type}' is not available; valid: {', '.join(MEMORY_TYPES)}")
+    if mem.type == "none":
+        return
+    if not mem.placement:
+        raise ConfigError(f"memory.type '{mem.type}' needs memory.placement, e.g. '1:2'")
+    parse_placement(mem.placement, m.num_layers)
+    if config.parallel.pipeline_model_parallel_size > 1:
+        raise ConfigError("memory layers are not supported with pipeline parallelism "
+                          "(parallel.pipeline_model_parallel_size must be 1)")
+    if mem.type == "moe":
+        for key in ("num_experts", "moe_topk"):
+            if getattr(mem, key) <= 0:
+                raise ConfigError(f"memory.{key} must be positive, got {getattr(mem, key)}")
+        if mem.moe_topk > mem.num_experts:
+            raise ConfigError(f"memory.moe_topk ({mem.moe_topk}) exceeds memory.num_experts ({mem.num_experts})")
+        if mem.expert_hidden_size is not None and mem.expert_hidden_size <= 0:
+            raise ConfigError(f"memory.expert_hidden_size must be positive, got {mem.expert_hidden_size}")
+        return
+    for key in ("num_heads", "topk", "key_dim", "num_keys", "tucker_rank", "num_cores", "ive_blocks",
+                "conv_kernel", "init_samples"):
+        if getattr(mem, key) <= 0:
+            raise ConfigError(f"memory.{key} must be positive, got {getattr(mem, key)}")
+    if mem.value_lr_mult < 1.0:
+        raise ConfigError(f"memory.value_lr_mult must be >= 1, got {mem.value_lr_mult}")
+    if mem.aux_loss_weight < 0 or mem.aux_loss_margin < 0:
+        raise ConfigError("memory.aux_loss_weight and memory.aux_loss_margin must not be negative")
+    if mem.type == "pkm":
+        if mem.key_dim % 2:
+            raise ConfigError(f"memory.key_dim ({mem.key_dim}) must be even for PKM (row and column halves)")
+        if mem.topk > mem.num_keys:
+            raise ConfigError(f"memory.topk ({mem.topk}) exceeds memory.num_keys ({mem.num_keys}) keys per side")
+        return
+    if mem.retrieval not in ("tucker", "product"):
+        raise ConfigError(f"memory.retrieval must be 'tucker' or 'product', got '{mem.retrieval}'")
+    side = math.isqrt(mem.ive_blocks)
+    if side * side != mem.ive_blocks:
+        raise ConfigError(
+            f"memory.ive_blocks ({mem.ive_blocks}) must be a perfect square (the key grid grows by sqrt(E) per side)")
+    if mem.topk > mem.num_keys * mem.num_keys:
+        raise ConfigError(f"memory.topk ({mem.topk}) exceeds the number of memory slots ({mem.num_keys ** 2})")
+    if mem.topk > mem.num_keys * side:
+        raise ConfigError(f"memory.topk ({mem.topk}) exceeds the {mem.num_keys * side} keys per side")
+    if mem.retrieval == "tucker" and mem.key_dim % mem.tucker_rank:
+        raise ConfigError(f"memory.key_dim ({mem.key_dim}) must be divisible by memory.tucker_rank ({mem.tucker_rank})")
+    if mem.retrieval == "product" and mem.num_cores != 1:
+        raise ConfigError("memory.num_cores > 1 (multi-core scoring) needs memory.retrieval 'tucker'")
+    value_dim = m.hidden_size // 2 if mem.half_value_dim else m.hidden_size
+    if value_dim % mem.num_cores:
+        raise ConfigError(f"the value dim ({value_dim}) must be divisible by memory.num_cores ({mem.num_cores})")

@@ -1,0 +1,190 @@
+"""Memory layers in the megatron transformer: config validation, skip-placement wiring, aux
+losses, the value learning-rate schedule, the MoE baseline and slot statistics."""
+
+import re
+import socket
+
+import pytest
+import torch
+
+from rmt.config import load_config, validate
+from rmt.errors import ConfigError
+from rmt.memory import MoELayer, pop_aux_loss, pop_memory_stats, value_lr_multiplier
+from rmt.memory.layer import MemoryLayer
+from rmt.memory.retrieval import tucker_aux_loss
+
+
+def _cfg(*overrides):
+    base = ["model.num_layers=3", "model.hidden_size=32", "model.num_attention_heads=2",
+            "model.seq_length=8", "model.vocab_size=64", "memory.type=ultramem",
+            "memory.placement='1:3/2:2'", "memory.key_dim=8", "memory.num_keys=4", "memory.topk=3",
+            "memory.init_samples=2", "train.steps=10", "train.warmup_steps=0"]
+    return load_config(None, base + list(overrides))
+
+
+@pytest.mark.parametrize("override,message", [
+    ("memory.placement='3:2'", "ends (layer 2) before it starts (layer 3)"),
+    ("memory.placement='1:4'", "within layers 1..model.num_layers (3)"),
+    ("memory.placement='0:1'", "within layers 1..model.num_layers (3)"),
+    ("memory.placement=a:b", "must have the form 'i:j'"),
+    ("memory.placement=3:2", "YAML reads an unquoted single i:j as a base-60 number"),
+    ("memory.topk=17", "exceeds the number of memory slots (16)"),
+    ("memory.topk=9", "exceeds the 8 keys per side"),
+    ("memory.ive_blocks=2", "must be a perfect square"),
+    ("memory.type=lstm", "memory.type 'lstm' is not available"),
+    ("memory.retrieval=product", "num_cores > 1 (multi-core scoring) needs memory.retrieval 'tucker'"),
+    ("memory.tucker_rank=3", "key_dim (8) must be divisible by memory.tucker_rank (3)"),
+    ("parallel.pipeline_model_parallel_size=3", "not supported with pipeline parallelism"),
+])
+def test_validation_rejects(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(_cfg(override), world_size=3 if "pipeline" in override else 1)
+
+
+def test_validation_pkm_and_moe():
+    with pytest.raises(ConfigError, match=r"topk \(5\) exceeds memory.num_keys \(4\)"):
+        validate(_cfg("memory.type=pkm", "memory.topk=5"), world_size=1)
+    with pytest.raises(ConfigError, match=r"moe_topk \(3\) exceeds memory.num_experts \(2\)"):
+        validate(_cfg("memory.type=moe", "memory.num_experts=2", "memory.moe_topk=3"), world_size=1)
+    validate(_cfg(), world_size=1)
+    validate(_cfg("memory.type=pkm"), world_size=1)
+
+
+@pytest.fixture(scope="module")
+def megatron():
+    import os
+
+    from rmt.parallel import destroy, initialize
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: os.environ.get(k) for k in ("MASTER_PORT", "WORLD_SIZE", "RANK")}
+    os.environ.update(MASTER_PORT=str(port), WORLD_SIZE="1", RANK="0")
+    cfg = validate(_cfg(), world_size=1)
+    initialize(cfg)
+    yield
+    destroy()
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _inputs(cfg, b=2):
+    s = cfg.model.seq_length
+    tokens = torch.randint(0, cfg.model.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(s).expand(b, s)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
+    return tokens, pos, mask
+
+
+@pytest.mark.parametrize("kind", ["ultramem", "pkm", "moe"])
+def test_skip_placement_wiring(megatron, kind):
+    from rmt.models.build import build
+
+    cfg = validate(_cfg(f"memory.type={kind}"), world_size=1)
+    (model,) = build(cfg)
+    assert len(model.memory) == 2
+    tokens, pos, mask = _inputs(cfg)
+    logits = model(tokens, pos, mask)
+    # Manual run of the same blocks: memory 0 reads after layer 1 and adds after layer 3,
+    # memory 1 reads after layer 2 and adds after layer 2.
+    for h in model.memory_wiring.handles:
+        h.remove()
+    x = model.embedding(input_ids=tokens, position_ids=pos)
+    layers = model.decoder.layers
+    h1 = layers[0](x, attention_mask=mask)[0]
+    h2 = layers[1](h1, attention_mask=mask)[0]
+    h2 = h2 + model.memory[1](h2)
+    h3 = layers[2](h2, attention_mask=mask)[0] + model.memory[0](h1)
+    expected = model.output_layer(model.decoder.final_layernorm(h3))[0].transpose(0, 1)
+    torch.testing.assert_close(logits, expected)
+    aux = pop_aux_loss(model)
+    if kind == "pkm":
+        assert aux is None
+    else:
+        assert aux is not None and aux.requires_grad
+    if kind == "ultramem":
+        want = sum(tucker_aux_loss(m.cores, 0.001, 0.15) for m in model.memory)
+        torch.testing.assert_close(aux, want)
+    assert pop_aux_loss(model) is None
+    logits.sum().backward()
+    for name, p in model.memory.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_memory_parameters_in_sharded_state_dict_and_initialised(megatron):
+    from rmt.models.build import build
+    from rmt.parallel.sharding import shards
+
+    cfg = validate(_cfg(), world_size=1)
+    (a,) = build(cfg)
+    (b,) = build(cfg)
+    keys = {s.key for s in shards([a]) if ".memory." in s.key or s.key.startswith("memory.")}
+    assert "memory.0.values.weight" in keys and "memory.1.cores" in keys
+    values = a.memory[0].values.weight
+    assert values.std().item() == pytest.approx(values.memory_init_std, rel=0.2)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+
+
+def test_value_lr_schedule(megatron):
+    from rmt.models.build import build
+    from rmt.training.optimizer import build_optimizer, build_scheduler
+
+    assert [value_lr_multiplier(s, 100, 10.0) for s in (0, 50, 100, 150)] == [10.0, 5.5, 1.0, 1.0]
+    cfg = validate(_cfg("train.lr_decay_style=constant", "train.lr=0.001"), world_size=1)
+    chunks = build(cfg)
+    opt = build_optimizer(chunks, cfg)
+    sched = build_scheduler(opt, cfg)
+    groups = [g for g in opt.param_groups if "value_lr_mult" in g]
+    assert len(groups) == 1 and len(groups[0]["params"]) == 2 and groups[0]["weight_decay"] == 0.0
+    for step in range(11):
+        base = [g["lr"] for g in opt.param_groups if "value_lr_mult" not in g][0]
+        assert base == pytest.approx(0.001)
+        assert groups[0]["lr"] == pytest.approx(0.001 * (10 - 9 * step / 10))
+        sched.step(1)
+
+
+def test_moe_against_naive_and_balance_loss():
+    torch.manual_seed(0)
+    moe = MoELayer(8, num_experts=4, expert_hidden=6, topk=2, balance_loss_weight=0.01).double()
+    x = torch.randn(5, 2, 8, dtype=torch.float64)
+    out = moe(x)
+    h = moe.norm(x).reshape(10, 8)
+    probs = torch.softmax(moe.router(h), -1)
+    expected = torch.zeros(10, 8, dtype=torch.float64)
+    counts = torch.zeros(4)
+    for t in range(10):
+        g, e = probs[t].topk(2)
+        for gi, ei in zip(g / g.sum(), e):
+            counts[ei] += 1
+            expected[t] += gi * (torch.nn.functional.gelu(h[t] @ moe.fc1[ei]) @ moe.fc2[ei])
+    torch.testing.assert_close(out.reshape(10, 8), expected)
+    balance = 0.01 * 4 * ((counts / 20).double() * probs.mean(0)).sum()
+    torch.testing.assert_close(moe.aux_loss, balance)
+    moe.aux_loss.backward(retain_graph=True)
+    assert moe.router.weight.grad.abs().sum() > 0
+
+
+def test_pop_memory_stats_names(megatron):
+    from rmt.models.build import build
+
+    cfg = validate(_cfg(), world_size=1)
+    (model,) = build(cfg)
+    model.train()
+    model(*_inputs(cfg))
+    stats = pop_memory_stats([model])
+    assert sorted(stats) == sorted(f"memory/layer{k}/{n}" for k in (0, 1) for n in (
+        "slot_hit_fraction", "top1_score_mean", "top1_score_max", "topm_score_mean"))
+    assert 0 < stats["memory/layer0/slot_hit_fraction"] <= 1
+    assert isinstance(model.memory[0], MemoryLayer)
+
+
+@pytest.mark.parametrize("name", ["ultramem_tiny", "pkm_tiny", "moe_tiny", "ultramem_151m_x12",
+                                  "ultramem_680m_x12", "ultramem_1.6b_x12", "pkm_151m_x12", "moe_151m_2in32"])
+def test_shipped_configs_validate(name):
+    cfg = validate(load_config(f"configs/{name}.yaml"), world_size=1)
+    assert cfg.memory.type in ("ultramem", "pkm", "moe")

@@ -1,0 +1,234 @@
+"""Decode latency and weight bytes touched per step: dense vs MoE vs UltraMem (UltraMem
+arXiv 2411.12364, Fig. 1b/1c, Fig. 6c, Fig. 7).
+
+One decode step = sequence length 1 against a KV cache of ``--kv-len`` tokens, through L pre-LN
+layers (attention + GELU FFN). Models, side by side in one run:
+
+* dense: the layers alone;
+* ultramem: dense + UltraMem layers (``rmt.memory.MemoryLayer``, every §3.2 improvement on) at
+  skip placements, sparse parameters ``--expansion`` x the dense ones (same activated compute as
+  dense plus the small memory query/retrieval);
+* moe: every FFN replaced by top-2 of N experts of inner 2D (granularity 2, same activated FFN
+  compute as dense), N chosen so total parameters equal UltraMem's;
+* ultramem_10x: UltraMem with 10x the slots at the same top-m (Fig. 6c).
+
+Bytes touched = dense weights + the experts / value rows the step's routing actually selected
+(fp32). Latency = median over ``--reps`` decode steps on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from rmt.memory import MemoryLayer, MemorySpec, MoELayer
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.norm = torch.nn.LayerNorm(d)
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.out = torch.nn.Linear(d, d, bias=False)
+
+    def forward(self, x, cache):
+        """x [1, b, d]; cache = (k, v) [b, heads, kv, hd], appended in place by the caller's length."""
+        b, d = x.shape[1], x.shape[2]
+        q, k, v = self.qkv(self.norm(x[0])).view(b, 3, self.heads, d // self.heads).unbind(1)
+        keys = torch.cat([cache[0], k.unsqueeze(2)], 2)
+        vals = torch.cat([cache[1], v.unsqueeze(2)], 2)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, vals)
+        return self.out(o.reshape(b, d)).unsqueeze(0)
+
+
+class DenseFFN(torch.nn.Module):
+    def __init__(self, d, inner):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.fc1 = torch.nn.Linear(d, inner, bias=False)
+        self.fc2 = torch.nn.Linear(inner, d, bias=False)
+
+    def forward(self, x, state=None):
+        return self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class DecodeModel(torch.nn.Module):
+    """L layers of attention + FFN (dense or MoE) with memory modules at ``placement``."""
+
+    def __init__(self, d, heads, layers, ffn_factory, memory=None, placement=()):
+        super().__init__()
+        self.attn = torch.nn.ModuleList(Attention(d, heads) for _ in range(layers))
+        self.ffn = torch.nn.ModuleList(ffn_factory() for _ in range(layers))
+        self.memory = torch.nn.ModuleList(memory or [])
+        self.placement = list(placement)
+
+    @torch.no_grad()
+    def step(self, x, caches, states):
+        kept = {}
+        for n, (attn, ffn) in enumerate(zip(self.attn, self.ffn), start=1):
+            x = x + attn(x, caches[n - 1])
+            x = x + ffn(x)
+            for k, (i, j) in enumerate(self.placement):
+                if i == n:
+                    kept[k] = x
+            for k, (i, j) in enumerate(self.placement):
+                if j == n:
+                    x = x + self.memory[k](kept.pop(k), states[k])
+        return x
+
+
+def _ultramem(d, layers, num_keys, topk, seed):
+    spec = MemorySpec(hidden_size=d, num_layers=layers, num_heads=2, topk=topk, side_dim=d // 4,
+                      num_keys=num_keys, tucker_rank=2, num_cores=2, ive_blocks=4, init_samples=1,
+                      seed=seed)
+    return MemoryLayer(spec).eval()
+
+
+def build_models(d, heads, layers, expansion, topk, seed=0):
+    torch.manual_seed(seed)
+    inner = 4 * d
+    dense = DecodeModel(d, heads, layers, lambda: DenseFFN(d, inner))
+    dense_params = sum(p.numel() for p in dense.parameters())
+    placement = [(i, min(i + 1, layers)) for i in range(1, layers + 1, 2)]
+    value_dim = d // 2
+    num_keys = round(math.sqrt(expansion * dense_params / (len(placement) * value_dim)))
+
+    def ultramem(keys):
+        m = DecodeModel(d, heads, layers, lambda: DenseFFN(d, inner),
+                        [_ultramem(d, layers, keys, topk, seed + k) for k in range(len(placement))], placement)
+        m.load_state_dict(dense.state_dict(), strict=False)
+        return m
+
+    um = ultramem(num_keys)
+    um_params = sum(p.numel() for p in um.parameters())
+    expert_params = 2 * d * 2 * d
+    attn_params = sum(p.numel() for p in dense.attn.parameters())
+    experts = max(2, round((um_params - attn_params) / layers / expert_params))
+    moe = DecodeModel(d, heads, layers, lambda: MoELayer(d, experts, 2 * d, topk=2))
+    um10 = ultramem(round(num_keys * math.sqrt(10)))
+    return {"dense": dense, "moe": moe, "ultramem": um, "ultramem_10x": um10}, {
+        "hidden": d, "layers": layers, "dense_params": dense_params, "ultramem_params": um_params,
+        "moe_params": sum(p.numel() for p in moe.parameters()), "moe_experts": experts,
+        "ultramem_num_keys": num_keys, "ultramem_slots_per_layer": num_keys ** 2, "ultramem_topk": topk,
+        "ultramem_10x_slots_per_layer": round(num_keys * math.sqrt(10)) ** 2, "placement": placement}
+
+
+def _sparse_tensors(model):
+    out = set()
+    for m in model.modules():
+        if isinstance(m, MemoryLayer):
+            out.add(m.values.weight)
+        if isinstance(m, MoELayer):
+            out.update((m.fc1, m.fc2))
+    return out
+
+
+def bytes_touched(model, x, caches, states):
+    """Dense weight bytes plus the sparse rows / experts one step's routing selects."""
+    sparse = _sparse_tensors(model)
+    total = sum(p.numel() * p.element_size() for p in model.parameters() if p not in sparse)
+    touched = []
+    hooks = []
+    for m in model.modules():
+        if isinstance(m, MemoryLayer):
+            table, orig = m.values, m.values.lookup_reduce
+
+            def counting(indices, scores, block_ids, num_blocks, _orig=orig, _t=table):
+                touched.append(indices.unique().numel() * _t.dim * _t.weight.element_size())
+                return _orig(indices, scores, block_ids, num_blocks)
+
+            table.lookup_reduce = counting
+            hooks.append((table, orig))
+        if isinstance(m, MoELayer):
+            def route(mod, args, out, _m=m):
+                used = out.topk(_m.topk, dim=-1).indices.unique().numel()
+                touched.append(used * (_m.fc1[0].numel() + _m.fc2[0].numel()) * _m.fc1.element_size())
+            hooks.append(m.router.register_forward_hook(route))
+    model.step(x, caches, states)
+    for h in hooks:
+        if isinstance(h, tuple):
+            h[0].lookup_reduce = h[1]
+        else:
+            h.remove()
+    return total + sum(touched)
+
+
+def measure(models, batch, d, heads, layers, kv_len, reps):
+    """Per model: (median step latency, bytes touched). Models are timed round-robin, one step
+    each per round, so load changes on a shared machine hit them alike."""
+    gen = torch.Generator().manual_seed(batch)
+    hd = d // heads
+    caches = [(torch.randn(batch, heads, kv_len, hd, generator=gen), torch.randn(batch, heads, kv_len, hd, generator=gen))
+              for _ in range(layers)]
+    states = {name: [{} for _ in m.memory] for name, m in models.items()}
+    x = torch.randn(1, batch, d, generator=gen)
+    nbytes = {name: bytes_touched(m, x, caches, states[name]) for name, m in models.items()}
+    times = {name: [] for name in models}
+    for r in range(reps + 2):
+        x = torch.randn(1, batch, d, generator=gen)
+        for name, model in models.items():
+            t0 = time.perf_counter()
+            model.step(x, caches, states[name])
+            if r >= 2:
+                times[name].append(time.perf_counter() - t0)
+    return {name: (statistics.median(times[name]), nbytes[name]) for name in models}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller model and batch list (~3 min on 2 cores)")
+    ap.add_argument("--json", help="write {benchmark, machine, rows, summary} here")
+    ap.add_argument("--hidden", type=int, help="model width (default 512, quick 256)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-len", type=int, help="KV cache length (default 256, quick 64)")
+    ap.add_argument("--expansion", type=float, default=12.0, help="UltraMem sparse params / dense params")
+    ap.add_argument("--topk", type=int, default=16, help="UltraMem top-m per head (2 heads)")
+    ap.add_argument("--batches", help="comma-separated batch sizes (default 1,4,16,64,256,512; quick 1,16,64,256)")
+    ap.add_argument("--reps", type=int, help="timed decode steps per point (default 20, quick 8)")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    d = args.hidden or (256 if args.quick else 512)
+    kv = args.kv_len or (64 if args.quick else 256)
+    reps = args.reps or (8 if args.quick else 20)
+    batches = [int(b) for b in (args.batches or ("1,16,64,256" if args.quick else "1,4,16,64,256,512")).split(",")]
+    models, shapes = build_models(d, args.heads, args.layers, args.expansion, args.topk)
+    rows = []
+    print(f"{'batch':>6} " + " ".join(f"{n + ' ms':>15} {n + ' MB':>15}" for n in models))
+    for b in batches:
+        row = {"batch": b}
+        for name, (lat, nbytes) in measure(models, b, d, args.heads, args.layers, kv, reps).items():
+            row[f"{name}_latency_ms"] = lat * 1e3
+            row[f"{name}_bytes"] = nbytes
+        rows.append(row)
+        print(f"{b:>6} " + " ".join(f"{row[n + '_latency_ms']:>15.2f} {row[n + '_bytes'] / 1e6:>15.1f}" for n in models),
+              flush=True)
+    ref = next((r for r in rows if r["batch"] == 64), rows[-1])
+    summary = {
+        "ultramem_over_dense_latency_b64": ref["ultramem_latency_ms"] / ref["dense_latency_ms"],
+        "moe_over_ultramem_latency_b64": ref["moe_latency_ms"] / ref["ultramem_latency_ms"],
+        "ultramem_latency_growth_10x_slots": statistics.median(
+            r["ultramem_10x_latency_ms"] / r["ultramem_latency_ms"] for r in rows),
+        "summary_batch": ref["batch"],
+    }
+    print(json.dumps({"shapes": shapes, "summary": summary}, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "bench_memory_inference",
+                       "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                                   "threads": args.threads, "torch": torch.__version__},
+                       "config": {**shapes, "kv_len": kv, "reps": reps, "expansion": args.expansion},
+                       "rows": rows, "summary": summary}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
