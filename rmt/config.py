@@ -35,6 +35,12 @@ class ModelConfig:
     layernorm_epsilon: float = 1e-5
     init_std: float = 0.02
     dropout: float = 0.0
+    # Residual Matrix Transformer (arch: rmt): a Dk x Dv residual matrix per token, rank R
+    # (= attention heads = FF reads/writes = embedding/unembedding keys). position: 'alibi'
+    # or 'learned' for rmt.
+    dk: int = 16
+    dv: int = 16
+    rank: int = 4
 
 
 @dataclass
