@@ -39,6 +39,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.enums import ModelType
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
@@ -194,6 +195,7 @@ class RMTModel(MegatronModule):
         tconfig = rmt_transformer_config(config)
         super().__init__(config=tconfig)
         self.pre_process, self.post_process, self.vp_stage = pre_process, post_process, vp_stage
+        self.model_type = ModelType.encoder_or_decoder
         self.share_embeddings_and_output_weights = False
         self.dk, self.dv, self.rank = m.dk, m.dv, m.rank
         self.alibi = m.position == "alibi"
