@@ -250,10 +250,11 @@ class RMTModel(MegatronModule):
         """Global keys: layers by their global number (``layers.{l-1}.``), TP shards by offset
         (megatron's layers), everything else replicated."""
         out = {}
+        tp_group = parallel_state.get_tensor_model_parallel_group()
         for name, module in self.named_children():
             if name != "layers":
-                out.update(sharded_state_dict_default(module, f"{prefix}{name}.",
-                                                      sharded_offsets, metadata))
+                out.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets,
+                                                      metadata, tp_group=tp_group))
         for i, layer in enumerate(self.layers):
             local = f"{prefix}layers.{i}."
             sd = layer.sharded_state_dict(local, sharded_offsets, metadata)
