@@ -147,3 +147,15 @@ def test_rmt_positions_and_dropout_are_checked():
         rmt_config("model.dropout=0.1")
     with pytest.raises(ConfigError, match="model.dk must be positive"):
         rmt_config("model.dk=0")
+
+
+def test_matrix_rmsnorm_matches_torch_and_gradcheck():
+    from rmt.models.rmt import MatrixRMSNorm
+
+    norm = MatrixRMSNorm(3, 5, 1e-6).double()
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(4, 2, 3, 5, dtype=torch.float64, requires_grad=True)
+    torch.testing.assert_close(norm(x), F.rms_norm(x, (3, 5), norm.weight.view(3, 5), 1e-6))
+    # gradcheck perturbs the gain in place, so norm(a) sees every perturbation of g
+    assert torch.autograd.gradcheck(lambda a, g: norm(a), (x, norm.weight))

@@ -79,17 +79,46 @@ def alibi_slopes(rank: int) -> torch.Tensor:
     return torch.pow(2.0, -8.0 * torch.arange(1, rank + 1, dtype=torch.float64) / rank).float()
 
 
+class _MatrixRMSNormFunction(torch.autograd.Function):
+    """``y = x / rms(x) * g`` over the last dim of ``x [T, n]`` with a hand-written backward:
+    the residual matrix is Dk/R times wider than the transformer's residual vector, so the
+    number of passes over it (about 3 forward, 6 backward here; twice that for the autograd
+    composite) decides the norm's cost."""
+
+    @staticmethod
+    def forward(ctx, x, gain, eps):
+        n = x.shape[-1]
+        acc = torch.promote_types(x.dtype, torch.float32)
+        ms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=acc).square_().div_(n)
+        rstd = ms.add_(eps).rsqrt_().to(x.dtype)
+        ctx.save_for_backward(x, gain, rstd)
+        return (x * rstd).mul_(gain)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, gain, rstd = ctx.saved_tensors
+        n = x.shape[-1]
+        grad_gain = None
+        if ctx.needs_input_grad[1]:
+            grad_gain = (grad * x * rstd).sum(0)
+        gy = grad * gain
+        dot = torch.bmm(gy.unsqueeze(1), x.unsqueeze(2)).squeeze(2)  # sum_j gy_j x_j
+        grad_x = torch.addcmul(gy, x, dot * rstd.square() / -n).mul_(rstd)
+        return grad_x, grad_gain, None
+
+
 class MatrixRMSNorm(torch.nn.Module):
     """RMSNorm over all Dk*Dv entries of a token's residual matrix, elementwise gain (ones).
     The gain is stored flat so that the optimizer treats it as a norm (no weight decay)."""
 
     def __init__(self, dv: int, dk: int, eps: float):
         super().__init__()
-        self.shape, self.eps = (dv, dk), eps
+        self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(dv * dk))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.shape, self.weight.view(self.shape), self.eps)
+        flat = x.reshape(-1, self.weight.numel())
+        return _MatrixRMSNormFunction.apply(flat, self.weight, self.eps).view(x.shape)
 
 
 class RMTEmbedding(MegatronModule):
@@ -147,10 +176,10 @@ class RMTLayer(MegatronModule):
         s, b = x.shape[:2]
         heads = self.local_heads
         qkv, _ = self.attn_read(self.attn_norm(x).view(s, b * self.dv, self.dk))
-        q, k, v = qkv.view(s, b, self.dv, heads, 3).permute(4, 1, 3, 0, 2).unbind(0)
+        # [3, b, heads, s, Dv] with Dv contiguous: the layout fused SDPA kernels take.
+        q, k, v = qkv.view(s, b, self.dv, heads, 3).permute(4, 1, 3, 0, 2).float().contiguous()
         with torch.autocast(device_type=x.device.type, enabled=False):
-            ctx = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
-                                                 attn_mask=bias, scale=self.scale)
+            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scale)
         ctx = ctx.to(qkv.dtype).permute(2, 0, 3, 1).reshape(s, b * self.dv, heads)
         out, _ = self.attn_write(ctx)
         return out.view(s, b, self.dv, self.dk)
