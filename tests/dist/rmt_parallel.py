@@ -5,7 +5,8 @@ the single-process reference (losses of two train steps, gradients and weights a
 
 LAYOUT is ``tp``, ``pp`` or ``dp`` (two ranks each). The reference comes from
 ``tests/test_rmt_parallel.py`` (:func:`run_steps` in one process). Exit status 0 iff every
-layout matches within 1e-5.
+layout matches within 1e-5. The ``tp`` run also saves a checkpoint to the reference's
+``save_dir`` (the test loads it with TP=1).
 """
 
 import sys
@@ -33,11 +34,14 @@ def tiny_overrides(cache_dir: str):
 
 
 def run_steps(overrides, world_size: int) -> dict:
-    """Two train steps; losses, then full gradients and weights (every rank gets them)."""
+    """Two train steps (then a checkpoint if ``train.save`` is set); losses, then full
+    gradients and weights (every rank gets them)."""
     config = validate(load_config(None, overrides), world_size)
     parallel.initialize(config)
     trainer = Trainer(config)
     losses = [trainer.train_step()["lm loss"] for _ in range(2)]
+    if config.train.save:
+        trainer.save()
     grads = gather_full(trainer.chunks, lambda p: p.main_grad)
     weights = gather_full(trainer.chunks)
     parallel_state.destroy_model_parallel()
@@ -64,7 +68,8 @@ def main() -> int:
     ref = torch.load(sys.argv[1])
     errors = []
     for layout in sys.argv[2:]:
-        got = run_steps(tiny_overrides(ref["cache_dir"]) + LAYOUTS[layout], 2)
+        save = [f"train.save={ref['save_dir']}"] if layout == "tp" else []
+        got = run_steps(tiny_overrides(ref["cache_dir"]) + LAYOUTS[layout] + save, 2)
         errors += compare(layout, ref, got)
     if torch.distributed.get_rank() == 0:
         print("\n".join(errors) or "all layouts equal the single-process run")
