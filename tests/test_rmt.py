@@ -159,3 +159,17 @@ def test_matrix_rmsnorm_matches_torch_and_gradcheck():
     torch.testing.assert_close(norm(x), F.rms_norm(x, (3, 5), norm.weight.view(3, 5), 1e-6))
     # gradcheck perturbs the gain in place, so norm(a) sees every perturbation of g
     assert torch.autograd.gradcheck(lambda a, g: norm(a), (x, norm.weight))
+
+
+def test_matrix_rmsnorm_bf16_input_keeps_fp32_gain_grad():
+    from rmt.models.rmt import MatrixRMSNorm
+
+    norm = MatrixRMSNorm(4, 8, 1e-6)
+    x = torch.randn(6, 4, 8)
+    ref = norm(x)
+    xb = x.bfloat16().requires_grad_()
+    out = norm(xb)
+    out.float().sum().backward()
+    assert out.dtype == torch.bfloat16 and xb.grad.dtype == torch.bfloat16
+    assert norm.weight.grad.dtype == torch.float32
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)

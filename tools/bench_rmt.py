@@ -8,11 +8,12 @@ the persistent state (weights, gradient buffers, AdamW moments) plus the highest
 allocation during one step (CUDA: the allocator's peak; CPU: the profiler's allocation trace).
 
     python tools/bench_rmt.py [--quick] [--json FILE]     # step time and memory
-    python tools/bench_rmt.py --train [--quick]           # tiny twins: validation loss
+    python tools/bench_rmt.py --train [--quick]           # tiny twins: validation loss, LR sweep
 
 JSON: {"benchmark": "bench_rmt", "machine", "rows", "summary"}; summary keys
-``step_time_ratio_rmt_over_transformer`` and ``peak_mem_ratio`` (largest size run), with
-``--train`` also ``val_loss_rmt`` and ``val_loss_transformer``.
+``step_time_ratio_rmt_over_transformer`` and ``peak_mem_ratio`` (largest size run); with
+``--train`` instead ``val_loss_rmt`` and ``val_loss_transformer`` (each at its best LR of the
+sweep) and the LRs.
 """
 
 from __future__ import annotations
@@ -112,23 +113,31 @@ def bench_size(size: str, steps: int, warmup: int) -> dict:
     return row
 
 
-def train_twins(quick: bool) -> dict:
-    """Tiny twins (configs/tiny.yaml and configs/rmt_tiny.yaml) for the same tokens."""
-    out = {}
+LRS = (1e-3, 3e-3, 1e-2)
+
+
+def train_twins(quick: bool) -> list:
+    """Tiny twins (configs/tiny.yaml and configs/rmt_tiny.yaml) for the same tokens, each at
+    the learning rates :data:`LRS` (the paper tuned each architecture's LR separately)."""
+    rows = []
     for name, path in (("transformer", "configs/tiny.yaml"), ("rmt", "configs/rmt_tiny.yaml")):
-        overrides = ["train.progress=false", "train.tensorboard_dir=null"]
-        if quick:
-            overrides += ["train.steps=60", "train.warmup_steps=6", "train.eval_interval=30"]
-        config = validate(load_config(os.path.join(ROOT, path), overrides), world_size=1)
-        start = time.perf_counter()
-        history = Trainer(config).train()
-        out[name] = {"config": path, "steps": config.train.steps,
-                     "tokens": config.train.steps * config.train.micro_batch_size * config.model.seq_length,
-                     "val_loss": [h["val_loss"] for h in history if "val_loss" in h][-1],
-                     "val_curve": [(h["step"], h["val_loss"]) for h in history if "val_loss" in h],
-                     "final_train_loss": history[-1]["lm loss"],
-                     "wall_s": time.perf_counter() - start}
-    return out
+        for lr in LRS:
+            overrides = ["train.progress=false", "train.tensorboard_dir=null", f"train.lr={lr}"]
+            if quick:
+                overrides += ["train.steps=60", "train.warmup_steps=6", "train.eval_interval=30"]
+            config = validate(load_config(os.path.join(ROOT, path), overrides), world_size=1)
+            start = time.perf_counter()
+            history = Trainer(config).train()
+            vals = [(h["step"], h["val_loss"]) for h in history if "val_loss" in h]
+            rows.append({"model": name, "config": path, "lr": lr, "steps": config.train.steps,
+                         "tokens": config.train.steps * config.train.micro_batch_size * config.model.seq_length,
+                         "val_loss": vals[-1][1], "val_curve": vals,
+                         "final_train_loss": history[-1]["lm loss"],
+                         "wall_s": time.perf_counter() - start})
+            r = rows[-1]
+            print(f"{name:<12} {lr:>7.0e} {r['tokens']:>9} {r['val_loss']:>9.4f} "
+                  f"{r['final_train_loss']:>10.4f} {r['wall_s']:>7.1f}", flush=True)
+    return rows
 
 
 def main(argv=None) -> int:
@@ -136,7 +145,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="sizes tiny and small, fewer steps")
     ap.add_argument("--steps", type=int, help="timed steps per model (default 10, quick 5)")
     ap.add_argument("--train", action="store_true",
-                    help="instead: train the tiny twins for the same tokens, compare val loss")
+                    help="instead: train the tiny twins for the same tokens at LRs 1e-3, 3e-3, "
+                         "1e-2 and compare validation losses")
     ap.add_argument("--json", metavar="FILE", help="write the results as JSON")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -146,14 +156,13 @@ def main(argv=None) -> int:
                "device": "cuda" if torch.cuda.is_available() else "cpu"}
     try:
         if args.train:
-            result = train_twins(args.quick)
-            rows = [dict(model=k, **v) for k, v in result.items()]
-            print(f"{'model':<12} {'tokens':>9} {'val loss':>9} {'train loss':>10} {'wall s':>7}")
-            for r in rows:
-                print(f"{r['model']:<12} {r['tokens']:>9} {r['val_loss']:>9.4f} "
-                      f"{r['final_train_loss']:>10.4f} {r['wall_s']:>7.1f}")
-            summary = {"val_loss_rmt": result["rmt"]["val_loss"],
-                       "val_loss_transformer": result["transformer"]["val_loss"]}
+            print(f"{'model':<12} {'lr':>7} {'tokens':>9} {'val loss':>9} {'train loss':>10} {'wall s':>7}")
+            rows = train_twins(args.quick)
+            best = {name: min((r for r in rows if r["model"] == name), key=lambda r: r["val_loss"])
+                    for name in ("rmt", "transformer")}
+            summary = {"val_loss_rmt": best["rmt"]["val_loss"], "lr_rmt": best["rmt"]["lr"],
+                       "val_loss_transformer": best["transformer"]["val_loss"],
+                       "lr_transformer": best["transformer"]["lr"]}
         else:
             steps = args.steps or (5 if args.quick else 10)
             rows = []

@@ -97,11 +97,12 @@ class _MatrixRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, gain, rstd = ctx.saved_tensors
-        n = x.shape[-1]
+        n, g = x.shape[-1], gain.to(x.dtype)
+        grad = grad.to(x.dtype)
         gx = grad * x
-        grad_gain = (rstd.t() @ gx).view(-1) if ctx.needs_input_grad[1] else None
-        dot = gx @ gain.unsqueeze(1)  # sum_j grad_j gain_j x_j per token
-        grad_x = torch.addcmul(grad * gain, x, dot * rstd.square() / -n).mul_(rstd)
+        grad_gain = (rstd.t() @ gx).view(-1).to(gain.dtype) if ctx.needs_input_grad[1] else None
+        dot = gx @ g.unsqueeze(1)  # sum_j grad_j gain_j x_j per token
+        grad_x = torch.addcmul(grad * g, x, dot * rstd.square() / -n).mul_(rstd)
         return grad_x, grad_gain, None
 
 
