@@ -42,6 +42,12 @@ class ModelConfig:
     mixer_kind: str = "mixed"
     mixer_decay: bool = False
     mixer_decay_scale: float = 1.0
+    # Residual Matrix Transformer (arch: rmt): a Dk x Dv residual matrix per token, rank R
+    # (= attention heads = FF reads/writes = embedding/unembedding keys). position: 'alibi'
+    # or 'learned' for rmt.
+    dk: int = 16
+    dv: int = 16
+    rank: int = 4
 
 
 @dataclass

@@ -129,8 +129,8 @@ def test_one_line_registration(monkeypatch, capsys):
         return 0
 
     monkeypatch.setattr(cli, "SUBCOMMANDS", list(cli.SUBCOMMANDS))
-    cli.SUBCOMMANDS.append(cli.Subcommand("model", "parameters and FLOPs", add_arguments,
+    cli.SUBCOMMANDS.append(cli.Subcommand("example", "parameters and FLOPs", add_arguments,
                                           run))
-    assert cli.main(["model", "--layers", "3"]) == 0
+    assert cli.main(["example", "--layers", "3"]) == 0
     assert "layers=3" in capsys.readouterr().out
-    assert cli.main(["model", "--layers", "x"]) == 2
+    assert cli.main(["example", "--layers", "x"]) == 2

@@ -21,7 +21,7 @@ _BUILDERS: Dict[str, Callable] = {}
 _STD_RULES: Dict[str, Callable] = {}
 _VALIDATORS: Dict[str, Callable] = {}
 # Modules that register architectures when imported.
-_ARCH_MODULES = ("rmt.models.transformer", "rmt.models.mixer", "rmt.models.recurrent")
+_ARCH_MODULES = ("rmt.models.transformer", "rmt.models.rmt", "rmt.models.mixer", "rmt.models.recurrent")
 
 
 def register(name: str, std_rule: Callable = default_std_rule, validate: Callable = None):

@@ -18,7 +18,7 @@ import json
 import sys
 from typing import Callable, NamedTuple
 
-from rmt.planner import comm, memory
+from rmt.planner import comm, flops, memory
 
 
 class Subcommand(NamedTuple):
@@ -274,6 +274,9 @@ SUBCOMMANDS: list[Subcommand] = [
     Subcommand("memory", "bytes per rank of table, gradients and optimizer states; "
                "minimal group size for a GPU memory", _add_memory_arguments, _run_memory),
 ]
+SUBCOMMANDS.append(Subcommand("model", "parameters, forward FLOPs and activation bytes per token "
+                              "of a transformer or RMT config (exact and paper Table 7)",
+                              flops.add_arguments, flops.run))
 
 
 def build_parser() -> argparse.ArgumentParser:
