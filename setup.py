@@ -36,6 +36,7 @@ setup(
             "rmt-train=rmt.training.cli:main",
             "rmt-preprocess=rmt.data.preprocess:main",
             "rmt-plan=rmt.planner.cli:main",
+            "rmt-generate=rmt.generate:main",
         ]
     },
 )

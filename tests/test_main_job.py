@@ -1,0 +1,39 @@
+"""The README's main-job command and the single-node launcher run (a few steps)."""
+
+import json
+import os
+
+from conftest import ROOT, _env, tiny_overrides
+
+import subprocess
+
+
+def test_quickstart_command_trains_with_falling_loss(cache_dir, tmp_path):
+    proc = subprocess.run(
+        ["bash", "launch/quickstart.sh", "train.steps=12", "train.warmup_steps=2", "train.eval_interval=6",
+         "train.eval_iters=1", f"train.tensorboard_dir={tmp_path}/tb", f"data.cache_dir={cache_dir}",
+         "data.max_documents=40", "data.split=90,10,0", "train.log_interval=6"],
+        cwd=ROOT, env=dict(_env()), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step     6 loss" in proc.stderr and "val_loss" in proc.stderr
+    assert "train: 100%" in proc.stderr
+    events = [f for f in os.listdir(tmp_path / "tb") if f.startswith("events.out.tfevents")]
+    assert events
+
+
+def test_single_node_launcher_runs_two_processes(cache_dir, tmp_path):
+    out = tmp_path / "h.json"
+    proc = subprocess.run(
+        ["bash", "launch/torchrun_single_node.sh"] + tiny_overrides(cache_dir, steps=4) +
+        ["parallel.tensor_model_parallel_size=2", "--json", str(out)],
+        cwd=ROOT, env=dict(_env(), NPROC="2", MASTER_PORT=str(_port())), capture_output=True,
+        text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [m["lm loss"] for m in json.load(open(out))["history"]]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+
+
+def _port():
+    from conftest import _free_port
+
+    return _free_port()

@@ -1,0 +1,21 @@
+"""bf16 (autocast) training runs on CPU and tracks fp32 closely, for the transformer and the RMT."""
+
+import json
+
+import pytest
+
+from conftest import rmt_train, tiny_overrides
+
+ARCHS = {"transformer": [], "rmt": ["model.arch=rmt", "model.position=alibi", "model.dk=8",
+                                    "model.dv=8", "model.rank=4"]}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_bf16_tracks_fp32(arch, cache_dir, tmp_path):
+    losses = {}
+    for precision in ("fp32", "bf16"):
+        out = tmp_path / f"{precision}.json"
+        rmt_train(tiny_overrides(cache_dir) + ARCHS[arch] + [f"train.precision={precision}", "--json", str(out)])
+        losses[precision] = [m["lm loss"] for m in json.load(open(out))["history"]]
+    assert losses["bf16"] != losses["fp32"]
+    assert losses["bf16"] == pytest.approx(losses["fp32"], abs=0.05)
