@@ -273,17 +273,6 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout must lie in [0, 1), got {m.dropout}")
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    if m.num_attention_heads % tp:
-        raise ConfigError(
-            f"model.num_attention_heads ({m.num_attention_heads}) must be divisible by "
-            f"parallel.tensor_model_parallel_size ({tp})")
-    if m.hidden_size % m.num_attention_heads:
-        raise ConfigError(
-            f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_attention_heads "
-            f"({m.num_attention_heads})")
-    ffn = m.ffn_hidden_size or 4 * m.hidden_size
-    if ffn % tp:
-        raise ConfigError(f"model.ffn_hidden_size ({ffn}) must be divisible by parallel.tensor_model_parallel_size ({tp})")
     if world_size % (tp * pp):
         raise ConfigError(
             f"world size {world_size} is not divisible by tensor x pipeline parallel size "

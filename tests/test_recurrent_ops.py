@@ -26,3 +26,22 @@ def test_rejects_bad_input():
         recurrent_ops_per_sample(1, 8, 16, 32)
     with pytest.raises(ValueError, match="hidden must be positive"):
         transformer_ops_per_sample(1, 0, 16)
+
+
+def test_rmt_plan_model_reports_recurrent_ops(tmp_path):
+    import json
+
+    from rmt.planner.cli import main
+
+    import os
+
+    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "recurrent_tiny.yaml")
+    out = tmp_path / "ops.json"
+    assert main(["model", "--config", config, "--json", str(out)]) == 0
+    doc = json.load(open(out))
+    from rmt.config import load_config
+
+    m = load_config(config).model
+    r, d, l, k = m.num_layers, m.hidden_size, m.seq_length, m.block_width
+    assert doc["ops_per_sample"] == r * (4 * d * l * k + 2 * l * d * d)
+    assert doc["transformer_ops_per_sample"] == r * (l * l * d + l * d * d)

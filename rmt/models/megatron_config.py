@@ -6,7 +6,25 @@ import torch
 from megatron.core.transformer import TransformerConfig
 
 from rmt.config import RMTConfig
+from rmt.errors import ConfigError
 from rmt.parallel import compat
+
+
+def validate_attention_shapes(config: RMTConfig) -> None:
+    """What megatron-core's TransformerConfig and TP layers need of heads and widths (for the
+    architectures built from ``model.hidden_size`` / ``num_attention_heads``)."""
+    m, tp = config.model, config.parallel.tensor_model_parallel_size
+    if m.num_attention_heads % tp:
+        raise ConfigError(
+            f"model.num_attention_heads ({m.num_attention_heads}) must be divisible by "
+            f"parallel.tensor_model_parallel_size ({tp})")
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(
+            f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_attention_heads "
+            f"({m.num_attention_heads})")
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    if ffn % tp:
+        raise ConfigError(f"model.ffn_hidden_size ({ffn}) must be divisible by parallel.tensor_model_parallel_size ({tp})")
 
 
 def padded_vocab_size(config: RMTConfig) -> int:

@@ -44,7 +44,7 @@ from rmt.config import RMTConfig
 from rmt.errors import ConfigError
 from rmt.models.build import register
 from rmt.models.init import default_std_rule
-from rmt.models.megatron_config import padded_vocab_size, transformer_config
+from rmt.models.megatron_config import padded_vocab_size, transformer_config, validate_attention_shapes
 
 KINDS = ("masked", "row", "column", "mixed")
 _DECAY_MIN = 0.9
@@ -234,6 +234,7 @@ def mixer_std_rule(config: RMTConfig):
 
 def validate_mixer(config: RMTConfig) -> None:
     m, p = config.model, config.parallel
+    validate_attention_shapes(config)
     if p.tensor_model_parallel_size > 1 or p.pipeline_model_parallel_size > 1:
         raise ConfigError("model.arch 'mixer' supports data parallelism only; set "
                           "parallel.tensor_model_parallel_size and pipeline_model_parallel_size to 1")

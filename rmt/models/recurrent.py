@@ -35,7 +35,7 @@ from megatron.core.transformer.spec_utils import build_module
 from rmt.config import RMTConfig
 from rmt.errors import ConfigError
 from rmt.models.build import register
-from rmt.models.megatron_config import padded_vocab_size, transformer_config
+from rmt.models.megatron_config import padded_vocab_size, transformer_config, validate_attention_shapes
 from rmt.models.mixer import norm
 
 
@@ -116,6 +116,7 @@ class RecurrentTransformer(MegatronModule):
 
 def validate_recurrent(config: RMTConfig) -> None:
     m, p = config.model, config.parallel
+    validate_attention_shapes(config)
     if p.tensor_model_parallel_size > 1 or p.pipeline_model_parallel_size > 1:
         raise ConfigError("model.arch 'recurrent' supports data parallelism only; set "
                           "parallel.tensor_model_parallel_size and pipeline_model_parallel_size to 1")

@@ -11,12 +11,13 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from rmt.config import RMTConfig
 from rmt.errors import ConfigError
 from rmt.models.build import register
-from rmt.models.megatron_config import padded_vocab_size, transformer_config
+from rmt.models.megatron_config import padded_vocab_size, transformer_config, validate_attention_shapes
 
 _POSITIONS = {"learned": "learned_absolute", "rope": "rope"}
 
 
 def validate_transformer(config: RMTConfig) -> None:
+    validate_attention_shapes(config)
     if config.model.position not in _POSITIONS:
         raise ConfigError(f"model.position must be 'learned' or 'rope' for the transformer, got '{config.model.position}'")
 

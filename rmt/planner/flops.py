@@ -30,6 +30,7 @@ from typing import Dict, List
 
 from rmt.config import RMTConfig, load_config
 from rmt.errors import UserError
+from rmt.planner.recurrent_ops import recurrent_ops_per_sample, transformer_ops_per_sample
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
@@ -123,9 +124,21 @@ def _with_per_sequence(doc: Dict, N: int) -> Dict:
     return doc
 
 
-def plan_model(config: RMTConfig) -> Dict:
-    """Counts for ``config.model`` (``arch`` transformer or rmt)."""
+def recurrent_plan(config: RMTConfig) -> Dict:
+    """Ops per sample of the recurrent transformer against a regular transformer of the same
+    shape (the paper's accounting, :mod:`rmt.planner.recurrent_ops`)."""
     m = config.model
+    recurrent = recurrent_ops_per_sample(m.num_layers, m.hidden_size, m.seq_length, m.block_width)
+    regular = transformer_ops_per_sample(m.num_layers, m.hidden_size, m.seq_length)
+    return {"arch": "recurrent", "ops_per_sample": recurrent, "transformer_ops_per_sample": regular,
+            "ops_ratio_recurrent_over_transformer": recurrent / regular}
+
+
+def plan_model(config: RMTConfig) -> Dict:
+    """Counts for ``config.model`` (``arch`` transformer, rmt or recurrent)."""
+    m = config.model
+    if m.arch == "recurrent":
+        return recurrent_plan(config)
     if m.vocab_size is None:
         raise ValueError("model.vocab_size must be set to count parameters")
     Vp = _pad(m.vocab_size, m.make_vocab_size_divisible_by)
@@ -139,17 +152,21 @@ def plan_model(config: RMTConfig) -> Dict:
         doc = rmt_counts(m.num_layers, m.dk, m.dv, m.rank, m.ffn_hidden_size or 4 * m.rank * m.dv,
                          m.vocab_size, m.seq_length, Vp, m.position, dtype)
     else:
-        raise ValueError(f"model.arch '{m.arch}' has no FLOP model; valid: transformer, rmt")
+        raise ValueError(f"model.arch '{m.arch}' has no FLOP model; valid: transformer, rmt, recurrent")
     return _with_per_sequence(doc, m.seq_length)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, help="YAML config (model.arch transformer or rmt)")
+    p.add_argument("--config", required=True, help="YAML config (model.arch transformer, rmt or recurrent)")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     p.add_argument("--json", metavar="FILE", help="write the numbers to FILE")
 
 
 def _lines(doc: Dict) -> List[str]:
+    if doc["arch"] == "recurrent":
+        return [f"recurrent: ops per sample r(4dlk + 2ld^2) = {doc['ops_per_sample']:,}",
+                f"transformer of the same shape: r(l^2 d + l d^2) = {doc['transformer_ops_per_sample']:,}",
+                f"ratio recurrent / transformer = {doc['ops_ratio_recurrent_over_transformer']:.3f}"]
     out = [f"{doc['arch']}: parameters {doc['params']:,} (Table 7 formula: "
            f"{doc['paper_params']:,.0f}, exact - formula = {doc['params'] - doc['paper_params']:+,.0f})"]
     out += [f"  {d['count']:+16,}  {d['item']}" for d in doc["params_differences"]]
