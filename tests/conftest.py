@@ -18,7 +18,8 @@ def tiny_overrides(cache_dir, steps=3):
     return [f"data.cache_dir={cache_dir}", "data.max_documents=20", "model.num_layers=2",
             "model.hidden_size=32", "model.num_attention_heads=4", "model.seq_length=32",
             f"train.steps={steps}", "train.warmup_steps=1", "train.micro_batch_size=2",
-            "train.global_batch_size=4", "train.eval_iters=0", "train.progress=false"]
+            "train.global_batch_size=4", "train.eval_iters=0", "train.progress=false",
+            "train.z_loss=1e-3"]
 
 
 def _free_port():

@@ -23,7 +23,9 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
     """Mean over unmasked tokens of CE (+ z-loss). ``logits`` ``[b, s, V/tp]``. Returns
     ``(loss, cross_entropy)``, the second detached for reporting."""
     logits = logits.float()
-    ce = tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
+    # megatron-core's cross-entropy overwrites its input (in-place max-subtract and exp): give
+    # it a copy when the z-loss still needs the logits.
+    ce = tensor_parallel.vocab_parallel_cross_entropy(logits.clone() if z_loss > 0 else logits, labels)
     mask = loss_mask.float()
     denom = mask.sum().clamp(min=1.0)
     ce_mean = (ce * mask).sum() / denom

@@ -1,0 +1,78 @@
+"""Trainer pieces in one process: loss with z-loss, parameter groups, LR schedule, clipping."""
+
+import math
+
+import pytest
+import torch
+
+from rmt import parallel
+from rmt.config import load_config, validate
+
+
+@pytest.fixture(scope="module")
+def config():
+    cfg = validate(load_config(None, ["model.vocab_size=300", "train.steps=100", "train.warmup_steps=10",
+                                      "train.lr=1e-3", "train.min_lr_ratio=0.1"]))
+    parallel.initialize(cfg)
+    yield cfg
+    parallel.destroy()
+
+
+def test_lm_loss_with_z_loss_matches_formula(config):
+    from rmt.training.loss import lm_loss
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 5))
+    mask = torch.ones(2, 5)
+    mask[1, 3:] = 0
+    loss, ce = lm_loss(logits, labels, mask, z_loss=1e-2)
+    lse = torch.logsumexp(logits, -1)
+    ref_ce = ((lse - logits.gather(-1, labels[..., None])[..., 0]) * mask).sum() / mask.sum()
+    ref = ref_ce + 1e-2 * (lse ** 2 * mask).sum() / mask.sum()
+    torch.testing.assert_close(ce, ref_ce.detach())
+    torch.testing.assert_close(loss, ref)
+    loss.backward()
+    grad = logits.grad.clone()
+    logits.grad = None
+    ref.backward()
+    torch.testing.assert_close(grad, logits.grad)
+
+
+def test_param_groups_exclude_norms_biases_embeddings(config):
+    from rmt.models.build import build
+    from rmt.training.optimizer import param_groups
+
+    chunks = build(config)
+    names = {id(p): n for n, p in chunks[0].named_parameters()}
+    decay, no_decay = param_groups(chunks, config)
+    assert decay["weight_decay"] == config.train.weight_decay and no_decay["weight_decay"] == 0.0
+    decayed = {names[id(p)] for p in decay["params"]}
+    assert decayed and all(n.endswith("weight") and "norm" not in n and "embedding" not in n
+                           and "output_layer" not in n for n in decayed)
+    assert any("embedding" in names[id(p)] for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(names)
+
+
+def test_warmup_then_cosine_schedule(config):
+    from rmt.training.optimizer import build_scheduler
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    sched = build_scheduler(opt, config)
+    lrs = []
+    for _ in range(101):
+        lrs.append(opt.param_groups[0]["lr"])
+        sched.step(1)
+    assert lrs[0] == 0.0 and lrs[5] == pytest.approx(5e-4) and lrs[10] == pytest.approx(1e-3)
+    mid = 1e-4 + 0.5 * (1e-3 - 1e-4) * (1 + math.cos(math.pi * 45 / 90))
+    assert lrs[55] == pytest.approx(mid) and lrs[100] == pytest.approx(1e-4)
+
+
+def test_clip_gradients_scales_to_max_norm(config):
+    from rmt.training.optimizer import clip_gradients
+
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4))]
+    params[0].grad = torch.tensor([3.0, 0.0, 0.0])
+    params[1].grad = torch.tensor([0.0, 4.0, 0.0, 0.0])
+    assert clip_gradients(params, 1.0) == pytest.approx(5.0)
+    assert torch.linalg.vector_norm(torch.cat([p.grad for p in params])).item() == pytest.approx(1.0, abs=1e-5)
