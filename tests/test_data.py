@@ -103,17 +103,23 @@ def test_out_of_range_token_ids_rejected(cache_dir, tmp_path):
     assert "out of range for model.vocab_size 200" in proc.stderr
 
 
-def test_preprocess_cli_errors_exit_2(tmp_path):
-    proc = run_python(["-m", "rmt.data.preprocess", "--input", str(tmp_path / "x.jsonl"),
-                       "--output-prefix", str(tmp_path / "o")], check=False)
-    assert proc.returncode == 2 and "does not exist" in proc.stderr
+def _exit_code_and_stderr(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        preprocess_main(argv)
+    return exc.value.code, capsys.readouterr().err
+
+
+def test_preprocess_cli_errors_exit_2(tmp_path, capsys):
+    code, err = _exit_code_and_stderr(["--input", str(tmp_path / "x.jsonl"), "--output-prefix", str(tmp_path / "o")], capsys)
+    assert code == 2 and err == f"rmt-preprocess: error: input file '{tmp_path}/x.jsonl' does not exist\n"
     csv = tmp_path / "x.csv"
     csv.write_text("a,b\n")
-    proc = run_python(["-m", "rmt.data.preprocess", "--input", str(csv), "--output-prefix", str(tmp_path / "o")], check=False)
-    assert proc.returncode == 2 and "is not .jsonl, .json, .txt or .parquet" in proc.stderr
-    proc = run_python(["-m", "rmt.data.preprocess", "--input", _jsonl(tmp_path / "in.jsonl"),
-                       "--output-prefix", str(tmp_path / "o"), "--text-key", "body"], check=False)
-    assert proc.returncode == 2 and "no 'body' field" in proc.stderr
+    code, err = _exit_code_and_stderr(["--input", str(csv), "--output-prefix", str(tmp_path / "o")], capsys)
+    assert code == 2 and "is not .jsonl, .json, .txt or .parquet" in err
+    code, err = _exit_code_and_stderr(["--input", _jsonl(tmp_path / "in.jsonl"), "--output-prefix",
+                                       str(tmp_path / "o"), "--text-key", "body"], capsys)
+    assert code == 2 and "no 'body' field" in err
+    assert not os.path.exists(tmp_path / "o.bin")
 
 
 def test_default_corpus_is_real_text():
