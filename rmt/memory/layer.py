@@ -223,8 +223,9 @@ class MemoryLayer(torch.nn.Module):
             out = torch.einsum("tpd,pdo->to", pooled, self.proj.to(pooled.dtype))
         else:
             out = pooled[:, 0]
+        # Eq. 12 only regularises training: not computed without autograd (decoding, evaluation).
         self.aux_loss = (tucker_aux_loss(self.cores, s.aux_loss_weight, s.aux_loss_margin)
-                         if s.retrieval == "tucker" else None)
+                         if s.retrieval == "tucker" and torch.is_grad_enabled() else None)
         return out.reshape(seq, b, s.hidden_size)
 
     # -- slot usage ------------------------------------------------------------------------
