@@ -8,8 +8,11 @@ layers (attention + GELU FFN). Models, side by side in one run:
 * ultramem: dense + UltraMem layers (``rmt.memory.MemoryLayer``, every §3.2 improvement on) at
   skip placements, sparse parameters ``--expansion`` x the dense ones (same activated compute as
   dense plus the small memory query/retrieval);
-* moe: every FFN replaced by top-2 of N experts of inner 2D (granularity 2, same activated FFN
-  compute as dense), N chosen so total parameters equal UltraMem's;
+* moe: every FFN replaced by top-2 of N experts (granularity 2) whose inner width is widened
+  from 2D so that MoE's activated compute equals UltraMem's (dense + memory layers, counted by
+  :func:`ultramem_macs`), N chosen so total parameters equal UltraMem's: the paper's setting
+  (§5.1 "we slightly increased the width of MoE's experts to match UltraMem's computational and
+  parameter costs"; Table 9: MoE-1.6B-2in34 3.52 GFLOPs vs UltraMem-1.6B-x12 3.50);
 * ultramem_10x: UltraMem with 10x the slots at the same top-m (Fig. 6c).
 
 Bytes touched = dense weights + the experts / value rows the step's routing actually selected
@@ -92,6 +95,18 @@ def _ultramem(d, layers, num_keys, topk, seed):
     return MemoryLayer(spec).eval()
 
 
+def ultramem_macs(spec: MemorySpec) -> int:
+    """Multiply-adds per token of one UltraMem layer: causal conv, query projection, row and
+    column key scores (Eq. 4), phase-2 grid scores of the 2m x 2m candidates per core (Eq. 10,
+    16), weighted pooling of the H*m values and the E per-block projectors (Eq. 15)."""
+    s = spec
+    n, sides = s.grid, 1 if s.share_query else 2
+    return (s.hidden_size * s.conv_kernel + s.hidden_size * s.num_heads * sides * s.side_dim
+            + s.num_heads * 2 * n * s.side_dim
+            + s.num_heads * s.num_cores * s.tucker_rank * (2 * s.topk) * (2 * s.topk + s.tucker_rank)
+            + s.num_heads * s.topk * s.value_dim + s.ive_blocks * s.value_dim * s.hidden_size)
+
+
 def build_models(d, heads, layers, expansion, topk, seed=0):
     torch.manual_seed(seed)
     inner = 4 * d
@@ -109,14 +124,19 @@ def build_models(d, heads, layers, expansion, topk, seed=0):
 
     um = ultramem(num_keys)
     um_params = sum(p.numel() for p in um.parameters())
-    expert_params = 2 * d * 2 * d
+    memory_macs = sum(ultramem_macs(m.spec) for m in um.memory)
+    # Top-2 experts of inner e: 2 * 2 d e multiply-adds = the dense FFN's 2 d 4d + memory's share.
+    expert_inner = round((2 * d * inner + memory_macs / layers) / (4 * d))
+    expert_params = 2 * d * expert_inner
     attn_params = sum(p.numel() for p in dense.attn.parameters())
     experts = max(2, round((um_params - attn_params) / layers / expert_params))
-    moe = DecodeModel(d, heads, layers, lambda: MoELayer(d, experts, 2 * d, topk=2))
+    moe = DecodeModel(d, heads, layers, lambda: MoELayer(d, experts, expert_inner, topk=2))
     um10 = ultramem(round(num_keys * math.sqrt(10)))
     return {"dense": dense, "moe": moe, "ultramem": um, "ultramem_10x": um10}, {
         "hidden": d, "layers": layers, "dense_params": dense_params, "ultramem_params": um_params,
         "moe_params": sum(p.numel() for p in moe.parameters()), "moe_experts": experts,
+        "moe_expert_inner": expert_inner, "ultramem_memory_macs_per_token": memory_macs,
+        "dense_ffn_macs_per_token": layers * 2 * d * inner,
         "ultramem_num_keys": num_keys, "ultramem_slots_per_layer": num_keys ** 2, "ultramem_topk": topk,
         "ultramem_10x_slots_per_layer": round(num_keys * math.sqrt(10)) ** 2, "placement": placement}
 

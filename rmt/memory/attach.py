@@ -6,6 +6,9 @@ dimension of their hidden states), or megatron's ``decoder.layers`` (GPTModel; `
 A block's output may be a tensor or a tuple whose first element is the hidden state. For the
 placement ``i:j`` the hook on layer i keeps its output and the hook on layer j adds
 ``memory(kept)`` to its output (UltraMem §3.2 "skip-layer" structure, Appendix E notation).
+Hidden states with more than one feature dimension (the RMT's residual matrix ``[s, b, Dv, Dk]``)
+are flattened for the memory layer (width :func:`~rmt.memory.validate.memory_width`) and its
+output is viewed back: the memory reads the whole matrix and writes a full-matrix update.
 
 Memory layers are replicated across tensor-parallel ranks (every TP rank holds the full hidden
 state without sequence parallelism, so they compute the same result and receive the same
@@ -20,15 +23,16 @@ import torch
 
 from rmt.memory.layer import MemoryLayer, MemorySpec
 from rmt.memory.moe import MoELayer
-from rmt.memory.validate import parse_placement
+from rmt.memory.validate import memory_width, parse_placement
 
 
 def build_memory_layer(config, index: int) -> torch.nn.Module:
     """The ``index``-th memory module of ``config`` (UltraMem, PKM or MoE)."""
     mem, m = config.memory, config.model
     if mem.type == "moe":
-        return MoELayer(m.hidden_size, mem.num_experts,
-                        mem.expert_hidden_size or 2 * (m.ffn_hidden_size or 4 * m.hidden_size) // mem.moe_topk,
+        width = memory_width(config)
+        return MoELayer(width, mem.num_experts,
+                        mem.expert_hidden_size or 2 * (m.ffn_hidden_size or 4 * width) // mem.moe_topk,
                         mem.moe_topk, mem.balance_loss_weight, m.init_std, m.num_layers)
     return MemoryLayer(MemorySpec.from_config(config, index))
 
@@ -69,7 +73,7 @@ class MemoryWiring:
                 if j != number:
                     continue
                 x = self.kept[i] if self.seq_dim == 0 else self.kept[i].transpose(0, self.seq_dim)
-                y = self.modules[k](x)
+                y = self.modules[k](x.flatten(2)).view(x.shape)
                 y = y if self.seq_dim == 0 else y.transpose(0, self.seq_dim)
                 added = y if added is None else added + y
             if number == max(j for _, j in self.placement):

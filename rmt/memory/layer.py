@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from rmt.memory.retrieval import expected_topm_mean, grid_side, product_topk, tucker_aux_loss, tucker_topk
 from rmt.memory.table import MemoryTable
+from rmt.memory.validate import memory_width
 
 
 @dataclass
@@ -62,21 +63,23 @@ class MemorySpec:
     @classmethod
     def from_config(cls, config, index: int = 0) -> "MemorySpec":
         """``memory.type`` ultramem (every switch from ``memory.*``) or pkm (Lample et al.:
-        product keys split in row/column halves, softmax, value dim = hidden, no norm/conv/IVE)."""
+        product keys split in row/column halves, softmax, value dim = hidden, no norm/conv/IVE).
+        The hidden width is :func:`~rmt.memory.validate.memory_width` (``dk * dv`` for the RMT)."""
         mem, m = config.memory, config.model
-        common = dict(hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=mem.num_heads,
+        width = memory_width(config)
+        common = dict(hidden_size=width, num_layers=m.num_layers, num_heads=mem.num_heads,
                       topk=mem.topk, num_keys=mem.num_keys, init_std=m.init_std,
                       seed=config.train.seed * 1000 + index)
         if mem.type == "pkm":
             return cls(side_dim=mem.key_dim // 2, retrieval="product", tucker_rank=1, num_cores=1,
-                       ive_blocks=1, ive_shuffle=False, softmax=True, value_dim=m.hidden_size,
+                       ive_blocks=1, ive_shuffle=False, softmax=True, value_dim=width,
                        share_query=False, query_key_norm=False, conv_kernel=0, improved_init=False,
                        aux_loss_weight=0.0, **common)
         product = mem.retrieval == "product"
         return cls(side_dim=mem.key_dim, retrieval=mem.retrieval,
                    tucker_rank=1 if product else mem.tucker_rank, num_cores=mem.num_cores,
                    ive_blocks=mem.ive_blocks, ive_shuffle=mem.ive_shuffle, softmax=mem.softmax,
-                   value_dim=m.hidden_size // 2 if mem.half_value_dim else m.hidden_size,
+                   value_dim=width // 2 if mem.half_value_dim else width,
                    share_query=mem.share_query, query_key_norm=mem.query_key_norm,
                    conv_kernel=mem.conv_kernel if mem.query_conv else 0,
                    improved_init=mem.improved_init, init_samples=mem.init_samples,
@@ -220,8 +223,9 @@ class MemoryLayer(torch.nn.Module):
             out = torch.einsum("tpd,pdo->to", pooled, self.proj.to(pooled.dtype))
         else:
             out = pooled[:, 0]
+        # Eq. 12 only regularises training: not computed without autograd (decoding, evaluation).
         self.aux_loss = (tucker_aux_loss(self.cores, s.aux_loss_weight, s.aux_loss_margin)
-                         if s.retrieval == "tucker" else None)
+                         if s.retrieval == "tucker" and torch.is_grad_enabled() else None)
         return out.reshape(seq, b, s.hidden_size)
 
     # -- slot usage ------------------------------------------------------------------------

@@ -25,14 +25,33 @@ def product_topk(s_row: torch.Tensor, s_col: torch.Tensor, m: int) -> Tuple[torc
     return addr, best.unsqueeze(-1)
 
 
+# Entries per group of the grouped top-m below (fastest of 4..48 on CPU for n ~ 10^3, m = 16).
+_GROUP = 8
+
+
+def grouped_topk_indices(x: torch.Tensor, m: int) -> torch.Tensor:
+    """Indices of the top-m along the last dim, as ``x.topk(m).indices``. When that dim splits
+    into groups of ``_GROUP``, the top-m entries lie in the m groups of largest maxima, so one
+    cheap max-reduction, a top-m over n / _GROUP maxima and a top-m over those m groups replace
+    the top-m over all n (CPU ``topk`` costs ~7 ns per entry; decoding spends most of the
+    retrieval time in it)."""
+    n = x.shape[-1]
+    if n % _GROUP or n // _GROUP <= m:
+        return x.topk(m, dim=-1).indices
+    groups = x.unflatten(-1, (n // _GROUP, _GROUP))
+    best = groups.amax(-1).topk(m, dim=-1).indices
+    pos = groups.gather(-2, best.unsqueeze(-1).expand(*best.shape, _GROUP)).flatten(-2).topk(m, dim=-1).indices
+    return best.gather(-1, pos // _GROUP) * _GROUP + pos % _GROUP
+
+
 def _candidates(a: torch.Tensor, b: torch.Tensor, m: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per side, indices of the m largest and the m smallest entries of the rank-1 side scores
-    ``a``, ``b`` (``[T, H, n]`` -> ``[T, H, 2m]``, or all n when ``2m >= n``), one topk call."""
+    ``a``, ``b`` (``[T, H, n]`` -> ``[T, H, 2m]``, or all n when ``2m >= n``), one top-m call."""
     n = a.shape[-1]
     if 2 * m >= n:
         every = torch.arange(n, device=a.device).expand(*a.shape[:-1], n)
         return every, every
-    idx = torch.stack([a, -a, b, -b]).topk(m, dim=-1).indices
+    idx = grouped_topk_indices(torch.stack([a, -a, b, -b]), m)
     return torch.cat([idx[0], idx[1]], -1), torch.cat([idx[2], idx[3]], -1)
 
 
@@ -58,15 +77,18 @@ def tucker_topk(s_row: torch.Tensor, s_col: torch.Tensor, cores: torch.Tensor, m
     n = s_row.shape[-1]
     total = cores.sum(1)
     u, t = leading_singular_vectors(total)
-    rows, cols = _candidates(torch.einsum("thrn,hr->thn", s_row, u), torch.einsum("thrn,hr->thn", s_col, t), m)
+    H, r = u.shape
+    # u^T S_row and t^T S_col as batched GEMVs (a broadcast matmul; einsum permutes and copies).
+    rows, cols = _candidates(torch.matmul(u.view(1, H, 1, r), s_row).squeeze(2),
+                             torch.matmul(t.view(1, H, 1, r), s_col).squeeze(2), m)
     sr = s_row.gather(-1, rows.unsqueeze(2).expand(-1, -1, s_row.shape[2], -1))
     sc = s_col.gather(-1, cols.unsqueeze(2).expand(-1, -1, s_col.shape[2], -1))
-    per_core = torch.einsum("thai,hkab,thbj->thijk", sr, cores, sc)
-    cr, cc = rows.shape[-1], cols.shape[-1]
-    flat = per_core.flatten(2, 3)
-    best, pos = flat.sum(-1).topk(m, dim=-1)
+    # [T, H, h, cr*cc]: each core's grid contiguous, so the aggregate is a sum of h slabs.
+    flat = torch.einsum("thai,hkab,thbj->thkij", sr, cores, sc).flatten(3)
+    cc = cols.shape[-1]
+    best, pos = flat.sum(2).topk(m, dim=-1)
     addr = rows.gather(-1, pos // cc) * n + cols.gather(-1, pos % cc)
-    scores = flat.gather(2, pos.unsqueeze(-1).expand(-1, -1, -1, flat.shape[-1]))
+    scores = flat.gather(3, pos.unsqueeze(2).expand(-1, -1, flat.shape[2], -1)).transpose(2, 3)
     return addr, scores
 
 

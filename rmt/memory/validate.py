@@ -10,6 +10,13 @@ from rmt.errors import ConfigError
 MEMORY_TYPES = ("none", "ultramem", "pkm", "moe")
 
 
+def memory_width(config) -> int:
+    """Width of the hidden state memory layers read and write: ``model.hidden_size``, or for the
+    Residual Matrix Transformer (``model.arch: rmt``) its residual matrix flattened, ``dk * dv``."""
+    m = config.model
+    return m.dk * m.dv if m.arch == "rmt" else m.hidden_size
+
+
 def parse_placement(text: str, num_layers: int) -> List[Tuple[int, int]]:
     """``"3:5/6:8"`` -> ``[(3, 5), (6, 8)]``: memory input taken after layer i, its output
     added after layer j (1-based global layer numbers, UltraMem Appendix E notation)."""
@@ -83,6 +90,7 @@ def validate_memory(config) -> None:
         raise ConfigError(f"memory.key_dim ({mem.key_dim}) must be divisible by memory.tucker_rank ({mem.tucker_rank})")
     if mem.retrieval == "product" and mem.num_cores != 1:
         raise ConfigError("memory.num_cores > 1 (multi-core scoring) needs memory.retrieval 'tucker'")
-    value_dim = m.hidden_size // 2 if mem.half_value_dim else m.hidden_size
+    width = memory_width(config)
+    value_dim = width // 2 if mem.half_value_dim else width
     if value_dim % mem.num_cores:
         raise ConfigError(f"the value dim ({value_dim}) must be divisible by memory.num_cores ({mem.num_cores})")

@@ -28,6 +28,14 @@ elementwise gain, eps ``model.layernorm_epsilon``; attention logits scaled by
 ``1/(sqrt(Dv) (l+1))`` (inverse layer scaling), softmax in fp32; ALiBi slopes
 ``geomspace(2^(-8/R), 2^-8)`` or learned positions written with their own keys (Eq. 19);
 no biases; untied, zero-initialised unembedding; z-loss is ``train.z_loss``.
+
+Memory layers (``memory.*``, UltraMem / PKM / MoE, :mod:`rmt.memory.attach`) hook onto the
+layers at skip placements ``i:j``. A memory layer reads the residual matrix after layer i
+flattened to ``Dv*Dk`` entries (its LayerNorm, query, values and output projection are that wide)
+and its output, a full ``Dv x Dk`` update, is added to the residual after layer j. This is the
+simplest design that keeps the memory layer architecture-agnostic: the memory sees the whole
+residual state, as it does in the transformer, rather than R read vectors. Memory layers are
+replicated over tensor-parallel ranks (the residual matrix is complete on every rank).
 """
 
 from __future__ import annotations
@@ -244,6 +252,10 @@ class RMTModel(MegatronModule):
         self.register_buffer("slopes", alibi_slopes(m.rank)[tp_rank * local:(tp_rank + 1) * local],
                              persistent=False)
         self.input_tensor = None
+
+    def memory_hook_layers(self):
+        """The global layers of this chunk and the residual's sequence dim, for memory hooks."""
+        return self.layers, 0
 
     def set_input_tensor(self, input_tensor) -> None:
         """megatron-core's pipeline hook: the previous stage's output."""

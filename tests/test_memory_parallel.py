@@ -1,0 +1,50 @@
+"""Memory layers under tensor and data parallelism == the single-process run (fp32, 1e-5): a tiny
+transformer + UltraMem under TP=2 and DP=2, and the RMT + UltraMem under TP=2, trained 3 steps
+through the trainer (tests/dist/train_steps.py): equal losses, and equal full gradients and
+weights afterwards, memory parameters included."""
+
+import pytest
+import torch
+
+from conftest import run_python, tiny_overrides
+
+MEMORY = ["memory.type=ultramem", "memory.placement='1:2'", "memory.key_dim=8", "memory.num_keys=4",
+          "memory.topk=3", "memory.init_samples=2"]
+ARCHS = {"transformer": [],
+         "rmt": ["model.arch=rmt", "model.position=alibi", "model.dk=8", "model.dv=8", "model.rank=4",
+                 "model.ffn_hidden_size=64"]}
+LAYOUTS = {"tp2": ["parallel.tensor_model_parallel_size=2"], "dp2": []}
+
+
+def _train(path, overrides, nproc):
+    run_python(["tests/dist/train_steps.py", str(path)] + overrides, nproc=nproc)
+    return torch.load(path)
+
+
+@pytest.fixture(scope="module")
+def single(cache_dir, tmp_path_factory):
+    tmp, runs = tmp_path_factory.mktemp("memory_single"), {}
+
+    def get(arch):
+        if arch not in runs:
+            runs[arch] = _train(tmp / f"{arch}.pt", tiny_overrides(cache_dir) + ARCHS[arch] + MEMORY, 1)
+        return runs[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch,layout", [("transformer", "tp2"), ("transformer", "dp2"), ("rmt", "tp2")])
+def test_memory_layout_matches_single_process(arch, layout, single, cache_dir, tmp_path):
+    ref = single(arch)
+    got = _train(tmp_path / "got.pt", tiny_overrides(cache_dir) + ARCHS[arch] + MEMORY + LAYOUTS[layout], 2)
+    assert len(got["losses"]) == 3
+    assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+    assert sorted(got["grads"]) == sorted(ref["grads"])
+    memory = [k for k in ref["grads"] if k.startswith("memory.")]
+    assert {"memory.0.values.weight", "memory.0.keys", "memory.0.cores", "memory.0.proj"} <= set(memory)
+    for key in memory:
+        assert ref["grads"][key].abs().max() > 0, key
+    for key in ref["grads"]:
+        torch.testing.assert_close(got["grads"][key], ref["grads"][key], atol=1e-5, rtol=0, msg=key)
+        torch.testing.assert_close(got["params"][key], ref["params"][key], atol=1e-5, rtol=0, msg=key)
+    assert ref["losses"][2] < ref["losses"][0]
