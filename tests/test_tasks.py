@@ -88,3 +88,29 @@ def test_curriculum_doubles_noise_in_trainer(arch):
     assert config.model.vocab_size == 8
     assert [m["noise_length"] for m in history] == [8, 16, 32, 32, 32]
     assert all(torch.isfinite(torch.tensor(m["lm loss"])) for m in history)
+
+
+def test_curriculum_position_survives_resume(tmp_path):
+    from rmt.training.trainer import Trainer
+
+    base = ["model.arch=transformer", "model.num_layers=1", "model.hidden_size=16",
+            "model.num_attention_heads=2", "model.seq_length=48", "data.task=copy", "data.task_tokens=4",
+            "data.task_alphabet=8", "data.noise_length=4", "data.curriculum_threshold=100",
+            "data.curriculum_target=32", "train.steps=4", "train.warmup_steps=0",
+            "train.micro_batch_size=2", "train.eval_interval=1", "train.eval_iters=1",
+            "train.progress=false", f"train.save={tmp_path}"]
+    config = validate(load_config(None, base + ["train.exit_interval=2"]), 1)
+    parallel.initialize(config)
+    try:
+        first = Trainer(config).train()
+    finally:
+        parallel.destroy()
+    assert [m["noise_length"] for m in first] == [8, 16]
+    config = validate(load_config(None, base + [f"train.load={tmp_path}"]), 1)
+    parallel.initialize(config)
+    try:
+        resumed = Trainer(config)
+        assert resumed.train_ds.noise_length == 16 and resumed.valid_ds.noise_length == 16
+        assert [m["noise_length"] for m in resumed.train()] == [32, 32]
+    finally:
+        parallel.destroy()

@@ -72,6 +72,13 @@ class TaskDataset:
     def __len__(self) -> int:
         return self.size
 
+    def state_dict(self) -> Dict[str, int]:
+        """What a checkpoint must keep for the curriculum to resume where it was."""
+        return {"noise_length": self.noise_length}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        self.noise_length = int(state["noise_length"])
+
     def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
         key = f"{self.seed}:{self.noise_length}:{index}".encode()
         gen = torch.Generator().manual_seed(zlib.crc32(key) * 65_537 + index)

@@ -93,6 +93,9 @@ class Trainer:
         self.iteration = int(common["iteration"])
         self.consumed_samples = int(common["consumed_samples"])
         checkpoint.set_optimizer_step(self.optimizer, self.iteration)
+        for ds in (self.train_ds, self.valid_ds):
+            if "data_state" in common and hasattr(ds, "load_state_dict"):
+                ds.load_state_dict(common["data_state"])
         if self.iteration:
             self.scheduler.step(self.iteration)
 
@@ -179,6 +182,8 @@ class Trainer:
     def save(self) -> str:
         common = {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
                   "global_batch_size": self.global_batch, "config": rmt_config.to_dict(self.config)}
+        if hasattr(self.train_ds, "state_dict"):  # e.g. a task curriculum's noise length
+            common["data_state"] = self.train_ds.state_dict()
         return checkpoint.save_checkpoint(self.config.train.save, self.iteration, self.chunks,
                                           self.optimizer, common)
 
