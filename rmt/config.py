@@ -335,6 +335,10 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
     if t.eval_iters and split[1] <= 0:
         raise ConfigError("data.split gives no validation data but train.eval_iters > 0")
     validate_arch(config)
+    if d.task != "none":
+        from rmt.data.tasks import validate_task
+
+        validate_task(config)
     from rmt.memory.validate import validate_memory
 
     validate_memory(config)

@@ -39,6 +39,9 @@ def test_yaml_and_overrides_merge(tmp_path):
     (["data.split=1,2"], 1, "data.split must be three non-negative weights"),
     (["train.save_interval=5"], 1, "train.save_interval is set but train.save"),
     (["parallel.virtual_pipeline_model_parallel_size=2"], 1, "needs pipeline_model_parallel_size >= 2"),
+    (["data.task=cpy"], 1, "data.task must be 'none' or one of copy, selective_copy, got 'cpy'"),
+    (["model.arch=rmt", "model.rank=3", "parallel.tensor_model_parallel_size=2"], 2,
+     "model.rank (3) must be divisible by parallel.tensor_model_parallel_size (2)"),
 ])
 def test_validate_rejects(overrides, world, message):
     with pytest.raises(ConfigError) as err:
