@@ -1,8 +1,11 @@
 """Sharded memory tables (UltraMem Appendix C/D) under torchrun gloo against the local table."""
 
 import pytest
+import torch
 
-from conftest import run_python
+from conftest import run_python, tiny_overrides
+from rmt.config import load_config, validate
+from rmt.errors import ConfigError
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
@@ -10,3 +13,58 @@ def test_sharded_table_equals_local_and_sends_planned_bytes(nproc):
     out = run_python(["tests/dist/memory_parallel_table.py"], nproc=nproc).stdout
     for name in ("number", "number+owner_reduce", "dimension"):
         assert out.count(f"OK {name} P={nproc} ") == 2, out
+
+
+TRAIN = "tests/dist/memory_parallel_train.py"
+
+
+def memory_overrides(cache_dir):
+    return tiny_overrides(cache_dir) + [
+        "model.seq_length=16", "memory.type=ultramem", "memory.placement='1:2'", "memory.num_keys=8",
+        "memory.topk=4", "memory.key_dim=16", "memory.ive_blocks=4", "memory.num_cores=2"]
+
+
+@pytest.fixture(scope="module")
+def local_run(cache_dir, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("memory_parallel") / "local.pt")
+    run_python([TRAIN, out] + memory_overrides(cache_dir))
+    return torch.load(out)
+
+
+def assert_same_training(ref, got):
+    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    assert got["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5)
+    assert "memory.0.values.weight" in got["params"]
+    for kind in ("params", "grads"):
+        for key, value in ref[kind].items():
+            torch.testing.assert_close(got[kind][key], value, rtol=1e-5, atol=1e-5, msg=f"{kind} {key}")
+
+
+@pytest.mark.parametrize("nproc,extra", [
+    (4, ["parallel.tensor_model_parallel_size=2", "memory.partition=number", "memory.owner_reduce=true",
+         "memory.group_size=2"]),
+    (2, ["memory.partition=dimension"]),
+], ids=["tp2xdp2-number-owner-reduce-groups-of-2", "dp2-dimension"])
+def test_sharded_training_equals_single_process(cache_dir, tmp_path, local_run, nproc, extra):
+    """Three AdamW steps (clipping on) with the sharded table (outside DDP, gradients through
+    the collectives, replicas all-reduced) == the single-process local table."""
+    out = str(tmp_path / "sharded.pt")
+    run_python([TRAIN, out] + memory_overrides(cache_dir) + extra, nproc=nproc)
+    assert_same_training(local_run, torch.load(out))
+
+
+def _config(cache_dir, extra):
+    return load_config(None, memory_overrides(cache_dir) + extra)
+
+
+def test_validation_rejects_bad_memory_parallel_settings(cache_dir):
+    tp2 = ["parallel.tensor_model_parallel_size=2"]
+    with pytest.raises(ConfigError, match=r"memory.group_size \(3\) must divide the data x tensor parallel size \(4\)"):
+        validate(_config(cache_dir, tp2 + ["memory.partition=number", "memory.group_size=3"]), world_size=4)
+    with pytest.raises(ConfigError, match=r"slot count \(9\) to be divisible by the memory-parallel group size \(2\)"):
+        validate(_config(cache_dir, ["memory.partition=number", "memory.num_keys=3", "memory.topk=2"]), world_size=2)
+    with pytest.raises(ConfigError, match="memory.partition must be one of"):
+        validate(_config(cache_dir, ["memory.partition=rows"]), world_size=1)
+    with pytest.raises(ConfigError, match="memory.owner_reduce needs"):
+        validate(_config(cache_dir, ["memory.partition=dimension", "memory.owner_reduce=true"]), world_size=2)
+    validate(_config(cache_dir, tp2 + ["memory.partition=auto", "memory.group_size=2"]), world_size=4)

@@ -9,7 +9,9 @@ placement ``i:j`` the hook on layer i keeps its output and the hook on layer j a
 
 Memory layers are replicated across tensor-parallel ranks (every TP rank holds the full hidden
 state without sequence parallelism, so they compute the same result and receive the same
-gradients). Pipeline parallelism is rejected by the config validation.
+gradients). Pipeline parallelism is rejected by the config validation. With
+``memory.partition`` other than ``local`` the value tables are sharded over the
+memory-parallel group (:mod:`rmt.memory.groups`, :mod:`rmt.memory.sharded_table`).
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Optional
 
 import torch
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+from rmt.memory.groups import memory_parallel_groups
 from rmt.memory.layer import MemoryLayer, MemorySpec
 from rmt.memory.moe import MoELayer
+from rmt.memory.table import MemoryTable
 from rmt.memory.validate import parse_placement
 
 
@@ -30,7 +35,34 @@ def build_memory_layer(config, index: int) -> torch.nn.Module:
         return MoELayer(m.hidden_size, mem.num_experts,
                         mem.expert_hidden_size or 2 * (m.ffn_hidden_size or 4 * m.hidden_size) // mem.moe_topk,
                         mem.moe_topk, mem.balance_loss_weight, m.init_std, m.num_layers)
-    return MemoryLayer(MemorySpec.from_config(config, index))
+    layer = MemoryLayer(MemorySpec.from_config(config, index))
+    if mem.partition != "local":
+        group, replica_group, replica_index = memory_parallel_groups(mem.group_size)
+        s = layer.spec
+        layer.values = MemoryTable(
+            s.num_values, s.value_dim, layer.values.weight.memory_init_std, mem.partition, group,
+            owner_reduce=mem.owner_reduce, replica_index=replica_index, replica_group=replica_group,
+            plan={"tokens": config.train.micro_batch_size * m.seq_length, "topm": s.num_heads * s.topk,
+                  "ive": s.ive_blocks, "cores": s.num_cores})
+    return layer
+
+
+class MemoryModules(torch.nn.ModuleList):
+    """The memory layers of a chunk. Its ``sharded_state_dict`` lets sharded tables describe
+    their own shards; every other tensor is replicated (megatron's default)."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        out = {}
+        for name, module in self.named_modules():
+            sub = f"{prefix}{name}." if name else prefix
+            if isinstance(module, MemoryTable):
+                out.update(module.sharded_state_dict(sub, sharded_offsets, metadata))
+            else:
+                own = dict(module.named_parameters(prefix="", recurse=False))
+                own.update((n, b) for n, b in module.named_buffers(recurse=False)
+                           if n not in module._non_persistent_buffers_set)
+                out.update(make_sharded_tensors_for_checkpoint(own, sub, {}, sharded_offsets))
+        return out
 
 
 def _hook_layers(chunk: torch.nn.Module):
@@ -87,7 +119,7 @@ def attach_memory(chunks: List[torch.nn.Module], config,
     placement = parse_placement(config.memory.placement, config.model.num_layers)
     for chunk in chunks:
         layers, seq_dim = _hook_layers(chunk)
-        chunk.memory = torch.nn.ModuleList(build_memory_layer(config, k) for k in range(len(placement)))
+        chunk.memory = MemoryModules(build_memory_layer(config, k) for k in range(len(placement)))
         chunk.memory_wiring = MemoryWiring(chunk, placement, seq_dim, layers)
 
     def rule(key: str, param: torch.Tensor) -> Optional[float]:

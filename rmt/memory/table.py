@@ -42,7 +42,8 @@ class MemoryTable(torch.nn.Module):
     ``partition``: ``"local"`` (the whole table on every rank), ``"number"`` (rows split
     over ``group``; ``owner_reduce`` pools at the owner), ``"dimension"`` (columns split) or
     ``"auto"`` (the planner's choice for the ``plan`` shapes). ``replica_index`` numbers
-    this group among the groups holding copies of the same table (checkpoint replica id).
+    this group among the groups holding copies of the same table (checkpoint replica id);
+    ``replica_group`` joins this rank with the ranks holding the same shard in those copies.
     The weight carries ``memory_value = True`` (its own LR schedule in the optimizer),
     ``memory_init_std`` (read by the layout-independent initialiser) and, when sharded,
     ``memory_sharded = True`` (its gradient arrives through the collectives, not DDP).
@@ -51,7 +52,7 @@ class MemoryTable(torch.nn.Module):
 
     def __init__(self, num_slots: int, dim: int, init_std: float, partition: str = "local",
                  group=None, *, owner_reduce: bool = False, replica_index: int = 0,
-                 plan: Optional[dict] = None, dtype: torch.dtype = torch.float32):
+                 replica_group=None, plan: Optional[dict] = None, dtype: torch.dtype = torch.float32):
         super().__init__()
         if partition not in PARTITIONS:
             raise ValueError(f"MemoryTable partition must be one of {PARTITIONS}, got {partition!r}")
@@ -76,6 +77,7 @@ class MemoryTable(torch.nn.Module):
         self.weight.memory_init_std = init_std
         if partition != "local":
             self.weight.memory_sharded = True
+            self.weight.memory_group, self.weight.memory_replica_group = group, replica_group
 
     @property
     def shard_index(self):
