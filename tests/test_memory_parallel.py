@@ -43,11 +43,12 @@ def assert_same_training(ref, got):
 @pytest.mark.parametrize("nproc,extra", [
     (4, ["parallel.tensor_model_parallel_size=2", "memory.partition=number", "memory.owner_reduce=true",
          "memory.group_size=2"]),
-    (2, ["memory.partition=dimension"]),
-], ids=["tp2xdp2-number-owner-reduce-groups-of-2", "dp2-dimension"])
+    (2, ["memory.partition=dimension", "memory.async_stream=true"]),
+], ids=["tp2xdp2-number-owner-reduce-groups-of-2", "dp2-dimension-async"])
 def test_sharded_training_equals_single_process(cache_dir, tmp_path, local_run, nproc, extra):
     """Three AdamW steps (clipping on) with the sharded table (outside DDP, gradients through
-    the collectives, replicas all-reduced) == the single-process local table."""
+    the collectives, replicas all-reduced; async memory stream in the second case) == the
+    single-process local synchronous table."""
     out = str(tmp_path / "sharded.pt")
     run_python([TRAIN, out] + memory_overrides(cache_dir) + extra, nproc=nproc)
     assert_same_training(local_run, torch.load(out))

@@ -16,6 +16,8 @@ memory-parallel group (:mod:`rmt.memory.groups`, :mod:`rmt.memory.sharded_table`
 
 from __future__ import annotations
 
+import time
+from functools import partial
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -24,8 +26,10 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from rmt.memory.groups import memory_parallel_groups
 from rmt.memory.layer import MemoryLayer, MemorySpec
 from rmt.memory.moe import MoELayer
+from rmt.memory.stream import MemoryStream
 from rmt.memory.table import MemoryTable
 from rmt.memory.validate import parse_placement
+from rmt.parallel import compat
 
 
 def build_memory_layer(config, index: int) -> torch.nn.Module:
@@ -80,29 +84,47 @@ def _replace_hidden(output, hidden):
 
 
 class MemoryWiring:
-    """The hooks of one chunk: ``placement`` pairs -> ``chunk.memory[k]``."""
+    """The hooks of one chunk: ``placement`` pairs -> ``chunk.memory[k]``. With ``stream``
+    (:class:`~rmt.memory.stream.MemoryStream`, ``memory.async_stream``) memory layer k starts
+    at layer i's hook and is joined at layer j's; without it, it runs at layer j's hook
+    (``sync_s`` accumulates that time)."""
 
-    def __init__(self, chunk: torch.nn.Module, placement: List, seq_dim: int, layers):
-        self.placement, self.seq_dim = placement, seq_dim
+    def __init__(self, chunk: torch.nn.Module, placement: List, seq_dim: int, layers,
+                 stream: Optional[MemoryStream] = None):
+        self.placement, self.seq_dim, self.stream = placement, seq_dim, stream
         self.modules = chunk.memory
         self.kept: Dict[int, torch.Tensor] = {}
+        self.pending: Dict[int, object] = {}
+        self.sync_s = 0.0
         self.handles = []
         starts = {i for i, _ in placement}
         for number in sorted(starts | {j for _, j in placement}):
             self.handles.append(layers[number - 1].register_forward_hook(self._hook(number, number in starts)))
+
+    def _run(self, k: int, x: torch.Tensor) -> torch.Tensor:
+        x = x if self.seq_dim == 0 else x.transpose(0, self.seq_dim)
+        y = self.modules[k](x)
+        return y if self.seq_dim == 0 else y.transpose(0, self.seq_dim)
 
     def _hook(self, number: int, keep: bool) -> Callable:
         def hook(module, args, output):
             hidden = _hidden(output)
             if keep:
                 self.kept[number] = hidden
+                if self.stream is not None:
+                    for k, (i, _) in enumerate(self.placement):
+                        if i == number:
+                            self.pending[k] = self.stream.launch(partial(self._run, k), hidden)
             added = None
             for k, (i, j) in enumerate(self.placement):
                 if j != number:
                     continue
-                x = self.kept[i] if self.seq_dim == 0 else self.kept[i].transpose(0, self.seq_dim)
-                y = self.modules[k](x)
-                y = y if self.seq_dim == 0 else y.transpose(0, self.seq_dim)
+                if self.stream is not None:
+                    y = self.stream.wait(self.pending.pop(k))
+                else:
+                    start = time.perf_counter()
+                    y = self._run(k, self.kept[i])
+                    self.sync_s += time.perf_counter() - start
                 added = y if added is None else added + y
             if number == max(j for _, j in self.placement):
                 self.kept.clear()
@@ -120,7 +142,8 @@ def attach_memory(chunks: List[torch.nn.Module], config,
     for chunk in chunks:
         layers, seq_dim = _hook_layers(chunk)
         chunk.memory = MemoryModules(build_memory_layer(config, k) for k in range(len(placement)))
-        chunk.memory_wiring = MemoryWiring(chunk, placement, seq_dim, layers)
+        stream = MemoryStream(compat.device()) if config.memory.async_stream else None
+        chunk.memory_wiring = MemoryWiring(chunk, placement, seq_dim, layers, stream)
 
     def rule(key: str, param: torch.Tensor) -> Optional[float]:
         if hasattr(param, "memory_init_std"):
