@@ -80,3 +80,19 @@ def test_validation_rejects_bad_memory_parallel_settings(cache_dir):
     with pytest.raises(ConfigError, match="memory.owner_reduce needs"):
         validate(_config(cache_dir, ["memory.partition=dimension", "memory.owner_reduce=true"]), world_size=2)
     validate(_config(cache_dir, tp2 + ["memory.partition=auto", "memory.group_size=2"]), world_size=4)
+
+
+def test_auto_partition_is_the_planners_training_step_choice():
+    """``auto`` picks the partition with fewer bytes per step (forward + backward): wide values
+    and many lookups favour dimension-wise, narrow values number-wise (Appendix D, Fig. 9)."""
+    from rmt.memory.table import resolve_partition
+    from rmt.planner.comm import plan_comm
+
+    for dim, expected in ((512, "dimension"), (4, "number")):
+        plan = {"tokens": 64, "topm": 32, "ive": 4, "cores": 2}
+        choice = plan_comm(64, 32, dim, 4, phase="forward_backward", ive=4, cores=2, value_bytes=4)["choice"]
+        assert choice == expected
+        assert resolve_partition("auto", dim, 4, plan, False, 4) == expected
+    assert resolve_partition("number", 512, 4, None, False, 4) == "number"
+    with pytest.raises(ValueError, match="partition 'auto' needs plan"):
+        resolve_partition("auto", 512, 4, None, False, 4)
