@@ -28,7 +28,7 @@ names and conventions of :mod:`rmt.planner.comm`.
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.distributed as dist
