@@ -146,6 +146,16 @@ class MemoryConfig:
     moe_topk: int = 2
     expert_hidden_size: Optional[int] = None
     balance_loss_weight: float = 0.01
+    # --- Memory-parallel tables (UltraMem Appendix C/D; rmt/memory/sharded_table.py) ---
+    # partition: local (whole table per rank) | number (rows split) | dimension (columns
+    # split) | auto (planner's choice). group_size: ranks per memory-parallel group, 0 = all
+    # DP x TP ranks of the stage; smaller groups are replicas. owner_reduce: number-wise
+    # owners pool and send partial sums. async_stream: run the memory layer (retrieval,
+    # lookup, collectives) from layer i's output alongside layers i+1..j.
+    partition: str = "local"
+    group_size: int = 0
+    owner_reduce: bool = False
+    async_stream: bool = False
 
 
 @dataclass
@@ -341,5 +351,5 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
         validate_task(config)
     from rmt.memory.validate import validate_memory
 
-    validate_memory(config)
+    validate_memory(config, world_size)
     return config

@@ -1,36 +1,113 @@
 """The memory value table behind every memory layer.
 
 Layers reach their values only through :meth:`MemoryTable.lookup_reduce`, so the sharded
-variants (number-wise / dimension-wise over a memory-parallel group) plug in here without
-touching the layers.
+variants (number-wise / dimension-wise over a memory-parallel group, UltraMem Appendix C
+and D; :mod:`rmt.memory.sharded_table`) plug in here without touching the layers.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import Optional
 
+import torch
+import torch.distributed as dist
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+from rmt.memory import sharded_table
+from rmt.memory.comm_counter import CommCounter
 from rmt.ops import lookup_reduce
 
-PARTITIONS = ("local",)
+PARTITIONS = ("local", "number", "dimension", "auto")
+
+
+def resolve_partition(partition: str, dim: int, group_size: int, plan: Optional[dict],
+                      owner_reduce: bool, value_bytes: int) -> str:
+    """``auto`` -> the planner's choice (fewer bytes per training step, forward + backward)
+    for ``plan = {"tokens": T, "topm": K, "ive": E, "cores": C}``; other names unchanged."""
+    if partition != "auto":
+        return partition
+    if plan is None:
+        raise ValueError("MemoryTable partition 'auto' needs plan={'tokens', 'topm', 'ive', 'cores'}")
+    from rmt.planner.comm import choose_partition
+
+    return choose_partition(plan["tokens"], plan["topm"], dim, group_size, phase="forward_backward",
+                            owner_reduce=owner_reduce, ive=plan["ive"], cores=plan["cores"],
+                            index_bytes=4, value_bytes=value_bytes)
 
 
 class MemoryTable(torch.nn.Module):
-    """``num_slots x dim`` values on this rank (partition ``"local"``: the whole table).
+    """``num_slots x dim`` values; this rank holds a shard of them.
 
-    The weight carries ``memory_value = True`` (its own LR schedule in the optimizer) and
-    ``memory_init_std`` (read by the layout-independent initialiser).
+    ``partition``: ``"local"`` (the whole table on every rank), ``"number"`` (rows split
+    over ``group``; ``owner_reduce`` pools at the owner), ``"dimension"`` (columns split) or
+    ``"auto"`` (the planner's choice for the ``plan`` shapes). ``replica_index`` numbers
+    this group among the groups holding copies of the same table (checkpoint replica id);
+    ``replica_group`` joins this rank with the ranks holding the same shard in those copies.
+    The weight carries ``memory_value = True`` (its own LR schedule in the optimizer),
+    ``memory_init_std`` (read by the layout-independent initialiser) and, when sharded,
+    ``memory_sharded = True`` (its gradient arrives through the collectives, not DDP).
+    ``counter`` counts the bytes sent per collective.
     """
 
-    def __init__(self, num_slots: int, dim: int, init_std: float, partition: str = "local"):
+    def __init__(self, num_slots: int, dim: int, init_std: float, partition: str = "local",
+                 group=None, *, owner_reduce: bool = False, replica_index: int = 0,
+                 replica_group=None, plan: Optional[dict] = None, dtype: torch.dtype = torch.float32):
         super().__init__()
         if partition not in PARTITIONS:
             raise ValueError(f"MemoryTable partition must be one of {PARTITIONS}, got {partition!r}")
+        P = 1 if partition == "local" else dist.get_world_size(group)
+        partition = resolve_partition(partition, dim, P, plan, owner_reduce,
+                                      torch.finfo(dtype).bits // 8)
+        if partition == "number" and num_slots % P:
+            raise ValueError(f"number-wise MemoryTable: num_slots ({num_slots}) must be divisible by "
+                             f"the memory-parallel group size ({P})")
+        if partition == "dimension" and dim % P:
+            raise ValueError(f"dimension-wise MemoryTable: dim ({dim}) must be divisible by the "
+                             f"memory-parallel group size ({P})")
         self.num_slots, self.dim, self.partition = num_slots, dim, partition
-        self.weight = torch.nn.Parameter(torch.randn(num_slots, dim) * init_std)
+        self.group, self.group_size, self.owner_reduce = group, P, owner_reduce
+        self.rank = 0 if partition == "local" else dist.get_rank(group)
+        self.replica_index = replica_index
+        self.counter = CommCounter()
+        shape = {"local": (num_slots, dim), "number": (num_slots // P, dim),
+                 "dimension": (num_slots, dim // P)}[partition]
+        self.weight = torch.nn.Parameter(torch.randn(shape, dtype=dtype) * init_std)
         self.weight.memory_value = True
         self.weight.memory_init_std = init_std
+        if partition != "local":
+            self.weight.memory_sharded = True
+            self.weight.memory_group, self.weight.memory_replica_group = group, replica_group
+
+    @property
+    def shard_index(self):
+        """Index of this rank's shard inside the global ``[num_slots, dim]`` table."""
+        rows, cols = self.weight.shape
+        if self.partition == "number":
+            return slice(self.rank * rows, (self.rank + 1) * rows), slice(None)
+        if self.partition == "dimension":
+            return slice(None), slice(self.rank * cols, (self.rank + 1) * cols)
+        return slice(None), slice(None)
 
     def lookup_reduce(self, indices: torch.Tensor, scores: torch.Tensor, block_ids, num_blocks: int):
         """``[T, K]`` slots, ``[T, K, C]`` scores, ``[T, K]`` virtual blocks or None ->
         ``[T, num_blocks, dim]`` pooled values (UltraMem Eq. 15 and 17; ``rmt.ops`` contract)."""
-        return lookup_reduce(self.weight, indices, scores.to(self.weight.dtype), block_ids, num_blocks)
+        scores = scores.to(self.weight.dtype)
+        if self.partition == "local":
+            return lookup_reduce(self.weight, indices, scores, block_ids, num_blocks)
+        if self.partition == "dimension":
+            return sharded_table.dimension_lookup(self.weight, indices, scores, block_ids, num_blocks,
+                                                  self.num_slots, self.dim, self.group, self.counter)
+        route = sharded_table.number_owner_reduce_lookup if self.owner_reduce else sharded_table.number_lookup
+        return route(self.weight, indices, scores, block_ids, num_blocks, self.group, self.counter)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """The weight as a shard of the global ``[num_slots, dim]`` tensor, so checkpoints
+        (and AdamW moments) reshard to any group size; replicated when local."""
+        if self.partition == "local":
+            return make_sharded_tensors_for_checkpoint({"weight": self.weight}, prefix, {}, sharded_offsets)
+        axis = 0 if self.partition == "number" else 1
+        return {f"{prefix}weight": ShardedTensor.from_rank_offsets(
+            f"{prefix}weight", self.weight, *sharded_offsets,
+            (axis + len(sharded_offsets), self.rank, self.group_size),
+            replica_id=self.replica_index, prepend_axis_num=len(sharded_offsets))}

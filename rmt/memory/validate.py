@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from rmt.errors import ConfigError
 
 MEMORY_TYPES = ("none", "ultramem", "pkm", "moe")
+TABLE_PARTITIONS = ("local", "number", "dimension", "auto")
 
 
 def memory_width(config) -> int:
@@ -40,13 +41,49 @@ def parse_placement(text: str, num_layers: int) -> List[Tuple[int, int]]:
     return pairs
 
 
-def validate_memory(config) -> None:
+def validate_memory_parallel(config, world_size: int) -> None:
+    """``memory.partition`` / ``group_size`` / ``owner_reduce`` (UltraMem Appendix C/D): the
+    group must divide the data x tensor parallel ranks of a stage and the split axis must
+    divide evenly over it."""
+    mem, p = config.memory, config.parallel
+    if mem.partition not in TABLE_PARTITIONS:
+        raise ConfigError(f"memory.partition must be one of {', '.join(TABLE_PARTITIONS)}, got '{mem.partition}'")
+    if mem.partition == "local":
+        if mem.owner_reduce:
+            raise ConfigError("memory.owner_reduce needs memory.partition 'number' or 'auto'")
+        return
+    if mem.type == "moe":
+        raise ConfigError("memory.partition must be 'local' for memory.type 'moe' (only UltraMem/PKM tables shard)")
+    if mem.owner_reduce and mem.partition == "dimension":
+        raise ConfigError("memory.owner_reduce needs memory.partition 'number' or 'auto'")
+    dp_tp = world_size // p.pipeline_model_parallel_size
+    if mem.group_size < 0 or (mem.group_size and dp_tp % mem.group_size):
+        raise ConfigError(f"memory.group_size ({mem.group_size}) must divide the data x tensor parallel "
+                          f"size ({dp_tp}) (0 = all of it)")
+    G = mem.group_size or dp_tp
+    slots = mem.num_keys * mem.num_keys
+    value_dim = config.model.hidden_size // 2 if (mem.type == "ultramem" and mem.half_value_dim) \
+        else config.model.hidden_size
+    if mem.partition in ("number", "auto") and slots % G:
+        raise ConfigError(f"number-wise memory tables need the slot count ({slots}) to be divisible by "
+                          f"the memory-parallel group size ({G})")
+    if mem.partition in ("dimension", "auto") and value_dim % G:
+        raise ConfigError(f"dimension-wise memory tables need the value dim ({value_dim}) to be divisible "
+                          f"by the memory-parallel group size ({G})")
+
+
+def validate_memory(config, world_size: Optional[int] = None) -> None:
     """Raise :class:`ConfigError` (one sentence) for impossible ``memory.*`` settings."""
     mem, m = config.memory, config.model
     if mem.type not in MEMORY_TYPES:
         raise ConfigError(f"memory.type '{mem.type}' is not available; valid: {', '.join(MEMORY_TYPES)}")
     if mem.type == "none":
         return
+    if world_size is None:
+        from rmt.config import world_size_from_env
+
+        world_size = world_size_from_env()
+    validate_memory_parallel(config, world_size)
     if not mem.placement:
         raise ConfigError(f"memory.type '{mem.type}' needs memory.placement, e.g. '1:2'")
     parse_placement(mem.placement, m.num_layers)

@@ -15,6 +15,7 @@ from megatron.core.transformer.module import param_is_not_shared
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
 from rmt.config import RMTConfig
+from rmt.memory.groups import sharded_grad_sq_norm
 from rmt.memory.optim import ValueLRScheduler, split_value_group
 
 
@@ -63,10 +64,12 @@ def build_scheduler(optimizer, config: RMTConfig) -> OptimizerParamScheduler:
 
 def clip_gradients(params: List[torch.nn.Parameter], max_norm: float) -> float:
     """Global L2 norm over the model-parallel group (each TP-duplicated parameter counted
-    once); scales gradients in place when above ``max_norm``. Returns the norm."""
-    grads = [p.grad for p in params if p.grad is not None
+    once, sharded memory tables over their memory-parallel group); scales gradients in place
+    when above ``max_norm``. Returns the norm."""
+    grads = [p.grad for p in params if p.grad is not None and not getattr(p, "memory_sharded", False)
              and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
     norm = get_grad_norm_fp32(grads, grad_stats_parallel_group=parallel_state.get_model_parallel_group())
+    norm = (norm ** 2 + sharded_grad_sq_norm(params)) ** 0.5
     if max_norm > 0 and norm > max_norm:
         torch._foreach_mul_([p.grad for p in params if p.grad is not None], max_norm / (norm + 1e-6))
     return norm

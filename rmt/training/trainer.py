@@ -23,6 +23,7 @@ from rmt.config import RMTConfig
 from rmt.data.gpt_data import build_datasets, microbatches, resolve_data
 from rmt.data.tasks import build_task_datasets, curriculum_hook
 from rmt.memory import pop_aux_loss, pop_memory_stats
+from rmt.memory.groups import excluded_from_ddp, finish_sharded_grads
 from rmt.models.build import build
 from rmt.parallel import compat
 from rmt.training import checkpoint
@@ -81,8 +82,9 @@ class Trainer:
         wrapped = []
         for i, chunk in enumerate(chunks):
             chunk.to(self.device)
-            wrapped.append(DistributedDataParallel(config=chunk.config, ddp_config=ddp_config,
-                                                   module=chunk, disable_bucketing=i > 0))
+            with excluded_from_ddp(chunk):  # sharded memory tables: gradients via collectives
+                wrapped.append(DistributedDataParallel(config=chunk.config, ddp_config=ddp_config,
+                                                       module=chunk, disable_bucketing=i > 0))
         mcfg = wrapped[0].config
         mcfg.finalize_model_grads_func = finalize_model_grads
         mcfg.no_sync_func = [c.no_sync for c in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
@@ -157,8 +159,10 @@ class Trainer:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad(set_to_none=True)
         metrics = self._run_schedule(self.train_ds, self.consumed_samples, forward_only=False)
+        finish_sharded_grads(self.chunks)
         for p in self.params:
-            p.grad = p.main_grad
+            if not getattr(p, "memory_sharded", False):
+                p.grad = p.main_grad
         metrics["grad_norm"] = clip_gradients(self.params, self.config.train.clip_grad)
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()

@@ -1,0 +1,98 @@
+"""Sharded memory tables (UltraMem Appendix C/D) under torchrun gloo against the local table."""
+
+import pytest
+import torch
+
+from conftest import run_python, tiny_overrides
+from rmt.config import load_config, validate
+from rmt.errors import ConfigError
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_sharded_table_equals_local_and_sends_planned_bytes(nproc):
+    out = run_python(["tests/dist/memory_parallel_table.py"], nproc=nproc).stdout
+    for name in ("number", "number+owner_reduce", "dimension"):
+        assert out.count(f"OK {name} P={nproc} ") == 2, out
+
+
+TRAIN = "tests/dist/memory_parallel_train.py"
+
+
+def memory_overrides(cache_dir):
+    return tiny_overrides(cache_dir) + [
+        "model.seq_length=16", "memory.type=ultramem", "memory.placement='1:2'", "memory.num_keys=8",
+        "memory.topk=4", "memory.key_dim=16", "memory.ive_blocks=4", "memory.num_cores=2"]
+
+
+@pytest.fixture(scope="module")
+def local_run(cache_dir, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("memory_parallel") / "local.pt")
+    run_python([TRAIN, out] + memory_overrides(cache_dir))
+    return torch.load(out)
+
+
+def assert_same_training(ref, got):
+    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    assert got["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5)
+    assert "memory.0.values.weight" in got["params"]
+    for kind in ("params", "grads"):
+        for key, value in ref[kind].items():
+            torch.testing.assert_close(got[kind][key], value, rtol=1e-5, atol=1e-5, msg=f"{kind} {key}")
+
+
+@pytest.mark.parametrize("nproc,extra,reload", [
+    (4, ["parallel.tensor_model_parallel_size=2", "memory.partition=number", "memory.owner_reduce=true",
+         "memory.group_size=2"], ["memory.partition=number"]),
+    (2, ["memory.partition=dimension", "memory.async_stream=true"], []),
+], ids=["tp2xdp2-number-owner-reduce-groups-of-2", "dp2-dimension-async"])
+def test_sharded_training_equals_single_process(cache_dir, tmp_path, local_run, nproc, extra, reload):
+    """Three AdamW steps (clipping on) with the sharded table (outside DDP, gradients through
+    the collectives, replicas all-reduced; async memory stream in the second case) == the
+    single-process local synchronous table. The step-2 checkpoint (table and AdamW moments
+    as shards of the global table) loads into one process with a group of 1 (number-wise)
+    or the local table, and its third step lands on the same weights."""
+    out, ckpt = str(tmp_path / "sharded.pt"), str(tmp_path / "ckpt")
+    run_python([TRAIN, out] + memory_overrides(cache_dir) + extra
+               + [f"train.save={ckpt}", "train.save_interval=2"], nproc=nproc)
+    sharded = torch.load(out)
+    assert_same_training(local_run, sharded)
+    resumed_out = str(tmp_path / "resumed.pt")
+    run_python([TRAIN, resumed_out] + memory_overrides(cache_dir) + reload
+               + [f"train.load={ckpt}/iter_0000002"])
+    resumed = torch.load(resumed_out)
+    assert resumed["losses"] == pytest.approx(sharded["losses"][2:], rel=1e-5)
+    for key, value in sharded["params"].items():
+        torch.testing.assert_close(resumed["params"][key], value, rtol=1e-5, atol=1e-5, msg=key)
+
+
+def _config(cache_dir, extra):
+    return load_config(None, memory_overrides(cache_dir) + extra)
+
+
+def test_validation_rejects_bad_memory_parallel_settings(cache_dir):
+    tp2 = ["parallel.tensor_model_parallel_size=2"]
+    with pytest.raises(ConfigError, match=r"memory.group_size \(3\) must divide the data x tensor parallel size \(4\)"):
+        validate(_config(cache_dir, tp2 + ["memory.partition=number", "memory.group_size=3"]), world_size=4)
+    with pytest.raises(ConfigError, match=r"slot count \(9\) to be divisible by the memory-parallel group size \(2\)"):
+        validate(_config(cache_dir, ["memory.partition=number", "memory.num_keys=3", "memory.topk=2"]), world_size=2)
+    with pytest.raises(ConfigError, match="memory.partition must be one of"):
+        validate(_config(cache_dir, ["memory.partition=rows"]), world_size=1)
+    with pytest.raises(ConfigError, match="memory.owner_reduce needs"):
+        validate(_config(cache_dir, ["memory.partition=dimension", "memory.owner_reduce=true"]), world_size=2)
+    validate(_config(cache_dir, tp2 + ["memory.partition=auto", "memory.group_size=2"]), world_size=4)
+
+
+def test_auto_partition_is_the_planners_training_step_choice():
+    """``auto`` picks the partition with fewer bytes per step (forward + backward): wide values
+    and many lookups favour dimension-wise, narrow values number-wise (Appendix D, Fig. 9)."""
+    from rmt.memory.table import resolve_partition
+    from rmt.planner.comm import plan_comm
+
+    for dim, expected in ((512, "dimension"), (4, "number")):
+        plan = {"tokens": 64, "topm": 32, "ive": 4, "cores": 2}
+        choice = plan_comm(64, 32, dim, 4, phase="forward_backward", ive=4, cores=2, value_bytes=4)["choice"]
+        assert choice == expected
+        assert resolve_partition("auto", dim, 4, plan, False, 4) == expected
+    assert resolve_partition("number", 512, 4, None, False, 4) == "number"
+    with pytest.raises(ValueError, match="partition 'auto' needs plan"):
+        resolve_partition("auto", 512, 4, None, False, 4)
