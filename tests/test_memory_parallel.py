@@ -40,17 +40,20 @@ def assert_same_training(ref, got):
             torch.testing.assert_close(got[kind][key], value, rtol=1e-5, atol=1e-5, msg=f"{kind} {key}")
 
 
-@pytest.mark.parametrize("nproc,extra,reload", [
+@pytest.mark.parametrize("nproc,extra,reload,reload_nproc", [
     (4, ["parallel.tensor_model_parallel_size=2", "memory.partition=number", "memory.owner_reduce=true",
-         "memory.group_size=2"], ["memory.partition=number"]),
-    (2, ["memory.partition=dimension", "memory.async_stream=true"], []),
-], ids=["tp2xdp2-number-owner-reduce-groups-of-2", "dp2-dimension-async"])
-def test_sharded_training_equals_single_process(cache_dir, tmp_path, local_run, nproc, extra, reload):
+         "memory.group_size=2"], ["memory.partition=number"], 1),
+    (2, ["memory.partition=dimension", "memory.async_stream=true"], [], 1),
+    (4, ["memory.partition=number", "train.micro_batch_size=1"],
+     ["memory.partition=number", "train.micro_batch_size=1"], 2),
+], ids=["tp2xdp2-number-owner-reduce-groups-of-2", "dp2-dimension-async", "dp4-number-P4-reload-P2"])
+def test_sharded_training_equals_single_process(cache_dir, tmp_path, local_run, nproc, extra, reload,
+                                                reload_nproc):
     """Three AdamW steps (clipping on) with the sharded table (outside DDP, gradients through
     the collectives, replicas all-reduced; async memory stream in the second case) == the
     single-process local synchronous table. The step-2 checkpoint (table and AdamW moments
-    as shards of the global table) loads into one process with a group of 1 (number-wise)
-    or the local table, and its third step lands on the same weights."""
+    as shards of the global table) loads under another group size (P=2 -> 1, P=4 -> 2) or as
+    the local table, and its third step lands on the same weights."""
     out, ckpt = str(tmp_path / "sharded.pt"), str(tmp_path / "ckpt")
     run_python([TRAIN, out] + memory_overrides(cache_dir) + extra
                + [f"train.save={ckpt}", "train.save_interval=2"], nproc=nproc)
@@ -58,7 +61,7 @@ def test_sharded_training_equals_single_process(cache_dir, tmp_path, local_run, 
     assert_same_training(local_run, sharded)
     resumed_out = str(tmp_path / "resumed.pt")
     run_python([TRAIN, resumed_out] + memory_overrides(cache_dir) + reload
-               + [f"train.load={ckpt}/iter_0000002"])
+               + [f"train.load={ckpt}/iter_0000002"], nproc=reload_nproc)
     resumed = torch.load(resumed_out)
     assert resumed["losses"] == pytest.approx(sharded["losses"][2:], rel=1e-5)
     for key, value in sharded["params"].items():
