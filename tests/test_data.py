@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import rmt_train, run_python, tiny_overrides
+from conftest import rmt_train, tiny_overrides
 from rmt.data.indexed import open_indexed, read_metadata
 from rmt.data.preprocess import main as preprocess_main
 from rmt.data.tokenizers import ByteTokenizer, HFTokenizer, train_bpe

@@ -72,7 +72,7 @@ def _naive_output(layer, h, softmax=False):
     split by core columns (Eq. 17), indexed by the shuffled virtual address (Eq. 14)."""
     s = layer.spec
     addr, scores = layer.retrieve(h)  # softmax already applied by the layer when enabled
-    V, E, N, C = layer.values.weight, s.ive_blocks, s.num_values, s.num_cores
+    V, E, C = layer.values.weight, s.ive_blocks, s.num_cores
     cols = V.shape[1] // C
     virtual = layer.shuffle[addr] if layer.shuffle is not None else addr
     W = layer.proj if layer.has_proj else torch.eye(s.hidden_size, dtype=V.dtype).unsqueeze(0)
