@@ -61,7 +61,8 @@ def validate_memory_pipeline(config, placement: List[Tuple[int, int]]) -> None:
     per = config.model.num_layers // pp
     for start, end in placement:
         if (start - 1) // per != (end - 1) // per:
-            ranges = " or ".join(f"{a}-{b}" for a, b in (stage_layers(config, s) for s in range(pp)))
+            ranges = [f"{a}-{b}" if a < b else str(a) for a, b in (stage_layers(config, s) for s in range(pp))]
+            ranges = ", ".join(ranges[:-1]) + " or " + ranges[-1]
             boundary = ((start - 1) // per + 1) * per
             raise ConfigError(
                 f"memory.placement '{start}:{end}' crosses the pipeline stage boundary after layer "
