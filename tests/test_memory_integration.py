@@ -34,7 +34,9 @@ def _cfg(*overrides):
     ("memory.type=lstm", "memory.type 'lstm' is not available"),
     ("memory.retrieval=product", "num_cores > 1 (multi-core scoring) needs memory.retrieval 'tucker'"),
     ("memory.tucker_rank=3", "key_dim (8) must be divisible by memory.tucker_rank (3)"),
-    ("parallel.pipeline_model_parallel_size=3", "not supported with pipeline parallelism"),
+    ("parallel.pipeline_model_parallel_size=3",
+     "memory.placement '1:3' crosses the pipeline stage boundary after layer 1; with 3 stages of 1 layers "
+     "each placement must lie within layers 1, 2 or 3"),
 ])
 def test_validation_rejects(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

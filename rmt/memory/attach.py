@@ -12,7 +12,11 @@ output is viewed back: the memory reads the whole matrix and writes a full-matri
 
 Memory layers are replicated across tensor-parallel ranks (every TP rank holds the full hidden
 state without sequence parallelism, so they compute the same result and receive the same
-gradients). Pipeline parallelism is rejected by the config validation. With
+gradients). Under pipeline parallelism every placement lies inside one stage (checked by the
+config validation); its memory layer is built only on that stage, hooked on the stage's local
+layers, and keeps its global index ``k`` (``memory.k.*`` keys as in the single-stage run). The
+loss is computed on the last stage only, so on earlier stages the auxiliary losses ride on the
+hidden state (:class:`AuxLossToActivation`, megatron-core's ``MoEAuxLossAutoScaler`` trick). With
 ``memory.partition`` other than ``local`` the value tables are sharded over the
 memory-parallel group (:mod:`rmt.memory.groups`, :mod:`rmt.memory.sharded_table`).
 """
@@ -21,9 +25,10 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from rmt.memory.groups import memory_parallel_groups
@@ -31,7 +36,7 @@ from rmt.memory.layer import MemoryLayer, MemorySpec
 from rmt.memory.moe import MoELayer
 from rmt.memory.stream import MemoryStream
 from rmt.memory.table import MemoryTable
-from rmt.memory.validate import memory_width, parse_placement
+from rmt.memory.validate import memory_width, parse_placement, stage_layers
 from rmt.parallel import compat
 
 
@@ -55,9 +60,25 @@ def build_memory_layer(config, index: int) -> torch.nn.Module:
     return layer
 
 
-class MemoryModules(torch.nn.ModuleList):
-    """The memory layers of a chunk. Its ``sharded_state_dict`` lets sharded tables describe
-    their own shards; every other tensor is replicated (megatron's default)."""
+class MemoryModules(torch.nn.Module):
+    """The memory layers of a chunk, indexed (and named, ``memory.k.*``) by their global
+    placement index k, so that a pipeline stage holding only some of them uses the keys of the
+    single-stage run; iterating gives the layers. Its ``sharded_state_dict`` lets sharded
+    tables describe their own shards; every other tensor is replicated (megatron's default)."""
+
+    def __init__(self, modules: Dict[int, torch.nn.Module]):
+        super().__init__()
+        for k, module in modules.items():
+            self.add_module(str(k), module)
+
+    def __getitem__(self, k: int) -> torch.nn.Module:
+        return self._modules[str(k)]
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         out = {}
@@ -87,22 +108,42 @@ def _replace_hidden(output, hidden):
     return (hidden,) + tuple(output[1:]) if isinstance(output, tuple) else hidden
 
 
-class MemoryWiring:
-    """The hooks of one chunk: ``placement`` pairs -> ``chunk.memory[k]``. With ``stream``
-    (:class:`~rmt.memory.stream.MemoryStream`, ``memory.async_stream``) memory layer k starts
-    at layer i's hook and is joined at layer j's; without it, it runs at layer j's hook
-    (``sync_s`` accumulates that time)."""
+class AuxLossToActivation(torch.autograd.Function):
+    """Identity on ``hidden`` whose backward also gives ``aux`` the gradient ``scale`` (the
+    schedule's loss scale, ``1 / num_microbatches``): an auxiliary loss of a stage without
+    the loss function enters backward as if added to it (megatron-core's
+    ``MoEAuxLossAutoScaler``)."""
 
-    def __init__(self, chunk: torch.nn.Module, placement: List, seq_dim: int, layers,
-                 stream: Optional[MemoryStream] = None):
-        self.placement, self.seq_dim, self.stream = placement, seq_dim, stream
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, aux: torch.Tensor, scale: float):
+        ctx.save_for_backward(aux)
+        ctx.scale = scale
+        return hidden
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.scale), None
+
+
+class MemoryWiring:
+    """The hooks of one chunk: ``placement`` (global index k -> local layers ``(i, j)``) ->
+    ``chunk.memory[k]``. With ``stream`` (:class:`~rmt.memory.stream.MemoryStream`,
+    ``memory.async_stream``) memory layer k starts at layer i's hook and is joined at layer
+    j's; without it, it runs at layer j's hook (``sync_s`` accumulates that time). With
+    ``aux_scale`` (a stage before the last) the auxiliary losses of the memory layers are
+    attached to layer j's output (:class:`AuxLossToActivation`)."""
+
+    def __init__(self, chunk: torch.nn.Module, placement: Dict[int, Tuple[int, int]], seq_dim: int,
+                 layers, stream: Optional[MemoryStream] = None, aux_scale: Optional[float] = None):
+        self.placement, self.seq_dim, self.stream, self.aux_scale = placement, seq_dim, stream, aux_scale
         self.modules = chunk.memory
         self.kept: Dict[int, torch.Tensor] = {}
         self.pending: Dict[int, object] = {}
         self.sync_s = 0.0
         self.handles = []
-        starts = {i for i, _ in placement}
-        for number in sorted(starts | {j for _, j in placement}):
+        starts = {i for i, _ in placement.values()}
+        for number in sorted(starts | {j for _, j in placement.values()}):
             self.handles.append(layers[number - 1].register_forward_hook(self._hook(number, number in starts)))
 
     def _run(self, k: int, x: torch.Tensor) -> torch.Tensor:
@@ -117,11 +158,11 @@ class MemoryWiring:
             if keep:
                 self.kept[number] = hidden
                 if self.stream is not None:
-                    for k, (i, _) in enumerate(self.placement):
+                    for k, (i, _) in self.placement.items():
                         if i == number:
                             self.pending[k] = self.stream.launch(partial(self._run, k), hidden)
-            added = None
-            for k, (i, j) in enumerate(self.placement):
+            added, aux = None, None
+            for k, (i, j) in self.placement.items():
                 if j != number:
                     continue
                 if self.stream is not None:
@@ -131,24 +172,46 @@ class MemoryWiring:
                     y = self._run(k, self.kept[i])
                     self.sync_s += time.perf_counter() - start
                 added = y if added is None else added + y
-            if number == max(j for _, j in self.placement):
+                if self.aux_scale is not None:
+                    module = self.modules[k]
+                    if module.aux_loss is not None:
+                        aux = module.aux_loss if aux is None else aux + module.aux_loss
+                        module.aux_loss = None
+            if number == max(j for _, j in self.placement.values()):
                 self.kept.clear()
-            return None if added is None else _replace_hidden(output, hidden + added)
+            if added is None:
+                return None
+            hidden = hidden + added
+            if aux is not None:
+                hidden = AuxLossToActivation.apply(hidden, aux, self.aux_scale)
+            return _replace_hidden(output, hidden)
 
         return hook
 
 
 def attach_memory(chunks: List[torch.nn.Module], config,
                   std_rule: Callable[[str, torch.Tensor], Optional[float]]):
-    """Add ``config.memory`` layers to every chunk (as ``chunk.memory``, a ModuleList, so they
-    are in the chunk's parameters and ``sharded_state_dict``) and return the init rule that
+    """Add the ``config.memory`` layers of this pipeline stage to every chunk (as
+    ``chunk.memory``, :class:`MemoryModules`, so they are in the chunk's parameters and
+    ``sharded_state_dict``) and return the init rule that
     gives memory parameters their own std (``memory_init_std``; None keeps the module's init)."""
-    placement = parse_placement(config.memory.placement, config.model.num_layers)
+    mem, t = config.memory, config.train
+    placement = parse_placement(mem.placement, config.model.num_layers)
+    if mem.partition != "local":
+        memory_parallel_groups(mem.group_size)  # collective: also on stages without memory layers
+    first, last = stage_layers(config, parallel_state.get_pipeline_model_parallel_rank())
+    own = {k: (i - first + 1, j - first + 1) for k, (i, j) in enumerate(placement) if first <= i and j <= last}
+    aux_scale = None
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        dp = parallel_state.get_data_parallel_world_size()
+        global_batch = t.global_batch_size or t.micro_batch_size * dp
+        aux_scale = t.micro_batch_size * dp / global_batch  # 1 / num_microbatches
     for chunk in chunks:
-        layers, seq_dim = _hook_layers(chunk)
-        chunk.memory = MemoryModules(build_memory_layer(config, k) for k in range(len(placement)))
-        stream = MemoryStream(compat.device()) if config.memory.async_stream else None
-        chunk.memory_wiring = MemoryWiring(chunk, placement, seq_dim, layers, stream)
+        chunk.memory = MemoryModules({k: build_memory_layer(config, k) for k in own})
+        if own:
+            layers, seq_dim = _hook_layers(chunk)
+            stream = MemoryStream(compat.device()) if mem.async_stream else None
+            chunk.memory_wiring = MemoryWiring(chunk, own, seq_dim, layers, stream, aux_scale)
 
     def rule(key: str, param: torch.Tensor) -> Optional[float]:
         if hasattr(param, "memory_init_std"):
@@ -174,10 +237,11 @@ def pop_aux_loss(model: torch.nn.Module) -> Optional[torch.Tensor]:
 
 def pop_memory_stats(chunks: List[torch.nn.Module], group=None) -> Dict[str, float]:
     """``memory/layer{k}/<stat>`` slot-usage scalars since the last call (collective over
-    ``group``); empty without UltraMem/PKM layers."""
+    ``group``), k the global placement index; empty without UltraMem/PKM layers."""
     out = {}
-    layers = [m for c in chunks for m in memory_modules(c) if isinstance(m, MemoryLayer)]
-    for k, layer in enumerate(layers):
+    layers = [(k, m) for c in chunks for own in c.modules() if isinstance(own, MemoryModules)
+              for k, m in own._modules.items() if isinstance(m, MemoryLayer)]
+    for k, layer in layers:
         for name, value in layer.pop_stats(group).items():
             out[f"memory/layer{k}/{name}"] = value
     return out

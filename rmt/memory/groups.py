@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from rmt.parallel import compat
+
 _CACHE: Dict[Tuple, Tuple] = {}
 
 
@@ -83,11 +85,16 @@ def finish_sharded_grads(modules: Iterable[torch.nn.Module]) -> None:
 
 def sharded_grad_sq_norm(params: Iterable[torch.nn.Parameter]) -> float:
     """Squared L2 norm of the full gradients of the sharded tables among ``params`` (each
-    shard counted once: summed over its memory-parallel group)."""
-    total = 0.0
+    shard counted once: summed over its memory-parallel group, then over the pipeline stages,
+    whose tables differ). Collective over the pipeline group."""
+    total = torch.zeros(1, dtype=torch.float64, device=compat.device())
+    group = None
     for p in params:
         if getattr(p, "memory_sharded", False) and p.grad is not None:
-            sq = p.grad.detach().float().pow(2).sum().reshape(1)
-            dist.all_reduce(sq, group=p.memory_group)
-            total += float(sq)
-    return total
+            total += p.grad.detach().double().pow(2).sum()
+            group = p.memory_group
+    if group is not None:
+        dist.all_reduce(total, group=group)
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+    return float(total)

@@ -41,6 +41,34 @@ def parse_placement(text: str, num_layers: int) -> List[Tuple[int, int]]:
     return pairs
 
 
+def stage_layers(config, stage: int) -> Tuple[int, int]:
+    """First and last global layer (1-based) of pipeline stage ``stage``: the layers are split
+    evenly, ``num_layers / pipeline_model_parallel_size`` per stage."""
+    per = config.model.num_layers // config.parallel.pipeline_model_parallel_size
+    return stage * per + 1, (stage + 1) * per
+
+
+def validate_memory_pipeline(config, placement: List[Tuple[int, int]]) -> None:
+    """With pipeline parallelism every placement ``i:j`` must lie inside one stage (its memory
+    layer is built on that stage); no virtual pipeline stages."""
+    p = config.parallel
+    pp = p.pipeline_model_parallel_size
+    if pp == 1:
+        return
+    if p.virtual_pipeline_model_parallel_size is not None:
+        raise ConfigError("memory layers are not supported with a virtual pipeline "
+                          "(parallel.virtual_pipeline_model_parallel_size must be unset)")
+    per = config.model.num_layers // pp
+    for start, end in placement:
+        if (start - 1) // per != (end - 1) // per:
+            ranges = [f"{a}-{b}" if a < b else str(a) for a, b in (stage_layers(config, s) for s in range(pp))]
+            ranges = ", ".join(ranges[:-1]) + " or " + ranges[-1]
+            boundary = ((start - 1) // per + 1) * per
+            raise ConfigError(
+                f"memory.placement '{start}:{end}' crosses the pipeline stage boundary after layer "
+                f"{boundary}; with {pp} stages of {per} layers each placement must lie within layers {ranges}")
+
+
 def validate_memory_parallel(config, world_size: int) -> None:
     """``memory.partition`` / ``group_size`` / ``owner_reduce`` (UltraMem Appendix C/D): the
     group must divide the data x tensor parallel ranks of a stage and the split axis must
@@ -86,10 +114,7 @@ def validate_memory(config, world_size: Optional[int] = None) -> None:
     validate_memory_parallel(config, world_size)
     if not mem.placement:
         raise ConfigError(f"memory.type '{mem.type}' needs memory.placement, e.g. '1:2'")
-    parse_placement(mem.placement, m.num_layers)
-    if config.parallel.pipeline_model_parallel_size > 1:
-        raise ConfigError("memory layers are not supported with pipeline parallelism "
-                          "(parallel.pipeline_model_parallel_size must be 1)")
+    validate_memory_pipeline(config, parse_placement(mem.placement, m.num_layers))
     if mem.type == "moe":
         for key in ("num_experts", "moe_topk"):
             if getattr(mem, key) <= 0:

@@ -1,0 +1,47 @@
+"""Memory layers under pipeline parallelism == the single-process run (fp32, 1e-5): a 4-layer
+transformer + UltraMem with one placement inside each of the two stages ('1:2/3:4'), trained 3
+steps through the trainer (tests/dist/train_steps.py) with PP=2: equal losses, and equal full
+gradients and weights afterwards, memory parameters of both stages included (the aux loss of
+the first stage's memory layer reaches backward through the activation). Placements crossing
+a stage boundary are rejected."""
+
+import pytest
+import torch
+
+from conftest import run_python, tiny_overrides
+from rmt.config import load_config, validate
+from rmt.errors import ConfigError
+
+MEMORY = ["model.num_layers=4", "memory.type=ultramem", "memory.placement='1:2/3:4'", "memory.key_dim=8",
+          "memory.num_keys=4", "memory.topk=3", "memory.init_samples=2", "memory.aux_loss_weight=0.05"]
+
+
+def _train(path, overrides, nproc):
+    run_python(["tests/dist/train_steps.py", str(path)] + overrides, nproc=nproc)
+    return torch.load(path)
+
+
+def test_memory_pipeline_matches_single_process(cache_dir, tmp_path):
+    ref = _train(tmp_path / "ref.pt", tiny_overrides(cache_dir) + MEMORY, 1)
+    got = _train(tmp_path / "got.pt", tiny_overrides(cache_dir) + MEMORY
+                 + ["parallel.pipeline_model_parallel_size=2"], 2)
+    assert len(got["losses"]) == 3
+    assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+    assert sorted(got["grads"]) == sorted(ref["grads"])
+    for k in (0, 1):
+        assert {f"memory.{k}.values.weight", f"memory.{k}.keys", f"memory.{k}.cores"} <= set(ref["grads"])
+    for key in ref["grads"]:
+        if key.startswith("memory."):
+            assert ref["grads"][key].abs().max() > 0, key
+        torch.testing.assert_close(got["grads"][key], ref["grads"][key], atol=1e-5, rtol=0, msg=key)
+        torch.testing.assert_close(got["params"][key], ref["params"][key], atol=1e-5, rtol=0, msg=key)
+
+
+def test_memory_placement_crossing_stage_rejected():
+    overrides = MEMORY[:2] + ["memory.placement='2:3'", "parallel.pipeline_model_parallel_size=2"]
+    with pytest.raises(ConfigError) as err:
+        validate(load_config(None, overrides), world_size=2)
+    assert str(err.value) == ("memory.placement '2:3' crosses the pipeline stage boundary after layer 2; with 2 "
+                              "stages of 2 layers each placement must lie within layers 1-2 or 3-4")
+    validate(load_config(None, overrides[:2] + ["memory.placement='3:4'", "parallel.pipeline_model_parallel_size=2"]),
+             world_size=2)
