@@ -5,14 +5,23 @@
 // with D' = D / C. Inputs arrive validated and contiguous from Python; indices and block ids are
 // int64. Accumulation is in fp32 (fp64 for fp64 tables).
 //
-// Backward is deterministic and atomic-free: the flat lookup positions are radix-sorted (stable)
-// by row index, then each run of equal rows is reduced by one thread in position order. The same
-// pass computes the score gradients, reading each touched table row once.
+// Backward is deterministic and atomic-free: the flat lookup positions are bucketed by the high
+// bits of their row index with a stable counting sort, then each bucket (about 8 lookups) is
+// insertion-sorted by row, so every run of equal rows lists its positions in increasing order.
+// The sort is serial on purpose: on a shared 2-core machine each OpenMP barrier costs a scheduler
+// time slice (~5 ms) when the other thread is preempted, more than the whole sort (~2 ms). One thread reduces each run
+// in that order and writes the row's gradient once into a compact [U, D] buffer; the same pass
+// computes the score gradients, reading each touched table row once.
+//
+// The [U, D] row-gradient buffers come from a small pool: a buffer is handed out again only once
+// nothing but the pool references its storage (the sparse gradient that aliased it was freed), so
+// repeated steps skip the first-touch page faults of a fresh multi-MB allocation.
 #include <torch/extension.h>
 #include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <mutex>
 #include <tuple>
 #include <vector>
 
@@ -29,7 +38,11 @@ struct Acc<double> {
 
 // Rows prefetched ahead of use, into L1 (locality 3): measured best for 256-byte rows on 2 cores.
 constexpr int64_t kPrefetchDistance = 16;
-constexpr int kRadixBits = 11;
+// Counting-sort buckets: at most 2^kMaxBucketBits.
+constexpr int kMaxBucketBits = 18;
+constexpr int kBucketLogSize = 3;  // about 8 lookups per bucket
+// Row-gradient buffers kept for reuse (one per memory layer whose gradient is alive at once).
+constexpr size_t kPoolSlots = 8;
 
 inline void prefetch_row(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
@@ -37,117 +50,185 @@ inline void prefetch_row(const void* p, int64_t bytes) {
 }
 
 template <typename scalar_t>
-void forward_kernel(const scalar_t* table, const int64_t* idx, const scalar_t* scores,
-                    const int64_t* blk, scalar_t* out, int64_t T, int64_t K, int64_t C,
-                    int64_t D, int64_t E) {
+void forward_kernel(const scalar_t* __restrict table, const int64_t* __restrict idx,
+                    const scalar_t* __restrict scores, const int64_t* __restrict blk,
+                    scalar_t* __restrict out, int64_t T, int64_t K, int64_t C, int64_t D,
+                    int64_t E) {
   using acc_t = typename Acc<scalar_t>::type;
-  const int64_t Dc = D / C;
+  const int64_t Dc = D / C, M = T * K;
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    std::vector<acc_t> acc(E * D);
+    std::vector<acc_t> acc_buf(E * D);
+    acc_t* __restrict acc = acc_buf.data();
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
-      std::fill(acc.begin(), acc.end(), acc_t(0));
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t ahead = t * K + k + kPrefetchDistance;
-        if (ahead < T * K) prefetch_row(table + idx[ahead] * D, row_bytes);
-        const scalar_t* row = table + idx[t * K + k] * D;
-        acc_t* a = acc.data() + (blk ? blk[t * K + k] : 0) * D;
-        const scalar_t* s = scores + (t * K + k) * C;
+      std::fill(acc, acc + E * D, acc_t(0));
+      for (int64_t i = t * K; i < (t + 1) * K; ++i) {
+        if (i + kPrefetchDistance < M) prefetch_row(table + idx[i + kPrefetchDistance] * D, row_bytes);
+        const scalar_t* __restrict row = table + idx[i] * D;
+        acc_t* __restrict a = acc + (blk ? blk[i] : 0) * D;
         for (int64_t c = 0; c < C; ++c) {
-          const acc_t w = static_cast<acc_t>(s[c]);
+          const acc_t w = static_cast<acc_t>(scores[i * C + c]);
+#pragma omp simd
           for (int64_t d = c * Dc; d < (c + 1) * Dc; ++d) a[d] += w * static_cast<acc_t>(row[d]);
         }
       }
-      scalar_t* o = out + t * E * D;
+      scalar_t* __restrict o = out + t * E * D;
+#pragma omp simd
       for (int64_t j = 0; j < E * D; ++j) o[j] = static_cast<scalar_t>(acc[j]);
     }
   }
 }
 
-// Stable LSD radix sort of (key, position) pairs; keys lie in [0, num_rows).
-void radix_sort_pairs(std::vector<int64_t>& keys, std::vector<int64_t>& pos, int64_t num_rows) {
-  const int64_t M = static_cast<int64_t>(keys.size());
+int ceil_log2(int64_t n) {
   int bits = 0;
-  while (bits < 63 && (int64_t(1) << bits) < num_rows) ++bits;
-  std::vector<int64_t> keys_tmp(M), pos_tmp(M);
-  std::vector<int64_t> hist(int64_t(1) << kRadixBits);
-  const int64_t mask = (int64_t(1) << kRadixBits) - 1;
-  for (int shift = 0; shift < bits; shift += kRadixBits) {
-    std::fill(hist.begin(), hist.end(), 0);
-    for (int64_t i = 0; i < M; ++i) ++hist[(keys[i] >> shift) & mask];
-    int64_t sum = 0;
-    for (auto& h : hist) {
-      const int64_t n = h;
-      h = sum;
-      sum += n;
-    }
-    for (int64_t i = 0; i < M; ++i) {
-      const int64_t dst = hist[(keys[i] >> shift) & mask]++;
-      keys_tmp[dst] = keys[i];
-      pos_tmp[dst] = pos[i];
-    }
-    keys.swap(keys_tmp);
-    pos.swap(pos_tmp);
+  while (bits < 63 && (int64_t(1) << bits) < n) ++bits;
+  return bits;
+}
+
+// Lookup positions grouped by row: key[j] (row) ascending, pos[j] ascending within equal keys;
+// bucket b (rows with the same high bits) spans [bucket_start[b], bucket_start[b + 1]) and its
+// distinct rows get gradient slots [unique_start[b], unique_start[b + 1]). The vectors persist
+// across calls (grown, never shrunk): fresh multi-MB allocations page-fault on first touch.
+struct SortedLookups {
+  std::vector<int64_t> key, pos, next, bucket_start, unique_start;
+  int64_t num_buckets = 0, num_unique = 0;
+};
+
+template <typename T>
+T* grown(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
+}
+
+void sort_lookups(const int64_t* __restrict idx, int64_t M, int64_t num_rows, SortedLookups& s) {
+  const int bits = ceil_log2(num_rows);
+  const int bucket_bits = std::min({bits, std::max(ceil_log2(M) - kBucketLogSize, 1), kMaxBucketBits});
+  const int shift = bits - bucket_bits;
+  const int64_t B = int64_t(1) << bucket_bits;
+  s.num_buckets = B;
+  int64_t* __restrict key = grown(s.key, M);
+  int64_t* __restrict pos = grown(s.pos, M);
+  int64_t* __restrict start = grown(s.bucket_start, B + 1);
+  int64_t* __restrict ustart = grown(s.unique_start, B + 1);
+  int64_t* __restrict next = grown(s.next, B);
+  std::fill(next, next + B, int64_t(0));
+  for (int64_t i = 0; i < M; ++i) ++next[idx[i] >> shift];
+  for (int64_t b = 0, run = 0; b < B; ++b) {
+    start[b] = run;
+    run += next[b];
+    next[b] = start[b];
   }
+  start[B] = M;
+  for (int64_t i = 0; i < M; ++i) {
+    const int64_t dst = next[idx[i] >> shift]++;
+    key[dst] = idx[i];
+    pos[dst] = i;
+  }
+  ustart[0] = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t first = start[b], last = start[b + 1];
+    for (int64_t j = first + 1; j < last; ++j) {  // stable insertion sort: buckets are tiny
+      const int64_t k = key[j], p = pos[j];
+      int64_t m = j;
+      for (; m > first && key[m - 1] > k; --m) {
+        key[m] = key[m - 1];
+        pos[m] = pos[m - 1];
+      }
+      key[m] = k;
+      pos[m] = p;
+    }
+    int64_t unique = 0;
+    for (int64_t j = first; j < last; ++j) unique += (j == first || key[j] != key[j - 1]);
+    ustart[b + 1] = ustart[b] + unique;
+  }
+  s.num_unique = ustart[B];
 }
 
 // Dot product of a[0:n] and b[0:n] with kLanes independent partial sums (vectorizable without
 // -ffast-math), combined in a fixed order so the result does not depend on threading.
 constexpr int64_t kLanes = 8;
 
-template <typename acc_t>
-inline acc_t fixed_order_dot(const acc_t* a, const acc_t* b, int64_t n) {
+template <typename acc_t, typename scalar_t>
+inline acc_t fixed_order_dot(const scalar_t* __restrict a, const scalar_t* __restrict b, int64_t n) {
   acc_t part[kLanes] = {};
   int64_t d = 0;
   for (; d + kLanes <= n; d += kLanes)
-    for (int64_t j = 0; j < kLanes; ++j) part[j] += a[d + j] * b[d + j];
-  for (; d < n; ++d) part[0] += a[d] * b[d];
+#pragma omp simd
+    for (int64_t j = 0; j < kLanes; ++j)
+      part[j] += static_cast<acc_t>(a[d + j]) * static_cast<acc_t>(b[d + j]);
+  for (; d < n; ++d) part[0] += static_cast<acc_t>(a[d]) * static_cast<acc_t>(b[d]);
   acc_t sum = acc_t(0);
   for (int64_t j = 0; j < kLanes; ++j) sum += part[j];
   return sum;
 }
 
 template <typename scalar_t>
-void segment_backward_kernel(const scalar_t* grad_out, const scalar_t* table,
-                             const scalar_t* scores, const int64_t* blk,
-                             const std::vector<int64_t>& sorted_pos,
-                             const std::vector<int64_t>& seg_start, const int64_t* rows,
-                             scalar_t* values, scalar_t* grad_scores, int64_t K, int64_t C,
-                             int64_t D, int64_t E) {
+void segment_backward_kernel(const scalar_t* __restrict grad_out, const scalar_t* __restrict table,
+                             const scalar_t* __restrict scores, const int64_t* __restrict blk,
+                             const SortedLookups& s, int64_t* __restrict rows, scalar_t* __restrict values,
+                             scalar_t* __restrict grad_scores, int64_t K, int64_t C, int64_t D,
+                             int64_t E) {
   using acc_t = typename Acc<scalar_t>::type;
-  const int64_t Dc = D / C;
-  const int64_t U = static_cast<int64_t>(seg_start.size()) - 1;
+  const int64_t Dc = D / C, M = s.bucket_start[s.num_buckets];
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t* __restrict key = s.key.data();
+  const int64_t* __restrict pos = s.pos.data();
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    std::vector<acc_t> acc(D), trow(D), grow(D);
+    std::vector<acc_t> acc_buf(D);
+    acc_t* __restrict acc = acc_buf.data();
 #pragma omp for schedule(dynamic, 64)
-    for (int64_t u = 0; u < U; ++u) {
-      if (u + kPrefetchDistance < U) prefetch_row(table + rows[u + kPrefetchDistance] * D, row_bytes);
-      const scalar_t* tr = table + rows[u] * D;
-      for (int64_t d = 0; d < D; ++d) {
-        trow[d] = static_cast<acc_t>(tr[d]);
-        acc[d] = acc_t(0);
-      }
-      for (int64_t j = seg_start[u]; j < seg_start[u + 1]; ++j) {
-        const int64_t p = sorted_pos[j];
-        const int64_t b = blk ? blk[p] : 0;
-        const scalar_t* g = grad_out + ((p / K) * E + b) * D;
-        const scalar_t* s = scores + p * C;
-        for (int64_t d = 0; d < D; ++d) grow[d] = static_cast<acc_t>(g[d]);
-        for (int64_t c = 0; c < C; ++c) {
-          const acc_t w = static_cast<acc_t>(s[c]);
-          for (int64_t d = c * Dc; d < (c + 1) * Dc; ++d) acc[d] += w * grow[d];
-          grad_scores[p * C + c] =
-              static_cast<scalar_t>(fixed_order_dot(trow.data() + c * Dc, grow.data() + c * Dc, Dc));
+    for (int64_t b = 0; b < s.num_buckets; ++b) {
+      int64_t u = s.unique_start[b];
+      const int64_t last = s.bucket_start[b + 1];
+      for (int64_t first = s.bucket_start[b]; first < last; ++u) {
+        const int64_t r = key[first];
+        const scalar_t* __restrict tr = table + r * D;
+        std::fill(acc, acc + D, acc_t(0));
+        int64_t j = first;
+        for (; j < last && key[j] == r; ++j) {
+          if (j + kPrefetchDistance < M) prefetch_row(table + key[j + kPrefetchDistance] * D, row_bytes);
+          const int64_t p = pos[j];
+          const scalar_t* __restrict g = grad_out + ((p / K) * E + (blk ? blk[p] : 0)) * D;
+          for (int64_t c = 0; c < C; ++c) {
+            const acc_t w = static_cast<acc_t>(scores[p * C + c]);
+#pragma omp simd
+            for (int64_t d = c * Dc; d < (c + 1) * Dc; ++d) acc[d] += w * static_cast<acc_t>(g[d]);
+            grad_scores[p * C + c] =
+                static_cast<scalar_t>(fixed_order_dot<acc_t>(tr + c * Dc, g + c * Dc, Dc));
+          }
         }
+        rows[u] = r;
+        scalar_t* __restrict v = values + u * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) v[d] = static_cast<scalar_t>(acc[d]);
+        first = j;
       }
-      scalar_t* v = values + u * D;
-      for (int64_t d = 0; d < D; ++d) v[d] = static_cast<scalar_t>(acc[d]);
     }
   }
+}
+
+// A [U, D] row-gradient buffer, reusing a pooled allocation whose storage nothing else holds.
+at::Tensor row_buffer(int64_t U, int64_t D, const at::TensorOptions& options) {
+  static std::mutex mutex;
+  static std::vector<at::Tensor> pool;
+  const int64_t need = U * D;
+  std::lock_guard<std::mutex> lock(mutex);
+  at::Tensor* spare = nullptr;
+  for (auto& buf : pool) {
+    if (buf.storage().use_count() != 1 || buf.scalar_type() != options.dtype().toScalarType()) continue;
+    if (buf.numel() >= need) return buf.narrow(0, 0, need).view({U, D});
+    if (!spare) spare = &buf;
+  }
+  at::Tensor fresh = at::empty({need + need / 4}, options);  // headroom for the next batch's U
+  if (spare) {
+    *spare = fresh;
+  } else if (pool.size() < kPoolSlots) {
+    pool.push_back(fresh);
+  }
+  return fresh.narrow(0, 0, need).view({U, D});
 }
 
 const int64_t* block_ptr(const c10::optional<at::Tensor>& block_ids) {
@@ -173,29 +254,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lookup_reduce_backward(
     const at::Tensor& grad_out, const at::Tensor& table, const at::Tensor& indices,
     const at::Tensor& scores, const c10::optional<at::Tensor>& block_ids, int64_t num_blocks) {
   const int64_t T = indices.size(0), K = indices.size(1), C = scores.size(2), D = table.size(1);
-  const int64_t M = T * K;
-  const int64_t* idx = indices.data_ptr<int64_t>();
-  std::vector<int64_t> keys(idx, idx + M), pos(M);
-  for (int64_t i = 0; i < M; ++i) pos[i] = i;
-  radix_sort_pairs(keys, pos, table.size(0));
-
-  std::vector<int64_t> seg_start;
-  seg_start.reserve(M + 1);
-  for (int64_t i = 0; i < M; ++i)
-    if (i == 0 || keys[i] != keys[i - 1]) seg_start.push_back(i);
-  seg_start.push_back(M);
-  const int64_t U = static_cast<int64_t>(seg_start.size()) - 1;
+  static std::mutex mutex;  // guards the persistent sort scratch
+  static SortedLookups sorted;
+  std::lock_guard<std::mutex> lock(mutex);
+  sort_lookups(indices.data_ptr<int64_t>(), T * K, table.size(0), sorted);
+  const int64_t U = sorted.num_unique;
 
   auto rows = at::empty({U}, indices.options());
-  int64_t* r = rows.data_ptr<int64_t>();
-  for (int64_t u = 0; u < U; ++u) r[u] = keys[seg_start[u]];
-  auto values = at::empty({U, D}, table.options());
+  auto values = row_buffer(U, D, table.options());
   auto grad_scores = at::empty_like(scores);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, table.scalar_type(), "lookup_reduce_backward", [&] {
     segment_backward_kernel<scalar_t>(grad_out.data_ptr<scalar_t>(), table.data_ptr<scalar_t>(),
-                                      scores.data_ptr<scalar_t>(), block_ptr(block_ids), pos,
-                                      seg_start, r, values.data_ptr<scalar_t>(),
-                                      grad_scores.data_ptr<scalar_t>(), K, C, D, num_blocks);
+                                      scores.data_ptr<scalar_t>(), block_ptr(block_ids), sorted,
+                                      rows.data_ptr<int64_t>(),
+                                      values.data_ptr<scalar_t>(), grad_scores.data_ptr<scalar_t>(),
+                                      K, C, D, num_blocks);
   });
   return {rows, values, grad_scores};
 }

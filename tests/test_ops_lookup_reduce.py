@@ -111,3 +111,35 @@ def test_failed_build_falls_back_to_reference(monkeypatch):
     monkeypatch.delenv("RMT_LOOKUP_BACKEND", raising=False)
     monkeypatch.setitem(_build._cache, cpu_backend.NAME, None)
     assert select_backend(torch.device("cpu")) == "reference"
+
+
+def test_cpu_row_gradient_buffers_reused_only_when_free():
+    """Pooled [U, D] buffers: a freed gradient's buffer is reused, a live one is never overwritten."""
+    cases = [(300, 16, 40, 8, 1, 1), (50, 12, 5, 7, 2, 4), (2000, 16, 64, 16, 1, 2), (300, 16, 40, 8, 1, 1)]
+    args = [make_case(*case, seed=i) for i, case in enumerate(cases)]
+
+    def run(i):
+        table, indices, scores, block_ids, grad_out = args[i]
+        return cpu_backend.backward(grad_out, table, indices, scores, block_ids, cases[i][5])
+
+    def check(i, got):
+        table, indices, scores, block_ids, grad_out = args[i]
+        want = reference_backward(grad_out, table, indices, scores, block_ids, cases[i][5])
+        assert torch.equal(got[0], want[0])
+        for g, w in zip(got[1:], want[1:]):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=5e-6)
+
+    first = run(0)
+    check(0, first)
+    ptr = first[1].data_ptr()
+    del first
+    again = run(3)  # same shape, buffer freed: the pooled storage comes back
+    assert again[1].data_ptr() == ptr
+    held = [again, run(1), run(2)]  # live gradients of several shapes, one growing past the pool
+    snapshot = [tuple(x.clone() for x in h) for h in held]
+    more = [run(i) for i in range(4)]  # must not write into any live buffer
+    for h, s in zip(held, snapshot):
+        assert all(torch.equal(a, b) for a, b in zip(h, s))
+    for i, got in enumerate(more):
+        check(i, got)
+    assert len({h[1].data_ptr() for h in held + more}) == len(held + more)

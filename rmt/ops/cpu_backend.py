@@ -7,7 +7,7 @@ NAME = "rmt_lookup_reduce_cpu"
 
 def _ext():
     return load_extension(NAME, ["lookup_reduce_cpu.cpp"],
-                          extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"])
+                          extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
 
 
 def is_available(device):
