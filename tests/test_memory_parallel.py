@@ -15,7 +15,7 @@ def test_sharded_table_equals_local_and_sends_planned_bytes(nproc):
         assert out.count(f"OK {name} P={nproc} ") == 2, out
 
 
-TRAIN = "tests/dist/memory_parallel_train.py"
+TRAIN = "tests/dist/train_steps.py"
 
 
 def memory_overrides(cache_dir):

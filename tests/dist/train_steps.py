@@ -1,5 +1,7 @@
 """Train a few steps under the current launch (plain python or torchrun) and save, on global
-rank 0, the loss history and the full (reassembled) parameters and gradients.
+rank 0, the loss history and the full (reassembled) parameters and gradients (``.grad``, which
+the trainer points at megatron DDP's ``main_grad`` and which sharded memory tables, outside DDP,
+fill directly).
 
     python -m torch.distributed.run --nproc_per_node=2 tests/dist/train_steps.py OUT.pt key=value...
 """
@@ -22,10 +24,11 @@ def main():
     parallel.initialize(config)
     trainer = Trainer(config)
     history = trainer.train()
-    grads = gather_full(trainer.chunks, lambda p: p.main_grad)
+    grads = gather_full(trainer.chunks, lambda p: p.grad)
     params = gather_full(trainer.chunks)
     if torch.distributed.get_rank() == 0:
         torch.save({"losses": [m["lm loss"] for m in history],
+                    "grad_norms": [m["grad_norm"] for m in history],
                     "val": [m.get("val_loss") for m in history],
                     "grads": grads, "params": params}, out)
     parallel.destroy()
