@@ -9,8 +9,10 @@ TP/PP layout is resharded on load). Decoding uses the architecture's cache unles
 * transformer: megatron-core's KV cache (``StaticInferenceContext``);
 * mixer with repeat heads: the recurrent form, one state vector per head per layer (constant
   memory per token, "Masked Recurrent Mixers");
-* otherwise (masked mixer, recurrent transformer, ``--no-cache``): the full forward pass over
-  the sequence so far at every step.
+* recurrent transformer: per layer the last complete window plus the current block's inputs
+  (constant memory and work per token, whatever the position);
+* otherwise (masked mixer, ``--no-cache``): the full forward pass over the sequence so far at
+  every step.
 
 Every path yields the same tokens (they compute the same logits); tokens never leave the
 model's ``seq_length``.
@@ -76,6 +78,50 @@ class RecurrentMixerDecoder:
         return logits
 
 
+class BlockRecurrentDecoder:
+    """The recurrent transformer over its blocks ("Efficient LLM Architectures" eqs. 6-8).
+
+    State: per layer the halves ``(A_j, h_j)`` of the window of the last complete block, and the
+    embedded inputs of the current block. A new token re-runs, per layer, the current block's
+    window (at most ``2k`` positions, eq. 7) and eq. 8 on its second half; the logits of the
+    newest position are the last of these. A block is folded into the state only once a token
+    of the next block arrives, because a complete last block still ends with eq. 8: each layer's
+    window is then recomputed from the layer below's final outputs ``tau(a A_j + h_j)``.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.k = model.layers[0].block_width
+
+    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.windows = [None] * len(self.model.layers)
+        self.pending = tokens.new_zeros(0, tokens.shape[0])
+        self.position = 0
+        return self._extend(tokens)
+
+    def next(self, token: torch.Tensor) -> torch.Tensor:
+        return self._extend(token[:, None])
+
+    def _extend(self, tokens: torch.Tensor) -> torch.Tensor:
+        b, s = tokens.shape
+        x = self.model.embed(tokens, positions(self.position, s, b, tokens.device))
+        self.position += s
+        self.pending = torch.cat([self.pending, x]) if self.pending.numel() else x
+        while self.pending.shape[0] > self.k:
+            self._fold(self.pending[:self.k])
+            self.pending = self.pending[self.k:]
+        x = self.pending
+        for layer, window in zip(self.model.layers, self.windows):
+            x = layer.tau(layer.window(window, x, layer.accumulation())[1])  # eq. 8
+        return self.model.head(x[-1:])[:, -1]
+
+    def _fold(self, block: torch.Tensor) -> None:
+        for i, layer in enumerate(self.model.layers):
+            a = layer.accumulation()
+            self.windows[i] = layer.window(self.windows[i], block, a)
+            block = layer.final_output(self.windows[i], a)
+
+
 class KVCacheDecoder:
     """megatron-core GPTModel with its static KV cache."""
 
@@ -105,11 +151,14 @@ def decoder_for(model, max_length: int, use_cache: bool):
     from megatron.core.models.gpt import GPTModel
 
     from rmt.models.mixer import MixerModel
+    from rmt.models.recurrent import RecurrentTransformer
 
     if use_cache and isinstance(model, GPTModel):
         return KVCacheDecoder(model, max_length)
     if use_cache and isinstance(model, MixerModel) and model.layers[0].mixing.token_weight.dim() == 2:
         return RecurrentMixerDecoder(model)
+    if use_cache and isinstance(model, RecurrentTransformer):
+        return BlockRecurrentDecoder(model)
     return RecomputeDecoder(model)
 
 

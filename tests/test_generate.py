@@ -68,6 +68,21 @@ def test_decoder_kinds_and_constant_mixer_state(model_of):
     assert sizes == {2 * 2 * 8}  # layers x heads x (hidden / heads), whatever the position
 
 
+def test_recurrent_transformer_state_is_bounded(model_of):
+    model = model_of("recurrent")
+    decoder = decoder_for(model, 24, True)
+    assert type(decoder).__name__ == "BlockRecurrentDecoder"
+    decoder.prefill(torch.randint(0, 16, (1, 3)))
+    sizes = []
+    for t in range(16):
+        decoder.next(torch.tensor([t % 16]))
+        windows = sum(h.numel() for w in decoder.windows if w is not None for h in w)
+        sizes.append((windows, decoder.pending.shape[0]))
+    # from the second block on: per layer two halves of k=4 positions x hidden 16; at most k pending
+    assert {w for w, _ in sizes[5:]} == {2 * 2 * 4 * 16}
+    assert max(p for _, p in sizes) == 4 and min(p for _, p in sizes) == 1
+
+
 def test_cli_from_checkpoint(tmp_path, capsys):
     from rmt.training.trainer import Trainer
 

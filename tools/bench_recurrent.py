@@ -6,14 +6,16 @@ repeat mixers).
     ``--noise-target``), then recall accuracy at the target noise length. Paper: 100% / 99.4% at
     4096 noise tokens with ~0.5M parameters.
 (b) Decoding tokens/s and cache memory against position, up to 2048: the repeat mixer in its
-    recurrent form (one state vector per head per layer) against the transformer with
-    megatron-core's KV cache.
+    recurrent form (one state vector per head per layer) and the recurrent transformer (last
+    window per layer plus the current block) against the transformer with megatron-core's KV
+    cache.
 
     python tools/bench_recurrent.py [--quick] [--json out.json]
 
 Summary keys: ``copy_accuracy``, ``selective_copy_accuracy``, ``max_noise_tokens`` (largest
-noise length reached by both tasks), ``mixer_decode_mem_growth`` (state bytes at position 2048
-over those at 128), plus ``transformer_decode_mem_growth`` for comparison.
+noise length reached by both tasks), ``mixer_decode_mem_growth`` and
+``recurrent_decode_mem_growth`` (state bytes at position 2048 over those at 128), plus
+``transformer_decode_mem_growth`` for comparison.
 """
 
 from __future__ import annotations
@@ -85,7 +87,8 @@ def train_task(task: str, args, rows: list) -> dict:
 
 def decode_profile(arch: str, args, rows: list) -> dict:
     """Greedy-feed decoding from position 0 to 2048; per-token time and cache bytes at POSITIONS."""
-    extra = ["model.mixer_kind=mixed", "model.mixer_decay=true"] if arch == "mixer" else []
+    extra = {"mixer": ["model.mixer_kind=mixed", "model.mixer_decay=true"],
+             "recurrent": [f"model.block_width={args.block}"]}.get(arch, [])
     config = validate(load_config(None, [
         f"model.arch={arch}", "model.vocab_size=257", "model.hidden_size=64", "model.num_attention_heads=4",
         "model.num_layers=2", f"model.seq_length={POSITIONS[-1]}", f"train.threads={args.threads}"] + extra), 1)
@@ -103,6 +106,9 @@ def decode_profile(arch: str, args, rows: list) -> dict:
                     # bytes of the cache holding positions 0..pos (mixer: the recurrent state)
                     if arch == "mixer":
                         mem = sum(s.numel() * s.element_size() for s in decoder.state)
+                    elif arch == "recurrent":
+                        held = [h for w in decoder.windows if w is not None for h in w] + [decoder.pending]
+                        mem = sum(t.numel() * t.element_size() for t in held)
                     else:
                         kv = decoder.context.key_value_memory_dict
                         per_pos = sum(t.numel() * t.element_size() for pair in kv.values() for t in pair) / POSITIONS[-1]
@@ -151,12 +157,13 @@ def main(argv=None) -> int:
     for task, r in results.items():
         rows.append({"part": "result", "task": task, **r})
         print(json.dumps(rows[-1]), flush=True)
-    mem = {arch: decode_profile(arch, args, rows) for arch in ("mixer", "transformer")}
+    mem = {arch: decode_profile(arch, args, rows) for arch in ("mixer", "recurrent", "transformer")}
     summary = {
         "copy_accuracy": results["copy"]["accuracy"],
         "selective_copy_accuracy": results["selective_copy"]["accuracy"],
         "max_noise_tokens": min(r["noise_length"] for r in results.values()),
         "mixer_decode_mem_growth": mem["mixer"][2048] / mem["mixer"][128],
+        "recurrent_decode_mem_growth": mem["recurrent"][2048] / mem["recurrent"][128],
         "transformer_decode_mem_growth": mem["transformer"][2048] / mem["transformer"][128],
     }
     print(json.dumps(summary, indent=1))

@@ -65,6 +65,23 @@ class RecurrentLayer(MegatronModule):
     def tau(self, x: torch.Tensor) -> torch.Tensor:
         return self.layer(x, attention_mask=window_mask(x.shape[0], x.device))[0]
 
+    def window(self, previous, block: torch.Tensor, a: torch.Tensor):
+        """Halves ``(A_i, h_i)`` of the window of ``block`` (``[q, b, h]``, ``q <= k``): eq. 6 when
+        ``previous`` is None (the first block), else eq. 7 on the previous complete window, with
+        ``a = self.accumulation()`` (clamped once per pass: clamping bumps the version autograd
+        checks)."""
+        if previous is None:
+            return block, self.tau(block)
+        carried = a * previous[0]
+        window = self.tau(torch.cat([carried + previous[1], carried[:block.shape[0]] + block]))
+        k = previous[0].shape[0]
+        return window[:k], window[k:]
+
+    def final_output(self, window, a: torch.Tensor) -> torch.Tensor:
+        """Outputs of a complete block once the next block exists: the first half of the next
+        window, which by causality is ``tau(a A_i + h_i)`` alone (eq. 7)."""
+        return self.tau(a * window[0] + window[1])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[s, b, h]`` -> ``[s, b, h]``."""
         k, s = self.block_width, x.shape[0]
@@ -73,13 +90,12 @@ class RecurrentLayer(MegatronModule):
             x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
         blocks = x.split(k)
         a = self.accumulation()
-        window = torch.cat([blocks[0], self.tau(blocks[0])])  # (x_1, h_1), eq. 6
+        window = self.window(None, blocks[0], a)
         outputs = []
         for block in blocks[1:]:
-            carried = a * window[:k]
-            window = self.tau(torch.cat([carried + window[k:], carried + block]))  # eq. 7
-            outputs.append(window[:k])
-        outputs.append(self.tau(window[k:]))  # eq. 8
+            window = self.window(window, block, a)
+            outputs.append(window[0])
+        outputs.append(self.tau(window[1]))  # eq. 8
         return torch.cat(outputs)[:s]
 
 
@@ -107,10 +123,17 @@ class RecurrentTransformer(MegatronModule):
         window builds its own causal mask. ``position_ids`` default to ``0..s-1``."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-        x = self.dropout(self.embedding(input_ids) + self.position_embedding(position_ids))
-        x = x.transpose(0, 1)
+        x = self.embed(input_ids, position_ids)
         for layer in self.layers:
             x = layer(x)
+        return self.head(x)
+
+    def embed(self, input_ids, position_ids) -> torch.Tensor:
+        """Token + position embeddings, ``[b, s]`` ids -> ``[s, b, h]``."""
+        return self.dropout(self.embedding(input_ids) + self.position_embedding(position_ids)).transpose(0, 1)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """``[s, b, h]`` -> logits ``[b, s, V]``."""
         return self.output_layer(self.final_norm(x.transpose(0, 1)))
 
 
