@@ -91,11 +91,15 @@ def test_auto_partition_is_the_planners_training_step_choice():
     from rmt.memory.table import resolve_partition
     from rmt.planner.comm import plan_comm
 
-    for dim, expected in ((512, "dimension"), (4, "number")):
-        plan = {"tokens": 64, "topm": 32, "ive": 4, "cores": 2}
-        choice = plan_comm(64, 32, dim, 4, phase="forward_backward", ive=4, cores=2, value_bytes=4)["choice"]
+    plan = {"tokens": 64, "topm": 32, "ive": 4, "cores": 2}
+    for dim, slots, expected in ((512, 1 << 20, "dimension"), (4, 1 << 20, "number"), (32, 1 << 20, "dimension"),
+                                 (32, 256, "number")):
+        choice = plan_comm(64, 32, dim, 4, phase="forward_backward", ive=4, cores=2, value_bytes=4,
+                           dedup=True, slots=slots)["choice"]
         assert choice == expected
-        assert resolve_partition("auto", dim, 4, plan, False, 4) == expected
-    assert resolve_partition("number", 512, 4, None, False, 4) == "number"
+        assert resolve_partition("auto", slots, dim, 4, plan, False, 4) == expected
+    # a small table repeats rows, so dedup makes number-wise win where it otherwise loses
+    assert plan_comm(64, 32, 32, 4, phase="forward_backward", ive=4, cores=2, value_bytes=4)["choice"] == "dimension"
+    assert resolve_partition("number", 1 << 20, 512, 4, None, False, 4) == "number"
     with pytest.raises(ValueError, match="partition 'auto' needs plan"):
-        resolve_partition("auto", 512, 4, None, False, 4)
+        resolve_partition("auto", 1 << 20, 512, 4, None, False, 4)

@@ -4,9 +4,10 @@ Three collective routes from a rank's ``T`` tokens (``[T, K]`` slots, ``[T, K, C
 ``[T, K]`` IVE blocks) to its pooled values ``[T, E, D]`` (Eq. 15 and 17):
 
 ``number``
-    the table's rows are split in ``P`` equal ranges. Every lookup goes to the owner of its
-    row (all-to-all of local row indices), the owner gathers the rows and sends them back
-    (all-to-all of rows), the requester pools them with its scores and block ids.
+    the table's rows are split in ``P`` equal ranges. Every distinct row a rank needs is
+    requested once from its owner (all-to-all of local row indices), the owner gathers the
+    rows and sends them back (all-to-all of rows), the requester pools them with its scores
+    and block ids.
 ``number`` with ``owner_reduce``
     the scores travel with the indices and the owner pools: each lookup is sent as one
     packed address ``(token * E + block) * rows_per_rank + local_row`` (so no block-id or
@@ -118,18 +119,24 @@ def _route_to_owners(indices: torch.Tensor, rows_per: int, P: int, group):
 
 
 def number_lookup(weight, indices, scores, block_ids, num_blocks, group, counter: CommCounter):
-    """Plain number-wise: rows travel to the requester, which pools (Appendix D)."""
-    P = dist.get_world_size(group)
+    """Plain number-wise: every distinct row travels once to the requester, which pools
+    (Appendix D with index dedup: ``rmt.planner.comm``'s ``dedup`` counts exactly this; the
+    row gradients of duplicates are summed by the local lookup-reduce before they go back)."""
+    P, rank = dist.get_world_size(group), dist.get_rank(group)
     T, K = indices.shape
-    order, local_rows, send, recv = _route_to_owners(indices, weight.shape[0], P, group)
-    local_rows = local_rows.to(_index_dtype(weight.shape[0]))
-    counter.add("forward", "all_to_all_indices", _bytes_to_others(local_rows, send, dist.get_rank(group)))
+    rows_per = weight.shape[0]
+    unique, inverse = torch.unique(indices.reshape(-1).long(), sorted=True, return_inverse=True)
+    owner = torch.div(unique, rows_per, rounding_mode="floor")  # ascending: already grouped by owner
+    send = torch.bincount(owner, minlength=P)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    send, recv = send.tolist(), recv.tolist()
+    local_rows = (unique - owner * rows_per).to(_index_dtype(rows_per))
+    counter.add("forward", "all_to_all_indices", _bytes_to_others(local_rows, send, rank))
     wanted = _exchange(local_rows, send, recv, group).long()
     rows = _AllToAll.apply(weight[wanted], recv, send, group, counter,
                            ("all_to_all_values", "all_to_all_value_grads"))
-    position = torch.empty_like(order)
-    position[order] = torch.arange(T * K, device=order.device)
-    return lookup_reduce(rows, position.view(T, K), scores, block_ids, num_blocks)
+    return lookup_reduce(rows, inverse.view(T, K), scores, block_ids, num_blocks)
 
 
 def number_owner_reduce_lookup(weight, indices, scores, block_ids, num_blocks, group,

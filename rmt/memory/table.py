@@ -21,10 +21,12 @@ from rmt.ops import lookup_reduce
 PARTITIONS = ("local", "number", "dimension", "auto")
 
 
-def resolve_partition(partition: str, dim: int, group_size: int, plan: Optional[dict],
+def resolve_partition(partition: str, num_slots: int, dim: int, group_size: int, plan: Optional[dict],
                       owner_reduce: bool, value_bytes: int) -> str:
     """``auto`` -> the planner's choice (fewer bytes per training step, forward + backward)
-    for ``plan = {"tokens": T, "topm": K, "ive": E, "cores": C}``; other names unchanged."""
+    for ``plan = {"tokens": T, "topm": K, "ive": E, "cores": C}``; other names unchanged.
+    Plain number-wise requests each distinct row once, so its volume is the planner's dedup
+    estimate for uniform access over ``num_slots`` (the conservative case)."""
     if partition != "auto":
         return partition
     if plan is None:
@@ -33,14 +35,15 @@ def resolve_partition(partition: str, dim: int, group_size: int, plan: Optional[
 
     return choose_partition(plan["tokens"], plan["topm"], dim, group_size, phase="forward_backward",
                             owner_reduce=owner_reduce, ive=plan["ive"], cores=plan["cores"],
-                            index_bytes=4, value_bytes=value_bytes)
+                            index_bytes=4, value_bytes=value_bytes, dedup=not owner_reduce,
+                            slots=None if owner_reduce else num_slots)
 
 
 class MemoryTable(torch.nn.Module):
     """``num_slots x dim`` values; this rank holds a shard of them.
 
     ``partition``: ``"local"`` (the whole table on every rank), ``"number"`` (rows split
-    over ``group``; ``owner_reduce`` pools at the owner), ``"dimension"`` (columns split) or
+    over ``group``, each distinct row requested once; ``owner_reduce`` pools at the owner), ``"dimension"`` (columns split) or
     ``"auto"`` (the planner's choice for the ``plan`` shapes). ``replica_index`` numbers
     this group among the groups holding copies of the same table (checkpoint replica id);
     ``replica_group`` joins this rank with the ranks holding the same shard in those copies.
@@ -57,7 +60,7 @@ class MemoryTable(torch.nn.Module):
         if partition not in PARTITIONS:
             raise ValueError(f"MemoryTable partition must be one of {PARTITIONS}, got {partition!r}")
         P = 1 if partition == "local" else dist.get_world_size(group)
-        partition = resolve_partition(partition, dim, P, plan, owner_reduce,
+        partition = resolve_partition(partition, num_slots, dim, P, plan, owner_reduce,
                                       torch.finfo(dtype).bits // 8)
         if partition == "number" and num_slots % P:
             raise ValueError(f"number-wise MemoryTable: num_slots ({num_slots}) must be divisible by "

@@ -6,9 +6,12 @@ Every rank draws the same full table and every rank's inputs (tokens, IVE blocks
 scores, output gradients), computes the single-table reference for all of them, then runs
 its own tokens through each sharded partition and compares its output, its score gradients
 and the reassembled table gradient. Balanced inputs (each rank's lookups spread evenly over
-the row owners, equal token counts) must send exactly ``comm_volume``'s bytes; ragged token
-counts must still be exact numerically.
+the row owners, equal token counts) must send exactly ``comm_volume``'s bytes (plain number-wise
+requests each distinct row once: ``dedup=True`` with the measured unique fraction); ragged
+token counts must still be exact numerically.
 """
+
+from fractions import Fraction
 
 import torch
 import torch.distributed as dist
@@ -23,8 +26,11 @@ def inputs(P, counts, balanced, gen):
     per_rank = []
     for T in counts:
         if balanced:
-            owner = torch.arange(T * K).view(T, K) % P
-            idx = owner * (N // P) + torch.randint(0, N // P, (T, K), generator=gen)
+            # lookup j goes to owner j % P; each owner serves the same number of distinct rows
+            # (N / 2P of its N / P, repeated), so the deduplicated requests are balanced too
+            j = torch.arange(T * K).view(T, K)
+            rows = torch.randperm(N // P, generator=gen)[:N // (2 * P)]
+            idx = (j % P) * (N // P) + rows[(j // P) % rows.numel()]
         else:
             idx = torch.randint(0, N, (T, K), generator=gen)
         per_rank.append((idx, torch.randn(T, K, C, generator=gen, dtype=torch.float64).float(),
@@ -58,8 +64,10 @@ def check(partition, owner_reduce, counts, balanced):
                                msg=f"{name}: score grads")
     torch.testing.assert_close(grad, ref.weight.grad, rtol=1e-5, atol=1e-5, msg=f"{name}: table grads")
     if balanced:
+        dedup = partition == "number" and not owner_reduce
+        unique = Fraction(idx.unique().numel(), idx.numel()) if dedup else None
         plan = comm_volume(partition, counts[rank], K, D, P, owner_reduce=owner_reduce, ive=E, cores=C,
-                           index_bytes=4, value_bytes=4)
+                           index_bytes=4, value_bytes=4, dedup=dedup, unique_fraction=unique)
         assert dict(table.counter.forward) == plan["forward"], (name, dict(table.counter.forward), plan)
         assert dict(table.counter.backward) == plan["backward"], (name, dict(table.counter.backward), plan)
     if rank == 0:
