@@ -236,3 +236,17 @@ def test_unknown_partition_and_phase():
         comm_volume("rows", 1, 1, 1, 2)
     with pytest.raises(ValueError, match="phase"):
         plan_comm(1, 1, 1, 2, phase="backward")
+
+
+def test_tensor_parallel_chunks_the_tokens():
+    """t tensor-parallel ranks with the same T tokens each look up T/t of them, then all-gather
+    the pooled chunks (and, backward, the score-gradient chunks)."""
+    T, K, D, P, E, C = 4096, 32, 64, 8, 4, 2
+    for part in ("number", "dimension"):
+        for owner_reduce in (False, True):
+            base = comm_volume(part, T // 4, K, D, P, owner_reduce=owner_reduce, ive=E, cores=C)
+            tp = comm_volume(part, T, K, D, P, owner_reduce=owner_reduce, ive=E, cores=C, tensor_parallel=4)
+            assert tp["forward"] == dict(base["forward"], tp_all_gather_pooled=2 * (T // 4) * E * D * 3)
+            assert tp["backward"] == dict(base["backward"], tp_all_gather_score_grads=2 * (T // 4) * K * C * 3)
+    with pytest.raises(ValueError, match=r"tokens \(10\) must be divisible by tensor_parallel \(4\)"):
+        comm_volume("number", 10, K, D, P, tensor_parallel=4)

@@ -50,11 +50,12 @@ def build_memory_layer(config, index: int) -> torch.nn.Module:
                         mem.moe_topk, mem.balance_loss_weight, m.init_std, m.num_layers)
     layer = MemoryLayer(MemorySpec.from_config(config, index))
     if mem.partition != "local":
-        group, replica_group, replica_index = memory_parallel_groups(mem.group_size)
+        group, replica_group, replica_index, split_group = memory_parallel_groups(mem.group_size)
         s = layer.spec
         layer.values = MemoryTable(
             s.num_values, s.value_dim, layer.values.weight.memory_init_std, mem.partition, group,
             owner_reduce=mem.owner_reduce, replica_index=replica_index, replica_group=replica_group,
+            split_group=split_group,
             plan={"tokens": config.train.micro_batch_size * m.seq_length, "topm": s.num_heads * s.topk,
                   "ive": s.ive_blocks, "cores": s.num_cores})
     return layer

@@ -6,10 +6,13 @@ subgroup of ``G`` consecutive ranks of it that holds this rank; the ``DP x TP / 
 hold replicas of the same shards, and the ranks at the same position of every subgroup form
 a replica group over which the shard gradients are all-reduced.
 
-Every rank of the stage is a requester of its own tokens, tensor-parallel ranks included
-(they hold the same tokens), so the shard gradient summed over the group and its replicas is
-``DP x TP`` times the data-parallel mean that DDP computes for replicated parameters; the
-gradient finishing step divides by that.
+Tensor-parallel ranks hold the same tokens, so each looks up only its chunk of them and the
+pooled outputs are all-gathered over a dedicated copy of the tensor-parallel group (its own
+communicator: the async memory stream issues these collectives from its worker thread while
+the main thread runs megatron's tensor-parallel collectives). Every lookup of a data-parallel
+rank's tokens is thus made once, and the shard gradient summed over the group and its
+replicas is ``DP`` times the data-parallel mean that DDP computes for replicated parameters;
+the gradient finishing step divides by that.
 """
 
 from __future__ import annotations
@@ -26,15 +29,17 @@ _CACHE: Dict[Tuple, Tuple] = {}
 
 
 def memory_parallel_groups(group_size: int = 0):
-    """``(group, replica_group, replica_index)`` of this rank; ``group_size`` 0 = the whole
-    data x tensor parallel group of the stage. Collective on first use (every rank creates
-    every subgroup, in the same order)."""
+    """``(group, replica_group, replica_index, split_group)`` of this rank; ``group_size`` 0 =
+    the whole data x tensor parallel group of the stage; ``split_group`` is this rank's copy of
+    its tensor-parallel group (None without tensor parallelism). Collective on first use
+    (every rank creates every subgroup, in the same order)."""
     td = parallel_state.get_tensor_and_data_parallel_group()
+    tp = parallel_state.get_tensor_model_parallel_group()
     key = (group_size, id(td))
     if key not in _CACHE:
+        me = dist.get_rank()
         stages = [None] * dist.get_world_size()
         dist.all_gather_object(stages, dist.get_process_group_ranks(td))
-        me = dist.get_rank()
         found = None
         for ranks in sorted({tuple(s) for s in stages}):
             G = group_size or len(ranks)
@@ -44,7 +49,15 @@ def memory_parallel_groups(group_size: int = 0):
             for index, s in enumerate(subgroups):
                 if me in s:
                     found = (made[index], replicas[s.index(me)], index)
-        _CACHE[key] = found
+        split_group = None
+        if dist.get_world_size(tp) > 1:
+            tp_groups = [None] * dist.get_world_size()
+            dist.all_gather_object(tp_groups, dist.get_process_group_ranks(tp))
+            for ranks in sorted({tuple(s) for s in tp_groups}):
+                made = dist.new_group(list(ranks))
+                if me in ranks:
+                    split_group = made
+        _CACHE[key] = found + (split_group,)
     return _CACHE[key]
 
 
@@ -70,10 +83,9 @@ class excluded_from_ddp:
 
 
 def finish_sharded_grads(modules: Iterable[torch.nn.Module]) -> None:
-    """All-reduce shard gradients between replicas and divide by ``DP x TP`` (see the
-    module docstring), giving the data-parallel mean gradient of the global table."""
-    scale = 1.0 / (parallel_state.get_data_parallel_world_size()
-                   * parallel_state.get_tensor_model_parallel_world_size())
+    """All-reduce shard gradients between replicas and divide by ``DP`` (see the module
+    docstring), giving the data-parallel mean gradient of the global table."""
+    scale = 1.0 / parallel_state.get_data_parallel_world_size()
     for p in sharded_params(modules):
         if p.grad is None:
             p.grad = torch.zeros_like(p)

@@ -19,6 +19,9 @@ Three collective routes from a rank's ``T`` tokens (``[T, K]`` slots, ``[T, K, C
     ``block * N + row``) and scores are all-gathered, every rank pools its column slice
     for all tokens of the group and sends each requester its slice (all-to-all).
 
+Under tensor parallelism the ranks of ``split_group`` hold the same tokens: each routes only
+its chunk of them (:func:`tensor_parallel_chunks`) and the pooled chunks are all-gathered.
+
 Every collective is an ``all_to_all_single`` with per-rank split sizes, so token counts may
 differ between ranks (the counts are exchanged first; no padding row). Gradients run back
 along the reverse routes inside autograd Functions. Each rank counts the bytes it sends to
@@ -97,6 +100,56 @@ class _AllGather(torch.autograd.Function):
         ctx.counter.add("backward", ctx.bwd_name, _bytes_to_others(grad, ctx.counts, rank))
         parts = _exchange(grad, ctx.counts, [n] * P, ctx.group)
         return parts.view((P, n) + tuple(grad.shape[1:])).sum(0), None, None, None, None
+
+
+class _TokenChunk(torch.autograd.Function):
+    """This rank's chunk of rows replicated over ``group``; the backward all-gathers the
+    chunks' gradients, so every rank holds the full gradient of the replicated input."""
+
+    @staticmethod
+    def forward(ctx, x, counts, group, counter):
+        rank = dist.get_rank(group)
+        ctx.counts, ctx.group, ctx.counter = counts, group, counter
+        start = sum(counts[:rank])
+        return x[start:start + counts[rank]].clone()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        P, rank = len(ctx.counts), dist.get_rank(ctx.group)
+        ctx.counter.add("backward", "tp_all_gather_score_grads", _bytes_to_others(grad, [grad.shape[0]] * P, rank))
+        return _all_gather(grad, ctx.counts, ctx.group), None, None, None
+
+
+class _GatherChunks(torch.autograd.Function):
+    """All-gather of the chunks' outputs over ``group``; the backward keeps this rank's chunk
+    of the gradient (identical on every rank: the consumers are replicated)."""
+
+    @staticmethod
+    def forward(ctx, x, counts, group, counter):
+        P, rank = len(counts), dist.get_rank(group)
+        ctx.start, ctx.n = sum(counts[:rank]), counts[rank]
+        counter.add("forward", "tp_all_gather_pooled", _bytes_to_others(x, [x.shape[0]] * P, rank))
+        return _all_gather(x.contiguous(), counts, group)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        return grad[ctx.start:ctx.start + ctx.n], None, None, None
+
+
+def tensor_parallel_chunks(lookup, indices, scores, block_ids, num_blocks, group, counter: CommCounter):
+    """``lookup(indices, scores, block_ids, num_blocks)`` on this rank's chunk of the tokens
+    that every rank of ``group`` holds (chunks of ``T // P`` or one more), then the pooled
+    chunks all-gathered: each lookup is made once per group instead of once per rank."""
+    P, rank = dist.get_world_size(group), dist.get_rank(group)
+    T = indices.shape[0]
+    counts = [T // P + (r < T % P) for r in range(P)]
+    part = slice(sum(counts[:rank]), sum(counts[:rank + 1]))
+    out = lookup(indices[part], _TokenChunk.apply(scores, counts, group, counter),
+                 None if block_ids is None else block_ids[part], num_blocks)
+    return _GatherChunks.apply(out, counts, group, counter)
 
 
 def token_counts(T: int, group, device) -> List[int]:

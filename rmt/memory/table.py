@@ -24,9 +24,11 @@ PARTITIONS = ("local", "number", "dimension", "auto")
 def resolve_partition(partition: str, num_slots: int, dim: int, group_size: int, plan: Optional[dict],
                       owner_reduce: bool, value_bytes: int) -> str:
     """``auto`` -> the planner's choice (fewer bytes per training step, forward + backward)
-    for ``plan = {"tokens": T, "topm": K, "ive": E, "cores": C}``; other names unchanged.
-    Plain number-wise requests each distinct row once, so its volume is the planner's dedup
-    estimate for uniform access over ``num_slots`` (the conservative case)."""
+    for ``plan = {"tokens": T, "topm": K, "ive": E, "cores": C}`` (``T`` = the tokens this
+    rank looks up: its tensor-parallel chunk; the all-gather of the chunks costs both
+    partitions the same); other names unchanged. Plain number-wise requests each distinct
+    row once, so its volume is the planner's dedup estimate for uniform access over
+    ``num_slots`` (the conservative case)."""
     if partition != "auto":
         return partition
     if plan is None:
@@ -47,6 +49,8 @@ class MemoryTable(torch.nn.Module):
     ``"auto"`` (the planner's choice for the ``plan`` shapes). ``replica_index`` numbers
     this group among the groups holding copies of the same table (checkpoint replica id);
     ``replica_group`` joins this rank with the ranks holding the same shard in those copies.
+    ``split_group`` (sharded tables under tensor parallelism): the ranks holding the same
+    tokens; each looks up its chunk of them and the pooled outputs are all-gathered.
     The weight carries ``memory_value = True`` (its own LR schedule in the optimizer),
     ``memory_init_std`` (read by the layout-independent initialiser) and, when sharded,
     ``memory_sharded = True`` (its gradient arrives through the collectives, not DDP).
@@ -55,11 +59,15 @@ class MemoryTable(torch.nn.Module):
 
     def __init__(self, num_slots: int, dim: int, init_std: float, partition: str = "local",
                  group=None, *, owner_reduce: bool = False, replica_index: int = 0,
-                 replica_group=None, plan: Optional[dict] = None, dtype: torch.dtype = torch.float32):
+                 replica_group=None, split_group=None, plan: Optional[dict] = None,
+                 dtype: torch.dtype = torch.float32):
         super().__init__()
         if partition not in PARTITIONS:
             raise ValueError(f"MemoryTable partition must be one of {PARTITIONS}, got {partition!r}")
         P = 1 if partition == "local" else dist.get_world_size(group)
+        self.split_group = split_group if partition != "local" else None
+        if plan is not None and self.split_group is not None:
+            plan = dict(plan, tokens=max(1, plan["tokens"] // dist.get_world_size(split_group)))
         partition = resolve_partition(partition, num_slots, dim, P, plan, owner_reduce,
                                       torch.finfo(dtype).bits // 8)
         if partition == "number" and num_slots % P:
@@ -98,6 +106,12 @@ class MemoryTable(torch.nn.Module):
         scores = scores.to(self.weight.dtype)
         if self.partition == "local":
             return lookup_reduce(self.weight, indices, scores, block_ids, num_blocks)
+        if self.split_group is not None:
+            return sharded_table.tensor_parallel_chunks(self._sharded_lookup, indices, scores, block_ids,
+                                                        num_blocks, self.split_group, self.counter)
+        return self._sharded_lookup(indices, scores, block_ids, num_blocks)
+
+    def _sharded_lookup(self, indices, scores, block_ids, num_blocks: int):
         if self.partition == "dimension":
             return sharded_table.dimension_lookup(self.weight, indices, scores, block_ids, num_blocks,
                                                   self.num_slots, self.dim, self.group, self.counter)

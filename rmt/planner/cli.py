@@ -140,6 +140,9 @@ def _add_comm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-id-bytes", type=non_negative_int, default=0, metavar="B",
                    help="IVE block ids sent as a separate tensor of B-byte ints; 0 "
                         "(default): derived from the sent virtual address, no bytes")
+    p.add_argument("--tensor-parallel", type=positive_int, default=1, metavar="t",
+                   help="tensor-parallel ranks holding the same tokens inside the group: each "
+                        "looks up T/t of them, then the pooled outputs are all-gathered (default 1)")
     p.add_argument("--index-bytes", type=positive_int, default=4, metavar="B",
                    help="bytes per index (default 4, int32; 8 for tables over 2^31 "
                         "addresses)")
@@ -189,7 +192,8 @@ def _run_comm(args: argparse.Namespace) -> int:
     options = dict(dedup=args.dedup, slots=args.slots,
                    unique_fraction=args.unique_fraction, owner_reduce=args.owner_reduce,
                    ive=args.ive, cores=args.cores, index_bytes=args.index_bytes,
-                   value_bytes=args.value_bytes, block_id_bytes=args.block_id_bytes)
+                   value_bytes=args.value_bytes, block_id_bytes=args.block_id_bytes,
+                   tensor_parallel=args.tensor_parallel)
     doc = comm.plan_comm(args.tokens, args.topm, args.v_dim, args.group_size,
                          phase=args.phase, **options)
     print(_comm_table(args, doc))

@@ -38,6 +38,14 @@ Conventions (binding for the implementation that must send exactly these bytes):
 * Non-integral expectations are rounded half up per collective; the totals are sums of
   the rounded collectives.
 
+Tensor parallelism (``tensor_parallel = t > 1``): the ``t`` tensor-parallel ranks of a
+memory-parallel group hold the same ``T`` tokens, so each looks up only its ``T / t`` of
+them (every formula above with ``T / t``) and the pooled outputs are all-gathered over the
+``t`` ranks (``tp_all_gather_pooled`` = ``value_bytes T/t E v_dim (t-1)``); the backward
+all-gathers the score gradients of the chunks (``tp_all_gather_score_grads`` =
+``value_bytes T/t K C (t-1)``). ``T`` must be divisible by ``t`` here (the tables take
+ragged chunks; the planner counts the even split).
+
 Options beyond Appendix D:
 
 * **Multi-core scoring** (Eq. 16-17): scores are ``[T, K, C]`` instead of ``[T, K]``;
@@ -84,12 +92,17 @@ def _positive_int(name: str, value) -> None:
 
 
 def validate(tokens, topm, v_dim, P, *, dedup=False, slots=None, unique_fraction=None,
-             ive=1, cores=1, index_bytes=4, value_bytes=2, block_id_bytes=0) -> None:
+             ive=1, cores=1, index_bytes=4, value_bytes=2, block_id_bytes=0,
+             tensor_parallel=1) -> None:
     """Raise ``ValueError`` with one sentence if the shape or options are impossible."""
     for name, value in (("tokens", tokens), ("topm", topm), ("v_dim", v_dim),
                         ("group size P", P), ("ive", ive), ("cores", cores),
-                        ("index_bytes", index_bytes), ("value_bytes", value_bytes)):
+                        ("index_bytes", index_bytes), ("value_bytes", value_bytes),
+                        ("tensor_parallel", tensor_parallel)):
         _positive_int(name, value)
+    if tokens % tensor_parallel:
+        raise ValueError(f"tokens ({tokens}) must be divisible by tensor_parallel ({tensor_parallel}): "
+                         f"each tensor-parallel rank looks up tokens / tensor_parallel of them.")
     if isinstance(block_id_bytes, bool) or not isinstance(block_id_bytes, int) \
             or block_id_bytes < 0:
         raise ValueError(f"block_id_bytes must be a non-negative integer, got {block_id_bytes!r}.")
@@ -132,14 +145,14 @@ def comm_volume(partition: str, tokens: int, topm: int, v_dim: int, P: int, *,
                 dedup: bool = False, slots: int | None = None,
                 unique_fraction: float | None = None, owner_reduce: bool = False,
                 ive: int = 1, cores: int = 1, index_bytes: int = 4, value_bytes: int = 2,
-                block_id_bytes: int = 0) -> dict:
+                block_id_bytes: int = 0, tensor_parallel: int = 1) -> dict:
     """Bytes one rank sends per step, per collective, for one partition (Appendix D).
 
     ``partition`` is ``"number"`` or ``"dimension"``; ``tokens`` = T tokens on this rank,
     ``topm`` = K, ``v_dim`` = D, ``P`` = memory-parallel group size. ``owner_reduce``
     and ``dedup`` affect only the number partition (dedup only without owner_reduce),
-    see the module docstring for every convention. Scores and all gradients use
-    ``value_bytes``.
+    see the module docstring for every convention (and for ``tensor_parallel``). Scores
+    and all gradients use ``value_bytes``.
 
     Returns ``{"forward": {collective: bytes}, "backward": {collective: bytes},
     "forward_total": int, "backward_total": int, "forward_backward_total": int}``.
@@ -153,8 +166,9 @@ def comm_volume(partition: str, tokens: int, topm: int, v_dim: int, P: int, *,
     validate(tokens, topm, v_dim, P, dedup=dedup, slots=slots,
              unique_fraction=unique_fraction, ive=ive, cores=cores,
              index_bytes=index_bytes, value_bytes=value_bytes,
-             block_id_bytes=block_id_bytes)
-    T, K, D, E, C = tokens, topm, v_dim, ive, cores
+             block_id_bytes=block_id_bytes, tensor_parallel=tensor_parallel)
+    tp = tensor_parallel
+    T, K, D, E, C = tokens // tp, topm, v_dim, ive, cores
     remote = Fraction(P - 1, P)
     send_block_ids = block_id_bytes > 0 and E > 1
     fwd: dict[str, Fraction] = {}
@@ -180,6 +194,9 @@ def comm_volume(partition: str, tokens: int, topm: int, v_dim: int, P: int, *,
         fwd["all_to_all_pooled"] = value_bytes * T * E * D * remote
         bwd["all_to_all_pooled_grads"] = value_bytes * T * E * D * remote
         bwd["reduce_scatter_score_grads"] = Fraction(value_bytes * T * K * C * (P - 1))
+    if tp > 1:
+        fwd["tp_all_gather_pooled"] = Fraction(value_bytes * T * E * D * (tp - 1))
+        bwd["tp_all_gather_score_grads"] = Fraction(value_bytes * T * K * C * (tp - 1))
     forward = {name: _round(v) for name, v in fwd.items()}
     backward = {name: _round(v) for name, v in bwd.items()}
     f, b = sum(forward.values()), sum(backward.values())
