@@ -250,3 +250,11 @@ def test_tensor_parallel_chunks_the_tokens():
             assert tp["backward"] == dict(base["backward"], tp_all_gather_score_grads=2 * (T // 4) * K * C * 3)
     with pytest.raises(ValueError, match=r"tokens \(10\) must be divisible by tensor_parallel \(4\)"):
         comm_volume("number", 10, K, D, P, tensor_parallel=4)
+
+
+def test_virtual_addresses_must_fit_the_index_width():
+    """The tables switch to int64 indices when E x N > 2^31 - 1; the planner must be told."""
+    assert comm_volume("number", 64, 8, 64, 4, dedup=True, slots=2 ** 28, ive=4)["forward_total"] > 0
+    with pytest.raises(ValueError, match=r"ive x slots \(2147483648\) virtual addresses do not fit 4-byte"):
+        comm_volume("number", 64, 8, 64, 4, dedup=True, slots=2 ** 29, ive=4)
+    assert comm_volume("number", 64, 8, 64, 4, dedup=True, slots=2 ** 29, ive=4, index_bytes=8)["forward_total"] > 0

@@ -82,11 +82,13 @@ def test_curriculum_doubles_noise_in_trainer(arch):
         "train.eval_interval=1", "train.eval_iters=1", "train.progress=false"]), 1)
     parallel.initialize(config)
     try:
-        history = Trainer(config).train()
+        trainer = Trainer(config)
+        history = trainer.train()
     finally:
         parallel.destroy()
     assert config.model.vocab_size == 8
     assert [m["noise_length"] for m in history] == [8, 16, 32, 32, 32]
+    assert trainer.batch_tokens == 2 * (2 * 4 + 32)  # tok/s counts the samples run, not seq_length
     assert all(torch.isfinite(torch.tensor(m["lm loss"])) for m in history)
 
 

@@ -113,6 +113,9 @@ def validate(tokens, topm, v_dim, P, *, dedup=False, slots=None, unique_fraction
         _positive_int("slots", slots)
         if topm > slots:
             raise ValueError(f"top-m ({topm}) cannot exceed the number of slots ({slots}).")
+        if ive * slots > 2 ** (8 * index_bytes - 1) - 1:
+            raise ValueError(f"ive x slots ({ive * slots}) virtual addresses do not fit {index_bytes}-byte "
+                             f"signed indices; use index_bytes=8.")
     if unique_fraction is not None:
         if not dedup:
             raise ValueError("unique_fraction is only meaningful with dedup.")

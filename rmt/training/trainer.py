@@ -128,6 +128,8 @@ class Trainer:
         t = self.config.train
         batches = microbatches(dataset, first_sample, t.micro_batch_size, self.num_microbatches,
                                self.dp_rank, self.dp_size)
+        # task curricula grow the samples, so count the tokens of the batch actually run
+        self.batch_tokens = sum(b["tokens"].numel() for b in batches) * self.dp_size
         iters = [iter(batches) for _ in self.chunks]
         losses = get_forward_backward_func()(
             forward_step_func=self._forward_step,
@@ -170,7 +172,7 @@ class Trainer:
         self.iteration += 1
         self.consumed_samples += self.global_batch
         elapsed = time.perf_counter() - start
-        metrics["tokens_per_s"] = self.global_batch * self.config.model.seq_length / elapsed
+        metrics["tokens_per_s"] = self.batch_tokens / elapsed
         metrics["step"] = self.iteration
         return metrics
 
