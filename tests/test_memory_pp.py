@@ -1,6 +1,7 @@
 """Memory layers under pipeline parallelism == the single-process run (fp32, 1e-5): a 4-layer
 transformer + UltraMem with one placement inside each of the two stages ('1:2/3:4'), trained 3
-steps through the trainer (tests/dist/train_steps.py) with PP=2: equal losses, and equal full
+steps through the trainer (tests/dist/train_steps.py) with PP=2 (and PP=2 x TP=2 with number-wise
+sharded tables in each stage): equal losses, and equal full
 gradients and weights afterwards, memory parameters of both stages included (the aux loss of
 the first stage's memory layer reaches backward through the activation). Placements crossing
 a stage boundary are rejected."""
@@ -21,10 +22,16 @@ def _train(path, overrides, nproc):
     return torch.load(path)
 
 
-def test_memory_pipeline_matches_single_process(cache_dir, tmp_path):
+@pytest.mark.parametrize("extra,nproc", [
+    ([], 2),
+    (["parallel.tensor_model_parallel_size=2", "memory.partition=number"], 4),
+], ids=["pp2-local-tables", "pp2xtp2-number-wise-tables"])
+def test_memory_pipeline_matches_single_process(cache_dir, tmp_path, extra, nproc):
+    """Second case: each stage shards its tables number-wise over its two TP ranks, which
+    split the shared tokens between them."""
     ref = _train(tmp_path / "ref.pt", tiny_overrides(cache_dir) + MEMORY, 1)
     got = _train(tmp_path / "got.pt", tiny_overrides(cache_dir) + MEMORY
-                 + ["parallel.pipeline_model_parallel_size=2"], 2)
+                 + ["parallel.pipeline_model_parallel_size=2"] + extra, nproc)
     assert len(got["losses"]) == 3
     assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
     assert sorted(got["grads"]) == sorted(ref["grads"])
