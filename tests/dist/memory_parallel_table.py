@@ -38,9 +38,12 @@ def inputs(P, counts, balanced, gen):
     return per_rank
 
 
-def check(partition, owner_reduce, counts, balanced):
+def check(partition, owner_reduce, counts, balanced, split=False):
+    """One sharded table against the local one. ``counts``: tokens of each data-parallel
+    requester. ``split``: tensor-parallel pairs of consecutive ranks hold the same tokens (one
+    requester per pair); each looks up its chunk and the pooled chunks are all-gathered."""
     P, rank = dist.get_world_size(), dist.get_rank()
-    gen = torch.Generator().manual_seed(1234 + sum(counts))
+    gen = torch.Generator().manual_seed(1234 + sum(counts) + split)
     full = torch.randn(N, D, generator=gen)
     data = inputs(P, counts, balanced, gen)
     ref = MemoryTable(N, D, 0.02)
@@ -49,69 +52,32 @@ def check(partition, owner_reduce, counts, balanced):
     ref_out = [ref.lookup_reduce(i, s, b, E) for (i, _, b, _), s in zip(data, ref_scores)]
     sum((o * g).sum() for o, (_, _, _, g) in zip(ref_out, data)).backward()
 
-    table = MemoryTable(N, D, 0.02, partition, dist.group.WORLD, owner_reduce=owner_reduce)
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, P, 2)] if split else None
+    me = rank // 2 if split else rank
+    table = MemoryTable(N, D, 0.02, partition, dist.group.WORLD, owner_reduce=owner_reduce,
+                        split_group=pairs[me] if split else None)
     table.weight.data.copy_(full[table.shard_index])
-    idx, scores, blocks, grad_out = data[rank]
+    idx, scores, blocks, grad_out = data[me]
     scores = scores.clone().requires_grad_()
     out = table.lookup_reduce(idx, scores, blocks, E)
     (out * grad_out).sum().backward()
     grad = torch.zeros(N, D)
     grad[table.shard_index] = table.weight.grad
     dist.all_reduce(grad)
-    name = f"{partition}{'+owner_reduce' if owner_reduce else ''} P={P} counts={counts}"
-    torch.testing.assert_close(out, ref_out[rank], rtol=1e-5, atol=1e-5, msg=f"{name}: output")
-    torch.testing.assert_close(scores.grad, ref_scores[rank].grad, rtol=1e-5, atol=1e-5,
+    name = f"{partition}{'+owner_reduce' if owner_reduce else ''} P={P} counts={counts} split={split}"
+    torch.testing.assert_close(out, ref_out[me], rtol=1e-5, atol=1e-5, msg=f"{name}: output")
+    torch.testing.assert_close(scores.grad, ref_scores[me].grad, rtol=1e-5, atol=1e-5,
                                msg=f"{name}: score grads")
     torch.testing.assert_close(grad, ref.weight.grad, rtol=1e-5, atol=1e-5, msg=f"{name}: table grads")
     if balanced:
+        T = counts[me]
+        looked_up = (idx[T // 2:] if rank % 2 else idx[:T // 2]) if split else idx
         dedup = partition == "number" and not owner_reduce
-        unique = Fraction(idx.unique().numel(), idx.numel()) if dedup else None
-        plan = comm_volume(partition, counts[rank], K, D, P, owner_reduce=owner_reduce, ive=E, cores=C,
-                           index_bytes=4, value_bytes=4, dedup=dedup, unique_fraction=unique)
+        unique = Fraction(looked_up.unique().numel(), looked_up.numel()) if dedup else None
+        plan = comm_volume(partition, T, K, D, P, owner_reduce=owner_reduce, ive=E, cores=C, index_bytes=4,
+                           value_bytes=4, dedup=dedup, unique_fraction=unique, tensor_parallel=2 if split else 1)
         assert dict(table.counter.forward) == plan["forward"], (name, dict(table.counter.forward), plan)
         assert dict(table.counter.backward) == plan["backward"], (name, dict(table.counter.backward), plan)
-    if rank == 0:
-        print("OK", name, dict(table.counter.forward), dict(table.counter.backward), flush=True)
-
-
-def check_split(partition, owner_reduce):
-    """Tensor-parallel pairs (consecutive ranks) hold the same tokens: each looks up its chunk,
-    the pooled chunks are all-gathered; equal to the local table, and bytes == the planner's
-    ``tensor_parallel=2`` volume."""
-    P, rank = dist.get_world_size(), dist.get_rank()
-    pairs = [dist.new_group([r, r + 1]) for r in range(0, P, 2)]
-    T = 8
-    gen = torch.Generator().manual_seed(99)
-    full = torch.randn(N, D, generator=gen)
-    data = inputs(P, [T] * (P // 2), True, gen)
-    ref = MemoryTable(N, D, 0.02)
-    ref.weight.data.copy_(full)
-    ref_scores = [s.clone().requires_grad_() for _, s, _, _ in data]
-    ref_out = [ref.lookup_reduce(i, s, b, E) for (i, _, b, _), s in zip(data, ref_scores)]
-    sum((o * g).sum() for o, (_, _, _, g) in zip(ref_out, data)).backward()
-
-    table = MemoryTable(N, D, 0.02, partition, dist.group.WORLD, owner_reduce=owner_reduce,
-                        split_group=pairs[rank // 2])
-    table.weight.data.copy_(full[table.shard_index])
-    idx, scores, blocks, grad_out = data[rank // 2]
-    scores = scores.clone().requires_grad_()
-    out = table.lookup_reduce(idx, scores, blocks, E)
-    (out * grad_out).sum().backward()
-    grad = torch.zeros(N, D)
-    grad[table.shard_index] = table.weight.grad
-    dist.all_reduce(grad)
-    name = f"{partition}{'+owner_reduce' if owner_reduce else ''} P={P} tensor_parallel=2"
-    torch.testing.assert_close(out, ref_out[rank // 2], rtol=1e-5, atol=1e-5, msg=f"{name}: output")
-    torch.testing.assert_close(scores.grad, ref_scores[rank // 2].grad, rtol=1e-5, atol=1e-5,
-                               msg=f"{name}: score grads")
-    torch.testing.assert_close(grad, ref.weight.grad, rtol=1e-5, atol=1e-5, msg=f"{name}: table grads")
-    chunk = idx[T // 2:] if rank % 2 else idx[:T // 2]
-    dedup = partition == "number" and not owner_reduce
-    unique = Fraction(chunk.unique().numel(), chunk.numel()) if dedup else None
-    plan = comm_volume(partition, T, K, D, P, owner_reduce=owner_reduce, ive=E, cores=C, index_bytes=4,
-                       value_bytes=4, dedup=dedup, unique_fraction=unique, tensor_parallel=2)
-    assert dict(table.counter.forward) == plan["forward"], (name, dict(table.counter.forward), plan)
-    assert dict(table.counter.backward) == plan["backward"], (name, dict(table.counter.backward), plan)
     if rank == 0:
         print("OK", name, dict(table.counter.forward), dict(table.counter.backward), flush=True)
 
@@ -122,7 +88,7 @@ def main():
     for partition, owner_reduce in (("number", False), ("number", True), ("dimension", False)):
         check(partition, owner_reduce, [8] * P, balanced=True)
         check(partition, owner_reduce, [3 + 2 * r for r in range(P)], balanced=False)
-        check_split(partition, owner_reduce)
+        check(partition, owner_reduce, [8] * (P // 2), balanced=True, split=True)
     try:
         MemoryTable(N + 1, D, 0.02, "number", dist.group.WORLD)
     except ValueError as err:
