@@ -5,9 +5,9 @@
 // with D' = D / C. Inputs arrive validated and contiguous from Python; indices and block ids are
 // int64. Accumulation is in fp32 (fp64 for fp64 tables).
 //
-// Forward: tokens in order; each output tile of kTile columns is accumulated in registers (a
-// fixed-size local array the compiler keeps in vector registers) while the rows a few lookups
-// ahead are prefetched.
+// Forward: tokens in order, the rows a few lookups ahead prefetched. With one virtual block and
+// column groups of a multiple of kTile columns, each kTile-column output tile is accumulated in
+// registers; otherwise one pass per token accumulates all E blocks in a small buffer.
 //
 // Backward is deterministic and atomic-free: a serial, stable LSD radix sort orders the flat
 // lookup positions by row (positions ascending within a row), then the sorted runs are cut into
@@ -69,28 +69,50 @@ inline void prefetch_row(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
 }
 
-// One forward tile: o[0:width] = sum over token t's lookups i in block b of
-// scores[i, c] * table[idx[i], d0:d0+width]. W is the compile-time width kTile (the accumulator
-// lives in vector registers) or 0 for the last, narrower tile of a column group (runtime width n).
-// The first tile of a token prefetches the rows kPrefetchDistance lookups ahead.
-template <int64_t W, typename scalar_t>
-inline void forward_tile(const scalar_t* __restrict table, const int64_t* __restrict idx,
-                         const scalar_t* __restrict scores, const int64_t* __restrict blk,
-                         scalar_t* __restrict o, int64_t t, int64_t b, int64_t c, int64_t d0, int64_t n,
-                         bool prefetch, int64_t M, int64_t K, int64_t C, int64_t D) {
+// Forward of token t when E == 1 and kTile divides D/C: each kTile-column tile of the output is
+// accumulated in a fixed-size local array, which the compiler keeps in vector registers. The
+// first tile prefetches the rows kPrefetchDistance lookups ahead.
+template <typename scalar_t>
+inline void forward_token_tiles(const scalar_t* __restrict table, const int64_t* __restrict idx,
+                                const scalar_t* __restrict scores, scalar_t* __restrict o, int64_t t,
+                                int64_t M, int64_t K, int64_t C, int64_t D) {
   using acc_t = typename Acc<scalar_t>::type;
-  const int64_t width = W ? W : n;
-  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
-  acc_t acc[kTile] = {};
-  for (int64_t i = t * K; i < (t + 1) * K; ++i) {
-    if (prefetch && i + kPrefetchDistance < M) prefetch_row(table + idx[i + kPrefetchDistance] * D, row_bytes);
-    if (blk && blk[i] != b) continue;
-    const acc_t w = static_cast<acc_t>(scores[i * C + c]);
-    const scalar_t* __restrict row = table + idx[i] * D + d0;
+  const int64_t Dc = D / C, row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t d0 = 0; d0 < D; d0 += kTile) {
+    const int64_t c = d0 / Dc;
+    acc_t acc[kTile] = {};
+    for (int64_t i = t * K; i < (t + 1) * K; ++i) {
+      if (d0 == 0 && i + kPrefetchDistance < M) prefetch_row(table + idx[i + kPrefetchDistance] * D, row_bytes);
+      const acc_t w = static_cast<acc_t>(scores[i * C + c]);
+      const scalar_t* __restrict row = table + idx[i] * D + d0;
 #pragma omp simd
-    for (int64_t d = 0; d < width; ++d) acc[d] += w * static_cast<acc_t>(row[d]);
+      for (int64_t d = 0; d < kTile; ++d) acc[d] += w * static_cast<acc_t>(row[d]);
+    }
+    for (int64_t d = 0; d < kTile; ++d) o[d0 + d] = static_cast<scalar_t>(acc[d]);
   }
-  for (int64_t d = 0; d < width; ++d) o[d0 + d] = static_cast<scalar_t>(acc[d]);
+}
+
+// Forward of token t, general case (virtual blocks, narrow column groups): one pass over the
+// token's lookups accumulating into acc[E * D] in memory.
+template <typename scalar_t, typename acc_t>
+inline void forward_token_blocks(const scalar_t* __restrict table, const int64_t* __restrict idx,
+                                 const scalar_t* __restrict scores, const int64_t* __restrict blk,
+                                 acc_t* __restrict acc, scalar_t* __restrict o, int64_t t, int64_t M,
+                                 int64_t K, int64_t C, int64_t D, int64_t E) {
+  const int64_t Dc = D / C, row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+  std::fill(acc, acc + E * D, acc_t(0));
+  for (int64_t i = t * K; i < (t + 1) * K; ++i) {
+    if (i + kPrefetchDistance < M) prefetch_row(table + idx[i + kPrefetchDistance] * D, row_bytes);
+    const scalar_t* __restrict row = table + idx[i] * D;
+    acc_t* __restrict a = acc + (blk ? blk[i] : 0) * D;
+    for (int64_t c = 0; c < C; ++c) {
+      const acc_t w = static_cast<acc_t>(scores[i * C + c]);
+#pragma omp simd
+      for (int64_t d = c * Dc; d < (c + 1) * Dc; ++d) a[d] += w * static_cast<acc_t>(row[d]);
+    }
+  }
+#pragma omp simd
+  for (int64_t j = 0; j < E * D; ++j) o[j] = static_cast<scalar_t>(acc[j]);
 }
 
 template <typename scalar_t>
@@ -98,22 +120,18 @@ void forward_kernel(const scalar_t* __restrict table, const int64_t* __restrict 
                     const scalar_t* __restrict scores, const int64_t* __restrict blk,
                     scalar_t* __restrict out, int64_t T, int64_t K, int64_t C, int64_t D,
                     int64_t E) {
-  const int64_t Dc = D / C, M = T * K;
-#pragma omp parallel for num_threads(at::get_num_threads()) schedule(dynamic, kTokensPerChunk)
-  for (int64_t t = 0; t < T; ++t) {
-    bool prefetch = true;
-    for (int64_t b = 0; b < E; ++b) {
-      scalar_t* __restrict o = out + (t * E + b) * D;
-      for (int64_t c = 0; c < C; ++c) {
-        for (int64_t d0 = c * Dc; d0 < (c + 1) * Dc; d0 += kTile) {
-          const int64_t n = std::min(kTile, (c + 1) * Dc - d0);
-          if (n == kTile) {
-            forward_tile<kTile>(table, idx, scores, blk, o, t, b, c, d0, n, prefetch, M, K, C, D);
-          } else {
-            forward_tile<0>(table, idx, scores, blk, o, t, b, c, d0, n, prefetch, M, K, C, D);
-          }
-          prefetch = false;
-        }
+  using acc_t = typename Acc<scalar_t>::type;
+  const int64_t M = T * K;
+  const bool tiles = E == 1 && (D / C) % kTile == 0;
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    std::vector<acc_t> acc(tiles ? 0 : E * D);
+#pragma omp for schedule(dynamic, kTokensPerChunk)
+    for (int64_t t = 0; t < T; ++t) {
+      if (tiles) {
+        forward_token_tiles(table, idx, scores, out + t * D, t, M, K, C, D);
+      } else {
+        forward_token_blocks(table, idx, scores, blk, acc.data(), out + t * E * D, t, M, K, C, D, E);
       }
     }
   }
