@@ -21,9 +21,10 @@
 //   sparse: the touched rows [U] and their gradients [U, D];
 //   dense:  the [N, D] gradient written in one pass, each chunk of table rows zero-filled
 //           between its touched rows, which are written directly (no [U, D] intermediate).
-// Both come from small pools of buffers: a buffer is handed out again only once nothing but the
-// pool references its storage (the gradient that aliased it was freed), so repeated steps skip the
-// first-touch page faults of a fresh multi-MB (for the dense gradient: table-sized) allocation.
+// All outputs (rows, row or dense table gradients, score gradients) come from small pools of
+// buffers: a buffer is handed out again only once nothing but the pool references its storage (the
+// gradient that aliased it was freed), so repeated steps skip the first-touch page faults of fresh
+// multi-MB (for the dense gradient: table-sized) allocations.
 #include <torch/extension.h>
 #include <omp.h>
 #if defined(__SSE2__)
@@ -373,6 +374,11 @@ at::Tensor pooled_buffer(std::vector<at::Tensor>& pool, int64_t numel, int64_t r
   return fresh.narrow(0, 0, numel);
 }
 
+at::Tensor score_gradient_buffer(const at::Tensor& scores) {
+  static std::vector<at::Tensor> pool;
+  return pooled_buffer(pool, scores.numel(), scores.numel(), scores.options()).view(scores.sizes());
+}
+
 const int64_t* block_ptr(const c10::optional<at::Tensor>& block_ids) {
   return block_ids.has_value() ? block_ids->data_ptr<int64_t>() : nullptr;
 }
@@ -408,16 +414,16 @@ at::Tensor lookup_reduce_forward(const at::Tensor& table, const at::Tensor& indi
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lookup_reduce_backward(
     const at::Tensor& grad_out, const at::Tensor& table, const at::Tensor& indices,
     const at::Tensor& scores, const c10::optional<at::Tensor>& block_ids, int64_t num_blocks) {
-  static std::vector<at::Tensor> pool;
+  static std::vector<at::Tensor> row_pool, value_pool;
   const int64_t T = indices.size(0), K = indices.size(1), C = scores.size(2), D = table.size(1);
   SortScope scope;
   SortedLookups& sorted = scope.sorted();
   sort_lookups(indices.data_ptr<int64_t>(), T * K, table.size(0), sorted);
   const int64_t U = sorted.num_runs;
-  auto rows = at::empty({U}, indices.options());
   // 25% headroom: the next batch's unique-row count differs a little
-  auto values = pooled_buffer(pool, U * D, U * D + U * D / 4, table.options()).view({U, D});
-  auto grad_scores = at::empty_like(scores);
+  auto rows = pooled_buffer(row_pool, U, U + U / 4, indices.options());
+  auto values = pooled_buffer(value_pool, U * D, U * D + U * D / 4, table.options()).view({U, D});
+  auto grad_scores = score_gradient_buffer(scores);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, table.scalar_type(), "lookup_reduce_backward", [&] {
     sparse_backward_kernel<scalar_t>(grad_out.data_ptr<scalar_t>(), table.data_ptr<scalar_t>(),
                                      scores.data_ptr<scalar_t>(), block_ptr(block_ids), sorted,
@@ -437,7 +443,7 @@ std::tuple<at::Tensor, at::Tensor> lookup_reduce_backward_dense(
   SortedLookups& sorted = scope.sorted();
   sort_lookups(indices.data_ptr<int64_t>(), T * K, N, sorted);
   auto grad_table = pooled_buffer(pool, N * D, N * D, table.options()).view({N, D});
-  auto grad_scores = at::empty_like(scores);
+  auto grad_scores = score_gradient_buffer(scores);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, table.scalar_type(), "lookup_reduce_backward_dense", [&] {
     dense_backward_kernel<scalar_t>(grad_out.data_ptr<scalar_t>(), table.data_ptr<scalar_t>(),
                                     scores.data_ptr<scalar_t>(), block_ptr(block_ids), sorted,
