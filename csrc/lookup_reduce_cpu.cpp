@@ -254,13 +254,15 @@ inline acc_t fixed_order_dot(const scalar_t* __restrict a, const scalar_t* __res
   return sum;
 }
 
-// Gradient of run u (row s.rows[u]): accumulates the row gradient in acc[0:D] (acc has 2D slots:
-// the second half stages the conversion to scalar_t) and streams it to dst[0:D], and writes the score gradients of the run's lookups. The table row of the sorted
-// lookup kPrefetchDistance ahead is prefetched.
+// Gradient of run u (row s.rows[u]): accumulates the row gradient in acc[0:D], streams it to
+// dst[0:D] (staged in stage[0:D] when scalar_t is narrower), and writes the score gradients of
+// the run's lookups. The table row of the sorted lookup kPrefetchDistance
+// ahead is prefetched.
 template <typename scalar_t, typename acc_t>
 inline void run_backward(int64_t u, const SortedLookups& s, const scalar_t* __restrict grad_out,
                          const scalar_t* __restrict table, const scalar_t* __restrict scores,
-                         const int64_t* __restrict blk, acc_t* __restrict acc, scalar_t* __restrict dst,
+                         const int64_t* __restrict blk, acc_t* __restrict acc, scalar_t* __restrict stage,
+                         scalar_t* __restrict dst,
                          scalar_t* __restrict grad_scores, int64_t M, int64_t K, int64_t C, int64_t D,
                          int64_t E) {
   const int64_t Dc = D / C;
@@ -285,10 +287,9 @@ inline void run_backward(int64_t u, const SortedLookups& s, const scalar_t* __re
   if (std::is_same<scalar_t, acc_t>::value) {
     stream_store(dst, acc, row_bytes);
   } else {
-    scalar_t* __restrict out = reinterpret_cast<scalar_t*>(acc + D);  // spare scratch behind acc
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) out[d] = static_cast<scalar_t>(acc[d]);
-    stream_store(dst, out, row_bytes);
+    for (int64_t d = 0; d < D; ++d) stage[d] = static_cast<scalar_t>(acc[d]);
+    stream_store(dst, stage, row_bytes);
   }
 }
 
@@ -309,14 +310,15 @@ void sparse_backward_kernel(const scalar_t* __restrict grad_out, const scalar_t*
   std::copy(s.rows.data(), s.rows.data() + U, rows);
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    std::vector<acc_t> acc(2 * D);
+    std::vector<acc_t> acc(D);
+    std::vector<scalar_t> stage(D);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t ch = 0; ch < chunks; ++ch) {
       // the runs whose first lookup lies in the chunk's share of the M sorted lookups
       const int64_t lo = std::lower_bound(start, start + U, ch * M / chunks) - start;
       const int64_t hi = std::lower_bound(start, start + U, (ch + 1) * M / chunks) - start;
       for (int64_t u = lo; u < hi; ++u)
-        run_backward(u, s, grad_out, table, scores, blk, acc.data(), values + u * D, grad_scores, M, K, C, D, E);
+        run_backward(u, s, grad_out, table, scores, blk, acc.data(), stage.data(), values + u * D, grad_scores, M, K, C, D, E);
     }
     stream_fence();
   }
@@ -336,14 +338,15 @@ void dense_backward_kernel(const scalar_t* __restrict grad_out, const scalar_t* 
   const int64_t* urows = s.rows.data();
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    std::vector<acc_t> acc(2 * D);
+    std::vector<acc_t> acc(D);
+    std::vector<scalar_t> stage(D);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t ch = 0; ch < chunks; ++ch) {
       const int64_t row_lo = ch * N / chunks, row_hi = (ch + 1) * N / chunks;
       int64_t zero_from = row_lo;
       for (int64_t u = std::lower_bound(urows, urows + U, row_lo) - urows; u < U && urows[u] < row_hi; ++u) {
         stream_store(grad_table + zero_from * D, nullptr, (urows[u] - zero_from) * row_bytes);
-        run_backward(u, s, grad_out, table, scores, blk, acc.data(), grad_table + urows[u] * D, grad_scores,
+        run_backward(u, s, grad_out, table, scores, blk, acc.data(), stage.data(), grad_table + urows[u] * D, grad_scores,
                      M, K, C, D, E);
         zero_from = urows[u] + 1;
       }
