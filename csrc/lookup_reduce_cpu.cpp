@@ -5,24 +5,39 @@
 // with D' = D / C. Inputs arrive validated and contiguous from Python; indices and block ids are
 // int64. Accumulation is in fp32 (fp64 for fp64 tables).
 //
-// Backward is deterministic and atomic-free: the flat lookup positions are bucketed by the high
-// bits of their row index with a stable counting sort, then each bucket (about 8 lookups) is
-// insertion-sorted by row, so every run of equal rows lists its positions in increasing order.
-// The sort is serial on purpose: on a shared 2-core machine each OpenMP barrier costs a scheduler
-// time slice (~5 ms) when the other thread is preempted, more than the whole sort (~2 ms). One thread reduces each run
-// in that order and writes the row's gradient once into a compact [U, D] buffer; the same pass
-// computes the score gradients, reading each touched table row once.
+// Forward: tokens in order, the rows a few lookups ahead prefetched. With one virtual block and
+// column groups of a multiple of kTile columns, each kTile-column output tile is accumulated in
+// registers; otherwise one pass per token accumulates all E blocks in a small buffer.
 //
-// The [U, D] row-gradient buffers come from a small pool: a buffer is handed out again only once
-// nothing but the pool references its storage (the sparse gradient that aliased it was freed), so
-// repeated steps skip the first-touch page faults of a fresh multi-MB allocation.
+// Backward is deterministic and atomic-free: a serial, stable LSD radix sort orders the flat
+// lookup positions by row (positions ascending within a row), then the sorted runs are cut into
+// chunks at run boundaries and the threads take whole chunks. One thread reduces each run in
+// sorted order, so every row's gradient is the same sum in the same order whatever the thread
+// count; the same pass computes the score gradients, reading each touched table row once, in
+// ascending address order. The sort stays serial on purpose: it takes well under a millisecond,
+// less than one OpenMP barrier costs when the other core is busy.
+//
+// Table gradient outputs:
+//   sparse: the touched rows [U] and their gradients [U, D];
+//   dense:  the [N, D] gradient written in one pass, each chunk of table rows zero-filled
+//           between its touched rows, which are written directly (no [U, D] intermediate).
+// All outputs (rows, row or dense table gradients, score gradients) come from small pools of
+// buffers: a buffer is handed out again only once nothing but the pool references its storage (the
+// gradient that aliased it was freed), so repeated steps skip the first-touch page faults of fresh
+// multi-MB (for the dense gradient: table-sized) allocations.
 #include <torch/extension.h>
 #include <omp.h>
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
+#include <cstring>
 #include <cstdint>
+#include <limits>
 #include <mutex>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -36,17 +51,69 @@ struct Acc<double> {
   using type = double;
 };
 
-// Rows prefetched ahead of use, into L1 (locality 3): measured best for 256-byte rows on 2 cores.
+// Rows prefetched ahead of use, into L1 (locality 3).
 constexpr int64_t kPrefetchDistance = 16;
-// Counting-sort buckets: at most 2^kMaxBucketBits.
-constexpr int kMaxBucketBits = 18;
-constexpr int kBucketLogSize = 3;  // about 8 lookups per bucket
-// Row-gradient buffers kept for reuse (one per memory layer whose gradient is alive at once).
+// Output columns accumulated in registers per pass (4 AVX-512 registers of fp32).
+constexpr int64_t kTile = 64;
+// Radix sort digit width: 2 passes for tables up to 2^22 rows.
+constexpr int kMaxDigitBits = 11;
+// Work is handed out in small chunks (dynamic schedule), so a thread that the OS preempts (a
+// shared machine) delays the others by at most one chunk. Forward: tokens per chunk; backward:
+// chunks per thread (whole runs of one row each; any chunking gives equal results).
+constexpr int64_t kTokensPerChunk = 16;
+constexpr int64_t kChunksPerThread = 32;
+// Gradient buffers kept for reuse (one per memory layer whose gradient is alive at once).
 constexpr size_t kPoolSlots = 8;
 
 inline void prefetch_row(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+}
+
+// Forward of token t when E == 1 and kTile divides D/C: each kTile-column tile of the output is
+// accumulated in a fixed-size local array, which the compiler keeps in vector registers. The
+// first tile prefetches the rows kPrefetchDistance lookups ahead.
+template <typename scalar_t>
+inline void forward_token_tiles(const scalar_t* __restrict table, const int64_t* __restrict idx,
+                                const scalar_t* __restrict scores, scalar_t* __restrict o, int64_t t,
+                                int64_t M, int64_t K, int64_t C, int64_t D) {
+  using acc_t = typename Acc<scalar_t>::type;
+  const int64_t Dc = D / C, row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t d0 = 0; d0 < D; d0 += kTile) {
+    const int64_t c = d0 / Dc;
+    acc_t acc[kTile] = {};
+    for (int64_t i = t * K; i < (t + 1) * K; ++i) {
+      if (d0 == 0 && i + kPrefetchDistance < M) prefetch_row(table + idx[i + kPrefetchDistance] * D, row_bytes);
+      const acc_t w = static_cast<acc_t>(scores[i * C + c]);
+      const scalar_t* __restrict row = table + idx[i] * D + d0;
+#pragma omp simd
+      for (int64_t d = 0; d < kTile; ++d) acc[d] += w * static_cast<acc_t>(row[d]);
+    }
+    for (int64_t d = 0; d < kTile; ++d) o[d0 + d] = static_cast<scalar_t>(acc[d]);
+  }
+}
+
+// Forward of token t, general case (virtual blocks, narrow column groups): one pass over the
+// token's lookups accumulating into acc[E * D] in memory.
+template <typename scalar_t, typename acc_t>
+inline void forward_token_blocks(const scalar_t* __restrict table, const int64_t* __restrict idx,
+                                 const scalar_t* __restrict scores, const int64_t* __restrict blk,
+                                 acc_t* __restrict acc, scalar_t* __restrict o, int64_t t, int64_t M,
+                                 int64_t K, int64_t C, int64_t D, int64_t E) {
+  const int64_t Dc = D / C, row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+  std::fill(acc, acc + E * D, acc_t(0));
+  for (int64_t i = t * K; i < (t + 1) * K; ++i) {
+    if (i + kPrefetchDistance < M) prefetch_row(table + idx[i + kPrefetchDistance] * D, row_bytes);
+    const scalar_t* __restrict row = table + idx[i] * D;
+    acc_t* __restrict a = acc + (blk ? blk[i] : 0) * D;
+    for (int64_t c = 0; c < C; ++c) {
+      const acc_t w = static_cast<acc_t>(scores[i * C + c]);
+#pragma omp simd
+      for (int64_t d = c * Dc; d < (c + 1) * Dc; ++d) a[d] += w * static_cast<acc_t>(row[d]);
+    }
+  }
+#pragma omp simd
+  for (int64_t j = 0; j < E * D; ++j) o[j] = static_cast<scalar_t>(acc[j]);
 }
 
 template <typename scalar_t>
@@ -55,30 +122,48 @@ void forward_kernel(const scalar_t* __restrict table, const int64_t* __restrict 
                     scalar_t* __restrict out, int64_t T, int64_t K, int64_t C, int64_t D,
                     int64_t E) {
   using acc_t = typename Acc<scalar_t>::type;
-  const int64_t Dc = D / C, M = T * K;
-  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t M = T * K;
+  const bool tiles = E == 1 && (D / C) % kTile == 0;
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    std::vector<acc_t> acc_buf(E * D);
-    acc_t* __restrict acc = acc_buf.data();
-#pragma omp for schedule(static)
+    std::vector<acc_t> acc(tiles ? 0 : E * D);
+#pragma omp for schedule(dynamic, kTokensPerChunk)
     for (int64_t t = 0; t < T; ++t) {
-      std::fill(acc, acc + E * D, acc_t(0));
-      for (int64_t i = t * K; i < (t + 1) * K; ++i) {
-        if (i + kPrefetchDistance < M) prefetch_row(table + idx[i + kPrefetchDistance] * D, row_bytes);
-        const scalar_t* __restrict row = table + idx[i] * D;
-        acc_t* __restrict a = acc + (blk ? blk[i] : 0) * D;
-        for (int64_t c = 0; c < C; ++c) {
-          const acc_t w = static_cast<acc_t>(scores[i * C + c]);
-#pragma omp simd
-          for (int64_t d = c * Dc; d < (c + 1) * Dc; ++d) a[d] += w * static_cast<acc_t>(row[d]);
-        }
+      if (tiles) {
+        forward_token_tiles(table, idx, scores, out + t * D, t, M, K, C, D);
+      } else {
+        forward_token_blocks(table, idx, scores, blk, acc.data(), out + t * E * D, t, M, K, C, D, E);
       }
-      scalar_t* __restrict o = out + t * E * D;
-#pragma omp simd
-      for (int64_t j = 0; j < E * D; ++j) o[j] = static_cast<scalar_t>(acc[j]);
     }
   }
+}
+
+// Stores of gradient bytes that bypass the cache (SSE2 non-temporal stores, 16-byte aligned part
+// of the range): a gradient is written once and read back much later by the optimizer, so
+// fetching its old cache lines first (read-for-ownership) would double the memory traffic.
+// src == nullptr writes zeros. Callers issue stream_fence() before the data is read.
+inline void stream_store(void* dst, const void* src, int64_t bytes) {
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+#if defined(__SSE2__)
+  const int64_t head = std::min<int64_t>(bytes, (16 - reinterpret_cast<uintptr_t>(d) % 16) % 16);
+  if (s) std::memcpy(d, s, head); else std::memset(d, 0, head);
+  int64_t off = head;
+  for (; off + 16 <= bytes; off += 16) {
+    const __m128i v = s ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + off)) : _mm_setzero_si128();
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + off), v);
+  }
+  d += off;
+  if (s) s += off;
+  bytes -= off;
+#endif
+  if (s) std::memcpy(d, s, bytes); else std::memset(d, 0, bytes);
+}
+
+inline void stream_fence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
 }
 
 int ceil_log2(int64_t n) {
@@ -87,63 +172,68 @@ int ceil_log2(int64_t n) {
   return bits;
 }
 
-// Lookup positions grouped by row: key[j] (row) ascending, pos[j] ascending within equal keys;
-// bucket b (rows with the same high bits) spans [bucket_start[b], bucket_start[b + 1]) and its
-// distinct rows get gradient slots [unique_start[b], unique_start[b + 1]). The vectors persist
-// across calls (grown, never shrunk): fresh multi-MB allocations page-fault on first touch.
-struct SortedLookups {
-  std::vector<int64_t> key, pos, next, bucket_start, unique_start;
-  int64_t num_buckets = 0, num_unique = 0;
-};
-
 template <typename T>
 T* grown(std::vector<T>& v, int64_t n) {
   if (static_cast<int64_t>(v.size()) < n) v.resize(n);
   return v.data();
 }
 
+// Lookup positions grouped by row: run u covers sorted slots [run_start[u], run_start[u + 1]),
+// all with row rows[u] (ascending in u), positions pos[j] ascending within a run. The vectors
+// persist across calls (grown, never shrunk): fresh multi-MB allocations page-fault on first touch.
+struct SortedLookups {
+  std::vector<int32_t> pos, tmp;
+  std::vector<int64_t> key, run_start, rows, count;
+  int64_t num_runs = 0;
+};
+
+// Stable LSD radix sort of positions 0..M-1 by idx[position] < num_rows, digits of at most
+// kMaxDigitBits bits; then the run boundaries.
 void sort_lookups(const int64_t* __restrict idx, int64_t M, int64_t num_rows, SortedLookups& s) {
-  const int bits = ceil_log2(num_rows);
-  const int bucket_bits = std::min({bits, std::max(ceil_log2(M) - kBucketLogSize, 1), kMaxBucketBits});
-  const int shift = bits - bucket_bits;
-  const int64_t B = int64_t(1) << bucket_bits;
-  s.num_buckets = B;
+  TORCH_CHECK(M <= std::numeric_limits<int32_t>::max(), "lookup_reduce CPU: at most 2^31-1 lookups; got ", M);
+  const int bits = std::max(ceil_log2(num_rows), 1);
+  const int passes = (bits + kMaxDigitBits - 1) / kMaxDigitBits;
+  const int digit = (bits + passes - 1) / passes;
+  const int64_t R = int64_t(1) << digit, mask = R - 1;
+  int32_t* __restrict src = grown(s.pos, M);
+  int32_t* __restrict dst = grown(s.tmp, M);
+  int64_t* __restrict count = grown(s.count, R * passes);
   int64_t* __restrict key = grown(s.key, M);
-  int64_t* __restrict pos = grown(s.pos, M);
-  int64_t* __restrict start = grown(s.bucket_start, B + 1);
-  int64_t* __restrict ustart = grown(s.unique_start, B + 1);
-  int64_t* __restrict next = grown(s.next, B);
-  std::fill(next, next + B, int64_t(0));
-  for (int64_t i = 0; i < M; ++i) ++next[idx[i] >> shift];
-  for (int64_t b = 0, run = 0; b < B; ++b) {
-    start[b] = run;
-    run += next[b];
-    next[b] = start[b];
-  }
-  start[B] = M;
-  for (int64_t i = 0; i < M; ++i) {
-    const int64_t dst = next[idx[i] >> shift]++;
-    key[dst] = idx[i];
-    pos[dst] = i;
-  }
-  ustart[0] = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t first = start[b], last = start[b + 1];
-    for (int64_t j = first + 1; j < last; ++j) {  // stable insertion sort: buckets are tiny
-      const int64_t k = key[j], p = pos[j];
-      int64_t m = j;
-      for (; m > first && key[m - 1] > k; --m) {
-        key[m] = key[m - 1];
-        pos[m] = pos[m - 1];
-      }
-      key[m] = k;
-      pos[m] = p;
+  std::fill(count, count + R * passes, int64_t(0));
+  for (int64_t i = 0; i < M; ++i)
+    for (int p = 0; p < passes; ++p) ++count[p * R + ((idx[i] >> (p * digit)) & mask)];
+  for (int p = 0; p < passes; ++p) {
+    int64_t run = 0;
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t c = count[p * R + r];
+      count[p * R + r] = run;
+      run += c;
     }
-    int64_t unique = 0;
-    for (int64_t j = first; j < last; ++j) unique += (j == first || key[j] != key[j - 1]);
-    ustart[b + 1] = ustart[b] + unique;
   }
-  s.num_unique = ustart[B];
+  for (int p = 0; p < passes; ++p) {
+    int64_t* __restrict next = count + p * R;
+    const bool last = p == passes - 1;
+    for (int64_t j = 0; j < M; ++j) {
+      const int32_t i = p ? src[j] : static_cast<int32_t>(j);
+      const int64_t row = idx[i];
+      const int64_t slot = next[(row >> (p * digit)) & mask]++;
+      dst[slot] = i;
+      if (last) key[slot] = row;
+    }
+    std::swap(src, dst);
+  }
+  if (src != s.pos.data()) std::swap(s.pos, s.tmp);
+  int64_t* __restrict start = grown(s.run_start, M + 1);
+  int64_t* __restrict rows = grown(s.rows, M);
+  int64_t u = 0;
+  for (int64_t j = 0; j < M; ++j) {
+    if (j == 0 || key[j] != key[j - 1]) {
+      start[u] = j;
+      rows[u++] = key[j];
+    }
+  }
+  start[u] = M;
+  s.num_runs = u;
 }
 
 // Dot product of a[0:n] and b[0:n] with kLanes independent partial sums (vectorizable without
@@ -164,76 +254,150 @@ inline acc_t fixed_order_dot(const scalar_t* __restrict a, const scalar_t* __res
   return sum;
 }
 
-template <typename scalar_t>
-void segment_backward_kernel(const scalar_t* __restrict grad_out, const scalar_t* __restrict table,
-                             const scalar_t* __restrict scores, const int64_t* __restrict blk,
-                             const SortedLookups& s, int64_t* __restrict rows, scalar_t* __restrict values,
-                             scalar_t* __restrict grad_scores, int64_t K, int64_t C, int64_t D,
-                             int64_t E) {
-  using acc_t = typename Acc<scalar_t>::type;
-  const int64_t Dc = D / C, M = s.bucket_start[s.num_buckets];
+// Gradient of run u (row s.rows[u]): accumulates the row gradient in acc[0:D], streams it to
+// dst[0:D] (staged in stage[0:D] when scalar_t is narrower), and writes the score gradients of
+// the run's lookups. The table row of the sorted lookup kPrefetchDistance
+// ahead is prefetched.
+template <typename scalar_t, typename acc_t>
+inline void run_backward(int64_t u, const SortedLookups& s, const scalar_t* __restrict grad_out,
+                         const scalar_t* __restrict table, const scalar_t* __restrict scores,
+                         const int64_t* __restrict blk, acc_t* __restrict acc, scalar_t* __restrict stage,
+                         scalar_t* __restrict dst,
+                         scalar_t* __restrict grad_scores, int64_t M, int64_t K, int64_t C, int64_t D,
+                         int64_t E) {
+  const int64_t Dc = D / C;
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+  const int32_t* __restrict pos = s.pos.data();
   const int64_t* __restrict key = s.key.data();
-  const int64_t* __restrict pos = s.pos.data();
-#pragma omp parallel num_threads(at::get_num_threads())
-  {
-    std::vector<acc_t> acc_buf(D);
-    acc_t* __restrict acc = acc_buf.data();
-#pragma omp for schedule(dynamic, 64)
-    for (int64_t b = 0; b < s.num_buckets; ++b) {
-      int64_t u = s.unique_start[b];
-      const int64_t last = s.bucket_start[b + 1];
-      for (int64_t first = s.bucket_start[b]; first < last; ++u) {
-        const int64_t r = key[first];
-        const scalar_t* __restrict tr = table + r * D;
-        std::fill(acc, acc + D, acc_t(0));
-        int64_t j = first;
-        for (; j < last && key[j] == r; ++j) {
-          if (j + kPrefetchDistance < M) prefetch_row(table + key[j + kPrefetchDistance] * D, row_bytes);
-          const int64_t p = pos[j];
-          const scalar_t* __restrict g = grad_out + ((p / K) * E + (blk ? blk[p] : 0)) * D;
-          for (int64_t c = 0; c < C; ++c) {
-            const acc_t w = static_cast<acc_t>(scores[p * C + c]);
+  const scalar_t* __restrict tr = table + s.rows[u] * D;
+  std::fill(acc, acc + D, acc_t(0));
+  for (int64_t j = s.run_start[u]; j < s.run_start[u + 1]; ++j) {
+    if (j + kPrefetchDistance < M) prefetch_row(table + key[j + kPrefetchDistance] * D, row_bytes);
+    const int64_t p = pos[j];
+    const scalar_t* __restrict g = grad_out + ((p / K) * E + (blk ? blk[p] : 0)) * D;
+    for (int64_t c = 0; c < C; ++c) {
+      const acc_t w = static_cast<acc_t>(scores[p * C + c]);
+      acc_t* __restrict a = acc + c * Dc;
+      const scalar_t* __restrict gc = g + c * Dc;
 #pragma omp simd
-            for (int64_t d = c * Dc; d < (c + 1) * Dc; ++d) acc[d] += w * static_cast<acc_t>(g[d]);
-            grad_scores[p * C + c] =
-                static_cast<scalar_t>(fixed_order_dot<acc_t>(tr + c * Dc, g + c * Dc, Dc));
-          }
-        }
-        rows[u] = r;
-        scalar_t* __restrict v = values + u * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) v[d] = static_cast<scalar_t>(acc[d]);
-        first = j;
-      }
+      for (int64_t d = 0; d < Dc; ++d) a[d] += w * static_cast<acc_t>(gc[d]);
+      grad_scores[p * C + c] = static_cast<scalar_t>(fixed_order_dot<acc_t>(tr + c * Dc, g + c * Dc, Dc));
     }
+  }
+  if (std::is_same<scalar_t, acc_t>::value) {
+    stream_store(dst, acc, row_bytes);
+  } else {
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) stage[d] = static_cast<scalar_t>(acc[d]);
+    stream_store(dst, stage, row_bytes);
   }
 }
 
-// A [U, D] row-gradient buffer, reusing a pooled allocation whose storage nothing else holds.
-at::Tensor row_buffer(int64_t U, int64_t D, const at::TensorOptions& options) {
+int64_t num_chunks(int64_t work) {
+  return std::max<int64_t>(1, std::min<int64_t>(work, kChunksPerThread * at::get_num_threads()));
+}
+
+// Sparse output: rows[u] and values[u, :] for every run u. Chunks hold about equal lookup counts.
+template <typename scalar_t>
+void sparse_backward_kernel(const scalar_t* __restrict grad_out, const scalar_t* __restrict table,
+                            const scalar_t* __restrict scores, const int64_t* __restrict blk,
+                            const SortedLookups& s, int64_t* __restrict rows, scalar_t* __restrict values,
+                            scalar_t* __restrict grad_scores, int64_t M, int64_t K, int64_t C,
+                            int64_t D, int64_t E) {
+  using acc_t = typename Acc<scalar_t>::type;
+  const int64_t U = s.num_runs, chunks = num_chunks(U);
+  const int64_t* start = s.run_start.data();
+  std::copy(s.rows.data(), s.rows.data() + U, rows);
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    std::vector<acc_t> acc(D);
+    std::vector<scalar_t> stage(D);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t ch = 0; ch < chunks; ++ch) {
+      // the runs whose first lookup lies in the chunk's share of the M sorted lookups
+      const int64_t lo = std::lower_bound(start, start + U, ch * M / chunks) - start;
+      const int64_t hi = std::lower_bound(start, start + U, (ch + 1) * M / chunks) - start;
+      for (int64_t u = lo; u < hi; ++u)
+        run_backward(u, s, grad_out, table, scores, blk, acc.data(), stage.data(), values + u * D, grad_scores, M, K, C, D, E);
+    }
+    stream_fence();
+  }
+}
+
+// Dense output: grad_table [N, D]; chunk ch owns table rows [ch*N/chunks, (ch+1)*N/chunks) and
+// writes each of them exactly once (zeros, or the gradient of the run with that row).
+template <typename scalar_t>
+void dense_backward_kernel(const scalar_t* __restrict grad_out, const scalar_t* __restrict table,
+                           const scalar_t* __restrict scores, const int64_t* __restrict blk,
+                           const SortedLookups& s, scalar_t* __restrict grad_table,
+                           scalar_t* __restrict grad_scores, int64_t M, int64_t N, int64_t K, int64_t C,
+                           int64_t D, int64_t E) {
+  using acc_t = typename Acc<scalar_t>::type;
+  const int64_t U = s.num_runs, chunks = num_chunks(N);
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t* urows = s.rows.data();
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    std::vector<acc_t> acc(D);
+    std::vector<scalar_t> stage(D);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t ch = 0; ch < chunks; ++ch) {
+      const int64_t row_lo = ch * N / chunks, row_hi = (ch + 1) * N / chunks;
+      int64_t zero_from = row_lo;
+      for (int64_t u = std::lower_bound(urows, urows + U, row_lo) - urows; u < U && urows[u] < row_hi; ++u) {
+        stream_store(grad_table + zero_from * D, nullptr, (urows[u] - zero_from) * row_bytes);
+        run_backward(u, s, grad_out, table, scores, blk, acc.data(), stage.data(), grad_table + urows[u] * D, grad_scores,
+                     M, K, C, D, E);
+        zero_from = urows[u] + 1;
+      }
+      stream_store(grad_table + zero_from * D, nullptr, (row_hi - zero_from) * row_bytes);
+    }
+    stream_fence();
+  }
+}
+
+// An uninitialised buffer of `numel` elements from `pool`, reusing a pooled allocation whose
+// storage nothing else holds; a new allocation reserves `reserve` >= numel elements.
+at::Tensor pooled_buffer(std::vector<at::Tensor>& pool, int64_t numel, int64_t reserve,
+                         const at::TensorOptions& options) {
   static std::mutex mutex;
-  static std::vector<at::Tensor> pool;
-  const int64_t need = U * D;
   std::lock_guard<std::mutex> lock(mutex);
   at::Tensor* spare = nullptr;
   for (auto& buf : pool) {
     if (buf.storage().use_count() != 1 || buf.scalar_type() != options.dtype().toScalarType()) continue;
-    if (buf.numel() >= need) return buf.narrow(0, 0, need).view({U, D});
+    if (buf.numel() >= numel) return buf.narrow(0, 0, numel);
     if (!spare) spare = &buf;
   }
-  at::Tensor fresh = at::empty({need + need / 4}, options);  // headroom for the next batch's U
+  at::Tensor fresh = at::empty({reserve}, options);
   if (spare) {
     *spare = fresh;
   } else if (pool.size() < kPoolSlots) {
     pool.push_back(fresh);
   }
-  return fresh.narrow(0, 0, need).view({U, D});
+  return fresh.narrow(0, 0, numel);
+}
+
+at::Tensor score_gradient_buffer(const at::Tensor& scores) {
+  static std::vector<at::Tensor> pool;
+  return pooled_buffer(pool, scores.numel(), scores.numel(), scores.options()).view(scores.sizes());
 }
 
 const int64_t* block_ptr(const c10::optional<at::Tensor>& block_ids) {
   return block_ids.has_value() ? block_ids->data_ptr<int64_t>() : nullptr;
 }
+
+// The persistent sort scratch, locked for one backward call.
+struct SortScope {
+  static std::mutex& mutex() {
+    static std::mutex m;
+    return m;
+  }
+  std::lock_guard<std::mutex> lock{mutex()};
+  SortedLookups& sorted() {
+    static SortedLookups s;
+    return s;
+  }
+};
 
 }  // namespace
 
@@ -253,24 +417,43 @@ at::Tensor lookup_reduce_forward(const at::Tensor& table, const at::Tensor& indi
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lookup_reduce_backward(
     const at::Tensor& grad_out, const at::Tensor& table, const at::Tensor& indices,
     const at::Tensor& scores, const c10::optional<at::Tensor>& block_ids, int64_t num_blocks) {
+  static std::vector<at::Tensor> row_pool, value_pool;
   const int64_t T = indices.size(0), K = indices.size(1), C = scores.size(2), D = table.size(1);
-  static std::mutex mutex;  // guards the persistent sort scratch
-  static SortedLookups sorted;
-  std::lock_guard<std::mutex> lock(mutex);
+  SortScope scope;
+  SortedLookups& sorted = scope.sorted();
   sort_lookups(indices.data_ptr<int64_t>(), T * K, table.size(0), sorted);
-  const int64_t U = sorted.num_unique;
-
-  auto rows = at::empty({U}, indices.options());
-  auto values = row_buffer(U, D, table.options());
-  auto grad_scores = at::empty_like(scores);
+  const int64_t U = sorted.num_runs;
+  // 25% headroom: the next batch's unique-row count differs a little
+  auto rows = pooled_buffer(row_pool, U, U + U / 4, indices.options());
+  auto values = pooled_buffer(value_pool, U * D, U * D + U * D / 4, table.options()).view({U, D});
+  auto grad_scores = score_gradient_buffer(scores);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, table.scalar_type(), "lookup_reduce_backward", [&] {
-    segment_backward_kernel<scalar_t>(grad_out.data_ptr<scalar_t>(), table.data_ptr<scalar_t>(),
-                                      scores.data_ptr<scalar_t>(), block_ptr(block_ids), sorted,
-                                      rows.data_ptr<int64_t>(),
-                                      values.data_ptr<scalar_t>(), grad_scores.data_ptr<scalar_t>(),
-                                      K, C, D, num_blocks);
+    sparse_backward_kernel<scalar_t>(grad_out.data_ptr<scalar_t>(), table.data_ptr<scalar_t>(),
+                                     scores.data_ptr<scalar_t>(), block_ptr(block_ids), sorted,
+                                     rows.data_ptr<int64_t>(), values.data_ptr<scalar_t>(),
+                                     grad_scores.data_ptr<scalar_t>(), T * K, K, C, D, num_blocks);
   });
   return {rows, values, grad_scores};
+}
+
+std::tuple<at::Tensor, at::Tensor> lookup_reduce_backward_dense(
+    const at::Tensor& grad_out, const at::Tensor& table, const at::Tensor& indices,
+    const at::Tensor& scores, const c10::optional<at::Tensor>& block_ids, int64_t num_blocks) {
+  static std::vector<at::Tensor> pool;
+  const int64_t T = indices.size(0), K = indices.size(1), C = scores.size(2);
+  const int64_t N = table.size(0), D = table.size(1);
+  SortScope scope;
+  SortedLookups& sorted = scope.sorted();
+  sort_lookups(indices.data_ptr<int64_t>(), T * K, N, sorted);
+  auto grad_table = pooled_buffer(pool, N * D, N * D, table.options()).view({N, D});
+  auto grad_scores = score_gradient_buffer(scores);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, table.scalar_type(), "lookup_reduce_backward_dense", [&] {
+    dense_backward_kernel<scalar_t>(grad_out.data_ptr<scalar_t>(), table.data_ptr<scalar_t>(),
+                                    scores.data_ptr<scalar_t>(), block_ptr(block_ids), sorted,
+                                    grad_table.data_ptr<scalar_t>(), grad_scores.data_ptr<scalar_t>(),
+                                    T * K, N, K, C, D, num_blocks);
+  });
+  return {grad_table, grad_scores};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -278,4 +461,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &lookup_reduce_forward, "lookup-reduce forward -> [T, num_blocks, D]");
   m.def("backward", &lookup_reduce_backward,
         "lookup-reduce backward -> (unique rows, row gradients, score gradients)");
+  m.def("backward_dense", &lookup_reduce_backward_dense,
+        "lookup-reduce backward -> (dense [N, D] table gradient, score gradients)");
 }

@@ -5,7 +5,7 @@ import torch
 
 from rmt.ops import lookup_reduce, reference_backward, reference_forward, select_backend
 from rmt.ops import _build, cpu_backend
-from rmt.ops.testing import CASES, check_backend, make_case
+from rmt.ops.testing import CASES, check_backend, make_case, run_op
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
@@ -46,15 +46,47 @@ def test_cpu_table_grad_is_deterministic():
     threads = torch.get_num_threads()
     results = []
     try:
-        for n in (threads, 1, threads):
+        for n in (threads, 1, threads, 3):
             torch.set_num_threads(n)
-            results.append(cpu_backend.backward(grad_out, table, indices, scores, block_ids, 4))
+            results.append(cpu_backend.backward(grad_out, table, indices, scores, block_ids, 4)
+                           + cpu_backend.backward_dense(grad_out, table, indices, scores, block_ids, 4))
     finally:
         torch.set_num_threads(threads)
-    for rows, values, g_scores in results[1:]:
-        assert torch.equal(rows, results[0][0])
-        assert torch.equal(values, results[0][1])
-        assert torch.equal(g_scores, results[0][2])
+    for got in results[1:]:
+        for g, want in zip(got, results[0]):
+            assert torch.equal(g, want)
+    rows, values, g_scores, dense, dense_g_scores = results[0]
+    assert torch.equal(dense, torch.zeros_like(table).index_copy_(0, rows, values))
+    assert torch.equal(dense_g_scores, g_scores)
+
+
+def _edge_case(N, T, K, fill, D=3, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randn(N, D, generator=gen)
+    indices = torch.randint(0, N, (T, K), generator=gen) if fill is None else torch.full((T, K), fill)
+    return table, indices, torch.randn(T, K, 1, generator=gen), torch.randn(T, 1, D, generator=gen)
+
+
+@pytest.mark.parametrize("N,T,K,fill", [
+    (1, 1, 1, None),          # one lookup, one-row table
+    (5, 1, 1, 4),             # one lookup of the last row
+    (37, 8, 6, 0),            # every lookup the same row (one run of 48)
+    (37, 8, 6, 36),           # every lookup the max row N-1
+    (2, 64, 8, None),         # two rows, long runs
+    ((1 << 23) + 3, 16, 8, None),  # 24-bit rows: three radix passes
+])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_cpu_radix_sort_edge_cases(N, T, K, fill, index_dtype):
+    """Sorted backward (radix sort of the lookups by row) against the reference at the edges."""
+    table, indices, scores, grad_out = _edge_case(N, T, K, fill, D=1 if N > 1000 else 3)
+    if fill is None and N > 1000:
+        indices[0, 0] = N - 1
+    want = run_op(reference_forward, table, indices, scores, None, 1, grad_out)
+    for sparse_grad in ((True,) if N > 1000 else (True, False)):  # no 32 MB dense gradient
+        got = run_op(lookup_reduce, table, indices.to(index_dtype), scores, None, 1, grad_out,
+                     backend="cpu", sparse_grad=sparse_grad)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=5e-6)
 
 
 def _bad_inputs():
@@ -143,3 +175,29 @@ def test_cpu_row_gradient_buffers_reused_only_when_free():
     for i, got in enumerate(more):
         check(i, got)
     assert len({h[1].data_ptr() for h in held + more}) == len(held + more)
+
+
+def test_cpu_dense_gradient_buffers_reused_only_when_free():
+    """The one-pass dense gradient: a freed gradient's buffer is reused, a live one never overwritten."""
+    args = [make_case(300, 16, 40, 8, 1, 1, seed=i) for i in range(3)]
+
+    def run(i):
+        table, indices, scores, block_ids, grad_out = args[i]
+        return cpu_backend.backward_dense(grad_out, table, indices, scores, block_ids, 1)
+
+    def want(i):
+        table, indices, scores, block_ids, grad_out = args[i]
+        rows, values, g_scores = reference_backward(grad_out, table, indices, scores, block_ids, 1)
+        return torch.zeros_like(table).index_copy_(0, rows, values), g_scores
+
+    first = run(0)
+    ptr = first[0].data_ptr()
+    del first
+    held = run(1)
+    assert held[0].data_ptr() == ptr
+    snapshot = held[0].clone()
+    other = run(2)
+    assert other[0].data_ptr() != ptr and torch.equal(held[0], snapshot)
+    for i, got in ((1, held), (2, other)):
+        for g, w in zip(got, want(i)):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=5e-6)

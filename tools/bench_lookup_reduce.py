@@ -11,11 +11,23 @@ move (the same for every method):
 
 and compares it with the memory bandwidth of a large copy measured in the same run.
 
-    PYTHONPATH=. python tools/bench_lookup_reduce.py [--quick] [--json FILE]
+Transparent huge pages: with 4 KB pages a random row of a 256 MB table costs a TLB miss and a
+page walk per lookup. ``--huge-pages on`` (the default) sets torch's ``THP_MEM_ALLOC_ENABLE=1``
+before any tensor is allocated, so every large buffer of the run (the one table all methods
+share, the bandwidth probe's buffers, gradients) is madvised for 2 MB pages; ``off`` sets it
+to 0. It is a deployment setting, recommended for memory tables, not a change to any method.
+
+On a shared machine elapsed times mostly measure the other jobs; ``--clock thread`` with
+``OMP_NUM_THREADS=1`` times the CPU time of the calling thread instead (torch runs CPU autograd on
+the calling thread, so forward and backward are both covered), which is stable to a few percent.
+
+    PYTHONPATH=. python tools/bench_lookup_reduce.py [--quick] [--json FILE] [--huge-pages on|off]
+        [--clock wall|thread] [--repeats R] [--backend NAME]
 """
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -28,15 +40,18 @@ from rmt.ops import lookup_reduce, select_backend
 HEADLINE = dict(N=1 << 20, D=64, T=4096, K=32, C=1, E=1)
 
 
-def measure_bandwidth(mib, repeats):
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+
+
+def measure_bandwidth(mib, repeats, clock=time.perf_counter):
     """GB/s of ``dst.copy_(src)`` on a buffer of ``mib`` MiB (bytes read + bytes written)."""
     src = torch.randn(mib << 18)
     dst = torch.empty_like(src)
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         dst.copy_(src)
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return 2 * src.numel() * 4 / statistics.median(times) / 1e9
 
 
@@ -65,16 +80,16 @@ def methods(shape, backend):
     return out
 
 
-def time_method(fn, table, indices, scores, block_ids, grad_out):
-    t0 = time.perf_counter()
+def time_method(fn, table, indices, scores, block_ids, grad_out, clock=time.perf_counter):
+    t0 = clock()
     out = fn(table, indices, scores, block_ids)
-    t1 = time.perf_counter()
+    t1 = clock()
     torch.autograd.grad(out, [table, scores], grad_out)
-    t2 = time.perf_counter()
+    t2 = clock()
     return t1 - t0, t2 - t1
 
 
-def bench_shape(shape, repeats, backend, seed=0):
+def bench_shape(shape, repeats, backend, seed=0, clock=time.perf_counter):
     N, D, T, K, C, E = (shape[k] for k in ("N", "D", "T", "K", "C", "E"))
     gen = torch.Generator().manual_seed(seed)
     table = torch.randn(N, D, generator=gen).requires_grad_(True)
@@ -88,7 +103,7 @@ def bench_shape(shape, repeats, backend, seed=0):
     samples = {name: [] for name in fns}
     for rep in range(repeats + 1):  # the first round warms up (JIT build, allocator) and is dropped
         for name, fn in fns.items():
-            sample = time_method(fn, table, indices, scores, block_ids, grad_out)
+            sample = time_method(fn, table, indices, scores, block_ids, grad_out, clock)
             if rep:
                 samples[name].append(sample)
     rows = []
@@ -109,8 +124,9 @@ def shapes(quick):
     return grid + [dict(HEADLINE, N=1 << 22)]
 
 
-def print_table(rows, bandwidth):
-    print(f"memory bandwidth (copy): {bandwidth:.1f} GB/s")
+def print_table(rows, bandwidth, huge_pages, clock):
+    print(f"memory bandwidth (copy): {bandwidth:.1f} GB/s; huge pages (THP_MEM_ALLOC_ENABLE): {huge_pages}; "
+          f"clock: {clock}")
     header = f"{'N':>8} {'K':>4} {'C':>2} {'E':>2}  {'method':<34} {'fwd ms':>8} {'bwd ms':>8} {'f+b ms':>8} {'f+b GB/s':>9}"
     print(header)
     print("-" * len(header))
@@ -135,12 +151,21 @@ def main(argv=None):
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per method (default 5, quick 3)")
     parser.add_argument("--backend", default=None, help="lookup_reduce backend (default: auto / $RMT_LOOKUP_BACKEND)")
+    parser.add_argument("--huge-pages", choices=("on", "off"), default="on",
+                        help="THP_MEM_ALLOC_ENABLE for every tensor of the run (default on)")
+    parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
+                        help="wall: elapsed time; thread: CPU time of the calling thread, which other "
+                             "jobs' load barely changes (needs OMP_NUM_THREADS=1; default wall)")
     args = parser.parse_args(argv)
+    os.environ["THP_MEM_ALLOC_ENABLE"] = "1" if args.huge_pages == "on" else "0"
     repeats = args.repeats or (3 if args.quick else 5)
     backend = args.backend or select_backend(torch.device("cpu"))
-    bandwidth = measure_bandwidth(64 if args.quick else 256, 5)
-    rows = [r for shape in shapes(args.quick) for r in bench_shape(shape, repeats, backend)]
-    print_table(rows, bandwidth)
+    if args.clock == "thread" and torch.get_num_threads() != 1:
+        parser.error("--clock thread measures the calling thread only: run with OMP_NUM_THREADS=1")
+    clock = CLOCKS[args.clock]
+    bandwidth = measure_bandwidth(64 if args.quick else 256, 5, clock)
+    rows = [r for shape in shapes(args.quick) for r in bench_shape(shape, repeats, backend, clock=clock)]
+    print_table(rows, bandwidth, args.huge_pages, args.clock)
     summary = summarize(rows, bandwidth, backend)
     print("summary (fwd+bwd at N=1M, D=64, T=4096, K=32, C=1, E=1, fp32):")
     for key, value in summary.items():
@@ -148,7 +173,7 @@ def main(argv=None):
     if args.json:
         machine = dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
                        torch=torch.__version__, threads=torch.get_num_threads(), backend=backend,
-                       copy_bandwidth_gbps=bandwidth)
+                       copy_bandwidth_gbps=bandwidth, huge_pages=args.huge_pages, clock=args.clock)
         with open(args.json, "w") as f:
             json.dump(dict(benchmark="bench_lookup_reduce", machine=machine, rows=rows, summary=summary), f, indent=1)
 

@@ -21,3 +21,8 @@ def forward(table, indices, scores, block_ids, num_blocks):
 
 def backward(grad_out, table, indices, scores, block_ids, num_blocks):
     return tuple(_ext().backward(grad_out, table, indices, scores, block_ids, num_blocks))
+
+
+def backward_dense(grad_out, table, indices, scores, block_ids, num_blocks):
+    """(dense [N, D] table gradient, score gradients), written in one pass without a [U, D] buffer."""
+    return tuple(_ext().backward_dense(grad_out, table, indices, scores, block_ids, num_blocks))

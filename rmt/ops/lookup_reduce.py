@@ -78,8 +78,9 @@ class LookupReduceFunction(torch.autograd.Function):
     """autograd.Function over one backend's forward/backward kernels.
 
     The backward returns the table gradient either as a coalesced sparse COO tensor of the
-    touched rows (``sparse_grad=True``; no table-sized tensor is created) or scattered into a
-    dense zero tensor (``sparse_grad=False``).
+    touched rows (``sparse_grad=True``; no table-sized tensor is created) or as a dense tensor
+    (``sparse_grad=False``): written in one pass by backends that have a ``backward_dense``
+    kernel (CPU), else the touched rows scattered into a zero tensor.
     """
 
     @staticmethod
@@ -94,15 +95,19 @@ class LookupReduceFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         table, scores, indices, block_ids = ctx.saved_tensors
         grad_out = grad_out.to(table.dtype).contiguous()
-        rows, values, grad_scores = ctx.impl.backward(
-            grad_out, table, indices, scores, block_ids, ctx.num_blocks)
-        grad_table = None
-        if ctx.needs_input_grad[0]:
-            if ctx.sparse_grad:
-                grad_table = torch.sparse_coo_tensor(rows.unsqueeze(0), values, table.shape,
-                                                     is_coalesced=True, check_invariants=False)
-            else:
-                grad_table = table.new_zeros(table.shape).index_copy_(0, rows, values)
+        args = (grad_out, table, indices, scores, block_ids, ctx.num_blocks)
+        dense_kernel = getattr(ctx.impl, "backward_dense", None)
+        if ctx.needs_input_grad[0] and not ctx.sparse_grad and dense_kernel is not None:
+            grad_table, grad_scores = dense_kernel(*args)
+        else:
+            rows, values, grad_scores = ctx.impl.backward(*args)
+            grad_table = None
+            if ctx.needs_input_grad[0]:
+                if ctx.sparse_grad:
+                    grad_table = torch.sparse_coo_tensor(rows.unsqueeze(0), values, table.shape,
+                                                         is_coalesced=True, check_invariants=False)
+                else:
+                    grad_table = table.new_zeros(table.shape).index_copy_(0, rows, values)
         if not ctx.needs_input_grad[1]:
             grad_scores = None
         return grad_table, grad_scores, None, None, None, None, None
