@@ -41,25 +41,49 @@ struct TopK {
   }
 };
 
+// One side's scores of one token and head: r rows of n entries, row a at p + a * sa, entry i at
+// stride si.
 template <typename scalar_t>
-void candidates(const at::TensorAccessor<scalar_t, 2>& s, const scalar_t* w, int64_t r, int64_t n,
-                int64_t m, std::vector<scalar_t>& obj, std::vector<scalar_t>& val,
-                std::vector<int64_t>& out) {
+struct Side {
+  const scalar_t* p;
+  int64_t sa, si;
+  inline scalar_t at(int64_t a, int64_t i) const { return p[a * sa + i * si]; }
+};
+
+template <typename scalar_t>
+void candidates(const Side<scalar_t>& s, const scalar_t* w, int64_t r, int64_t n, int64_t m,
+                std::vector<scalar_t>& obj, std::vector<scalar_t>& val, std::vector<int64_t>& out) {
   if (2 * m >= n) {
     out.resize(n);
     for (int64_t i = 0; i < n; ++i) out[i] = i;
     return;
   }
-  for (int64_t i = 0; i < n; ++i) obj[i] = 0;
-  for (int64_t a = 0; a < r; ++a) {
-    const scalar_t wa = w[a];
-    for (int64_t i = 0; i < n; ++i) obj[i] += wa * s[a][i];
+  scalar_t* o = obj.data();
+  if (s.si == 1) {
+    for (int64_t i = 0; i < n; ++i) o[i] = w[0] * s.p[i];
+    for (int64_t a = 1; a < r; ++a) {
+      const scalar_t wa = w[a];
+      const scalar_t* q = s.p + a * s.sa;
+      for (int64_t i = 0; i < n; ++i) o[i] += wa * q[i];
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      scalar_t acc = 0;
+      for (int64_t a = 0; a < r; ++a) acc += w[a] * s.at(a, i);
+      o[i] = acc;
+    }
   }
   out.resize(2 * m);
   TopK<scalar_t> hi(m, val.data(), out.data()), lo(m, val.data() + m, out.data() + m);
-  for (int64_t i = 0; i < n; ++i) {
-    hi.push(obj[i], i);
-    lo.push(-obj[i], i);
+  for (int64_t i = 0; i < m; ++i) {
+    hi.push(o[i], i);
+    lo.push(-o[i], i);
+  }
+  // Once both lists are full an entry enters one only if it beats that list's current m-th.
+  for (int64_t i = m; i < n; ++i) {
+    const scalar_t v = o[i];
+    if (v > hi.val[m - 1]) hi.push(v, i);
+    else if (-v > lo.val[m - 1]) lo.push(-v, i);
   }
 }
 
@@ -68,20 +92,21 @@ void select(const at::Tensor& s_row, const at::Tensor& s_col, const at::Tensor& 
             const at::Tensor& t, const at::Tensor& core, int64_t m, at::Tensor& rows,
             at::Tensor& cols) {
   const int64_t T = s_row.size(0), H = s_row.size(1), r = s_row.size(2), n = s_row.size(3);
-  auto S_row = s_row.accessor<scalar_t, 4>();
-  auto S_col = s_col.accessor<scalar_t, 4>();
+  const scalar_t* Pr = s_row.data_ptr<scalar_t>();
+  const scalar_t* Pc = s_col.data_ptr<scalar_t>();
+  const auto sr_st = s_row.strides(), sc_st = s_col.strides();
   const scalar_t* U = u.data_ptr<scalar_t>();
   const scalar_t* V = t.data_ptr<scalar_t>();
   const scalar_t* Cr = core.data_ptr<scalar_t>();
   int64_t* R = rows.data_ptr<int64_t>();
   int64_t* Cc = cols.data_ptr<int64_t>();
   at::parallel_for(0, T * H, 8, [&](int64_t begin, int64_t end) {
-    std::vector<scalar_t> obj(n), val(2 * m), row_vec, col_mat, best(m);
+    std::vector<scalar_t> obj(n), val(2 * m), row_vec, col_mat, best(m), grid;
     std::vector<int64_t> rc, cc, pos(m);
     for (int64_t th = begin; th < end; ++th) {
       const int64_t tt = th / H, h = th % H;
-      auto sr = S_row[tt][h];
-      auto sc = S_col[tt][h];
+      const Side<scalar_t> sr{Pr + tt * sr_st[0] + h * sr_st[1], sr_st[2], sr_st[3]};
+      const Side<scalar_t> sc{Pc + tt * sc_st[0] + h * sc_st[1], sc_st[2], sc_st[3]};
       candidates<scalar_t>(sr, U + h * r, r, n, m, obj, val, rc);
       candidates<scalar_t>(sc, V + h * r, r, n, m, obj, val, cc);
       const int64_t nr = rc.size(), nc = cc.size();
@@ -90,22 +115,25 @@ void select(const at::Tensor& s_row, const at::Tensor& s_col, const at::Tensor& 
       const scalar_t* Ch = Cr + h * r * r;
       for (int64_t i = 0; i < nr; ++i)
         for (int64_t a = 0; a < r; ++a) {
-          const scalar_t x = sr[a][rc[i]];
+          const scalar_t x = sr.at(a, rc[i]);
           for (int64_t b = 0; b < r; ++b) row_vec[i * r + b] += x * Ch[a * r + b];
         }
       col_mat.resize(r * nc);
       for (int64_t b = 0; b < r; ++b)
-        for (int64_t j = 0; j < nc; ++j) col_mat[b * nc + j] = sc[b][cc[j]];
+        for (int64_t j = 0; j < nc; ++j) col_mat[b * nc + j] = sc.at(b, cc[j]);
       TopK<scalar_t> top(m, best.data(), pos.data());
-      std::vector<scalar_t> grid(nc);
+      grid.resize(nc);
       for (int64_t i = 0; i < nr; ++i) {
-        for (int64_t j = 0; j < nc; ++j) grid[j] = 0;
-        for (int64_t b = 0; b < r; ++b) {
+        scalar_t* g = grid.data();
+        const scalar_t x0 = row_vec[i * r];
+        for (int64_t j = 0; j < nc; ++j) g[j] = x0 * col_mat[j];
+        for (int64_t b = 1; b < r; ++b) {
           const scalar_t x = row_vec[i * r + b];
           const scalar_t* cb = col_mat.data() + b * nc;
-          for (int64_t j = 0; j < nc; ++j) grid[j] += x * cb[j];
+          for (int64_t j = 0; j < nc; ++j) g[j] += x * cb[j];
         }
-        for (int64_t j = 0; j < nc; ++j) top.push(grid[j], i * nc + j);
+        for (int64_t j = 0; j < nc; ++j)
+          if (top.size < m || g[j] > top.val[m - 1]) top.push(g[j], i * nc + j);
       }
       for (int64_t k = 0; k < m; ++k) {
         R[th * m + k] = rc[pos[k] / nc];
