@@ -17,6 +17,8 @@
 
 namespace {
 
+constexpr int64_t kBlock = 16;
+
 // The k largest (value, index) pairs seen so far, kept sorted in decreasing value; a new entry
 // costs one comparison unless it enters (expected O(k log(n/k)) insertions over n entries).
 template <typename scalar_t>
@@ -79,8 +81,23 @@ void candidates(const Side<scalar_t>& s, const scalar_t* w, int64_t r, int64_t n
     hi.push(o[i], i);
     lo.push(-o[i], i);
   }
-  // Once both lists are full an entry enters one only if it beats that list's current m-th.
-  for (int64_t i = m; i < n; ++i) {
+  // Once both lists are full an entry enters one only if it beats that list's current m-th:
+  // blocks of kBlock entries whose max and min both fall short are skipped whole.
+  int64_t i = m;
+  for (; i + kBlock <= n; i += kBlock) {
+    scalar_t mx = o[i], mn = o[i];
+    for (int64_t j = 1; j < kBlock; ++j) {
+      mx = o[i + j] > mx ? o[i + j] : mx;
+      mn = o[i + j] < mn ? o[i + j] : mn;
+    }
+    if (mx <= hi.val[m - 1] && -mn <= lo.val[m - 1]) continue;
+    for (int64_t j = i; j < i + kBlock; ++j) {
+      const scalar_t v = o[j];
+      if (v > hi.val[m - 1]) hi.push(v, j);
+      else if (-v > lo.val[m - 1]) lo.push(-v, j);
+    }
+  }
+  for (; i < n; ++i) {
     const scalar_t v = o[i];
     if (v > hi.val[m - 1]) hi.push(v, i);
     else if (-v > lo.val[m - 1]) lo.push(-v, i);
@@ -131,6 +148,11 @@ void select(const at::Tensor& s_row, const at::Tensor& s_col, const at::Tensor& 
           const scalar_t x = row_vec[i * r + b];
           const scalar_t* cb = col_mat.data() + b * nc;
           for (int64_t j = 0; j < nc; ++j) g[j] += x * cb[j];
+        }
+        if (top.size == m) {  // skip a grid row whose max does not beat the current m-th
+          scalar_t mx = g[0];
+          for (int64_t j = 1; j < nc; ++j) mx = g[j] > mx ? g[j] : mx;
+          if (mx <= top.val[m - 1]) continue;
         }
         for (int64_t j = 0; j < nc; ++j)
           if (top.size < m || g[j] > top.val[m - 1]) top.push(g[j], i * nc + j);
