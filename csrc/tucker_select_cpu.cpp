@@ -12,12 +12,15 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <functional>
+#include <limits>
 #include <vector>
 
 namespace {
 
-constexpr int64_t kBlock = 16;
+constexpr int64_t kBlock = 8;  // entries per block of the lower bounds below
 
 // The k largest (value, index) pairs seen so far, kept sorted in decreasing value; a new entry
 // costs one comparison unless it enters (expected O(k log(n/k)) insertions over n entries).
@@ -52,9 +55,44 @@ struct Side {
   inline scalar_t at(int64_t a, int64_t i) const { return p[a * sa + i * si]; }
 };
 
+// A lower bound of the m-th largest of x[0..n) (and of -x when `neg`): the m-th largest of the
+// maxima of its blocks of `block` entries (each of those m blocks holds an entry at least that
+// large), or -inf with fewer than m whole blocks. Scans then push only entries reaching it, so
+// the sorted insertions of TopK happen about m times instead of ~m log(n/m) times.
+template <typename scalar_t>
+void bounds(const scalar_t* x, int64_t n, int64_t block, int64_t m, bool neg, scalar_t* hi,
+            scalar_t* lo, std::vector<scalar_t>& maxs, std::vector<scalar_t>& negmins) {
+  const int64_t nb = n / block;
+  if (nb < m) {
+    *hi = *lo = -std::numeric_limits<scalar_t>::infinity();
+    return;
+  }
+  maxs.resize(nb);
+  negmins.resize(nb);
+  for (int64_t k = 0; k < nb; ++k) {
+    const scalar_t* p = x + k * block;
+    scalar_t mx = p[0], mn = p[0];
+    for (int64_t j = 1; j < block; ++j) {
+      mx = p[j] > mx ? p[j] : mx;
+      mn = p[j] < mn ? p[j] : mn;
+    }
+    maxs[k] = mx;
+    negmins[k] = -mn;
+  }
+  auto mth = [m](std::vector<scalar_t>& v) {
+    std::nth_element(v.begin(), v.begin() + (m - 1), v.end(), std::greater<scalar_t>());
+    return v[m - 1];
+  };
+  *hi = mth(maxs);
+  if (neg) *lo = mth(negmins);
+}
+
+// Per side, the indices of the m largest and the m smallest of the rank-1 objective
+// w^T S (Eq. 8-9), largest first then smallest first; all n indices when 2m >= n.
 template <typename scalar_t>
 void candidates(const Side<scalar_t>& s, const scalar_t* w, int64_t r, int64_t n, int64_t m,
-                std::vector<scalar_t>& obj, std::vector<scalar_t>& val, std::vector<int64_t>& out) {
+                std::vector<scalar_t>& obj, std::vector<scalar_t>& val, std::vector<int64_t>& out,
+                std::vector<scalar_t>& maxs, std::vector<scalar_t>& negmins) {
   if (2 * m >= n) {
     out.resize(n);
     for (int64_t i = 0; i < n; ++i) out[i] = i;
@@ -75,32 +113,14 @@ void candidates(const Side<scalar_t>& s, const scalar_t* w, int64_t r, int64_t n
       o[i] = acc;
     }
   }
+  scalar_t t_hi, t_lo;
+  bounds<scalar_t>(o, n, kBlock, m, true, &t_hi, &t_lo, maxs, negmins);
   out.resize(2 * m);
   TopK<scalar_t> hi(m, val.data(), out.data()), lo(m, val.data() + m, out.data() + m);
-  for (int64_t i = 0; i < m; ++i) {
-    hi.push(o[i], i);
-    lo.push(-o[i], i);
-  }
-  // Once both lists are full an entry enters one only if it beats that list's current m-th:
-  // blocks of kBlock entries whose max and min both fall short are skipped whole.
-  int64_t i = m;
-  for (; i + kBlock <= n; i += kBlock) {
-    scalar_t mx = o[i], mn = o[i];
-    for (int64_t j = 1; j < kBlock; ++j) {
-      mx = o[i + j] > mx ? o[i + j] : mx;
-      mn = o[i + j] < mn ? o[i + j] : mn;
-    }
-    if (mx <= hi.val[m - 1] && -mn <= lo.val[m - 1]) continue;
-    for (int64_t j = i; j < i + kBlock; ++j) {
-      const scalar_t v = o[j];
-      if (v > hi.val[m - 1]) hi.push(v, j);
-      else if (-v > lo.val[m - 1]) lo.push(-v, j);
-    }
-  }
-  for (; i < n; ++i) {
+  for (int64_t i = 0; i < n; ++i) {
     const scalar_t v = o[i];
-    if (v > hi.val[m - 1]) hi.push(v, i);
-    else if (-v > lo.val[m - 1]) lo.push(-v, i);
+    if (v >= t_hi) hi.push(v, i);
+    if (-v >= t_lo) lo.push(-v, i);
   }
 }
 
@@ -118,14 +138,14 @@ void select(const at::Tensor& s_row, const at::Tensor& s_col, const at::Tensor& 
   int64_t* R = rows.data_ptr<int64_t>();
   int64_t* Cc = cols.data_ptr<int64_t>();
   at::parallel_for(0, T * H, 8, [&](int64_t begin, int64_t end) {
-    std::vector<scalar_t> obj(n), val(2 * m), row_vec, col_mat, best(m), grid;
+    std::vector<scalar_t> obj(n), val(2 * m), row_vec, col_mat, best(m), grid, maxs, negmins;
     std::vector<int64_t> rc, cc, pos(m);
     for (int64_t th = begin; th < end; ++th) {
       const int64_t tt = th / H, h = th % H;
       const Side<scalar_t> sr{Pr + tt * sr_st[0] + h * sr_st[1], sr_st[2], sr_st[3]};
       const Side<scalar_t> sc{Pc + tt * sc_st[0] + h * sc_st[1], sc_st[2], sc_st[3]};
-      candidates<scalar_t>(sr, U + h * r, r, n, m, obj, val, rc);
-      candidates<scalar_t>(sc, V + h * r, r, n, m, obj, val, cc);
+      candidates<scalar_t>(sr, U + h * r, r, n, m, obj, val, rc, maxs, negmins);
+      candidates<scalar_t>(sc, V + h * r, r, n, m, obj, val, cc, maxs, negmins);
       const int64_t nr = rc.size(), nc = cc.size();
       // row_vec[i, b] = sum_a S_row[a, rc[i]] C[a, b];  col_mat[b, j] = S_col[b, cc[j]]
       row_vec.assign(nr * r, 0);
@@ -138,10 +158,9 @@ void select(const at::Tensor& s_row, const at::Tensor& s_col, const at::Tensor& 
       col_mat.resize(r * nc);
       for (int64_t b = 0; b < r; ++b)
         for (int64_t j = 0; j < nc; ++j) col_mat[b * nc + j] = sc.at(b, cc[j]);
-      TopK<scalar_t> top(m, best.data(), pos.data());
-      grid.resize(nc);
+      grid.resize(nr * nc);
       for (int64_t i = 0; i < nr; ++i) {
-        scalar_t* g = grid.data();
+        scalar_t* g = grid.data() + i * nc;
         const scalar_t x0 = row_vec[i * r];
         for (int64_t j = 0; j < nc; ++j) g[j] = x0 * col_mat[j];
         for (int64_t b = 1; b < r; ++b) {
@@ -149,14 +168,12 @@ void select(const at::Tensor& s_row, const at::Tensor& s_col, const at::Tensor& 
           const scalar_t* cb = col_mat.data() + b * nc;
           for (int64_t j = 0; j < nc; ++j) g[j] += x * cb[j];
         }
-        if (top.size == m) {  // skip a grid row whose max does not beat the current m-th
-          scalar_t mx = g[0];
-          for (int64_t j = 1; j < nc; ++j) mx = g[j] > mx ? g[j] : mx;
-          if (mx <= top.val[m - 1]) continue;
-        }
-        for (int64_t j = 0; j < nc; ++j)
-          if (top.size < m || g[j] > top.val[m - 1]) top.push(g[j], i * nc + j);
       }
+      scalar_t t_grid, unused;
+      bounds<scalar_t>(grid.data(), nr * nc, nc, m, false, &t_grid, &unused, maxs, negmins);
+      TopK<scalar_t> top(m, best.data(), pos.data());
+      for (int64_t e = 0; e < nr * nc; ++e)
+        if (grid[e] >= t_grid) top.push(grid[e], e);
       for (int64_t k = 0; k < m; ++k) {
         R[th * m + k] = rc[pos[k] / nc];
         Cc[th * m + k] = cc[pos[k] % nc];
