@@ -20,7 +20,7 @@
 
 namespace {
 
-constexpr int64_t kBlock = 8;  // entries per block of the lower bounds below
+constexpr int64_t kGroupSize = 8;  // entries per group of the lower bounds below
 
 // The k largest (value, index) pairs seen so far, kept sorted in decreasing value; a new entry
 // costs one comparison unless it enters (expected O(k log(n/k)) insertions over n entries).
@@ -55,36 +55,42 @@ struct Side {
   inline scalar_t at(int64_t a, int64_t i) const { return p[a * sa + i * si]; }
 };
 
-// A lower bound of the m-th largest of x[0..n) (and of -x when `neg`): the m-th largest of the
-// maxima of its blocks of `block` entries (each of those m blocks holds an entry at least that
-// large), or -inf with fewer than m whole blocks. Scans then push only entries reaching it, so
-// the sorted insertions of TopK happen about m times instead of ~m log(n/m) times.
+// Pushes into `top` every entry of sign * x[0..n) that can be among its m largest. The entries
+// are split into `groups` disjoint strided groups (group k: x[k], x[k + groups], ...; their
+// maxima are elementwise vector maxima over contiguous rows); the m-th largest group maximum
+// is a lower bound of the m-th largest entry (each of those m groups holds an entry at least
+// that large), so only the groups whose maximum reaches it are scanned, and only their entries
+// reaching it pushed: about m sorted insertions instead of ~m log(n/m) over all n entries.
 template <typename scalar_t>
-void bounds(const scalar_t* x, int64_t n, int64_t block, int64_t m, bool neg, scalar_t* hi,
-            scalar_t* lo, std::vector<scalar_t>& maxs, std::vector<scalar_t>& negmins) {
-  const int64_t nb = n / block;
-  if (nb < m) {
-    *hi = *lo = -std::numeric_limits<scalar_t>::infinity();
+void push_top(const scalar_t* x, int64_t n, int64_t groups, scalar_t sign, TopK<scalar_t>& top,
+              std::vector<scalar_t>& maxs, std::vector<scalar_t>& work) {
+  const int64_t m = top.k;
+  if (groups < m) {
+    for (int64_t i = 0; i < n; ++i) top.push(sign * x[i], i);
     return;
   }
-  maxs.resize(nb);
-  negmins.resize(nb);
-  for (int64_t k = 0; k < nb; ++k) {
-    const scalar_t* p = x + k * block;
-    scalar_t mx = p[0], mn = p[0];
-    for (int64_t j = 1; j < block; ++j) {
-      mx = p[j] > mx ? p[j] : mx;
-      mn = p[j] < mn ? p[j] : mn;
-    }
-    maxs[k] = mx;
-    negmins[k] = -mn;
+  const int64_t rows = n / groups, tail = n - rows * groups;
+  maxs.resize(groups);
+  scalar_t* mx = maxs.data();
+  for (int64_t k = 0; k < groups; ++k) mx[k] = sign * x[k];
+  for (int64_t j = 1; j < rows; ++j) {
+    const scalar_t* p = x + j * groups;
+    for (int64_t k = 0; k < groups; ++k) mx[k] = sign * p[k] > mx[k] ? sign * p[k] : mx[k];
   }
-  auto mth = [m](std::vector<scalar_t>& v) {
-    std::nth_element(v.begin(), v.begin() + (m - 1), v.end(), std::greater<scalar_t>());
-    return v[m - 1];
-  };
-  *hi = mth(maxs);
-  if (neg) *lo = mth(negmins);
+  for (int64_t k = 0; k < tail; ++k) {  // the tail joins the first groups
+    const scalar_t v = sign * x[rows * groups + k];
+    mx[k] = v > mx[k] ? v : mx[k];
+  }
+  work.assign(mx, mx + groups);
+  std::nth_element(work.begin(), work.begin() + (m - 1), work.end(), std::greater<scalar_t>());
+  const scalar_t bound = work[m - 1];
+  for (int64_t k = 0; k < groups; ++k) {
+    if (mx[k] < bound) continue;
+    for (int64_t i = k; i < n; i += groups) {
+      const scalar_t v = sign * x[i];
+      if (v >= bound) top.push(v, i);
+    }
+  }
 }
 
 // Per side, the indices of the m largest and the m smallest of the rank-1 objective
@@ -92,7 +98,7 @@ void bounds(const scalar_t* x, int64_t n, int64_t block, int64_t m, bool neg, sc
 template <typename scalar_t>
 void candidates(const Side<scalar_t>& s, const scalar_t* w, int64_t r, int64_t n, int64_t m,
                 std::vector<scalar_t>& obj, std::vector<scalar_t>& val, std::vector<int64_t>& out,
-                std::vector<scalar_t>& maxs, std::vector<scalar_t>& negmins) {
+                std::vector<scalar_t>& maxs, std::vector<scalar_t>& work) {
   if (2 * m >= n) {
     out.resize(n);
     for (int64_t i = 0; i < n; ++i) out[i] = i;
@@ -113,15 +119,10 @@ void candidates(const Side<scalar_t>& s, const scalar_t* w, int64_t r, int64_t n
       o[i] = acc;
     }
   }
-  scalar_t t_hi, t_lo;
-  bounds<scalar_t>(o, n, kBlock, m, true, &t_hi, &t_lo, maxs, negmins);
   out.resize(2 * m);
   TopK<scalar_t> hi(m, val.data(), out.data()), lo(m, val.data() + m, out.data() + m);
-  for (int64_t i = 0; i < n; ++i) {
-    const scalar_t v = o[i];
-    if (v >= t_hi) hi.push(v, i);
-    if (-v >= t_lo) lo.push(-v, i);
-  }
+  push_top<scalar_t>(o, n, n / kGroupSize, 1, hi, maxs, work);
+  push_top<scalar_t>(o, n, n / kGroupSize, -1, lo, maxs, work);
 }
 
 template <typename scalar_t>
@@ -138,14 +139,14 @@ void select(const at::Tensor& s_row, const at::Tensor& s_col, const at::Tensor& 
   int64_t* R = rows.data_ptr<int64_t>();
   int64_t* Cc = cols.data_ptr<int64_t>();
   at::parallel_for(0, T * H, 8, [&](int64_t begin, int64_t end) {
-    std::vector<scalar_t> obj(n), val(2 * m), row_vec, col_mat, best(m), grid, maxs, negmins;
+    std::vector<scalar_t> obj(n), val(2 * m), row_vec, col_mat, best(m), grid, maxs, work;
     std::vector<int64_t> rc, cc, pos(m);
     for (int64_t th = begin; th < end; ++th) {
       const int64_t tt = th / H, h = th % H;
       const Side<scalar_t> sr{Pr + tt * sr_st[0] + h * sr_st[1], sr_st[2], sr_st[3]};
       const Side<scalar_t> sc{Pc + tt * sc_st[0] + h * sc_st[1], sc_st[2], sc_st[3]};
-      candidates<scalar_t>(sr, U + h * r, r, n, m, obj, val, rc, maxs, negmins);
-      candidates<scalar_t>(sc, V + h * r, r, n, m, obj, val, cc, maxs, negmins);
+      candidates<scalar_t>(sr, U + h * r, r, n, m, obj, val, rc, maxs, work);
+      candidates<scalar_t>(sc, V + h * r, r, n, m, obj, val, cc, maxs, work);
       const int64_t nr = rc.size(), nc = cc.size();
       // row_vec[i, b] = sum_a S_row[a, rc[i]] C[a, b];  col_mat[b, j] = S_col[b, cc[j]]
       row_vec.assign(nr * r, 0);
@@ -169,11 +170,8 @@ void select(const at::Tensor& s_row, const at::Tensor& s_col, const at::Tensor& 
           for (int64_t j = 0; j < nc; ++j) g[j] += x * cb[j];
         }
       }
-      scalar_t t_grid, unused;
-      bounds<scalar_t>(grid.data(), nr * nc, nc, m, false, &t_grid, &unused, maxs, negmins);
       TopK<scalar_t> top(m, best.data(), pos.data());
-      for (int64_t e = 0; e < nr * nc; ++e)
-        if (grid[e] >= t_grid) top.push(grid[e], e);
+      push_top<scalar_t>(grid.data(), nr * nc, nc, 1, top, maxs, work);
       for (int64_t k = 0; k < m; ++k) {
         R[th * m + k] = rc[pos[k] / nc];
         Cc[th * m + k] = cc[pos[k] % nc];
