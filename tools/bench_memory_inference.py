@@ -1,8 +1,8 @@
 """Decode latency and weight bytes touched per step: dense vs MoE vs UltraMem (UltraMem
 arXiv 2411.12364, Fig. 1b/1c, Fig. 6c, Fig. 7).
 
-One decode step = sequence length 1 against a static KV cache of ``--kv-len`` tokens, through L pre-LN
-layers (attention + GELU FFN). Models, side by side in one run:
+One decode step = sequence length 1 against a static KV cache of ``--kv-len`` tokens, through L
+pre-LN layers (attention + GELU FFN). Models, side by side in one run:
 
 * dense: the layers alone;
 * ultramem: dense + UltraMem layers (``rmt.memory.MemoryLayer``, every §3.2 improvement on) at
