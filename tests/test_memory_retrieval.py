@@ -33,7 +33,8 @@ def test_tucker_topk_exact_for_rank1_core_on_large_grid():
     torch.testing.assert_close(scores, per_core.gather(2, want.unsqueeze(-1).expand(-1, -1, -1, 2)))
 
 
-@pytest.mark.parametrize("dtype,n,m", [(torch.float64, 200, 7), (torch.float32, 96, 16), (torch.float64, 20, 16)])
+@pytest.mark.parametrize("dtype,n,m", [(torch.float64, 200, 7), (torch.float32, 96, 16),
+                                       (torch.float64, 20, 16)])
 def test_fused_selection_equals_torch(dtype, n, m):
     """Same rows/cols in the same (best-first) order; the last case keeps all n candidates (2m >= n).
     Inputs are non-contiguous views, as the layer passes them."""

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from rmt.memory.retrieval import (expected_topm_mean, grid_side, product_topk, rank1_selector, tucker_aux_loss,
-                                  tucker_topk)
+from rmt.memory.retrieval import (expected_topm_mean, grid_side, product_topk, rank1_selector,
+                                  tucker_aux_loss, tucker_topk)
 from rmt.memory.table import MemoryTable
 from rmt.memory.validate import memory_width
 
