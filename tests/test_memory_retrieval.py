@@ -34,9 +34,10 @@ def test_tucker_topk_exact_for_rank1_core_on_large_grid():
 
 
 @pytest.mark.parametrize("dtype,n,m", [(torch.float64, 200, 7), (torch.float32, 96, 16),
-                                       (torch.float64, 20, 16)])
+                                       (torch.float64, 20, 16), (torch.float64, 4, 16)])
 def test_fused_selection_equals_torch(dtype, n, m):
-    """Same rows/cols in the same (best-first) order; the last case keeps all n candidates (2m >= n).
+    """Same rows/cols in the same (best-first) order; the last two keep all n candidates (2m >= n),
+    the last with fewer than 2m grid entries.
     Inputs are non-contiguous views, as the layer passes them."""
     assert _select_ext() is not None
     gen = torch.Generator().manual_seed(n)
