@@ -1,8 +1,8 @@
 """Decode latency and weight bytes touched per step: dense vs MoE vs UltraMem (UltraMem
 arXiv 2411.12364, Fig. 1b/1c, Fig. 6c, Fig. 7).
 
-One decode step = sequence length 1 against a KV cache of ``--kv-len`` tokens, through L pre-LN
-layers (attention + GELU FFN). Models, side by side in one run:
+One decode step = sequence length 1 against a static KV cache of ``--kv-len`` tokens, through L
+pre-LN layers (attention + GELU FFN). Models, side by side in one run:
 
 * dense: the layers alone;
 * ultramem: dense + UltraMem layers (``rmt.memory.MemoryLayer``, every §3.2 improvement on) at
@@ -13,7 +13,14 @@ layers (attention + GELU FFN). Models, side by side in one run:
   :func:`ultramem_macs`), N chosen so total parameters equal UltraMem's: the paper's setting
   (§5.1 "we slightly increased the width of MoE's experts to match UltraMem's computational and
   parameter costs"; Table 9: MoE-1.6B-2in34 3.52 GFLOPs vs UltraMem-1.6B-x12 3.50);
-* ultramem_10x: UltraMem with 10x the slots at the same top-m (Fig. 6c).
+* ultramem_tenth: UltraMem with a tenth of the slots at the same top-m; ``ultramem`` over it is
+  the latency growth for 10x slots (Fig. 6c; growing downwards keeps the default size in RAM).
+
+Sizes: the default is the width of the paper's smallest models (Table 6/9, 151M class: hidden
+1024, 16 heads, inner 4096, UltraMem top-16 x 2 heads, key dim 256), with 4 layers instead of 12
+to fit 24 GB and a few minutes; ``--quick`` is hidden 256, 8 heads. At hidden 256 retrieval's
+per-token work (key scores over sqrt(N) keys, candidate selection) is large next to the dense
+layers; at LLM widths the dense weights dominate a decode step, as in the paper.
 
 Bytes touched = dense weights + the experts / value rows the step's routing actually selected
 (fp32). Latency = median over ``--reps`` decode steps on CPU.
@@ -43,12 +50,14 @@ class Attention(torch.nn.Module):
         self.out = torch.nn.Linear(d, d, bias=False)
 
     def forward(self, x, cache):
-        """x [1, b, d]; cache = (k, v) [b, heads, kv, hd], appended in place by the caller's length."""
+        """x [1, b, d]; cache = (k, v) [b, heads, kv + 1, hd], a static (preallocated) KV cache:
+        this step's key and value are written in place at the last position, then attended to
+        with the kv before them."""
         b, d = x.shape[1], x.shape[2]
         q, k, v = self.qkv(self.norm(x[0])).view(b, 3, self.heads, d // self.heads).unbind(1)
-        keys = torch.cat([cache[0], k.unsqueeze(2)], 2)
-        vals = torch.cat([cache[1], v.unsqueeze(2)], 2)
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, vals)
+        cache[0][:, :, -1] = k
+        cache[1][:, :, -1] = v
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), cache[0], cache[1])
         return self.out(o.reshape(b, d)).unsqueeze(0)
 
 
@@ -131,14 +140,14 @@ def build_models(d, heads, layers, expansion, topk, seed=0):
     attn_params = sum(p.numel() for p in dense.attn.parameters())
     experts = max(2, round((um_params - attn_params) / layers / expert_params))
     moe = DecodeModel(d, heads, layers, lambda: MoELayer(d, experts, expert_inner, topk=2))
-    um10 = ultramem(round(num_keys * math.sqrt(10)))
-    return {"dense": dense, "moe": moe, "ultramem": um, "ultramem_10x": um10}, {
+    tenth_keys = round(num_keys / math.sqrt(10))
+    return {"dense": dense, "moe": moe, "ultramem": um, "ultramem_tenth": ultramem(tenth_keys)}, {
         "hidden": d, "layers": layers, "dense_params": dense_params, "ultramem_params": um_params,
         "moe_params": sum(p.numel() for p in moe.parameters()), "moe_experts": experts,
         "moe_expert_inner": expert_inner, "ultramem_memory_macs_per_token": memory_macs,
         "dense_ffn_macs_per_token": layers * 2 * d * inner,
         "ultramem_num_keys": num_keys, "ultramem_slots_per_layer": num_keys ** 2, "ultramem_topk": topk,
-        "ultramem_10x_slots_per_layer": round(num_keys * math.sqrt(10)) ** 2, "placement": placement}
+        "ultramem_tenth_slots_per_layer": tenth_keys ** 2, "placement": placement}
 
 
 def _sparse_tensors(model):
@@ -186,7 +195,7 @@ def measure(models, batch, d, heads, layers, kv_len, reps):
     each per round, so load changes on a shared machine hit them alike."""
     gen = torch.Generator().manual_seed(batch)
     hd = d // heads
-    caches = [(torch.randn(batch, heads, kv_len, hd, generator=gen), torch.randn(batch, heads, kv_len, hd, generator=gen))
+    caches = [tuple(torch.randn(batch, heads, kv_len + 1, hd, generator=gen) for _ in range(2))
               for _ in range(layers)]
     states = {name: [{} for _ in m.memory] for name, m in models.items()}
     x = torch.randn(1, batch, d, generator=gen)
@@ -206,9 +215,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller model and batch list (~3 min on 2 cores)")
     ap.add_argument("--json", help="write {benchmark, machine, rows, summary} here")
-    ap.add_argument("--hidden", type=int, help="model width (default 512, quick 256)")
+    ap.add_argument("--hidden", type=int, help="model width (default 1024, quick 256)")
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--heads", type=int, help="attention heads (default 16, quick 8)")
     ap.add_argument("--kv-len", type=int, help="KV cache length (default 256, quick 64)")
     ap.add_argument("--expansion", type=float, default=12.0, help="UltraMem sparse params / dense params")
     ap.add_argument("--topk", type=int, default=16, help="UltraMem top-m per head (2 heads)")
@@ -217,16 +226,17 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    d = args.hidden or (256 if args.quick else 512)
+    d = args.hidden or (256 if args.quick else 1024)
+    heads = args.heads or (8 if args.quick else 16)
     kv = args.kv_len or (64 if args.quick else 256)
     reps = args.reps or (8 if args.quick else 20)
     batches = [int(b) for b in (args.batches or ("1,16,64,256" if args.quick else "1,4,16,64,256,512")).split(",")]
-    models, shapes = build_models(d, args.heads, args.layers, args.expansion, args.topk)
+    models, shapes = build_models(d, heads, args.layers, args.expansion, args.topk)
     rows = []
     print(f"{'batch':>6} " + " ".join(f"{n + ' ms':>15} {n + ' MB':>15}" for n in models))
     for b in batches:
         row = {"batch": b}
-        for name, (lat, nbytes) in measure(models, b, d, args.heads, args.layers, kv, reps).items():
+        for name, (lat, nbytes) in measure(models, b, d, heads, args.layers, kv, reps).items():
             row[f"{name}_latency_ms"] = lat * 1e3
             row[f"{name}_bytes"] = nbytes
         rows.append(row)
@@ -237,7 +247,7 @@ def main(argv=None):
         "ultramem_over_dense_latency_b64": ref["ultramem_latency_ms"] / ref["dense_latency_ms"],
         "moe_over_ultramem_latency_b64": ref["moe_latency_ms"] / ref["ultramem_latency_ms"],
         "ultramem_latency_growth_10x_slots": statistics.median(
-            r["ultramem_10x_latency_ms"] / r["ultramem_latency_ms"] for r in rows),
+            r["ultramem_latency_ms"] / r["ultramem_tenth_latency_ms"] for r in rows),
         "summary_batch": ref["batch"],
     }
     print(json.dumps({"shapes": shapes, "summary": summary}, indent=1))

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from rmt.memory.retrieval import expected_topm_mean, grid_side, product_topk, tucker_aux_loss, tucker_topk
+from rmt.memory.retrieval import (expected_topm_mean, grid_side, product_topk, rank1_selector,
+                                  tucker_aux_loss, tucker_topk)
 from rmt.memory.table import MemoryTable
 from rmt.memory.validate import memory_width
 
@@ -151,6 +152,7 @@ class MemoryLayer(torch.nn.Module):
         self.register_buffer("score_stats", torch.zeros(4, dtype=torch.float64), persistent=False)
         self._reset_stats()
         self.aux_loss: Optional[torch.Tensor] = None
+        self._frozen = None
 
     # -- pieces ----------------------------------------------------------------------------
     def query_input(self, x: torch.Tensor, state: Optional[Dict] = None) -> torch.Tensor:
@@ -172,15 +174,36 @@ class MemoryLayer(torch.nn.Module):
         y = F.conv1d(F.pad(full.permute(1, 2, 0), (left, 0)), self.conv, groups=self.spec.hidden_size)
         return y[..., -h.shape[0]:].permute(2, 0, 1)
 
-    def side_scores(self, h: torch.Tensor):
-        """Row and column scores ``S_row, S_col`` of Eq. 4, each ``[T, H, r, n]``."""
+    def _weight_terms(self):
+        """Normalised keys and the TDQKR selector (:func:`rank1_selector`; None for product keys):
+        the retrieval terms that depend on weights only. Without autograd (decoding, evaluation)
+        they are computed once and reused while every parameter they come from keeps its storage
+        and version counter (optimizer steps, ``load_state_dict`` and ``.to`` all change one)."""
+        s = self.spec
+        tucker = s.retrieval == "tucker"
+
+        def compute():
+            keys = self.key_norm(self.keys) if s.query_key_norm else self.keys
+            return keys, rank1_selector(self.cores) if tucker else None
+
+        if torch.is_grad_enabled():
+            return compute()
+        params = [self.keys] + ([self.cores] if tucker else [])
+        if s.query_key_norm:
+            params += [self.key_norm.weight, self.key_norm.bias]
+        tag = tuple((p.data_ptr(), p._version) for p in params)
+        if self._frozen is None or self._frozen[0] != tag:
+            self._frozen = (tag, *compute())
+        return self._frozen[1:]
+
+    def side_scores(self, h: torch.Tensor, keys: torch.Tensor):
+        """Row and column scores ``S_row, S_col`` of Eq. 4, each ``[T, H, r, n]`` (``keys``: the
+        normalised keys of :meth:`_weight_terms`)."""
         s = self.spec
         T = h.shape[0]
         q = self.query(h).view(T, s.num_heads, 1 if s.share_query else 2, s.tucker_rank, self.sub_dim)
-        keys = self.keys
         if s.query_key_norm:
             q = self.query_norm(q)
-            keys = self.key_norm(keys)
         q = q.expand(-1, -1, 2, -1, -1)
         both = torch.einsum("thsrd,hsrnd->thsrn", q, keys)
         return both[:, :, 0], both[:, :, 1]
@@ -188,9 +211,10 @@ class MemoryLayer(torch.nn.Module):
     def retrieve(self, h: torch.Tensor):
         """Flat ``[T, H*m]`` virtual addresses and ``[T, H*m, C]`` scores."""
         s = self.spec
-        s_row, s_col = self.side_scores(h)
+        keys, selector = self._weight_terms()
+        s_row, s_col = self.side_scores(h, keys)
         if s.retrieval == "tucker":
-            addr, scores = tucker_topk(s_row, s_col, self.cores, s.topk)
+            addr, scores = tucker_topk(s_row, s_col, self.cores, s.topk, selector)
         else:
             addr, scores = product_topk(s_row, s_col, s.topk)
         if self.training:
@@ -220,7 +244,7 @@ class MemoryLayer(torch.nn.Module):
                 self.hits[slots.reshape(-1)] = 1
         pooled = self.values.lookup_reduce(slots, scores, blocks, s.ive_blocks)
         if self.has_proj:
-            out = torch.einsum("tpd,pdo->to", pooled, self.proj.to(pooled.dtype))
+            out = pooled.flatten(1) @ self.proj.to(pooled.dtype).flatten(0, 1)
         else:
             out = pooled[:, 0]
         # Eq. 12 only regularises training: not computed without autograd (decoding, evaluation).

@@ -63,33 +63,74 @@ def leading_singular_vectors(core: torch.Tensor) -> Tuple[torch.Tensor, torch.Te
     return U[..., :, 0].to(core.dtype), Vh[..., 0, :].to(core.dtype)
 
 
-def tucker_topk(s_row: torch.Tensor, s_col: torch.Tensor, cores: torch.Tensor, m: int):
-    """TDQKR two-phase top-m (Eq. 7-10) with multi-core scoring (Eq. 16).
+def rank1_selector(cores: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the TDQKR selection needs from ``[H, h, r, r]`` cores: the aggregated core
+    ``C = sum_i C^(i)`` and its leading singular vectors ``u, t`` (Eq. 6-7), without gradient.
+    Depends on the weights only, so decoding computes it once (``MemoryLayer``)."""
+    with torch.no_grad():
+        total = cores.sum(1)
+    return (total,) + leading_singular_vectors(total)
 
-    ``cores`` is ``[H, h, r, r]``; the selection uses the aggregated core ``C = sum_i C^(i)``.
-    Phase 1 keeps, per side, the candidates of the rank-1 objective ``u^T S_row`` / ``t^T S_col``
-    (Eq. 8-9). Singular vectors have no canonical sign and side scores take both signs, so the
-    m largest *and* the m smallest entries are kept: then the selection is exact whenever C has
-    rank 1 and the m-th best grid score is positive. Phase 2 takes the exact top-m of
-    ``S_row^T C S_col`` over the candidate grid (Eq. 10) and returns each core's score
-    ``S_row^T C^(i) S_col`` (Eq. 16) as the C columns.
-    """
-    n = s_row.shape[-1]
-    total = cores.sum(1)
-    u, t = leading_singular_vectors(total)
+
+def _select_ext():
+    from rmt.ops._build import load_extension
+
+    return load_extension("rmt_tucker_select_cpu", ["tucker_select_cpu.cpp"],
+                          extra_cflags=["-O3", "-march=native"])
+
+
+SELECT_BACKENDS = ("cpu", "torch")
+
+
+def tucker_select(s_row: torch.Tensor, s_col: torch.Tensor, selector, m: int, backend: str = None):
+    """Rows and columns ``[T, H, m]`` of the TDQKR two-phase top-m (Eq. 7-10), best first.
+
+    ``selector`` is :func:`rank1_selector`'s ``(C, u, t)``. Phase 1 keeps, per side, the
+    candidates of the rank-1 objective ``u^T S_row`` / ``t^T S_col`` (Eq. 8-9). Singular vectors
+    have no canonical sign and side scores take both signs, so the m largest *and* the m smallest
+    entries are kept: then the selection is exact whenever C has rank 1 and the m-th best grid
+    score is positive. Phase 2 takes the exact top-m of ``S_row^T C S_col`` over the candidate
+    grid (Eq. 10). ``backend``: ``"cpu"`` (the fused kernel of ``csrc/tucker_select_cpu.cpp``,
+    the default for CPU float tensors when it builds) or ``"torch"`` (the reference here)."""
+    total, u, t = selector
+    s_row, s_col = s_row.detach(), s_col.detach()
+    if backend is None:
+        fused = s_row.device.type == "cpu" and s_row.dtype in (torch.float32, torch.float64)
+        backend = "cpu" if fused and _select_ext() is not None else "torch"
+    if backend == "cpu":
+        return tuple(_select_ext().tucker_select(s_row, s_col, u, t, total, m))
+    if backend != "torch":
+        raise ValueError(f"tucker_select: backend must be one of {SELECT_BACKENDS}; got {backend!r}")
     H, r = u.shape
     # u^T S_row and t^T S_col as batched GEMVs (a broadcast matmul; einsum permutes and copies).
     rows, cols = _candidates(torch.matmul(u.view(1, H, 1, r), s_row).squeeze(2),
                              torch.matmul(t.view(1, H, 1, r), s_col).squeeze(2), m)
-    sr = s_row.gather(-1, rows.unsqueeze(2).expand(-1, -1, s_row.shape[2], -1))
-    sc = s_col.gather(-1, cols.unsqueeze(2).expand(-1, -1, s_col.shape[2], -1))
-    # [T, H, h, cr*cc]: each core's grid contiguous, so the aggregate is a sum of h slabs.
-    flat = torch.einsum("thai,hkab,thbj->thkij", sr, cores, sc).flatten(3)
+    sr = s_row.gather(-1, rows.unsqueeze(2).expand(-1, -1, r, -1))
+    sc = s_col.gather(-1, cols.unsqueeze(2).expand(-1, -1, r, -1))
+    grid = torch.einsum("thai,hab,thbj->thij", sr, total, sc).flatten(2)
     cc = cols.shape[-1]
-    best, pos = flat.sum(2).topk(m, dim=-1)
-    addr = rows.gather(-1, pos // cc) * n + cols.gather(-1, pos % cc)
-    scores = flat.gather(3, pos.unsqueeze(2).expand(-1, -1, flat.shape[2], -1)).transpose(2, 3)
-    return addr, scores
+    pos = grid.topk(m, dim=-1).indices
+    return rows.gather(-1, pos // cc), cols.gather(-1, pos % cc)
+
+
+def tucker_topk(s_row: torch.Tensor, s_col: torch.Tensor, cores: torch.Tensor, m: int,
+                selector=None, backend: str = None):
+    """TDQKR two-phase top-m (Eq. 7-10) with multi-core scoring (Eq. 16).
+
+    ``cores`` is ``[H, h, r, r]``; the selection (:func:`tucker_select`) uses the aggregated core
+    ``C = sum_i C^(i)`` (``selector``: its precomputed :func:`rank1_selector`, or None). Returns
+    grid addresses ``[T, H, m]`` and each core's score ``S_row^T C^(i) S_col`` (Eq. 16) at them
+    as the C columns ``[T, H, m, h]``, differentiable in ``s_row``, ``s_col`` and ``cores``.
+    """
+    n, r = s_row.shape[-1], s_row.shape[2]
+    rows, cols = tucker_select(s_row, s_col, selector or rank1_selector(cores), m, backend)
+    sr = s_row.gather(-1, rows.unsqueeze(2).expand(-1, -1, r, -1))
+    sc = s_col.gather(-1, cols.unsqueeze(2).expand(-1, -1, r, -1))
+    # Eq. 16 at the m selected pairs: [T, H, m, r*r] outer products times [H, r*r, h] cores.
+    H, h = cores.shape[:2]
+    outer = (sr.unsqueeze(3) * sc.unsqueeze(2)).flatten(2, 3).transpose(2, 3)
+    scores = torch.matmul(outer, cores.reshape(H, h, r * r).transpose(1, 2))
+    return rows * n + cols, scores
 
 
 def tucker_aux_loss(cores: torch.Tensor, weight: float, margin: float) -> torch.Tensor:
