@@ -76,7 +76,7 @@ def _select_ext():
     from rmt.ops._build import load_extension
 
     return load_extension("rmt_tucker_select_cpu", ["tucker_select_cpu.cpp"],
-                          extra_cflags=["-O3", "-march=native"])
+                          extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
 
 
 SELECT_BACKENDS = ("cpu", "torch")
