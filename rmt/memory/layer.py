@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from rmt.config import MemoryConfig as _MEM
+from rmt.config import ModelConfig
 from rmt.memory.retrieval import (expected_topm_mean, grid_side, product_topk, rank1_selector,
                                   tucker_aux_loss, tucker_topk)
 from rmt.memory.table import MemoryTable
@@ -32,29 +34,29 @@ from rmt.memory.validate import memory_width
 
 @dataclass
 class MemorySpec:
-    """Resolved shape and switches of one memory layer."""
+    """Resolved shape and switches of one memory layer (defaults: ``MemoryConfig``'s)."""
 
     hidden_size: int
     num_layers: int
-    num_heads: int = 2
-    topk: int = 16
-    side_dim: int = 64
-    num_keys: int = 32
-    retrieval: str = "tucker"
-    tucker_rank: int = 2
-    num_cores: int = 2
-    ive_blocks: int = 4
-    ive_shuffle: bool = True
-    softmax: bool = False
+    num_heads: int = _MEM.num_heads
+    topk: int = _MEM.topk
+    side_dim: int = _MEM.key_dim
+    num_keys: int = _MEM.num_keys
+    retrieval: str = _MEM.retrieval
+    tucker_rank: int = _MEM.tucker_rank
+    num_cores: int = _MEM.num_cores
+    ive_blocks: int = _MEM.ive_blocks
+    ive_shuffle: bool = _MEM.ive_shuffle
+    softmax: bool = _MEM.softmax
     value_dim: int = 0  # 0: hidden_size // 2 (§3.2 item 6)
-    share_query: bool = True
-    query_key_norm: bool = True
-    conv_kernel: int = 3
-    improved_init: bool = True
-    init_samples: int = 4
-    aux_loss_weight: float = 0.001
-    aux_loss_margin: float = 0.15
-    init_std: float = 0.02
+    share_query: bool = _MEM.share_query
+    query_key_norm: bool = _MEM.query_key_norm
+    conv_kernel: int = _MEM.conv_kernel
+    improved_init: bool = _MEM.improved_init
+    init_samples: int = _MEM.init_samples
+    aux_loss_weight: float = _MEM.aux_loss_weight
+    aux_loss_margin: float = _MEM.aux_loss_margin
+    init_std: float = ModelConfig.init_std
     seed: int = 0
 
     def __post_init__(self):
