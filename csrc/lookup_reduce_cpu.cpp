@@ -57,6 +57,8 @@ constexpr int64_t kPrefetchDistance = 16;
 constexpr int64_t kTile = 64;
 // Radix sort digit width: 2 passes for tables up to 2^22 rows.
 constexpr int kMaxDigitBits = 11;
+// Fewest lookups per thread for a parallel sort pass.
+constexpr int64_t kSortSliceMin = 16384;
 // Work is handed out in small chunks (dynamic schedule), so a thread that the OS preempts (a
 // shared machine) delays the others by at most one chunk. Forward: tokens per chunk; backward:
 // chunks per thread (whole runs of one row each; any chunking gives equal results).
@@ -188,37 +190,48 @@ struct SortedLookups {
 };
 
 // Stable LSD radix sort of positions 0..M-1 by idx[position] < num_rows, digits of at most
-// kMaxDigitBits bits; then the run boundaries.
+// kMaxDigitBits bits; then the run boundaries. Each pass splits the positions into contiguous
+// per-thread slices with their own digit counts; slots are handed out by digit, then by thread,
+// so the order is the one stable order whatever the thread count.
 void sort_lookups(const int64_t* __restrict idx, int64_t M, int64_t num_rows, SortedLookups& s) {
   TORCH_CHECK(M <= std::numeric_limits<int32_t>::max(), "lookup_reduce CPU: at most 2^31-1 lookups; got ", M);
   const int bits = std::max(ceil_log2(num_rows), 1);
   const int passes = (bits + kMaxDigitBits - 1) / kMaxDigitBits;
   const int digit = (bits + passes - 1) / passes;
   const int64_t R = int64_t(1) << digit, mask = R - 1;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), M / kSortSliceMin)));
   int32_t* __restrict src = grown(s.pos, M);
   int32_t* __restrict dst = grown(s.tmp, M);
-  int64_t* __restrict count = grown(s.count, R * passes);
+  int64_t* __restrict count = grown(s.count, R * threads);
   int64_t* __restrict key = grown(s.key, M);
-  std::fill(count, count + R * passes, int64_t(0));
-  for (int64_t i = 0; i < M; ++i)
-    for (int p = 0; p < passes; ++p) ++count[p * R + ((idx[i] >> (p * digit)) & mask)];
   for (int p = 0; p < passes; ++p) {
-    int64_t run = 0;
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t c = count[p * R + r];
-      count[p * R + r] = run;
-      run += c;
-    }
-  }
-  for (int p = 0; p < passes; ++p) {
-    int64_t* __restrict next = count + p * R;
+    const int shift = p * digit;
     const bool last = p == passes - 1;
-    for (int64_t j = 0; j < M; ++j) {
-      const int32_t i = p ? src[j] : static_cast<int32_t>(j);
-      const int64_t row = idx[i];
-      const int64_t slot = next[(row >> (p * digit)) & mask]++;
-      dst[slot] = i;
-      if (last) key[slot] = row;
+#pragma omp parallel num_threads(threads)
+    {
+      const int nth = omp_get_num_threads(), t = omp_get_thread_num();
+      const int64_t lo = M * t / nth, hi = M * (t + 1) / nth;
+      int64_t* __restrict next = count + t * R;
+      std::fill(next, next + R, int64_t(0));
+      for (int64_t j = lo; j < hi; ++j) ++next[(idx[p ? src[j] : j] >> shift) & mask];
+#pragma omp barrier
+#pragma omp single
+      {
+        int64_t run = 0;
+        for (int64_t r = 0; r < R; ++r)
+          for (int u = 0; u < nth; ++u) {
+            const int64_t c = count[u * R + r];
+            count[u * R + r] = run;
+            run += c;
+          }
+      }
+      for (int64_t j = lo; j < hi; ++j) {
+        const int32_t i = p ? src[j] : static_cast<int32_t>(j);
+        const int64_t row = idx[i];
+        const int64_t slot = next[(row >> shift) & mask]++;
+        dst[slot] = i;
+        if (last) key[slot] = row;
+      }
     }
     std::swap(src, dst);
   }

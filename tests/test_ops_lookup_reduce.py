@@ -89,6 +89,28 @@ def test_cpu_radix_sort_edge_cases(N, T, K, fill, index_dtype):
             torch.testing.assert_close(g, w, rtol=1e-6, atol=5e-6)
 
 
+@pytest.mark.parametrize("N", [1000, (1 << 23) + 3])  # many long runs; three radix passes
+def test_cpu_parallel_radix_sort_is_thread_count_independent(N):
+    """65536 lookups: the sort runs in up to 4 per-thread slices per pass; 1, 2 and 3 threads
+    give bit-identical gradients, equal to the reference."""
+    table, indices, scores, grad_out = _edge_case(N, 2048, 32, None, D=1 if N > 1000 else 5)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(cpu_backend.backward(grad_out, table, indices, scores, None, 1))
+    finally:
+        torch.set_num_threads(threads)
+    for got in results[1:]:
+        for g, want in zip(got, results[0]):
+            assert torch.equal(g, want)
+    rows, values, g_scores = results[0]
+    want = run_op(reference_forward, table, indices, scores, None, 1, grad_out)
+    torch.testing.assert_close(torch.zeros_like(table).index_copy_(0, rows, values), want[1], rtol=1e-6, atol=5e-6)
+    torch.testing.assert_close(g_scores, want[2], rtol=1e-6, atol=5e-6)
+
+
 def _bad_inputs():
     table, indices, scores, block_ids, _ = make_case(10, 8, 3, 4, 2, 3)
     yield "indices must lie in \\[0, 10\\); got max 10", (table, indices.clone().fill_(10), scores, block_ids, 3)
