@@ -95,7 +95,7 @@ class BlockRecurrentDecoder:
 
     def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
         self.windows = [None] * len(self.model.layers)
-        self.pending = tokens.new_zeros(0, tokens.shape[0])
+        self.pending = None  # embedded inputs of the current block, [q, b, h]
         self.position = 0
         return self._extend(tokens)
 
@@ -106,7 +106,7 @@ class BlockRecurrentDecoder:
         b, s = tokens.shape
         x = self.model.embed(tokens, positions(self.position, s, b, tokens.device))
         self.position += s
-        self.pending = torch.cat([self.pending, x]) if self.pending.numel() else x
+        self.pending = x if self.pending is None else torch.cat([self.pending, x])
         while self.pending.shape[0] > self.k:
             self._fold(self.pending[:self.k])
             self.pending = self.pending[self.k:]
