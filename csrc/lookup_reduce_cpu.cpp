@@ -9,13 +9,12 @@
 // column groups of a multiple of kTile columns, each kTile-column output tile is accumulated in
 // registers; otherwise one pass per token accumulates all E blocks in a small buffer.
 //
-// Backward is deterministic and atomic-free: a serial, stable LSD radix sort orders the flat
-// lookup positions by row (positions ascending within a row), then the sorted runs are cut into
-// chunks at run boundaries and the threads take whole chunks. One thread reduces each run in
-// sorted order, so every row's gradient is the same sum in the same order whatever the thread
-// count; the same pass computes the score gradients, reading each touched table row once, in
-// ascending address order. The sort stays serial on purpose: it takes well under a millisecond,
-// less than one OpenMP barrier costs when the other core is busy.
+// Backward is deterministic and atomic-free: a stable LSD radix sort orders packed (row, position)
+// pairs by row (positions ascending within a row; each pass split into per-thread slices), then
+// the sorted runs are cut into chunks at run boundaries and the threads take whole chunks. One
+// thread reduces each run in sorted order, so every row's gradient is the same sum in the same
+// order whatever the thread count; the same pass computes the score gradients, reading each
+// touched table row once, in ascending address order.
 //
 // Table gradient outputs:
 //   sparse: the touched rows [U] and their gradients [U, D];
@@ -140,14 +139,25 @@ void forward_kernel(const scalar_t* __restrict table, const int64_t* __restrict 
   }
 }
 
-// Stores of gradient bytes that bypass the cache (SSE2 non-temporal stores, 16-byte aligned part
-// of the range): a gradient is written once and read back much later by the optimizer, so
+// Stores of gradient bytes that bypass the cache (non-temporal stores of whole 64-byte lines with
+// AVX-512, else of 16-byte pieces with SSE2, over the aligned part of the range): a gradient is written once and read back much later by the optimizer, so
 // fetching its old cache lines first (read-for-ownership) would double the memory traffic.
 // src == nullptr writes zeros. Callers issue stream_fence() before the data is read.
 inline void stream_store(void* dst, const void* src, int64_t bytes) {
   char* d = static_cast<char*>(dst);
   const char* s = static_cast<const char*>(src);
-#if defined(__SSE2__)
+#if defined(__AVX512F__)
+  const int64_t head = std::min<int64_t>(bytes, (64 - reinterpret_cast<uintptr_t>(d) % 64) % 64);
+  if (s) std::memcpy(d, s, head); else std::memset(d, 0, head);
+  int64_t off = head;
+  for (; off + 64 <= bytes; off += 64) {
+    const __m512i v = s ? _mm512_loadu_si512(s + off) : _mm512_setzero_si512();
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(d + off), v);
+  }
+  d += off;
+  if (s) s += off;
+  bytes -= off;
+#elif defined(__SSE2__)
   const int64_t head = std::min<int64_t>(bytes, (16 - reinterpret_cast<uintptr_t>(d) % 16) % 16);
   if (s) std::memcpy(d, s, head); else std::memset(d, 0, head);
   int64_t off = head;
@@ -181,39 +191,47 @@ T* grown(std::vector<T>& v, int64_t n) {
 }
 
 // Lookup positions grouped by row: run u covers sorted slots [run_start[u], run_start[u + 1]),
-// all with row rows[u] (ascending in u), positions pos[j] ascending within a run. The vectors
-// persist across calls (grown, never shrunk): fresh multi-MB allocations page-fault on first touch.
+// all with row rows[u] (ascending in u). Slot j holds (row << 32) | position, positions
+// ascending within a run. The vectors persist across calls (grown, never shrunk): fresh
+// multi-MB allocations page-fault on first touch.
 struct SortedLookups {
-  std::vector<int32_t> pos, tmp;
-  std::vector<int64_t> key, run_start, rows, count;
+  std::vector<uint64_t> packed, tmp;
+  std::vector<int64_t> run_start, rows, count;
   int64_t num_runs = 0;
 };
 
-// Stable LSD radix sort of positions 0..M-1 by idx[position] < num_rows, digits of at most
-// kMaxDigitBits bits; then the run boundaries. Each pass splits the positions into contiguous
-// per-thread slices with their own digit counts; slots are handed out by digit, then by thread,
-// so the order is the one stable order whatever the thread count.
+inline int64_t sorted_row(uint64_t v) { return static_cast<int64_t>(v >> 32); }
+inline int64_t sorted_pos(uint64_t v) { return static_cast<int64_t>(v & 0xffffffffu); }
+
+// Stable LSD radix sort of the packed (row, position) pairs by row < num_rows, digits of at
+// most kMaxDigitBits bits; then the run boundaries. Sorting the packed pairs reads every pass's
+// input sequentially (a position-only sort would look the rows up at random). Each pass splits
+// the pairs into contiguous per-thread slices with their own digit counts; slots are handed out
+// by digit, then by thread, so the order is the one stable order whatever the thread count.
 void sort_lookups(const int64_t* __restrict idx, int64_t M, int64_t num_rows, SortedLookups& s) {
   TORCH_CHECK(M <= std::numeric_limits<int32_t>::max(), "lookup_reduce CPU: at most 2^31-1 lookups; got ", M);
+  TORCH_CHECK(num_rows <= (int64_t(1) << 32), "lookup_reduce CPU: at most 2^32 table rows; got ", num_rows);
   const int bits = std::max(ceil_log2(num_rows), 1);
   const int passes = (bits + kMaxDigitBits - 1) / kMaxDigitBits;
   const int digit = (bits + passes - 1) / passes;
   const int64_t R = int64_t(1) << digit, mask = R - 1;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), M / kSortSliceMin)));
-  int32_t* __restrict src = grown(s.pos, M);
-  int32_t* __restrict dst = grown(s.tmp, M);
+  uint64_t* __restrict src = grown(s.packed, M);
+  uint64_t* __restrict dst = grown(s.tmp, M);
   int64_t* __restrict count = grown(s.count, R * threads);
-  int64_t* __restrict key = grown(s.key, M);
   for (int p = 0; p < passes; ++p) {
-    const int shift = p * digit;
-    const bool last = p == passes - 1;
+    const int shift = 32 + p * digit;
 #pragma omp parallel num_threads(threads)
     {
       const int nth = omp_get_num_threads(), t = omp_get_thread_num();
       const int64_t lo = M * t / nth, hi = M * (t + 1) / nth;
       int64_t* __restrict next = count + t * R;
       std::fill(next, next + R, int64_t(0));
-      for (int64_t j = lo; j < hi; ++j) ++next[(idx[p ? src[j] : j] >> shift) & mask];
+      if (p == 0) {
+        for (int64_t j = lo; j < hi; ++j) ++next[idx[j] & mask];
+      } else {
+        for (int64_t j = lo; j < hi; ++j) ++next[(src[j] >> shift) & mask];
+      }
 #pragma omp barrier
 #pragma omp single
       {
@@ -225,24 +243,24 @@ void sort_lookups(const int64_t* __restrict idx, int64_t M, int64_t num_rows, So
             run += c;
           }
       }
-      for (int64_t j = lo; j < hi; ++j) {
-        const int32_t i = p ? src[j] : static_cast<int32_t>(j);
-        const int64_t row = idx[i];
-        const int64_t slot = next[(row >> shift) & mask]++;
-        dst[slot] = i;
-        if (last) key[slot] = row;
+      if (p == 0) {
+        for (int64_t j = lo; j < hi; ++j)
+          dst[next[idx[j] & mask]++] = (static_cast<uint64_t>(idx[j]) << 32) | static_cast<uint64_t>(j);
+      } else {
+        for (int64_t j = lo; j < hi; ++j) dst[next[(src[j] >> shift) & mask]++] = src[j];
       }
     }
     std::swap(src, dst);
   }
-  if (src != s.pos.data()) std::swap(s.pos, s.tmp);
+  if (src != s.packed.data()) std::swap(s.packed, s.tmp);
   int64_t* __restrict start = grown(s.run_start, M + 1);
   int64_t* __restrict rows = grown(s.rows, M);
+  const uint64_t* __restrict sorted = s.packed.data();
   int64_t u = 0;
   for (int64_t j = 0; j < M; ++j) {
-    if (j == 0 || key[j] != key[j - 1]) {
+    if (j == 0 || (sorted[j] >> 32) != (sorted[j - 1] >> 32)) {
       start[u] = j;
-      rows[u++] = key[j];
+      rows[u++] = sorted_row(sorted[j]);
     }
   }
   start[u] = M;
@@ -269,8 +287,9 @@ inline acc_t fixed_order_dot(const scalar_t* __restrict a, const scalar_t* __res
 
 // Gradient of run u (row s.rows[u]): accumulates the row gradient in acc[0:D], streams it to
 // dst[0:D] (staged in stage[0:D] when scalar_t is narrower), and writes the score gradients of
-// the run's lookups. The table row of the sorted lookup kPrefetchDistance
-// ahead is prefetched.
+// the run's lookups. For the sorted lookup kPrefetchDistance ahead it prefetches the table row,
+// the output-gradient row, the score and the score-gradient slot: the last three are read in
+// sorted-row order, i.e. at random, and after the other layers' work they are not in cache.
 template <typename scalar_t, typename acc_t>
 inline void run_backward(int64_t u, const SortedLookups& s, const scalar_t* __restrict grad_out,
                          const scalar_t* __restrict table, const scalar_t* __restrict scores,
@@ -280,13 +299,19 @@ inline void run_backward(int64_t u, const SortedLookups& s, const scalar_t* __re
                          int64_t E) {
   const int64_t Dc = D / C;
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
-  const int32_t* __restrict pos = s.pos.data();
-  const int64_t* __restrict key = s.key.data();
+  const uint64_t* __restrict sorted = s.packed.data();
   const scalar_t* __restrict tr = table + s.rows[u] * D;
   std::fill(acc, acc + D, acc_t(0));
   for (int64_t j = s.run_start[u]; j < s.run_start[u + 1]; ++j) {
-    if (j + kPrefetchDistance < M) prefetch_row(table + key[j + kPrefetchDistance] * D, row_bytes);
-    const int64_t p = pos[j];
+    if (j + kPrefetchDistance < M) {
+      const uint64_t ahead = sorted[j + kPrefetchDistance];
+      const int64_t q = sorted_pos(ahead);
+      prefetch_row(table + sorted_row(ahead) * D, row_bytes);
+      prefetch_row(grad_out + ((q / K) * E + (blk ? blk[q] : 0)) * D, row_bytes);
+      __builtin_prefetch(scores + q * C, 0, 3);
+      __builtin_prefetch(grad_scores + q * C, 1, 3);
+    }
+    const int64_t p = sorted_pos(sorted[j]);
     const scalar_t* __restrict g = grad_out + ((p / K) * E + (blk ? blk[p] : 0)) * D;
     for (int64_t c = 0; c < C; ++c) {
       const acc_t w = static_cast<acc_t>(scores[p * C + c]);

@@ -17,15 +17,22 @@ before any tensor is allocated, so every large buffer of the run (the one table 
 share, the bandwidth probe's buffers, gradients) is madvised for 2 MB pages; ``off`` sets it
 to 0. It is a deployment setting, recommended for memory tables, not a change to any method.
 
+Every timed phase (forward, backward) starts with a cold cache by default: a buffer of twice the
+last-level cache is written first, outside the timing, as in training, where the other layers
+run between a memory layer's forward and its backward. Without it the method timed first in a
+round would pay for the cache misses that the ones after it skip (they look up the same rows).
+``--cache warm`` skips the flush.
+
 On a shared machine elapsed times mostly measure the other jobs; ``--clock thread`` with
 ``OMP_NUM_THREADS=1`` times the CPU time of the calling thread instead (torch runs CPU autograd on
 the calling thread, so forward and backward are both covered), which is stable to a few percent.
 
     PYTHONPATH=. python tools/bench_lookup_reduce.py [--quick] [--json FILE] [--huge-pages on|off]
-        [--clock wall|thread] [--repeats R] [--backend NAME]
+        [--clock wall|thread] [--cache cold|warm] [--repeats R] [--backend NAME]
 """
 
 import argparse
+import glob
 import json
 import os
 import platform
@@ -55,6 +62,28 @@ def measure_bandwidth(mib, repeats, clock=time.perf_counter):
     return 2 * src.numel() * 4 / statistics.median(times) / 1e9
 
 
+def last_level_cache_bytes(default=64 << 20):
+    """Size of the largest CPU cache (Linux sysfs), ``default`` where sysfs does not say."""
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        with open(path) as f:
+            text = f.read().strip()
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=default)
+
+
+class CacheFlusher:
+    """Evicts the caches by writing a buffer of twice the last-level cache; a no-op when disabled."""
+
+    def __init__(self, enabled):
+        self.buffer = torch.empty(2 * last_level_cache_bytes() // 4) if enabled else None
+
+    def __call__(self):
+        if self.buffer is not None:
+            self.buffer.fill_(1.0)
+
+
 def bytes_touched(N, D, T, K, C, E, unique, elem=4):
     index_bytes = T * K * (8 + C * elem + (8 if E > 1 else 0))
     fwd = T * K * D * elem + index_bytes + T * E * D * elem
@@ -80,16 +109,18 @@ def methods(shape, backend):
     return out
 
 
-def time_method(fn, table, indices, scores, block_ids, grad_out, clock=time.perf_counter):
+def time_method(fn, table, indices, scores, block_ids, grad_out, clock=time.perf_counter, flush=lambda: None):
+    flush()
     t0 = clock()
     out = fn(table, indices, scores, block_ids)
-    t1 = clock()
+    fwd = clock() - t0
+    flush()
+    t0 = clock()
     torch.autograd.grad(out, [table, scores], grad_out)
-    t2 = clock()
-    return t1 - t0, t2 - t1
+    return fwd, clock() - t0
 
 
-def bench_shape(shape, repeats, backend, seed=0, clock=time.perf_counter):
+def bench_shape(shape, repeats, backend, seed=0, clock=time.perf_counter, flush=lambda: None):
     N, D, T, K, C, E = (shape[k] for k in ("N", "D", "T", "K", "C", "E"))
     gen = torch.Generator().manual_seed(seed)
     table = torch.randn(N, D, generator=gen).requires_grad_(True)
@@ -103,7 +134,7 @@ def bench_shape(shape, repeats, backend, seed=0, clock=time.perf_counter):
     samples = {name: [] for name in fns}
     for rep in range(repeats + 1):  # the first round warms up (JIT build, allocator) and is dropped
         for name, fn in fns.items():
-            sample = time_method(fn, table, indices, scores, block_ids, grad_out, clock)
+            sample = time_method(fn, table, indices, scores, block_ids, grad_out, clock, flush)
             if rep:
                 samples[name].append(sample)
     rows = []
@@ -124,9 +155,9 @@ def shapes(quick):
     return grid + [dict(HEADLINE, N=1 << 22)]
 
 
-def print_table(rows, bandwidth, huge_pages, clock):
+def print_table(rows, bandwidth, huge_pages, clock, cache):
     print(f"memory bandwidth (copy): {bandwidth:.1f} GB/s; huge pages (THP_MEM_ALLOC_ENABLE): {huge_pages}; "
-          f"clock: {clock}")
+          f"clock: {clock}; cache: {cache}")
     header = f"{'N':>8} {'K':>4} {'C':>2} {'E':>2}  {'method':<34} {'fwd ms':>8} {'bwd ms':>8} {'f+b ms':>8} {'f+b GB/s':>9}"
     print(header)
     print("-" * len(header))
@@ -156,6 +187,8 @@ def main(argv=None):
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
                         help="wall: elapsed time; thread: CPU time of the calling thread, which other "
                              "jobs' load barely changes (needs OMP_NUM_THREADS=1; default wall)")
+    parser.add_argument("--cache", choices=("cold", "warm"), default="cold",
+                        help="cold: evict the caches before every timed forward and backward (default)")
     args = parser.parse_args(argv)
     os.environ["THP_MEM_ALLOC_ENABLE"] = "1" if args.huge_pages == "on" else "0"
     repeats = args.repeats or (3 if args.quick else 5)
@@ -164,8 +197,9 @@ def main(argv=None):
         parser.error("--clock thread measures the calling thread only: run with OMP_NUM_THREADS=1")
     clock = CLOCKS[args.clock]
     bandwidth = measure_bandwidth(64 if args.quick else 256, 5, clock)
-    rows = [r for shape in shapes(args.quick) for r in bench_shape(shape, repeats, backend, clock=clock)]
-    print_table(rows, bandwidth, args.huge_pages, args.clock)
+    flush = CacheFlusher(args.cache == "cold")
+    rows = [r for shape in shapes(args.quick) for r in bench_shape(shape, repeats, backend, clock=clock, flush=flush)]
+    print_table(rows, bandwidth, args.huge_pages, args.clock, args.cache)
     summary = summarize(rows, bandwidth, backend)
     print("summary (fwd+bwd at N=1M, D=64, T=4096, K=32, C=1, E=1, fp32):")
     for key, value in summary.items():
@@ -173,7 +207,8 @@ def main(argv=None):
     if args.json:
         machine = dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
                        torch=torch.__version__, threads=torch.get_num_threads(), backend=backend,
-                       copy_bandwidth_gbps=bandwidth, huge_pages=args.huge_pages, clock=args.clock)
+                       copy_bandwidth_gbps=bandwidth, huge_pages=args.huge_pages, clock=args.clock,
+                       cache=args.cache)
         with open(args.json, "w") as f:
             json.dump(dict(benchmark="bench_lookup_reduce", machine=machine, rows=rows, summary=summary), f, indent=1)
 
