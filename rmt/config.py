@@ -142,6 +142,11 @@ class MemoryConfig:
     aux_loss_weight: float = 0.001
     aux_loss_margin: float = 0.15
     value_lr_mult: float = 10.0
+    # value_optimizer: adamw (dense table gradients, in the AdamW step with the other
+    # parameters) | sparse_adam (torch's SparseAdam, lazy Adam on the touched rows) |
+    # rowwise_adagrad (one accumulator per row); the last two take the touched rows' sparse
+    # gradients, never a table-sized one (rmt/ops/sparse_optim.py).
+    value_optimizer: str = "adamw"
     num_experts: int = 8
     moe_topk: int = 2
     expert_hidden_size: Optional[int] = None

@@ -190,3 +190,30 @@ def test_pop_memory_stats_names(megatron):
 def test_shipped_configs_validate(name):
     cfg = validate(load_config(f"configs/{name}.yaml"), world_size=1)
     assert cfg.memory.type in ("ultramem", "pkm", "moe")
+
+
+@pytest.mark.parametrize("kind", ["sparse_adam", "rowwise_adagrad"])
+def test_sparse_value_optimizer_wiring(megatron, kind):
+    """``memory.value_optimizer``: the value tables get sparse gradients and their own optimizer,
+    chained after AdamW, with the value LR schedule; everything else stays in AdamW."""
+    from rmt.models.build import build
+    from rmt.ops.sparse_optim import RowWiseAdagrad
+    from rmt.training.optimizer import ChainedOptimizer, build_optimizer, build_scheduler
+
+    cfg = validate(_cfg(f"memory.value_optimizer={kind}", "train.lr_decay_style=constant", "train.lr=0.001"),
+                   world_size=1)
+    chunks = build(cfg)
+    values = [chunks[0].memory[k].values.weight for k in (0, 1)]
+    opt = build_optimizer(chunks, cfg)
+    assert isinstance(opt, ChainedOptimizer)
+    adamw, rows = opt.optimizers
+    assert isinstance(rows, RowWiseAdagrad if kind == "rowwise_adagrad" else torch.optim.SparseAdam)
+    assert [p for g in rows.param_groups for p in g["params"]] == values
+    dense = {id(p) for g in adamw.param_groups for p in g["params"]}
+    assert dense == {id(p) for p in chunks[0].parameters()} - {id(p) for p in values}
+    build_scheduler(opt, cfg).step(1)
+    assert rows.param_groups[0]["lr"] == pytest.approx(0.001 * 9.1)
+    table = chunks[0].memory[0].values
+    table.lookup_reduce(torch.tensor([[0, 3], [3, 5]]), torch.ones(2, 2, 1), None, 1).sum().backward()
+    assert table.weight.grad.is_sparse
+    assert table.weight.grad.coalesce().indices().tolist() == [[0, 3, 5]]

@@ -55,7 +55,7 @@ def build_memory_layer(config, index: int) -> torch.nn.Module:
         layer.values = MemoryTable(
             s.num_values, s.value_dim, layer.values.weight.memory_init_std, mem.partition, group,
             owner_reduce=mem.owner_reduce, replica_index=replica_index, replica_group=replica_group,
-            split_group=split_group,
+            split_group=split_group, sparse_grad=s.sparse_grad,
             plan={"tokens": config.train.micro_batch_size * m.seq_length, "topm": s.num_heads * s.topk,
                   "ive": s.ive_blocks, "cores": s.num_cores})
     return layer

@@ -17,7 +17,7 @@ the gradient finishing step divides by that.
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -61,17 +61,28 @@ def memory_parallel_groups(group_size: int = 0):
     return _CACHE[key]
 
 
-def sharded_params(modules: Iterable[torch.nn.Module]) -> List[torch.nn.Parameter]:
-    return [p for m in modules for p in m.parameters() if getattr(p, "memory_sharded", False)]
+def self_reduced(p: torch.nn.Parameter) -> bool:
+    """Whether the memory code, not megatron DDP, reduces ``p``'s gradient: sharded tables
+    (gradients through the collectives) and tables with sparse touched-row gradients."""
+    return getattr(p, "memory_sharded", False) or getattr(p, "memory_sparse_grad", False)
+
+
+def self_reduced_params(modules: Iterable[torch.nn.Module]) -> List[torch.nn.Parameter]:
+    return [p for m in modules for p in m.parameters() if self_reduced(p)]
+
+
+def grad_values(grad: torch.Tensor) -> torch.Tensor:
+    """The stored values of a gradient: the touched rows of a sparse one, else all of it."""
+    return grad.coalesce().values() if grad.is_sparse else grad
 
 
 class excluded_from_ddp:
-    """Context: sharded table weights look frozen while megatron DDP wraps ``module``, so
-    DDP neither buffers nor all-reduces them (their gradients arrive through the
-    collectives); they accumulate into ``.grad`` as plain autograd leaves."""
+    """Context: self-reduced table weights (:func:`self_reduced`) look frozen while megatron
+    DDP wraps ``module``, so DDP neither buffers nor all-reduces them; they accumulate into
+    ``.grad`` as plain autograd leaves."""
 
     def __init__(self, module: torch.nn.Module):
-        self.params = [p for p in sharded_params([module]) if p.requires_grad]
+        self.params = [p for p in self_reduced_params([module]) if p.requires_grad]
 
     def __enter__(self):
         for p in self.params:
@@ -82,31 +93,75 @@ class excluded_from_ddp:
             p.requires_grad_(True)
 
 
-def finish_sharded_grads(modules: Iterable[torch.nn.Module]) -> None:
-    """All-reduce shard gradients between replicas and divide by ``DP`` (see the module
-    docstring), giving the data-parallel mean gradient of the global table."""
+def sum_sparse_grads(grad: Optional[torch.Tensor], shape, group) -> torch.Tensor:
+    """Coalesced sum over ``group`` of the ranks' sparse row gradients (None: no rows). The
+    ranks' (rows, values) pairs are all-gathered, padded to the longest, and concatenated in
+    rank order, so every rank builds the same tensor."""
+    device = compat.device()
+    if grad is None:
+        rows = torch.zeros(0, dtype=torch.int64, device=device)
+        values = torch.zeros((0,) + tuple(shape[1:]), device=device)
+    else:
+        grad = grad.coalesce()
+        rows, values = grad.indices()[0], grad.values()
+    if group is not None and dist.get_world_size(group) > 1:
+        P = dist.get_world_size(group)
+        count = torch.tensor([rows.numel()], device=device)
+        counts = [torch.zeros_like(count) for _ in range(P)]
+        dist.all_gather(counts, count, group=group)
+        counts = [int(c) for c in counts]
+        longest = max(counts)
+        pad = longest - rows.numel()
+        rows = torch.cat([rows, rows.new_zeros(pad)])
+        values = torch.cat([values, values.new_zeros((pad,) + tuple(values.shape[1:]))])
+        all_rows = [torch.empty_like(rows) for _ in range(P)]
+        all_values = [torch.empty_like(values) for _ in range(P)]
+        dist.all_gather(all_rows, rows, group=group)
+        dist.all_gather(all_values, values, group=group)
+        rows = torch.cat([r[:c] for r, c in zip(all_rows, counts)])
+        values = torch.cat([v[:c] for v, c in zip(all_values, counts)])
+    return torch.sparse_coo_tensor(rows.unsqueeze(0), values, tuple(shape)).coalesce()
+
+
+def finish_memory_grads(modules: Iterable[torch.nn.Module]) -> None:
+    """The data-parallel mean gradient of every self-reduced table: shard gradients are
+    summed over their replicas and divided by ``DP`` (see the module docstring); replicated
+    (local) tables with sparse gradients are summed over the data-parallel group and divided
+    by ``DP``, as DDP does for dense ones. Sparse gradients stay sparse (coalesced)."""
     scale = 1.0 / parallel_state.get_data_parallel_world_size()
-    for p in sharded_params(modules):
+    for p in self_reduced_params(modules):
+        sharded = getattr(p, "memory_sharded", False)
+        group = p.memory_replica_group if sharded else parallel_state.get_data_parallel_group()
+        if getattr(p, "memory_sparse_grad", False):
+            p.grad = sum_sparse_grads(p.grad, p.shape, group) * scale
+            continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        replicas = p.memory_replica_group
-        if replicas is not None and dist.get_world_size(replicas) > 1:
-            dist.all_reduce(p.grad, group=replicas)
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(p.grad, group=group)
         p.grad.mul_(scale)
 
 
-def sharded_grad_sq_norm(params: Iterable[torch.nn.Parameter]) -> float:
-    """Squared L2 norm of the full gradients of the sharded tables among ``params`` (each
-    shard counted once: summed over its memory-parallel group, then over the pipeline stages,
-    whose tables differ). Collective over the pipeline group."""
-    total = torch.zeros(1, dtype=torch.float64, device=compat.device())
+def memory_grad_sq_norm(params: Iterable[torch.nn.Parameter]) -> float:
+    """Squared L2 norm of the full gradients of the self-reduced tables among ``params``:
+    each shard counted once (summed over its memory-parallel group), replicated tables once
+    (their reduced gradient is the same on every tensor-parallel rank), then summed over the
+    pipeline stages, whose tables differ. Collective over the pipeline group."""
+    device = compat.device()
+    sharded, local = torch.zeros(1, dtype=torch.float64, device=device), torch.zeros(1, dtype=torch.float64, device=device)
     group = None
     for p in params:
-        if getattr(p, "memory_sharded", False) and p.grad is not None:
-            total += p.grad.detach().double().pow(2).sum()
+        if not self_reduced(p) or p.grad is None:
+            continue
+        sq = grad_values(p.grad.detach()).double().pow(2).sum()
+        if getattr(p, "memory_sharded", False):
+            sharded += sq
             group = p.memory_group
+        else:
+            local += sq
     if group is not None:
-        dist.all_reduce(total, group=group)
+        dist.all_reduce(sharded, group=group)
+    total = sharded + local
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
     return float(total)

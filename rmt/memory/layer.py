@@ -57,6 +57,7 @@ class MemorySpec:
     aux_loss_weight: float = _MEM.aux_loss_weight
     aux_loss_margin: float = _MEM.aux_loss_margin
     init_std: float = ModelConfig.init_std
+    sparse_grad: bool = False  # value table gradients as touched rows (sparse optimizers)
     seed: int = 0
 
     def __post_init__(self):
@@ -72,7 +73,7 @@ class MemorySpec:
         width = memory_width(config)
         common = dict(hidden_size=width, num_layers=m.num_layers, num_heads=mem.num_heads,
                       topk=mem.topk, num_keys=mem.num_keys, init_std=m.init_std,
-                      seed=config.train.seed * 1000 + index)
+                      sparse_grad=mem.value_optimizer != "adamw", seed=config.train.seed * 1000 + index)
         if mem.type == "pkm":
             return cls(side_dim=mem.key_dim // 2, retrieval="product", tucker_rank=1, num_cores=1,
                        ive_blocks=1, ive_shuffle=False, softmax=True, value_dim=width,
@@ -139,7 +140,7 @@ class MemoryLayer(torch.nn.Module):
             value_std = math.sqrt(E / (2.0 * s.topk * H * s.num_layers))
         else:
             value_std = 1.0 / math.sqrt(s.value_dim)
-        self.values = MemoryTable(s.num_values, s.value_dim, value_std)
+        self.values = MemoryTable(s.num_values, s.value_dim, value_std, sparse_grad=s.sparse_grad)
         self.has_proj = E > 1 or s.value_dim != s.hidden_size
         if self.has_proj:
             proj_std = (1.0 / math.sqrt(E * s.value_dim) if s.improved_init

@@ -36,6 +36,7 @@ from typing import List
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from rmt.memory.comm_counter import CommCounter
 from rmt.ops import lookup_reduce
@@ -171,10 +172,13 @@ def _route_to_owners(indices: torch.Tensor, rows_per: int, P: int, group):
     return order, flat[order] - owner[order] * rows_per, send.tolist(), recv.tolist()
 
 
-def number_lookup(weight, indices, scores, block_ids, num_blocks, group, counter: CommCounter):
+def number_lookup(weight, indices, scores, block_ids, num_blocks, group, counter: CommCounter,
+                  sparse_grad: bool = False):
     """Plain number-wise: every distinct row travels once to the requester, which pools
     (Appendix D with index dedup: ``rmt.planner.comm``'s ``dedup`` counts exactly this; the
-    row gradients of duplicates are summed by the local lookup-reduce before they go back)."""
+    row gradients of duplicates are summed by the local lookup-reduce before they go back).
+    ``sparse_grad`` (every lookup of this module): the shard's gradient holds only the
+    touched rows."""
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     T, K = indices.shape
     rows_per = weight.shape[0]
@@ -187,13 +191,13 @@ def number_lookup(weight, indices, scores, block_ids, num_blocks, group, counter
     local_rows = (unique - owner * rows_per).to(_index_dtype(rows_per))
     counter.add("forward", "all_to_all_indices", _bytes_to_others(local_rows, send, rank))
     wanted = _exchange(local_rows, send, recv, group).long()
-    rows = _AllToAll.apply(weight[wanted], recv, send, group, counter,
+    rows = _AllToAll.apply(F.embedding(wanted, weight, sparse=sparse_grad), recv, send, group, counter,
                            ("all_to_all_values", "all_to_all_value_grads"))
     return lookup_reduce(rows, inverse.view(T, K), scores, block_ids, num_blocks)
 
 
 def number_owner_reduce_lookup(weight, indices, scores, block_ids, num_blocks, group,
-                               counter: CommCounter):
+                               counter: CommCounter, sparse_grad: bool = False):
     """Number-wise with owner-side pooling: partial sums travel back (Appendix D)."""
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     T, K = indices.shape
@@ -212,7 +216,8 @@ def number_owner_reduce_lookup(weight, indices, scores, block_ids, num_blocks, g
                                      torch.tensor(recv, device=got.device))
     first_token = torch.tensor([0] + counts[:-1], device=got.device).cumsum(0)
     target = first_token[source] * E + torch.div(got, rows_per, rounding_mode="floor")
-    weighted = lookup_reduce(weight, (got % rows_per).view(M, 1), got_scores.view(M, 1, C)).view(M, D)
+    weighted = lookup_reduce(weight, (got % rows_per).view(M, 1), got_scores.view(M, 1, C),
+                             sparse_grad=sparse_grad).view(M, D)
     partial = weighted.new_zeros(sum(counts) * E, D).index_add(0, target, weighted)
     back = _AllToAll.apply(partial.view(sum(counts), E, D), counts, [T] * P, group, counter,
                            ("all_to_all_partial_sums", "all_to_all_partial_sum_grads"))
@@ -229,7 +234,7 @@ def _core_columns(col0: int, width: int, dim: int, cores: int) -> List[int]:
 
 
 def dimension_lookup(weight, indices, scores, block_ids, num_blocks, num_slots, dim, group,
-                     counter: CommCounter):
+                     counter: CommCounter, sparse_grad: bool = False):
     """Dimension-wise: all-gather indices and scores, pool the local column slice for every
     token of the group, all-to-all of the pooled slices back (Appendix D)."""
     P, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -244,7 +249,7 @@ def dimension_lookup(weight, indices, scores, block_ids, num_blocks, num_slots, 
                                     ("all_gather_scores", "reduce_scatter_score_grads"))
     columns = torch.tensor(_core_columns(rank * width, width, dim, C), device=scores.device)
     pooled = lookup_reduce(weight, every % num_slots, every_scores.index_select(2, columns),
-                           None if block_ids is None else every // num_slots, E)
+                           None if block_ids is None else every // num_slots, E, sparse_grad=sparse_grad)
     back = _AllToAll.apply(pooled, counts, [T] * P, group, counter,
                            ("all_to_all_pooled", "all_to_all_pooled_grads"))
     return back.view(P, T, E, width).permute(1, 2, 0, 3).reshape(T, E, P * width)

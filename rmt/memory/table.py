@@ -52,15 +52,18 @@ class MemoryTable(torch.nn.Module):
     ``split_group`` (sharded tables under tensor parallelism): the ranks holding the same
     tokens; each looks up its chunk of them and the pooled outputs are all-gathered.
     The weight carries ``memory_value = True`` (its own LR schedule in the optimizer),
-    ``memory_init_std`` (read by the layout-independent initialiser) and, when sharded,
-    ``memory_sharded = True`` (its gradient arrives through the collectives, not DDP).
+    ``memory_init_std`` (read by the layout-independent initialiser), when sharded,
+    ``memory_sharded = True`` (its gradient arrives through the collectives, not DDP), and with
+    ``sparse_grad`` ``memory_sparse_grad = True``: its gradient is a coalesced sparse tensor of
+    the touched rows, for the row-wise optimizers (``memory.value_optimizer``), and it is kept
+    out of DDP too (:mod:`rmt.memory.groups` reduces it).
     ``counter`` counts the bytes sent per collective.
     """
 
     def __init__(self, num_slots: int, dim: int, init_std: float, partition: str = "local",
                  group=None, *, owner_reduce: bool = False, replica_index: int = 0,
                  replica_group=None, split_group=None, plan: Optional[dict] = None,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, sparse_grad: bool = False):
         super().__init__()
         if partition not in PARTITIONS:
             raise ValueError(f"MemoryTable partition must be one of {PARTITIONS}, got {partition!r}")
@@ -86,6 +89,9 @@ class MemoryTable(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.randn(shape, dtype=dtype) * init_std)
         self.weight.memory_value = True
         self.weight.memory_init_std = init_std
+        self.sparse_grad = sparse_grad
+        if sparse_grad:
+            self.weight.memory_sparse_grad = True
         if partition != "local":
             self.weight.memory_sharded = True
             self.weight.memory_group, self.weight.memory_replica_group = group, replica_group
@@ -105,7 +111,7 @@ class MemoryTable(torch.nn.Module):
         ``[T, num_blocks, dim]`` pooled values (UltraMem Eq. 15 and 17; ``rmt.ops`` contract)."""
         scores = scores.to(self.weight.dtype)
         if self.partition == "local":
-            return lookup_reduce(self.weight, indices, scores, block_ids, num_blocks)
+            return lookup_reduce(self.weight, indices, scores, block_ids, num_blocks, sparse_grad=self.sparse_grad)
         if self.split_group is not None:
             return sharded_table.tensor_parallel_chunks(self._sharded_lookup, indices, scores, block_ids,
                                                         num_blocks, self.split_group, self.counter)
@@ -114,9 +120,10 @@ class MemoryTable(torch.nn.Module):
     def _sharded_lookup(self, indices, scores, block_ids, num_blocks: int):
         if self.partition == "dimension":
             return sharded_table.dimension_lookup(self.weight, indices, scores, block_ids, num_blocks,
-                                                  self.num_slots, self.dim, self.group, self.counter)
+                                                  self.num_slots, self.dim, self.group, self.counter,
+                                                  self.sparse_grad)
         route = sharded_table.number_owner_reduce_lookup if self.owner_reduce else sharded_table.number_lookup
-        return route(self.weight, indices, scores, block_ids, num_blocks, self.group, self.counter)
+        return route(self.weight, indices, scores, block_ids, num_blocks, self.group, self.counter, self.sparse_grad)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """The weight as a shard of the global ``[num_slots, dim]`` tensor, so checkpoints

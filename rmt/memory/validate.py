@@ -9,6 +9,7 @@ from rmt.errors import ConfigError
 
 MEMORY_TYPES = ("none", "ultramem", "pkm", "moe")
 TABLE_PARTITIONS = ("local", "number", "dimension", "auto")
+VALUE_OPTIMIZERS = ("adamw", "sparse_adam", "rowwise_adagrad")
 
 
 def memory_width(config) -> int:
@@ -100,6 +101,16 @@ def validate_memory_parallel(config, world_size: int) -> None:
                           f"by the memory-parallel group size ({G})")
 
 
+def validate_value_optimizer(mem) -> None:
+    """``memory.value_optimizer``: a known name; row-wise Adagrad needs whole rows on a rank."""
+    if mem.value_optimizer not in VALUE_OPTIMIZERS:
+        raise ConfigError(f"memory.value_optimizer must be one of {', '.join(VALUE_OPTIMIZERS)}, "
+                          f"got '{mem.value_optimizer}'")
+    if mem.value_optimizer == "rowwise_adagrad" and mem.partition in ("dimension", "auto"):
+        raise ConfigError(f"memory.value_optimizer 'rowwise_adagrad' keeps one accumulator per whole row, so it "
+                          f"needs memory.partition 'local' or 'number', got '{mem.partition}'")
+
+
 def validate_memory(config, world_size: Optional[int] = None) -> None:
     """Raise :class:`ConfigError` (one sentence) for impossible ``memory.*`` settings."""
     mem, m = config.memory, config.model
@@ -116,6 +127,9 @@ def validate_memory(config, world_size: Optional[int] = None) -> None:
         raise ConfigError(f"memory.type '{mem.type}' needs memory.placement, e.g. '1:2'")
     validate_memory_pipeline(config, parse_placement(mem.placement, m.num_layers))
     if mem.type == "moe":
+        if mem.value_optimizer != "adamw":
+            raise ConfigError("memory.value_optimizer applies to the value tables of memory.type 'ultramem' "
+                              "or 'pkm'; MoE experts are dense, leave it 'adamw'")
         for key in ("num_experts", "moe_topk"):
             if getattr(mem, key) <= 0:
                 raise ConfigError(f"memory.{key} must be positive, got {getattr(mem, key)}")
@@ -130,6 +144,7 @@ def validate_memory(config, world_size: Optional[int] = None) -> None:
             raise ConfigError(f"memory.{key} must be positive, got {getattr(mem, key)}")
     if mem.value_lr_mult < 1.0:
         raise ConfigError(f"memory.value_lr_mult must be >= 1, got {mem.value_lr_mult}")
+    validate_value_optimizer(mem)
     if mem.aux_loss_weight < 0 or mem.aux_loss_margin < 0:
         raise ConfigError("memory.aux_loss_weight and memory.aux_loss_margin must not be negative")
     if mem.type == "pkm":

@@ -1,7 +1,8 @@
 """Checkpoints through ``megatron.core.dist_checkpointing`` (torch_dist format).
 
-A checkpoint holds the model shards, the AdamW moments as shards of the same global tensors
-(so both reshard to any TP/PP layout), and a common part: iteration, samples consumed,
+A checkpoint holds the model shards, the Adam moments (AdamW, SparseAdam) as shards of the same
+global tensors (so both reshard to any TP/PP layout), row-wise Adagrad's per-row accumulators as
+shards of a ``[rows, 1]`` tensor beside each table, and a common part: iteration, samples consumed,
 scheduler state and the config. Writing is atomic: every rank writes into
 ``iter_NNNNNNN.tmp``; once all are done global rank 0 renames it and then rewrites ``latest``.
 A crash mid-save leaves only a ``.tmp`` directory, which loading ignores.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import replace
 from typing import List
 
 import torch
@@ -19,9 +21,12 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
 from rmt.errors import UserError
+from rmt.ops.sparse_optim import RowWiseAdagrad
 from rmt.parallel.sharding import shards
+from rmt.training.optimizer import ChainedOptimizer
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+_ROW_STATE = "sum"  # RowWiseAdagrad's per-row accumulator
 
 
 def _rank() -> int:
@@ -33,15 +38,30 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """AdamW creates its moments lazily; create them (zeros) so they can be loaded into."""
+def _ensure_optimizer_state(optimizer) -> None:
+    """The optimizers create their state lazily; create it (zeros) so it can be loaded into."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             state = optimizer.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0)
-                for name in _MOMENTS:
-                    state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if state:
+                continue
+            owner = optimizer.owner(p) if isinstance(optimizer, ChainedOptimizer) else optimizer
+            if isinstance(owner, RowWiseAdagrad):
+                state[_ROW_STATE] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
+                continue
+            state["step"] = 0 if isinstance(owner, torch.optim.SparseAdam) else torch.tensor(0.0)
+            for name in _MOMENTS:
+                state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _row_state_tensor(sharded, row_state: torch.Tensor):
+    """``row_state`` [rows] of a table whose weight shard is ``sharded`` as a shard of a global
+    ``[num_slots, 1]`` tensor (rows split like the table's; whole rows only)."""
+    local = row_state.view(-1, 1)
+    out = replace(sharded, key=f"optimizer.{_ROW_STATE}.{sharded.key}", data=local, dtype=local.dtype,
+                  local_shape=tuple(local.shape), global_shape=tuple(sharded.global_shape[:-1]) + (1,))
+    out.validate_metadata_integrity()
+    return out
 
 
 def sharded_state(chunks: List[torch.nn.Module], optimizer, common: dict) -> dict:
@@ -53,8 +73,11 @@ def sharded_state(chunks: List[torch.nn.Module], optimizer, common: dict) -> dic
         for i, shard in enumerate(shards(chunks)):
             st = optimizer.state[shard.param]
             for name in _MOMENTS:
-                state[f"optimizer.{name}.{i}"] = make_sharded_optimizer_tensor(
-                    shard.sharded, st[name], prefix=f"optimizer.{name}")
+                if name in st:
+                    state[f"optimizer.{name}.{i}"] = make_sharded_optimizer_tensor(
+                        shard.sharded, st[name], prefix=f"optimizer.{name}")
+            if _ROW_STATE in st:
+                state[f"optimizer.{_ROW_STATE}.{i}"] = _row_state_tensor(shard.sharded, st[_ROW_STATE])
     state["common"] = common
     return state
 
@@ -122,13 +145,19 @@ def load_checkpoint(path: str, chunks, optimizer) -> dict:
     if optimizer is not None:
         for i, shard in enumerate(shards(chunks)):
             st = optimizer.state[shard.param]
-            for name in _MOMENTS:
-                st[name].copy_(loaded[f"optimizer.{name}.{i}"])
+            for name in _MOMENTS + (_ROW_STATE,):
+                if name in st:
+                    st[name].copy_(loaded[f"optimizer.{name}.{i}"].view_as(st[name]))
     return load_common(path)
 
 
 def set_optimizer_step(optimizer, step: int) -> None:
+    """Adam's bias-correction step count (a tensor in AdamW, an int in SparseAdam)."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p in optimizer.state and "step" in optimizer.state[p]:
-                optimizer.state[p]["step"].fill_(float(step))
+                state = optimizer.state[p]
+                if torch.is_tensor(state["step"]):
+                    state["step"].fill_(float(step))
+                else:
+                    state["step"] = step

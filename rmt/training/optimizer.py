@@ -1,11 +1,14 @@
 """AdamW with parameter groups, the warmup + decay schedule, and model-parallel grad clipping.
 
-Apex's FusedAdam is used when importable on CUDA; otherwise torch's AdamW (foreach).
+Apex's FusedAdam is used when importable on CUDA; otherwise torch's AdamW (foreach). With
+``memory.value_optimizer`` sparse_adam or rowwise_adagrad the memory value tables, whose
+gradients are then sparse (touched rows), are stepped by that optimizer instead, chained
+after AdamW so the scheduler and checkpoints see one optimizer.
 """
 
 from __future__ import annotations
 
-from typing import List
+from typing import Dict, List
 
 import torch
 from megatron.core import parallel_state
@@ -15,8 +18,9 @@ from megatron.core.transformer.module import param_is_not_shared
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
 from rmt.config import RMTConfig
-from rmt.memory.groups import sharded_grad_sq_norm
+from rmt.memory.groups import memory_grad_sq_norm, self_reduced
 from rmt.memory.optim import ValueLRScheduler, split_value_group
+from rmt.ops.sparse_optim import RowWiseAdagrad
 
 
 def _no_decay(name: str, param: torch.Tensor) -> bool:
@@ -36,10 +40,66 @@ def param_groups(chunks: List[torch.nn.Module], config: RMTConfig) -> List[dict]
     return split_value_group(groups, config.memory.value_lr_mult)
 
 
-def build_optimizer(chunks: List[torch.nn.Module], config: RMTConfig) -> torch.optim.Optimizer:
+class ChainedOptimizer:
+    """Several torch optimizers over disjoint parameters, stepped as one: ``param_groups`` is
+    theirs concatenated (the LR scheduler sets each group's ``lr``), ``state[p]`` is the state
+    of the optimizer that owns ``p``. torch has no such wrapper (megatron-core's
+    ChainedOptimizer needs its own optimizer classes)."""
+
+    def __init__(self, optimizers: List[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+        self._owner: Dict[torch.nn.Parameter, torch.optim.Optimizer] = {
+            p: o for o in optimizers for g in o.param_groups for p in g["params"]}
+
+    @property
+    def param_groups(self) -> List[dict]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    def owner(self, p: torch.nn.Parameter) -> torch.optim.Optimizer:
+        """The optimizer that steps ``p``."""
+        return self._owner[p]
+
+    @property
+    def state(self) -> "_ChainedState":
+        return _ChainedState(self._owner)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+
+class _ChainedState:
+    def __init__(self, owner):
+        self.owner = owner
+
+    def __getitem__(self, p):
+        return self.owner[p].state[p]
+
+    def __contains__(self, p) -> bool:
+        return p in self.owner and p in self.owner[p].state
+
+
+def build_optimizer(chunks: List[torch.nn.Module], config: RMTConfig):
     t = config.train
     groups = param_groups(chunks, config)
     kwargs = dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+    is_sparse = [any(getattr(p, "memory_sparse_grad", False) for p in g["params"]) for g in groups]
+    sparse = [g for g, flag in zip(groups, is_sparse) if flag]
+    dense = build_adamw([g for g, flag in zip(groups, is_sparse) if not flag], kwargs)
+    if not sparse:
+        return dense
+    if config.memory.value_optimizer == "sparse_adam":
+        values = torch.optim.SparseAdam(sparse, **kwargs)
+    else:
+        values = RowWiseAdagrad(sparse, lr=t.lr, eps=t.adam_eps)
+    return ChainedOptimizer([dense, values])
+
+
+def build_adamw(groups: List[dict], kwargs: dict) -> torch.optim.Optimizer:
     if torch.cuda.is_available():
         try:
             from apex.optimizers import FusedAdam
@@ -64,12 +124,17 @@ def build_scheduler(optimizer, config: RMTConfig) -> OptimizerParamScheduler:
 
 def clip_gradients(params: List[torch.nn.Parameter], max_norm: float) -> float:
     """Global L2 norm over the model-parallel group (each TP-duplicated parameter counted
-    once, sharded memory tables over their memory-parallel group); scales gradients in place
-    when above ``max_norm``. Returns the norm."""
-    grads = [p.grad for p in params if p.grad is not None and not getattr(p, "memory_sharded", False)
+    once; self-reduced memory tables, sharded or with sparse gradients, by
+    :func:`~rmt.memory.groups.memory_grad_sq_norm`); scales gradients in place when above
+    ``max_norm``. Returns the norm."""
+    grads = [p.grad for p in params if p.grad is not None and not self_reduced(p)
              and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
     norm = get_grad_norm_fp32(grads, grad_stats_parallel_group=parallel_state.get_model_parallel_group())
-    norm = (norm ** 2 + sharded_grad_sq_norm(params)) ** 0.5
+    norm = (norm ** 2 + memory_grad_sq_norm(params)) ** 0.5
     if max_norm > 0 and norm > max_norm:
-        torch._foreach_mul_([p.grad for p in params if p.grad is not None], max_norm / (norm + 1e-6))
+        scale = max_norm / (norm + 1e-6)
+        torch._foreach_mul_([p.grad for p in params if p.grad is not None and not p.grad.is_sparse], scale)
+        for p in params:
+            if p.grad is not None and p.grad.is_sparse:
+                p.grad.mul_(scale)
     return norm

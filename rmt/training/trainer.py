@@ -23,7 +23,7 @@ from rmt.config import RMTConfig
 from rmt.data.gpt_data import build_datasets, microbatches, resolve_data
 from rmt.data.tasks import build_task_datasets, curriculum_hook
 from rmt.memory import pop_aux_loss, pop_memory_stats
-from rmt.memory.groups import excluded_from_ddp, finish_sharded_grads
+from rmt.memory.groups import excluded_from_ddp, finish_memory_grads, self_reduced
 from rmt.models.build import build
 from rmt.parallel import compat
 from rmt.training import checkpoint
@@ -82,7 +82,7 @@ class Trainer:
         wrapped = []
         for i, chunk in enumerate(chunks):
             chunk.to(self.device)
-            with excluded_from_ddp(chunk):  # sharded memory tables: gradients via collectives
+            with excluded_from_ddp(chunk):  # sharded or sparse-gradient memory tables
                 wrapped.append(DistributedDataParallel(config=chunk.config, ddp_config=ddp_config,
                                                        module=chunk, disable_bucketing=i > 0))
         mcfg = wrapped[0].config
@@ -161,9 +161,9 @@ class Trainer:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad(set_to_none=True)
         metrics = self._run_schedule(self.train_ds, self.consumed_samples, forward_only=False)
-        finish_sharded_grads(self.chunks)
+        finish_memory_grads(self.chunks)
         for p in self.params:
-            if not getattr(p, "memory_sharded", False):
+            if not self_reduced(p):
                 p.grad = p.main_grad
         metrics["grad_norm"] = clip_gradients(self.params, self.config.train.clip_grad)
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]

@@ -1,7 +1,7 @@
 """Train a few steps under the current launch (plain python or torchrun) and save, on global
 rank 0, the loss history and the full (reassembled) parameters and gradients (``.grad``, which
-the trainer points at megatron DDP's ``main_grad`` and which sharded memory tables, outside DDP,
-fill directly).
+the trainer points at megatron DDP's ``main_grad`` and which sharded or sparse-gradient memory
+tables, outside DDP, fill directly; sparse ones are saved dense).
 
     python -m torch.distributed.run --nproc_per_node=2 tests/dist/train_steps.py OUT.pt key=value...
 """
@@ -24,7 +24,7 @@ def main():
     parallel.initialize(config)
     trainer = Trainer(config)
     history = trainer.train()
-    grads = gather_full(trainer.chunks, lambda p: p.grad)
+    grads = gather_full(trainer.chunks, lambda p: p.grad.to_dense() if p.grad.is_sparse else p.grad)
     params = gather_full(trainer.chunks)
     if torch.distributed.get_rank() == 0:
         torch.save({"losses": [m["lm loss"] for m in history],
