@@ -11,6 +11,12 @@ move (the same for every method):
 
 and compares it with the memory bandwidth of a large copy measured in the same run.
 
+A second table times a whole training step of the table at the headline shape, fwd + bwd + the
+optimizer step, which is where a table-sized gradient costs most: dense gradients with AdamW
+(what the trainer does with ``memory.value_optimizer: adamw``) against touched-row gradients
+with SparseAdam or row-wise Adagrad (``sparse_adam`` / ``rowwise_adagrad``), for lookup_reduce
+and for embedding_bag. Each method trains its own copy of the table (own optimizer state).
+
 Transparent huge pages: with 4 KB pages a random row of a 256 MB table costs a TLB miss and a
 page walk per lookup. ``--huge-pages on`` (the default) sets torch's ``THP_MEM_ALLOC_ENABLE=1``
 before any tensor is allocated, so every large buffer of the run (the one table all methods
@@ -43,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from rmt.ops import lookup_reduce, select_backend
+from rmt.ops.sparse_optim import RowWiseAdagrad, SparseAdam
 
 HEADLINE = dict(N=1 << 20, D=64, T=4096, K=32, C=1, E=1)
 
@@ -148,6 +155,49 @@ def bench_shape(shape, repeats, backend, seed=0, clock=time.perf_counter, flush=
     return rows
 
 
+def step_methods(backend):
+    """name -> (forward(table, indices, scores) -> [T, 1, D], optimizer class) at C = E = 1."""
+    def ours(sparse):
+        return lambda t, i, s: lookup_reduce(t, i, s, None, 1, backend=backend, sparse_grad=sparse, validate=False)
+
+    def bag(sparse):
+        return lambda t, i, s: F.embedding_bag(i, t, per_sample_weights=s[..., 0], mode="sum",
+                                               sparse=sparse).unsqueeze(1)
+
+    return {
+        f"lookup_reduce[{backend}] sparse + rmt SparseAdam": (ours(True), SparseAdam),
+        f"lookup_reduce[{backend}] sparse + RowWiseAdagrad": (ours(True), RowWiseAdagrad),
+        f"lookup_reduce[{backend}] dense + AdamW": (ours(False), torch.optim.AdamW),
+        "embedding_bag sparse + torch SparseAdam": (bag(True), torch.optim.SparseAdam),
+        "embedding_bag dense + AdamW": (bag(False), torch.optim.AdamW),
+    }
+
+
+def bench_step(shape, repeats, backend, seed=0, clock=time.perf_counter, flush=lambda: None):
+    """Medians of one training step (fwd + bwd + optimizer step; zero_grad untimed) per method."""
+    N, D, T, K = (shape[k] for k in ("N", "D", "T", "K"))
+    gen = torch.Generator().manual_seed(seed)
+    init = torch.randn(N, D, generator=gen)
+    batches = [(torch.randint(0, N, (T, K), generator=gen), torch.randn(T, K, 1, generator=gen))
+               for _ in range(repeats + 1)]
+    grad_out = torch.randn(T, 1, D, generator=gen)
+    rows = []
+    for name, (forward, optimizer_class) in step_methods(backend).items():
+        table = torch.nn.Parameter(init.clone())
+        optimizer = optimizer_class([table], lr=1e-3)
+        times = []
+        for indices, scores in batches:  # the first step warms up (optimizer state, allocator)
+            optimizer.zero_grad(set_to_none=True)
+            flush()
+            t0 = clock()
+            forward(table, indices, scores).backward(grad_out)
+            optimizer.step()
+            times.append(clock() - t0)
+        rows.append(dict(shape, method=name, step_s=statistics.median(times[1:])))
+        del table, optimizer
+    return rows
+
+
 def shapes(quick):
     if quick:
         return [HEADLINE, dict(HEADLINE, K=128, C=2, E=4)]
@@ -166,10 +216,24 @@ def print_table(rows, bandwidth, huge_pages, clock, cache):
               f"{r['bwd_s'] * 1e3:8.2f} {r['fwd_bwd_s'] * 1e3:8.2f} {r['fwd_bwd_gbps']:9.2f}")
 
 
-def summarize(rows, bandwidth, backend):
+def print_steps(step_rows):
+    print(f"\ntraining step of the table (fwd + bwd + optimizer step), N={HEADLINE['N']}, K={HEADLINE['K']}:")
+    header = f"{'method':<46} {'step ms':>9}"
+    print(header)
+    print("-" * len(header))
+    for r in step_rows:
+        print(f"{r['method']:<46} {r['step_s'] * 1e3:9.2f}")
+
+
+def summarize(rows, bandwidth, backend, step_rows):
     head = {r["method"]: r for r in rows if all(r[k] == v for k, v in HEADLINE.items())}
     ours = head[f"lookup_reduce[{backend}] sparse grad"]
+    step = {r["method"]: r["step_s"] for r in step_rows}
     return {
+        "step_speedup_sparse_adam_vs_embedding_bag_sparse_adam":
+            step["embedding_bag sparse + torch SparseAdam"] / step[f"lookup_reduce[{backend}] sparse + rmt SparseAdam"],
+        "step_speedup_sparse_adam_vs_dense_adamw":
+            step[f"lookup_reduce[{backend}] dense + AdamW"] / step[f"lookup_reduce[{backend}] sparse + rmt SparseAdam"],
         "speedup_vs_embedding_bag_sparse": head["embedding_bag sparse"]["fwd_bwd_s"] / ours["fwd_bwd_s"],
         "speedup_vs_embedding_bag_dense": head["embedding_bag dense"]["fwd_bwd_s"] / ours["fwd_bwd_s"],
         "fraction_of_bandwidth": ours["fwd_bwd_gbps"] / bandwidth,
@@ -200,7 +264,9 @@ def main(argv=None):
     flush = CacheFlusher(args.cache == "cold")
     rows = [r for shape in shapes(args.quick) for r in bench_shape(shape, repeats, backend, clock=clock, flush=flush)]
     print_table(rows, bandwidth, args.huge_pages, args.clock, args.cache)
-    summary = summarize(rows, bandwidth, backend)
+    step_rows = bench_step(HEADLINE, repeats, backend, clock=clock, flush=flush)
+    print_steps(step_rows)
+    summary = summarize(rows, bandwidth, backend, step_rows)
     print("summary (fwd+bwd at N=1M, D=64, T=4096, K=32, C=1, E=1, fp32):")
     for key, value in summary.items():
         print(f"  {key}: {value:.3f}")
@@ -210,7 +276,8 @@ def main(argv=None):
                        copy_bandwidth_gbps=bandwidth, huge_pages=args.huge_pages, clock=args.clock,
                        cache=args.cache)
         with open(args.json, "w") as f:
-            json.dump(dict(benchmark="bench_lookup_reduce", machine=machine, rows=rows, summary=summary), f, indent=1)
+            json.dump(dict(benchmark="bench_lookup_reduce", machine=machine, rows=rows, step_rows=step_rows,
+                           summary=summary), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from rmt.config import RMTConfig
 from rmt.memory.groups import memory_grad_sq_norm, self_reduced
 from rmt.memory.optim import ValueLRScheduler, split_value_group
-from rmt.ops.sparse_optim import RowWiseAdagrad
+from rmt.ops.sparse_optim import RowWiseAdagrad, SparseAdam
 
 
 def _no_decay(name: str, param: torch.Tensor) -> bool:
@@ -93,7 +93,7 @@ def build_optimizer(chunks: List[torch.nn.Module], config: RMTConfig):
     if not sparse:
         return dense
     if config.memory.value_optimizer == "sparse_adam":
-        values = torch.optim.SparseAdam(sparse, **kwargs)
+        values = SparseAdam(sparse, **kwargs)
     else:
         values = RowWiseAdagrad(sparse, lr=t.lr, eps=t.adam_eps)
     return ChainedOptimizer([dense, values])

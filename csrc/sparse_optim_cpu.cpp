@@ -1,0 +1,114 @@
+// Fused row-wise optimizer steps for tables with sparse (touched-row) gradients, CPU (OpenMP).
+//
+// Both take the coalesced gradient as (rows [U] int64, unique; values [U, D]) and update only
+// those rows, in one pass per row over the parameter row and its state, where the torch
+// formulations (rmt/ops/sparse_optim.py, torch.optim.SparseAdam) make several passes through
+// gathered copies (sparse_mask, index_select, index_add_, index_copy_). The rows are unique, so
+// the threads own disjoint rows: no atomics, and the result does not depend on the thread count.
+// The Adam step follows torch.optim.SparseAdam's operation order and scalar roundings; it
+// differs from torch's only where torch's vectorized sqrt is not correctly rounded (1 ulp).
+//
+// sparse_adam_step: torch.optim.SparseAdam's update (lazy Adam), element by element
+//   m += (1 - beta1) * (g - m);  v += (1 - beta2) * (g^2 - v)
+//   p -= step_size * m / (sqrt(v) + eps),  step_size = lr * sqrt(1 - beta2^t) / (1 - beta1^t)
+// rowwise_adagrad_step: one accumulator per row (DLRM / FBGEMM row-wise Adagrad)
+//   g += weight_decay * p;  s += mean(g^2);  p -= lr * g / (sqrt(s) + eps)
+#include <torch/extension.h>
+
+#include <cmath>
+
+namespace {
+
+void check_rows(const at::Tensor& param, const at::Tensor& rows, const at::Tensor& values) {
+  TORCH_CHECK(param.dim() == 2 && param.is_contiguous() && param.device().is_cpu(),
+              "sparse optimizer step: the parameter must be a contiguous 2-D CPU tensor");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous(),
+              "sparse optimizer step: rows must be a contiguous 1-D int64 tensor");
+  TORCH_CHECK(values.dim() == 2 && values.size(0) == rows.size(0) && values.size(1) == param.size(1) &&
+                  values.scalar_type() == param.scalar_type() && values.is_contiguous(),
+              "sparse optimizer step: values must be [rows, D] of the parameter's dtype");
+}
+
+template <typename scalar_t>
+void sparse_adam_kernel(scalar_t* __restrict p, scalar_t* __restrict m, scalar_t* __restrict v,
+                        const int64_t* __restrict rows, const scalar_t* __restrict g, int64_t U, int64_t D,
+                        scalar_t one_minus_beta1, scalar_t one_minus_beta2, scalar_t eps, scalar_t step_size) {
+#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
+  for (int64_t u = 0; u < U; ++u) {
+    const int64_t off = rows[u] * D;
+    const scalar_t* __restrict gu = g + u * D;
+    scalar_t* __restrict pu = p + off;
+    scalar_t* __restrict mu = m + off;
+    scalar_t* __restrict vu = v + off;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) {
+      const scalar_t mn = mu[d] + (gu[d] - mu[d]) * one_minus_beta1;
+      const scalar_t vn = vu[d] + (gu[d] * gu[d] - vu[d]) * one_minus_beta2;
+      mu[d] = mn;
+      vu[d] = vn;
+      pu[d] -= step_size * (mn / (std::sqrt(vn) + eps));
+    }
+  }
+}
+
+template <typename scalar_t>
+void rowwise_adagrad_kernel(scalar_t* __restrict p, float* __restrict sum, const int64_t* __restrict rows,
+                            const scalar_t* __restrict g, int64_t U, int64_t D, float lr, float eps,
+                            float weight_decay) {
+#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
+  for (int64_t u = 0; u < U; ++u) {
+    scalar_t* __restrict pu = p + rows[u] * D;
+    const scalar_t* __restrict gu = g + u * D;
+    float sq = 0.f;
+    for (int64_t d = 0; d < D; ++d) {
+      const float gd = static_cast<float>(gu[d]) + weight_decay * static_cast<float>(pu[d]);
+      sq += gd * gd;
+    }
+    const float s = sum[rows[u]] + sq / static_cast<float>(D);
+    sum[rows[u]] = s;
+    const float scale = lr / (std::sqrt(s) + eps);
+    for (int64_t d = 0; d < D; ++d) {
+      const float old = static_cast<float>(pu[d]);
+      pu[d] = static_cast<scalar_t>(old - scale * (static_cast<float>(gu[d]) + weight_decay * old));
+    }
+  }
+}
+
+}  // namespace
+
+void sparse_adam_step(at::Tensor param, at::Tensor exp_avg, at::Tensor exp_avg_sq, const at::Tensor& rows,
+                      const at::Tensor& values, double lr, double beta1, double beta2, double eps, int64_t step) {
+  check_rows(param, rows, values);
+  TORCH_CHECK(exp_avg.sizes() == param.sizes() && exp_avg_sq.sizes() == param.sizes() &&
+                  exp_avg.is_contiguous() && exp_avg_sq.is_contiguous() &&
+                  exp_avg.scalar_type() == param.scalar_type() && exp_avg_sq.scalar_type() == param.scalar_type(),
+              "sparse_adam_step: the moments must be contiguous and shaped like the parameter");
+  const double step_size = lr * std::sqrt(1 - std::pow(beta2, step)) / (1 - std::pow(beta1, step));
+  AT_DISPATCH_FLOATING_TYPES(param.scalar_type(), "sparse_adam_step", [&] {
+    sparse_adam_kernel<scalar_t>(param.data_ptr<scalar_t>(), exp_avg.data_ptr<scalar_t>(),
+                                 exp_avg_sq.data_ptr<scalar_t>(), rows.data_ptr<int64_t>(),
+                                 values.data_ptr<scalar_t>(), rows.size(0), param.size(1),
+                                 static_cast<scalar_t>(1 - beta1), static_cast<scalar_t>(1 - beta2),
+                                 static_cast<scalar_t>(eps), static_cast<scalar_t>(step_size));
+  });
+}
+
+void rowwise_adagrad_step(at::Tensor param, at::Tensor state_sum, const at::Tensor& rows, const at::Tensor& values,
+                          double lr, double eps, double weight_decay) {
+  check_rows(param, rows, values);
+  TORCH_CHECK(state_sum.dim() == 1 && state_sum.size(0) == param.size(0) && state_sum.scalar_type() == at::kFloat &&
+                  state_sum.is_contiguous(),
+              "rowwise_adagrad_step: the accumulator must be a contiguous fp32 vector with one entry per row");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, param.scalar_type(), "rowwise_adagrad_step", [&] {
+    rowwise_adagrad_kernel<scalar_t>(param.data_ptr<scalar_t>(), state_sum.data_ptr<float>(),
+                                     rows.data_ptr<int64_t>(), values.data_ptr<scalar_t>(), rows.size(0),
+                                     param.size(1), static_cast<float>(lr), static_cast<float>(eps),
+                                     static_cast<float>(weight_decay));
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "rmt fused row-wise optimizer steps (sparse Adam, row-wise Adagrad), CPU (OpenMP)";
+  m.def("sparse_adam_step", &sparse_adam_step, "in-place SparseAdam step on the given unique rows");
+  m.def("rowwise_adagrad_step", &rowwise_adagrad_step, "in-place row-wise Adagrad step on the given unique rows");
+}
