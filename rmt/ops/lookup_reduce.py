@@ -127,7 +127,7 @@ def lookup_reduce(table, indices, scores, block_ids=None, num_blocks=1, *, backe
         num_blocks: number of virtual blocks E.
         backend: None (auto / $RMT_LOOKUP_BACKEND) or one of "reference", "cpu", "triton", "cuda".
         sparse_grad: return the table gradient as a sparse COO tensor of the touched rows
-            (use with ``torch.optim.SparseAdam`` or ``rmt.ops.sparse_optim.RowWiseAdagrad``).
+            (use with ``rmt.ops.sparse_optim.SparseAdam`` or ``RowWiseAdagrad``).
         validate: check index ranges (one min/max reduction each); shape and dtype checks
             always run.
 
