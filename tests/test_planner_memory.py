@@ -28,6 +28,9 @@ def test_fp32_table_sgd_and_adagrad():
             sgd["optimizer_states"], sgd["total"]) == (64, 64, 0, 0, 128)
     ada = memory_per_rank(10, 4, 3, optimizer="adagrad")
     assert ada["optimizer_states"] == 16 * 2
+    # row-wise Adagrad: one fp32 per row of the shard (4 rows number-wise, 10 dimension-wise)
+    assert memory_per_rank(10, 4, 3, optimizer="rowwise_adagrad")["optimizer_states"] == 4 * 4
+    assert memory_per_rank(10, 4, 3, optimizer="rowwise_adagrad", partition="dimension")["optimizer_states"] == 10 * 4
 
 
 def test_dimension_partition_splits_columns():

@@ -218,7 +218,8 @@ def _add_memory_arguments(p: argparse.ArgumentParser) -> None:
                    help="table dtype (default bf16)")
     p.add_argument("--optimizer", choices=sorted(memory.OPTIMIZER_STATES),
                    default="adam",
-                   help="adam: 2 states/element, adagrad: 1, sgd: 0 (default adam)")
+                   help="adam: 2 states/element, adagrad: 1, sgd: 0, rowwise_adagrad: one fp32 "
+                        "per row (default adam)")
     p.add_argument("--master-fp32", action="store_true",
                    help="keep an fp32 master copy; gradients and optimizer states fp32")
     p.add_argument("--grad", choices=memory.GRAD_MODES, default="dense",

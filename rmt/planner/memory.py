@@ -12,8 +12,10 @@ Conventions:
   table is already fp32); gradients are then accumulated in fp32 and optimizer states
   kept in fp32. Without it, gradients and optimizer states use the table's dtype
   (fp32 tables: fp32 everywhere).
-* Optimizer states per element: Adam 2 (first and second moment), Adagrad 1 (sum of
-  squares), SGD 0 (no momentum). Sparse (row-wise) optimizers still keep dense states.
+* Optimizer states per element: Adam 2 (first and second moment; SparseAdam too, its
+  moments are dense), Adagrad 1 (sum of squares), SGD 0 (no momentum). Row-wise Adagrad
+  (``rowwise_adagrad``, ``memory.value_optimizer``) keeps one fp32 accumulator per row of
+  the shard instead, whatever the width.
 * Gradients, ``grad="dense"``: one table-shard-sized buffer (what autograd of an
   embedding lookup materializes). ``grad="sparse"``: the rows touched in a step, kept
   uncoalesced as (int64 row index, row gradient) pairs. With ``tokens`` = T tokens per
@@ -27,7 +29,8 @@ from __future__ import annotations
 import math
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-OPTIMIZER_STATES = {"adam": 2, "adagrad": 1, "sgd": 0}
+OPTIMIZER_STATES = {"adam": 2, "adagrad": 1, "sgd": 0, "rowwise_adagrad": 0}  # per element
+ROW_STATE_BYTES = {"rowwise_adagrad": 4}  # per row
 GRAD_MODES = ("dense", "sparse")
 PARTITIONS = ("number", "dimension")
 SPARSE_INDEX_BYTES = 8
@@ -93,7 +96,7 @@ def memory_per_rank(slots: int, dim: int, P: int, *, dtype: str = "bf16",
         cols * grad_bytes + SPARSE_INDEX_BYTES)
     table = elements * param_bytes
     master = elements * 4 if master_fp32 and dtype != "fp32" else 0
-    states = elements * OPTIMIZER_STATES[optimizer] * state_bytes
+    states = elements * OPTIMIZER_STATES[optimizer] * state_bytes + rows * ROW_STATE_BYTES.get(optimizer, 0)
     gradients = dense if grad == "dense" else sparse
     return {"elements": elements, "table": table, "gradients": gradients,
             "gradients_dense": dense, "gradients_sparse": sparse,
