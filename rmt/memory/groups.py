@@ -93,14 +93,14 @@ class excluded_from_ddp:
             p.requires_grad_(True)
 
 
-def sum_sparse_grads(grad: Optional[torch.Tensor], shape, group) -> torch.Tensor:
-    """Coalesced sum over ``group`` of the ranks' sparse row gradients (None: no rows). The
-    ranks' (rows, values) pairs are all-gathered, padded to the longest, and concatenated in
-    rank order, so every rank builds the same tensor."""
-    device = compat.device()
+def sum_sparse_grads(grad: Optional[torch.Tensor], param: torch.Tensor, group) -> torch.Tensor:
+    """Coalesced sum over ``group`` of the ranks' sparse row gradients of ``param`` (None: no
+    rows). The ranks' (rows, values) pairs are all-gathered, padded to the longest, and
+    concatenated in rank order, so every rank builds the same tensor."""
+    device, shape = param.device, param.shape
     if grad is None:
         rows = torch.zeros(0, dtype=torch.int64, device=device)
-        values = torch.zeros((0,) + tuple(shape[1:]), device=device)
+        values = torch.zeros((0,) + tuple(shape[1:]), dtype=param.dtype, device=device)
     else:
         grad = grad.coalesce()
         rows, values = grad.indices()[0], grad.values()
@@ -133,7 +133,7 @@ def finish_memory_grads(modules: Iterable[torch.nn.Module]) -> None:
         sharded = getattr(p, "memory_sharded", False)
         group = p.memory_replica_group if sharded else parallel_state.get_data_parallel_group()
         if getattr(p, "memory_sparse_grad", False):
-            p.grad = sum_sparse_grads(p.grad, p.shape, group) * scale
+            p.grad = sum_sparse_grads(p.grad, p, group) * scale
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
