@@ -1,4 +1,5 @@
-"""Triton backend in the interpreter: runs this file in a subprocess with TRITON_INTERPRET=1.
+"""Triton backend (lookup-reduce and the row-wise optimizer steps) in the interpreter: runs this
+file in a subprocess with TRITON_INTERPRET=1.
 
 The variable must be set before Triton is first imported, so the checks run in a fresh process
 (``python tests/test_ops_triton.py``) rather than in the pytest process.
@@ -36,6 +37,38 @@ def run_checks():
         assert "got min -3" in str(exc)
     else:
         raise AssertionError("negative indices were not rejected")
+    check_sparse_optim()
+
+
+def check_sparse_optim():
+    """The Triton row-wise optimizer steps against torch's SparseAdam and the torch row-wise
+    Adagrad reference, over two steps on the same rows, D not a power of two included."""
+    import torch
+
+    from rmt.ops import triton_sparse_optim
+    from rmt.ops.sparse_optim import rowwise_adagrad_update_
+
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.tensor([0, 3, 17, 49])
+    for D in (20, 64):
+        table = torch.randn(50, D, generator=gen)
+        ours, m, v = table.clone(), torch.zeros(50, D), torch.zeros(50, D)
+        ref = torch.nn.Parameter(table.clone())
+        opt = torch.optim.SparseAdam([ref], lr=0.01, betas=(0.8, 0.95), eps=1e-6)
+        ada, ada_sum = table.clone(), torch.zeros(50)
+        want, want_sum = table.clone(), torch.zeros(50)
+        for step in (1, 2):
+            values = torch.randn(4, D, generator=gen)
+            triton_sparse_optim.sparse_adam_step(ours, m, v, rows, values, 0.01, 0.8, 0.95, 1e-6, step)
+            ref.grad = torch.sparse_coo_tensor(rows[None], values, table.shape).coalesce()
+            opt.step()
+            triton_sparse_optim.rowwise_adagrad_step(ada, ada_sum, rows, values, 0.1, 1e-10, 0.01)
+            rowwise_adagrad_update_(want, want_sum, rows, values, 0.1, 1e-10, 0.01)
+        torch.testing.assert_close(ours, ref.data, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(m, opt.state[ref]["exp_avg"], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(ada, want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(ada_sum, want_sum, rtol=1e-6, atol=1e-7)
+        assert not torch.equal(ours, table) and torch.equal(ours[1], table[1])
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")

@@ -4,20 +4,22 @@
 the unique touched rows and their gradient rows, never a table-sized dense tensor.
 
 * :class:`SparseAdam` is ``torch.optim.SparseAdam`` (lazy Adam: moments of untouched rows are
-  not decayed; same state, same results) whose step on CPU tables runs the fused C++ kernel of
-  ``csrc/sparse_optim_cpu.cpp``: one pass per touched row over the row and its two moments,
-  where torch's step makes several passes through sparse_mask'ed copies. It equals torch's step
-  to float rounding (torch's vectorized sqrt is off by up to 1 ulp; the kernel's is exact).
-  Elsewhere (GPU tables, kernel not built) torch's step runs.
+  not decayed; same state, same results) whose step on fp32 tables runs a fused kernel, the C++
+  one of ``csrc/sparse_optim_cpu.cpp`` on CPU and the Triton one of
+  :mod:`rmt.ops.triton_sparse_optim` on GPU: one pass per touched row over the row and its two
+  moments, where torch's step makes several passes through sparse_mask'ed copies. It equals
+  torch's step to float rounding (torch's vectorized sqrt is off by up to 1 ulp; the C++
+  kernel's is exact). Elsewhere (other dtypes, kernels unavailable) torch's step runs.
 * :class:`RowWiseAdagrad` is written here because torch lacks it: ``torch.optim.Adagrad`` keeps
   one accumulator per element (a second table-sized tensor), whereas the row-wise variant used
   for large embedding tables (DLRM / FBGEMM) keeps one fp32 accumulator per row, the mean of the
   squared row gradient. :func:`rowwise_adagrad_update_` is its plain torch reference and the
-  path off CPU; the fused kernel computes the same to float rounding.
+  path where no fused kernel applies; the fused kernels compute the same to float rounding.
 
 ``RMT_SPARSE_OPTIM_FUSED=0`` forces the torch formulations.
 """
 
+import importlib.util
 import os
 
 import torch
@@ -34,11 +36,22 @@ def _ext():
 
 
 def fused_kernels(param):
-    """The fused CPU extension when it applies to ``param`` (a contiguous 2-D CPU table), else None."""
-    if os.environ.get(ENV_FUSED, "1") == "0" or param.device.type != "cpu" or param.dim() != 2 \
-            or not param.is_contiguous():
+    """The fused step kernels for ``param`` (a contiguous 2-D table): the C++ extension on CPU,
+    the Triton kernels (:mod:`rmt.ops.triton_sparse_optim`) on CUDA; None where neither applies,
+    the extension did not build, or ``RMT_SPARSE_OPTIM_FUSED=0``."""
+    if os.environ.get(ENV_FUSED, "1") == "0" or param.dim() != 2 or not param.is_contiguous():
         return None
-    return _ext()
+    if param.device.type == "cpu":
+        return _ext()
+    if param.device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        from . import triton_sparse_optim
+        return triton_sparse_optim
+    return None
+
+
+def _fused_adam_dtype(param):
+    """Dtypes the fused SparseAdam computes exactly like torch: fp32 (and fp64 in the C++ kernel)."""
+    return param.dtype == torch.float32 or (param.dtype == torch.float64 and param.device.type == "cpu")
 
 
 def rows_and_values(grad):
@@ -54,7 +67,7 @@ class SparseAdam(torch.optim.SparseAdam):
 
     @torch.no_grad()
     def step(self, closure=None):
-        fused = all(fused_kernels(p) is not None and p.dtype in (torch.float32, torch.float64)
+        fused = all(fused_kernels(p) is not None and _fused_adam_dtype(p)
                     for g in self.param_groups for p in g["params"])
         if not fused or any(g.get("maximize", False) for g in self.param_groups):
             return super().step(closure)
@@ -77,8 +90,9 @@ class SparseAdam(torch.optim.SparseAdam):
                 state["step"] += 1
                 rows, values = rows_and_values(p.grad)
                 if rows.numel():
-                    _ext().sparse_adam_step(p, state["exp_avg"], state["exp_avg_sq"], rows, values.contiguous(),
-                                            float(group["lr"]), beta1, beta2, group["eps"], int(state["step"]))
+                    fused_kernels(p).sparse_adam_step(p, state["exp_avg"], state["exp_avg_sq"], rows,
+                                                      values.contiguous(), float(group["lr"]), beta1, beta2,
+                                                      group["eps"], int(state["step"]))
         return loss
 
 
