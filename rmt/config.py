@@ -156,7 +156,8 @@ class MemoryConfig:
     # split) | auto (planner's choice). group_size: ranks per memory-parallel group, 0 = all
     # DP x TP ranks of the stage; smaller groups are replicas. owner_reduce: number-wise
     # owners pool and send partial sums. async_stream: run the memory layer (retrieval,
-    # lookup, collectives) from layer i's output alongside layers i+1..j.
+    # lookup, collectives) from layer i's output alongside layers i+1..j, and its backward
+    # alongside the dense backward of layers j..i+1.
     partition: str = "local"
     group_size: int = 0
     owner_reduce: bool = False

@@ -217,3 +217,32 @@ def test_sparse_value_optimizer_wiring(megatron, kind):
     table.lookup_reduce(torch.tensor([[0, 3], [3, 5]]), torch.ones(2, 2, 1), None, 1).sum().backward()
     assert table.weight.grad.is_sparse
     assert table.weight.grad.coalesce().indices().tolist() == [[0, 3, 5]]
+
+
+@pytest.mark.parametrize("kind", ["ultramem", "moe"])
+def test_async_stream_backward_runs_on_the_stream_and_equals_sync(megatron, kind):
+    """With ``memory.async_stream`` the memory layers' backward (auxiliary loss included) runs on
+    the stream's worker thread, and every gradient equals the synchronous mode's (placements
+    1:3 and 2:2: a fork and a join on the same layer)."""
+    import threading
+
+    from rmt.models.build import build
+
+    grads, threads = {}, []
+    for mode in ("false", "true"):
+        cfg = validate(_cfg(f"memory.type={kind}", f"memory.async_stream={mode}"), world_size=1)
+        (model,) = build(cfg)
+        if mode == "true":
+            first = next(model.memory[0].parameters())
+            first.register_hook(lambda g: threads.append(threading.current_thread().name))
+        tokens, pos, mask = _inputs(cfg)
+        logits = model(tokens, pos, mask)
+        aux = pop_aux_loss(model)
+        assert aux.requires_grad == (mode == "false")
+        (logits.sum() + aux).backward()
+        grads[mode] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    stream = model.memory_wiring.stream
+    assert stream.busy_backward_s > 0 and threads and all(t.startswith("rmt-memory") for t in threads)
+    assert grads["true"].keys() == grads["false"].keys()
+    for name, g in grads["false"].items():
+        torch.testing.assert_close(grads["true"][name], g, rtol=1e-5, atol=1e-6, msg=name)

@@ -24,11 +24,12 @@ def _train(path, overrides, nproc):
 
 @pytest.mark.parametrize("extra,nproc", [
     ([], 2),
-    (["parallel.tensor_model_parallel_size=2", "memory.partition=number"], 4),
-], ids=["pp2-local-tables", "pp2xtp2-number-wise-tables"])
+    (["parallel.tensor_model_parallel_size=2", "memory.partition=number", "memory.async_stream=true"], 4),
+], ids=["pp2-local-tables", "pp2xtp2-number-wise-tables-async"])
 def test_memory_pipeline_matches_single_process(cache_dir, tmp_path, extra, nproc):
     """Second case: each stage shards its tables number-wise over its two TP ranks, which
-    split the shared tokens between them."""
+    split the shared tokens between them, and runs its memory layer forward and backward on
+    the async stream (the first stage's aux loss then reaches backward through the stream)."""
     ref = _train(tmp_path / "ref.pt", tiny_overrides(cache_dir) + MEMORY, 1)
     got = _train(tmp_path / "got.pt", tiny_overrides(cache_dir) + MEMORY
                  + ["parallel.pipeline_model_parallel_size=2"] + extra, nproc)

@@ -7,9 +7,11 @@ synchronous and with the async memory stream, side by side in one run.
 Launches itself on ``--nproc`` ranks (data parallel, one memory-parallel group of all of
 them). Per variant: mean step time over the timed steps, the memory layers' forward time
 per step and the part of it the dense path waited for. ``hidden_fraction`` = 1 - waited /
-memory forward time (async rows; 0 for sync: its memory forward is all on the dense path).
+memory forward time (async rows; 0 for sync: its memory forward is all on the dense path);
+async rows also give the same for the memory layers' backward, which the stream runs beside
+the dense backward (sync rows run it inside the autograd engine, not timed apart).
 Summary: ``async_over_sync_step_time`` (mean over sharded partitions of async / sync step
-time) and ``hidden_fraction`` (mean over the async sharded rows).
+time), ``hidden_fraction`` and ``hidden_backward_fraction`` (means over the async sharded rows).
 """
 
 from __future__ import annotations
@@ -66,13 +68,19 @@ def worker(args):
         dist.barrier()
         timed = args.steps - args.warmup
         step_s = (time.perf_counter() - start) / timed
-        if wiring.stream is not None:
-            busy, waited = wiring.stream.busy_s / timed, wiring.stream.exposed_s / timed
+        stream = wiring.stream
+        back = back_waited = back_hidden = None
+        if stream is not None:
+            busy, waited = stream.busy_s / timed, stream.exposed_s / timed
+            back, back_waited = stream.busy_backward_s / timed, stream.exposed_backward_s / timed
+            back_hidden = 1.0 - back_waited / back if back else 0.0
         else:
             busy = waited = wiring.sync_s / timed
         rows.append({"partition": partition, "owner_reduce": owner_reduce, "async": async_stream,
                      "step_s": step_s, "memory_forward_s": busy, "memory_waited_s": waited,
-                     "hidden_fraction": 1.0 - waited / busy if busy else 0.0})
+                     "hidden_fraction": 1.0 - waited / busy if busy else 0.0,
+                     "memory_backward_s": back, "memory_backward_waited_s": back_waited,
+                     "hidden_backward_fraction": back_hidden})
         if dist.get_rank() == 0:
             print(json.dumps(rows[-1]), flush=True)
     if dist.get_rank() == 0:
@@ -111,7 +119,7 @@ def main(argv=None):
     with open(out) as f:
         rows = json.load(f)
     os.remove(out)
-    ratios, hidden = [], []
+    ratios, hidden, hidden_back = [], [], []
     for r in rows:
         if r["async"] and r["partition"] != "local":
             sync = next(s for s in rows if not s["async"] and s["partition"] == r["partition"]
@@ -119,11 +127,18 @@ def main(argv=None):
             r["async_over_sync_step_time"] = r["step_s"] / sync["step_s"]
             ratios.append(r["async_over_sync_step_time"])
             hidden.append(r["hidden_fraction"])
-    summary = {"async_over_sync_step_time": sum(ratios) / len(ratios), "hidden_fraction": sum(hidden) / len(hidden)}
-    print(f"{'partition':<10} {'owner':<6} {'async':<6} {'step ms':>8} {'mem fwd ms':>10} {'waited ms':>9} {'hidden':>7}")
+            hidden_back.append(r["hidden_backward_fraction"])
+    summary = {"async_over_sync_step_time": sum(ratios) / len(ratios), "hidden_fraction": sum(hidden) / len(hidden),
+               "hidden_backward_fraction": sum(hidden_back) / len(hidden_back)}
+    print(f"{'partition':<10} {'owner':<6} {'async':<6} {'step ms':>8} {'mem fwd ms':>10} {'waited ms':>9} {'hidden':>7} "
+          f"{'mem bwd ms':>10} {'waited ms':>9} {'hidden':>7}")
     for r in rows:
+        backward = "".join(f"{'-' if r[k] is None else format(scale * r[k], fmt):>{width}}" for k, scale, fmt, width in (
+            ("memory_backward_s", 1e3, ".1f", 11), ("memory_backward_waited_s", 1e3, ".1f", 10),
+            ("hidden_backward_fraction", 1, ".2f", 8)))
         print(f"{r['partition']:<10} {str(r['owner_reduce']):<6} {str(r['async']):<6} {1e3 * r['step_s']:8.1f} "
-              f"{1e3 * r['memory_forward_s']:10.1f} {1e3 * r['memory_waited_s']:9.1f} {r['hidden_fraction']:7.2f}")
+              f"{1e3 * r['memory_forward_s']:10.1f} {1e3 * r['memory_waited_s']:9.1f} {r['hidden_fraction']:7.2f}"
+              f"{backward}")
     print(json.dumps(summary))
     if args.json:
         import torch

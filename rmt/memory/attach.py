@@ -16,7 +16,9 @@ gradients). Under pipeline parallelism every placement lies inside one stage (ch
 config validation); its memory layer is built only on that stage, hooked on the stage's local
 layers, and keeps its global index ``k`` (``memory.k.*`` keys as in the single-stage run). The
 loss is computed on the last stage only, so on earlier stages the auxiliary losses ride on the
-hidden state (:class:`AuxLossToActivation`, megatron-core's ``MoEAuxLossAutoScaler`` trick). With
+hidden state (:class:`AuxLossToActivation`, megatron-core's ``MoEAuxLossAutoScaler`` trick);
+with the async stream in training they backpropagate with the memory layer's own graph instead
+(:mod:`rmt.memory.stream`), on every stage at the schedule's loss scale. With
 ``memory.partition`` other than ``local`` the value tables are sharded over the
 memory-parallel group (:mod:`rmt.memory.groups`, :mod:`rmt.memory.sharded_table`).
 """
@@ -34,7 +36,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from rmt.memory.groups import memory_parallel_groups
 from rmt.memory.layer import MemoryLayer, MemorySpec
 from rmt.memory.moe import MoELayer
-from rmt.memory.stream import MemoryStream
+from rmt.memory.stream import ForkMemory, JoinMemory, MemoryLink, MemoryStream
 from rmt.memory.table import MemoryTable
 from rmt.memory.validate import memory_width, parse_placement, stage_layers
 from rmt.parallel import compat
@@ -131,13 +133,16 @@ class MemoryWiring:
     """The hooks of one chunk: ``placement`` (global index k -> local layers ``(i, j)``) ->
     ``chunk.memory[k]``. With ``stream`` (:class:`~rmt.memory.stream.MemoryStream`,
     ``memory.async_stream``) memory layer k starts at layer i's hook and is joined at layer
-    j's; without it, it runs at layer j's hook (``sync_s`` accumulates that time). With
+    j's, and in training its backward runs on the stream too (:meth:`_launch`, :meth:`_join`);
+    without it, it runs at layer j's hook (``sync_s`` accumulates that time). With
     ``aux_scale`` (a stage before the last) the auxiliary losses of the memory layers are
     attached to layer j's output (:class:`AuxLossToActivation`)."""
 
     def __init__(self, chunk: torch.nn.Module, placement: Dict[int, Tuple[int, int]], seq_dim: int,
-                 layers, stream: Optional[MemoryStream] = None, aux_scale: Optional[float] = None):
+                 layers, stream: Optional[MemoryStream] = None, aux_scale: Optional[float] = None,
+                 loss_scale: float = 1.0):
         self.placement, self.seq_dim, self.stream, self.aux_scale = placement, seq_dim, stream, aux_scale
+        self.loss_scale = loss_scale
         self.modules = chunk.memory
         self.kept: Dict[int, torch.Tensor] = {}
         self.pending: Dict[int, object] = {}
@@ -153,21 +158,56 @@ class MemoryWiring:
         y = self.modules[k](x.flatten(2)).view(x.shape)
         return y if self.seq_dim == 0 else y.transpose(0, self.seq_dim)
 
+    def _launch(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Start memory layer k on the stream from ``hidden``; when training, on a detached copy
+        (its own graph, :class:`~rmt.memory.stream.MemoryLink`), returning ``hidden`` behind a
+        :class:`~rmt.memory.stream.ForkMemory` that collects its input gradient."""
+        link = None
+        x = hidden
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            x = hidden.detach().requires_grad_()
+            link = MemoryLink(self.stream, x)
+            hidden = ForkMemory.apply(hidden, link)
+        self.pending[k] = (self.stream.launch(partial(self._run, k), x), link)
+        return hidden
+
+    def _join(self, k: int, hidden: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``hidden`` plus memory layer k's output from the stream. With a link, the output and
+        the auxiliary loss (its gradient at the schedule's loss scale) backpropagate on the
+        stream and the module keeps the loss detached, for the reported value only; otherwise
+        the output is returned for the caller to add, with ``hidden`` unchanged."""
+        pending, link = self.pending.pop(k)
+        y = self.stream.wait(pending)
+        if link is None:
+            return hidden, y
+        module = self.modules[k]
+        link.outputs = [y]
+        if module.aux_loss is not None:
+            link.outputs.append(module.aux_loss)
+            link.aux_grads = [torch.full_like(module.aux_loss, self.loss_scale)]
+            module.aux_loss = None if self.aux_scale is not None else module.aux_loss.detach()
+        return JoinMemory.apply(hidden, y.detach(), link), None
+
     def _hook(self, number: int, keep: bool) -> Callable:
         def hook(module, args, output):
             hidden = _hidden(output)
+            replaced = False
             if keep:
                 self.kept[number] = hidden
                 if self.stream is not None:
                     for k, (i, _) in self.placement.items():
                         if i == number:
-                            self.pending[k] = self.stream.launch(partial(self._run, k), hidden)
+                            hidden = self._launch(k, hidden)
+                            replaced = True
             added, aux = None, None
             for k, (i, j) in self.placement.items():
                 if j != number:
                     continue
                 if self.stream is not None:
-                    y = self.stream.wait(self.pending.pop(k))
+                    hidden, y = self._join(k, hidden)
+                    replaced = True
+                    if y is None:
+                        continue
                 else:
                     start = time.perf_counter()
                     y = self._run(k, self.kept[i])
@@ -181,7 +221,7 @@ class MemoryWiring:
             if number == max(j for _, j in self.placement.values()):
                 self.kept.clear()
             if added is None:
-                return None
+                return _replace_hidden(output, hidden) if replaced else None
             hidden = hidden + added
             if aux is not None:
                 hidden = AuxLossToActivation.apply(hidden, aux, self.aux_scale)
@@ -202,17 +242,15 @@ def attach_memory(chunks: List[torch.nn.Module], config,
         memory_parallel_groups(mem.group_size)  # collective: also on stages without memory layers
     first, last = stage_layers(config, parallel_state.get_pipeline_model_parallel_rank())
     own = {k: (i - first + 1, j - first + 1) for k, (i, j) in enumerate(placement) if first <= i and j <= last}
-    aux_scale = None
-    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        dp = parallel_state.get_data_parallel_world_size()
-        global_batch = t.global_batch_size or t.micro_batch_size * dp
-        aux_scale = t.micro_batch_size * dp / global_batch  # 1 / num_microbatches
+    dp = parallel_state.get_data_parallel_world_size()
+    loss_scale = t.micro_batch_size * dp / (t.global_batch_size or t.micro_batch_size * dp)  # 1 / microbatches
+    aux_scale = None if parallel_state.is_pipeline_last_stage(ignore_virtual=True) else loss_scale
     for chunk in chunks:
         chunk.memory = MemoryModules({k: build_memory_layer(config, k) for k in own})
         if own:
             layers, seq_dim = _hook_layers(chunk)
             stream = MemoryStream(compat.device()) if mem.async_stream else None
-            chunk.memory_wiring = MemoryWiring(chunk, own, seq_dim, layers, stream, aux_scale)
+            chunk.memory_wiring = MemoryWiring(chunk, own, seq_dim, layers, stream, aux_scale, loss_scale)
 
     def rule(key: str, param: torch.Tensor) -> Optional[float]:
         if hasattr(param, "memory_init_std"):

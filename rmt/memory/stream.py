@@ -1,24 +1,34 @@
-"""Async memory stream: a memory layer placed ``i:j`` runs beside the dense layers i+1..j.
+"""Async memory stream: a memory layer placed ``i:j`` runs beside the dense layers i+1..j,
+in the forward and in the backward.
 
-:meth:`MemoryStream.launch` starts the layer (query, retrieval, lookup and the
-memory-parallel collectives) as soon as layer i's output exists and
-:meth:`MemoryStream.wait` joins it where layer j adds the result (UltraMem §3.2 skip-layer
-structure, Appendix C: the memory layer's communication hidden behind dense compute). The
-work runs on a worker thread (gloo collectives and the lookup kernels release the GIL while
-the main thread computes the dense layers); on GPU it is issued into a side CUDA stream that
-waits on an event recorded after layer i, and layer j's stream waits on an event recorded
-after the memory layer. Autograd graph, grad mode and autocast state carry over, so the
-numbers are those of the synchronous mode.
+Forward: :meth:`MemoryStream.launch` starts the layer (query, retrieval, lookup and the
+memory-parallel collectives) as soon as layer i's output exists and :meth:`MemoryStream.wait`
+joins it where layer j adds the result (UltraMem §3.2 skip-layer structure, Appendix C: the
+memory layer's communication hidden behind dense compute). The work runs on a worker thread
+(gloo collectives and the lookup kernels release the GIL while the main thread computes the
+dense layers); on GPU it is issued into a side CUDA stream that waits on an event recorded
+after layer i, and layer j's stream waits on an event recorded after the memory layer.
+Autograd graph, grad mode and autocast state carry over, so the numbers are those of the
+synchronous mode.
 
-``busy_s`` accumulates the memory layers' forward time on the worker and ``exposed_s`` the
-time the dense path spent blocked in :meth:`wait` (the part not hidden).
+Backward (training): the memory layer's input is detached at layer i, so the layer has an
+autograd graph of its own, linked to the dense one by two functions. :class:`JoinMemory` adds
+its output at layer j; its backward hands the output gradient (and the auxiliary loss's, at
+the schedule's loss scale) to :meth:`MemoryStream.launch_backward`, which runs the memory
+layer's backward (kernels, gradient collectives) on the worker while the main thread runs the
+dense backward of layers j..i+1. :class:`ForkMemory`, an identity on layer i's output, waits for
+it in its backward and adds the input gradient. Gradients are those of the synchronous mode.
+
+``busy_s`` / ``exposed_s`` accumulate the memory layers' forward time on the worker and the
+time the dense path spent blocked in :meth:`wait` (the part not hidden); ``busy_backward_s`` /
+``exposed_backward_s`` the same for the backward.
 """
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
+from typing import Callable, List, Optional
 
 import torch
 
@@ -30,6 +40,8 @@ class MemoryStream:
         self.side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.busy_s = 0.0
         self.exposed_s = 0.0
+        self.busy_backward_s = 0.0
+        self.exposed_backward_s = 0.0
 
     def launch(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Future:
         grad = torch.is_grad_enabled()
@@ -66,5 +78,85 @@ class MemoryStream:
         self.exposed_s += time.perf_counter() - start
         return y
 
+    def launch_backward(self, tensors: List[torch.Tensor], grads: List[torch.Tensor]) -> Future:
+        """Run ``torch.autograd.backward(tensors, grads)`` on the worker (after the current
+        stream's work on GPU); the future's result is the completion event (None on CPU)."""
+        ready = None
+        if self.side is not None:
+            ready = torch.cuda.Event()
+            ready.record()
+
+        def run():
+            start = time.perf_counter()
+            done = None
+            if self.side is None:
+                torch.autograd.backward(tensors, grads)
+            else:
+                with torch.cuda.stream(self.side):
+                    self.side.wait_event(ready)
+                    torch.autograd.backward(tensors, grads)
+                    done = torch.cuda.Event()
+                    done.record(self.side)
+            self.busy_backward_s += time.perf_counter() - start
+            return done
+
+        return self.pool.submit(run)
+
+    def wait_backward(self, pending: Future) -> None:
+        start = time.perf_counter()
+        done = pending.result()
+        if done is not None:
+            torch.cuda.current_stream().wait_event(done)
+        self.exposed_backward_s += time.perf_counter() - start
+
     def reset_timers(self) -> None:
-        self.busy_s = self.exposed_s = 0.0
+        self.busy_s = self.exposed_s = self.busy_backward_s = self.exposed_backward_s = 0.0
+
+
+class MemoryLink:
+    """One memory layer's graph in one forward: its detached input ``x`` (a leaf), and once
+    joined its output and auxiliary loss, whose backward runs on the stream."""
+
+    def __init__(self, stream: MemoryStream, x: torch.Tensor):
+        self.stream, self.x = stream, x
+        self.outputs: List[torch.Tensor] = []
+        self.aux_grads: List[torch.Tensor] = []
+        self.pending: Optional[Future] = None
+
+    def start_backward(self, grad: torch.Tensor) -> None:
+        self.pending = self.stream.launch_backward(self.outputs, [grad] + self.aux_grads)
+
+    def input_grad(self) -> Optional[torch.Tensor]:
+        if self.pending is not None:
+            self.stream.wait_backward(self.pending)
+        return self.x.grad
+
+
+class ForkMemory(torch.autograd.Function):
+    """Identity on layer i's output; backward adds the memory layer's input gradient, waiting
+    for its backward on the stream."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, link: MemoryLink):
+        ctx.link = link
+        return hidden.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        extra = ctx.link.input_grad()
+        return (grad if extra is None else grad + extra), None
+
+
+class JoinMemory(torch.autograd.Function):
+    """``hidden + y`` with ``y`` (detached) the memory layer's output; backward starts the
+    memory layer's backward on the stream with the same output gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, y: torch.Tensor, link: MemoryLink):
+        ctx.link = link
+        return hidden + y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.link.start_backward(grad)
+        return grad, None, None
