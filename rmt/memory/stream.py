@@ -79,8 +79,14 @@ class MemoryStream:
         return y
 
     def launch_backward(self, tensors: List[torch.Tensor], grads: List[torch.Tensor]) -> Future:
-        """Run ``torch.autograd.backward(tensors, grads)`` on the worker (after the current
-        stream's work on GPU); the future's result is the completion event (None on CPU)."""
+        """Run ``torch.autograd.backward(tensors, grads)`` beside the dense backward; the
+        future's result is the completion event (None on CPU).
+
+        On CPU it runs on the worker thread. On GPU it is issued here, re-entrantly, into the side
+        stream after the current stream's work: the autograd engine runs CUDA backward nodes on
+        its device thread, the one calling this from :class:`JoinMemory`, so a backward started
+        from the worker would queue behind :class:`ForkMemory`'s wait and deadlock; the GPU
+        overlaps the side stream's kernels and collectives with the dense backward anyway."""
         ready = None
         if self.side is not None:
             ready = torch.cuda.Event()
@@ -100,7 +106,11 @@ class MemoryStream:
             self.busy_backward_s += time.perf_counter() - start
             return done
 
-        return self.pool.submit(run)
+        if self.side is None:
+            return self.pool.submit(run)
+        issued = Future()
+        issued.set_result(run())
+        return issued
 
     def wait_backward(self, pending: Future) -> None:
         start = time.perf_counter()
