@@ -22,21 +22,40 @@ def _train(path, overrides, nproc):
     return torch.load(path)
 
 
-@pytest.mark.parametrize("extra,nproc", [
-    ([], 2),
-    (["parallel.tensor_model_parallel_size=2", "memory.partition=number", "memory.async_stream=true"], 4),
-], ids=["pp2-local-tables", "pp2xtp2-number-wise-tables-async"])
-def test_memory_pipeline_matches_single_process(cache_dir, tmp_path, extra, nproc):
+VPP = ["model.num_layers=8", "memory.placement='1:2/3:3/7:8'", "parallel.virtual_pipeline_model_parallel_size=2"]
+
+
+@pytest.fixture(scope="module")
+def reference(cache_dir, tmp_path_factory):
+    tmp, runs = tmp_path_factory.mktemp("memory_pp_ref"), {}
+
+    def get(extra):
+        key = tuple(extra)
+        if key not in runs:
+            runs[key] = _train(tmp / f"ref{len(runs)}.pt", tiny_overrides(cache_dir) + MEMORY + extra, 1)
+        return runs[key]
+
+    return get
+
+
+@pytest.mark.parametrize("extra,nproc,ref_extra", [
+    ([], 2, []),
+    (["parallel.tensor_model_parallel_size=2", "memory.partition=number", "memory.async_stream=true"], 4, []),
+    (VPP + ["memory.async_stream=true"], 2, VPP[:2]),
+], ids=["pp2-local-tables", "pp2xtp2-number-wise-tables-async", "pp2xvpp2-async"])
+def test_memory_pipeline_matches_single_process(reference, cache_dir, tmp_path, extra, nproc, ref_extra):
     """Second case: each stage shards its tables number-wise over its two TP ranks, which
     split the shared tokens between them, and runs its memory layer forward and backward on
-    the async stream (the first stage's aux loss then reaches backward through the stream)."""
-    ref = _train(tmp_path / "ref.pt", tiny_overrides(cache_dir) + MEMORY, 1)
+    the async stream (the first stage's aux loss then reaches backward through the stream).
+    Third: the interleaved schedule, 8 layers in 4 model chunks of 2, memory layers in chunks
+    0 and 3 (rank 0's first, rank 1's second) and 1 (rank 1's first), one async stream per rank."""
+    ref = reference(ref_extra)
     got = _train(tmp_path / "got.pt", tiny_overrides(cache_dir) + MEMORY
                  + ["parallel.pipeline_model_parallel_size=2"] + extra, nproc)
     assert len(got["losses"]) == 3
     assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
     assert sorted(got["grads"]) == sorted(ref["grads"])
-    for k in (0, 1):
+    for k in range(3 if VPP[1] in extra else 2):
         assert {f"memory.{k}.values.weight", f"memory.{k}.keys", f"memory.{k}.cores"} <= set(ref["grads"])
     for key in ref["grads"]:
         if key.startswith("memory."):
@@ -53,3 +72,14 @@ def test_memory_placement_crossing_stage_rejected():
                               "stages of 2 layers each placement must lie within layers 1-2 or 3-4")
     validate(load_config(None, overrides[:2] + ["memory.placement='3:4'", "parallel.pipeline_model_parallel_size=2"]),
              world_size=2)
+
+
+def test_memory_placement_crossing_virtual_stage_rejected():
+    overrides = MEMORY[1:2] + VPP[:1] + VPP[2:] + ["parallel.pipeline_model_parallel_size=2",
+                                                  "train.micro_batch_size=2", "train.global_batch_size=4"]
+    with pytest.raises(ConfigError) as err:
+        validate(load_config(None, overrides + ["memory.placement='2:3'"]), world_size=2)
+    assert str(err.value) == ("memory.placement '2:3' crosses the pipeline stage boundary after layer 2; with 4 model "
+                              "chunks (virtual stages) of 2 layers each placement must lie within layers 1-2, 3-4, "
+                              "5-6 or 7-8")
+    validate(load_config(None, overrides + ["memory.placement='5:6'"]), world_size=2)

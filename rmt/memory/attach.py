@@ -12,10 +12,11 @@ output is viewed back: the memory reads the whole matrix and writes a full-matri
 
 Memory layers are replicated across tensor-parallel ranks (every TP rank holds the full hidden
 state without sequence parallelism, so they compute the same result and receive the same
-gradients). Under pipeline parallelism every placement lies inside one stage (checked by the
-config validation); its memory layer is built only on that stage, hooked on the stage's local
-layers, and keeps its global index ``k`` (``memory.k.*`` keys as in the single-stage run). The
-loss is computed on the last stage only, so on earlier stages the auxiliary losses ride on the
+gradients). Under pipeline parallelism every placement lies inside one model chunk (a stage, or
+a virtual stage of the interleaved schedule; checked by the config validation); its memory layer
+is built only in that chunk, hooked on the chunk's local layers, and keeps its global index ``k``
+(``memory.k.*`` keys as in the single-stage run). The loss is computed in the last chunk of the
+last stage only, so in earlier chunks the auxiliary losses ride on the
 hidden state (:class:`AuxLossToActivation`, megatron-core's ``MoEAuxLossAutoScaler`` trick);
 with the async stream in training they backpropagate with the memory layer's own graph instead
 (:mod:`rmt.memory.stream`), on every stage at the schedule's loss scale. With
@@ -240,17 +241,22 @@ def attach_memory(chunks: List[torch.nn.Module], config,
     placement = parse_placement(mem.placement, config.model.num_layers)
     if mem.partition != "local":
         memory_parallel_groups(mem.group_size)  # collective: also on stages without memory layers
-    first, last = stage_layers(config, parallel_state.get_pipeline_model_parallel_rank())
-    own = {k: (i - first + 1, j - first + 1) for k, (i, j) in enumerate(placement) if first <= i and j <= last}
     dp = parallel_state.get_data_parallel_world_size()
     loss_scale = t.micro_batch_size * dp / (t.global_batch_size or t.micro_batch_size * dp)  # 1 / microbatches
-    aux_scale = None if parallel_state.is_pipeline_last_stage(ignore_virtual=True) else loss_scale
-    for chunk in chunks:
+    # One stream for all chunks of the rank: a single worker issues the memory collectives in
+    # the schedule's order, the same on every rank of a memory-parallel group.
+    stream = MemoryStream(compat.device()) if mem.async_stream else None
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    vpp = config.parallel.virtual_pipeline_model_parallel_size
+    for vp_stage, chunk in enumerate(chunks):
+        first, last = stage_layers(config, rank, vp_stage if vpp else None)
+        own = {k: (i - first + 1, j - first + 1) for k, (i, j) in enumerate(placement) if first <= i and j <= last}
         chunk.memory = MemoryModules({k: build_memory_layer(config, k) for k in own})
         if own:
             layers, seq_dim = _hook_layers(chunk)
-            stream = MemoryStream(compat.device()) if mem.async_stream else None
-            chunk.memory_wiring = MemoryWiring(chunk, own, seq_dim, layers, stream, aux_scale, loss_scale)
+            loss_chunk = parallel_state.is_pipeline_last_stage(ignore_virtual=True) and vp_stage == len(chunks) - 1
+            chunk.memory_wiring = MemoryWiring(chunk, own, seq_dim, layers, stream,
+                                               None if loss_chunk else loss_scale, loss_scale)
 
     def rule(key: str, param: torch.Tensor) -> Optional[float]:
         if hasattr(param, "memory_init_std"):

@@ -42,32 +42,37 @@ def parse_placement(text: str, num_layers: int) -> List[Tuple[int, int]]:
     return pairs
 
 
-def stage_layers(config, stage: int) -> Tuple[int, int]:
-    """First and last global layer (1-based) of pipeline stage ``stage``: the layers are split
-    evenly, ``num_layers / pipeline_model_parallel_size`` per stage."""
-    per = config.model.num_layers // config.parallel.pipeline_model_parallel_size
-    return stage * per + 1, (stage + 1) * per
+def num_model_chunks(config) -> int:
+    """Pipeline stages x virtual stages: the model chunks the layers are split evenly over."""
+    p = config.parallel
+    return p.pipeline_model_parallel_size * (p.virtual_pipeline_model_parallel_size or 1)
+
+
+def stage_layers(config, stage: int, vp_stage: Optional[int] = None) -> Tuple[int, int]:
+    """First and last global layer (1-based) of the model chunk of pipeline stage ``stage`` and
+    virtual stage ``vp_stage`` (None: no virtual pipeline): ``num_layers / chunks`` layers per
+    chunk, chunk ``vp_stage * pipeline_size + stage`` in megatron-core's interleaved order."""
+    per = config.model.num_layers // num_model_chunks(config)
+    index = (vp_stage or 0) * config.parallel.pipeline_model_parallel_size + stage
+    return index * per + 1, (index + 1) * per
 
 
 def validate_memory_pipeline(config, placement: List[Tuple[int, int]]) -> None:
-    """With pipeline parallelism every placement ``i:j`` must lie inside one stage (its memory
-    layer is built on that stage); no virtual pipeline stages."""
-    p = config.parallel
-    pp = p.pipeline_model_parallel_size
-    if pp == 1:
+    """With pipeline parallelism every placement ``i:j`` must lie inside one model chunk (a
+    stage, or a virtual stage of the interleaved schedule): its memory layer is built there."""
+    chunks = num_model_chunks(config)
+    if chunks == 1:
         return
-    if p.virtual_pipeline_model_parallel_size is not None:
-        raise ConfigError("memory layers are not supported with a virtual pipeline "
-                          "(parallel.virtual_pipeline_model_parallel_size must be unset)")
-    per = config.model.num_layers // pp
+    per = config.model.num_layers // chunks
     for start, end in placement:
         if (start - 1) // per != (end - 1) // per:
-            ranges = [f"{a}-{b}" if a < b else str(a) for a, b in (stage_layers(config, s) for s in range(pp))]
+            ranges = [f"{s * per + 1}-{(s + 1) * per}" if per > 1 else str(s + 1) for s in range(chunks)]
             ranges = ", ".join(ranges[:-1]) + " or " + ranges[-1]
             boundary = ((start - 1) // per + 1) * per
+            what = "stages" if chunks == config.parallel.pipeline_model_parallel_size else "model chunks (virtual stages)"
             raise ConfigError(
                 f"memory.placement '{start}:{end}' crosses the pipeline stage boundary after layer "
-                f"{boundary}; with {pp} stages of {per} layers each placement must lie within layers {ranges}")
+                f"{boundary}; with {chunks} {what} of {per} layers each placement must lie within layers {ranges}")
 
 
 def validate_memory_parallel(config, world_size: int) -> None:
