@@ -43,29 +43,40 @@ class MemoryStream:
         self.busy_backward_s = 0.0
         self.exposed_backward_s = 0.0
 
-    def launch(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Future:
-        grad = torch.is_grad_enabled()
-        kind = self.device.type
-        autocast = torch.is_autocast_enabled(kind)
-        dtype = torch.get_autocast_dtype(kind)
+    def _issue(self, work: Callable[[], object]) -> Callable[[], tuple]:
+        """``work`` as a call returning ``(result, done)``, ordered after the current stream's
+        work so far: on GPU run in the side stream (``done`` its completion event), on CPU as
+        is (``done`` None)."""
         ready = None
         if self.side is not None:
             ready = torch.cuda.Event()
             ready.record()
 
         def run():
+            if self.side is None:
+                return work(), None
+            with torch.cuda.stream(self.side):
+                self.side.wait_event(ready)
+                out = work()
+                done = torch.cuda.Event()
+                done.record(self.side)
+            return out, done
+
+        return run
+
+    def launch(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Future:
+        grad = torch.is_grad_enabled()
+        kind = self.device.type
+        autocast = torch.is_autocast_enabled(kind)
+        dtype = torch.get_autocast_dtype(kind)
+        issued = self._issue(lambda: fn(x))
+
+        def run():
             start = time.perf_counter()
             with torch.set_grad_enabled(grad), torch.autocast(kind, dtype=dtype, enabled=autocast):
-                if self.side is None:
-                    y, done = fn(x), None
-                else:
-                    with torch.cuda.stream(self.side):
-                        self.side.wait_event(ready)
-                        y = fn(x)
-                        done = torch.cuda.Event()
-                        done.record(self.side)
+                out = issued()
             self.busy_s += time.perf_counter() - start
-            return y, done
+            return out
 
         return self.pool.submit(run)
 
@@ -87,30 +98,19 @@ class MemoryStream:
         its device thread, the one calling this from :class:`JoinMemory`, so a backward started
         from the worker would queue behind :class:`ForkMemory`'s wait and deadlock; the GPU
         overlaps the side stream's kernels and collectives with the dense backward anyway."""
-        ready = None
-        if self.side is not None:
-            ready = torch.cuda.Event()
-            ready.record()
+        issued = self._issue(lambda: torch.autograd.backward(tensors, grads))
 
         def run():
             start = time.perf_counter()
-            done = None
-            if self.side is None:
-                torch.autograd.backward(tensors, grads)
-            else:
-                with torch.cuda.stream(self.side):
-                    self.side.wait_event(ready)
-                    torch.autograd.backward(tensors, grads)
-                    done = torch.cuda.Event()
-                    done.record(self.side)
+            _, done = issued()
             self.busy_backward_s += time.perf_counter() - start
             return done
 
         if self.side is None:
             return self.pool.submit(run)
-        issued = Future()
-        issued.set_result(run())
-        return issued
+        now = Future()
+        now.set_result(run())
+        return now
 
     def wait_backward(self, pending: Future) -> None:
         start = time.perf_counter()
