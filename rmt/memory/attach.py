@@ -191,22 +191,19 @@ class MemoryWiring:
 
     def _hook(self, number: int, keep: bool) -> Callable:
         def hook(module, args, output):
-            hidden = _hidden(output)
-            replaced = False
+            hidden = original = _hidden(output)
             if keep:
                 self.kept[number] = hidden
                 if self.stream is not None:
                     for k, (i, _) in self.placement.items():
                         if i == number:
                             hidden = self._launch(k, hidden)
-                            replaced = True
             added, aux = None, None
             for k, (i, j) in self.placement.items():
                 if j != number:
                     continue
                 if self.stream is not None:
                     hidden, y = self._join(k, hidden)
-                    replaced = True
                     if y is None:
                         continue
                 else:
@@ -222,7 +219,7 @@ class MemoryWiring:
             if number == max(j for _, j in self.placement.values()):
                 self.kept.clear()
             if added is None:
-                return _replace_hidden(output, hidden) if replaced else None
+                return None if hidden is original else _replace_hidden(output, hidden)
             hidden = hidden + added
             if aux is not None:
                 hidden = AuxLossToActivation.apply(hidden, aux, self.aux_scale)

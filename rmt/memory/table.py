@@ -89,12 +89,15 @@ class MemoryTable(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.randn(shape, dtype=dtype) * init_std)
         self.weight.memory_value = True
         self.weight.memory_init_std = init_std
-        self.sparse_grad = sparse_grad
         if sparse_grad:
             self.weight.memory_sparse_grad = True
         if partition != "local":
             self.weight.memory_sharded = True
             self.weight.memory_group, self.weight.memory_replica_group = group, replica_group
+
+    @property
+    def sparse_grad(self) -> bool:
+        return getattr(self.weight, "memory_sparse_grad", False)
 
     @property
     def shard_index(self):

@@ -65,6 +65,12 @@ def rows_and_values(grad):
 class SparseAdam(torch.optim.SparseAdam):
     """``torch.optim.SparseAdam`` with the fused CPU step (see the module docstring)."""
 
+    @staticmethod
+    def initial_state(p):
+        """The state torch's SparseAdam creates on a parameter's first step."""
+        return {"step": 0, "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+
     @torch.no_grad()
     def step(self, closure=None):
         fused = all(fused_kernels(p) is not None and _fused_adam_dtype(p)
@@ -84,9 +90,7 @@ class SparseAdam(torch.optim.SparseAdam):
                     raise RuntimeError("SparseAdam does not support dense gradients, please consider Adam instead")
                 state = self.state[p]
                 if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state.update(self.initial_state(p))
                 state["step"] += 1
                 rows, values = rows_and_values(p.grad)
                 if rows.numel():
@@ -117,6 +121,11 @@ class RowWiseAdagrad(torch.optim.Optimizer):
             raise ValueError(f"RowWiseAdagrad: need lr > 0, eps >= 0, weight_decay >= 0; got {lr}, {eps}, {weight_decay}")
         super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay))
 
+    @staticmethod
+    def initial_state(p):
+        """One fp32 accumulator per row."""
+        return {"sum": torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)}
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -130,8 +139,8 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                 if p.dim() != 2:
                     raise ValueError(f"RowWiseAdagrad: parameters must be 2-D tables; got shape {tuple(p.shape)}")
                 state = self.state[p]
-                if "sum" not in state:
-                    state["sum"] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
+                if not state:
+                    state.update(self.initial_state(p))
                 rows, values = rows_and_values(p.grad)
                 ext = fused_kernels(p)
                 if ext is not None:

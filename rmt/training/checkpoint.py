@@ -21,12 +21,11 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
 from rmt.errors import UserError
-from rmt.ops.sparse_optim import RowWiseAdagrad
 from rmt.parallel.sharding import shards
 from rmt.training.optimizer import ChainedOptimizer
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
-_ROW_STATE = "sum"  # RowWiseAdagrad's per-row accumulator
+_ROW_STATE = "sum"  # RowWiseAdagrad's per-row accumulator (its initial_state)
 
 
 def _rank() -> int:
@@ -46,10 +45,10 @@ def _ensure_optimizer_state(optimizer) -> None:
             if state:
                 continue
             owner = optimizer.owner(p) if isinstance(optimizer, ChainedOptimizer) else optimizer
-            if isinstance(owner, RowWiseAdagrad):
-                state[_ROW_STATE] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
+            if hasattr(owner, "initial_state"):  # rmt's SparseAdam and RowWiseAdagrad
+                state.update(owner.initial_state(p))
                 continue
-            state["step"] = 0 if isinstance(owner, torch.optim.SparseAdam) else torch.tensor(0.0)
+            state["step"] = torch.tensor(0.0)
             for name in _MOMENTS:
                 state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
