@@ -2,10 +2,18 @@
 // No torch headers: see lookup_reduce_cuda_kernels.h for the interface and the torch binding
 // in lookup_reduce_cuda.cpp.
 //
-// Forward: one thread block per (token, virtual block); threads stride over the D columns.
-// Backward: cub radix sort of the lookups by row + run-length encoding, then one thread block
-// per unique row sums its lookups in sorted order (no atomics, bit-identical results); score
-// gradients: one warp per lookup, a fixed shuffle-reduction tree.
+// Forward: one warp per output row (token, virtual block). The lanes load up to 32 of the
+// token's lookups (row index, block match) at once and pass them round with warp shuffles; each
+// lane holds COLS fp32 accumulators (columns lane, lane+32, ...), so a row of D <= 32*COLS is
+// read in COLS coalesced 128-byte transactions per lookup, wider rows in chunks of 32*COLS.
+//
+// Backward: cub radix sort of the lookups by row (stable, so each row's lookups stay in position
+// order), run-length encoding into unique rows and an exclusive scan into segment starts, all
+// without leaving the device. Then one group of lanes (a half warp for D <= 64, else a warp) per
+// unique row: it sums the row's lookups in sorted order (no atomics: bit-identical table
+// gradients) and writes the gradient row either to a compact [U, D] buffer or straight into a
+// dense [N, D] gradient, and computes the score gradients of those lookups against the row (a
+// fixed shuffle-reduction tree per column slice).
 #include "lookup_reduce_cuda_kernels.h"
 
 #include <cub/cub.cuh>
@@ -15,8 +23,11 @@
 namespace {
 
 constexpr int kWarp = 32;
-constexpr int kMaxThreads = 256;
+constexpr int kHalfWarp = 16;
 constexpr int kWarpsPerBlock = 4;
+constexpr int kThreads = kWarp * kWarpsPerBlock;
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kRowLoadsInFlight = 16;  // forward: row loads a lane issues before its FMAs
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -31,27 +42,68 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half(x); }
 
-int threads_for(int64_t D) {
-  const int64_t rounded = ((D + kWarp - 1) / kWarp) * kWarp;
-  return static_cast<int>(rounded < kMaxThreads ? rounded : kMaxThreads);
+__device__ __forceinline__ int64_t warp_id() {
+  return static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
 }
 
-template <typename scalar_t>
-__global__ void forward_kernel(const scalar_t* __restrict__ table, const int64_t* __restrict__ indices,
-                               const scalar_t* __restrict__ scores, const int64_t* __restrict__ block_ids,
-                               scalar_t* __restrict__ out, int64_t K, int64_t C, int64_t D, int64_t E) {
-  const int64_t t = blockIdx.x / E;
-  const int64_t b = blockIdx.x % E;
-  const int64_t Dc = D / C;
-  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
-    const int64_t c = d / Dc;
-    float acc = 0.f;
-    for (int64_t k = 0; k < K; ++k) {
-      const int64_t p = t * K + k;
-      if (block_ids != nullptr && block_ids[p] != b) continue;
-      acc += to_float(scores[p * C + c]) * to_float(table[indices[p] * D + d]);
+unsigned blocks_for_warps(int64_t warps) {
+  return static_cast<unsigned>((warps + kWarpsPerBlock - 1) / kWarpsPerBlock);
+}
+
+template <typename scalar_t, int COLS>
+__global__ void __launch_bounds__(kThreads)
+forward_kernel(const scalar_t* __restrict__ table, const int64_t* __restrict__ indices,
+               const scalar_t* __restrict__ scores, const int64_t* __restrict__ block_ids,
+               scalar_t* __restrict__ out, int64_t rows_out, int64_t K, int C, int D, int64_t E) {
+  const int64_t w = warp_id();
+  if (w >= rows_out) return;
+  const int lane = threadIdx.x % kWarp;
+  const int64_t t = w / E, b = w % E;
+  const int Dc = D / C;
+  for (int d0 = 0; d0 < D; d0 += kWarp * COLS) {
+    int col[COLS];
+#pragma unroll
+    for (int v = 0; v < COLS; ++v) col[v] = (d0 + v * kWarp + lane) / Dc;
+    float acc[COLS] = {};
+    for (int64_t k0 = 0; k0 < K; k0 += kWarp) {
+      const int n = static_cast<int>(K - k0 < kWarp ? K - k0 : kWarp);
+      const int64_t mine = t * K + k0 + lane;
+      int64_t my_row = 0;
+      int my_take = 0;
+      if (lane < n) {
+        my_row = indices[mine];
+        my_take = block_ids == nullptr || block_ids[mine] == b;
+      }
+      // UNROLL lookups at a time: every row and score load is issued before the first FMA,
+      // so a lane keeps kRowLoadsInFlight row loads in flight; the sum stays in lookup order.
+      constexpr int UNROLL = kRowLoadsInFlight / COLS;
+      for (int j0 = 0; j0 < n; j0 += UNROLL) {
+        float val[UNROLL][COLS], sc[UNROLL][COLS];
+#pragma unroll
+        for (int i = 0; i < UNROLL; ++i) {
+          const int j = j0 + i;
+          const bool take = __shfl_sync(kFullMask, my_take, j % kWarp) && j < n;
+          const int64_t row = __shfl_sync(kFullMask, my_row, j % kWarp);
+          const int64_t p = t * K + k0 + j;
+#pragma unroll
+          for (int v = 0; v < COLS; ++v) {
+            const int d = d0 + v * kWarp + lane;
+            const bool ok = take && d < D;
+            val[i][v] = ok ? to_float(table[row * D + d]) : 0.f;
+            sc[i][v] = ok ? to_float(scores[p * C + col[v]]) : 0.f;
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < UNROLL; ++i)
+#pragma unroll
+          for (int v = 0; v < COLS; ++v) acc[v] += sc[i][v] * val[i][v];
+      }
     }
-    out[blockIdx.x * D + d] = from_float<scalar_t>(acc);
+#pragma unroll
+    for (int v = 0; v < COLS; ++v) {
+      const int d = d0 + v * kWarp + lane;
+      if (d < D) out[w * D + d] = from_float<scalar_t>(acc[v]);
+    }
   }
 }
 
@@ -60,47 +112,109 @@ __global__ void iota_kernel(int64_t* __restrict__ out, int64_t M) {
   if (i < M) out[i] = i;
 }
 
-template <typename scalar_t>
-__global__ void row_grad_kernel(const scalar_t* __restrict__ grad_out, const scalar_t* __restrict__ scores,
-                                const int64_t* __restrict__ block_ids,
-                                const int64_t* __restrict__ sorted_positions,
-                                const int64_t* __restrict__ seg_start, scalar_t* __restrict__ values,
-                                int64_t K, int64_t C, int64_t D, int64_t E) {
-  const int64_t u = blockIdx.x;
-  const int64_t Dc = D / C;
-  const int64_t start = seg_start[u], end = seg_start[u + 1];
-  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
-    const int64_t c = d / Dc;
-    float acc = 0.f;
+// Sum over the LANES lanes of one row group (a whole warp, or half of it): a fixed tree.
+template <int LANES>
+__device__ __forceinline__ float group_sum(float x, unsigned mask) {
+  for (int offset = LANES / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(mask, x, offset, LANES);
+  return x;
+}
+
+// LANES lanes per unique row u < *num_unique (32 / LANES rows per warp, each group on its own
+// shuffle mask, so the groups' segments may differ in length):
+// dst[(dense ? row : u) * D + d] = sum over the row's lookups p (sorted order) of
+// scores[p, d/Dc] * grad_out[p/K, block[p], d]; and for each of them
+// grad_scores[p, c] = <table row, grad_out row of p> over column slice c. Rows of
+// D <= LANES * COLS take one pass with the table row held in registers (loaded before the
+// segment, so its latency overlaps the segment's loads); wider rows take two passes over chunks
+// of LANES * COLS columns. Half-warp groups for narrow rows put two rows' chains of dependent
+// loads (segment -> position -> gradient row) in flight per warp.
+template <typename scalar_t, int LANES, int COLS>
+__global__ void __launch_bounds__(kThreads)
+backward_kernel(const scalar_t* __restrict__ grad_out, const scalar_t* __restrict__ table,
+                const scalar_t* __restrict__ scores, const int64_t* __restrict__ block_ids,
+                const int64_t* __restrict__ sorted_positions, const int64_t* __restrict__ seg_start,
+                const int64_t* __restrict__ unique_rows, const int64_t* __restrict__ num_unique,
+                scalar_t* __restrict__ dst, bool dense, scalar_t* __restrict__ grad_scores,
+                int64_t K, int C, int D, int64_t E) {
+  constexpr int kGroups = kWarp / LANES;
+  const int lane = threadIdx.x % kWarp, group = lane / LANES, l = lane % LANES;
+  const unsigned mask = LANES == kWarp ? kFullMask : ((1u << LANES) - 1) << (group * LANES);
+  const int64_t u = warp_id() * kGroups + group;
+  if (u >= *num_unique) return;
+  const int64_t start = seg_start[u], end = seg_start[u + 1], row = unique_rows[u];
+  const int Dc = D / C;
+  const scalar_t* trow = table + row * D;
+  scalar_t* out = dst + (dense ? row : u) * D;
+  if (D <= LANES * COLS) {
+    float tv[COLS], acc[COLS] = {};
+    int col[COLS];
+#pragma unroll
+    for (int v = 0; v < COLS; ++v) {
+      const int d = v * LANES + l;
+      tv[v] = d < D ? to_float(trow[d]) : 0.f;
+      col[v] = d < D ? d / Dc : -1;
+    }
     for (int64_t j = start; j < end; ++j) {
       const int64_t p = sorted_positions[j];
       const int64_t b = block_ids != nullptr ? block_ids[p] : 0;
-      acc += to_float(scores[p * C + c]) * to_float(grad_out[((p / K) * E + b) * D + d]);
+      const scalar_t* g = grad_out + ((p / K) * E + b) * D;
+      float gv[COLS];
+#pragma unroll
+      for (int v = 0; v < COLS; ++v) {
+        const int d = v * LANES + l;
+        gv[v] = d < D ? to_float(g[d]) : 0.f;
+        acc[v] += (d < D ? to_float(scores[p * C + col[v]]) : 0.f) * gv[v];
+      }
+      for (int c = 0; c < C; ++c) {
+        float dot = 0.f;
+#pragma unroll
+        for (int v = 0; v < COLS; ++v) dot += col[v] == c ? tv[v] * gv[v] : 0.f;
+        dot = group_sum<LANES>(dot, mask);
+        if (l == 0) grad_scores[p * C + c] = from_float<scalar_t>(dot);
+      }
     }
-    values[u * D + d] = from_float<scalar_t>(acc);
+#pragma unroll
+    for (int v = 0; v < COLS; ++v) {
+      const int d = v * LANES + l;
+      if (d < D) out[d] = from_float<scalar_t>(acc[v]);
+    }
+    return;
+  }
+  for (int d0 = 0; d0 < D; d0 += LANES * COLS) {
+    float acc[COLS] = {};
+    for (int64_t j = start; j < end; ++j) {
+      const int64_t p = sorted_positions[j];
+      const int64_t b = block_ids != nullptr ? block_ids[p] : 0;
+      const scalar_t* g = grad_out + ((p / K) * E + b) * D;
+#pragma unroll
+      for (int v = 0; v < COLS; ++v) {
+        const int d = d0 + v * LANES + l;
+        if (d < D) acc[v] += to_float(scores[p * C + d / Dc]) * to_float(g[d]);
+      }
+    }
+#pragma unroll
+    for (int v = 0; v < COLS; ++v) {
+      const int d = d0 + v * LANES + l;
+      if (d < D) out[d] = from_float<scalar_t>(acc[v]);
+    }
+  }
+  for (int64_t j = start; j < end; ++j) {
+    const int64_t p = sorted_positions[j];
+    const int64_t b = block_ids != nullptr ? block_ids[p] : 0;
+    const scalar_t* g = grad_out + ((p / K) * E + b) * D;
+    for (int c = 0; c < C; ++c) {
+      float dot = 0.f;
+      for (int d = c * Dc + l; d < (c + 1) * Dc; d += LANES) dot += to_float(trow[d]) * to_float(g[d]);
+      dot = group_sum<LANES>(dot, mask);
+      if (l == 0) grad_scores[p * C + c] = from_float<scalar_t>(dot);
+    }
   }
 }
 
-template <typename scalar_t>
-__global__ void score_grad_kernel(const scalar_t* __restrict__ grad_out, const scalar_t* __restrict__ table,
-                                  const int64_t* __restrict__ indices, const int64_t* __restrict__ block_ids,
-                                  scalar_t* __restrict__ grad_scores, int64_t M, int64_t K, int64_t C,
-                                  int64_t D, int64_t E) {
-  const int64_t p = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
-  const int lane = threadIdx.x % kWarp;
-  if (p >= M) return;
-  const int64_t Dc = D / C;
-  const int64_t b = block_ids != nullptr ? block_ids[p] : 0;
-  const scalar_t* row = table + indices[p] * D;
-  const scalar_t* g = grad_out + ((p / K) * E + b) * D;
-  for (int64_t c = 0; c < C; ++c) {
-    float dot = 0.f;
-    for (int64_t d = c * Dc + lane; d < (c + 1) * Dc; d += kWarp) dot += to_float(row[d]) * to_float(g[d]);
-    for (int offset = kWarp / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-    if (lane == 0) grad_scores[p * C + c] = from_float<scalar_t>(dot);
-  }
-}
+template <int N>
+using Int = std::integral_constant<int, N>;
 
+// Calls launch(scalar_t{}) for the dtype code.
 template <typename F>
 int dispatch_dtype(int dtype, F&& launch) {
   switch (dtype) {
@@ -109,6 +223,15 @@ int dispatch_dtype(int dtype, F&& launch) {
     case RMT_FLOAT16: return launch(__half{});
     default: return static_cast<int>(cudaErrorInvalidValue);
   }
+}
+
+// Calls launch(Int<COLS>{}) with the per-lane column count for rows of D columns over `lanes`
+// lanes: one pass for D <= 4 * lanes, chunks of 4 * lanes beyond.
+template <typename F>
+int dispatch_cols(int64_t D, int lanes, F&& launch) {
+  if (D <= lanes) return launch(Int<1>{});
+  if (D <= 2 * lanes) return launch(Int<2>{});
+  return launch(Int<4>{});
 }
 
 using SortKey = unsigned long long;
@@ -122,33 +245,43 @@ int rmt_lookup_reduce_forward_cuda(int dtype, const void* table, const int64_t* 
   if (T * E == 0) return static_cast<int>(cudaSuccess);
   return dispatch_dtype(dtype, [&](auto tag) {
     using scalar_t = decltype(tag);
-    forward_kernel<scalar_t><<<static_cast<unsigned>(T * E), threads_for(D), 0, stream>>>(
-        static_cast<const scalar_t*>(table), indices, static_cast<const scalar_t*>(scores), block_ids,
-        static_cast<scalar_t*>(out), K, C, D, E);
-    return static_cast<int>(cudaGetLastError());
+    return dispatch_cols(D, kWarp, [&](auto cols) {
+      forward_kernel<scalar_t, decltype(cols)::value><<<blocks_for_warps(T * E), kThreads, 0, stream>>>(
+          static_cast<const scalar_t*>(table), indices, static_cast<const scalar_t*>(scores), block_ids,
+          static_cast<scalar_t*>(out), T * E, K, static_cast<int>(C), static_cast<int>(D), E);
+      return static_cast<int>(cudaGetLastError());
+    });
   });
 }
 
 size_t rmt_lookup_reduce_sort_workspace_bytes(int64_t M) {
-  size_t sort_bytes = 0, rle_bytes = 0;
+  size_t sort_bytes = 0, rle_bytes = 0, scan_bytes = 0;
   cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, static_cast<const SortKey*>(nullptr),
                                   static_cast<SortKey*>(nullptr), static_cast<const int64_t*>(nullptr),
                                   static_cast<int64_t*>(nullptr), M);
   cub::DeviceRunLengthEncode::Encode(nullptr, rle_bytes, static_cast<const SortKey*>(nullptr),
                                      static_cast<SortKey*>(nullptr), static_cast<int64_t*>(nullptr),
                                      static_cast<int64_t*>(nullptr), M);
-  return sort_bytes > rle_bytes ? sort_bytes : rle_bytes;
+  cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, static_cast<const int64_t*>(nullptr),
+                                static_cast<int64_t*>(nullptr), M + 1);
+  size_t bytes = sort_bytes > rle_bytes ? sort_bytes : rle_bytes;
+  return bytes > scan_bytes ? bytes : scan_bytes;
 }
 
 int rmt_lookup_reduce_sort_cuda(const int64_t* indices, int64_t M, int end_bit,
                                 int64_t* positions_in, int64_t* sorted_keys,
                                 int64_t* sorted_positions, int64_t* unique_rows, int64_t* counts,
-                                int64_t* num_unique, void* workspace, size_t workspace_bytes,
-                                cudaStream_t stream) {
-  if (M == 0) return static_cast<int>(cudaMemsetAsync(num_unique, 0, sizeof(int64_t), stream));
-  const unsigned blocks = static_cast<unsigned>((M + kMaxThreads - 1) / kMaxThreads);
-  iota_kernel<<<blocks, kMaxThreads, 0, stream>>>(positions_in, M);
-  cudaError_t err = cudaGetLastError();
+                                int64_t* seg_start, int64_t* num_unique, void* workspace,
+                                size_t workspace_bytes, cudaStream_t stream) {
+  if (M == 0) {
+    cudaError_t err = cudaMemsetAsync(num_unique, 0, sizeof(int64_t), stream);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    return static_cast<int>(cudaMemsetAsync(seg_start, 0, sizeof(int64_t), stream));
+  }
+  cudaError_t err = cudaMemsetAsync(counts, 0, (M + 1) * sizeof(int64_t), stream);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  iota_kernel<<<static_cast<unsigned>((M + kThreads - 1) / kThreads), kThreads, 0, stream>>>(positions_in, M);
+  err = cudaGetLastError();
   if (err != cudaSuccess) return static_cast<int>(err);
   size_t bytes = workspace_bytes;
   err = cub::DeviceRadixSort::SortPairs(workspace, bytes, reinterpret_cast<const SortKey*>(indices),
@@ -159,31 +292,34 @@ int rmt_lookup_reduce_sort_cuda(const int64_t* indices, int64_t M, int end_bit,
   err = cub::DeviceRunLengthEncode::Encode(workspace, bytes, reinterpret_cast<const SortKey*>(sorted_keys),
                                            reinterpret_cast<SortKey*>(unique_rows), counts, num_unique, M,
                                            stream);
-  return static_cast<int>(err);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  // counts[U:] stay zero, so the scan over M + 1 entries needs no host copy of U: seg_start[u]
+  // is the first sorted position of unique row u and seg_start[U] = M.
+  bytes = workspace_bytes;
+  return static_cast<int>(cub::DeviceScan::ExclusiveSum(workspace, bytes, counts, seg_start, M + 1, stream));
 }
 
 int rmt_lookup_reduce_backward_cuda(int dtype, const void* grad_out, const void* table,
-                                    const int64_t* indices, const void* scores,
-                                    const int64_t* block_ids, const int64_t* sorted_positions,
-                                    const int64_t* seg_start, int64_t U,
-                                    void* values, void* grad_scores, int64_t T, int64_t K,
-                                    int64_t C, int64_t D, int64_t E, cudaStream_t stream) {
-  const int64_t M = T * K;
+                                    const void* scores, const int64_t* block_ids,
+                                    const int64_t* sorted_positions, const int64_t* seg_start,
+                                    const int64_t* unique_rows, const int64_t* num_unique,
+                                    int64_t max_unique, void* dst, int dense, void* grad_scores,
+                                    int64_t K, int64_t C, int64_t D, int64_t E, cudaStream_t stream) {
+  if (max_unique == 0) return static_cast<int>(cudaSuccess);
   return dispatch_dtype(dtype, [&](auto tag) {
     using scalar_t = decltype(tag);
-    if (U > 0) {
-      row_grad_kernel<scalar_t><<<static_cast<unsigned>(U), threads_for(D), 0, stream>>>(
-          static_cast<const scalar_t*>(grad_out), static_cast<const scalar_t*>(scores), block_ids,
-          sorted_positions, seg_start, static_cast<scalar_t*>(values), K, C, D, E);
-      const cudaError_t err = cudaGetLastError();
-      if (err != cudaSuccess) return static_cast<int>(err);
-    }
-    if (M > 0) {
-      const unsigned blocks = static_cast<unsigned>((M + kWarpsPerBlock - 1) / kWarpsPerBlock);
-      score_grad_kernel<scalar_t><<<blocks, kWarpsPerBlock * kWarp, 0, stream>>>(
-          static_cast<const scalar_t*>(grad_out), static_cast<const scalar_t*>(table), indices, block_ids,
-          static_cast<scalar_t*>(grad_scores), M, K, C, D, E);
-    }
-    return static_cast<int>(cudaGetLastError());
+    auto launch = [&](auto lanes, auto cols) {
+      constexpr int LANES = decltype(lanes)::value;
+      backward_kernel<scalar_t, LANES, decltype(cols)::value>
+          <<<blocks_for_warps((max_unique + kWarp / LANES - 1) / (kWarp / LANES)), kThreads, 0, stream>>>(
+              static_cast<const scalar_t*>(grad_out), static_cast<const scalar_t*>(table),
+              static_cast<const scalar_t*>(scores), block_ids, sorted_positions, seg_start, unique_rows,
+              num_unique, static_cast<scalar_t*>(dst), dense != 0, static_cast<scalar_t*>(grad_scores), K,
+              static_cast<int>(C), static_cast<int>(D), E);
+      return static_cast<int>(cudaGetLastError());
+    };
+    // Half-warp rows up to D = 64 (one pass), whole-warp rows beyond.
+    if (D <= 4 * kHalfWarp) return dispatch_cols(D, kHalfWarp, [&](auto cols) { return launch(Int<kHalfWarp>{}, cols); });
+    return launch(Int<kWarp>{}, Int<4>{});
   });
 }

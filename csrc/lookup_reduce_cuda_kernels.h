@@ -22,20 +22,23 @@ int rmt_lookup_reduce_forward_cuda(int dtype, const void* table, const int64_t* 
 // Bytes of scratch space rmt_lookup_reduce_sort_cuda needs for M lookups.
 size_t rmt_lookup_reduce_sort_workspace_bytes(int64_t M);
 
-// Stable radix sort of the M flat lookups by row (bits [0, end_bit) of the index), then
-// run-length encoding: unique_rows[0:U], counts[0:U], *num_unique = U (device memory).
+// Stable radix sort of the M flat lookups by row (bits [0, end_bit) of the index), run-length
+// encoding and a scan, all on the device: unique_rows[0:U], seg_start[0:U+1] (seg_start[U] = M),
+// *num_unique = U. counts and seg_start have M + 1 entries.
 int rmt_lookup_reduce_sort_cuda(const int64_t* indices, int64_t M, int end_bit,
                                 int64_t* positions_in, int64_t* sorted_keys,
                                 int64_t* sorted_positions, int64_t* unique_rows, int64_t* counts,
-                                int64_t* num_unique, void* workspace, size_t workspace_bytes,
-                                cudaStream_t stream);
+                                int64_t* seg_start, int64_t* num_unique, void* workspace,
+                                size_t workspace_bytes, cudaStream_t stream);
 
-// values[u, :] = sum over the lookups p of row u (in sorted order) of
-// scores[p, d/(D/C)] * grad_out[p/K, block[p], :]; grad_scores[p, c] = <table row, grad_out row>
-// over column slice c. seg_start has U+1 entries. Deterministic: no atomics.
+// For each unique row u < *num_unique (max_unique bounds the launch): the gradient row, the sum
+// over the row's lookups p (in sorted order) of scores[p, d/(D/C)] * grad_out[p/K, block[p], :],
+// written to dst[u] (dense = 0, dst is [U, D]) or dst[row] (dense = 1, dst is the [N, D] table
+// gradient, zeroed by the caller); and grad_scores[p, c] = <table row, grad_out row> over column
+// slice c. Deterministic: no atomics.
 int rmt_lookup_reduce_backward_cuda(int dtype, const void* grad_out, const void* table,
-                                    const int64_t* indices, const void* scores,
-                                    const int64_t* block_ids, const int64_t* sorted_positions,
-                                    const int64_t* seg_start, int64_t U,
-                                    void* values, void* grad_scores, int64_t T, int64_t K,
-                                    int64_t C, int64_t D, int64_t E, cudaStream_t stream);
+                                    const void* scores, const int64_t* block_ids,
+                                    const int64_t* sorted_positions, const int64_t* seg_start,
+                                    const int64_t* unique_rows, const int64_t* num_unique,
+                                    int64_t max_unique, void* dst, int dense, void* grad_scores,
+                                    int64_t K, int64_t C, int64_t D, int64_t E, cudaStream_t stream);

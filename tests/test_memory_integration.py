@@ -75,11 +75,14 @@ def megatron():
 
 
 def _inputs(cfg, b=2):
+    """Tokens, positions and the causal mask on the device the models are built on."""
+    from rmt.parallel import compat
+
     s = cfg.model.seq_length
     tokens = torch.randint(0, cfg.model.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(s).expand(b, s)
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
-    return tokens, pos, mask
+    return tuple(x.to(compat.device()) for x in (tokens, pos, mask))
 
 
 @pytest.mark.parametrize("kind", ["ultramem", "pkm", "moe"])

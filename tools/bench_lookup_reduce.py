@@ -33,8 +33,17 @@ On a shared machine elapsed times mostly measure the other jobs; ``--clock threa
 ``OMP_NUM_THREADS=1`` times the CPU time of the calling thread instead (torch runs CPU autograd on
 the calling thread, so forward and backward are both covered), which is stable to a few percent.
 
-    PYTHONPATH=. python tools/bench_lookup_reduce.py [--quick] [--json FILE] [--huge-pages on|off]
-        [--clock wall|thread] [--cache cold|warm] [--repeats R] [--backend NAME]
+On a GPU (``--device cuda``, the default where torch sees one) every method runs on CUDA tensors,
+the cold cache is a write of twice the L2 cache, the bandwidth probe is a device-to-device copy,
+and both GPU backends (``cuda`` and ``triton``) are timed (the summary is the first one's). Each
+phase is timed with CUDA events (``--clock events``, the default there): device time from the
+phase's first work to its last, with any idle gap while the host is still issuing work (Python,
+autograd, a host sync inside the phase) included. ``--clock wall`` instead syncs the device at
+both ends and reads the host clock, which adds the whole launch path of an isolated call.
+
+    PYTHONPATH=. python tools/bench_lookup_reduce.py [--quick] [--json FILE] [--device cpu|cuda]
+        [--huge-pages on|off] [--clock wall|thread|events] [--cache cold|warm] [--repeats R] [--backend NAME]
+        [--profile]
 """
 
 import argparse
@@ -48,7 +57,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from rmt.ops import lookup_reduce, select_backend
+from rmt.ops import available_backends, lookup_reduce, select_backend
 from rmt.ops.sparse_optim import RowWiseAdagrad, SparseAdam
 
 HEADLINE = dict(N=1 << 20, D=64, T=4096, K=32, C=1, E=1)
@@ -57,20 +66,64 @@ HEADLINE = dict(N=1 << 20, D=64, T=4096, K=32, C=1, E=1)
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
 
 
-def measure_bandwidth(mib, repeats, clock=time.perf_counter):
+class ClockTimer:
+    """Seconds of ``clock`` over a phase. On a GPU the clock is read after a device sync at both
+    ends, so the phase's time is the host's time to issue it plus the device's time to run it."""
+
+    def __init__(self, clock, device):
+        self.clock, self.device = clock, device
+
+    def _now(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return self.clock()
+
+    def start(self):
+        self.t0 = self._now()
+
+    def stop(self):
+        return self._now() - self.t0
+
+
+class EventTimer:
+    """Seconds between CUDA events recorded around a phase: from the device reaching the phase's
+    first work to it finishing the last, idle gaps while the host still issues work included.
+    The host issues each phase while the device runs the cache flush queued before it, as it
+    issues a layer while the device runs the previous ones in training."""
+
+    def start(self):
+        self.begin = torch.cuda.Event(enable_timing=True)
+        self.begin.record()
+
+    def stop(self):
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        return self.begin.elapsed_time(end) / 1e3
+
+
+def make_timer(clock, device):
+    return EventTimer() if clock == "events" else ClockTimer(CLOCKS[clock], device)
+
+
+def measure_bandwidth(mib, repeats, timer, device=torch.device("cpu")):
     """GB/s of ``dst.copy_(src)`` on a buffer of ``mib`` MiB (bytes read + bytes written)."""
-    src = torch.randn(mib << 18)
+    src = torch.randn(mib << 18, device=device)
     dst = torch.empty_like(src)
+    dst.copy_(src)
     times = []
     for _ in range(repeats):
-        t0 = clock()
+        timer.start()
         dst.copy_(src)
-        times.append(clock() - t0)
+        times.append(timer.stop())
     return 2 * src.numel() * 4 / statistics.median(times) / 1e9
 
 
-def last_level_cache_bytes(default=64 << 20):
-    """Size of the largest CPU cache (Linux sysfs), ``default`` where sysfs does not say."""
+def last_level_cache_bytes(device=torch.device("cpu"), default=64 << 20):
+    """Size of the largest cache: the GPU's L2, or the CPU's (Linux sysfs; ``default`` where
+    sysfs does not say)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).L2_cache_size
     sizes = []
     for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
         with open(path) as f:
@@ -83,8 +136,8 @@ def last_level_cache_bytes(default=64 << 20):
 class CacheFlusher:
     """Evicts the caches by writing a buffer of twice the last-level cache; a no-op when disabled."""
 
-    def __init__(self, enabled):
-        self.buffer = torch.empty(2 * last_level_cache_bytes() // 4) if enabled else None
+    def __init__(self, enabled, device=torch.device("cpu")):
+        self.buffer = torch.empty(2 * last_level_cache_bytes(device) // 4, device=device) if enabled else None
 
     def __call__(self):
         if self.buffer is not None:
@@ -98,15 +151,15 @@ def bytes_touched(N, D, T, K, C, E, unique, elem=4):
     return fwd, bwd
 
 
-def methods(shape, backend):
+def methods(shape, backends):
     """name -> callable(table, indices, scores, block_ids) -> output, for the shape's C and E."""
     C, E = shape["C"], shape["E"]
-    out = {
-        f"lookup_reduce[{backend}] sparse grad": lambda t, i, s, b: lookup_reduce(
-            t, i, s, b, E, backend=backend, sparse_grad=True, validate=False),
-        f"lookup_reduce[{backend}] dense grad": lambda t, i, s, b: lookup_reduce(
-            t, i, s, b, E, backend=backend, sparse_grad=False, validate=False),
-    }
+    out = {}
+    for backend in backends:
+        for kind, sparse in (("sparse", True), ("dense", False)):
+            out[f"lookup_reduce[{backend}] {kind} grad"] = (
+                lambda t, i, s, b, backend=backend, sparse=sparse: lookup_reduce(
+                    t, i, s, b, E, backend=backend, sparse_grad=sparse, validate=False))
     if C == 1 and E == 1:
         out["embedding_bag dense"] = lambda t, i, s, b: F.embedding_bag(
             i, t, per_sample_weights=s[..., 0], mode="sum").unsqueeze(1)
@@ -116,32 +169,32 @@ def methods(shape, backend):
     return out
 
 
-def time_method(fn, table, indices, scores, block_ids, grad_out, clock=time.perf_counter, flush=lambda: None):
+def time_method(fn, table, indices, scores, block_ids, grad_out, timer, flush=lambda: None):
     flush()
-    t0 = clock()
+    timer.start()
     out = fn(table, indices, scores, block_ids)
-    fwd = clock() - t0
+    fwd = timer.stop()
     flush()
-    t0 = clock()
+    timer.start()
     torch.autograd.grad(out, [table, scores], grad_out)
-    return fwd, clock() - t0
+    return fwd, timer.stop()
 
 
-def bench_shape(shape, repeats, backend, seed=0, clock=time.perf_counter, flush=lambda: None):
+def bench_shape(shape, repeats, backends, timer, seed=0, flush=lambda: None, device=torch.device("cpu")):
     N, D, T, K, C, E = (shape[k] for k in ("N", "D", "T", "K", "C", "E"))
     gen = torch.Generator().manual_seed(seed)
-    table = torch.randn(N, D, generator=gen).requires_grad_(True)
-    indices = torch.randint(0, N, (T, K), generator=gen)
-    scores = torch.randn(T, K, C, generator=gen).requires_grad_(True)
-    block_ids = torch.randint(0, E, (T, K), generator=gen) if E > 1 else None
-    grad_out = torch.randn(T, E, D, generator=gen)
+    table = torch.randn(N, D, generator=gen).to(device).requires_grad_(True)
+    indices = torch.randint(0, N, (T, K), generator=gen).to(device)
+    scores = torch.randn(T, K, C, generator=gen).to(device).requires_grad_(True)
+    block_ids = torch.randint(0, E, (T, K), generator=gen).to(device) if E > 1 else None
+    grad_out = torch.randn(T, E, D, generator=gen).to(device)
     unique = torch.unique(indices).numel()
     fwd_bytes, bwd_bytes = bytes_touched(N, D, T, K, C, E, unique)
-    fns = methods(shape, backend)
+    fns = methods(shape, backends)
     samples = {name: [] for name in fns}
     for rep in range(repeats + 1):  # the first round warms up (JIT build, allocator) and is dropped
         for name, fn in fns.items():
-            sample = time_method(fn, table, indices, scores, block_ids, grad_out, clock, flush)
+            sample = time_method(fn, table, indices, scores, block_ids, grad_out, timer, flush)
             if rep:
                 samples[name].append(sample)
     rows = []
@@ -173,14 +226,14 @@ def step_methods(backend):
     }
 
 
-def bench_step(shape, repeats, backend, seed=0, clock=time.perf_counter, flush=lambda: None):
+def bench_step(shape, repeats, backend, timer, seed=0, flush=lambda: None, device=torch.device("cpu")):
     """Medians of one training step (fwd + bwd + optimizer step; zero_grad untimed) per method."""
     N, D, T, K = (shape[k] for k in ("N", "D", "T", "K"))
     gen = torch.Generator().manual_seed(seed)
-    init = torch.randn(N, D, generator=gen)
-    batches = [(torch.randint(0, N, (T, K), generator=gen), torch.randn(T, K, 1, generator=gen))
-               for _ in range(repeats + 1)]
-    grad_out = torch.randn(T, 1, D, generator=gen)
+    init = torch.randn(N, D, generator=gen).to(device)
+    batches = [(torch.randint(0, N, (T, K), generator=gen).to(device),
+                torch.randn(T, K, 1, generator=gen).to(device)) for _ in range(repeats + 1)]
+    grad_out = torch.randn(T, 1, D, generator=gen).to(device)
     rows = []
     for name, (forward, optimizer_class) in step_methods(backend).items():
         table = torch.nn.Parameter(init.clone())
@@ -189,31 +242,55 @@ def bench_step(shape, repeats, backend, seed=0, clock=time.perf_counter, flush=l
         for indices, scores in batches:  # the first step warms up (optimizer state, allocator)
             optimizer.zero_grad(set_to_none=True)
             flush()
-            t0 = clock()
+            timer.start()
             forward(table, indices, scores).backward(grad_out)
             optimizer.step()
-            times.append(clock() - t0)
+            times.append(timer.stop())
         rows.append(dict(shape, method=name, step_s=statistics.median(times[1:])))
         del table, optimizer
     return rows
 
 
-def shapes(quick):
+def profile_headline(backends, device, rows=12):
+    """One fwd+bwd of each method at the headline shape under torch.profiler: the ops and kernels
+    that take the time (device time on a GPU), printed as torch's table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator().manual_seed(1)
+    N, D, T, K = (HEADLINE[k] for k in ("N", "D", "T", "K"))
+    table = torch.randn(N, D, generator=gen).to(device).requires_grad_(True)
+    indices = torch.randint(0, N, (T, K), generator=gen).to(device)
+    scores = torch.randn(T, K, 1, generator=gen).to(device).requires_grad_(True)
+    grad_out = torch.randn(T, 1, D, generator=gen).to(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sort_by = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    for name, fn in methods(HEADLINE, backends).items():
+        for _ in range(2):  # warm-up (JIT builds, allocator), then the profiled call
+            with profile(activities=activities) as prof:
+                torch.autograd.grad(fn(table, indices, scores, None), [table, scores], grad_out)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+        print(f"\nprofile: {name}")
+        print(prof.key_averages().table(sort_by=sort_by, row_limit=rows))
+
+
+def shapes(quick, device):
     if quick:
         return [HEADLINE, dict(HEADLINE, K=128, C=2, E=4)]
     grid = [dict(HEADLINE, K=k, C=c, E=e) for k in (32, 128) for c in (1, 2) for e in (1, 4)]
-    return grid + [dict(HEADLINE, N=1 << 22)]
+    larger = [dict(HEADLINE, N=1 << 22)] + ([dict(HEADLINE, N=1 << 24)] if device.type == "cuda" else [])
+    return grid + larger
 
 
-def print_table(rows, bandwidth, huge_pages, clock, cache):
-    print(f"memory bandwidth (copy): {bandwidth:.1f} GB/s; huge pages (THP_MEM_ALLOC_ENABLE): {huge_pages}; "
-          f"clock: {clock}; cache: {cache}")
+def print_table(rows, bandwidth, huge_pages, clock, cache, device):
+    print(f"device: {device}; memory bandwidth (copy): {bandwidth:.1f} GB/s; huge pages (THP_MEM_ALLOC_ENABLE): "
+          f"{huge_pages}; clock: {clock}; cache: {cache}")
     header = f"{'N':>8} {'K':>4} {'C':>2} {'E':>2}  {'method':<34} {'fwd ms':>8} {'bwd ms':>8} {'f+b ms':>8} {'f+b GB/s':>9}"
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['N']:>8} {r['K']:>4} {r['C']:>2} {r['E']:>2}  {r['method']:<34} {r['fwd_s'] * 1e3:8.2f} "
-              f"{r['bwd_s'] * 1e3:8.2f} {r['fwd_bwd_s'] * 1e3:8.2f} {r['fwd_bwd_gbps']:9.2f}")
+        print(f"{r['N']:>8} {r['K']:>4} {r['C']:>2} {r['E']:>2}  {r['method']:<34} {r['fwd_s'] * 1e3:8.3f} "
+              f"{r['bwd_s'] * 1e3:8.3f} {r['fwd_bwd_s'] * 1e3:8.3f} {r['fwd_bwd_gbps']:9.2f}")
 
 
 def print_steps(step_rows):
@@ -222,13 +299,13 @@ def print_steps(step_rows):
     print(header)
     print("-" * len(header))
     for r in step_rows:
-        print(f"{r['method']:<46} {r['step_s'] * 1e3:9.2f}")
+        print(f"{r['method']:<46} {r['step_s'] * 1e3:9.3f}")
 
 
 def summarize(rows, bandwidth, backend, step_rows):
     head = {r["method"]: r for r in rows if all(r[k] == v for k, v in HEADLINE.items())}
     ours = head[f"lookup_reduce[{backend}] sparse grad"]
-    step = {r["method"]: r["step_s"] for r in step_rows}
+    step = {r["method"]: r['step_s'] for r in step_rows}
     return {
         "step_speedup_sparse_adam_vs_embedding_bag_sparse_adam":
             step["embedding_bag sparse + torch SparseAdam"] / step[f"lookup_reduce[{backend}] sparse + rmt SparseAdam"],
@@ -248,31 +325,49 @@ def main(argv=None):
     parser.add_argument("--backend", default=None, help="lookup_reduce backend (default: auto / $RMT_LOOKUP_BACKEND)")
     parser.add_argument("--huge-pages", choices=("on", "off"), default="on",
                         help="THP_MEM_ALLOC_ENABLE for every tensor of the run (default on)")
-    parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
-                        help="wall: elapsed time; thread: CPU time of the calling thread, which other "
-                             "jobs' load barely changes (needs OMP_NUM_THREADS=1; default wall)")
+    parser.add_argument("--clock", choices=(*CLOCKS, "events"), default=None,
+                        help="wall: elapsed time (on a GPU between device syncs); thread: CPU time of the "
+                             "calling thread, which other jobs' load barely changes (needs OMP_NUM_THREADS=1); "
+                             "events: CUDA events around each phase (default on a GPU; wall on the CPU)")
     parser.add_argument("--cache", choices=("cold", "warm"), default="cold",
                         help="cold: evict the caches before every timed forward and backward (default)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print torch.profiler's table of one fwd+bwd per method at the headline shape")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="where the tensors live (default: cuda where torch sees a GPU, else cpu)")
     args = parser.parse_args(argv)
     os.environ["THP_MEM_ALLOC_ENABLE"] = "1" if args.huge_pages == "on" else "0"
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA GPU on this machine")
     repeats = args.repeats or (3 if args.quick else 5)
-    backend = args.backend or select_backend(torch.device("cpu"))
-    if args.clock == "thread" and torch.get_num_threads() != 1:
-        parser.error("--clock thread measures the calling thread only: run with OMP_NUM_THREADS=1")
-    clock = CLOCKS[args.clock]
-    bandwidth = measure_bandwidth(64 if args.quick else 256, 5, clock)
-    flush = CacheFlusher(args.cache == "cold")
-    rows = [r for shape in shapes(args.quick) for r in bench_shape(shape, repeats, backend, clock=clock, flush=flush)]
-    print_table(rows, bandwidth, args.huge_pages, args.clock, args.cache)
-    step_rows = bench_step(HEADLINE, repeats, backend, clock=clock, flush=flush)
+    gpu_backends = [name for name in ("cuda", "triton") if name in available_backends(device)]
+    backends = [args.backend] if args.backend else (gpu_backends if device.type == "cuda" else [select_backend(device)])
+    backend = backends[0]
+    args.clock = args.clock or ("events" if device.type == "cuda" else "wall")
+    if args.clock == "thread" and (torch.get_num_threads() != 1 or device.type == "cuda"):
+        parser.error("--clock thread measures the calling thread's CPU time only: run on the CPU with OMP_NUM_THREADS=1")
+    if args.clock == "events" and device.type != "cuda":
+        parser.error("--clock events times CUDA events: it needs --device cuda")
+    timer = make_timer(args.clock, device)
+    bandwidth = measure_bandwidth(1024 if device.type == "cuda" else 64 if args.quick else 256, 5, timer, device)
+    flush = CacheFlusher(args.cache == "cold", device)
+    rows = [r for shape in shapes(args.quick, device)
+            for r in bench_shape(shape, repeats, backends, timer, flush=flush, device=device)]
+    print_table(rows, bandwidth, args.huge_pages, args.clock, args.cache, device)
+    step_rows = bench_step(HEADLINE, repeats, backend, timer, flush=flush, device=device)
     print_steps(step_rows)
+    if args.profile:
+        profile_headline(backends, device)
     summary = summarize(rows, bandwidth, backend, step_rows)
-    print("summary (fwd+bwd at N=1M, D=64, T=4096, K=32, C=1, E=1, fp32):")
+    print(f"summary ({backend}; fwd+bwd at N=1M, D=64, T=4096, K=32, C=1, E=1, fp32):")
     for key, value in summary.items():
         print(f"  {key}: {value:.3f}")
     if args.json:
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         machine = dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
                        torch=torch.__version__, threads=torch.get_num_threads(), backend=backend,
+                       backends=backends, device=str(device), gpu=gpu,
                        copy_bandwidth_gbps=bandwidth, huge_pages=args.huge_pages, clock=args.clock,
                        cache=args.cache)
         with open(args.json, "w") as f:

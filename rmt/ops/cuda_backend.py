@@ -1,4 +1,10 @@
-"""CUDA backend: csrc/lookup_reduce_cuda_kernels.cu + its torch binding, JIT-built on first use."""
+"""CUDA backend: csrc/lookup_reduce_cuda_kernels.cu + its torch binding, JIT-built on first use.
+
+A forward that will be differentiated (:func:`forward_for_backward`) also issues the backward's
+sort of the lookups by row, on a side stream beside the forward kernel; the backward then reads
+the unique-row count without draining the device queue and is a single kernel (see
+csrc/lookup_reduce_cuda.cpp).
+"""
 
 import torch
 
@@ -18,8 +24,36 @@ def is_available(device):
 
 
 def forward(table, indices, scores, block_ids, num_blocks):
-    return _ext().forward(table, indices, scores, block_ids, num_blocks)
+    return _ext().forward(table, indices, scores, block_ids, num_blocks, False)[0]
 
 
-def backward(grad_out, table, indices, scores, block_ids, num_blocks):
-    return tuple(_ext().backward(grad_out, table, indices, scores, block_ids, num_blocks))
+def forward_for_backward(table, indices, scores, block_ids, num_blocks):
+    """(output, the backward's ``SortedLookups``, being computed on a side stream)."""
+    return _ext().forward(table, indices, scores, block_ids, num_blocks, True)
+
+
+def sort(table, indices):
+    """The lookups sorted by row, on the current stream (``SortedLookups``)."""
+    return _ext().sort(indices, table.shape[0])
+
+
+def backward(grad_out, table, indices, scores, block_ids, num_blocks, prep=None):
+    """(unique rows [U], their gradient rows [U, D], score gradients)."""
+    prep = sort(table, indices) if prep is None else prep
+    count = prep.count()
+    values = torch.empty(count, table.shape[1], dtype=table.dtype, device=table.device)
+    grad_scores = torch.empty_like(scores)
+    _ext().backward(grad_out, table, scores, block_ids, num_blocks, indices.shape[1], prep, count, values,
+                    False, grad_scores)
+    return prep.unique_rows[:count], values, grad_scores
+
+
+def backward_dense(grad_out, table, indices, scores, block_ids, num_blocks, prep=None):
+    """(dense [N, D] table gradient, score gradients): touched rows written in place, and no host
+    wait at all (the launch covers M >= U rows; groups past U exit)."""
+    prep = sort(table, indices) if prep is None else prep
+    grad_table = torch.zeros_like(table)
+    grad_scores = torch.empty_like(scores)
+    _ext().backward(grad_out, table, scores, block_ids, num_blocks, indices.shape[1], prep, indices.numel(),
+                    grad_table, True, grad_scores)
+    return grad_table, grad_scores

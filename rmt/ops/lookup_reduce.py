@@ -80,7 +80,11 @@ class LookupReduceFunction(torch.autograd.Function):
     The backward returns the table gradient either as a coalesced sparse COO tensor of the
     touched rows (``sparse_grad=True``; no table-sized tensor is created) or as a dense tensor
     (``sparse_grad=False``): written in one pass by backends that have a ``backward_dense``
-    kernel (CPU), else the touched rows scattered into a zero tensor.
+    kernel (CPU, CUDA), else the touched rows scattered into a zero tensor.
+
+    A backend with a ``forward_for_backward`` (CUDA) starts the index-only part of its backward
+    (the sort by row) in the forward when a gradient is needed; its backward takes the result as
+    ``prep``.
     """
 
     @staticmethod
@@ -88,7 +92,13 @@ class LookupReduceFunction(torch.autograd.Function):
         impl = _backend_module(backend) if indices.numel() else reference
         ctx.impl, ctx.num_blocks, ctx.sparse_grad = impl, num_blocks, sparse_grad
         ctx.save_for_backward(table, scores, indices, block_ids)
-        return impl.forward(table, indices, scores, block_ids, num_blocks)
+        fused = getattr(impl, "forward_for_backward", None)
+        if fused is None or not any(ctx.needs_input_grad[:2]):
+            ctx.prep = {}
+            return impl.forward(table, indices, scores, block_ids, num_blocks)
+        out, prep = fused(table, indices, scores, block_ids, num_blocks)
+        ctx.prep = {"prep": prep}
+        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -98,9 +108,9 @@ class LookupReduceFunction(torch.autograd.Function):
         args = (grad_out, table, indices, scores, block_ids, ctx.num_blocks)
         dense_kernel = getattr(ctx.impl, "backward_dense", None)
         if ctx.needs_input_grad[0] and not ctx.sparse_grad and dense_kernel is not None:
-            grad_table, grad_scores = dense_kernel(*args)
+            grad_table, grad_scores = dense_kernel(*args, **ctx.prep)
         else:
-            rows, values, grad_scores = ctx.impl.backward(*args)
+            rows, values, grad_scores = ctx.impl.backward(*args, **ctx.prep)
             grad_table = None
             if ctx.needs_input_grad[0]:
                 if ctx.sparse_grad:
