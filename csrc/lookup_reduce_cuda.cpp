@@ -13,7 +13,9 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <memory>
+#include <mutex>
 #include <tuple>
+#include <unordered_map>
 
 #include "lookup_reduce_cuda_kernels.h"
 
@@ -66,6 +68,17 @@ class Event {
  private:
   cudaEvent_t event_;
 };
+
+// The device's stream for the backward's sort: always the same one, so the caching allocator,
+// whose pools are per stream, reuses the sort's blocks from call to call.
+c10::cuda::CUDAStream side_stream(c10::DeviceIndex device) {
+  static std::mutex mutex;
+  static std::unordered_map<c10::DeviceIndex, c10::cuda::CUDAStream> streams;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = streams.find(device);
+  if (it == streams.end()) it = streams.emplace(device, c10::cuda::getStreamFromPool(false, device)).first;
+  return it->second;
+}
 
 }  // namespace
 
@@ -122,7 +135,7 @@ std::tuple<at::Tensor, SortedPtr> lookup_reduce_forward(const at::Tensor& table,
   SortedPtr sorted;
   if (prepare_backward) {
     auto main = c10::cuda::getCurrentCUDAStream();
-    auto side = c10::cuda::getStreamFromPool(false, main.device_index());
+    auto side = side_stream(main.device_index());
     Event issued;
     issued.record(main.stream());
     issued.block(side.stream());

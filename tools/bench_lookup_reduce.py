@@ -36,13 +36,17 @@ the calling thread, so forward and backward are both covered), which is stable t
 On a GPU (``--device cuda``, the default where torch sees one) every method runs on CUDA tensors,
 the cold cache is a write of twice the L2 cache, the bandwidth probe is a device-to-device copy,
 and both GPU backends (``cuda`` and ``triton``) are timed (the summary is the first one's). Each
-phase is timed with CUDA events (``--clock events``, the default there): device time from the
-phase's first work to its last, with any idle gap while the host is still issuing work (Python,
-autograd, a host sync inside the phase) included. ``--clock wall`` instead syncs the device at
-both ends and reads the host clock, which adds the whole launch path of an isolated call.
+phase is timed with CUDA events. ``--clock device`` (the default there) first holds the device
+in a spin kernel while the host issues the phase, so the events time the device's work, as in a
+training step whose host runs ahead (work a method puts on a side stream, the CUDA backend's
+sort, overlaps as it would there). ``--clock events`` times an isolated call: the device idles
+while the host issues the phase (Python, autograd, kernel launches), and that counts. ``--clock
+wall`` syncs the device at both ends and reads the host clock. ``--profile`` adds each method's
+summed kernel time (every stream, side streams included) from torch.profiler.
 
     PYTHONPATH=. python tools/bench_lookup_reduce.py [--quick] [--json FILE] [--device cpu|cuda]
-        [--huge-pages on|off] [--clock wall|thread|events] [--cache cold|warm] [--repeats R] [--backend NAME]
+        [--huge-pages on|off] [--clock wall|thread|events|device] [--cache cold|warm] [--repeats R]
+        [--backend NAME]
         [--profile]
 """
 
@@ -102,7 +106,24 @@ class EventTimer:
         return self.begin.elapsed_time(end) / 1e3
 
 
+class DeviceTimer(EventTimer):
+    """CUDA events with the host ahead of the device: each phase is preceded by a spin kernel
+    (``torch.cuda._sleep``) long enough for the host to issue the whole phase behind it, so the
+    events time the device's work alone, as in a training step whose host runs ahead. A host
+    sync inside the phase (a ``.item()``) still costs what it costs: the device drains and then
+    idles while the host issues the rest."""
+
+    def __init__(self, cycles=1 << 23):
+        self.cycles = cycles
+
+    def start(self):
+        torch.cuda._sleep(self.cycles)
+        super().start()
+
+
 def make_timer(clock, device):
+    if clock == "device":
+        return DeviceTimer()
     return EventTimer() if clock == "events" else ClockTimer(CLOCKS[clock], device)
 
 
@@ -253,7 +274,9 @@ def bench_step(shape, repeats, backend, timer, seed=0, flush=lambda: None, devic
 
 def profile_headline(backends, device, rows=12):
     """One fwd+bwd of each method at the headline shape under torch.profiler: the ops and kernels
-    that take the time (device time on a GPU), printed as torch's table."""
+    that take the time (device time on a GPU), printed as torch's table. Returns, on a GPU, each
+    method's summed kernel time in seconds (all streams)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     gen = torch.Generator().manual_seed(1)
@@ -263,6 +286,7 @@ def profile_headline(backends, device, rows=12):
     scores = torch.randn(T, K, 1, generator=gen).to(device).requires_grad_(True)
     grad_out = torch.randn(T, 1, D, generator=gen).to(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    summed = {}
     sort_by = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     for name, fn in methods(HEADLINE, backends).items():
         for _ in range(2):  # warm-up (JIT builds, allocator), then the profiled call
@@ -270,8 +294,15 @@ def profile_headline(backends, device, rows=12):
                 torch.autograd.grad(fn(table, indices, scores, None), [table, scores], grad_out)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
+        averages = prof.key_averages()
         print(f"\nprofile: {name}")
-        print(prof.key_averages().table(sort_by=sort_by, row_limit=rows))
+        print(averages.table(sort_by=sort_by, row_limit=rows))
+        if device.type == "cuda":
+            kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+            kernels_us = sum(e.time_range.elapsed_us() for e in kernels)
+            print(f"summed kernel time (all streams): {kernels_us:.1f} us over {len(kernels)} kernels and memsets")
+            summed[name] = kernels_us * 1e-6
+    return summed
 
 
 def shapes(quick, device):
@@ -325,10 +356,12 @@ def main(argv=None):
     parser.add_argument("--backend", default=None, help="lookup_reduce backend (default: auto / $RMT_LOOKUP_BACKEND)")
     parser.add_argument("--huge-pages", choices=("on", "off"), default="on",
                         help="THP_MEM_ALLOC_ENABLE for every tensor of the run (default on)")
-    parser.add_argument("--clock", choices=(*CLOCKS, "events"), default=None,
+    parser.add_argument("--clock", choices=(*CLOCKS, "events", "device"), default=None,
                         help="wall: elapsed time (on a GPU between device syncs); thread: CPU time of the "
                              "calling thread, which other jobs' load barely changes (needs OMP_NUM_THREADS=1); "
-                             "events: CUDA events around each phase (default on a GPU; wall on the CPU)")
+                             "events: CUDA events around each isolated phase, host issue time included; "
+                             "device: CUDA events with the host ahead of the device (default on a GPU; wall "
+                             "on the CPU)")
     parser.add_argument("--cache", choices=("cold", "warm"), default="cold",
                         help="cold: evict the caches before every timed forward and backward (default)")
     parser.add_argument("--profile", action="store_true",
@@ -344,11 +377,11 @@ def main(argv=None):
     gpu_backends = [name for name in ("cuda", "triton") if name in available_backends(device)]
     backends = [args.backend] if args.backend else (gpu_backends if device.type == "cuda" else [select_backend(device)])
     backend = backends[0]
-    args.clock = args.clock or ("events" if device.type == "cuda" else "wall")
+    args.clock = args.clock or ("device" if device.type == "cuda" else "wall")
     if args.clock == "thread" and (torch.get_num_threads() != 1 or device.type == "cuda"):
         parser.error("--clock thread measures the calling thread's CPU time only: run on the CPU with OMP_NUM_THREADS=1")
-    if args.clock == "events" and device.type != "cuda":
-        parser.error("--clock events times CUDA events: it needs --device cuda")
+    if args.clock in ("events", "device") and device.type != "cuda":
+        parser.error(f"--clock {args.clock} times CUDA events: it needs --device cuda")
     timer = make_timer(args.clock, device)
     bandwidth = measure_bandwidth(1024 if device.type == "cuda" else 64 if args.quick else 256, 5, timer, device)
     flush = CacheFlusher(args.cache == "cold", device)
@@ -357,9 +390,12 @@ def main(argv=None):
     print_table(rows, bandwidth, args.huge_pages, args.clock, args.cache, device)
     step_rows = bench_step(HEADLINE, repeats, backend, timer, flush=flush, device=device)
     print_steps(step_rows)
-    if args.profile:
-        profile_headline(backends, device)
+    kernel_s = profile_headline(backends, device) if args.profile else {}
     summary = summarize(rows, bandwidth, backend, step_rows)
+    if kernel_s:
+        ours = kernel_s[f"lookup_reduce[{backend}] sparse grad"]
+        summary["kernel_time_speedup_vs_embedding_bag_sparse"] = kernel_s["embedding_bag sparse"] / ours
+        summary["kernel_time_speedup_vs_embedding_bag_dense"] = kernel_s["embedding_bag dense"] / ours
     print(f"summary ({backend}; fwd+bwd at N=1M, D=64, T=4096, K=32, C=1, E=1, fp32):")
     for key, value in summary.items():
         print(f"  {key}: {value:.3f}")
@@ -372,7 +408,7 @@ def main(argv=None):
                        cache=args.cache)
         with open(args.json, "w") as f:
             json.dump(dict(benchmark="bench_lookup_reduce", machine=machine, rows=rows, step_rows=step_rows,
-                           summary=summary), f, indent=1)
+                           kernel_s=kernel_s, summary=summary), f, indent=1)
 
 
 if __name__ == "__main__":
