@@ -74,7 +74,23 @@ def megatron():
             os.environ[k] = v
 
 
-def _inputs(cfg, b=2, device="cpu"):
+def _device():
+    """Where the trainer would put the model: the GPU where there is one (build() leaves
+    megatron's layers there and the rest on the CPU until the model is moved)."""
+    from rmt.parallel import compat
+
+    return compat.device()
+
+
+def _model(cfg):
+    from rmt.models.build import build
+
+    (model,) = build(cfg)
+    return model.to(_device())
+
+
+def _inputs(cfg, b=2, device=None):
+    device = device or _device()
     s = cfg.model.seq_length
     tokens = torch.randint(0, cfg.model.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(s).expand(b, s)
@@ -84,10 +100,8 @@ def _inputs(cfg, b=2, device="cpu"):
 
 @pytest.mark.parametrize("kind", ["ultramem", "pkm", "moe"])
 def test_skip_placement_wiring(megatron, kind):
-    from rmt.models.build import build
-
     cfg = validate(_cfg(f"memory.type={kind}"), world_size=1)
-    (model,) = build(cfg)
+    model = _model(cfg)
     assert len(model.memory) == 2
     tokens, pos, mask = _inputs(cfg)
     logits = model(tokens, pos, mask)
@@ -172,10 +186,8 @@ def test_moe_against_naive_and_balance_loss():
 
 
 def test_pop_memory_stats_names(megatron):
-    from rmt.models.build import build
-
     cfg = validate(_cfg(), world_size=1)
-    (model,) = build(cfg)
+    model = _model(cfg)
     model.train()
     model(*_inputs(cfg))
     stats = pop_memory_stats([model])
@@ -227,18 +239,14 @@ def test_async_stream_backward_runs_on_the_stream_and_equals_sync(megatron, kind
     model runs there and the backward is issued into the side CUDA stream instead."""
     import threading
 
-    from rmt.models.build import build
-    from rmt.parallel import compat
-
     grads, threads = {}, []
     for mode in ("false", "true"):
         cfg = validate(_cfg(f"memory.type={kind}", f"memory.async_stream={mode}"), world_size=1)
-        (model,) = build(cfg)
-        model.to(compat.device())
+        model = _model(cfg)
         if mode == "true":
             first = next(model.memory[0].parameters())
             first.register_hook(lambda g: threads.append(threading.current_thread().name))
-        tokens, pos, mask = _inputs(cfg, device=compat.device())
+        tokens, pos, mask = _inputs(cfg)
         logits = model(tokens, pos, mask)
         aux = pop_aux_loss(model)
         assert aux.requires_grad == (mode == "false")
@@ -250,4 +258,4 @@ def test_async_stream_backward_runs_on_the_stream_and_equals_sync(megatron, kind
         assert all(t.startswith("rmt-memory") for t in threads)
     assert grads["true"].keys() == grads["false"].keys()
     for name, g in grads["false"].items():
-        torch.testing.assert_close(grads["true"][name], g, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(grads["true"][name], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
