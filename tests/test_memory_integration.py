@@ -257,5 +257,8 @@ def test_async_stream_backward_runs_on_the_stream_and_equals_sync(megatron, kind
     if stream.side is None:
         assert all(t.startswith("rmt-memory") for t in threads)
     assert grads["true"].keys() == grads["false"].keys()
+    # On a GPU the two modes sum some gradients in another order (the fork's add against
+    # autograd's accumulation, kernels picked per stream): an element of ~0.03 was seen 1.5e-6 apart.
+    atol = 1e-6 if stream.side is None else 1e-5
     for name, g in grads["false"].items():
-        torch.testing.assert_close(grads["true"][name], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grads["true"][name], g, rtol=1e-5, atol=atol, msg=lambda m: f"{name}: {m}")

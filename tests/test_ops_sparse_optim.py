@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from rmt.ops import lookup_reduce
-from rmt.ops.sparse_optim import ENV_FUSED, RowWiseAdagrad, SparseAdam, fused_kernels, make_sparse_optimizer
+from rmt.ops.sparse_optim import (ENV_FUSED, RowWiseAdagrad, SparseAdam, coalesced, fused_kernels,
+                                  make_sparse_optimizer)
 
 
 def _loss(table, indices, scores, target, sparse_grad):
@@ -102,3 +103,24 @@ def test_rowwise_adagrad_dense_grad_and_bad_args():
         RowWiseAdagrad([p], lr=0.0)
     with pytest.raises(ValueError, match="kind must be"):
         make_sparse_optimizer([p], "sgd")
+
+
+def test_accumulated_lookup_gradient_is_not_sorted_again(monkeypatch):
+    """torch's AccumulateGrad drops the coalesced flag of lookup_reduce's sparse gradient;
+    ``coalesced`` restores it from the strictly increasing rows instead of sorting again, and
+    still coalesces gradients that need it (duplicates, unsorted rows)."""
+    table = torch.nn.Parameter(torch.randn(100, 8))
+    lookup_reduce(table, torch.tensor([[7, 3], [3, 50]]), torch.ones(2, 2, 1), sparse_grad=True).sum().backward()
+    assert not table.grad.is_coalesced()
+    want = table.grad.to_dense()
+    sort = torch.Tensor.coalesce
+    monkeypatch.setattr(torch.Tensor, "coalesce", lambda self: pytest.fail("coalesce() was called"))
+    grad = coalesced(table.grad)
+    assert grad is table.grad and grad.is_coalesced() and grad.indices()[0].tolist() == [3, 7, 50]
+    monkeypatch.setattr(torch.Tensor, "coalesce", sort)
+    assert torch.equal(grad.to_dense(), want)
+    for rows in ([5, 2, 9], [2, 5, 5]):
+        messy = torch.sparse_coo_tensor(torch.tensor([rows]), torch.ones(3, 4), (10, 4))
+        got = coalesced(messy)
+        assert got.is_coalesced() and torch.equal(got.to_dense(), messy.to_dense())
+        assert got.indices()[0].tolist() == sorted(set(rows))

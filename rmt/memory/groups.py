@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from rmt.ops.sparse_optim import coalesced
 from rmt.parallel import compat
 
 _CACHE: Dict[Tuple, Tuple] = {}
@@ -73,7 +74,7 @@ def self_reduced_params(modules: Iterable[torch.nn.Module]) -> List[torch.nn.Par
 
 def grad_values(grad: torch.Tensor) -> torch.Tensor:
     """The stored values of a gradient: the touched rows of a sparse one, else all of it."""
-    return grad.coalesce().values() if grad.is_sparse else grad
+    return coalesced(grad).values() if grad.is_sparse else grad
 
 
 class excluded_from_ddp:
@@ -102,7 +103,7 @@ def sum_sparse_grads(grad: Optional[torch.Tensor], param: torch.Tensor, group) -
         rows = torch.zeros(0, dtype=torch.int64, device=device)
         values = torch.zeros((0,) + tuple(shape[1:]), dtype=param.dtype, device=device)
     else:
-        grad = grad.coalesce()
+        grad = coalesced(grad)
         rows, values = grad.indices()[0], grad.values()
     if group is not None and dist.get_world_size(group) > 1:
         P = dist.get_world_size(group)
@@ -120,7 +121,7 @@ def sum_sparse_grads(grad: Optional[torch.Tensor], param: torch.Tensor, group) -
         dist.all_gather(all_values, values, group=group)
         rows = torch.cat([r[:c] for r, c in zip(all_rows, counts)])
         values = torch.cat([v[:c] for v, c in zip(all_values, counts)])
-    return torch.sparse_coo_tensor(rows.unsqueeze(0), values, tuple(shape), check_invariants=False).coalesce()
+    return coalesced(torch.sparse_coo_tensor(rows.unsqueeze(0), values, tuple(shape), check_invariants=False))
 
 
 def finish_memory_grads(modules: Iterable[torch.nn.Module]) -> None:
