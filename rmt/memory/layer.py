@@ -245,7 +245,7 @@ class MemoryLayer(torch.nn.Module):
         if self.training:
             with torch.no_grad():
                 self.hits[slots.reshape(-1)] = 1
-        pooled = self.values.lookup_reduce(slots, scores, blocks, s.ive_blocks)
+        pooled = self.values.lookup_reduce(slots, scores, blocks, s.ive_blocks, validate=False)  # top-k slots
         if self.has_proj:
             out = pooled.flatten(1) @ self.proj.to(pooled.dtype).flatten(0, 1)
         else:

@@ -193,7 +193,7 @@ def number_lookup(weight, indices, scores, block_ids, num_blocks, group, counter
     wanted = _exchange(local_rows, send, recv, group).long()
     rows = _AllToAll.apply(F.embedding(wanted, weight, sparse=sparse_grad), recv, send, group, counter,
                            ("all_to_all_values", "all_to_all_value_grads"))
-    return lookup_reduce(rows, inverse.view(T, K), scores, block_ids, num_blocks)
+    return lookup_reduce(rows, inverse.view(T, K), scores, block_ids, num_blocks, validate=False)
 
 
 def number_owner_reduce_lookup(weight, indices, scores, block_ids, num_blocks, group,
@@ -217,7 +217,7 @@ def number_owner_reduce_lookup(weight, indices, scores, block_ids, num_blocks, g
     first_token = torch.tensor([0] + counts[:-1], device=got.device).cumsum(0)
     target = first_token[source] * E + torch.div(got, rows_per, rounding_mode="floor")
     weighted = lookup_reduce(weight, (got % rows_per).view(M, 1), got_scores.view(M, 1, C),
-                             sparse_grad=sparse_grad).view(M, D)
+                             sparse_grad=sparse_grad, validate=False).view(M, D)
     partial = weighted.new_zeros(sum(counts) * E, D).index_add(0, target, weighted)
     back = _AllToAll.apply(partial.view(sum(counts), E, D), counts, [T] * P, group, counter,
                            ("all_to_all_partial_sums", "all_to_all_partial_sum_grads"))
@@ -249,7 +249,8 @@ def dimension_lookup(weight, indices, scores, block_ids, num_blocks, num_slots, 
                                     ("all_gather_scores", "reduce_scatter_score_grads"))
     columns = torch.tensor(_core_columns(rank * width, width, dim, C), device=scores.device)
     pooled = lookup_reduce(weight, every % num_slots, every_scores.index_select(2, columns),
-                           None if block_ids is None else every // num_slots, E, sparse_grad=sparse_grad)
+                           None if block_ids is None else every // num_slots, E, sparse_grad=sparse_grad,
+                           validate=False)
     back = _AllToAll.apply(pooled, counts, [T] * P, group, counter,
                            ("all_to_all_pooled", "all_to_all_pooled_grads"))
     return back.view(P, T, E, width).permute(1, 2, 0, 3).reshape(T, E, P * width)

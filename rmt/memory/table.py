@@ -109,12 +109,18 @@ class MemoryTable(torch.nn.Module):
             return slice(None), slice(self.rank * cols, (self.rank + 1) * cols)
         return slice(None), slice(None)
 
-    def lookup_reduce(self, indices: torch.Tensor, scores: torch.Tensor, block_ids, num_blocks: int):
+    def lookup_reduce(self, indices: torch.Tensor, scores: torch.Tensor, block_ids, num_blocks: int,
+                      validate: bool = True):
         """``[T, K]`` slots, ``[T, K, C]`` scores, ``[T, K]`` virtual blocks or None ->
-        ``[T, num_blocks, dim]`` pooled values (UltraMem Eq. 15 and 17; ``rmt.ops`` contract)."""
+        ``[T, num_blocks, dim]`` pooled values (UltraMem Eq. 15 and 17; ``rmt.ops`` contract).
+
+        ``validate=False`` skips the op's index range checks on a local table, a min/max each and,
+        on a GPU, a host sync that drains the device queue: for slots in range by construction,
+        like the memory layer's retrieval. The sharded paths index with slots they derive."""
         scores = scores.to(self.weight.dtype)
         if self.partition == "local":
-            return lookup_reduce(self.weight, indices, scores, block_ids, num_blocks, sparse_grad=self.sparse_grad)
+            return lookup_reduce(self.weight, indices, scores, block_ids, num_blocks, sparse_grad=self.sparse_grad,
+                                 validate=validate)
         if self.split_group is not None:
             return sharded_table.tensor_parallel_chunks(self._sharded_lookup, indices, scores, block_ids,
                                                         num_blocks, self.split_group, self.counter)
