@@ -81,10 +81,9 @@ def test_gpu_table_gradient_is_deterministic_and_dense_equals_sparse(backend):
     assert torch.equal(rows.cpu(), torch.unique(indices.cpu()))
     want = reference_backward(*(x.cpu() for x in (grad_out, table, indices, scores, block_ids)), 4)
     torch.testing.assert_close(values.cpu(), want[1], rtol=1e-5, atol=1e-4)
-    if backend == "cuda":
-        dense, dense_scores = cuda_backend.backward_dense(grad_out, table, indices, scores, block_ids, 4)
-        assert torch.equal(dense, torch.zeros_like(table).index_copy_(0, rows, values))
-        assert torch.equal(dense_scores, g_scores)
+    dense, dense_scores = impl.backward_dense(grad_out, table, indices, scores, block_ids, 4)
+    assert torch.equal(dense, torch.zeros_like(table).index_copy_(0, rows, values))
+    assert torch.equal(dense_scores, g_scores)
 
 
 def test_gpu_dispatch_prefers_cuda_extension(monkeypatch):

@@ -31,6 +31,10 @@ def run_checks():
     first = triton_backend.backward(grad_out, table, indices, scores, block_ids, 3)
     second = triton_backend.backward(grad_out, table, indices, scores, block_ids, 3)
     assert all(torch.equal(a, b) for a, b in zip(first, second)), "table gradient not deterministic"
+    rows, values, g_scores = first
+    dense, dense_scores = triton_backend.backward_dense(grad_out, table, indices, scores, block_ids, 3)
+    assert torch.equal(dense, torch.zeros_like(table).index_copy_(0, rows, values)), "dense != sparse scattered"
+    assert torch.equal(dense_scores, g_scores)
     try:
         lookup_reduce(table, indices.clone().fill_(-3), scores, block_ids, 3, backend="triton")
     except ValueError as exc:

@@ -38,26 +38,49 @@ def forward(table, indices, scores, block_ids, num_blocks):
 
 
 def sort_by_row(indices):
-    """Stable sort of flat lookup positions by row: (positions, segment starts [U+1], rows [U])."""
-    keys, positions = torch.sort(indices.reshape(-1), stable=True)
-    rows, counts = torch.unique_consecutive(keys, return_counts=True)
-    seg_start = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=indices.device)
-    torch.cumsum(counts, 0, out=seg_start[1:])
-    return positions, seg_start, rows
+    """Stable sort of the flat lookups by row, segmented on the device without a host sync:
+    (positions [M], rows [M], segment starts [M + 1], U as a [1] tensor). Segment u < U is the
+    unique row ``rows[u]`` with lookups ``positions[seg_start[u]:seg_start[u + 1]]``; past U,
+    ``rows`` is 0 and ``seg_start`` is M."""
+    flat = indices.reshape(-1)
+    keys, positions = torch.sort(flat, stable=True)
+    head = torch.ones_like(keys, dtype=torch.bool)
+    torch.ne(keys[1:], keys[:-1], out=head[1:])
+    segment = torch.cumsum(head, 0) - 1
+    rows = torch.zeros_like(keys).scatter_(0, segment, keys)  # a segment's lookups write one value
+    seg_start = torch.zeros(flat.numel() + 1, dtype=torch.int64, device=flat.device)
+    seg_start.index_add_(0, segment + 1, torch.ones_like(segment))  # integer counts: exact
+    return positions, rows, seg_start.cumsum_(0), segment[-1:] + 1
 
 
-def backward(grad_out, table, indices, scores, block_ids, num_blocks):
+def _launch_backward(grad_out, table, indices, scores, block_ids, num_blocks, dst, dense):
     from .triton_kernels import lookup_reduce_bwd_kernel
 
     K = indices.shape[1]
     D = table.shape[1]
     C = scores.shape[2]
-    positions, seg_start, rows = sort_by_row(indices)
-    values = torch.empty(rows.numel(), D, dtype=table.dtype, device=table.device)
+    positions, rows, seg_start, num_unique = sort_by_row(indices)
     grad_scores = torch.empty_like(scores)
     has_blocks = block_ids is not None
-    lookup_reduce_bwd_kernel[(rows.numel(),)](
+    lookup_reduce_bwd_kernel[(indices.numel(),)](
         grad_out, table, scores, block_ids if has_blocks else indices, positions, seg_start,
-        rows, values, grad_scores, K, D, num_blocks, D // C, C=C, HAS_BLOCKS=has_blocks,
-        BLOCK_D=_block_d(D))
-    return rows, values, grad_scores
+        rows, num_unique, dst, grad_scores, K, D, num_blocks, D // C, C=C, HAS_BLOCKS=has_blocks,
+        DENSE=dense, BLOCK_D=_block_d(D))
+    return rows, num_unique, grad_scores
+
+
+def backward(grad_out, table, indices, scores, block_ids, num_blocks):
+    """(unique rows [U], their gradient rows [U, D], score gradients): U is read once, after
+    the kernel is queued."""
+    values = torch.empty(indices.numel(), table.shape[1], dtype=table.dtype, device=table.device)
+    rows, num_unique, grad_scores = _launch_backward(grad_out, table, indices, scores, block_ids, num_blocks,
+                                                     values, False)
+    count = int(num_unique)
+    return rows[:count], values[:count], grad_scores
+
+
+def backward_dense(grad_out, table, indices, scores, block_ids, num_blocks):
+    """(dense [N, D] table gradient, score gradients), with no host sync."""
+    grad_table = torch.zeros_like(table)
+    _, _, grad_scores = _launch_backward(grad_out, table, indices, scores, block_ids, num_blocks, grad_table, True)
+    return grad_table, grad_scores
