@@ -76,3 +76,17 @@ def test_clip_gradients_scales_to_max_norm(config):
     params[1].grad = torch.tensor([0.0, 4.0, 0.0, 0.0])
     assert clip_gradients(params, 1.0) == pytest.approx(5.0)
     assert torch.linalg.vector_norm(torch.cat([p.grad for p in params])).item() == pytest.approx(1.0, abs=1e-5)
+
+
+def test_step_lines_printed_without_progress_bar(capsys):
+    """``train.progress=false`` (batch jobs): the periodic step line still reaches stdout, and
+    only on logging steps."""
+    from rmt.training.trainer import _emit
+
+    m = {"step": 20, "lm loss": 3.25, "loss": 3.25, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1000.0,
+         "val_loss": 3.5}
+    _emit(dict(m, step=19), None, None, None, False)
+    assert capsys.readouterr().out == ""
+    _emit(m, None, None, None, True)
+    assert capsys.readouterr().out == ("step    20 loss 3.2500 val_loss 3.5000 lr 1.000e-03 grad_norm 0.500 "
+                                       "tok/s 1000\n")

@@ -249,10 +249,15 @@ def _emit(m: Dict, writer, log, bar, verbose: bool) -> None:
     if log is not None:
         log.write(json.dumps(m) + "\n")
         log.flush()
+    line = None
+    if verbose:
+        val = f" val_loss {m['val_loss']:.4f}" if "val_loss" in m else ""
+        line = (f"step {step:5d} loss {m['lm loss']:.4f}{val} lr {m['lr']:.3e} "
+                f"grad_norm {m['grad_norm']:.3f} tok/s {m['tokens_per_s']:.0f}")
     if bar is not None:
         bar.set_postfix(loss=f"{m['lm loss']:.4f}", lr=f"{m['lr']:.2e}", refresh=False)
         bar.update(1)
-        if verbose:
-            val = f" val_loss {m['val_loss']:.4f}" if "val_loss" in m else ""
-            bar.write(f"step {step:5d} loss {m['lm loss']:.4f}{val} lr {m['lr']:.3e} "
-                      f"grad_norm {m['grad_norm']:.3f} tok/s {m['tokens_per_s']:.0f}")
+        if line:
+            bar.write(line)
+    elif line:  # no bar (batch jobs): the periodic lines still go to the job's log
+        print(line, flush=True)
