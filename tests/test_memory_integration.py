@@ -89,13 +89,12 @@ def _model(cfg):
     return model.to(_device())
 
 
-def _inputs(cfg, b=2, device=None):
-    device = device or _device()
+def _inputs(cfg, b=2):
     s = cfg.model.seq_length
     tokens = torch.randint(0, cfg.model.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(s).expand(b, s)
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
-    return tuple(x.to(device) for x in (tokens, pos, mask))
+    return tuple(x.to(_device()) for x in (tokens, pos, mask))
 
 
 @pytest.mark.parametrize("kind", ["ultramem", "pkm", "moe"])
