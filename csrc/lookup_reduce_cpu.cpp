@@ -319,8 +319,9 @@ inline acc_t fixed_order_dot(const scalar_t* __restrict a, const scalar_t* __res
 // Gradient of run u (row s.rows[u]): accumulates the row gradient in acc[0:D], streams it to
 // dst[0:D] (staged in stage[0:D] when scalar_t is narrower), and writes the score gradients of
 // the run's lookups. For the sorted lookup kPrefetchDistance ahead it prefetches the table row,
-// the output-gradient row, the score and the score-gradient slot: the last three are read in
-// sorted-row order, i.e. at random, and after the other layers' work they are not in cache.
+// the output-gradient row, the score and the score-gradient slot (and the block id twice as far
+// ahead): the last ones are read in sorted-row order, i.e. at random, and after the other
+// layers' work they are not in cache.
 template <typename scalar_t, typename acc_t>
 inline void run_backward(int64_t u, const SortedLookups& s, const scalar_t* __restrict grad_out,
                          const scalar_t* __restrict table, const scalar_t* __restrict scores,
@@ -334,6 +335,8 @@ inline void run_backward(int64_t u, const SortedLookups& s, const scalar_t* __re
   const scalar_t* __restrict tr = table + s.rows[u] * D;
   std::fill(acc, acc + D, acc_t(0));
   for (int64_t j = s.run_start[u]; j < s.run_start[u + 1]; ++j) {
+    // the block id is read to find the prefetched gradient row, so it is fetched first, further ahead
+    if (blk && j + 2 * kPrefetchDistance < M) __builtin_prefetch(blk + sorted_pos(sorted[j + 2 * kPrefetchDistance]), 0, 3);
     if (j + kPrefetchDistance < M) {
       const uint64_t ahead = sorted[j + kPrefetchDistance];
       const int64_t q = sorted_pos(ahead);
