@@ -73,7 +73,7 @@ def _edge_case(N, T, K, fill, D=3, seed=0):
     (37, 8, 6, 0),            # every lookup the same row (one run of 48)
     (37, 8, 6, 36),           # every lookup the max row N-1
     (2, 64, 8, None),         # two rows, long runs
-    ((1 << 23) + 3, 16, 8, None),  # 24-bit rows: three radix passes
+    ((1 << 23) + 3, 16, 8, None),  # 24-bit rows: five radix passes (an odd count)
 ])
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
 def test_cpu_radix_sort_edge_cases(N, T, K, fill, index_dtype):
@@ -89,7 +89,7 @@ def test_cpu_radix_sort_edge_cases(N, T, K, fill, index_dtype):
             torch.testing.assert_close(g, w, rtol=1e-6, atol=5e-6)
 
 
-@pytest.mark.parametrize("N", [1000, (1 << 23) + 3])  # many long runs; three radix passes
+@pytest.mark.parametrize("N", [1000, (1 << 23) + 3])  # many long runs, 2 radix passes; 5 passes
 def test_cpu_parallel_radix_sort_is_thread_count_independent(N):
     """65536 lookups: the sort runs in up to 4 per-thread slices per pass; 1, 2 and 3 threads
     give bit-identical gradients, equal to the reference."""
