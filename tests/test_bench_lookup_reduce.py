@@ -7,7 +7,8 @@ import math
 from conftest import run_python
 
 SUMMARY_KEYS = {"speedup_vs_embedding_bag_sparse", "speedup_vs_embedding_bag_dense", "fraction_of_bandwidth",
-                "step_speedup_sparse_adam_vs_embedding_bag_sparse_adam", "step_speedup_sparse_adam_vs_dense_adamw"}
+                "step_speedup_sparse_adam_vs_embedding_bag_sparse_adam", "step_speedup_sparse_adam_vs_dense_adamw",
+                "gather_gbps", "best_case_speedup_vs_embedding_bag_sparse", "best_case_speedup_vs_embedding_bag_dense"}
 
 
 def test_bench_quick_writes_json(tmp_path):
@@ -25,6 +26,16 @@ def test_bench_quick_writes_json(tmp_path):
     assert len(doc["step_rows"]) == 5
     assert set(doc["summary"]) == SUMMARY_KEYS
     assert all(math.isfinite(v) and v > 0 for v in doc["summary"].values())
+    # the ideal implementation of the model: the fastest forward, then the touched rows read once
+    # more at that forward's rate and their gradients written at copy bandwidth
+    head = [r for r in doc["rows"] if (r["K"], r["C"], r["E"]) == (32, 1, 1)]
+    fastest = min(head, key=lambda r: r["fwd_s"])
+    touched = fastest["unique_rows"] * fastest["D"] * 4
+    best = (fastest["fwd_s"] + touched / (fastest["fwd_gbps"] * 1e9)
+            + touched / (doc["machine"]["copy_bandwidth_gbps"] * 1e9))
+    bag = next(r for r in head if r["method"] == "embedding_bag sparse")
+    assert math.isclose(doc["summary"]["best_case_speedup_vs_embedding_bag_sparse"], bag["fwd_bwd_s"] / best)
+    assert doc["summary"]["gather_gbps"] == fastest["fwd_gbps"]
 
 
 def test_bench_gpu_clock_on_cpu_is_rejected():
