@@ -79,6 +79,20 @@ inline void prefetch_row(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 2);
 }
 
+// Calls f(kD, kC) with the row width D and score-column count C as compile-time constants
+// (std::integral_constant) for the common small shapes, and as 0 (read them at run time)
+// otherwise: loops over 32 or 64 columns of runtime length cost a fifth of the forward at
+// D = 64, C = 2 (UltraMem's two score cores).
+template <typename F>
+void dispatch_row_shape(int64_t D, int64_t C, F&& f) {
+  using std::integral_constant;
+  if (D == 64 && C == 1) return f(integral_constant<int64_t, 64>(), integral_constant<int64_t, 1>());
+  if (D == 64 && C == 2) return f(integral_constant<int64_t, 64>(), integral_constant<int64_t, 2>());
+  if (D == 128 && C == 1) return f(integral_constant<int64_t, 128>(), integral_constant<int64_t, 1>());
+  if (D == 128 && C == 2) return f(integral_constant<int64_t, 128>(), integral_constant<int64_t, 2>());
+  f(integral_constant<int64_t, 0>(), integral_constant<int64_t, 0>());
+}
+
 // Forward of token t when E == 1 and kTile divides D/C: each kTile-column tile of the output is
 // accumulated in a fixed-size local array, which the compiler keeps in vector registers. The
 // first tile prefetches the rows kPrefetchDistance lookups ahead.
@@ -103,12 +117,14 @@ inline void forward_token_tiles(const scalar_t* __restrict table, const int64_t*
 }
 
 // Forward of token t, general case (virtual blocks, narrow column groups): one pass over the
-// token's lookups accumulating into acc[E * D] in memory.
-template <typename scalar_t, typename acc_t>
+// token's lookups accumulating into acc[E * D] in memory. kD, kC: D and C fixed at compile time,
+// or 0 (see dispatch_row_shape).
+template <typename scalar_t, typename acc_t, int64_t kD, int64_t kC>
 inline void forward_token_blocks(const scalar_t* __restrict table, const int64_t* __restrict idx,
                                  const scalar_t* __restrict scores, const int64_t* __restrict blk,
                                  acc_t* __restrict acc, scalar_t* __restrict o, int64_t t, int64_t M,
-                                 int64_t K, int64_t C, int64_t D, int64_t E) {
+                                 int64_t K, int64_t runtime_C, int64_t runtime_D, int64_t E) {
+  const int64_t C = kC ? kC : runtime_C, D = kD ? kD : runtime_D;
   const int64_t Dc = D / C, row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
   std::fill(acc, acc + E * D, acc_t(0));
   for (int64_t i = t * K; i < (t + 1) * K; ++i) {
@@ -133,18 +149,21 @@ void forward_kernel(const scalar_t* __restrict table, const int64_t* __restrict 
   using acc_t = typename Acc<scalar_t>::type;
   const int64_t M = T * K;
   const bool tiles = E == 1 && (D / C) % kTile == 0;
+  dispatch_row_shape(D, C, [&](auto kD, auto kC) {
 #pragma omp parallel num_threads(at::get_num_threads())
-  {
-    std::vector<acc_t> acc(tiles ? 0 : E * D);
+    {
+      std::vector<acc_t> acc(tiles ? 0 : E * D);
 #pragma omp for schedule(dynamic, kTokensPerChunk)
-    for (int64_t t = 0; t < T; ++t) {
-      if (tiles) {
-        forward_token_tiles(table, idx, scores, out + t * D, t, M, K, C, D);
-      } else {
-        forward_token_blocks(table, idx, scores, blk, acc.data(), out + t * E * D, t, M, K, C, D, E);
+      for (int64_t t = 0; t < T; ++t) {
+        if (tiles) {
+          forward_token_tiles(table, idx, scores, out + t * D, t, M, K, C, D);
+        } else {
+          forward_token_blocks<scalar_t, acc_t, decltype(kD)::value, decltype(kC)::value>(
+              table, idx, scores, blk, acc.data(), out + t * E * D, t, M, K, C, D, E);
+        }
       }
     }
-  }
+  });
 }
 
 // Stores of gradient bytes that bypass the cache (non-temporal stores of whole 64-byte lines with
@@ -316,19 +335,20 @@ inline acc_t fixed_order_dot(const scalar_t* __restrict a, const scalar_t* __res
   return sum;
 }
 
-// Gradient of run u (row s.rows[u]): accumulates the row gradient in acc[0:D], streams it to
+// Gradient of run u (row s.rows[u]), kD and kC as in forward_token_blocks: accumulates the row gradient in acc[0:D], streams it to
 // dst[0:D] (staged in stage[0:D] when scalar_t is narrower), and writes the score gradients of
 // the run's lookups. For the sorted lookup kPrefetchDistance ahead it prefetches the table row,
 // the output-gradient row, the score and the score-gradient slot (and the block id twice as far
 // ahead): the last ones are read in sorted-row order, i.e. at random, and after the other
 // layers' work they are not in cache.
-template <typename scalar_t, typename acc_t>
+template <typename scalar_t, typename acc_t, int64_t kD, int64_t kC>
 inline void run_backward(int64_t u, const SortedLookups& s, const scalar_t* __restrict grad_out,
                          const scalar_t* __restrict table, const scalar_t* __restrict scores,
                          const int64_t* __restrict blk, acc_t* __restrict acc, scalar_t* __restrict stage,
                          scalar_t* __restrict dst,
-                         scalar_t* __restrict grad_scores, int64_t M, int64_t K, int64_t C, int64_t D,
-                         int64_t E) {
+                         scalar_t* __restrict grad_scores, int64_t M, int64_t K, int64_t runtime_C,
+                         int64_t runtime_D, int64_t E) {
+  const int64_t C = kC ? kC : runtime_C, D = kD ? kD : runtime_D;
   const int64_t Dc = D / C;
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
   const uint64_t* __restrict sorted = s.packed.data();
@@ -380,20 +400,23 @@ void sparse_backward_kernel(const scalar_t* __restrict grad_out, const scalar_t*
   const int64_t U = s.num_runs, chunks = num_chunks(U);
   const int64_t* start = s.run_start.data();
   std::copy(s.rows.data(), s.rows.data() + U, rows);
+  dispatch_row_shape(D, C, [&](auto kD, auto kC) {
 #pragma omp parallel num_threads(at::get_num_threads())
-  {
-    std::vector<acc_t> acc(D);
-    std::vector<scalar_t> stage(D);
+    {
+      std::vector<acc_t> acc(D);
+      std::vector<scalar_t> stage(D);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t ch = 0; ch < chunks; ++ch) {
-      // the runs whose first lookup lies in the chunk's share of the M sorted lookups
-      const int64_t lo = std::lower_bound(start, start + U, ch * M / chunks) - start;
-      const int64_t hi = std::lower_bound(start, start + U, (ch + 1) * M / chunks) - start;
-      for (int64_t u = lo; u < hi; ++u)
-        run_backward(u, s, grad_out, table, scores, blk, acc.data(), stage.data(), values + u * D, grad_scores, M, K, C, D, E);
+      for (int64_t ch = 0; ch < chunks; ++ch) {
+        // the runs whose first lookup lies in the chunk's share of the M sorted lookups
+        const int64_t lo = std::lower_bound(start, start + U, ch * M / chunks) - start;
+        const int64_t hi = std::lower_bound(start, start + U, (ch + 1) * M / chunks) - start;
+        for (int64_t u = lo; u < hi; ++u)
+          run_backward<scalar_t, acc_t, decltype(kD)::value, decltype(kC)::value>(
+              u, s, grad_out, table, scores, blk, acc.data(), stage.data(), values + u * D, grad_scores, M, K, C, D, E);
+      }
+      stream_fence();
     }
-    stream_fence();
-  }
+  });
 }
 
 // Dense output: grad_table [N, D]; chunk ch owns table rows [ch*N/chunks, (ch+1)*N/chunks) and
@@ -408,24 +431,27 @@ void dense_backward_kernel(const scalar_t* __restrict grad_out, const scalar_t* 
   const int64_t U = s.num_runs, chunks = num_chunks(N);
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
   const int64_t* urows = s.rows.data();
+  dispatch_row_shape(D, C, [&](auto kD, auto kC) {
 #pragma omp parallel num_threads(at::get_num_threads())
-  {
-    std::vector<acc_t> acc(D);
-    std::vector<scalar_t> stage(D);
+    {
+      std::vector<acc_t> acc(D);
+      std::vector<scalar_t> stage(D);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t ch = 0; ch < chunks; ++ch) {
-      const int64_t row_lo = ch * N / chunks, row_hi = (ch + 1) * N / chunks;
-      int64_t zero_from = row_lo;
-      for (int64_t u = std::lower_bound(urows, urows + U, row_lo) - urows; u < U && urows[u] < row_hi; ++u) {
-        stream_store(grad_table + zero_from * D, nullptr, (urows[u] - zero_from) * row_bytes);
-        run_backward(u, s, grad_out, table, scores, blk, acc.data(), stage.data(), grad_table + urows[u] * D, grad_scores,
-                     M, K, C, D, E);
-        zero_from = urows[u] + 1;
+      for (int64_t ch = 0; ch < chunks; ++ch) {
+        const int64_t row_lo = ch * N / chunks, row_hi = (ch + 1) * N / chunks;
+        int64_t zero_from = row_lo;
+        for (int64_t u = std::lower_bound(urows, urows + U, row_lo) - urows; u < U && urows[u] < row_hi; ++u) {
+          stream_store(grad_table + zero_from * D, nullptr, (urows[u] - zero_from) * row_bytes);
+          run_backward<scalar_t, acc_t, decltype(kD)::value, decltype(kC)::value>(
+              u, s, grad_out, table, scores, blk, acc.data(), stage.data(), grad_table + urows[u] * D, grad_scores,
+              M, K, C, D, E);
+          zero_from = urows[u] + 1;
+        }
+        stream_store(grad_table + zero_from * D, nullptr, (row_hi - zero_from) * row_bytes);
       }
-      stream_store(grad_table + zero_from * D, nullptr, (row_hi - zero_from) * row_bytes);
+      stream_fence();
     }
-    stream_fence();
-  }
+  });
 }
 
 // An uninitialised buffer of `numel` elements from `pool`, reusing a pooled allocation whose

@@ -106,9 +106,13 @@ def test_cpu_parallel_radix_sort_is_thread_count_independent(N):
         for g, want in zip(got, results[0]):
             assert torch.equal(g, want)
     rows, values, g_scores = results[0]
-    want = run_op(reference_forward, table, indices, scores, None, 1, grad_out)
-    torch.testing.assert_close(torch.zeros_like(table).index_copy_(0, rows, values), want[1], rtol=1e-6, atol=5e-6)
-    torch.testing.assert_close(g_scores, want[2], rtol=1e-6, atol=5e-6)
+    # At N=1000 each row sums ~65 lookups: fp32 rounding of such sums reaches ~1e-5, and torch's
+    # own fp32 reference sums them in an order that changes with its threads, so the reference
+    # is computed in float64 (exact at that level) and the row gradients get that allowance.
+    want = run_op(reference_forward, table.double(), indices, scores.double(), None, 1, grad_out.double())
+    dense = torch.zeros_like(table).index_copy_(0, rows, values)
+    torch.testing.assert_close(dense.double(), want[1], rtol=1e-6, atol=3e-5)
+    torch.testing.assert_close(g_scores.double(), want[2], rtol=1e-6, atol=5e-6)
 
 
 def _bad_inputs():
