@@ -50,8 +50,7 @@ summed kernel time (every stream, side streams included) from torch.profiler.
 
     PYTHONPATH=. python tools/bench_lookup_reduce.py [--quick] [--json FILE] [--device cpu|cuda]
         [--huge-pages on|off] [--clock wall|thread|events|device] [--cache cold|warm] [--repeats R]
-        [--backend NAME]
-        [--profile]
+        [--backend NAME] [--profile]
 """
 
 import argparse
@@ -205,7 +204,9 @@ def time_method(fn, table, indices, scores, block_ids, grad_out, timer, flush=la
     return fwd, timer.stop()
 
 
-def bench_shape(shape, repeats, backends, timer, seed=0, flush=lambda: None, device=torch.device("cpu")):
+def make_inputs(shape, seed, device):
+    """Seeded (table, indices, scores, block ids or None, output gradient) of one shape on ``device``;
+    the table and scores require gradients."""
     N, D, T, K, C, E = (shape[k] for k in ("N", "D", "T", "K", "C", "E"))
     gen = torch.Generator().manual_seed(seed)
     table = torch.randn(N, D, generator=gen).to(device).requires_grad_(True)
@@ -213,6 +214,12 @@ def bench_shape(shape, repeats, backends, timer, seed=0, flush=lambda: None, dev
     scores = torch.randn(T, K, C, generator=gen).to(device).requires_grad_(True)
     block_ids = torch.randint(0, E, (T, K), generator=gen).to(device) if E > 1 else None
     grad_out = torch.randn(T, E, D, generator=gen).to(device)
+    return table, indices, scores, block_ids, grad_out
+
+
+def bench_shape(shape, repeats, backends, timer, seed=0, flush=lambda: None, device=torch.device("cpu")):
+    N, D, T, K, C, E = (shape[k] for k in ("N", "D", "T", "K", "C", "E"))
+    table, indices, scores, block_ids, grad_out = make_inputs(shape, seed, device)
     unique = torch.unique(indices).numel()
     fwd_bytes, bwd_bytes = bytes_touched(N, D, T, K, C, E, unique)
     fns = methods(shape, backends)
@@ -283,12 +290,7 @@ def profile_headline(backends, device, rows=12):
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    gen = torch.Generator().manual_seed(1)
-    N, D, T, K = (HEADLINE[k] for k in ("N", "D", "T", "K"))
-    table = torch.randn(N, D, generator=gen).to(device).requires_grad_(True)
-    indices = torch.randint(0, N, (T, K), generator=gen).to(device)
-    scores = torch.randn(T, K, 1, generator=gen).to(device).requires_grad_(True)
-    grad_out = torch.randn(T, 1, D, generator=gen).to(device)
+    table, indices, scores, _, grad_out = make_inputs(HEADLINE, 1, device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     summed = {}
     sort_by = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
@@ -354,7 +356,7 @@ def best_case_s(head, bandwidth):
 def summarize(rows, bandwidth, backend, step_rows):
     head = {r["method"]: r for r in rows if all(r[k] == v for k, v in HEADLINE.items())}
     ours = head[f"lookup_reduce[{backend}] sparse grad"]
-    step = {r["method"]: r['step_s'] for r in step_rows}
+    step = {r["method"]: r["step_s"] for r in step_rows}
     gather_gbps, best = best_case_s(head, bandwidth)
     return {
         "step_speedup_sparse_adam_vs_embedding_bag_sparse_adam":
