@@ -60,6 +60,9 @@ class ParallelConfig:
     data_parallel_size: Optional[int] = None
     backend: str = "auto"
     timeout_minutes: int = 10
+    # How long ranks wait for every rank to join the process group before failing with a
+    # message that names the missing ranks (and their nodes).
+    join_timeout_minutes: float = 10.0
 
 
 @dataclass
@@ -105,6 +108,9 @@ class TrainConfig:
     eval_iters: int = 4
     save: Optional[str] = None
     save_interval: int = 0
+    # Complete checkpoints kept under train.save (0 = all); older ones are deleted only after a
+    # new one is complete.
+    keep_checkpoints: int = 0
     exit_interval: Optional[int] = None
     load: Optional[str] = None
     tensorboard_dir: Optional[str] = None
@@ -277,7 +283,7 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
         "model.make_vocab_size_divisible_by", "model.init_std", "model.layernorm_epsilon",
         "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
         "parallel.virtual_pipeline_model_parallel_size", "parallel.data_parallel_size",
-        "parallel.timeout_minutes", "data.bpe_vocab_size", "train.steps",
+        "parallel.timeout_minutes", "parallel.join_timeout_minutes", "data.bpe_vocab_size", "train.steps",
         "train.micro_batch_size", "train.global_batch_size", "train.lr", "train.log_interval",
         "train.eval_interval", "train.threads", "train.exit_interval",
     ])
@@ -333,7 +339,11 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
         raise ConfigError(f"train.save_interval must not be negative, got {t.save_interval}")
     if t.save_interval and not t.save:
         raise ConfigError("train.save_interval is set but train.save (the checkpoint directory) is not")
-    if t.load is not None and not os.path.isdir(t.load):
+    if t.keep_checkpoints < 0:
+        raise ConfigError(f"train.keep_checkpoints must not be negative, got {t.keep_checkpoints} (0 keeps all)")
+    # train.load equal to train.save is the resume directory itself, which a first start lacks.
+    same = t.save is not None and t.load is not None and os.path.realpath(t.load) == os.path.realpath(t.save)
+    if t.load is not None and not same and not os.path.isdir(t.load):
         raise ConfigError(f"train.load directory '{t.load}' does not exist")
     if d.path is not None:
         for ext in (".bin", ".idx"):

@@ -65,5 +65,5 @@ def test_missing_and_corrupt_checkpoints_exit_2(cache_dir, tmp_path):
     empty.mkdir()
     bad = rmt_train(tiny_overrides(cache_dir) + [f"train.load={empty}"], check=False)
     assert bad.returncode == 2
-    assert "is not a complete rmt checkpoint" in bad.stderr
+    assert "is not a checkpoint directory" in bad.stderr
     assert "Traceback" not in bad.stderr

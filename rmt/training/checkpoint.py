@@ -3,25 +3,39 @@
 A checkpoint holds the model shards, the Adam moments (AdamW, SparseAdam) as shards of the same
 global tensors (so both reshard to any TP/PP layout), row-wise Adagrad's per-row accumulators as
 shards of a ``[rows, 1]`` tensor beside each table, and a common part: iteration, samples consumed,
-scheduler state and the config. Writing is atomic: every rank writes into
-``iter_NNNNNNN.tmp``; once all are done global rank 0 renames it and then rewrites ``latest``.
-A crash mid-save leaves only a ``.tmp`` directory, which loading ignores.
+scheduler state and the config.
+
+Saving (:func:`save_checkpoint`): global rank 0 checks the free space against the size of the
+state about to be written, every rank writes into ``iter_NNNNNNN.tmp``, rank 0 adds a manifest
+(every file with its size), renames the directory, rewrites ``latest`` and deletes checkpoints
+beyond ``train.keep_checkpoints``. A save that fails removes its ``.tmp`` and raises one sentence
+on every rank. Loading (:func:`resume`) continues from the newest complete checkpoint and falls
+back to older ones past incomplete or corrupt ones. Directory logic lives in
+``rmt.training.checkpoint_dirs``.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
 from dataclasses import replace
-from typing import List
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import is_main_replica
 from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+from torch.distributed.checkpoint.api import CheckpointException
 
 from rmt.errors import UserError
+from rmt.parallel import compat
+from rmt.parallel.lifetime import forked_children_die_with_this_process
 from rmt.parallel.sharding import shards
+from rmt.training import checkpoint_dirs
+from rmt.training.checkpoint_dirs import iteration_dir
 from rmt.training.optimizer import ChainedOptimizer
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -81,42 +95,127 @@ def sharded_state(chunks: List[torch.nn.Module], optimizer, common: dict) -> dic
     return state
 
 
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
+class CheckpointSaveError(UserError):
+    """A save that could not complete (no space, a failed write); nothing half-written is left.
+    A restart would fail the same way until the operator acts, hence a user error (exit 2)."""
 
 
-def save_checkpoint(root: str, iteration: int, chunks, optimizer, common: dict) -> str:
+# torch's CheckpointException derives from BaseException, so ``except Exception`` misses it.
+_CHECKPOINT_ERRORS = (Exception, CheckpointException)
+
+
+def _from_rank0(value):
+    """``value`` as global rank 0 has it, on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _first_problem(problem: Optional[str]) -> Optional[str]:
+    """The lowest rank's non-None ``problem``, on every rank (None when no rank has one)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return problem
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, problem)
+    return next((p for p in every if p is not None), None)
+
+
+def _root_cause(err: BaseException) -> str:
+    """The first line of the innermost error behind ``err`` (torch's CheckpointException wraps
+    each rank's exception with its traceback)."""
+    while True:
+        failures = getattr(err, "failures", None)
+        if isinstance(failures, dict) and failures:
+            inner = next(iter(failures.values()))
+            err = inner[0] if isinstance(inner, tuple) else inner
+        elif err.__cause__ is not None:
+            err = err.__cause__
+        else:
+            break
+    text = str(err).strip().splitlines()
+    return (text[0] if text else type(err).__name__)[:300]
+
+
+def _state_bytes(state: dict) -> int:
+    """Bytes of tensor data the whole job writes for ``state`` (main replicas only, summed over
+    ranks): the size the new checkpoint will have, up to metadata."""
+    local = sum(v.data.numel() * v.data.element_size() for v in nested_values(state)
+                if torch.is_tensor(getattr(v, "data", None)) and hasattr(v, "replica_id")
+                and is_main_replica(v.replica_id))
+    total = torch.tensor([local], dtype=torch.int64, device=compat.device())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return int(total.item())
+
+
+def _without_writer_server() -> None:
+    """megatron-core's torch_dist writer returns its forked writers' results through a queue
+    it takes from a ``multiprocessing.Manager``: a spawned server process (about 300 MB, since it
+    imports the trainer) that nothing stops when the trainer is killed. Saves here are
+    synchronous and the writers are forked children, so a fork-context queue carries the same
+    results without that process."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = multiprocessing.get_context("fork").Queue()
+
+
+def save_checkpoint(root: str, iteration: int, chunks, optimizer, common: dict, keep: int = 0) -> str:
+    """Write ``root/iter_NNNNNNN`` (collective). Returns its path; raises
+    :class:`CheckpointSaveError` on every rank when the save cannot complete."""
     final = iteration_dir(root, iteration)
     tmp = final + ".tmp"
+    state = sharded_state(chunks, optimizer, common)
+    # Metadata (torch's .metadata, common.pt) on top of the tensor bytes, and some slack.
+    need = int(_state_bytes(state) * 1.05) + 16 * 2**20
+    problem = None
     if _rank() == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _barrier()
-    dist_checkpointing.save(sharded_state(chunks, optimizer, common), tmp)
-    _barrier()
+        try:
+            os.makedirs(root, exist_ok=True)
+            problem = checkpoint_dirs.free_space_problem(root, need)
+            if problem is None:
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.makedirs(tmp)
+        except OSError as err:
+            problem = f"cannot create '{tmp}': {err.strerror or err}"
+    problem = _from_rank0(problem)
+    if problem is not None:
+        raise CheckpointSaveError(problem)
+    _without_writer_server()
+    forked_children_die_with_this_process()
+    failure = None
+    try:
+        dist_checkpointing.save(state, tmp)
+    except _CHECKPOINT_ERRORS as err:
+        failure = _root_cause(err)
+    failure = _first_problem(failure)
+    if failure is None and _rank() == 0:
+        try:
+            checkpoint_dirs.write_manifest(tmp, iteration)
+            checkpoint_dirs.publish(tmp, final, root, iteration)
+        except OSError as err:
+            failure = str(err)
+    failure = _from_rank0(failure)
+    if failure is not None:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            space = checkpoint_dirs.free_space_problem(root, need) if os.path.isdir(root) else None
+            failure += f"; {space}" if space else ""
+        _barrier()
+        raise CheckpointSaveError(f"saving checkpoint '{final}' failed ({failure}); its "
+                                  f"incomplete directory was removed")
     if _rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        with open(os.path.join(root, "latest.tmp"), "w") as f:
-            f.write(str(iteration))
-        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+        checkpoint_dirs.rotate(root, keep)
     _barrier()
     return final
 
 
 def find_checkpoint(path: str) -> str:
-    """``path`` is an ``iter_*`` directory or a root with a ``latest`` file."""
-    latest = os.path.join(path, "latest")
-    if os.path.isfile(latest):
-        try:
-            with open(latest) as f:
-                path = iteration_dir(path, int(f.read().strip()))
-        except ValueError:
-            raise UserError(f"checkpoint file '{latest}' is corrupt") from None
-    if not os.path.isdir(path) or not dist_checkpointing.check_is_distributed_checkpoint(path):
-        raise UserError(f"'{path}' is not a complete rmt checkpoint (no dist_checkpointing metadata)")
-    return path
+    """``path`` is an ``iter_*`` directory (which must be complete) or a save root (its newest
+    complete checkpoint)."""
+    return checkpoint_dirs.resolve(path)
 
 
 def load_common(path: str) -> dict:
@@ -124,8 +223,8 @@ def load_common(path: str) -> dict:
         return dist_checkpointing.load_common_state_dict(find_checkpoint(path))["common"]
     except UserError:
         raise
-    except Exception as err:
-        raise UserError(f"checkpoint '{path}' is corrupt ({str(err).splitlines()[0]})") from None
+    except _CHECKPOINT_ERRORS as err:
+        raise UserError(f"checkpoint '{path}' is corrupt ({_root_cause(err)})") from None
 
 
 def load_checkpoint(path: str, chunks, optimizer) -> dict:
@@ -135,10 +234,9 @@ def load_checkpoint(path: str, chunks, optimizer) -> dict:
     template.pop("common")
     try:
         loaded = dist_checkpointing.load(template, path)
-    except Exception as err:
+    except _CHECKPOINT_ERRORS as err:
         raise UserError(
-            f"checkpoint '{path}' does not fit this model or is corrupt "
-            f"({str(err).splitlines()[0][:300]})") from None
+            f"checkpoint '{path}' does not fit this model or is corrupt ({_root_cause(err)})") from None
     for i, chunk in enumerate(chunks):
         getattr(chunk, "module", chunk).load_state_dict(loaded[f"model{i}"], strict=True)
     if optimizer is not None:
@@ -148,6 +246,48 @@ def load_checkpoint(path: str, chunks, optimizer) -> dict:
                 if name in st:
                     st[name].copy_(loaded[f"optimizer.{name}.{i}"].view_as(st[name]))
     return load_common(path)
+
+
+def resume(save: Optional[str], load: Optional[str], chunks, optimizer,
+           say: Callable[[str], None]) -> Optional[Tuple[str, dict]]:
+    """Load the checkpoint a run continues from (collective; see
+    ``checkpoint_dirs.resume_plan``) and return its path and common part, or None for a fresh
+    start.
+    A complete-looking checkpoint that fails to load is reported and the next older one tried;
+    ``say`` receives each sentence worth telling (called on global rank 0 only)."""
+    plan = None
+    if _rank() == 0:
+        try:
+            plan = checkpoint_dirs.resume_plan(save, load)
+            for stale in checkpoint_dirs.remove_stale_saves(save) if save else []:
+                say(f"removed '{stale}', a save that an earlier run did not finish")
+        except UserError as err:
+            plan = str(err)
+    plan = _from_rank0(plan)
+    if isinstance(plan, str):
+        raise UserError(plan)
+    candidates, notes, explicit = plan
+    if _rank() == 0:
+        for note in notes:
+            say(note)
+    failures = []
+    for path in candidates:
+        problem = None
+        try:
+            common = load_checkpoint(path, chunks, optimizer)
+        except UserError as err:
+            problem = str(err)
+        problem = _first_problem(problem)
+        if problem is None:
+            return path, common
+        if explicit:
+            raise UserError(problem)
+        failures.append(problem)
+        if _rank() == 0 and path != candidates[-1]:
+            say(f"{problem}; falling back to the previous checkpoint")
+    if failures:  # the model may hold parts of a failed load: do not train from it
+        raise UserError(f"no checkpoint could be loaded: {'; '.join(failures)}")
+    return None
 
 
 def set_optimizer_step(optimizer, step: int) -> None:
