@@ -16,9 +16,11 @@ back to older ones past incomplete or corrupt ones. Directory logic lives in
 
 from __future__ import annotations
 
-import multiprocessing
+import logging
 import os
+import queue
 import shutil
+import warnings
 from dataclasses import replace
 from typing import Callable, List, Optional, Tuple
 
@@ -135,7 +137,10 @@ def _root_cause(err: BaseException) -> str:
         else:
             break
     text = str(err).strip().splitlines()
-    return (text[0] if text else type(err).__name__)[:300]
+    cause = (text[0] if text else type(err).__name__)[:300]
+    if "unexpected pos" in cause:  # torch's zip writer, when a write to its file came up short
+        cause = f"a write was cut short: the disk is full or a quota or file-size limit was hit ({cause})"
+    return cause
 
 
 def _state_bytes(state: dict) -> int:
@@ -151,15 +156,16 @@ def _state_bytes(state: dict) -> int:
 
 
 def _without_writer_server() -> None:
-    """megatron-core's torch_dist writer returns its forked writers' results through a queue
-    it takes from a ``multiprocessing.Manager``: a spawned server process (about 300 MB, since it
-    imports the trainer) that nothing stops when the trainer is killed. Saves here are
-    synchronous and the writers are forked children, so a fork-context queue carries the same
-    results without that process."""
+    """megatron-core's torch_dist writer hands its writers' results to the saving process
+    through a queue it takes from a ``multiprocessing.Manager``: a spawned server process (about
+    300 MB, since it imports the trainer) that nothing stops when the trainer is killed. Saves
+    here are synchronous: the trainer itself puts the results on that queue and takes them off
+    (the forked writers report on a queue of their own), so an in-process queue does the same
+    without the server."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = multiprocessing.get_context("fork").Queue()
+        filesystem_async._results_queue = queue.Queue()
 
 
 def save_checkpoint(root: str, iteration: int, chunks, optimizer, common: dict, keep: int = 0) -> str:
@@ -186,10 +192,15 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, common: dict, 
     _without_writer_server()
     forked_children_die_with_this_process()
     failure = None
+    quiet = logging.getLogger("megatron.core.dist_checkpointing")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)  # a failed write is reported below, in one sentence
     try:
         dist_checkpointing.save(state, tmp)
     except _CHECKPOINT_ERRORS as err:
         failure = _root_cause(err)
+    finally:
+        quiet.setLevel(level)
     failure = _first_problem(failure)
     if failure is None and _rank() == 0:
         try:
@@ -233,7 +244,9 @@ def load_checkpoint(path: str, chunks, optimizer) -> dict:
     template = sharded_state(chunks, optimizer, {})
     template.pop("common")
     try:
-        loaded = dist_checkpointing.load(template, path)
+        with warnings.catch_warnings():  # torch's deprecations inside megatron-core's loader
+            warnings.simplefilter("ignore", FutureWarning)
+            loaded = dist_checkpointing.load(template, path)
     except _CHECKPOINT_ERRORS as err:
         raise UserError(
             f"checkpoint '{path}' does not fit this model or is corrupt ({_root_cause(err)})") from None

@@ -20,7 +20,6 @@ from typing import List, Optional
 
 from rmt.config import load_config, validate
 from rmt.errors import ConfigError, cli_entry
-from rmt.parallel.lifetime import die_with_parent
 from rmt.training import checkpoint_dirs, preemption
 
 
@@ -67,10 +66,12 @@ def preflight(args: argparse.Namespace, world_size: Optional[int] = None) -> str
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     preemption.install()  # before the slow imports, so an early SIGTERM is not lost
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: its own session, so tie it to torchrun
-        die_with_parent(os.getppid())
     # megatron-core announces every missing optional accelerator library (apex, TE) on import.
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex).*")
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: its own session, so tie it to torchrun
+        from rmt.parallel.lifetime import die_with_parent
+
+        die_with_parent(os.getppid())
     if args.check:
         print(f"rmt-train: config OK; {preflight(args)}")
         return 0

@@ -13,11 +13,6 @@ import signal
 import threading
 from typing import Optional
 
-import torch
-import torch.distributed as dist
-
-from rmt.parallel import compat
-
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _received = 0
 
@@ -36,6 +31,11 @@ def install() -> None:
 
 def agreed_signal() -> Optional[str]:
     """The name of a stop signal any rank received (collective over the world), else None."""
+    import torch  # not at import time: install() runs before the slow imports of a worker
+    import torch.distributed as dist
+
+    from rmt.parallel import compat
+
     flag = torch.tensor([_received], dtype=torch.int64, device=compat.device())
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
