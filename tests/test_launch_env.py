@@ -27,3 +27,13 @@ def test_first_host_forms():
 def test_plain_process_is_world_of_one():
     e = read_launch_env({})
     assert (e.rank, e.world_size, e.launcher) == (0, 1, "single") and e.master_port > 0
+
+
+def test_expand_nodelist_and_rank_locations():
+    from rmt.parallel.launch_env import expand_nodelist, rank_locations
+
+    assert expand_nodelist("gpu[08-10,12],cpu1") == ["gpu08", "gpu09", "gpu10", "gpu12", "cpu1"]
+    slurm = {"SLURM_JOB_NODELIST": "gpu[1-2]", "SLURM_TASKS_PER_NODE": "2(x2)"}
+    assert rank_locations(4, slurm) == ["node 0 (gpu1)", "node 0 (gpu1)", "node 1 (gpu2)", "node 1 (gpu2)"]
+    assert rank_locations(4, {"LOCAL_WORLD_SIZE": "2"}) == ["node 0", "node 0", "node 1", "node 1"]
+    assert rank_locations(4, {}) is None

@@ -299,7 +299,8 @@ def resume(save: Optional[str], load: Optional[str], chunks, optimizer,
         if _rank() == 0 and path != candidates[-1]:
             say(f"{problem}; falling back to the previous checkpoint")
     if failures:  # the model may hold parts of a failed load: do not train from it
-        raise UserError(f"no checkpoint could be loaded: {'; '.join(failures)}")
+        raise UserError(failures[0] if len(failures) == 1 else
+                        f"none of {len(failures)} checkpoints could be loaded: {'; '.join(failures)}")
     return None
 
 
