@@ -333,8 +333,11 @@ class MemoryConfig:
     improved_init: bool = True
     """Table 2 ablation switch: Appendix A init (E[Y] sampled)."""
 
-    init_samples: int = 4
-    """Samples drawn to estimate E[Y] for the improved init."""
+    init_samples: int = 0
+    """How the improved init gets E[Y], the expected mean of the top-m of the grid's candidate
+    scores (Appendix A): 0 = exactly, by quadrature over the order statistics, in milliseconds
+    for any number of slots; k > 0 = the paper's Monte Carlo estimate from k draws of every
+    candidate (streamed in bounded chunks, but its time grows with the slots)."""
 
     aux_loss_weight: float = 0.001
     """TDQKR auxiliary loss weight α (Eq. 11–12)."""
