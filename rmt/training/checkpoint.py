@@ -1,9 +1,10 @@
 """Checkpoints through ``megatron.core.dist_checkpointing`` (torch_dist format).
 
-A checkpoint holds the model shards, the Adam moments (AdamW, SparseAdam) as shards of the same
-global tensors (so both reshard to any TP/PP layout), row-wise Adagrad's per-row accumulators as
-shards of a ``[rows, 1]`` tensor beside each table, and a common part: iteration, samples consumed,
-scheduler state and the config.
+A checkpoint holds the model shards and the Adam moments (AdamW, SparseAdam) as shards of the same
+global tensors (so both reshard to any TP/PP layout), and a common part: iteration, samples
+consumed, scheduler state and the config. Memory value tables and their optimizer states
+(moments, row-wise Adagrad's per-row sums) are streamed shard by shard beside it
+(:mod:`rmt.training.table_checkpoint`), so no rank ever holds more than its shard of them.
 
 Saving (:func:`save_checkpoint`): global rank 0 checks the free space against the size of the
 state about to be written, every rank writes into ``iter_NNNNNNN.tmp``, rank 0 adds a manifest
@@ -21,7 +22,6 @@ import os
 import queue
 import shutil
 import warnings
-from dataclasses import replace
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -39,9 +39,10 @@ from rmt.parallel.sharding import shards
 from rmt.training import checkpoint_dirs
 from rmt.training.checkpoint_dirs import iteration_dir
 from rmt.training.optimizer import ChainedOptimizer
+from rmt.training.table_checkpoint import FORMAT as TABLE_FORMAT
+from rmt.training.table_checkpoint import load_tables, save_tables, table_shards, table_tensors
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
-_ROW_STATE = "sum"  # RowWiseAdagrad's per-row accumulator (its initial_state)
 
 
 def _rank() -> int:
@@ -69,30 +70,23 @@ def _ensure_optimizer_state(optimizer) -> None:
                 state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def _row_state_tensor(sharded, row_state: torch.Tensor):
-    """``row_state`` [rows] of a table whose weight shard is ``sharded`` as a shard of a global
-    ``[num_slots, 1]`` tensor (rows split like the table's; whole rows only)."""
-    local = row_state.view(-1, 1)
-    out = replace(sharded, key=f"optimizer.{_ROW_STATE}.{sharded.key}", data=local, dtype=local.dtype,
-                  local_shape=tuple(local.shape), global_shape=tuple(sharded.global_shape[:-1]) + (1,))
-    out.validate_metadata_integrity()
-    return out
-
-
 def sharded_state(chunks: List[torch.nn.Module], optimizer, common: dict) -> dict:
-    state = {f"model{i}": getattr(c, "module", c).sharded_state_dict() for i, c in enumerate(chunks)}
+    """megatron's part of a checkpoint: everything but the memory value tables and their states."""
+    tables = {s.key for s in table_shards(chunks)}
+    state = {f"model{i}": {k: v for k, v in getattr(c, "module", c).sharded_state_dict().items() if k not in tables}
+             for i, c in enumerate(chunks)}
     if optimizer is not None:
         _ensure_optimizer_state(optimizer)
         # Dict keys only need to be unique locally (layers stacked under one global key share
         # it); the ShardedTensor keys are what checkpoints match on.
         for i, shard in enumerate(shards(chunks)):
+            if shard.key in tables:
+                continue
             st = optimizer.state[shard.param]
             for name in _MOMENTS:
                 if name in st:
                     state[f"optimizer.{name}.{i}"] = make_sharded_optimizer_tensor(
                         shard.sharded, st[name], prefix=f"optimizer.{name}")
-            if _ROW_STATE in st:
-                state[f"optimizer.{_ROW_STATE}.{i}"] = _row_state_tensor(shard.sharded, st[_ROW_STATE])
     state["common"] = common
     return state
 
@@ -143,12 +137,15 @@ def _root_cause(err: BaseException) -> str:
     return cause
 
 
-def _state_bytes(state: dict) -> int:
-    """Bytes of tensor data the whole job writes for ``state`` (main replicas only, summed over
-    ranks): the size the new checkpoint will have, up to metadata."""
+def _state_bytes(state: dict, chunks, optimizer) -> int:
+    """Bytes of tensor data the whole job writes for megatron's ``state`` and the memory tables
+    (main replicas only, summed over ranks): the size the new checkpoint will have, up to
+    metadata."""
     local = sum(v.data.numel() * v.data.element_size() for v in nested_values(state)
                 if torch.is_tensor(getattr(v, "data", None)) and hasattr(v, "replica_id")
                 and is_main_replica(v.replica_id))
+    local += sum(t.numel() * t.element_size() for shard in table_shards(chunks) if shard.is_main_replica
+                 for t in table_tensors(shard, optimizer).values())
     total = torch.tensor([local], dtype=torch.int64, device=compat.device())
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total)
@@ -168,27 +165,44 @@ def _without_writer_server() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
-def save_checkpoint(root: str, iteration: int, chunks, optimizer, common: dict, keep: int = 0) -> str:
-    """Write ``root/iter_NNNNNNN`` (collective). Returns its path; raises
-    :class:`CheckpointSaveError` on every rank when the save cannot complete."""
-    final = iteration_dir(root, iteration)
-    tmp = final + ".tmp"
-    state = sharded_state(chunks, optimizer, common)
-    # Metadata (torch's .metadata, common.pt) on top of the tensor bytes, and some slack.
-    need = int(_state_bytes(state) * 1.05) + 16 * 2**20
+def _bytes_needed(state: dict, chunks, optimizer) -> int:
+    """Free space a save of ``state`` needs: its tensor bytes, and for metadata (torch's
+    .metadata, common.pt, table descriptors) 5% and 16 MiB on top."""
+    return int(_state_bytes(state, chunks, optimizer) * 1.05) + 16 * 2**20
+
+
+def _prepare(root: str, need: int, tmp: Optional[str] = None) -> None:
+    """Global rank 0 creates ``root``, checks its free space against ``need`` and makes an empty
+    ``tmp``; every rank raises :class:`CheckpointSaveError` when it cannot."""
     problem = None
     if _rank() == 0:
         try:
             os.makedirs(root, exist_ok=True)
             problem = checkpoint_dirs.free_space_problem(root, need)
-            if problem is None:
+            if problem is None and tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
                 os.makedirs(tmp)
         except OSError as err:
-            problem = f"cannot create '{tmp}': {err.strerror or err}"
+            problem = f"cannot create '{tmp or root}': {err.strerror or err}"
     problem = _from_rank0(problem)
     if problem is not None:
         raise CheckpointSaveError(problem)
+
+
+def check_space(root: str, chunks, optimizer) -> None:
+    """Before training: raise :class:`CheckpointSaveError` now, not after the first steps, when
+    ``root`` has no room for one checkpoint of this model (collective)."""
+    _prepare(root, _bytes_needed(sharded_state(chunks, optimizer, {}), chunks, optimizer))
+
+
+def save_checkpoint(root: str, iteration: int, chunks, optimizer, common: dict, keep: int = 0) -> str:
+    """Write ``root/iter_NNNNNNN`` (collective). Returns its path; raises
+    :class:`CheckpointSaveError` on every rank when the save cannot complete."""
+    final = iteration_dir(root, iteration)
+    tmp = final + ".tmp"
+    state = sharded_state(chunks, optimizer, dict(common, table_format=TABLE_FORMAT))
+    need = _bytes_needed(state, chunks, optimizer)
+    _prepare(root, need, tmp)
     _without_writer_server()
     forked_children_die_with_this_process()
     failure = None
@@ -197,6 +211,7 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, common: dict, 
     quiet.setLevel(logging.CRITICAL)  # a failed write is reported below, in one sentence
     try:
         dist_checkpointing.save(state, tmp)
+        save_tables(tmp, chunks, optimizer)
     except _CHECKPOINT_ERRORS as err:
         failure = _root_cause(err)
     finally:
@@ -250,15 +265,28 @@ def load_checkpoint(path: str, chunks, optimizer) -> dict:
     except _CHECKPOINT_ERRORS as err:
         raise UserError(
             f"checkpoint '{path}' does not fit this model or is corrupt ({_root_cause(err)})") from None
+    common = load_common(path)
+    tables = table_shards(chunks)
+    if tables and common.get("table_format") != TABLE_FORMAT:
+        raise UserError(f"checkpoint '{path}' stores its memory tables in an older format "
+                        f"({common.get('table_format', 'inside the torch_dist files')}); this rmt reads "
+                        f"format {TABLE_FORMAT}")
+    load_tables(path, chunks, optimizer)
+    names = {s.key for s in tables}
     for i, chunk in enumerate(chunks):
-        getattr(chunk, "module", chunk).load_state_dict(loaded[f"model{i}"], strict=True)
+        missing, unexpected = getattr(chunk, "module", chunk).load_state_dict(loaded[f"model{i}"], strict=False)
+        if unexpected or set(missing) - names:  # the tables were filled in place above
+            raise UserError(f"checkpoint '{path}' does not fit this model (missing {sorted(set(missing) - names)}, "
+                            f"unexpected {sorted(unexpected)})")
     if optimizer is not None:
         for i, shard in enumerate(shards(chunks)):
+            if shard.key in names:
+                continue
             st = optimizer.state[shard.param]
-            for name in _MOMENTS + (_ROW_STATE,):
+            for name in _MOMENTS:
                 if name in st:
                     st[name].copy_(loaded[f"optimizer.{name}.{i}"].view_as(st[name]))
-    return load_common(path)
+    return common
 
 
 def resume(save: Optional[str], load: Optional[str], chunks, optimizer,

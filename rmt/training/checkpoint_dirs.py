@@ -7,11 +7,12 @@ Layout under a save root::
     ROOT/iter_0000600.tmp/    a save in progress (or one a killed job left behind)
     ROOT/latest               the newest published iteration, for people and scripts
 
-``manifest.json`` lists every file of the checkpoint with its size in bytes; it is written last,
-inside the ``.tmp`` directory, just before the rename that publishes the checkpoint. A checkpoint
-is *complete* when its manifest exists and every listed file has the listed size (torch's
-``.metadata`` and megatron-core's ``metadata.json`` among them). Checkpoints written before
-manifests existed count as complete when megatron-core recognises them.
+``manifest.json`` lists every file of the checkpoint (paths relative to it, the memory tables'
+``tables/`` included) with its size in bytes; it is written last, inside the ``.tmp`` directory,
+just before the rename that publishes the checkpoint. A checkpoint is *complete* when its
+manifest exists and every listed file has the listed size (torch's ``.metadata`` and
+megatron-core's ``metadata.json`` among them). Checkpoints written before manifests existed
+count as complete when megatron-core recognises them.
 
 Everything here is plain file-system work on one process; ``rmt.training.checkpoint`` decides
 which rank runs it and shares the outcome.
@@ -59,14 +60,17 @@ def _fsync(path: str) -> None:
 
 
 def write_manifest(path: str, iteration: int) -> int:
-    """Record every file under ``path`` with its size (after flushing each to disk) in
-    ``path/manifest.json``; returns the checkpoint's total size in bytes."""
+    """Record every file under ``path`` (subdirectories included, such as the memory tables')
+    with its size, after flushing each to disk, in ``path/manifest.json``; returns the
+    checkpoint's total size in bytes."""
     files = {}
-    for name in sorted(os.listdir(path)):
-        full = os.path.join(path, name)
-        if name != MANIFEST and os.path.isfile(full):
-            _fsync(full)
-            files[name] = os.path.getsize(full)
+    for folder, _, names in sorted(os.walk(path)):
+        for name in sorted(names):
+            full = os.path.join(folder, name)
+            rel = os.path.relpath(full, path)
+            if rel != MANIFEST:
+                _fsync(full)
+                files[rel] = os.path.getsize(full)
     tmp = os.path.join(path, MANIFEST + ".tmp")
     with open(tmp, "w") as f:
         json.dump({"format": _MANIFEST_FORMAT, "iteration": iteration, "files": files}, f, indent=1)

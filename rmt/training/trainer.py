@@ -79,6 +79,8 @@ class Trainer:
         self._bar = None
         self.stopped_by: Optional[str] = None  # the signal that ended the run early
         self.last_save: Optional[str] = None
+        if t.save:
+            checkpoint.check_space(t.save, self.chunks, self.optimizer)
         resumed = checkpoint.resume(t.save, t.load, self.chunks, self.optimizer, self.say)
         if resumed is not None:
             self.last_save, common = resumed
