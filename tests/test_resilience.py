@@ -16,7 +16,7 @@ import uuid
 import psutil
 import pytest
 
-from conftest import ROOT, _env, _free_port, rmt_train, tiny_overrides
+from conftest import ROOT, _env, _free_port, tiny_overrides
 
 FAKE_SLURM = os.path.join(ROOT, "tests", "fake_slurm")
 
@@ -60,6 +60,16 @@ def _tagged(tag):
     return found
 
 
+def _kill_and_expect_no_survivors(job):
+    """SIGKILL the job's first process; within 10 s no process of the job may be left."""
+    os.kill(job.pid, signal.SIGKILL)
+    job.communicate()
+    deadline = time.monotonic() + 10
+    while _tagged(job.tag) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _tagged(job.tag) == []
+
+
 def _wait_for(predicate, proc, what, timeout=300):
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -71,6 +81,11 @@ def _wait_for(predicate, proc, what, timeout=300):
 def _log(tmp_path):
     with open(tmp_path / "log.jsonl") as f:
         return [json.loads(line) for line in f]
+
+
+def _logged(tmp_path, steps):
+    """A predicate: the run under ``tmp_path`` has logged ``steps`` steps."""
+    return lambda: (tmp_path / "log.jsonl").exists() and len(_log(tmp_path)) >= steps
 
 
 def _worker(launcher_pid, rank):
@@ -86,12 +101,18 @@ def _single_node(args, nproc=2, **env):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(cache_dir, tmp_path_factory):
-    """Losses of a 30-step 2-rank run under the launcher, never interrupted."""
+def uninterrupted_run(cache_dir, tmp_path_factory):
+    """A 30-step 2-rank run under the launcher, never interrupted: its directory."""
     tmp = tmp_path_factory.mktemp("uninterrupted")
     code, _, err = _finish(_single_node(_config(cache_dir, tmp, 30)))
     assert code == 0, err[-3000:]
-    return [m["lm loss"] for m in _log(tmp)]
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_run):
+    """The losses of that run."""
+    return [m["lm loss"] for m in _log(uninterrupted_run)]
 
 
 def test_killed_rank_is_restarted_and_the_run_matches_an_uninterrupted_one(uninterrupted, cache_dir, tmp_path):
@@ -114,7 +135,7 @@ def test_killed_rank_is_restarted_and_the_run_matches_an_uninterrupted_one(unint
 def test_sigterm_to_the_launcher_saves_and_exits_0(cache_dir, tmp_path):
     """(The same command then finishes the run: see the slurm.sbatch requeue test.)"""
     job = _single_node(_config(cache_dir, tmp_path, 30))
-    _wait_for(lambda: (tmp_path / "log.jsonl").exists() and len(_log(tmp_path)) >= 3, job, "three steps")
+    _wait_for(_logged(tmp_path, 3), job, "three steps")
     job.send_signal(signal.SIGTERM)
     code, out, err = _finish(job)
     assert code == 0, err[-3000:]
@@ -128,20 +149,15 @@ def test_sigterm_to_the_launcher_saves_and_exits_0(cache_dir, tmp_path):
 
 def test_killed_launcher_takes_its_workers_with_it(cache_dir, tmp_path):
     job = _single_node(_config(cache_dir, tmp_path, 200))
-    _wait_for(lambda: (tmp_path / "log.jsonl").exists() and len(_log(tmp_path)) >= 2, job, "two steps")
+    _wait_for(_logged(tmp_path, 2), job, "two steps")
     workers = [c.pid for c in psutil.Process(job.pid).children()]
     assert len(workers) == 2
-    os.kill(job.pid, signal.SIGKILL)
-    job.communicate()
-    deadline = time.monotonic() + 10
-    while _tagged(job.tag) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _tagged(job.tag) == []
+    _kill_and_expect_no_survivors(job)
 
 
 def test_sigusr1_stops_a_plain_run_with_a_checkpoint(cache_dir, tmp_path):
     job = _start([sys.executable, "-m", "rmt.training.cli"] + _config(cache_dir, tmp_path, 200))
-    _wait_for(lambda: (tmp_path / "log.jsonl").exists() and len(_log(tmp_path)) >= 2, job, "two steps")
+    _wait_for(_logged(tmp_path, 2), job, "two steps")
     job.send_signal(signal.SIGUSR1)
     code, out, err = _finish(job)
     stopped = len(_log(tmp_path))
@@ -155,29 +171,22 @@ def test_killed_trainer_leaves_no_process_behind(cache_dir, tmp_path):
     job = _start([sys.executable, "-m", "rmt.training.cli"] + _config(cache_dir, tmp_path, 200)
                  + ["train.save_interval=1"])
     _wait_for(lambda: (tmp_path / "ckpt" / "iter_0000003").is_dir(), job, "three checkpoints")
-    os.kill(job.pid, signal.SIGKILL)
-    job.communicate()
-    deadline = time.monotonic() + 10
-    while _tagged(job.tag) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _tagged(job.tag) == []
+    _kill_and_expect_no_survivors(job)
 
 
-def test_user_errors_under_the_launcher_are_said_once_with_exit_2(cache_dir, tmp_path):
+def test_user_errors_under_the_launcher_are_said_once_with_exit_2(uninterrupted_run, cache_dir):
     # Before any worker starts: the config for the launch's world size.
     code, out, err = _finish(_single_node(tiny_overrides(cache_dir) + ["parallel.tensor_model_parallel_size=3"]))
     assert code == 2 and "Traceback" not in err
     assert [line for line in err.splitlines() if "error" in line] == [
         "rmt-train: error: world size 2 is not divisible by tensor x pipeline parallel size 3 x 1 = 3"]
     # Found by the workers (a checkpoint of another model): rank 0 says it, nothing restarts.
-    other = tmp_path / "other"
-    rmt_train(tiny_overrides(cache_dir, steps=1) + ["train.warmup_steps=0", "model.hidden_size=48",
-                                                    f"train.save={other}"])
-    code, out, err = _finish(_single_node(tiny_overrides(cache_dir) + [f"train.load={other}"]))
+    other = uninterrupted_run / "ckpt"
+    code, out, err = _finish(_single_node(tiny_overrides(cache_dir) + ["model.hidden_size=48", f"train.load={other}"]))
     assert code == 2 and "Traceback" not in err and "restarting" not in err
     errors = [line for line in err.splitlines() if "error" in line]
     assert len(errors) == 1 and errors[0].startswith(
-        f"rmt-train: error: checkpoint '{other}/iter_0000001' does not fit this model or is corrupt")
+        f"rmt-train: error: checkpoint '{other}/iter_0000030' does not fit this model (Global shape mismatch")
 
 
 def test_missing_node_is_named_when_the_join_timeout_expires(cache_dir):
@@ -226,7 +235,7 @@ def _sbatch(args, tmp_path, **env):
 def test_slurm_script_on_a_cpu_partition_requeues_after_sigusr1(uninterrupted, cache_dir, tmp_path):
     args = _config(cache_dir, tmp_path, 30)
     job = _sbatch(args, tmp_path)
-    _wait_for(lambda: (tmp_path / "log.jsonl").exists() and len(_log(tmp_path)) >= 3, job, "three steps")
+    _wait_for(_logged(tmp_path, 3), job, "three steps")
     job.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@300 sends before the time limit
     code, out, err = _finish(job)
     assert code == 0, err[-3000:]

@@ -35,6 +35,7 @@ from typing import List, Optional
 import psutil
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.launcher import api as launcher_api
@@ -55,9 +56,9 @@ def say(message: str) -> None:
 class _NoRestart(Exception):
     """Workers failed in a way a restart cannot mend (a user error, or a requested stop)."""
 
-    def __init__(self, exitcode: int):
-        super().__init__(exitcode)
-        self.exitcode = exitcode
+    def __init__(self, rank: int, failure):
+        super().__init__(rank)
+        self.rank, self.failure = rank, failure
 
 
 def _describe(failure) -> str:
@@ -85,7 +86,7 @@ class _Agent(LocalElasticAgent):
         if result.is_failed() and result.failures:
             rank, failure = _root_failure(result.failures)
             if failure.exitcode == USER_ERROR_EXIT or _stopping:
-                raise _NoRestart(failure.exitcode)
+                raise _NoRestart(rank, failure)
             limit = worker_group.spec.max_restarts
             if self.restarts < limit:
                 self.restarts += 1
@@ -120,6 +121,21 @@ def _preflight(args) -> None:
     cli.preflight(cli.build_parser().parse_args(args.training_script_args), _world_size(args))
 
 
+def _join_nodes(args):
+    """Set torch's rendezvous options; for several nodes (c10d), hold the roll call first and let
+    torch's rendezvous use its store (returned: node 0 serves it while it is referenced)."""
+    conf = f"join_timeout={int(args.join_timeout)}"
+    _, max_nodes = torchrun.parse_min_max_nnodes(args.nnodes)
+    store = None
+    if max_nodes > 1 and not args.standalone and args.rdzv_backend == "c10d":
+        store = roll_call(args.rdzv_endpoint, max_nodes, args.node_rank,
+                          datetime.timedelta(seconds=args.join_timeout))
+        conf += ",is_host=0"
+        args.node_rank = 0  # only the roll call uses it; torch warns that c10d ignores it
+    args.rdzv_conf = ",".join(c for c in (args.rdzv_conf, conf) if c)
+    return store
+
+
 def build_parser():
     ap = torchrun.get_args_parser()
     ap.prog = "python -m rmt.parallel.launcher"
@@ -144,35 +160,34 @@ def main(argv: Optional[List[str]] = None) -> int:
     args.signals_to_handle = "SIGINT,SIGHUP,SIGQUIT"  # SIGTERM/SIGUSR1: _forward
     for sig in _FORWARDED:
         signal.signal(sig, _forward)
-    timeout = datetime.timedelta(seconds=args.join_timeout)
-    conf = f"join_timeout={int(args.join_timeout)}"
-    _, max_nodes = torchrun.parse_min_max_nnodes(args.nnodes)
-    store = None  # node 0 serves the multi-node rendezvous from this reference, for the whole job
-    if max_nodes > 1 and not args.standalone and args.rdzv_backend == "c10d":
-        try:
-            store = roll_call(args.rdzv_endpoint, max_nodes, args.node_rank, timeout)
-        except JobError as err:
-            say(str(err))
-            return 1
-        conf += ",is_host=0"  # torch's rendezvous uses the store served above
-        args.node_rank = 0  # only the roll call uses it; torch warns that c10d ignores it
-    args.rdzv_conf = ",".join(c for c in (args.rdzv_conf, conf) if c)
+    try:
+        store = _join_nodes(args)  # node 0 serves the multi-node rendezvous from it, for the whole job
+    except JobError as err:
+        say(str(err))
+        return 1
     launcher_api.LocalElasticAgent = _Agent
     try:
         torchrun.run(args)
     except _NoRestart as stop:
-        return USER_ERROR_EXIT if stop.exitcode == USER_ERROR_EXIT else 1
+        if stop.failure.exitcode == USER_ERROR_EXIT:
+            return USER_ERROR_EXIT  # rank 0 has said what is wrong
+        say(f"rank {stop.rank} {_describe(stop.failure)} while stopping")
+        return 1
     except ChildFailedError as err:
         rank, failure = _root_failure(err.failures)
         say(f"rank {rank} {_describe(failure)} and no restart is left (--max-restarts "
             f"{args.max_restarts}); see its output above")
         return 1
+    except SignalException as err:  # SIGINT, SIGHUP, SIGQUIT: torch's agent stopped the workers
+        say(f"stopped by {signal.Signals(err.sigval).name}; the workers were stopped")
+        return 128 + err.sigval
     except RendezvousError as err:
         say(f"the rendezvous failed ({type(err).__name__}: {err or 'no detail'}); "
             f"--join-timeout is {args.join_timeout:g} s")
         return 1
     finally:
         launcher_api.LocalElasticAgent = LocalElasticAgent
+        del store
     return 0
 
 

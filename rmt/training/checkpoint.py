@@ -27,6 +27,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import is_main_replica
 from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
@@ -91,6 +92,11 @@ def sharded_state(chunks: List[torch.nn.Module], optimizer, common: dict) -> dic
     return state
 
 
+class CheckpointMismatch(UserError):
+    """A checkpoint that is intact but of another model (shapes or keys differ): every
+    checkpoint of that run would fail the same way, so nothing falls back past it."""
+
+
 class CheckpointSaveError(UserError):
     """A save that could not complete (no space, a failed write); nothing half-written is left.
     A restart would fail the same way until the operator acts, hence a user error (exit 2)."""
@@ -109,8 +115,8 @@ def _from_rank0(value):
     return box[0]
 
 
-def _first_problem(problem: Optional[str]) -> Optional[str]:
-    """The lowest rank's non-None ``problem``, on every rank (None when no rank has one)."""
+def _first_problem(problem):
+    """The lowest rank's ``problem`` that is not None, on every rank (None when no rank has one)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return problem
     every = [None] * dist.get_world_size()
@@ -118,9 +124,9 @@ def _first_problem(problem: Optional[str]) -> Optional[str]:
     return next((p for p in every if p is not None), None)
 
 
-def _root_cause(err: BaseException) -> str:
-    """The first line of the innermost error behind ``err`` (torch's CheckpointException wraps
-    each rank's exception with its traceback)."""
+def _innermost(err: BaseException) -> BaseException:
+    """The error behind ``err`` (torch's CheckpointException wraps each rank's exception with its
+    traceback; megatron-core chains them)."""
     while True:
         failures = getattr(err, "failures", None)
         if isinstance(failures, dict) and failures:
@@ -129,7 +135,12 @@ def _root_cause(err: BaseException) -> str:
         elif err.__cause__ is not None:
             err = err.__cause__
         else:
-            break
+            return err
+
+
+def _root_cause(err: BaseException) -> str:
+    """The first line of the innermost error behind ``err``, said plainly."""
+    err = _innermost(err)
     text = str(err).strip().splitlines()
     cause = (text[0] if text else type(err).__name__)[:300]
     if "unexpected pos" in cause:  # torch's zip writer, when a write to its file came up short
@@ -263,8 +274,11 @@ def load_checkpoint(path: str, chunks, optimizer) -> dict:
             warnings.simplefilter("ignore", FutureWarning)
             loaded = dist_checkpointing.load(template, path)
     except _CHECKPOINT_ERRORS as err:
-        raise UserError(
-            f"checkpoint '{path}' does not fit this model or is corrupt ({_root_cause(err)})") from None
+        # megatron-core validates keys and global shapes before reading: a mismatch there is
+        # another model; anything else is a file that cannot be read.
+        if isinstance(_innermost(err), (CheckpointingException, KeyError)):
+            raise CheckpointMismatch(f"checkpoint '{path}' does not fit this model ({_root_cause(err)})") from None
+        raise UserError(f"checkpoint '{path}' is corrupt or unreadable ({_root_cause(err)})") from None
     common = load_common(path)
     tables = table_shards(chunks)
     if tables and common.get("table_format") != TABLE_FORMAT:
@@ -276,7 +290,7 @@ def load_checkpoint(path: str, chunks, optimizer) -> dict:
     for i, chunk in enumerate(chunks):
         missing, unexpected = getattr(chunk, "module", chunk).load_state_dict(loaded[f"model{i}"], strict=False)
         if unexpected or set(missing) - names:  # the tables were filled in place above
-            raise UserError(f"checkpoint '{path}' does not fit this model (missing {sorted(set(missing) - names)}, "
+            raise CheckpointMismatch(f"checkpoint '{path}' does not fit this model (missing {sorted(set(missing) - names)}, "
                             f"unexpected {sorted(unexpected)})")
     if optimizer is not None:
         for i, shard in enumerate(shards(chunks)):
@@ -293,9 +307,10 @@ def resume(save: Optional[str], load: Optional[str], chunks, optimizer,
            say: Callable[[str], None]) -> Optional[Tuple[str, dict]]:
     """Load the checkpoint a run continues from (collective; see
     ``checkpoint_dirs.resume_plan``) and return its path and common part, or None for a fresh
-    start.
-    A complete-looking checkpoint that fails to load is reported and the next older one tried;
-    ``say`` receives each sentence worth telling (called on global rank 0 only)."""
+    start. A complete-looking checkpoint that cannot be read is reported and the next older one
+    tried; one of another model (:class:`CheckpointMismatch`) is an error at once, as every
+    older one would fail the same way. ``say`` receives each sentence worth telling (called on
+    global rank 0 only)."""
     plan = None
     if _rank() == 0:
         try:
@@ -317,11 +332,12 @@ def resume(save: Optional[str], load: Optional[str], chunks, optimizer,
         try:
             common = load_checkpoint(path, chunks, optimizer)
         except UserError as err:
-            problem = str(err)
+            problem = (str(err), isinstance(err, CheckpointMismatch))
         problem = _first_problem(problem)
         if problem is None:
             return path, common
-        if explicit:
+        problem, mismatch = problem
+        if explicit or mismatch:
             raise UserError(problem)
         failures.append(problem)
         if _rank() == 0 and path != candidates[-1]:
