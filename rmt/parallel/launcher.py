@@ -44,7 +44,7 @@ from rmt.errors import USER_ERROR_EXIT, JobError, UserError
 from rmt.parallel.rendezvous import roll_call
 
 PROG = "rmt-launch"
-_TRAIN_MODULES = ("rmt.training.cli",)
+_TRAINER = "rmt.training.cli"
 _FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
 _stopping = False
 
@@ -72,8 +72,11 @@ def _describe(failure) -> str:
 
 
 def _root_failure(failures: dict):
-    """``(global rank, failure)`` of the first worker that failed."""
-    return min(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+    """``(global rank, failure)`` of the worker that failed first. torch's agent stops the
+    others with SIGTERM once one fails (timestamps are whole seconds), so those are passed over;
+    a user error (exit status 2) comes first, as the one that says what to fix."""
+    own = {r: f for r, f in failures.items() if f.exitcode != -signal.SIGTERM} or failures
+    return min(own.items(), key=lambda kv: (kv[1].exitcode != USER_ERROR_EXIT, kv[1].timestamp, kv[0]))
 
 
 class _Agent(LocalElasticAgent):
@@ -114,7 +117,7 @@ def _world_size(args) -> int:
 
 def _preflight(args) -> None:
     """Check rmt-train's arguments for this launch's world size (raises UserError)."""
-    if not (args.module and args.training_script in _TRAIN_MODULES):
+    if not (args.module and args.training_script == _TRAINER):
         return
     from rmt.training import cli
 
@@ -165,6 +168,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except JobError as err:
         say(str(err))
         return 1
+    # torch's launch_agent builds its agent from this module name; _Agent only overrides
+    # _monitor_workers, the extension point torch documents for agents.
     launcher_api.LocalElasticAgent = _Agent
     try:
         torchrun.run(args)
