@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rmt.ops import cuda_backend, lookup_reduce, reference_backward, select_backend, triton_backend
-from rmt.ops.testing import CASES, check_backend, make_case, run_op
+from rmt.ops.testing import CASES, DTYPE_PAIRS, check_backend, check_narrow_table, make_case, run_op
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
 
@@ -22,11 +22,22 @@ LARGE_CASES = [((100_003, 200, 300, 64, 2, 4), None), ((1 << 20, 64, 4096, 32, 1
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("table_dtype,dtype", DTYPE_PAIRS, ids=[f"{str(t)[6:]}-{str(s)[6:]}" for t, s in DTYPE_PAIRS])
 @pytest.mark.parametrize("sparse_grad", [False, True])
-def test_gpu_backend_matches_reference(backend, dtype, sparse_grad):
+def test_gpu_backend_matches_reference(backend, table_dtype, dtype, sparse_grad):
     for case in CASES:
-        check_backend(backend, case, dtype, sparse_grad=sparse_grad, device="cuda")
+        check_backend(backend, case, dtype, sparse_grad=sparse_grad, device="cuda", table_dtype=table_dtype)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("table_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("sparse_grad", [False, True])
+def test_gpu_narrow_table_is_the_fp32_computation_rounded_once(backend, table_dtype, sparse_grad):
+    """bf16/fp16 table, fp32 scores: the fp32 kernels' results on the table's values, the table
+    gradient rounded once to nearest even (rmt.ops.testing.check_narrow_table), at the small
+    cases and at a headline-sized one."""
+    for case in CASES + [(1 << 20, 64, 4096, 32, 1, 1), (100_003, 200, 300, 64, 2, 4)]:
+        check_narrow_table(backend, case, table_dtype, sparse_grad=sparse_grad, device="cuda")
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)

@@ -20,13 +20,19 @@ def run_checks():
     import torch
 
     from rmt.ops import lookup_reduce, triton_backend
-    from rmt.ops.testing import CASES, check_backend, make_case
+    from rmt.ops.testing import CASES, check_backend, check_narrow_table, make_case
 
     for case in CASES:
         check_backend("triton", case, torch.float32)
         check_backend("triton", case, torch.float32, sparse_grad=True)
     for dtype in (torch.bfloat16, torch.float16):
         check_backend("triton", CASES[1], dtype)
+    # A bf16/fp16 table with fp32 scores: the interpreter rounds fp32 -> bf16 toward zero (a GPU
+    # to nearest even, tests/test_ops_gpu.py), so the bf16 table gradient is checked against that.
+    for table_dtype, rounding in ((torch.bfloat16, "rtz"), (torch.float16, "rne")):
+        for case, sparse_grad in ((CASES[1], False), (CASES[2], True)):
+            check_backend("triton", case, torch.float32, sparse_grad=sparse_grad, table_dtype=table_dtype)
+            check_narrow_table("triton", case, table_dtype, sparse_grad=sparse_grad, rounding=rounding)
     table, indices, scores, block_ids, grad_out = make_case(9, 12, 6, 8, 2, 3)
     first = triton_backend.backward(grad_out, table, indices, scores, block_ids, 3)
     second = triton_backend.backward(grad_out, table, indices, scores, block_ids, 3)
