@@ -52,11 +52,13 @@ def run_checks():
 
 def check_sparse_optim():
     """The Triton row-wise optimizer steps against torch's SparseAdam and the torch row-wise
-    Adagrad reference, over two steps on the same rows, D not a power of two included."""
+    Adagrad reference, over two steps on the same rows, D not a power of two included; and on
+    narrow tables (rmt.ops.testing.check_row_optimizer_kernels)."""
     import torch
 
     from rmt.ops import triton_sparse_optim
     from rmt.ops.sparse_optim import rowwise_adagrad_update_
+    from rmt.ops.testing import check_row_optimizer_kernels
 
     gen = torch.Generator().manual_seed(5)
     rows = torch.tensor([0, 3, 17, 49])
@@ -79,6 +81,10 @@ def check_sparse_optim():
         torch.testing.assert_close(ada, want, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(ada_sum, want_sum, rtol=1e-6, atol=1e-7)
         assert not torch.equal(ours, table) and torch.equal(ours[1], table[1])
+    # fp32/bf16/fp16 tables with fp32 state against the torch references, and a narrow step against
+    # the fp32 one (the interpreter truncates fp32 -> bf16: rounding "rtz")
+    for dtype, rounding in ((torch.float32, "rne"), (torch.bfloat16, "rtz"), (torch.float16, "rne")):
+        check_row_optimizer_kernels(triton_sparse_optim, dtype, rounding=rounding)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")

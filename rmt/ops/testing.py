@@ -144,3 +144,80 @@ def check_narrow_table(backend, case, table_dtype=torch.bfloat16, sparse_grad=Fa
                                   ("scores grad", got[2], exact_scores, gammas(D // C) * abs_scores)):
         excess = (g.double() - exact).abs() - bound
         assert bool((excess <= 0).all()), f"{backend} {name} {case}: beyond the derived bound by {excess.max():.3g}"
+
+
+def assert_rounded_within(got, x, bound, rounding="rne", what=""):
+    """Each entry of ``got`` (the table's dtype) is the rounding of some value within ``bound`` of
+    the fp32 ``x``: rounding is monotone, so ``rn(x - bound) <= got <= rn(x + bound)``. For an fp32
+    ``got`` this is ``|got - x| <= bound`` (to an fp32 ulp of the ends)."""
+    lo = round_fp32((x.double() - bound).float(), got.dtype, rounding)
+    hi = round_fp32((x.double() + bound).float(), got.dtype, rounding)
+    bad = ~((got >= lo) & (got <= hi))
+    assert not bool(bad.any()), (f"{what}: {int(bad.sum())} entries are no rounding of a value within the bound, "
+                                 f"e.g. {got[bad][:3].tolist()} for {x[bad][:3].tolist()}")
+
+
+# How far a fused row-wise optimizer kernel's fp32 row may lie from the torch reference's, as a
+# multiple of the row's update |p_old - x_ref| (plus 2^-21 |x_ref| for the final subtraction's
+# roundings). Adam: the moments are the same operations (bit-identical); only the square root
+# may differ, by an ulp (torch's vectorized CPU sqrt is not correctly rounded), which moves the
+# quotient, the step and the subtraction by a few rounding units: 2^-20 covers 2^-22 + 2^-23 +
+# 2^-24 ... with room. Row-wise Adagrad also sums a row's D squares in another order: the
+# accumulators differ by up to 2 gamma_{D+1} relative, the scale by half that.
+ADAM_REL = 2.0 ** -20
+
+
+def adagrad_rel(D):
+    return _gamma(D + 1, 2.0 ** -24) + 2.0 ** -20
+
+
+def check_row_optimizer_kernels(impl, table_dtype, device="cpu", rounding="rne", seed=0):
+    """One step of ``impl``'s fused kernels (``sparse_adam_step``, ``rowwise_adagrad_step``: the
+    C++ extension or :mod:`rmt.ops.triton_sparse_optim`) on a table of ``table_dtype`` with fp32
+    state, from a non-zero state, against the torch references of :mod:`rmt.ops.sparse_optim`:
+
+    (a) kernel vs reference: Adam's moments equal bit for bit; Adagrad's accumulators within
+        2 gamma_{D+1}; the new rows within the rounding of an fp32 value no further from the
+        reference's fp32 row than ADAM_REL / adagrad_rel(D) of its update;
+    (b) the narrow table's step is the fp32 step on the same (representable) row, gradient and
+        state, rounded once: for the kernel and for the reference, bit for bit, state included.
+    """
+    from .sparse_optim import rowwise_adagrad_update_, sparse_adam_update_
+
+    gen = torch.Generator().manual_seed(seed)
+    N, D = 50, 20
+    table = torch.randn(N, D, generator=gen).to(table_dtype).to(device)
+    rows = torch.tensor([0, 3, 17, 31, 49], device=device)
+    values = torch.randn(rows.numel(), D, generator=gen).to(table_dtype).to(device)
+    m0 = (0.1 * torch.randn(N, D, generator=gen)).to(device)
+    v0 = (0.1 * torch.rand(N, D, generator=gen)).to(device)
+    s0 = torch.rand(N, generator=gen).to(device)
+    adam = (0.01, 0.8, 0.95, 1e-6, 3)
+    adagrad = (0.1, 1e-10, 0.01)
+
+    def run(update, *state):
+        def go(t):
+            param, copies = t.clone(), [x.clone() for x in state]
+            update(param, *copies, rows, values.to(t.dtype), *(adam if len(state) == 2 else adagrad))
+            return [param] + copies
+        return go(table.float()), go(table)
+
+    for name, ref_update, kernel_update, state, rel in (
+            ("sparse_adam", sparse_adam_update_, impl.sparse_adam_step, (m0, v0), ADAM_REL),
+            ("rowwise_adagrad", rowwise_adagrad_update_, impl.rowwise_adagrad_step, (s0,), adagrad_rel(D))):
+        ref32, ref_narrow = run(ref_update, *state)
+        ker32, ker_narrow = run(kernel_update, *state)
+        x = ref32[0]
+        assert torch.equal(ref_narrow[0], round_fp32(x, table_dtype)), f"{name} reference: not fp32 rounded once"
+        assert torch.equal(ker_narrow[0], round_fp32(ker32[0], table_dtype, rounding)), \
+            f"{name} kernel: not its fp32 step rounded once"
+        for got, want in zip(ref_narrow[1:] + ker_narrow[1:], ref32[1:] + ker32[1:]):
+            assert got.dtype == torch.float32 and torch.equal(got, want), f"{name}: state differs from the fp32 step"
+        if name == "sparse_adam":
+            for got, want in zip(ker32[1:], ref32[1:]):
+                assert torch.equal(got, want), f"{name} kernel moments differ from the reference"
+        else:
+            torch.testing.assert_close(ker32[1], ref32[1], rtol=2 * _gamma(D + 1, 2.0 ** -24), atol=0)
+        bound = rel * (x - table.float()).abs() + 2.0 ** -21 * x.abs()
+        assert_rounded_within(ker32[0], x, bound, "rne", f"{name} fp32 kernel vs reference")
+        assert_rounded_within(ker_narrow[0], x, bound, rounding, f"{name} {table_dtype} kernel vs reference")
