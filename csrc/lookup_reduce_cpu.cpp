@@ -38,7 +38,6 @@
 #endif
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <cstdint>
 #include <limits>
@@ -47,7 +46,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_numerics.h"
+
 namespace {
+
+using rmt_cpu::madd;
+using rmt_cpu::round_to;
 
 // The accumulation type of a kernel whose scores have type T.
 template <typename T>
@@ -82,19 +86,6 @@ constexpr int64_t kTokensPerChunk = 16;
 constexpr int64_t kChunksPerThread = 32;
 // Gradient buffers kept for reuse (one per memory layer whose gradient is alive at once).
 constexpr size_t kPoolSlots = 8;
-
-// a * b + c: one rounding (std::fma) where the target has fused multiply-add (x86-64 with FMA3,
-// AArch64), else two. Written out rather than left to the compiler's contraction of a * b + c,
-// which differs between instantiations (GCC fused the bf16-table score-gradient dot product but
-// not the fp32 one), so a narrow table's results are the fp32 ones bit for bit.
-template <typename T>
-inline T madd(T a, T b, T c) {
-#if defined(__FP_FAST_FMAF) && defined(__FP_FAST_FMA)
-  return std::fma(a, b, c);
-#else
-  return a * b + c;
-#endif
-}
 
 inline void prefetch_row(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
@@ -134,7 +125,7 @@ inline void forward_token_tiles(const table_t* __restrict table, const int64_t* 
 #pragma omp simd
       for (int64_t d = 0; d < kTile; ++d) acc[d] = madd(w, static_cast<acc_t>(row[d]), acc[d]);
     }
-    for (int64_t d = 0; d < kTile; ++d) o[d0 + d] = static_cast<scalar_t>(acc[d]);
+    for (int64_t d = 0; d < kTile; ++d) o[d0 + d] = round_to<scalar_t>(acc[d]);
   }
 }
 
@@ -160,7 +151,7 @@ inline void forward_token_blocks(const table_t* __restrict table, const int64_t*
     }
   }
 #pragma omp simd
-  for (int64_t j = 0; j < E * D; ++j) o[j] = static_cast<scalar_t>(acc[j]);
+  for (int64_t j = 0; j < E * D; ++j) o[j] = round_to<scalar_t>(acc[j]);
 }
 
 template <typename table_t, typename scalar_t>
@@ -396,14 +387,14 @@ inline void run_backward(int64_t u, const SortedLookups& s, const scalar_t* __re
       const scalar_t* __restrict gc = g + c * Dc;
 #pragma omp simd
       for (int64_t d = 0; d < Dc; ++d) a[d] = madd(w, static_cast<acc_t>(gc[d]), a[d]);
-      grad_scores[p * C + c] = static_cast<scalar_t>(fixed_order_dot<acc_t>(tr + c * Dc, g + c * Dc, Dc));
+      grad_scores[p * C + c] = round_to<scalar_t>(fixed_order_dot<acc_t>(tr + c * Dc, g + c * Dc, Dc));
     }
   }
   if (std::is_same<table_t, acc_t>::value) {
     stream_store(dst, acc, row_bytes);
   } else {
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) stage[d] = static_cast<table_t>(acc[d]);
+    for (int64_t d = 0; d < D; ++d) stage[d] = round_to<table_t>(acc[d]);
     stream_store(dst, stage, row_bytes);
   }
 }
