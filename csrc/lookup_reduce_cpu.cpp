@@ -9,8 +9,10 @@
 // (scores, output, output gradient, score gradients): either one type for all (fp32, fp64, bf16,
 // fp16), or a bf16/fp16 table with fp32 scores (see dispatch_dtypes). Table values are converted
 // exactly to the accumulation type acc_t (fp64 for fp64 scores, else fp32) and every result is
-// rounded once to its own type, so a narrow table adds no rounding beyond its storage and the
-// final rounding of its gradient rows.
+// rounded once to its own type (cpu_numerics.h), so a narrow table adds no rounding beyond its
+// storage and the final rounding of its gradient rows. Products are accumulated with explicit
+// fused multiply-adds (madd), the same in every instantiation: a narrow table's results are the
+// fp32 table's on the same values, bit for bit.
 //
 // Forward: tokens in order, the rows a few lookups ahead prefetched. With one virtual block and
 // column groups of a multiple of kTile columns, each kTile-column output tile is accumulated in

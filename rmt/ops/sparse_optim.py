@@ -9,9 +9,10 @@ the unique touched rows and their gradient rows, never a table-sized dense tenso
   over the row and its two moments, where torch's step makes several passes through
   sparse_mask'ed copies. :func:`sparse_adam_update_` is its plain torch reference (torch's
   operations in torch's order, equal to ``torch.optim.SparseAdam`` bit for bit on fp32 and fp64
-  tables) and the path where no fused kernel applies. The kernels equal it to float rounding
-  (torch's vectorized sqrt is off by up to 1 ulp, the C++ kernel's is exact; the kernels may
-  fuse a multiply-add).
+  tables) and the path where no fused kernel applies. The kernels make the same operations
+  without fused multiply-adds: the moments equal the reference's bit for bit, the rows up to the
+  square root (torch's vectorized CPU sqrt is off by up to 1 ulp, the kernels' is correctly
+  rounded).
 * :class:`RowWiseAdagrad` is written here because torch lacks it: ``torch.optim.Adagrad`` keeps
   one accumulator per element (a second table-sized tensor), whereas the row-wise variant used
   for large embedding tables (DLRM / FBGEMM) keeps one fp32 accumulator per row, the mean of the
@@ -29,7 +30,7 @@ table's dtype, to nearest with ties to even, the identity for fp32/fp64 tables):
   ``p <- rn(f(p) - lr sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps))``.
 * ``RowWiseAdagrad``. State: ``sum``, one float32 per row, whatever the table's dtype. Each
   touched row, in fp32: ``g' = f(g) + wd f(p)``; ``sum += mean(g'^2)``;
-  ``p <- rn(f(p) - lr g' / (sqrt(sum) + eps))``.
+  ``p <- rn(f(p) - (lr / (sqrt(sum) + eps)) g')``.
 
 So one step on a bf16 table is the fp32 step on the same (bf16-representable) row, gradient and
 state, rounded once to bf16; over steps the bf16 table's trajectory stays within the accumulated
@@ -42,8 +43,8 @@ following the gradients), :class:`SparseAdam` keeps fp32 moments, as FBGEMM's ta
 embeddings do by default for bf16 weights; and its ``load_state_dict`` keeps them fp32 where
 torch's casts every state tensor to the parameter's dtype (so does :class:`RowWiseAdagrad`'s).
 The new row is rounded to nearest, deterministically (FBGEMM rounds bf16 weights
-stochastically by default): a row's update smaller than half its bf16 ulp (relative 2^-9) is
-lost, which the fp32 moments do not prevent.
+stochastically by default): an element's update smaller than half its bf16 ulp (2^-9 to 2^-8
+of the element) is lost, which the fp32 state does not prevent.
 
 ``RMT_SPARSE_OPTIM_FUSED=0`` forces the torch formulations.
 """
