@@ -51,17 +51,16 @@ def build_memory_layer(config, index: int) -> torch.nn.Module:
         return MoELayer(width, mem.num_experts,
                         mem.expert_hidden_size or 2 * (m.ffn_hidden_size or 4 * width) // mem.moe_topk,
                         mem.moe_topk, mem.balance_loss_weight, m.init_std, m.num_layers)
-    layer = MemoryLayer(MemorySpec.from_config(config, index))
+    spec = MemorySpec.from_config(config, index)
+    sharding = {"device": compat.device()}
     if mem.partition != "local":
         group, replica_group, replica_index, split_group = memory_parallel_groups(mem.group_size)
-        s = layer.spec
-        layer.values = MemoryTable(
-            s.num_values, s.value_dim, layer.values.weight.memory_init_std, mem.partition, group,
-            owner_reduce=mem.owner_reduce, replica_index=replica_index, replica_group=replica_group,
-            split_group=split_group, sparse_grad=s.sparse_grad,
-            plan={"tokens": config.train.micro_batch_size * m.seq_length, "topm": s.num_heads * s.topk,
-                  "ive": s.ive_blocks, "cores": s.num_cores})
-    return layer
+        sharding.update(partition=mem.partition, group=group, owner_reduce=mem.owner_reduce,
+                        replica_index=replica_index, replica_group=replica_group, split_group=split_group,
+                        plan={"tokens": config.train.micro_batch_size * m.seq_length,
+                              "topm": spec.num_heads * spec.topk, "ive": spec.ive_blocks,
+                              "cores": spec.num_cores})
+    return MemoryLayer(spec, spec.table(**sharding))
 
 
 class MemoryModules(torch.nn.Module):
@@ -233,7 +232,8 @@ def attach_memory(chunks: List[torch.nn.Module], config,
     """Add the ``config.memory`` layers of this pipeline stage to every chunk (as
     ``chunk.memory``, :class:`MemoryModules`, so they are in the chunk's parameters and
     ``sharded_state_dict``) and return the init rule that
-    gives memory parameters their own std (``memory_init_std``; None keeps the module's init)."""
+    gives memory parameters their own std (``memory_init_std``; None keeps the module's init, as
+    for value tables, which draw their own shard at construction)."""
     mem, t = config.memory, config.train
     placement = parse_placement(mem.placement, config.model.num_layers)
     if mem.partition != "local":
@@ -256,6 +256,8 @@ def attach_memory(chunks: List[torch.nn.Module], config,
                                                None if loss_chunk else loss_scale, loss_scale)
 
     def rule(key: str, param: torch.Tensor) -> Optional[float]:
+        if getattr(param, "memory_value", False):
+            return None  # a value table draws its own shard (MemoryTable)
         if hasattr(param, "memory_init_std"):
             return param.memory_init_std
         return std_rule(key, param)
