@@ -28,9 +28,10 @@ import torch
 
 from rmt.errors import UserError
 from rmt.parallel.sharding import Shard, shards
+from rmt.planner.memory import CHECKPOINT_CHUNK_BYTES
 
 FORMAT = 1
-CHUNK_BYTES = 64 << 20
+CHUNK_BYTES = CHECKPOINT_CHUNK_BYTES  # the planner counts it in a resharding load's peak
 STATES = ("exp_avg", "exp_avg_sq", "sum")  # Adam moments (AdamW, SparseAdam); RowWiseAdagrad's row sums
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 
