@@ -20,9 +20,11 @@ step peak at the largest table times P, relative spread over the P runs), and
 ``rowwise_adagrad_mib_per_mib_at_P4``: the per-rank peak's growth per MiB of whole table at P = 4
 (goal <= 0.35; ideal 0.25).
 
-``--demo``: 4 ranks, each capped by RLIMIT_AS at ``--cap-gib``, train a few steps, save and reload
-a table at least 3x the cap with row-wise Adagrad (with SparseAdam the table plus its moments
-is), proving that no rank ever needs more than its shard.
+``--demo``: 4 ranks, each capped by the kernel (``setrlimit``: RLIMIT_DATA, or RLIMIT_AS with
+``--cap-kind as``) at ``--cap-gib``, train a few steps, save and reload a table at least 3x the
+cap with row-wise Adagrad (with SparseAdam the table plus its moments is: each rank must hold three
+shard-sized tensors, so the table alone can be at most P/3 = 1.33x the cap), and one capped rank
+alone cannot build it: no rank ever needs more than its shard.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ import json
 import os
 import platform
 import resource
-import socket
 import subprocess
 import sys
 import time
@@ -42,6 +43,11 @@ import warnings
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 1 << 20
 PHASES = ("init", "step", "save", "load")
+# RLIMIT_DATA (Linux >= 4.7) caps the heap and private writable mappings, where tensors live;
+# RLIMIT_AS also counts the libraries mapped and the stacks and malloc arenas reserved but never
+# touched (2.4 GiB of a rank's 2.5 GiB VmPeak on a 0.5 GiB resident set here: gloo starts three
+# threads with 8 MiB stacks per process group, and megatron creates ~20 groups).
+CAP_LIMITS = {"data": resource.RLIMIT_DATA, "as": resource.RLIMIT_AS}
 HIDDEN, VALUE_DIM = 128, 64  # value dim = hidden / 2 (UltraMem's halved value dimension)
 
 
@@ -90,7 +96,7 @@ def _measure(name: str, fn, record: dict):
 def worker(args) -> None:
     if args.cap_gib:
         cap = int(args.cap_gib * (1 << 30))
-        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+        resource.setrlimit(CAP_LIMITS[args.cap_kind], (cap, cap))
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
 
@@ -140,25 +146,29 @@ def worker(args) -> None:
 
 
 # -- driver --------------------------------------------------------------------------------------
-def launch(args, run: dict, phase: str, load_partition: str = "", cap_gib: float = 0.0) -> list:
+def launch(args, run: dict, phase: str, load_partition: str = "", cap_gib: float = 0.0, tries: int = 2) -> list:
+    """Run one phase on ``run["P"]`` ranks (torchrun --standalone: its rendezvous takes a free port
+    from the OS, so concurrent jobs cannot race for one); one retry of a failed launch."""
     out = os.path.join(args.workdir, f"worker-{os.getpid()}.json")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={run['P']}", f"--master_port={port}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={run['P']}",
            os.path.abspath(__file__), f"--worker-out={out}", f"--run-spec={json.dumps(run)}", f"--phase={phase}",
            f"--ckpt={os.path.join(args.workdir, 'ckpt')}", f"--cache-dir={args.cache_dir}",
            f"--documents={args.documents}", f"--load-partition={load_partition or run['partition']}",
-           f"--cap-gib={cap_gib}", f"--t0={time.time()}"]
+           f"--cap-gib={cap_gib}", f"--cap-kind={args.cap_kind}", f"--t0={time.time()}"]
     # Freed tensors go back to the OS at once, so that a phase's resident peak shows the live bytes
     # (glibc keeps freed blocks below its dynamic mmap threshold, up to 32 MiB, resident: the
     # previous phase's activations would count in the next phase's window).
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MALLOC_MMAP_THRESHOLD_="65536")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode:
+    for attempt in range(tries):
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode == 0:
+            break
+        print(f"bench_memory_scale: {phase} run {run} failed (exit {proc.returncode})"
+              + ("; retrying" if attempt + 1 < tries else ""), file=sys.stderr, flush=True)
+    else:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
-        raise SystemExit(f"bench_memory_scale: {phase} run {run} failed (exit {proc.returncode})")
+        raise SystemExit(f"bench_memory_scale: {phase} run {run} failed twice")
     with open(out) as f:
         ranks = json.load(f)
     os.remove(out)
@@ -276,7 +286,9 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--reshard", action="store_true", help="also load each checkpoint under the other partition")
     ap.add_argument("--demo", action="store_true", help="the RLIMIT_AS-capped demonstration (see above)")
-    ap.add_argument("--cap-gib", type=float, default=0.0, help="per-rank RLIMIT_AS cap (GiB) for --demo")
+    ap.add_argument("--cap-gib", type=float, default=0.0, help="--demo: the per-rank cap in GiB (default 5)")
+    ap.add_argument("--cap-kind", choices=sorted(CAP_LIMITS), default="data",
+                    help="--demo: RLIMIT_DATA (default) or RLIMIT_AS; see CAP_LIMITS")
     ap.add_argument("--documents", type=int, default=20)
     ap.add_argument("--cache-dir", default=os.path.join(ROOT, ".rmt_cache"))
     ap.add_argument("--workdir", default=None, help="scratch directory for checkpoints (default: a temp dir)")
@@ -310,7 +322,13 @@ def main(argv=None):
         args.optimizers = args.optimizers or ["adamw", "sparse_adam", "rowwise_adagrad"]
         args.grid = {(4, m) for m in args.sizes} | {(P, max(args.sizes)) for P in args.ranks}
     args.cap_gib = 0.0
-    return report(args, [dict(run, base=base, **measure_in(args, run)) for run, base in runs(args)], "bench_memory_scale")
+    rows = []
+    for run, base in runs(args):
+        rows.append(dict(run, base=base, **measure_in(args, run)))
+        if args.json:  # a run that dies later keeps what was measured
+            with open(args.json + ".partial", "a") as f:
+                f.write(json.dumps(rows[-1]) + "\n")
+    return report(args, rows, "bench_memory_scale")
 
 
 def measure_in(args, run: dict) -> dict:
@@ -323,7 +341,7 @@ def measure_in(args, run: dict) -> dict:
 def demo(args) -> int:
     """4 capped ranks train, save and reload a table whose whole size (with SparseAdam: with its
     moments) is ``--cap-fraction`` x the cap; one capped rank alone cannot even build it."""
-    cap = args.cap_gib or 4.0
+    cap = args.cap_gib or 5.0
     rows = []
     for opt, per_byte in (("rowwise_adagrad", 1), ("sparse_adam", 3)):  # bytes counted per table byte
         whole_mib = args.cap_fraction * cap * 1024 / per_byte
@@ -335,7 +353,7 @@ def demo(args) -> int:
                  counted_over_cap=r["whole_bytes"] * per_byte / (cap * (1 << 30)), growth={})
         alone = dict(run, P=1)
         try:
-            launch(args, alone, "train", cap_gib=cap)
+            launch(args, alone, "train", cap_gib=cap, tries=1)
             r["one_rank_alone"] = "ran"
         except SystemExit:
             r["one_rank_alone"] = "failed under the cap"

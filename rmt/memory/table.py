@@ -148,12 +148,12 @@ class MemoryTable(torch.nn.Module):
     def lookup_reduce(self, indices: torch.Tensor, scores: torch.Tensor, block_ids, num_blocks: int,
                       validate: bool = True):
         """``[T, K]`` slots, ``[T, K, C]`` scores, ``[T, K]`` virtual blocks or None ->
-        ``[T, num_blocks, dim]`` pooled values (UltraMem Eq. 15 and 17; ``rmt.ops`` contract).
+        ``[T, num_blocks, dim]`` pooled values (UltraMem Eq. 15 and 17; ``rmt.ops`` contract), in
+        the scores' dtype: a bf16 table is read as stored and accumulated in fp32.
 
         ``validate=False`` skips the op's index range checks on a local table, a min/max each and,
         on a GPU, a host sync that drains the device queue: for slots in range by construction,
         like the memory layer's retrieval. The sharded paths index with slots they derive."""
-        scores = scores.to(self.weight.dtype)
         if self.partition == "local":
             if self.training:
                 self.record_hits(indices)
