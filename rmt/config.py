@@ -58,6 +58,11 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
     data_parallel_size: Optional[int] = None
+    # MoE experts (memory.type: moe) split over expert_model_parallel_size data x tensor
+    # parallel ranks, each expert's MLP over expert_tensor_parallel_size ranks (None: the
+    # tensor-parallel size); megatron-core's expert groups.
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
     backend: str = "auto"
     timeout_minutes: int = 10
 
@@ -147,10 +152,22 @@ class MemoryConfig:
     # rowwise_adagrad (one accumulator per row); the last two take the touched rows' sparse
     # gradients, never a table-sized one (rmt/ops/sparse_optim.py).
     value_optimizer: str = "adamw"
+    # --- MoE (megatron-core's MoELayer; rmt/memory/moe.py) ---
+    # moe_placement: mlp (the MoE replaces the MLP of the layers listed in placement, e.g.
+    # "1-12" or "2/4/6") | skip (beside the dense model at i:j placements, like UltraMem).
+    # expert_hidden_size: None = ffn / moe_topk (granularity moe_topk: activated expert width
+    # equals the dense MLP's). balance_loss_weight: the Switch load-balancing loss coefficient.
+    # moe_token_dispatcher_type: alltoall | allgather. moe_expert_capacity_factor: None (no
+    # token dropping) or the capacity per expert in units of its balanced share;
+    # moe_token_drop_policy: probs | position (which tokens an expert over capacity drops).
     num_experts: int = 8
     moe_topk: int = 2
     expert_hidden_size: Optional[int] = None
     balance_loss_weight: float = 0.01
+    moe_placement: str = "skip"
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_expert_capacity_factor: Optional[float] = None
+    moe_token_drop_policy: str = "probs"
     # --- Memory-parallel tables (UltraMem Appendix C/D; rmt/memory/sharded_table.py) ---
     # partition: local (whole table per rank) | number (rows split) | dimension (columns
     # split) | auto (planner's choice). group_size: ranks per memory-parallel group, 0 = all
@@ -277,7 +294,8 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
         "model.make_vocab_size_divisible_by", "model.init_std", "model.layernorm_epsilon",
         "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
         "parallel.virtual_pipeline_model_parallel_size", "parallel.data_parallel_size",
-        "parallel.timeout_minutes", "data.bpe_vocab_size", "train.steps",
+        "parallel.timeout_minutes", "parallel.expert_model_parallel_size",
+        "parallel.expert_tensor_parallel_size", "data.bpe_vocab_size", "train.steps",
         "train.micro_batch_size", "train.global_batch_size", "train.lr", "train.log_interval",
         "train.eval_interval", "train.threads", "train.exit_interval",
     ])
