@@ -158,8 +158,8 @@ class MemoryConfig:
     # expert_hidden_size: None = ffn / moe_topk (granularity moe_topk: activated expert width
     # equals the dense MLP's). balance_loss_weight: the Switch load-balancing loss coefficient.
     # moe_token_dispatcher_type: alltoall | allgather. moe_expert_capacity_factor: None (no
-    # token dropping) or the capacity per expert in units of its balanced share;
-    # moe_token_drop_policy: probs | position (which tokens an expert over capacity drops).
+    # token dropping) or the capacity per expert in units of its balanced share (an expert over
+    # capacity keeps the routing slots of largest weight).
     num_experts: int = 8
     moe_topk: int = 2
     expert_hidden_size: Optional[int] = None
@@ -167,7 +167,6 @@ class MemoryConfig:
     moe_placement: str = "skip"
     moe_token_dispatcher_type: str = "alltoall"
     moe_expert_capacity_factor: Optional[float] = None
-    moe_token_drop_policy: str = "probs"
     # --- Memory-parallel tables (UltraMem Appendix C/D; rmt/memory/sharded_table.py) ---
     # partition: local (whole table per rank) | number (rows split) | dimension (columns
     # split) | auto (planner's choice). group_size: ranks per memory-parallel group, 0 = all

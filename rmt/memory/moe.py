@@ -31,6 +31,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import math
 from typing import Dict, List, Optional
 
 import torch
@@ -85,7 +86,7 @@ def moe_fields(config) -> Dict:
         moe_router_dtype="fp32",
         moe_token_dispatcher_type=mem.moe_token_dispatcher_type,
         moe_expert_capacity_factor=mem.moe_expert_capacity_factor,
-        moe_token_drop_policy=mem.moe_token_drop_policy,
+        moe_token_drop_policy="probs",
         expert_model_parallel_size=p.expert_model_parallel_size,
         expert_tensor_parallel_size=p.expert_tensor_parallel_size or p.tensor_model_parallel_size,
     )
@@ -226,6 +227,12 @@ class SkipMoE(MegatronModule):
         spec = moe_spec(config)
         self.moe = MoE(tcfg, spec.submodules, **spec.params)
         self.moe.set_layer_number(k + 1)
+        # Layout-independent init for every architecture (rmt.models.init reads memory_init_std):
+        # init_std, the expert output projections init_std / sqrt(2 L) (GPT-2's residual rule).
+        std = config.model.init_std
+        for name, param in self.moe.named_parameters():
+            param.memory_init_std = std / math.sqrt(2.0 * config.model.num_layers) \
+                if name.endswith("linear_fc2.weight") else std
         self.aux_loss = None  # the balance loss rides on the routing weights (module docstring)
 
     def forward(self, x: torch.Tensor, state=None) -> torch.Tensor:

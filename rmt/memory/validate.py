@@ -10,7 +10,6 @@ from rmt.errors import ConfigError
 MEMORY_TYPES = ("none", "ultramem", "pkm", "moe")
 MOE_PLACEMENTS = ("skip", "mlp")
 MOE_DISPATCHERS = ("alltoall", "allgather")
-MOE_DROP_POLICIES = ("probs", "position")
 TABLE_PARTITIONS = ("local", "number", "dimension", "auto")
 VALUE_OPTIMIZERS = ("adamw", "sparse_adam", "rowwise_adagrad")
 
@@ -97,9 +96,6 @@ def validate_moe(config, world_size: int) -> None:
     if mem.moe_expert_capacity_factor is not None and mem.moe_expert_capacity_factor <= 0:
         raise ConfigError(f"memory.moe_expert_capacity_factor must be positive (or null for no token dropping), "
                           f"got {mem.moe_expert_capacity_factor}")
-    if mem.moe_token_drop_policy not in MOE_DROP_POLICIES:
-        raise ConfigError(f"memory.moe_token_drop_policy must be one of {', '.join(MOE_DROP_POLICIES)}, "
-                          f"got '{mem.moe_token_drop_policy}'")
     if mem.moe_placement == "mlp":
         if m.arch != "transformer":
             raise ConfigError(f"memory.moe_placement 'mlp' replaces the MLP of megatron's transformer layers and "

@@ -32,9 +32,11 @@ def _moe_mlp(config: RMTConfig) -> bool:
 def build_transformer(config: RMTConfig, pre_process: bool, post_process: bool, vp_stage):
     m = config.model
     if _moe_mlp(config):
-        from rmt.memory.moe import moe_block_spec, quiet_mlp_type_warning
+        from rmt.memory.moe import moe_block_spec, moe_layer_pattern, quiet_mlp_type_warning
 
-        tcfg = transformer_config(config)
+        # Dense and MoE layers mixed: checkpoint keys per layer, as megatron does for a
+        # moe_layer_freq pattern (stacked keys need every layer to have the same tensors).
+        tcfg = transformer_config(config, hetereogenous_dist_checkpoint=0 in moe_layer_pattern(config))
         with quiet_mlp_type_warning():
             return _gpt(config, tcfg, moe_block_spec(config, tcfg, vp_stage), pre_process, post_process, vp_stage)
     return _gpt(config, transformer_config(config), get_gpt_layer_local_spec(normalization=m.normalization),
