@@ -206,6 +206,9 @@ def validate_memory(config, world_size: Optional[int] = None) -> None:
                           "experts; they need memory.type 'moe'")
     if mem.type == "none":
         return
+    if m.arch not in ("transformer", "rmt"):
+        raise ConfigError(f"memory.type '{mem.type}' needs model.arch 'transformer' or 'rmt' (the {m.arch} "
+                          f"does not take memory layers)")
     if world_size is None:
         from rmt.config import world_size_from_env
 
