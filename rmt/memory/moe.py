@@ -28,7 +28,6 @@ adds an expert bias in place on a custom Function's output and fails without exp
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import logging
 import math
@@ -83,7 +82,7 @@ def moe_fields(config) -> Dict:
         moe_aux_loss_coeff=mem.balance_loss_weight,
         moe_router_load_balancing_type="aux_loss",
         moe_router_pre_softmax=mem.moe_topk == 1,
-        moe_router_dtype="fp32",
+        moe_router_dtype="fp32",  # router logits and softmax in fp32 under bf16 autocast
         moe_token_dispatcher_type=mem.moe_token_dispatcher_type,
         moe_expert_capacity_factor=mem.moe_expert_capacity_factor,
         moe_token_drop_policy="probs",
@@ -100,14 +99,18 @@ def _sequence_split() -> bool:
 class Router(TopKRouter):
     """megatron's top-k router; under the sequence split its weight enters the gating GEMM
     through ``copy_to_tensor_model_parallel_region`` (identity forward, all-reduce backward), so
-    the gradients of the TP ranks' sequence shares are summed."""
+    the gradients of the TP ranks' sequence shares are summed. The GEMM runs outside autocast:
+    megatron's gating function computes in the router dtype itself, and under bf16 autocast
+    (rmt's mixed precision) its forward would return bf16 logits that its backward multiplies
+    with the fp32 weight."""
 
     def gating(self, input: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if _sequence_split():
             weight = copy_to_tensor_model_parallel_region(weight)
         dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
-        return router_gating_linear(input, weight, self.bias, dtype)
+        with torch.autocast(input.device.type, enabled=False):
+            return router_gating_linear(input, weight, self.bias, dtype)
 
 
 class MoE(MoELayer):
