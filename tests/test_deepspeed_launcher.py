@@ -2,30 +2,21 @@
 from no hostfile and from a hostfile without ssh (the multi-node path, here with one node), and
 the run equals the single process; bad input exits 2 with one line."""
 
-import json
-import socket
 import subprocess
 
 import pytest
 
-from conftest import ROOT, _env, rmt_train, tiny_overrides
-
-
-def _port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from conftest import ROOT, _env, _free_port, json_history, rmt_train, tiny_overrides
 
 
 def _launch(args, timeout=600, **env):
-    full = dict(_env(), MASTER_PORT=str(_port()), **env)
+    full = dict(_env(), MASTER_PORT=str(_free_port()), **env)
     return subprocess.run(["bash", "launch/deepspeed.sh"] + args, cwd=ROOT, env=full, capture_output=True,
                           text=True, timeout=timeout)
 
 
 def _losses(path):
-    with open(path) as f:
-        return [m["lm loss"] for m in json.load(f)["history"]]
+    return [m["lm loss"] for m in json_history(path)]
 
 
 @pytest.fixture(scope="module")

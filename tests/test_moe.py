@@ -3,7 +3,6 @@ against a hand computation, token dropping at capacity, config validation, exper
 (EP=2 with either dispatcher, EP=2 x TP=2, expert-TP 1, PP=2 x EP=2, skip placements) equal to
 the single process, checkpoints resharding across EP sizes, load statistics in the log."""
 
-import json
 import math
 import re
 
@@ -11,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import rmt_train, run_python, tiny_overrides
+from conftest import json_history, rmt_train, tiny_overrides, train_steps
 from rmt.config import load_config, validate
 from rmt.errors import ConfigError
 
@@ -155,16 +154,11 @@ LAYOUTS = {
 }
 
 
-def _train(tmp_path, name, overrides, nproc):
-    out = tmp_path / f"{name}.pt"
-    run_python(["tests/dist/train_steps.py", str(out)] + overrides, nproc=nproc)
-    return torch.load(out)
-
-
 @pytest.fixture(scope="module")
 def single(cache_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe_single")
-    return {name: _train(tmp, name, tiny_overrides(cache_dir) + moe, 1) for name, moe in (("mlp", MLP), ("skip", SKIP))}
+    return {name: train_steps(tmp / f"{name}.pt", tiny_overrides(cache_dir) + moe, 1)
+            for name, moe in (("mlp", MLP), ("skip", SKIP))}
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -174,7 +168,7 @@ def test_expert_parallel_layout_matches_single_process(layout, single, cache_dir
     no router logit of these runs lies within float rounding of a tie."""
     moe, parallel, nproc = LAYOUTS[layout]
     ref = single["mlp" if moe is MLP else "skip"]
-    got = _train(tmp_path, layout, tiny_overrides(cache_dir) + moe + parallel, nproc)
+    got = train_steps(tmp_path / f"{layout}.pt", tiny_overrides(cache_dir) + moe + parallel, nproc)
     assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
     assert got["grad_norms"] == pytest.approx(ref["grad_norms"], abs=1e-5)
     assert sorted(got["grads"]) == sorted(ref["grads"])
@@ -186,11 +180,6 @@ def test_expert_parallel_layout_matches_single_process(layout, single, cache_dir
 
 
 # ---- checkpoints across EP sizes -----------------------------------------------------------
-def _history(path):
-    with open(path) as f:
-        return json.load(f)["history"]
-
-
 @pytest.mark.parametrize("moe,save_ep,load_ep", [(MLP, 2, 1), (SKIP, 1, 2)])
 def test_checkpoint_reshards_across_expert_parallel_sizes(moe, save_ep, load_ep, cache_dir, tmp_path):
     """Six steps in one run equal three steps at one EP size, saved, and three more resumed at
@@ -207,7 +196,7 @@ def test_checkpoint_reshards_across_expert_parallel_sizes(moe, save_ep, load_ep,
     rmt_train(common + ep(save_ep) + [f"train.save={ckpt}", "train.exit_interval=3", "--json", str(first)],
               nproc=save_ep)
     rmt_train(common + ep(load_ep) + [f"train.load={ckpt}", "--json", str(second)], nproc=load_ep)
-    ref, got = _history(whole), _history(first) + _history(second)
+    ref, got = json_history(whole), json_history(first) + json_history(second)
     assert [m["step"] for m in got] == list(range(1, 7))
     assert [m["lm loss"] for m in got] == pytest.approx([m["lm loss"] for m in ref], abs=1e-5)
     stat = "moe/layer2/load_balancing_loss" if moe is MLP else "memory/layer0/load_balancing_loss"
