@@ -23,31 +23,84 @@ class ModelConfig:
     """Architecture and shape. ``arch`` picks a builder registered in :mod:`rmt.models.build`."""
 
     arch: str = "transformer"
+    """Architecture: ``transformer`` (megatron-core GPT baseline), ``rmt`` (Residual Matrix
+    Transformer), ``recurrent`` (recurrent transformer) or ``mixer`` (masked / repeat mixers)."""
+
     num_layers: int = 2
+    """Number of layers; must be divisible by the number of pipeline stages (pipeline x virtual
+    pipeline size)."""
+
     hidden_size: int = 64
+    """Hidden (residual) width. For ``arch: rmt`` it is derived as ``dk * dv``."""
+
     num_attention_heads: int = 4
+    """Attention heads (token-mixing heads for ``arch: mixer``); must be divisible by the tensor
+    parallel size. For ``arch: rmt`` the heads are ``rank``."""
+
     ffn_hidden_size: Optional[int] = None
+    """Feed-forward inner width; ``null`` = 4 x ``hidden_size`` (4·R·Dv for ``arch: rmt``). Must be
+    divisible by the tensor parallel size."""
+
     seq_length: int = 128
+    """Tokens per sample. For synthetic tasks it must be at least 2·``data.task_tokens`` +
+    ``data.curriculum_target``."""
+
     vocab_size: Optional[int] = None
+    """Vocabulary size; ``null`` = taken from the data (tokenizer or dataset metadata)."""
+
     make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of this; the padding is independent of TP, so every
+    layout has the same table."""
+
     position: str = "learned"
+    """Positions: ``learned`` or ``rope`` for the transformer; ``alibi`` or ``learned`` for the
+    RMT (the shipped ``rmt_*.yaml`` set ``alibi``); ``learned`` for the recurrent transformer."""
+
     normalization: str = "LayerNorm"
+    """``LayerNorm`` or ``RMSNorm``. Ignored by the RMT (whole-matrix RMSNorm)."""
+
     layernorm_epsilon: float = 1e-5
+    """Epsilon of the normalization layers."""
+
     init_std: float = 0.02
+    """Standard deviation of the weight init. The RMT uses N(0, ``init_std``/sqrt(fan_in)), layer
+    writes further divided by sqrt(2L), embedding tables ``init_std``."""
+
     dropout: float = 0.0
-    # Recurrent transformer (arch: recurrent) and masked / repeat mixer (arch: mixer).
+    """Dropout probability, in [0, 1); must be 0 for the RMT."""
+
     block_width: int = 32
+    """Recurrent transformer (``arch: recurrent``): block width k; one layer slides over blocks
+    of k tokens on windows of 2k tokens. At most ``seq_length``."""
+
     recurrent_alpha: float = 0.5
+    """Recurrent transformer: initial (or frozen) accumulation scalar α (Eq. 6–8 of "Efficient
+    LLM Architectures"), in [0, 1]; α is clamped to [0, 1]."""
+
     recurrent_alpha_learned: bool = True
+    """Recurrent transformer: learn α (false: keep ``recurrent_alpha`` fixed)."""
+
     mixer_kind: str = "mixed"
+    """Masked / repeat mixer (``arch: mixer``) token mixing: ``masked`` (full upper-triangular
+    mixing matrix), ``row``, ``column``, ``mixed`` (half column-, half row-repeat heads; needs
+    ``num_attention_heads`` >= 2)."""
+
     mixer_decay: bool = False
+    """Mixer: multiply the mixing weights by clip(d, 0.9, 1)^((j-i)/c), c = ``mixer_decay_scale``."""
+
     mixer_decay_scale: float = 1.0
-    # Residual Matrix Transformer (arch: rmt): a Dk x Dv residual matrix per token, rank R
-    # (= attention heads = FF reads/writes = embedding/unembedding keys). position: 'alibi'
-    # or 'learned' for rmt.
+    """Mixer: the scale c of the decay exponent (with ``mixer_decay``)."""
+
     dk: int = 16
+    """Residual Matrix Transformer (``arch: rmt``): rows Dk of the Dk x Dv residual matrix per
+    token (key size)."""
+
     dv: int = 16
+    """RMT: columns Dv of the residual matrix (= head size)."""
+
     rank: int = 4
+    """RMT: rank R = attention heads = feed-forward reads/writes = embedding/unembedding keys; must
+    be divisible by the tensor parallel size."""
 
 
 @dataclass
@@ -55,16 +108,33 @@ class ParallelConfig:
     """Megatron-core 3D parallelism: tensor x pipeline x data = world size."""
 
     tensor_model_parallel_size: int = 1
+    """Tensor parallel size (megatron-core groups)."""
+
     pipeline_model_parallel_size: int = 1
+    """Pipeline parallel size; must divide ``model.num_layers``."""
+
     virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Model chunks per pipeline rank for the interleaved schedule; ``null`` = not interleaved.
+    Needs ``pipeline_model_parallel_size`` >= 2 and a number of microbatches that is a multiple of
+    it."""
+
     data_parallel_size: Optional[int] = None
-    # MoE experts (memory.type: moe) split over expert_model_parallel_size data x tensor
-    # parallel ranks, each expert's MLP over expert_tensor_parallel_size ranks (None: the
-    # tensor-parallel size); megatron-core's expert groups.
+    """Data parallel size; ``null`` = derived, world size / (tp x pp); if set it must match."""
+
     expert_model_parallel_size: int = 1
+    """MoE expert parallelism (megatron-core's expert groups): the experts are split over this
+    many ranks of the data x tensor parallel grid, ``num_experts / EP`` each; needs ``memory.type:
+    moe``. Expert tensor x expert model x pipeline size must divide the world size."""
+
     expert_tensor_parallel_size: Optional[int] = None
+    """Ranks splitting each MoE expert's MLP; ``null`` = ``tensor_model_parallel_size``. Must
+    divide the expert hidden size."""
+
     backend: str = "auto"
+    """torch.distributed backend: ``auto`` (NCCL with CUDA, else gloo), ``gloo`` or ``nccl``."""
+
     timeout_minutes: int = 10
+    """Timeout of the process groups' collectives, in minutes."""
 
 
 @dataclass
@@ -72,18 +142,48 @@ class DataConfig:
     """Training data: an indexed dataset prefix (``.bin``/``.idx``) or the default corpus."""
 
     path: Optional[str] = None
+    """Prefix of a megatron-core indexed dataset (``P.bin``/``P.idx`` from ``rmt-preprocess``);
+    ``null`` = the default corpus (the running interpreter's standard library)."""
+
     tokenizer: str = "byte"
+    """``byte`` (256 bytes + end-of-document), ``bpe`` (byte-level BPE trained on the default
+    corpus with HF tokenizers) or a path to a HF ``tokenizer.json`` or its directory."""
+
     bpe_vocab_size: int = 2048
+    """Vocabulary size of the BPE trained with ``tokenizer: bpe``."""
+
     split: str = "98,2,0"
+    """Train/valid/test weights, by document (``train,valid,test``); the train weight must be
+    positive, and the valid weight too when ``train.eval_iters`` > 0."""
+
     cache_dir: str = ".rmt_cache"
+    """Cache directory: tokenized default corpus, trained BPE, dataset index caches."""
+
     max_documents: Optional[int] = None
-    # Synthetic tasks (rmt.data.tasks) and their noise-length curriculum; task "none" = corpus.
+    """Limit the default corpus to its first N documents; ``null`` = all."""
+
     task: str = "none"
+    """Synthetic task (:mod:`rmt.data.tasks`) instead of the corpus: ``none`` (corpus), ``copy``
+    or ``selective_copy``."""
+
     task_tokens: int = 16
+    """Synthetic tasks: data tokens n to copy per sample."""
+
     task_alphabet: int = 16
+    """Synthetic tasks: alphabet size; the last two ids are noise and recall."""
+
     noise_length: int = 128
+    """Synthetic tasks: noise tokens between the data and the recall tokens (the curriculum's
+    start)."""
+
     curriculum_threshold: Optional[float] = None
+    """Curriculum: double the noise length after each evaluation whose validation loss is below
+    this; set together with ``curriculum_target`` (``null``: no curriculum). The noise length is
+    saved in checkpoints and restored on resume."""
+
     curriculum_target: Optional[int] = None
+    """Curriculum: the noise length at which doubling stops; set together with
+    ``curriculum_threshold``."""
 
 
 @dataclass
@@ -91,102 +191,244 @@ class TrainConfig:
     """Optimisation, schedule, precision, logging and checkpointing."""
 
     steps: int = 300
+    """Training steps (optimizer steps of one global batch each)."""
+
     micro_batch_size: int = 8
+    """Samples per microbatch per data-parallel rank."""
+
     global_batch_size: Optional[int] = None
+    """Samples per step; ``null`` = micro x dp. More means gradient accumulation over
+    microbatches; must be a multiple of micro x dp."""
+
     lr: float = 3e-3
+    """Peak learning rate."""
+
     min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of ``lr``, in [0, 1]."""
+
     warmup_steps: int = 30
+    """Linear warmup steps, in [0, ``steps``)."""
+
     lr_decay_style: str = "cosine"
+    """Decay after warmup: ``cosine``, ``linear`` or ``constant``."""
+
     weight_decay: float = 0.1
+    """AdamW weight decay; never on norms, biases, embeddings, unembedding."""
+
     adam_beta1: float = 0.9
+    """Adam β1 (also for the sparse value optimizers)."""
+
     adam_beta2: float = 0.95
+    """Adam β2 (also for the sparse value optimizers)."""
+
     adam_eps: float = 1e-8
+    """Adam epsilon (also for the sparse value optimizers)."""
+
     clip_grad: float = 1.0
+    """Clip the global gradient norm (over the model-parallel group) to this; 0 = no clipping."""
+
     z_loss: float = 0.0
+    """z-loss weight z: adds ``z * logZ^2``; ``1e-4`` is the RMT authors' value."""
+
     precision: str = "fp32"
+    """``fp32`` or ``bf16`` (autocast)."""
+
     seed: int = 1234
+    """Random seed. Each weight tensor is drawn from a generator seeded by (seed, its checkpoint
+    key), so the init does not depend on the parallel layout."""
+
     log_interval: int = 10
+    """Every N steps: print the step line and log the memory layers' slot usage
+    (``memory/layerK/*`` in TensorBoard and the JSONL log)."""
+
     eval_interval: int = 100
+    """Evaluate on the validation split every N steps."""
+
     eval_iters: int = 4
+    """Validation batches per evaluation; 0 disables validation."""
+
     save: Optional[str] = None
+    """Checkpoint directory to save into (megatron-core distributed checkpoints); ``null`` = no
+    checkpoints."""
+
     save_interval: int = 0
+    """Save every N steps; 0 = only at the end. Needs ``save``."""
+
     exit_interval: Optional[int] = None
+    """Stop, after saving, every N steps (for time-limited jobs); ``null`` = run all ``steps``."""
+
     load: Optional[str] = None
+    """Checkpoint directory to resume from (or to evaluate with ``--eval-only``); must exist."""
+
     tensorboard_dir: Optional[str] = None
+    """TensorBoard log directory (scalars of every step); ``null`` = no TensorBoard logs."""
+
     log_file: Optional[str] = None
+    """JSONL file that gets one line of metrics per training step (appended); ``null`` = none."""
+
     progress: bool = True
+    """true: a tqdm progress bar; false, as in batch jobs: the step lines every ``log_interval``
+    steps and at evaluations are printed plainly."""
+
     threads: Optional[int] = None
+    """torch intra-op threads; ``null`` = torch's default."""
 
 
 @dataclass
 class MemoryConfig:
-    """Sparse memory layers added to the dense model (``type: none`` adds none)."""
+    """Sparse memory layers added to the dense model (``type: none`` adds none): UltraMem
+    (arXiv 2411.12364), PKM and MoE (:mod:`rmt.memory`), and memory-parallel tables (UltraMem
+    Appendix C/D; :mod:`rmt.memory.sharded_table`)."""
 
     type: str = "none"
-    # --- UltraMem / PKM / MoE memory layers (rmt/memory; UltraMem arXiv 2411.12364) ---
-    # type: none | ultramem | pkm | moe. placement "i:j/k:l": input after layer i, output added
-    # after layer j (1-based global layer numbers, i <= j).
+    """``none``, ``ultramem``, ``pkm`` or ``moe``."""
+
     placement: str = ""
+    """Skip placements ``i:j/...``: a memory's input is taken after layer i and its output added
+    after layer j (1-based global layer numbers, i <= j), e.g. ``"3:5/6:8/9:11"``. Quote a single
+    pair (``memory.placement='1:2'``): YAML reads ``3:5`` as a number. With pipeline parallelism
+    each placement must lie inside one model chunk. With ``moe_placement: mlp``: the layers whose
+    MLP is an MoE, ``i`` or ranges ``i-j`` joined by ``/``."""
+
     num_heads: int = 2
+    """Memory heads."""
+
     topk: int = 16
+    """Top-m values retrieved per head."""
+
     key_dim: int = 64
+    """Key width; divisible by ``tucker_rank`` (Tucker retrieval), even for PKM."""
+
     num_keys: int = 32
+    """Key grid side: slots per layer = ``num_keys²``."""
+
     retrieval: str = "tucker"
+    """UltraMem retrieval: ``tucker`` (TDQKR, Eq. 4–10) or ``product`` (product keys)."""
+
     tucker_rank: int = 2
+    """Tucker rank r of TDQKR."""
+
     num_cores: int = 2
+    """Multi-core scoring h (Eq. 16–17); must divide the value dim; > 1 needs ``retrieval:
+    tucker``."""
+
     ive_blocks: int = 4
+    """Implicit value expansion E (Eq. 13–15); a perfect square."""
+
     ive_shuffle: bool = True
+    """Implicit value expansion: random shuffle of the expanded values."""
+
     softmax: bool = False
+    """Table 2 ablation switch: softmax over the top-m scores (PKM; removed in UltraMem, §3.2
+    item 1)."""
+
     half_value_dim: bool = True
+    """Table 2 ablation switch: value dim half the memory width, with an output projection
+    (§3.2 item 6)."""
+
     share_query: bool = True
+    """Table 2 ablation switch: one query per head shared by row and column keys (§3.2 item
+    5)."""
+
     query_key_norm: bool = True
+    """Table 2 ablation switch: LayerNorm of queries and keys (§3.2 item 2)."""
+
     query_conv: bool = True
+    """Table 2 ablation switch: causal depthwise convolution over the sequence before the
+    query (§3.2 item 4)."""
+
     conv_kernel: int = 3
+    """Kernel size of the query convolution (with ``query_conv``)."""
+
     improved_init: bool = True
-    init_samples: int = 4
+    """Table 2 ablation switch: Appendix A init (E[Y] sampled)."""
+
+    init_samples: int = 0
+    """How the improved init gets E[Y], the expected mean of the top-m of the grid's candidate
+    scores (Appendix A): 0 = exactly, by quadrature over the order statistics, in milliseconds
+    for any number of slots; k > 0 = the paper's Monte Carlo estimate from k draws of every
+    candidate (streamed in bounded chunks, but its time grows with the slots)."""
+
     aux_loss_weight: float = 0.001
+    """TDQKR auxiliary loss weight α (Eq. 11–12)."""
+
     aux_loss_margin: float = 0.15
+    """TDQKR auxiliary loss margin τ (Eq. 11–12)."""
+
     value_lr_mult: float = 10.0
-    # value_optimizer: adamw (dense table gradients, in the AdamW step with the other
-    # parameters) | sparse_adam (torch's SparseAdam, lazy Adam on the touched rows) |
-    # rowwise_adagrad (one accumulator per row); the last two take the touched rows' sparse
-    # gradients, never a table-sized one (rmt/ops/sparse_optim.py).
+    """Value learning rate = mult x base LR, decaying linearly to 1x at the last step; >= 1."""
+
     value_optimizer: str = "adamw"
-    # --- MoE (megatron-core's MoELayer; rmt/memory/moe.py) ---
-    # moe_placement: mlp (the MoE replaces the MLP of the layers listed in placement, e.g.
-    # "1-12" or "2/4/6") | skip (beside the dense model at i:j placements, like UltraMem).
-    # expert_hidden_size: None = ffn / moe_topk (granularity moe_topk: activated expert width
-    # equals the dense MLP's). balance_loss_weight: the Switch load-balancing loss coefficient.
-    # moe_token_dispatcher_type: alltoall | allgather. moe_expert_capacity_factor: None (no
-    # token dropping) or the capacity per expert in units of its balanced share (an expert over
-    # capacity keeps the routing slots of largest weight).
+    """Optimizer of the value tables: ``adamw`` (dense table gradients, in the AdamW step with the
+    other parameters), ``sparse_adam`` (torch's SparseAdam, lazy Adam on the touched rows) or
+    ``rowwise_adagrad`` (one accumulator per row). The last two take the touched rows' sparse
+    gradients, never a table-sized one (:mod:`rmt.ops.sparse_optim`); ``rowwise_adagrad`` needs
+    ``partition`` ``local`` or ``number``. MoE has no value tables (leave it ``adamw``)."""
+
     num_experts: int = 8
+    """MoE (megatron-core's MoELayer, :mod:`rmt.memory.moe`): number of experts; divisible by
+    ``parallel.expert_model_parallel_size``."""
+
     moe_topk: int = 2
+    """MoE: experts per token; at most ``num_experts``."""
+
     expert_hidden_size: Optional[int] = None
+    """MoE: inner width of one expert; ``null`` = the dense MLP's ffn / ``moe_topk`` (granularity
+    k: the k activated experts together as wide as the dense MLP)."""
+
     balance_loss_weight: float = 0.01
+    """MoE: coefficient of the Switch load-balancing loss (Fedus et al. Eq. 4), megatron's
+    ``moe_aux_loss_coeff``."""
+
     moe_placement: str = "skip"
+    """MoE: ``mlp`` (the MoE replaces the MLP of the layers listed in ``placement``, e.g. ``"1-12"``
+    or ``"2/4/6"``; megatron's usual form, transformer only) or ``skip`` (LayerNorm + MoE beside
+    the dense model at ``i:j`` placements, like UltraMem; transformer and RMT)."""
+
     moe_token_dispatcher_type: str = "alltoall"
+    """MoE: megatron's token dispatcher, ``alltoall`` or ``allgather`` (both run on gloo)."""
+
     moe_expert_capacity_factor: Optional[float] = None
-    # --- Memory-parallel tables (UltraMem Appendix C/D; rmt/memory/sharded_table.py) ---
-    # partition: local (whole table per rank) | number (rows split) | dimension (columns
-    # split) | auto (planner's choice). group_size: ranks per memory-parallel group, 0 = all
-    # DP x TP ranks of the stage; smaller groups are replicas. owner_reduce: number-wise
-    # owners pool and send partial sums. async_stream: run the memory layer (retrieval,
-    # lookup, collectives) from layer i's output alongside layers i+1..j, and its backward
-    # alongside the dense backward of layers j..i+1.
+    """MoE: ``null`` = no token dropping; else each expert takes at most ``ceil(factor x tokens x
+    moe_topk / num_experts)`` routing slots per microbatch and drops those of smallest weight."""
+
     partition: str = "local"
+    """Memory-parallel table sharding: ``local`` (whole table on every rank), ``number`` (rows
+    split), ``dimension`` (columns split) or ``auto`` (``rmt-plan comm``'s forward+backward choice
+    for this run's tokens, top-m, IVE and cores). Only UltraMem/PKM tables shard."""
+
     group_size: int = 0
+    """Ranks per memory-parallel group; 0 = all DP x TP ranks of the stage; must divide DP x TP.
+    Smaller groups are replicas."""
+
     owner_reduce: bool = False
+    """Number-wise: the row owners pool and send partial sums back (cheaper when top-m > group
+    size). Needs ``partition`` ``number`` or ``auto``."""
+
     async_stream: bool = False
+    """Run a memory layer placed ``i:j`` (retrieval, lookup, collectives) from layer i's output
+    alongside layers i+1..j, joined at layer j; its backward runs alongside the dense backward of
+    layers j..i+1."""
 
 
 @dataclass
 class RMTConfig:
+    """The whole configuration: one section per dataclass above."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
+    """Architecture and shape."""
+
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Megatron-core 3D parallelism."""
+
     data: DataConfig = field(default_factory=DataConfig)
+    """Training data and synthetic tasks."""
+
     train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimisation, schedule, precision, logging and checkpointing."""
+
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    """Sparse memory layers and memory-parallel tables."""
 
 
 def _check_known(node, schema_obj, origin: str, prefix: str = "") -> None:

@@ -1,5 +1,5 @@
 """tools/bench_lookup_reduce.py runs end to end (CPU, --quick, one repeat) and writes the JSON
-the README's figures come from; a GPU-only clock on the CPU is one clear error, exit 2."""
+the figures in docs/benchmarks.md come from; a GPU-only clock on the CPU is one clear error, exit 2."""
 
 import json
 import math

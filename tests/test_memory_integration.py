@@ -140,7 +140,7 @@ def test_memory_parameters_in_sharded_state_dict_and_initialised(megatron):
     keys = {s.key for s in shards([a]) if ".memory." in s.key or s.key.startswith("memory.")}
     assert "memory.0.values.weight" in keys and "memory.1.cores" in keys
     values = a.memory[0].values.weight
-    assert values.std().item() == pytest.approx(values.memory_init_std, rel=0.2)
+    assert values.std().item() == pytest.approx(a.memory[0].spec.value_std, rel=0.2)
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.equal(pa, pb)
 

@@ -74,7 +74,7 @@ def _naive_output(layer, h, softmax=False):
     addr, scores = layer.retrieve(h)  # softmax already applied by the layer when enabled
     V, E, C = layer.values.weight, s.ive_blocks, s.num_cores
     cols = V.shape[1] // C
-    virtual = layer.shuffle[addr] if layer.shuffle is not None else addr
+    virtual = layer.shuffle(addr) if layer.shuffle is not None else addr
     W = layer.proj if layer.has_proj else torch.eye(s.hidden_size, dtype=V.dtype).unsqueeze(0)
     out = torch.zeros(h.shape[0], s.hidden_size, dtype=V.dtype)
     for c in range(C):
@@ -165,7 +165,7 @@ def test_improved_init_appendix_a():
     E_Y = expected_topm_mean(s.grid ** 2, s.topk, s.init_samples, seed=s.seed)
     assert layer.query_norm.weight[0].item() == pytest.approx(1 / math.sqrt(E_Y))
     assert layer.key_norm.weight[0].item() == pytest.approx(1 / math.sqrt(s.side_dim // s.tucker_rank))
-    assert layer.values.weight.memory_init_std == pytest.approx(math.sqrt(4 / (2 * 4 * 2 * 2)))
+    assert s.value_std == pytest.approx(math.sqrt(4 / (2 * 4 * 2 * 2)))
     big = expected_topm_mean(10000, 1, 8)
     assert 3.3 < big < 4.3  # E[max of 1e4 normals] ~ 3.85
 

@@ -50,17 +50,16 @@ def build_memory_layer(config, index: int, base=None) -> torch.nn.Module:
     mem, m = config.memory, config.model
     if mem.type == "moe":
         return SkipMoE(config, base, index, len(parse_placement(mem.placement, m.num_layers)))
-    layer = MemoryLayer(MemorySpec.from_config(config, index))
+    spec = MemorySpec.from_config(config, index)
+    sharding = {"device": compat.device()}
     if mem.partition != "local":
         group, replica_group, replica_index, split_group = memory_parallel_groups(mem.group_size)
-        s = layer.spec
-        layer.values = MemoryTable(
-            s.num_values, s.value_dim, layer.values.weight.memory_init_std, mem.partition, group,
-            owner_reduce=mem.owner_reduce, replica_index=replica_index, replica_group=replica_group,
-            split_group=split_group, sparse_grad=s.sparse_grad,
-            plan={"tokens": config.train.micro_batch_size * m.seq_length, "topm": s.num_heads * s.topk,
-                  "ive": s.ive_blocks, "cores": s.num_cores})
-    return layer
+        sharding.update(partition=mem.partition, group=group, owner_reduce=mem.owner_reduce,
+                        replica_index=replica_index, replica_group=replica_group, split_group=split_group,
+                        plan={"tokens": config.train.micro_batch_size * m.seq_length,
+                              "topm": spec.num_heads * spec.topk, "ive": spec.ive_blocks,
+                              "cores": spec.num_cores})
+    return MemoryLayer(spec, spec.table(**sharding))
 
 
 class MemoryModules(torch.nn.Module):
@@ -237,9 +236,9 @@ def attach_memory(chunks: List[torch.nn.Module], config,
     """Add the ``config.memory`` layers of this pipeline stage to every chunk (as
     ``chunk.memory``, :class:`MemoryModules`, so they are in the chunk's parameters and
     ``sharded_state_dict``) and return the init rule that
-    gives memory parameters their own std (``memory_init_std``; None keeps the module's init).
-    An MoE replacing MLPs (``memory.moe_placement: mlp``) is the architecture's own: nothing
-    to attach."""
+    gives memory parameters their own std (``memory_init_std``; None keeps the module's init, as
+    for value tables, which draw their own shard at construction). An MoE replacing MLPs
+    (``memory.moe_placement: mlp``) is the architecture's own: nothing to attach."""
     mem, t = config.memory, config.train
     dp = parallel_state.get_data_parallel_world_size()
     loss_scale = t.micro_batch_size * dp / (t.global_batch_size or t.micro_batch_size * dp)  # 1 / microbatches
@@ -266,6 +265,8 @@ def attach_memory(chunks: List[torch.nn.Module], config,
                                                None if loss_chunk else loss_scale, loss_scale)
 
     def rule(key: str, param: torch.Tensor) -> Optional[float]:
+        if getattr(param, "memory_value", False):
+            return None  # a value table draws its own shard (MemoryTable)
         if hasattr(param, "memory_init_std"):
             return param.memory_init_std
         return std_rule(key, param)

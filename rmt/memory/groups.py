@@ -143,6 +143,17 @@ def finish_memory_grads(modules: Iterable[torch.nn.Module]) -> None:
         p.grad.mul_(scale)
 
 
+def square_sum(values: torch.Tensor, chunk_elements: int = 1 << 18) -> torch.Tensor:
+    """float64 sum of squares of ``values``, a bounded chunk of rows at a time: a float64 copy of a
+    table-sized gradient would cost twice the table."""
+    rows = values.reshape(values.shape[0], -1) if values.dim() else values.reshape(1, 1)
+    step = max(1, chunk_elements // max(rows.shape[1], 1))
+    total = torch.zeros((), dtype=torch.float64, device=values.device)
+    for r in range(0, rows.shape[0], step):
+        total += rows[r:r + step].double().pow(2).sum()
+    return total
+
+
 def memory_grad_sq_norm(params: Iterable[torch.nn.Parameter]) -> float:
     """Squared L2 norm of the full gradients of the self-reduced tables among ``params``:
     each shard counted once (summed over its memory-parallel group), replicated tables once
@@ -154,7 +165,7 @@ def memory_grad_sq_norm(params: Iterable[torch.nn.Parameter]) -> float:
     for p in params:
         if not self_reduced(p) or p.grad is None:
             continue
-        sq = grad_values(p.grad.detach()).double().pow(2).sum()
+        sq = square_sum(grad_values(p.grad.detach()))
         if getattr(p, "memory_sharded", False):
             sharded += sq
             group = p.memory_group

@@ -28,8 +28,10 @@ from rmt.config import MemoryConfig as _MEM
 from rmt.config import ModelConfig
 from rmt.memory.retrieval import (expected_topm_mean, grid_side, product_topk, rank1_selector,
                                   tucker_aux_loss, tucker_topk)
+from rmt.memory.ive import AddressShuffle
 from rmt.memory.table import MemoryTable
 from rmt.memory.validate import memory_width
+from rmt.ops.counter_normal import stream_key
 
 
 @dataclass
@@ -98,6 +100,25 @@ class MemorySpec:
     def num_values(self) -> int:
         return self.num_keys * self.num_keys
 
+    @property
+    def value_std(self) -> float:
+        """Init std of the values: Appendix A's sqrt(E / (2 m H L)) with ``improved_init``, else
+        1 / sqrt(value dim) (Lample et al.)."""
+        if self.improved_init:
+            return math.sqrt(self.ive_blocks / (2.0 * self.topk * self.num_heads * self.num_layers))
+        return 1.0 / math.sqrt(self.value_dim)
+
+    @property
+    def value_init_key(self) -> int:
+        """Counter stream of the value table (:mod:`rmt.ops.counter_normal`): the same for every
+        layout, so a sharded table holds its shard of the table a single process draws."""
+        return stream_key(self.seed, "memory.values")
+
+    def table(self, **sharding) -> MemoryTable:
+        """This layer's value table; ``sharding``: :class:`MemoryTable`'s partition arguments."""
+        return MemoryTable(self.num_values, self.value_dim, self.value_std, sparse_grad=self.sparse_grad,
+                           init_key=self.value_init_key, **sharding)
+
 
 def _tag(param: torch.nn.Parameter, std: Optional[float]) -> torch.nn.Parameter:
     param.memory_init_std = std
@@ -106,9 +127,10 @@ def _tag(param: torch.nn.Parameter, std: Optional[float]) -> torch.nn.Parameter:
 
 class MemoryLayer(torch.nn.Module):
     """One UltraMem / PKM layer; see the module docstring. ``aux_loss`` holds Eq. 12 of the
-    last forward; slot-usage statistics accumulate in training mode (:meth:`pop_stats`)."""
+    last forward; slot-usage statistics accumulate in training mode (:meth:`pop_stats`).
+    ``values``: the value table (``spec.table(...)``, e.g. sharded); default a local one."""
 
-    def __init__(self, spec: MemorySpec):
+    def __init__(self, spec: MemorySpec, values: Optional[MemoryTable] = None):
         super().__init__()
         self.spec = s = spec
         H, r, n, E = s.num_heads, s.tucker_rank, s.grid, s.ive_blocks
@@ -136,22 +158,13 @@ class MemoryLayer(torch.nn.Module):
         if s.retrieval == "tucker":
             core_std = 1.0 / (r * math.sqrt(s.num_cores))
             self.cores = _tag(torch.nn.Parameter(torch.randn(H, s.num_cores, r, r) * core_std), core_std)
-        if s.improved_init:
-            value_std = math.sqrt(E / (2.0 * s.topk * H * s.num_layers))
-        else:
-            value_std = 1.0 / math.sqrt(s.value_dim)
-        self.values = MemoryTable(s.num_values, s.value_dim, value_std, sparse_grad=s.sparse_grad)
+        self.values = values if values is not None else s.table()
         self.has_proj = E > 1 or s.value_dim != s.hidden_size
         if self.has_proj:
             proj_std = (1.0 / math.sqrt(E * s.value_dim) if s.improved_init
                         else s.init_std / math.sqrt(2.0 * s.num_layers))
             self.proj = _tag(torch.nn.Parameter(torch.randn(E, s.value_dim, s.hidden_size) * proj_std), proj_std)
-        if s.ive_shuffle and E > 1:
-            gen = torch.Generator().manual_seed(s.seed)
-            self.register_buffer("shuffle", torch.randperm(n * n, generator=gen), persistent=False)
-        else:
-            self.shuffle = None
-        self.register_buffer("hits", torch.zeros(s.num_values, dtype=torch.uint8), persistent=False)
+        self.shuffle = AddressShuffle(n, s.seed) if s.ive_shuffle and E > 1 else None
         self.register_buffer("score_stats", torch.zeros(4, dtype=torch.float64), persistent=False)
         self._reset_stats()
         self.aux_loss: Optional[torch.Tensor] = None
@@ -231,7 +244,7 @@ class MemoryLayer(torch.nn.Module):
         """IVE (Eq. 14): virtual address -> (physical slot, virtual block)."""
         s = self.spec
         if self.shuffle is not None:
-            addr = self.shuffle[addr]
+            addr = self.shuffle(addr)
         if s.ive_blocks == 1:
             return addr, None
         return addr % s.num_values, addr // s.num_values
@@ -242,9 +255,6 @@ class MemoryLayer(torch.nn.Module):
         h = self.query_input(x, state).reshape(seq * b, s.hidden_size)
         addr, scores = self.retrieve(h)
         slots, blocks = self.physical(addr)
-        if self.training:
-            with torch.no_grad():
-                self.hits[slots.reshape(-1)] = 1
         pooled = self.values.lookup_reduce(slots, scores, blocks, s.ive_blocks, validate=False)  # top-k slots
         if self.has_proj:
             out = pooled.flatten(1) @ self.proj.to(pooled.dtype).flatten(0, 1)
@@ -266,20 +276,15 @@ class MemoryLayer(torch.nn.Module):
         self.score_stats[3] += top1.numel()
 
     def _reset_stats(self) -> None:
-        self.hits.zero_()
         self.score_stats.copy_(torch.tensor([0.0, -math.inf, 0.0, 0.0], dtype=torch.float64))
 
     @torch.no_grad()
     def pop_stats(self, group=None) -> Dict[str, float]:
-        """Fraction of physical slots hit, mean/max top-1 score and mean top-m score since the
-        last call (reduced over ``group``, e.g. the data-parallel ranks); resets the counters."""
-
-        hits = self.hits.clone()
+        """Fraction of physical slots hit (:meth:`MemoryTable.pop_hit_fraction`), mean/max top-1
+        score and mean top-m score since the last call (reduced over ``group``, e.g. the
+        data-parallel ranks: a few scalars); resets the counters."""
         stats = self.score_stats.clone()
         if dist.is_initialized() and dist.get_world_size(group) > 1:
-            hits_i = hits.to(torch.int32)
-            dist.all_reduce(hits_i, op=dist.ReduceOp.MAX, group=group)
-            hits = hits_i
             sums = stats[[0, 2, 3]].clone()
             mx = stats[1:2].clone()
             dist.all_reduce(sums, group=group)
@@ -287,5 +292,6 @@ class MemoryLayer(torch.nn.Module):
             stats = torch.stack([sums[0], mx[0], sums[1], sums[2]])
         self._reset_stats()
         count = max(float(stats[3]), 1.0)
-        return {"slot_hit_fraction": float(hits.float().mean()), "top1_score_mean": float(stats[0]) / count,
+        return {"slot_hit_fraction": self.values.pop_hit_fraction(group),
+                "top1_score_mean": float(stats[0]) / count,
                 "top1_score_max": float(stats[1]), "topm_score_mean": float(stats[2]) / count}

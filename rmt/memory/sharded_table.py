@@ -173,12 +173,13 @@ def _route_to_owners(indices: torch.Tensor, rows_per: int, P: int, group):
 
 
 def number_lookup(weight, indices, scores, block_ids, num_blocks, group, counter: CommCounter,
-                  sparse_grad: bool = False):
+                  sparse_grad: bool = False, record=None):
     """Plain number-wise: every distinct row travels once to the requester, which pools
     (Appendix D with index dedup: ``rmt.planner.comm``'s ``dedup`` counts exactly this; the
     row gradients of duplicates are summed by the local lookup-reduce before they go back).
     ``sparse_grad`` (every lookup of this module): the shard's gradient holds only the
-    touched rows."""
+    touched rows. ``record`` (training statistics) receives the global slots the owner serves,
+    as in every route below."""
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     T, K = indices.shape
     rows_per = weight.shape[0]
@@ -191,13 +192,15 @@ def number_lookup(weight, indices, scores, block_ids, num_blocks, group, counter
     local_rows = (unique - owner * rows_per).to(_index_dtype(rows_per))
     counter.add("forward", "all_to_all_indices", _bytes_to_others(local_rows, send, rank))
     wanted = _exchange(local_rows, send, recv, group).long()
+    if record is not None:
+        record(wanted + rank * rows_per)
     rows = _AllToAll.apply(F.embedding(wanted, weight, sparse=sparse_grad), recv, send, group, counter,
                            ("all_to_all_values", "all_to_all_value_grads"))
     return lookup_reduce(rows, inverse.view(T, K), scores, block_ids, num_blocks, validate=False)
 
 
 def number_owner_reduce_lookup(weight, indices, scores, block_ids, num_blocks, group,
-                               counter: CommCounter, sparse_grad: bool = False):
+                               counter: CommCounter, sparse_grad: bool = False, record=None):
     """Number-wise with owner-side pooling: partial sums travel back (Appendix D)."""
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     T, K = indices.shape
@@ -216,6 +219,8 @@ def number_owner_reduce_lookup(weight, indices, scores, block_ids, num_blocks, g
                                      torch.tensor(recv, device=got.device))
     first_token = torch.tensor([0] + counts[:-1], device=got.device).cumsum(0)
     target = first_token[source] * E + torch.div(got, rows_per, rounding_mode="floor")
+    if record is not None:
+        record(got % rows_per + rank * rows_per)
     weighted = lookup_reduce(weight, (got % rows_per).view(M, 1), got_scores.view(M, 1, C),
                              sparse_grad=sparse_grad, validate=False).view(M, D)
     partial = weighted.new_zeros(sum(counts) * E, D).index_add(0, target, weighted)
@@ -234,7 +239,7 @@ def _core_columns(col0: int, width: int, dim: int, cores: int) -> List[int]:
 
 
 def dimension_lookup(weight, indices, scores, block_ids, num_blocks, num_slots, dim, group,
-                     counter: CommCounter, sparse_grad: bool = False):
+                     counter: CommCounter, sparse_grad: bool = False, record=None):
     """Dimension-wise: all-gather indices and scores, pool the local column slice for every
     token of the group, all-to-all of the pooled slices back (Appendix D)."""
     P, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -245,6 +250,8 @@ def dimension_lookup(weight, indices, scores, block_ids, num_blocks, num_slots, 
     addr = addr.to(_index_dtype(E * num_slots))
     counter.add("forward", "all_gather_indices", _bytes_to_others(addr, [T] * P, rank))
     every = _all_gather(addr, counts, group).long()
+    if record is not None:
+        record(every % num_slots)
     every_scores = _AllGather.apply(scores.contiguous(), counts, group, counter,
                                     ("all_gather_scores", "reduce_scatter_score_grads"))
     columns = torch.tensor(_core_columns(rank * width, width, dim, C), device=scores.device)

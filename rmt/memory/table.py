@@ -17,6 +17,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from rmt.memory import sharded_table
 from rmt.memory.comm_counter import CommCounter
 from rmt.ops import lookup_reduce
+from rmt.ops.counter_normal import fill_normal_
 
 PARTITIONS = ("local", "number", "dimension", "auto")
 
@@ -42,28 +43,33 @@ def resolve_partition(partition: str, num_slots: int, dim: int, group_size: int,
 
 
 class MemoryTable(torch.nn.Module):
-    """``num_slots x dim`` values; this rank holds a shard of them.
+    """``num_slots x dim`` values; this rank holds a shard of them, and only that shard exists here.
 
-    ``partition``: ``"local"`` (the whole table on every rank), ``"number"`` (rows split
-    over ``group``, each distinct row requested once; ``owner_reduce`` pools at the owner), ``"dimension"`` (columns split) or
-    ``"auto"`` (the planner's choice for the ``plan`` shapes). ``replica_index`` numbers
-    this group among the groups holding copies of the same table (checkpoint replica id);
-    ``replica_group`` joins this rank with the ranks holding the same shard in those copies.
-    ``split_group`` (sharded tables under tensor parallelism): the ranks holding the same
-    tokens; each looks up its chunk of them and the pooled outputs are all-gathered.
-    The weight carries ``memory_value = True`` (its own LR schedule in the optimizer),
-    ``memory_init_std`` (read by the layout-independent initialiser), when sharded,
-    ``memory_sharded = True`` (its gradient arrives through the collectives, not DDP), and with
-    ``sparse_grad`` ``memory_sparse_grad = True``: its gradient is a coalesced sparse tensor of
-    the touched rows, for the row-wise optimizers (``memory.value_optimizer``), and it is kept
-    out of DDP too (:mod:`rmt.memory.groups` reduces it).
+    ``partition``: ``"local"`` (the whole table on every rank), ``"number"`` (rows split over
+    ``group``, each distinct row requested once; ``owner_reduce`` pools at the owner),
+    ``"dimension"`` (columns split) or ``"auto"`` (the planner's choice for the ``plan`` shapes).
+    ``replica_index`` numbers this group among the groups holding copies of the same table
+    (checkpoint replica id); ``replica_group`` joins this rank with the ranks holding the same
+    shard in those copies. ``split_group`` (sharded tables under tensor parallelism): the ranks
+    holding the same tokens; each looks up its chunk of them and the pooled outputs are
+    all-gathered. The shard is allocated on ``device`` with ``dtype`` and filled with
+    ``init_std`` times the normals of the counter stream ``init_key``
+    (:func:`rmt.ops.counter_normal.fill_normal_` at the shard's global positions), so every layout
+    starts from the same global table and no rank draws more than its shard.
+    The weight carries ``memory_value = True`` (its own LR schedule in the optimizer), when
+    sharded ``memory_sharded = True`` (its gradient arrives through the collectives, not DDP),
+    and with ``sparse_grad`` ``memory_sparse_grad = True``: its gradient is a coalesced sparse
+    tensor of the touched rows, for the row-wise optimizers (``memory.value_optimizer``), and it
+    is kept out of DDP too (:mod:`rmt.memory.groups` reduces it). In training mode the lookups
+    mark the slots they hit in ``hits`` (one byte per owned slot, :meth:`pop_hit_fraction`).
     ``counter`` counts the bytes sent per collective.
     """
 
     def __init__(self, num_slots: int, dim: int, init_std: float, partition: str = "local",
                  group=None, *, owner_reduce: bool = False, replica_index: int = 0,
                  replica_group=None, split_group=None, plan: Optional[dict] = None,
-                 dtype: torch.dtype = torch.float32, sparse_grad: bool = False):
+                 dtype: torch.dtype = torch.float32, sparse_grad: bool = False, init_key: int = 0,
+                 device=None):
         super().__init__()
         if partition not in PARTITIONS:
             raise ValueError(f"MemoryTable partition must be one of {PARTITIONS}, got {partition!r}")
@@ -82,18 +88,34 @@ class MemoryTable(torch.nn.Module):
         self.num_slots, self.dim, self.partition = num_slots, dim, partition
         self.group, self.group_size, self.owner_reduce = group, P, owner_reduce
         self.rank = 0 if partition == "local" else dist.get_rank(group)
-        self.replica_index = replica_index
+        self.replica_index, self.replica_group = replica_index, replica_group
         self.counter = CommCounter()
         shape = {"local": (num_slots, dim), "number": (num_slots // P, dim),
                  "dimension": (num_slots, dim // P)}[partition]
-        self.weight = torch.nn.Parameter(torch.randn(shape, dtype=dtype) * init_std)
+        # Only this rank's shard is ever allocated; its values are the global table's at the
+        # shard's positions (counter-based, rmt.ops.counter_normal), whatever the layout.
+        weight = torch.empty(shape, dtype=dtype, device=device)
+        rows, cols = self.shard_index
+        fill_normal_(weight, init_key, rows.start or 0, cols.start or 0, dim, init_std)
+        self.weight = torch.nn.Parameter(weight)
         self.weight.memory_value = True
-        self.weight.memory_init_std = init_std
         if sparse_grad:
             self.weight.memory_sparse_grad = True
         if partition != "local":
             self.weight.memory_sharded = True
             self.weight.memory_group, self.weight.memory_replica_group = group, replica_group
+        # Slot-usage counters of the slots this rank owns (owned_rows): whole rows of a number-wise
+        # shard, an equal range of the rows of a dimension-wise one (ranks see every lookup of the
+        # group there), all rows of a local table.
+        self.owned_rows = self._owned_rows()
+        self.register_buffer("hits", torch.zeros(len(self.owned_rows), dtype=torch.uint8, device=device),
+                             persistent=False)
+
+    def _owned_rows(self) -> range:
+        if self.partition == "local":
+            return range(self.num_slots)
+        per = -(-self.num_slots // self.group_size)
+        return range(min(self.rank * per, self.num_slots), min((self.rank + 1) * per, self.num_slots))
 
     @property
     def sparse_grad(self) -> bool:
@@ -102,10 +124,11 @@ class MemoryTable(torch.nn.Module):
     @property
     def shard_index(self):
         """Index of this rank's shard inside the global ``[num_slots, dim]`` table."""
-        rows, cols = self.weight.shape
         if self.partition == "number":
+            rows = self.num_slots // self.group_size
             return slice(self.rank * rows, (self.rank + 1) * rows), slice(None)
         if self.partition == "dimension":
+            cols = self.dim // self.group_size
             return slice(None), slice(self.rank * cols, (self.rank + 1) * cols)
         return slice(None), slice(None)
 
@@ -119,6 +142,8 @@ class MemoryTable(torch.nn.Module):
         like the memory layer's retrieval. The sharded paths index with slots they derive."""
         scores = scores.to(self.weight.dtype)
         if self.partition == "local":
+            if self.training:
+                self.record_hits(indices)
             return lookup_reduce(self.weight, indices, scores, block_ids, num_blocks, sparse_grad=self.sparse_grad,
                                  validate=validate)
         if self.split_group is not None:
@@ -127,12 +152,49 @@ class MemoryTable(torch.nn.Module):
         return self._sharded_lookup(indices, scores, block_ids, num_blocks)
 
     def _sharded_lookup(self, indices, scores, block_ids, num_blocks: int):
+        record = self.record_hits if self.training else None
         if self.partition == "dimension":
             return sharded_table.dimension_lookup(self.weight, indices, scores, block_ids, num_blocks,
                                                   self.num_slots, self.dim, self.group, self.counter,
-                                                  self.sparse_grad)
+                                                  self.sparse_grad, record)
         route = sharded_table.number_owner_reduce_lookup if self.owner_reduce else sharded_table.number_lookup
-        return route(self.weight, indices, scores, block_ids, num_blocks, self.group, self.counter, self.sparse_grad)
+        return route(self.weight, indices, scores, block_ids, num_blocks, self.group, self.counter, self.sparse_grad,
+                     record)
+
+    @torch.no_grad()
+    def record_hits(self, slots: torch.Tensor) -> None:
+        """Mark the slots among ``slots`` (global indices, any shape) that this rank owns as hit."""
+        slots = slots.reshape(-1)
+        first, count = self.owned_rows.start, len(self.owned_rows)
+        if self.partition == "dimension":
+            slots = slots[(slots >= first) & (slots < first + count)]
+        self.hits[slots - first if first else slots] = 1
+
+    @torch.no_grad()
+    def pop_hit_fraction(self, group=None) -> float:
+        """Fraction of the table's slots looked up since the last call; resets the counters.
+
+        A local table takes the union over ``group`` (e.g. the data-parallel ranks): a 1-byte-per-
+        slot maximum, the table being whole on every rank anyway. A sharded table sums the scalar
+        counts of its owners over the memory-parallel group and its replicas: the mean over the
+        replica groups of the fraction of slots that group's tokens hit (the union over all
+        data-parallel ranks when one group spans them, ``memory.group_size: 0``)."""
+        hits = self.hits
+        if self.partition == "local":
+            if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+                hits = hits.clone()
+                dist.all_reduce(hits, op=dist.ReduceOp.MAX, group=group)
+            count, total = hits.sum(dtype=torch.int64), self.num_slots
+        else:
+            count = hits.sum(dtype=torch.int64).reshape(1)
+            dist.all_reduce(count, group=self.group)
+            replicas = 1
+            if self.replica_group is not None and dist.get_world_size(self.replica_group) > 1:
+                dist.all_reduce(count, group=self.replica_group)
+                replicas = dist.get_world_size(self.replica_group)
+            total = self.num_slots * replicas
+        self.hits.zero_()
+        return float(count) / total
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """The weight as a shard of the global ``[num_slots, dim]`` tensor, so checkpoints

@@ -221,9 +221,12 @@ def validate_memory(config, world_size: Optional[int] = None) -> None:
         return
     validate_memory_pipeline(config, parse_placement(mem.placement, m.num_layers))
     for key in ("num_heads", "topk", "key_dim", "num_keys", "tucker_rank", "num_cores", "ive_blocks",
-                "conv_kernel", "init_samples"):
+                "conv_kernel"):
         if getattr(mem, key) <= 0:
             raise ConfigError(f"memory.{key} must be positive, got {getattr(mem, key)}")
+    if mem.init_samples < 0:
+        raise ConfigError(f"memory.init_samples must be 0 (exact E[Y]) or a positive sample count, "
+                          f"got {mem.init_samples}")
     if mem.value_lr_mult < 1.0:
         raise ConfigError(f"memory.value_lr_mult must be >= 1, got {mem.value_lr_mult}")
     validate_value_optimizer(mem)

@@ -2,14 +2,18 @@
 
 Each random global tensor is drawn in full from a generator seeded by (seed, key) and every
 rank copies out its own shard, so TP/PP/DP layouts start from identical weights (the basis of
-the 'distributed == single process' tests and of reproducible runs across cluster shapes).
-Constant-initialised tensors (biases, norm gains) are left as the modules built them.
+the 'distributed == single process' tests and of reproducible runs across cluster shapes). One
+global tensor exists at a time. Constant-initialised tensors (biases, norm gains) and memory
+value tables, which draw only their own shard from a counter-based stream
+(:class:`rmt.memory.table.MemoryTable`), are left as the modules built them (the rule returns
+None for them).
 """
 
 from __future__ import annotations
 
 import math
 import zlib
+from collections import defaultdict
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -37,13 +41,14 @@ def default_std_rule(config: RMTConfig) -> Callable[[str, torch.Tensor], Optiona
 @torch.no_grad()
 def initialize_weights(chunks: Iterable[torch.nn.Module], seed: int,
                        std_rule: Callable[[str, torch.Tensor], Optional[float]]) -> None:
-    cache = {}
+    by_key = defaultdict(list)  # layers stacked under one global key share its draw
     for shard in shards(chunks):
         std = std_rule(shard.key, shard.param)
-        if std is None:
-            continue
-        if shard.key not in cache:
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(shard.key.encode()))
-            cache[shard.key] = torch.randn(shard.global_shape, generator=gen) * std
-        piece = cache[shard.key][shard.index]
-        shard.param.copy_(piece.reshape(shard.param.shape).to(shard.param.dtype))
+        if std is not None:
+            by_key[shard.key].append((shard, std))
+    for key, pieces in by_key.items():
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+        full = torch.randn(pieces[0][0].global_shape, generator=gen)
+        for shard, std in pieces:
+            piece = full[shard.index] * std
+            shard.param.copy_(piece.reshape(shard.param.shape).to(shard.param.dtype))

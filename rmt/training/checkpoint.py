@@ -1,9 +1,10 @@
 """Checkpoints through ``megatron.core.dist_checkpointing`` (torch_dist format).
 
-A checkpoint holds the model shards, the Adam moments (AdamW, SparseAdam) as shards of the same
-global tensors (so both reshard to any TP/PP layout), row-wise Adagrad's per-row accumulators as
-shards of a ``[rows, 1]`` tensor beside each table, and a common part: iteration, samples consumed,
-scheduler state and the config. Writing is atomic: every rank writes into
+A checkpoint holds the model shards and the Adam moments (AdamW, SparseAdam) as shards of the same
+global tensors (so both reshard to any TP/PP layout), and a common part: iteration, samples
+consumed, scheduler state and the config. Memory value tables and their optimizer states
+(moments, row-wise Adagrad's per-row sums) are streamed shard by shard beside it
+(:mod:`rmt.training.table_checkpoint`), so no rank ever holds more than its shard of them. Writing is atomic: every rank writes into
 ``iter_NNNNNNN.tmp``; once all are done global rank 0 renames it and then rewrites ``latest``.
 A crash mid-save leaves only a ``.tmp`` directory, which loading ignores.
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import replace
 from typing import List
 
 import torch
@@ -23,9 +23,10 @@ from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_te
 from rmt.errors import UserError
 from rmt.parallel.sharding import shards
 from rmt.training.optimizer import ChainedOptimizer
+from rmt.training.table_checkpoint import FORMAT as TABLE_FORMAT
+from rmt.training.table_checkpoint import load_tables, save_tables, table_shards
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
-_ROW_STATE = "sum"  # RowWiseAdagrad's per-row accumulator (its initial_state)
 
 
 def _rank() -> int:
@@ -53,30 +54,23 @@ def _ensure_optimizer_state(optimizer) -> None:
                 state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def _row_state_tensor(sharded, row_state: torch.Tensor):
-    """``row_state`` [rows] of a table whose weight shard is ``sharded`` as a shard of a global
-    ``[num_slots, 1]`` tensor (rows split like the table's; whole rows only)."""
-    local = row_state.view(-1, 1)
-    out = replace(sharded, key=f"optimizer.{_ROW_STATE}.{sharded.key}", data=local, dtype=local.dtype,
-                  local_shape=tuple(local.shape), global_shape=tuple(sharded.global_shape[:-1]) + (1,))
-    out.validate_metadata_integrity()
-    return out
-
-
 def sharded_state(chunks: List[torch.nn.Module], optimizer, common: dict) -> dict:
-    state = {f"model{i}": getattr(c, "module", c).sharded_state_dict() for i, c in enumerate(chunks)}
+    """megatron's part of a checkpoint: everything but the memory value tables and their states."""
+    tables = {s.key for s in table_shards(chunks)}
+    state = {f"model{i}": {k: v for k, v in getattr(c, "module", c).sharded_state_dict().items() if k not in tables}
+             for i, c in enumerate(chunks)}
     if optimizer is not None:
         _ensure_optimizer_state(optimizer)
         # Dict keys only need to be unique locally (layers stacked under one global key share
         # it); the ShardedTensor keys are what checkpoints match on.
         for i, shard in enumerate(shards(chunks)):
+            if shard.key in tables:
+                continue
             st = optimizer.state[shard.param]
             for name in _MOMENTS:
                 if name in st:
                     state[f"optimizer.{name}.{i}"] = make_sharded_optimizer_tensor(
                         shard.sharded, st[name], prefix=f"optimizer.{name}")
-            if _ROW_STATE in st:
-                state[f"optimizer.{_ROW_STATE}.{i}"] = _row_state_tensor(shard.sharded, st[_ROW_STATE])
     state["common"] = common
     return state
 
@@ -93,7 +87,8 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, common: dict) 
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
-    dist_checkpointing.save(sharded_state(chunks, optimizer, common), tmp)
+    dist_checkpointing.save(sharded_state(chunks, optimizer, dict(common, table_format=TABLE_FORMAT)), tmp)
+    save_tables(tmp, chunks, optimizer)
     _barrier()
     if _rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -139,15 +134,28 @@ def load_checkpoint(path: str, chunks, optimizer) -> dict:
         raise UserError(
             f"checkpoint '{path}' does not fit this model or is corrupt "
             f"({str(err).splitlines()[0][:300]})") from None
+    common = load_common(path)
+    tables = table_shards(chunks)
+    if tables and common.get("table_format") != TABLE_FORMAT:
+        raise UserError(f"checkpoint '{path}' stores its memory tables in an older format "
+                        f"({common.get('table_format', 'inside the torch_dist files')}); this rmt reads "
+                        f"format {TABLE_FORMAT}")
+    load_tables(path, chunks, optimizer)
+    names = {s.key for s in tables}
     for i, chunk in enumerate(chunks):
-        getattr(chunk, "module", chunk).load_state_dict(loaded[f"model{i}"], strict=True)
+        missing, unexpected = getattr(chunk, "module", chunk).load_state_dict(loaded[f"model{i}"], strict=False)
+        if unexpected or set(missing) - names:  # the tables were filled in place above
+            raise UserError(f"checkpoint '{path}' does not fit this model (missing {sorted(set(missing) - names)}, "
+                            f"unexpected {sorted(unexpected)})")
     if optimizer is not None:
         for i, shard in enumerate(shards(chunks)):
+            if shard.key in names:
+                continue
             st = optimizer.state[shard.param]
-            for name in _MOMENTS + (_ROW_STATE,):
+            for name in _MOMENTS:
                 if name in st:
                     st[name].copy_(loaded[f"optimizer.{name}.{i}"].view_as(st[name]))
-    return load_common(path)
+    return common
 
 
 def set_optimizer_step(optimizer, step: int) -> None:

@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="rmt-train",
         description="Train a model. Settings come from the schema defaults, then --config, then "
-                    "section.key=value overrides (see README 'Configuration' for every key).")
+                    "section.key=value overrides (see docs/config.md for every key).")
     ap.add_argument("--config", help="YAML config file")
     ap.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     ap.add_argument("--eval-only", action="store_true",

@@ -4,8 +4,9 @@
 
 Every rank draws the same full table and every rank's inputs (tokens, IVE blocks, multi-core
 scores, output gradients), computes the single-table reference for all of them, then runs
-its own tokens through each sharded partition and compares its output, its score gradients
-and the reassembled table gradient. Balanced inputs (each rank's lookups spread evenly over
+its own tokens through each sharded partition and compares its output, its score gradients,
+the reassembled table gradient and the fraction of slots hit (counted per shard at the owners,
+reduced as a scalar). Balanced inputs (each rank's lookups spread evenly over
 the row owners, equal token counts) must send exactly ``comm_volume``'s bytes (plain number-wise
 requests each distinct row once: ``dedup=True`` with the measured unique fraction); ragged
 token counts must still be exact numerically.
@@ -57,6 +58,7 @@ def check(partition, owner_reduce, counts, balanced, split=False):
     table = MemoryTable(N, D, 0.02, partition, dist.group.WORLD, owner_reduce=owner_reduce,
                         split_group=pairs[me] if split else None)
     table.weight.data.copy_(full[table.shard_index])
+    table.train()  # training mode: lookups count slot hits at the rows' owners
     idx, scores, blocks, grad_out = data[me]
     scores = scores.clone().requires_grad_()
     out = table.lookup_reduce(idx, scores, blocks, E)
@@ -69,6 +71,9 @@ def check(partition, owner_reduce, counts, balanced, split=False):
     torch.testing.assert_close(scores.grad, ref_scores[me].grad, rtol=1e-5, atol=1e-5,
                                msg=f"{name}: score grads")
     torch.testing.assert_close(grad, ref.weight.grad, rtol=1e-5, atol=1e-5, msg=f"{name}: table grads")
+    # the reference ran every requester's lookups: its hits are the union the owners counted
+    assert table.pop_hit_fraction() == ref.pop_hit_fraction(), name
+    assert table.hits.sum() == 0, name  # reset
     if balanced:
         T = counts[me]
         looked_up = (idx[T // 2:] if rank % 2 else idx[:T // 2]) if split else idx
