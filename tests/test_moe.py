@@ -34,7 +34,7 @@ def _skip_moe(*extra):
 
     cfg = validate(load_config(None, SMALL + list(extra)), world_size=1)
     torch.manual_seed(0)
-    module = SkipMoE(cfg, transformer_config(cfg), 0, 1)
+    module = SkipMoE(cfg, transformer_config(cfg))
     set_aux_loss_scale(1.0)
     return cfg, module.train()
 

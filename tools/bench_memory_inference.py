@@ -133,7 +133,7 @@ def megatron_moe(d, heads, layers, experts, inner):
         "memory.moe_topk=2", f"memory.expert_hidden_size={inner}"]), world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel.initialize(cfg)
-    return SkipMoE(cfg, transformer_config(cfg), 0, 1).eval()
+    return SkipMoE(cfg, transformer_config(cfg)).eval()
 
 
 def build_models(d, heads, layers, expansion, topk, seed=0):

@@ -49,7 +49,7 @@ def build_memory_layer(config, index: int, base=None) -> torch.nn.Module:
     takes the model's megatron ``TransformerConfig`` ``base``)."""
     mem, m = config.memory, config.model
     if mem.type == "moe":
-        return SkipMoE(config, base, index, len(parse_placement(mem.placement, m.num_layers)))
+        return SkipMoE(config, base)
     spec = MemorySpec.from_config(config, index)
     sharding = {"device": compat.device()}
     if mem.partition != "local":

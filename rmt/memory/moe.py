@@ -44,8 +44,7 @@ from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_paralle
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler, get_moe_layer_wise_logging_tracker,
-                                                     router_gating_linear)
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, router_gating_linear
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
@@ -102,7 +101,18 @@ class Router(TopKRouter):
     the gradients of the TP ranks' sequence shares are summed. The GEMM runs outside autocast:
     megatron's gating function computes in the router dtype itself, and under bf16 autocast
     (rmt's mixed precision) its forward would return bf16 logits that its backward multiplies
-    with the fp32 weight."""
+    with the fp32 weight. ``balance_loss`` sums the load-balancing losses (without their
+    coefficient) of this router's calls since :meth:`MoE.pop_stats`: megatron's own tracker is
+    one process-wide table indexed by layer number."""
+
+    def __init__(self, config: TransformerConfig, pg_collection=None):
+        super().__init__(config, pg_collection)
+        self.register_buffer("balance_loss", torch.zeros((), dtype=torch.float64), persistent=False)
+
+    def attach_and_log_load_balancing_loss(self, activation, aux_loss_coeff, aux_loss, *args, **kwargs):
+        with torch.no_grad():
+            self.balance_loss += aux_loss.detach().double() / aux_loss_coeff
+        return super().attach_and_log_load_balancing_loss(activation, aux_loss_coeff, aux_loss, *args, **kwargs)
 
     def gating(self, input: torch.Tensor) -> torch.Tensor:
         weight = self.weight
@@ -121,8 +131,8 @@ class MoE(MoELayer):
     (megatron rejects linear biases next to tensor-parallel experts in one config), so the
     aux-loss scale is set by :func:`set_aux_loss_scale`.
 
-    Also counts, in training, the router calls and tokens per expert since
-    :meth:`pop_stats`; the load-balancing loss values come from megatron's aux-loss tracker."""
+    Also counts, in training, the router calls and tokens per expert since :meth:`pop_stats`
+    (the load-balancing loss values: :class:`Router`)."""
 
     def __init__(self, config: TransformerConfig, submodules, layer_number: Optional[int] = None,
                  pg_collection=None, moe: Optional[Dict] = None):
@@ -155,12 +165,7 @@ class MoE(MoELayer):
         load of the busiest expert relative to a balanced one (1 = balanced) since the last
         call, summed over the tensor-parallel sequence shares and averaged over ``group``;
         resets the counters."""
-        tracker = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
-        aux = torch.zeros((), dtype=torch.float64)
-        if tracker is not None and self.layer_number is not None:
-            aux = tracker["values"][self.layer_number - 1].double().cpu().clone()
-            tracker["values"][self.layer_number - 1] = 0
-        sums = torch.cat([aux.view(1), self.load.cpu(), self.calls.cpu().view(1)])
+        sums = torch.cat([self.router.balance_loss.cpu().view(1), self.load.cpu(), self.calls.cpu().view(1)])
         if _sequence_split():
             dist.all_reduce(sums, group=parallel_state.get_tensor_model_parallel_group())
             sums[-1] /= parallel_state.get_tensor_model_parallel_world_size()
@@ -168,6 +173,7 @@ class MoE(MoELayer):
             dist.all_reduce(sums, group=group)
         self.load.zero_()
         self.calls.zero_()
+        self.router.balance_loss.zero_()
         calls, load = max(float(sums[-1]), 1.0), sums[1:-1]
         total = float(load.sum())
         balance = float(load.max()) * load.numel() / total if total else 0.0
@@ -214,22 +220,17 @@ def set_aux_loss_scale(scale: float) -> None:
 
 class SkipMoE(MegatronModule):
     """An MoE at a skip placement ``i:j``: ``x [s, b, width] -> MoE(LayerNorm(x))``, added by the
-    hooks of :mod:`rmt.memory.attach` after layer j. Its key ``k`` numbers it for megatron's
-    aux-loss tracker (layer ``k + 1`` of ``placements``)."""
+    hooks of :mod:`rmt.memory.attach` after layer j. ``base`` is the model's megatron config
+    (the MoE's is that at the memory width)."""
 
-    def __init__(self, config, base: TransformerConfig, k: int, placements: int):
+    def __init__(self, config, base: TransformerConfig):
         width = memory_width(config)
         heads = config.parallel.tensor_model_parallel_size
-        # One pipeline stage of max(L, placements) layers: megatron's aux-loss tracker keeps one
-        # entry per layer number, and this MoE is number k + 1.
-        tcfg = dataclasses.replace(base, hidden_size=width, num_attention_heads=heads, kv_channels=width // heads,
-                                   num_layers=max(placements, base.num_layers), pipeline_model_parallel_size=1,
-                                   virtual_pipeline_model_parallel_size=None)
+        tcfg = dataclasses.replace(base, hidden_size=width, num_attention_heads=heads, kv_channels=width // heads)
         super().__init__(config=tcfg)
         self.norm = torch.nn.LayerNorm(width, eps=config.model.layernorm_epsilon)
         spec = moe_spec(config)
         self.moe = MoE(tcfg, spec.submodules, **spec.params)
-        self.moe.set_layer_number(k + 1)
         # Layout-independent init for every architecture (rmt.models.init reads memory_init_std):
         # init_std, the expert output projections init_std / sqrt(2 L) (GPT-2's residual rule).
         std = config.model.init_std
