@@ -3,7 +3,16 @@
 // Contract (see rmt/ops/lookup_reduce.py):
 //   out[t, b, cD:(c+1)D'] = sum_{k : block[t,k]==b} scores[t,k,c] * table[idx[t,k], cD':(c+1)D']
 // with D' = D / C. Inputs arrive validated and contiguous from Python; indices and block ids are
-// int64. Accumulation is in fp32 (fp64 for fp64 tables).
+// int64.
+//
+// Dtypes: every kernel takes two element types, table_t (the table and its gradient) and scalar_t
+// (scores, output, output gradient, score gradients): either one type for all (fp32, fp64, bf16,
+// fp16), or a bf16/fp16 table with fp32 scores (see dispatch_dtypes). Table values are converted
+// exactly to the accumulation type acc_t (fp64 for fp64 scores, else fp32) and every result is
+// rounded once to its own type (cpu_numerics.h), so a narrow table adds no rounding beyond its
+// storage and the final rounding of its gradient rows. Products are accumulated with explicit
+// fused multiply-adds (madd), the same in every instantiation: a narrow table's results are the
+// fp32 table's on the same values, bit for bit.
 //
 // Forward: tokens in order, the rows a few lookups ahead prefetched. With one virtual block and
 // column groups of a multiple of kTile columns, each kTile-column output tile is accumulated in
@@ -39,8 +48,14 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_numerics.h"
+
 namespace {
 
+using rmt_cpu::madd;
+using rmt_cpu::round_to;
+
+// The accumulation type of a kernel whose scores have type T.
 template <typename T>
 struct Acc {
   using type = float;
@@ -96,53 +111,53 @@ void dispatch_row_shape(int64_t D, int64_t C, F&& f) {
 // Forward of token t when E == 1 and kTile divides D/C: each kTile-column tile of the output is
 // accumulated in a fixed-size local array, which the compiler keeps in vector registers. The
 // first tile prefetches the rows kPrefetchDistance lookups ahead.
-template <typename scalar_t>
-inline void forward_token_tiles(const scalar_t* __restrict table, const int64_t* __restrict idx,
+template <typename table_t, typename scalar_t>
+inline void forward_token_tiles(const table_t* __restrict table, const int64_t* __restrict idx,
                                 const scalar_t* __restrict scores, scalar_t* __restrict o, int64_t t,
                                 int64_t M, int64_t K, int64_t C, int64_t D) {
   using acc_t = typename Acc<scalar_t>::type;
-  const int64_t Dc = D / C, row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t Dc = D / C, row_bytes = D * static_cast<int64_t>(sizeof(table_t));
   for (int64_t d0 = 0; d0 < D; d0 += kTile) {
     const int64_t c = d0 / Dc;
     acc_t acc[kTile] = {};
     for (int64_t i = t * K; i < (t + 1) * K; ++i) {
       if (d0 == 0 && i + kPrefetchDistance < M) prefetch_row(table + idx[i + kPrefetchDistance] * D, row_bytes);
       const acc_t w = static_cast<acc_t>(scores[i * C + c]);
-      const scalar_t* __restrict row = table + idx[i] * D + d0;
+      const table_t* __restrict row = table + idx[i] * D + d0;
 #pragma omp simd
-      for (int64_t d = 0; d < kTile; ++d) acc[d] += w * static_cast<acc_t>(row[d]);
+      for (int64_t d = 0; d < kTile; ++d) acc[d] = madd(w, static_cast<acc_t>(row[d]), acc[d]);
     }
-    for (int64_t d = 0; d < kTile; ++d) o[d0 + d] = static_cast<scalar_t>(acc[d]);
+    for (int64_t d = 0; d < kTile; ++d) o[d0 + d] = round_to<scalar_t>(acc[d]);
   }
 }
 
 // Forward of token t, general case (virtual blocks, narrow column groups): one pass over the
 // token's lookups accumulating into acc[E * D] in memory. kD, kC: D and C fixed at compile time,
 // or 0 (see dispatch_row_shape).
-template <typename scalar_t, typename acc_t, int64_t kD, int64_t kC>
-inline void forward_token_blocks(const scalar_t* __restrict table, const int64_t* __restrict idx,
+template <typename table_t, typename scalar_t, typename acc_t, int64_t kD, int64_t kC>
+inline void forward_token_blocks(const table_t* __restrict table, const int64_t* __restrict idx,
                                  const scalar_t* __restrict scores, const int64_t* __restrict blk,
                                  acc_t* __restrict acc, scalar_t* __restrict o, int64_t t, int64_t M,
                                  int64_t K, int64_t runtime_C, int64_t runtime_D, int64_t E) {
   const int64_t C = kC ? kC : runtime_C, D = kD ? kD : runtime_D;
-  const int64_t Dc = D / C, row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t Dc = D / C, row_bytes = D * static_cast<int64_t>(sizeof(table_t));
   std::fill(acc, acc + E * D, acc_t(0));
   for (int64_t i = t * K; i < (t + 1) * K; ++i) {
     if (i + kPrefetchDistance < M) prefetch_row(table + idx[i + kPrefetchDistance] * D, row_bytes);
-    const scalar_t* __restrict row = table + idx[i] * D;
+    const table_t* __restrict row = table + idx[i] * D;
     acc_t* __restrict a = acc + (blk ? blk[i] : 0) * D;
     for (int64_t c = 0; c < C; ++c) {
       const acc_t w = static_cast<acc_t>(scores[i * C + c]);
 #pragma omp simd
-      for (int64_t d = c * Dc; d < (c + 1) * Dc; ++d) a[d] += w * static_cast<acc_t>(row[d]);
+      for (int64_t d = c * Dc; d < (c + 1) * Dc; ++d) a[d] = madd(w, static_cast<acc_t>(row[d]), a[d]);
     }
   }
 #pragma omp simd
-  for (int64_t j = 0; j < E * D; ++j) o[j] = static_cast<scalar_t>(acc[j]);
+  for (int64_t j = 0; j < E * D; ++j) o[j] = round_to<scalar_t>(acc[j]);
 }
 
-template <typename scalar_t>
-void forward_kernel(const scalar_t* __restrict table, const int64_t* __restrict idx,
+template <typename table_t, typename scalar_t>
+void forward_kernel(const table_t* __restrict table, const int64_t* __restrict idx,
                     const scalar_t* __restrict scores, const int64_t* __restrict blk,
                     scalar_t* __restrict out, int64_t T, int64_t K, int64_t C, int64_t D,
                     int64_t E) {
@@ -158,7 +173,7 @@ void forward_kernel(const scalar_t* __restrict table, const int64_t* __restrict 
         if (tiles) {
           forward_token_tiles(table, idx, scores, out + t * D, t, M, K, C, D);
         } else {
-          forward_token_blocks<scalar_t, acc_t, decltype(kD)::value, decltype(kC)::value>(
+          forward_token_blocks<table_t, scalar_t, acc_t, decltype(kD)::value, decltype(kC)::value>(
               table, idx, scores, blk, acc.data(), out + t * E * D, t, M, K, C, D, E);
         }
       }
@@ -321,38 +336,39 @@ void sort_lookups(const int64_t* __restrict idx, int64_t M, int64_t num_rows, So
 // -ffast-math), combined in a fixed order so the result does not depend on threading.
 constexpr int64_t kLanes = 8;
 
-template <typename acc_t, typename scalar_t>
-inline acc_t fixed_order_dot(const scalar_t* __restrict a, const scalar_t* __restrict b, int64_t n) {
+template <typename acc_t, typename a_t, typename b_t>
+inline acc_t fixed_order_dot(const a_t* __restrict a, const b_t* __restrict b, int64_t n) {
   acc_t part[kLanes] = {};
   int64_t d = 0;
   for (; d + kLanes <= n; d += kLanes)
 #pragma omp simd
     for (int64_t j = 0; j < kLanes; ++j)
-      part[j] += static_cast<acc_t>(a[d + j]) * static_cast<acc_t>(b[d + j]);
-  for (; d < n; ++d) part[0] += static_cast<acc_t>(a[d]) * static_cast<acc_t>(b[d]);
+      part[j] = madd(static_cast<acc_t>(a[d + j]), static_cast<acc_t>(b[d + j]), part[j]);
+  for (; d < n; ++d) part[0] = madd(static_cast<acc_t>(a[d]), static_cast<acc_t>(b[d]), part[0]);
   acc_t sum = acc_t(0);
   for (int64_t j = 0; j < kLanes; ++j) sum += part[j];
   return sum;
 }
 
 // Gradient of run u (row s.rows[u]), kD and kC as in forward_token_blocks: accumulates the row gradient in acc[0:D], streams it to
-// dst[0:D] (staged in stage[0:D] when scalar_t is narrower), and writes the score gradients of
+// dst[0:D] (rounded once into stage[0:D] when table_t is narrower), and writes the score gradients of
 // the run's lookups. For the sorted lookup kPrefetchDistance ahead it prefetches the table row,
 // the output-gradient row, the score and the score-gradient slot (and the block id twice as far
 // ahead): the last ones are read in sorted-row order, i.e. at random, and after the other
 // layers' work they are not in cache.
-template <typename scalar_t, typename acc_t, int64_t kD, int64_t kC>
+template <typename table_t, typename scalar_t, typename acc_t, int64_t kD, int64_t kC>
 inline void run_backward(int64_t u, const SortedLookups& s, const scalar_t* __restrict grad_out,
-                         const scalar_t* __restrict table, const scalar_t* __restrict scores,
-                         const int64_t* __restrict blk, acc_t* __restrict acc, scalar_t* __restrict stage,
-                         scalar_t* __restrict dst,
+                         const table_t* __restrict table, const scalar_t* __restrict scores,
+                         const int64_t* __restrict blk, acc_t* __restrict acc, table_t* __restrict stage,
+                         table_t* __restrict dst,
                          scalar_t* __restrict grad_scores, int64_t M, int64_t K, int64_t runtime_C,
                          int64_t runtime_D, int64_t E) {
   const int64_t C = kC ? kC : runtime_C, D = kD ? kD : runtime_D;
   const int64_t Dc = D / C;
-  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(table_t));
+  const int64_t grad_row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
   const uint64_t* __restrict sorted = s.packed.data();
-  const scalar_t* __restrict tr = table + s.rows[u] * D;
+  const table_t* __restrict tr = table + s.rows[u] * D;
   std::fill(acc, acc + D, acc_t(0));
   for (int64_t j = s.run_start[u]; j < s.run_start[u + 1]; ++j) {
     // the block id is read to find the prefetched gradient row, so it is fetched first, further ahead
@@ -361,7 +377,7 @@ inline void run_backward(int64_t u, const SortedLookups& s, const scalar_t* __re
       const uint64_t ahead = sorted[j + kPrefetchDistance];
       const int64_t q = sorted_pos(ahead);
       prefetch_row(table + sorted_row(ahead) * D, row_bytes);
-      prefetch_row(grad_out + ((q / K) * E + (blk ? blk[q] : 0)) * D, row_bytes);
+      prefetch_row(grad_out + ((q / K) * E + (blk ? blk[q] : 0)) * D, grad_row_bytes);
       __builtin_prefetch(scores + q * C, 0, 3);
       __builtin_prefetch(grad_scores + q * C, 1, 3);
     }
@@ -372,15 +388,15 @@ inline void run_backward(int64_t u, const SortedLookups& s, const scalar_t* __re
       acc_t* __restrict a = acc + c * Dc;
       const scalar_t* __restrict gc = g + c * Dc;
 #pragma omp simd
-      for (int64_t d = 0; d < Dc; ++d) a[d] += w * static_cast<acc_t>(gc[d]);
-      grad_scores[p * C + c] = static_cast<scalar_t>(fixed_order_dot<acc_t>(tr + c * Dc, g + c * Dc, Dc));
+      for (int64_t d = 0; d < Dc; ++d) a[d] = madd(w, static_cast<acc_t>(gc[d]), a[d]);
+      grad_scores[p * C + c] = round_to<scalar_t>(fixed_order_dot<acc_t>(tr + c * Dc, g + c * Dc, Dc));
     }
   }
-  if (std::is_same<scalar_t, acc_t>::value) {
+  if (std::is_same<table_t, acc_t>::value) {
     stream_store(dst, acc, row_bytes);
   } else {
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) stage[d] = static_cast<scalar_t>(acc[d]);
+    for (int64_t d = 0; d < D; ++d) stage[d] = round_to<table_t>(acc[d]);
     stream_store(dst, stage, row_bytes);
   }
 }
@@ -390,10 +406,10 @@ int64_t num_chunks(int64_t work) {
 }
 
 // Sparse output: rows[u] and values[u, :] for every run u. Chunks hold about equal lookup counts.
-template <typename scalar_t>
-void sparse_backward_kernel(const scalar_t* __restrict grad_out, const scalar_t* __restrict table,
+template <typename table_t, typename scalar_t>
+void sparse_backward_kernel(const scalar_t* __restrict grad_out, const table_t* __restrict table,
                             const scalar_t* __restrict scores, const int64_t* __restrict blk,
-                            const SortedLookups& s, int64_t* __restrict rows, scalar_t* __restrict values,
+                            const SortedLookups& s, int64_t* __restrict rows, table_t* __restrict values,
                             scalar_t* __restrict grad_scores, int64_t M, int64_t K, int64_t C,
                             int64_t D, int64_t E) {
   using acc_t = typename Acc<scalar_t>::type;
@@ -404,14 +420,14 @@ void sparse_backward_kernel(const scalar_t* __restrict grad_out, const scalar_t*
 #pragma omp parallel num_threads(at::get_num_threads())
     {
       std::vector<acc_t> acc(D);
-      std::vector<scalar_t> stage(D);
+      std::vector<table_t> stage(D);
 #pragma omp for schedule(dynamic, 1)
       for (int64_t ch = 0; ch < chunks; ++ch) {
         // the runs whose first lookup lies in the chunk's share of the M sorted lookups
         const int64_t lo = std::lower_bound(start, start + U, ch * M / chunks) - start;
         const int64_t hi = std::lower_bound(start, start + U, (ch + 1) * M / chunks) - start;
         for (int64_t u = lo; u < hi; ++u)
-          run_backward<scalar_t, acc_t, decltype(kD)::value, decltype(kC)::value>(
+          run_backward<table_t, scalar_t, acc_t, decltype(kD)::value, decltype(kC)::value>(
               u, s, grad_out, table, scores, blk, acc.data(), stage.data(), values + u * D, grad_scores, M, K, C, D, E);
       }
       stream_fence();
@@ -421,28 +437,28 @@ void sparse_backward_kernel(const scalar_t* __restrict grad_out, const scalar_t*
 
 // Dense output: grad_table [N, D]; chunk ch owns table rows [ch*N/chunks, (ch+1)*N/chunks) and
 // writes each of them exactly once (zeros, or the gradient of the run with that row).
-template <typename scalar_t>
-void dense_backward_kernel(const scalar_t* __restrict grad_out, const scalar_t* __restrict table,
+template <typename table_t, typename scalar_t>
+void dense_backward_kernel(const scalar_t* __restrict grad_out, const table_t* __restrict table,
                            const scalar_t* __restrict scores, const int64_t* __restrict blk,
-                           const SortedLookups& s, scalar_t* __restrict grad_table,
+                           const SortedLookups& s, table_t* __restrict grad_table,
                            scalar_t* __restrict grad_scores, int64_t M, int64_t N, int64_t K, int64_t C,
                            int64_t D, int64_t E) {
   using acc_t = typename Acc<scalar_t>::type;
   const int64_t U = s.num_runs, chunks = num_chunks(N);
-  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(table_t));
   const int64_t* urows = s.rows.data();
   dispatch_row_shape(D, C, [&](auto kD, auto kC) {
 #pragma omp parallel num_threads(at::get_num_threads())
     {
       std::vector<acc_t> acc(D);
-      std::vector<scalar_t> stage(D);
+      std::vector<table_t> stage(D);
 #pragma omp for schedule(dynamic, 1)
       for (int64_t ch = 0; ch < chunks; ++ch) {
         const int64_t row_lo = ch * N / chunks, row_hi = (ch + 1) * N / chunks;
         int64_t zero_from = row_lo;
         for (int64_t u = std::lower_bound(urows, urows + U, row_lo) - urows; u < U && urows[u] < row_hi; ++u) {
           stream_store(grad_table + zero_from * D, nullptr, (urows[u] - zero_from) * row_bytes);
-          run_backward<scalar_t, acc_t, decltype(kD)::value, decltype(kC)::value>(
+          run_backward<table_t, scalar_t, acc_t, decltype(kD)::value, decltype(kC)::value>(
               u, s, grad_out, table, scores, blk, acc.data(), stage.data(), grad_table + urows[u] * D, grad_scores,
               M, K, C, D, E);
           zero_from = urows[u] + 1;
@@ -484,6 +500,23 @@ const int64_t* block_ptr(const c10::optional<at::Tensor>& block_ids) {
   return block_ids.has_value() ? block_ids->data_ptr<int64_t>() : nullptr;
 }
 
+// Calls f(table_t(), scalar_t()) with the element types of the table and of the scores: one of
+// fp32, fp64, bf16, fp16 for both, or a bf16/fp16 table with fp32 scores.
+template <typename F>
+void dispatch_dtypes(const at::Tensor& table, const at::Tensor& scores, const char* name, F&& f) {
+  const at::ScalarType t = table.scalar_type(), s = scores.scalar_type();
+  if (t == s) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, t, "lookup_reduce_cpu", [&] { f(scalar_t(), scalar_t()); });
+  } else if (t == at::kBFloat16 && s == at::kFloat) {
+    f(c10::BFloat16(), float());
+  } else if (t == at::kHalf && s == at::kFloat) {
+    f(c10::Half(), float());
+  } else {
+    TORCH_CHECK(false, name, ": scores of dtype ", s, " with a table of dtype ", t,
+                " (need one dtype, or a bf16/fp16 table with fp32 scores)");
+  }
+}
+
 // The persistent sort scratch, locked for one backward call.
 struct SortScope {
   static std::mutex& mutex() {
@@ -503,11 +536,13 @@ at::Tensor lookup_reduce_forward(const at::Tensor& table, const at::Tensor& indi
                                  const at::Tensor& scores,
                                  const c10::optional<at::Tensor>& block_ids, int64_t num_blocks) {
   const int64_t T = indices.size(0), K = indices.size(1), C = scores.size(2), D = table.size(1);
-  auto out = at::empty({T, num_blocks, D}, table.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, table.scalar_type(), "lookup_reduce_forward", [&] {
-    forward_kernel<scalar_t>(table.data_ptr<scalar_t>(), indices.data_ptr<int64_t>(),
-                             scores.data_ptr<scalar_t>(), block_ptr(block_ids),
-                             out.data_ptr<scalar_t>(), T, K, C, D, num_blocks);
+  auto out = at::empty({T, num_blocks, D}, scores.options());
+  dispatch_dtypes(table, scores, "lookup_reduce_forward", [&](auto table_tag, auto score_tag) {
+    using table_t = decltype(table_tag);
+    using scalar_t = decltype(score_tag);
+    forward_kernel<table_t, scalar_t>(table.data_ptr<table_t>(), indices.data_ptr<int64_t>(),
+                                      scores.data_ptr<scalar_t>(), block_ptr(block_ids),
+                                      out.data_ptr<scalar_t>(), T, K, C, D, num_blocks);
   });
   return out;
 }
@@ -525,11 +560,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lookup_reduce_backward(
   auto rows = pooled_buffer(row_pool, U, U + U / 4, indices.options());
   auto values = pooled_buffer(value_pool, U * D, U * D + U * D / 4, table.options()).view({U, D});
   auto grad_scores = score_gradient_buffer(scores);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, table.scalar_type(), "lookup_reduce_backward", [&] {
-    sparse_backward_kernel<scalar_t>(grad_out.data_ptr<scalar_t>(), table.data_ptr<scalar_t>(),
-                                     scores.data_ptr<scalar_t>(), block_ptr(block_ids), sorted,
-                                     rows.data_ptr<int64_t>(), values.data_ptr<scalar_t>(),
-                                     grad_scores.data_ptr<scalar_t>(), T * K, K, C, D, num_blocks);
+  dispatch_dtypes(table, scores, "lookup_reduce_backward", [&](auto table_tag, auto score_tag) {
+    using table_t = decltype(table_tag);
+    using scalar_t = decltype(score_tag);
+    sparse_backward_kernel<table_t, scalar_t>(grad_out.data_ptr<scalar_t>(), table.data_ptr<table_t>(),
+                                              scores.data_ptr<scalar_t>(), block_ptr(block_ids), sorted,
+                                              rows.data_ptr<int64_t>(), values.data_ptr<table_t>(),
+                                              grad_scores.data_ptr<scalar_t>(), T * K, K, C, D, num_blocks);
   });
   return {rows, values, grad_scores};
 }
@@ -545,11 +582,13 @@ std::tuple<at::Tensor, at::Tensor> lookup_reduce_backward_dense(
   sort_lookups(indices.data_ptr<int64_t>(), T * K, N, sorted);
   auto grad_table = pooled_buffer(pool, N * D, N * D, table.options()).view({N, D});
   auto grad_scores = score_gradient_buffer(scores);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, table.scalar_type(), "lookup_reduce_backward_dense", [&] {
-    dense_backward_kernel<scalar_t>(grad_out.data_ptr<scalar_t>(), table.data_ptr<scalar_t>(),
-                                    scores.data_ptr<scalar_t>(), block_ptr(block_ids), sorted,
-                                    grad_table.data_ptr<scalar_t>(), grad_scores.data_ptr<scalar_t>(),
-                                    T * K, N, K, C, D, num_blocks);
+  dispatch_dtypes(table, scores, "lookup_reduce_backward_dense", [&](auto table_tag, auto score_tag) {
+    using table_t = decltype(table_tag);
+    using scalar_t = decltype(score_tag);
+    dense_backward_kernel<table_t, scalar_t>(grad_out.data_ptr<scalar_t>(), table.data_ptr<table_t>(),
+                                             scores.data_ptr<scalar_t>(), block_ptr(block_ids), sorted,
+                                             grad_table.data_ptr<table_t>(), grad_scores.data_ptr<scalar_t>(),
+                                             T * K, N, K, C, D, num_blocks);
   });
   return {grad_table, grad_scores};
 }

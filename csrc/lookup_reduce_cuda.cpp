@@ -1,5 +1,7 @@
 // Torch binding of the CUDA lookup-reduce kernels (lookup_reduce_cuda_kernels.cu). Inputs arrive
-// validated and contiguous from rmt/ops/lookup_reduce.py, indices and block ids as int64.
+// validated and contiguous from rmt/ops/lookup_reduce.py, indices and block ids as int64. The
+// output has the scores' dtype, the table gradient the table's (a bf16/fp16 table may come with
+// fp32 scores; see lookup_reduce_cuda_kernels.h).
 //
 // The backward's sort of the lookups by row depends only on the indices, so a forward that will
 // be differentiated issues it at once on a side stream, where it runs beside the forward kernel,
@@ -146,9 +148,9 @@ std::tuple<at::Tensor, SortedPtr> lookup_reduce_forward(const at::Tensor& table,
     sorted->sorted_positions.record_stream(main);  // one storage holds all four results
     indices.record_stream(side);
   }
-  auto out = at::empty({T, num_blocks, D}, table.options());
-  check(rmt_lookup_reduce_forward_cuda(dtype_code(table.scalar_type()), table.data_ptr(),
-                                       indices.data_ptr<int64_t>(), scores.data_ptr(),
+  auto out = at::empty({T, num_blocks, D}, scores.options());
+  check(rmt_lookup_reduce_forward_cuda(dtype_code(table.scalar_type()), dtype_code(scores.scalar_type()),
+                                       table.data_ptr(), indices.data_ptr<int64_t>(), scores.data_ptr(),
                                        block_ptr(block_ids), out.data_ptr(), T, K, C, D, num_blocks,
                                        current_stream()));
   return {out, sorted};
@@ -163,10 +165,11 @@ void lookup_reduce_backward(const at::Tensor& grad_out, const at::Tensor& table,
                             at::Tensor& grad_scores) {
   sorted.ready.block(current_stream());
   check(rmt_lookup_reduce_backward_cuda(
-      dtype_code(table.scalar_type()), grad_out.data_ptr(), table.data_ptr(), scores.data_ptr(),
-      block_ptr(block_ids), sorted.sorted_positions.data_ptr<int64_t>(), sorted.seg_start.data_ptr<int64_t>(),
-      sorted.unique_rows.data_ptr<int64_t>(), sorted.num_unique.data_ptr<int64_t>(), max_unique, dst.data_ptr(),
-      dense, grad_scores.data_ptr(), K, scores.size(2), table.size(1), num_blocks, current_stream()));
+      dtype_code(table.scalar_type()), dtype_code(scores.scalar_type()), grad_out.data_ptr(), table.data_ptr(),
+      scores.data_ptr(), block_ptr(block_ids), sorted.sorted_positions.data_ptr<int64_t>(),
+      sorted.seg_start.data_ptr<int64_t>(), sorted.unique_rows.data_ptr<int64_t>(),
+      sorted.num_unique.data_ptr<int64_t>(), max_unique, dst.data_ptr(), dense, grad_scores.data_ptr(), K,
+      scores.size(2), table.size(1), num_blocks, current_stream()));
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -2,6 +2,12 @@
 // No torch headers: see lookup_reduce_cuda_kernels.h for the interface and the torch binding
 // in lookup_reduce_cuda.cpp.
 //
+// Dtypes: the kernels take the table's element type table_t (table, table gradient) and the
+// scores' scalar_t (scores, output, output gradient, score gradients): one type for both, or a
+// bf16/fp16 table with fp32 scores (dispatch_dtypes). Every value is converted exactly to fp32,
+// products are accumulated with explicit fused multiply-adds, and each result is rounded once to
+// its type, so a narrow table's results are the fp32 ones on its values, bit for bit.
+//
 // Forward: one warp per output row (token, virtual block). The lanes load up to 32 of the
 // token's lookups (row index, block match) at once and pass them round with warp shuffles; each
 // lane holds COLS fp32 accumulators (columns lane, lane+32, ...), so a row of D <= 32*COLS is
@@ -50,9 +56,9 @@ unsigned blocks_for_warps(int64_t warps) {
   return static_cast<unsigned>((warps + kWarpsPerBlock - 1) / kWarpsPerBlock);
 }
 
-template <typename scalar_t, int COLS>
+template <typename table_t, typename scalar_t, int COLS>
 __global__ void __launch_bounds__(kThreads)
-forward_kernel(const scalar_t* __restrict__ table, const int64_t* __restrict__ indices,
+forward_kernel(const table_t* __restrict__ table, const int64_t* __restrict__ indices,
                const scalar_t* __restrict__ scores, const int64_t* __restrict__ block_ids,
                scalar_t* __restrict__ out, int64_t rows_out, int64_t K, int C, int D, int64_t E) {
   const int64_t w = warp_id();
@@ -96,7 +102,7 @@ forward_kernel(const scalar_t* __restrict__ table, const int64_t* __restrict__ i
 #pragma unroll
         for (int i = 0; i < UNROLL; ++i)
 #pragma unroll
-          for (int v = 0; v < COLS; ++v) acc[v] += sc[i][v] * val[i][v];
+          for (int v = 0; v < COLS; ++v) acc[v] = fmaf(sc[i][v], val[i][v], acc[v]);
       }
     }
 #pragma unroll
@@ -128,13 +134,13 @@ __device__ __forceinline__ float group_sum(float x, unsigned mask) {
 // segment, so its latency overlaps the segment's loads); wider rows take two passes over chunks
 // of LANES * COLS columns. Half-warp groups for narrow rows put two rows' chains of dependent
 // loads (segment -> position -> gradient row) in flight per warp.
-template <typename scalar_t, int LANES, int COLS>
+template <typename table_t, typename scalar_t, int LANES, int COLS>
 __global__ void __launch_bounds__(kThreads)
-backward_kernel(const scalar_t* __restrict__ grad_out, const scalar_t* __restrict__ table,
+backward_kernel(const scalar_t* __restrict__ grad_out, const table_t* __restrict__ table,
                 const scalar_t* __restrict__ scores, const int64_t* __restrict__ block_ids,
                 const int64_t* __restrict__ sorted_positions, const int64_t* __restrict__ seg_start,
                 const int64_t* __restrict__ unique_rows, const int64_t* __restrict__ num_unique,
-                scalar_t* __restrict__ dst, bool dense, scalar_t* __restrict__ grad_scores,
+                table_t* __restrict__ dst, bool dense, scalar_t* __restrict__ grad_scores,
                 int64_t K, int C, int D, int64_t E) {
   constexpr int kGroups = kWarp / LANES;
   const int lane = threadIdx.x % kWarp, group = lane / LANES, l = lane % LANES;
@@ -143,8 +149,8 @@ backward_kernel(const scalar_t* __restrict__ grad_out, const scalar_t* __restric
   if (u >= *num_unique) return;
   const int64_t start = seg_start[u], end = seg_start[u + 1], row = unique_rows[u];
   const int Dc = D / C;
-  const scalar_t* trow = table + row * D;
-  scalar_t* out = dst + (dense ? row : u) * D;
+  const table_t* trow = table + row * D;
+  table_t* out = dst + (dense ? row : u) * D;
   if (D <= LANES * COLS) {
     float tv[COLS], acc[COLS] = {};
     int col[COLS];
@@ -163,12 +169,12 @@ backward_kernel(const scalar_t* __restrict__ grad_out, const scalar_t* __restric
       for (int v = 0; v < COLS; ++v) {
         const int d = v * LANES + l;
         gv[v] = d < D ? to_float(g[d]) : 0.f;
-        acc[v] += (d < D ? to_float(scores[p * C + col[v]]) : 0.f) * gv[v];
+        acc[v] = fmaf(d < D ? to_float(scores[p * C + col[v]]) : 0.f, gv[v], acc[v]);
       }
       for (int c = 0; c < C; ++c) {
         float dot = 0.f;
 #pragma unroll
-        for (int v = 0; v < COLS; ++v) dot += col[v] == c ? tv[v] * gv[v] : 0.f;
+        for (int v = 0; v < COLS; ++v) dot = col[v] == c ? fmaf(tv[v], gv[v], dot) : dot;
         dot = group_sum<LANES>(dot, mask);
         if (l == 0) grad_scores[p * C + c] = from_float<scalar_t>(dot);
       }
@@ -176,7 +182,7 @@ backward_kernel(const scalar_t* __restrict__ grad_out, const scalar_t* __restric
 #pragma unroll
     for (int v = 0; v < COLS; ++v) {
       const int d = v * LANES + l;
-      if (d < D) out[d] = from_float<scalar_t>(acc[v]);
+      if (d < D) out[d] = from_float<table_t>(acc[v]);
     }
     return;
   }
@@ -189,13 +195,13 @@ backward_kernel(const scalar_t* __restrict__ grad_out, const scalar_t* __restric
 #pragma unroll
       for (int v = 0; v < COLS; ++v) {
         const int d = d0 + v * LANES + l;
-        if (d < D) acc[v] += to_float(scores[p * C + d / Dc]) * to_float(g[d]);
+        if (d < D) acc[v] = fmaf(to_float(scores[p * C + d / Dc]), to_float(g[d]), acc[v]);
       }
     }
 #pragma unroll
     for (int v = 0; v < COLS; ++v) {
       const int d = d0 + v * LANES + l;
-      if (d < D) out[d] = from_float<scalar_t>(acc[v]);
+      if (d < D) out[d] = from_float<table_t>(acc[v]);
     }
   }
   for (int64_t j = start; j < end; ++j) {
@@ -204,7 +210,7 @@ backward_kernel(const scalar_t* __restrict__ grad_out, const scalar_t* __restric
     const scalar_t* g = grad_out + ((p / K) * E + b) * D;
     for (int c = 0; c < C; ++c) {
       float dot = 0.f;
-      for (int d = c * Dc + l; d < (c + 1) * Dc; d += LANES) dot += to_float(trow[d]) * to_float(g[d]);
+      for (int d = c * Dc + l; d < (c + 1) * Dc; d += LANES) dot = fmaf(to_float(trow[d]), to_float(g[d]), dot);
       dot = group_sum<LANES>(dot, mask);
       if (l == 0) grad_scores[p * C + c] = from_float<scalar_t>(dot);
     }
@@ -214,13 +220,22 @@ backward_kernel(const scalar_t* __restrict__ grad_out, const scalar_t* __restric
 template <int N>
 using Int = std::integral_constant<int, N>;
 
-// Calls launch(scalar_t{}) for the dtype code.
+// Calls launch(table_t{}, scalar_t{}) for the table's and the scores' dtype codes: one dtype for
+// both, or a bf16/fp16 table with fp32 scores.
 template <typename F>
-int dispatch_dtype(int dtype, F&& launch) {
-  switch (dtype) {
-    case RMT_FLOAT32: return launch(float{});
-    case RMT_BFLOAT16: return launch(__nv_bfloat16{});
-    case RMT_FLOAT16: return launch(__half{});
+int dispatch_dtypes(int table_dtype, int score_dtype, F&& launch) {
+  if (table_dtype == score_dtype) {
+    switch (table_dtype) {
+      case RMT_FLOAT32: return launch(float{}, float{});
+      case RMT_BFLOAT16: return launch(__nv_bfloat16{}, __nv_bfloat16{});
+      case RMT_FLOAT16: return launch(__half{}, __half{});
+      default: return static_cast<int>(cudaErrorInvalidValue);
+    }
+  }
+  if (score_dtype != RMT_FLOAT32) return static_cast<int>(cudaErrorInvalidValue);
+  switch (table_dtype) {
+    case RMT_BFLOAT16: return launch(__nv_bfloat16{}, float{});
+    case RMT_FLOAT16: return launch(__half{}, float{});
     default: return static_cast<int>(cudaErrorInvalidValue);
   }
 }
@@ -238,16 +253,17 @@ using SortKey = unsigned long long;
 
 }  // namespace
 
-int rmt_lookup_reduce_forward_cuda(int dtype, const void* table, const int64_t* indices,
-                                   const void* scores, const int64_t* block_ids, void* out,
+int rmt_lookup_reduce_forward_cuda(int table_dtype, int score_dtype, const void* table,
+                                   const int64_t* indices, const void* scores, const int64_t* block_ids, void* out,
                                    int64_t T, int64_t K, int64_t C, int64_t D, int64_t E,
                                    cudaStream_t stream) {
   if (T * E == 0) return static_cast<int>(cudaSuccess);
-  return dispatch_dtype(dtype, [&](auto tag) {
-    using scalar_t = decltype(tag);
+  return dispatch_dtypes(table_dtype, score_dtype, [&](auto table_tag, auto score_tag) {
+    using table_t = decltype(table_tag);
+    using scalar_t = decltype(score_tag);
     return dispatch_cols(D, kWarp, [&](auto cols) {
-      forward_kernel<scalar_t, decltype(cols)::value><<<blocks_for_warps(T * E), kThreads, 0, stream>>>(
-          static_cast<const scalar_t*>(table), indices, static_cast<const scalar_t*>(scores), block_ids,
+      forward_kernel<table_t, scalar_t, decltype(cols)::value><<<blocks_for_warps(T * E), kThreads, 0, stream>>>(
+          static_cast<const table_t*>(table), indices, static_cast<const scalar_t*>(scores), block_ids,
           static_cast<scalar_t*>(out), T * E, K, static_cast<int>(C), static_cast<int>(D), E);
       return static_cast<int>(cudaGetLastError());
     });
@@ -299,22 +315,23 @@ int rmt_lookup_reduce_sort_cuda(const int64_t* indices, int64_t M, int end_bit,
   return static_cast<int>(cub::DeviceScan::ExclusiveSum(workspace, bytes, counts, seg_start, M + 1, stream));
 }
 
-int rmt_lookup_reduce_backward_cuda(int dtype, const void* grad_out, const void* table,
-                                    const void* scores, const int64_t* block_ids,
+int rmt_lookup_reduce_backward_cuda(int table_dtype, int score_dtype, const void* grad_out,
+                                    const void* table, const void* scores, const int64_t* block_ids,
                                     const int64_t* sorted_positions, const int64_t* seg_start,
                                     const int64_t* unique_rows, const int64_t* num_unique,
                                     int64_t max_unique, void* dst, int dense, void* grad_scores,
                                     int64_t K, int64_t C, int64_t D, int64_t E, cudaStream_t stream) {
   if (max_unique == 0) return static_cast<int>(cudaSuccess);
-  return dispatch_dtype(dtype, [&](auto tag) {
-    using scalar_t = decltype(tag);
+  return dispatch_dtypes(table_dtype, score_dtype, [&](auto table_tag, auto score_tag) {
+    using table_t = decltype(table_tag);
+    using scalar_t = decltype(score_tag);
     auto launch = [&](auto lanes, auto cols) {
       constexpr int LANES = decltype(lanes)::value;
-      backward_kernel<scalar_t, LANES, decltype(cols)::value>
+      backward_kernel<table_t, scalar_t, LANES, decltype(cols)::value>
           <<<blocks_for_warps((max_unique + kWarp / LANES - 1) / (kWarp / LANES)), kThreads, 0, stream>>>(
-              static_cast<const scalar_t*>(grad_out), static_cast<const scalar_t*>(table),
+              static_cast<const scalar_t*>(grad_out), static_cast<const table_t*>(table),
               static_cast<const scalar_t*>(scores), block_ids, sorted_positions, seg_start, unique_rows,
-              num_unique, static_cast<scalar_t*>(dst), dense != 0, static_cast<scalar_t*>(grad_scores), K,
+              num_unique, static_cast<table_t*>(dst), dense != 0, static_cast<scalar_t*>(grad_scores), K,
               static_cast<int>(C), static_cast<int>(D), E);
       return static_cast<int>(cudaGetLastError());
     };

@@ -3,6 +3,10 @@
 // Every launcher returns a cudaError_t value (0 = success). Index arrays are int64 and
 // contiguous; tensors are row-major: table [N, D], indices/block_ids [T, K], scores [T, K, C],
 // out/grad_out [T, E, D], values [U, D].
+//
+// Dtypes (RmtDtype codes): table_dtype is the table's and its gradient's (dst), score_dtype that
+// of scores, out, grad_out and grad_scores; either equal, or a bf16/fp16 table with fp32 scores
+// (other pairs return cudaErrorInvalidValue). Accumulation is in fp32.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -14,8 +18,8 @@ enum RmtDtype { RMT_FLOAT32 = 0, RMT_BFLOAT16 = 1, RMT_FLOAT16 = 2 };
 
 // out[t, b, :] = sum_{k: block[t,k]==b} scores[t,k,d/(D/C)] * table[indices[t,k], :]; block_ids
 // may be null (one block).
-int rmt_lookup_reduce_forward_cuda(int dtype, const void* table, const int64_t* indices,
-                                   const void* scores, const int64_t* block_ids, void* out,
+int rmt_lookup_reduce_forward_cuda(int table_dtype, int score_dtype, const void* table,
+                                   const int64_t* indices, const void* scores, const int64_t* block_ids, void* out,
                                    int64_t T, int64_t K, int64_t C, int64_t D, int64_t E,
                                    cudaStream_t stream);
 
@@ -36,8 +40,8 @@ int rmt_lookup_reduce_sort_cuda(const int64_t* indices, int64_t M, int end_bit,
 // written to dst[u] (dense = 0, dst is [U, D]) or dst[row] (dense = 1, dst is the [N, D] table
 // gradient, zeroed by the caller); and grad_scores[p, c] = <table row, grad_out row> over column
 // slice c. Deterministic: no atomics.
-int rmt_lookup_reduce_backward_cuda(int dtype, const void* grad_out, const void* table,
-                                    const void* scores, const int64_t* block_ids,
+int rmt_lookup_reduce_backward_cuda(int table_dtype, int score_dtype, const void* grad_out,
+                                    const void* table, const void* scores, const int64_t* block_ids,
                                     const int64_t* sorted_positions, const int64_t* seg_start,
                                     const int64_t* unique_rows, const int64_t* num_unique,
                                     int64_t max_unique, void* dst, int dense, void* grad_scores,

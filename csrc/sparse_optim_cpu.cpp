@@ -13,15 +13,28 @@
 //   p -= step_size * m / (sqrt(v) + eps),  step_size = lr * sqrt(1 - beta2^t) / (1 - beta1^t)
 // rowwise_adagrad_step: one accumulator per row (DLRM / FBGEMM row-wise Adagrad)
 //   g += weight_decay * p;  s += mean(g^2);  p -= lr * g / (sqrt(s) + eps)
+//
+// Dtypes: the gradient rows have the parameter's dtype. Adam's moments are fp32 for bf16/fp16
+// tables (at::opmath_type: the parameter's own dtype for fp32/fp64) and row-wise Adagrad's
+// accumulator is always fp32. Each step reads the stored row and gradient, computes in the
+// state's type (fp32 for Adagrad), and rounds the new row once to the parameter's dtype (to
+// nearest even for bf16/fp16, c10's conversion).
 #include <torch/extension.h>
+#include <ATen/OpMathType.h>
 
 #include <cmath>
 
+#include "cpu_numerics.h"
+
 namespace {
+
+using rmt_cpu::round_to;
 
 // Rows prefetched ahead of use: the touched rows are ascending but far apart, so the hardware
 // prefetchers do not see them coming.
 constexpr int64_t kPrefetchDistance = 8;
+// Partial sums of a row's squared gradient (row-wise Adagrad).
+constexpr int64_t kLanes = 8;
 
 template <typename T>
 inline void prefetch_row(const T* p, int64_t D) {
@@ -39,10 +52,11 @@ void check_rows(const at::Tensor& param, const at::Tensor& rows, const at::Tenso
               "sparse optimizer step: values must be [rows, D] of the parameter's dtype");
 }
 
-template <typename scalar_t>
-void sparse_adam_kernel(scalar_t* __restrict p, scalar_t* __restrict m, scalar_t* __restrict v,
-                        const int64_t* __restrict rows, const scalar_t* __restrict g, int64_t U, int64_t D,
-                        scalar_t one_minus_beta1, scalar_t one_minus_beta2, scalar_t eps, scalar_t step_size) {
+// param_t: the table's element type; state_t: the moments' and the arithmetic's.
+template <typename param_t, typename state_t>
+void sparse_adam_kernel(param_t* __restrict p, state_t* __restrict m, state_t* __restrict v,
+                        const int64_t* __restrict rows, const param_t* __restrict g, int64_t U, int64_t D,
+                        state_t one_minus_beta1, state_t one_minus_beta2, state_t eps, state_t step_size) {
 #pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
   for (int64_t u = 0; u < U; ++u) {
     if (u + kPrefetchDistance < U) {
@@ -52,17 +66,18 @@ void sparse_adam_kernel(scalar_t* __restrict p, scalar_t* __restrict m, scalar_t
       prefetch_row(v + ahead, D);
     }
     const int64_t off = rows[u] * D;
-    const scalar_t* __restrict gu = g + u * D;
-    scalar_t* __restrict pu = p + off;
-    scalar_t* __restrict mu = m + off;
-    scalar_t* __restrict vu = v + off;
+    const param_t* __restrict gu = g + u * D;
+    param_t* __restrict pu = p + off;
+    state_t* __restrict mu = m + off;
+    state_t* __restrict vu = v + off;
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) {
-      const scalar_t mn = mu[d] + (gu[d] - mu[d]) * one_minus_beta1;
-      const scalar_t vn = vu[d] + (gu[d] * gu[d] - vu[d]) * one_minus_beta2;
+      const state_t gd = static_cast<state_t>(gu[d]);
+      const state_t mn = mu[d] + (gd - mu[d]) * one_minus_beta1;
+      const state_t vn = vu[d] + (gd * gd - vu[d]) * one_minus_beta2;
       mu[d] = mn;
       vu[d] = vn;
-      pu[d] -= step_size * (mn / (std::sqrt(vn) + eps));
+      pu[d] = round_to<param_t>(static_cast<state_t>(pu[d]) - step_size * (mn / (std::sqrt(vn) + eps)));
     }
   }
 }
@@ -79,17 +94,30 @@ void rowwise_adagrad_kernel(scalar_t* __restrict p, float* __restrict sum, const
     }
     scalar_t* __restrict pu = p + rows[u] * D;
     const scalar_t* __restrict gu = g + u * D;
-    float sq = 0.f;
-    for (int64_t d = 0; d < D; ++d) {
+    // the squares summed in kLanes partial sums, combined in a fixed order: vectorized for every
+    // dtype (GCC keeps a single in-order sum of converted bf16 values scalar) and independent of
+    // the threading
+    float part[kLanes] = {};
+    int64_t d0 = 0;
+    for (; d0 + kLanes <= D; d0 += kLanes)
+#pragma omp simd
+      for (int64_t j = 0; j < kLanes; ++j) {
+        const float gd = static_cast<float>(gu[d0 + j]) + weight_decay * static_cast<float>(pu[d0 + j]);
+        part[j] += gd * gd;
+      }
+    for (int64_t d = d0; d < D; ++d) {
       const float gd = static_cast<float>(gu[d]) + weight_decay * static_cast<float>(pu[d]);
-      sq += gd * gd;
+      part[0] += gd * gd;
     }
+    float sq = 0.f;
+    for (int64_t j = 0; j < kLanes; ++j) sq += part[j];
     const float s = sum[rows[u]] + sq / static_cast<float>(D);
     sum[rows[u]] = s;
     const float scale = lr / (std::sqrt(s) + eps);
+#pragma omp simd
     for (int64_t d = 0; d < D; ++d) {
       const float old = static_cast<float>(pu[d]);
-      pu[d] = static_cast<scalar_t>(old - scale * (static_cast<float>(gu[d]) + weight_decay * old));
+      pu[d] = round_to<scalar_t>(old - scale * (static_cast<float>(gu[d]) + weight_decay * old));
     }
   }
 }
@@ -99,17 +127,19 @@ void rowwise_adagrad_kernel(scalar_t* __restrict p, float* __restrict sum, const
 void sparse_adam_step(at::Tensor param, at::Tensor exp_avg, at::Tensor exp_avg_sq, const at::Tensor& rows,
                       const at::Tensor& values, double lr, double beta1, double beta2, double eps, int64_t step) {
   check_rows(param, rows, values);
+  const auto state_type = at::toOpMathType(param.scalar_type());
   TORCH_CHECK(exp_avg.sizes() == param.sizes() && exp_avg_sq.sizes() == param.sizes() &&
                   exp_avg.is_contiguous() && exp_avg_sq.is_contiguous() &&
-                  exp_avg.scalar_type() == param.scalar_type() && exp_avg_sq.scalar_type() == param.scalar_type(),
-              "sparse_adam_step: the moments must be contiguous and shaped like the parameter");
+                  exp_avg.scalar_type() == state_type && exp_avg_sq.scalar_type() == state_type,
+              "sparse_adam_step: the moments must be contiguous, shaped like the parameter, of dtype ", state_type);
   const double step_size = lr * std::sqrt(1 - std::pow(beta2, step)) / (1 - std::pow(beta1, step));
-  AT_DISPATCH_FLOATING_TYPES(param.scalar_type(), "sparse_adam_step", [&] {
-    sparse_adam_kernel<scalar_t>(param.data_ptr<scalar_t>(), exp_avg.data_ptr<scalar_t>(),
-                                 exp_avg_sq.data_ptr<scalar_t>(), rows.data_ptr<int64_t>(),
-                                 values.data_ptr<scalar_t>(), rows.size(0), param.size(1),
-                                 static_cast<scalar_t>(1 - beta1), static_cast<scalar_t>(1 - beta2),
-                                 static_cast<scalar_t>(eps), static_cast<scalar_t>(step_size));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, param.scalar_type(), "sparse_adam_step", [&] {
+    using state_t = at::opmath_type<scalar_t>;
+    sparse_adam_kernel<scalar_t, state_t>(param.data_ptr<scalar_t>(), exp_avg.data_ptr<state_t>(),
+                                          exp_avg_sq.data_ptr<state_t>(), rows.data_ptr<int64_t>(),
+                                          values.data_ptr<scalar_t>(), rows.size(0), param.size(1),
+                                          static_cast<state_t>(1 - beta1), static_cast<state_t>(1 - beta2),
+                                          static_cast<state_t>(eps), static_cast<state_t>(step_size));
   });
 }
 

@@ -365,6 +365,13 @@ class MemoryConfig:
     gradients, never a table-sized one (:mod:`rmt.ops.sparse_optim`); ``rowwise_adagrad`` needs
     ``partition`` ``local`` or ``number``. MoE has no value tables (leave it ``adamw``)."""
 
+    value_dtype: str = "fp32"
+    """Storage dtype of the value tables: ``fp32`` or ``bf16`` (half the bytes of the table and
+    of its gradients). Lookups read the stored rows and accumulate in fp32 whatever the dtype;
+    the optimizers' state and update rule per dtype are stated in :mod:`rmt.ops.sparse_optim`
+    (``sparse_adam`` and ``rowwise_adagrad`` keep fp32 state and round the updated rows once;
+    ``adamw`` keeps torch's moments in the table's dtype). ``rmt-plan memory`` counts it."""
+
     num_experts: int = 8
     """MoE (megatron-core's MoELayer, :mod:`rmt.memory.moe`): number of experts; divisible by
     ``parallel.expert_model_parallel_size``."""

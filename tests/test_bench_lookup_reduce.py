@@ -1,8 +1,11 @@
-"""tools/bench_lookup_reduce.py runs end to end (CPU, --quick, one repeat) and writes the JSON
-the figures in docs/benchmarks.md come from; a GPU-only clock on the CPU is one clear error, exit 2."""
+"""tools/bench_lookup_reduce.py runs end to end (CPU, --quick, one repeat, fp32 and bf16 tables)
+and writes the JSON the figures in docs/benchmarks.md come from; a GPU-only clock on the CPU is
+one clear error, exit 2."""
 
 import json
 import math
+
+import pytest
 
 from conftest import run_python
 
@@ -11,12 +14,14 @@ SUMMARY_KEYS = {"speedup_vs_embedding_bag_sparse", "speedup_vs_embedding_bag_den
                 "gather_gbps", "best_case_speedup_vs_embedding_bag_sparse", "best_case_speedup_vs_embedding_bag_dense"}
 
 
-def test_bench_quick_writes_json(tmp_path):
+@pytest.mark.parametrize("table_dtype,table_elem", [("fp32", 4), ("bf16", 2)])
+def test_bench_quick_writes_json(tmp_path, table_dtype, table_elem):
     out = tmp_path / "bench.json"
     run_python(["tools/bench_lookup_reduce.py", "--quick", "--repeats", "1", "--device", "cpu",
-                "--json", str(out)])
+                "--table-dtype", table_dtype, "--json", str(out)])
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "bench_lookup_reduce" and doc["machine"]["device"] == "cpu"
+    assert doc["machine"]["table_dtype"] == table_dtype
     assert doc["machine"]["backends"] == ["cpu"] and doc["machine"]["clock"] == "wall"
     shapes = {(r["K"], r["C"], r["E"]) for r in doc["rows"]}
     assert shapes == {(32, 1, 1), (128, 2, 4)}
@@ -30,7 +35,7 @@ def test_bench_quick_writes_json(tmp_path):
     # more at that forward's rate and their gradients written at copy bandwidth
     head = [r for r in doc["rows"] if (r["K"], r["C"], r["E"]) == (32, 1, 1)]
     fastest = min(head, key=lambda r: r["fwd_s"])
-    touched = fastest["unique_rows"] * fastest["D"] * 4
+    touched = fastest["unique_rows"] * fastest["D"] * table_elem
     best = (fastest["fwd_s"] + touched / (fastest["fwd_gbps"] * 1e9)
             + touched / (doc["machine"]["copy_bandwidth_gbps"] * 1e9))
     bag = next(r for r in head if r["method"] == "embedding_bag sparse")

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from rmt.ops import cuda_backend, lookup_reduce, reference_backward, select_backend, triton_backend
-from rmt.ops.testing import CASES, check_backend, make_case, run_op
+from rmt.ops.testing import (CASES, DTYPE_PAIRS, check_backend, check_narrow_table, check_row_optimizer_kernels,
+                             make_case, run_op)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
 
@@ -22,11 +23,22 @@ LARGE_CASES = [((100_003, 200, 300, 64, 2, 4), None), ((1 << 20, 64, 4096, 32, 1
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("table_dtype,dtype", DTYPE_PAIRS, ids=[f"{str(t)[6:]}-{str(s)[6:]}" for t, s in DTYPE_PAIRS])
 @pytest.mark.parametrize("sparse_grad", [False, True])
-def test_gpu_backend_matches_reference(backend, dtype, sparse_grad):
+def test_gpu_backend_matches_reference(backend, table_dtype, dtype, sparse_grad):
     for case in CASES:
-        check_backend(backend, case, dtype, sparse_grad=sparse_grad, device="cuda")
+        check_backend(backend, case, dtype, sparse_grad=sparse_grad, device="cuda", table_dtype=table_dtype)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("table_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("sparse_grad", [False, True])
+def test_gpu_narrow_table_is_the_fp32_computation_rounded_once(backend, table_dtype, sparse_grad):
+    """bf16/fp16 table, fp32 scores: the fp32 kernels' results on the table's values, the table
+    gradient rounded once to nearest even (rmt.ops.testing.check_narrow_table), at the small
+    cases and at a headline-sized one."""
+    for case in CASES + [(1 << 20, 64, 4096, 32, 1, 1), (100_003, 200, 300, 64, 2, 4)]:
+        check_narrow_table(backend, case, table_dtype, sparse_grad=sparse_grad, device="cuda")
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
@@ -143,3 +155,39 @@ def test_gpu_sparse_adam_and_rowwise_adagrad_match_torch():
                                rtol=1e-6, atol=1e-9)
     torch.testing.assert_close(ada.detach().cpu(), want_ada, rtol=1e-5, atol=1e-6)
     assert not torch.equal(ours.detach().cpu(), init)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gpu_row_optimizer_kernels_on_narrow_tables(dtype):
+    """The Triton SparseAdam / row-wise Adagrad kernels on CUDA tables of fp32/bf16/fp16 with fp32
+    state, against the torch references on the GPU: moments bit for bit, rows to the stated
+    rounding, a narrow step == the fp32 step rounded once to nearest even."""
+    from rmt.ops import triton_sparse_optim
+
+    for seed in range(3):
+        check_row_optimizer_kernels(triton_sparse_optim, dtype, device="cuda", seed=seed)
+
+
+@pytest.mark.parametrize("cls", ["SparseAdam", "RowWiseAdagrad"])
+def test_gpu_narrow_table_training_step(cls):
+    """A bf16 GPU table with fp32 scores through lookup_reduce's sparse gradient and rmt's
+    optimizer (fused Triton step): fp32 state, and the step equals the fp32 table's step on the
+    same bf16 gradient, rounded once."""
+    from rmt.ops import sparse_optim
+
+    gen = torch.Generator().manual_seed(12)
+    init = torch.randn(5000, 72, generator=gen).bfloat16().cuda()
+    narrow, wide = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.float())
+    opts = [getattr(sparse_optim, cls)([p], lr=0.01) for p in (narrow, wide)]
+    indices = torch.randint(0, 5000, (256, 16), generator=gen).cuda()
+    scores = torch.randn(256, 16, 1, generator=gen).cuda()
+    grad_out = torch.randn(256, 1, 72, generator=gen).cuda()
+    lookup_reduce(narrow, indices, scores, sparse_grad=True).backward(grad_out)
+    assert narrow.grad.dtype == torch.bfloat16
+    wide.grad = narrow.grad.float()
+    for opt in opts:
+        opt.step()
+    state = opts[0].state[narrow]
+    assert all(v.dtype == torch.float32 for v in state.values() if torch.is_tensor(v))
+    assert torch.equal(narrow.detach(), wide.detach().bfloat16())
+    assert not torch.equal(narrow.detach(), init)

@@ -1,18 +1,44 @@
-"""lookup_reduce: reference and CPU-extension backends against the plain-torch reference."""
+"""lookup_reduce: reference and CPU-extension backends against the plain-torch reference, for
+every (table, scores) dtype pair of the op's contract."""
 
 import pytest
 import torch
 
 from rmt.ops import lookup_reduce, reference_backward, reference_forward, select_backend
 from rmt.ops import _build, cpu_backend
-from rmt.ops.testing import CASES, check_backend, make_case, run_op
+from rmt.ops.testing import CASES, DTYPE_PAIRS, check_backend, check_narrow_table, make_case, run_op
+
+PAIRS = DTYPE_PAIRS + [(torch.float64, torch.float64)]
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-def test_backend_matches_reference(backend, case, dtype):
-    check_backend(backend, case, dtype)
+@pytest.mark.parametrize("table_dtype,dtype", PAIRS, ids=[f"{str(t)[6:]}-{str(s)[6:]}" for t, s in PAIRS])
+def test_backend_matches_reference(backend, case, table_dtype, dtype):
+    check_backend(backend, case, dtype, table_dtype=table_dtype)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("table_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("sparse_grad", [False, True])
+def test_narrow_table_is_the_fp32_computation_rounded_once(backend, table_dtype, sparse_grad):
+    """A bf16/fp16 table with fp32 scores: output and score gradients are the fp32 computation on
+    the table's values bit for bit, the table gradient the fp32 one rounded once, and all lie
+    within the derived fp32-accumulation bound of the exact result (rmt.ops.testing)."""
+    for case in CASES:
+        check_narrow_table(backend, case, table_dtype, sparse_grad=sparse_grad)
+
+
+def test_narrow_table_output_and_gradient_dtypes():
+    """The op's dtype contract through autograd: output and score gradient of the scores' dtype,
+    the table gradient (dense or sparse) of the table's."""
+    table, indices, scores, block_ids, grad_out = make_case(40, 12, 5, 6, 2, 3, table_dtype=torch.bfloat16)
+    for sparse_grad in (False, True):
+        t, s = table.clone().requires_grad_(True), scores.clone().requires_grad_(True)
+        out = lookup_reduce(t, indices, s, block_ids, 3, backend="cpu", sparse_grad=sparse_grad)
+        out.backward(grad_out)
+        assert out.dtype == torch.float32 and s.grad.dtype == torch.float32
+        assert t.grad.dtype == torch.bfloat16 and t.grad.is_sparse == sparse_grad
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
@@ -121,7 +147,11 @@ def _bad_inputs():
     yield "indices must lie in \\[0, 10\\); got min -1", (table, indices.clone().fill_(-1), scores, block_ids, 3)
     yield "block_ids must lie in \\[0, 3\\)", (table, indices, scores, block_ids.clone().fill_(3), 3)
     yield "scores must be \\[T, K, C\\]", (table, indices, scores[:2], block_ids, 3)
-    yield "scores dtype", (table, indices, scores.double(), block_ids, 3)
+    yield "scores dtype torch.float64 must equal table dtype torch.float32, or be torch.float32 for a bfloat16 " \
+        "or float16 table", (table, indices, scores.double(), block_ids, 3)
+    yield "scores dtype torch.bfloat16", (table, indices, scores.bfloat16(), block_ids, 3)
+    yield "scores dtype torch.float16 must equal table dtype torch.bfloat16", (
+        table.bfloat16(), indices, scores.half(), block_ids, 3)
     yield "indices dtype", (table, indices.float(), scores, block_ids, 3)
     yield "divisible", (table, indices, torch.zeros(3, 4, 3), block_ids, 3)
     yield "num_blocks must be 1", (table, indices, scores, None, 3)
@@ -137,6 +167,16 @@ def test_invalid_inputs_rejected_before_kernels(monkeypatch, message, args):
     monkeypatch.setattr(cpu_backend, "forward", no_kernel)
     with pytest.raises(ValueError, match="^lookup_reduce: .*" + message):
         lookup_reduce(*args, backend="cpu")
+
+
+def test_cpu_extension_rejects_unsupported_dtype_pairs():
+    """The C++ entry points check the (table, scores) pair themselves (no out-of-bounds reads when
+    called around the validating Python wrapper)."""
+    table, indices, scores, block_ids, grad_out = make_case(10, 8, 3, 4, 2, 3)
+    with pytest.raises(RuntimeError, match="need one dtype, or a bf16/fp16 table with fp32 scores"):
+        cpu_backend.forward(table.half(), indices, scores.bfloat16(), block_ids, 3)
+    with pytest.raises(RuntimeError, match="need one dtype"):
+        cpu_backend.backward(grad_out, table, indices, scores.double(), block_ids, 3)
 
 
 def test_validation_can_skip_range_check():

@@ -1,12 +1,16 @@
 """Row-wise optimizer steps on sparse lookup_reduce gradients: the fused CPU kernels
-(csrc/sparse_optim_cpu.cpp) against torch's SparseAdam and the row-wise Adagrad formula."""
+(csrc/sparse_optim_cpu.cpp) against torch's SparseAdam and the row-wise Adagrad formula, and
+on bf16/fp16 tables (fp32 state) against the fp32 step."""
+
+import copy
 
 import pytest
 import torch
 
 from rmt.ops import lookup_reduce
-from rmt.ops.sparse_optim import (ENV_FUSED, RowWiseAdagrad, SparseAdam, coalesced, fused_kernels,
+from rmt.ops.sparse_optim import (ENV_FUSED, RowWiseAdagrad, SparseAdam, _ext, coalesced, fused_kernels,
                                   make_sparse_optimizer)
+from rmt.ops.testing import check_row_optimizer_kernels
 
 
 def _loss(table, indices, scores, target, sparse_grad):
@@ -50,7 +54,7 @@ def test_fused_sparse_adam_equals_torch(dtype):
     """Different rows each step (lazy moments of untouched rows), duplicates within a token.
     Not bit-identical: torch's vectorized sqrt is off by up to 1 ulp, the kernel's is exact."""
     assert fused_kernels(torch.zeros(2, 2)) is not None
-    table = torch.randn(300, 20, dtype=dtype)
+    table = torch.randn(300, 20, dtype=dtype, generator=torch.Generator().manual_seed(0))
     ours, theirs = torch.nn.Parameter(table.clone()), torch.nn.Parameter(table.clone())
     opts = (SparseAdam([ours], lr=3e-2, betas=(0.8, 0.95), eps=1e-6),
             torch.optim.SparseAdam([theirs], lr=3e-2, betas=(0.8, 0.95), eps=1e-6))
@@ -68,6 +72,121 @@ def test_fused_sparse_adam_equals_torch(dtype):
             torch.testing.assert_close(opts[0].state[ours][name], opts[1].state[theirs][name], rtol=1e-6, atol=1e-7)
     assert opts[0].state[ours]["step"] == opts[1].state[theirs]["step"] == 4
     assert not torch.equal(ours.data, table)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("maximize", [False, True])
+def test_sparse_adam_reference_is_torch_bit_for_bit(dtype, maximize, monkeypatch):
+    """The torch path of rmt's SparseAdam (RMT_SPARSE_OPTIM_FUSED=0: sparse_adam_update_) makes
+    torch.optim.SparseAdam's operations in its order: equal bit for bit, state included."""
+    monkeypatch.setenv(ENV_FUSED, "0")
+    gen = torch.Generator().manual_seed(4)
+    table = torch.randn(40, 12, generator=gen, dtype=dtype)
+    ours, theirs = torch.nn.Parameter(table.clone()), torch.nn.Parameter(table.clone())
+    opts = [cls([p], lr=3e-2, betas=(0.8, 0.95), eps=1e-6, maximize=maximize)
+            for cls, p in ((SparseAdam, ours), (torch.optim.SparseAdam, theirs))]
+    for _ in range(4):
+        rows = torch.unique(torch.randint(0, 40, (15,), generator=gen))
+        values = torch.randn(rows.numel(), 12, generator=gen, dtype=dtype)
+        for p, opt in zip((ours, theirs), opts):
+            p.grad = torch.sparse_coo_tensor(rows[None], values, p.shape)
+            opt.step()
+    assert torch.equal(ours.data, theirs.data) and not torch.equal(ours.data, table)
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(opts[0].state[ours][name], opts[1].state[theirs][name])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_kernels_on_narrow_tables(dtype):
+    """The C++ kernels against the torch references on fp32/bf16/fp16 tables with fp32 state:
+    (a) kernel == reference to the stated rounding, (b) a narrow step == the fp32 step rounded
+    once (rmt.ops.testing.check_row_optimizer_kernels)."""
+    for seed in range(3):
+        check_row_optimizer_kernels(_ext(), dtype, seed=seed)
+
+
+def test_narrow_table_state_is_fp32():
+    """rmt's optimizers keep fp32 state for a bf16 table, where torch's SparseAdam keeps the
+    parameter's dtype; a training step through lookup_reduce's bf16 sparse gradient keeps it."""
+    table = torch.nn.Parameter(torch.randn(30, 8).bfloat16())
+    theirs = torch.nn.Parameter(table.detach().clone())
+    adam, adagrad = SparseAdam([table], lr=1e-2), RowWiseAdagrad([table], lr=1e-2)
+    torch_adam = torch.optim.SparseAdam([theirs], lr=1e-2)
+    for p, opts in ((table, (adam, adagrad)), (theirs, (torch_adam,))):
+        lookup_reduce(p, torch.tensor([[1, 5], [5, 9]]), torch.randn(2, 2, 1), sparse_grad=True).sum().backward()
+        for opt in opts:
+            opt.step()
+    assert table.grad.dtype == torch.bfloat16 and table.dtype == torch.bfloat16
+    assert adam.state[table]["exp_avg"].dtype == adam.state[table]["exp_avg_sq"].dtype == torch.float32
+    assert adagrad.state[table]["sum"].dtype == torch.float32
+    assert SparseAdam.initial_state(table)["exp_avg"].dtype == torch.float32
+    assert torch_adam.state[theirs]["exp_avg"].dtype == torch.bfloat16  # torch's: the parameter's dtype
+
+
+@pytest.mark.parametrize("cls,kwargs", [(SparseAdam, dict(lr=1e-2)), (RowWiseAdagrad, dict(lr=1e-2))])
+def test_load_state_dict_keeps_fp32_state_of_narrow_tables(cls, kwargs):
+    """torch's Optimizer.load_state_dict casts state tensors to the parameter's dtype; rmt's
+    optimizers load a bf16 table's fp32 state unrounded, and further steps match the original's."""
+    gen = torch.Generator().manual_seed(2)
+    table = torch.nn.Parameter(torch.randn(20, 6, generator=gen).bfloat16())
+    grads = [(torch.unique(torch.randint(0, 20, (8,), generator=gen)), gen) for _ in range(3)]
+    grads = [(rows, torch.randn(rows.numel(), 6, generator=gen).bfloat16()) for rows, _ in grads]
+    opt = cls([table], **kwargs)
+    for rows, values in grads[:2]:
+        table.grad = torch.sparse_coo_tensor(rows[None], values, table.shape)
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())  # as torch.save + torch.load would (state_dict() aliases the state)
+    twin = torch.nn.Parameter(table.detach().clone())
+    restored = cls([twin], **kwargs)
+    restored.load_state_dict(saved)
+    for name, value in opt.state[table].items():
+        got = restored.state[twin][name]
+        assert got == value if name == "step" else (got.dtype == torch.float32 and torch.equal(got, value))
+    rows, values = grads[2]
+    for p, o in ((table, opt), (twin, restored)):
+        p.grad = torch.sparse_coo_tensor(rows[None], values, p.shape)
+        o.step()
+    assert torch.equal(twin.data, table.data)
+
+
+def _tracking_bound_step(narrow, wide, dtype):
+    """The bound on |narrow - wide| that one step adds to a touched entry when both paths apply the
+    same fp32 update d (Adam's and weight-decay-free Adagrad's updates do not depend on the row):
+    the narrow path rounds fl(p_narrow - d) to the table dtype (u |x| <= u/(1-u) |p_narrow|, u =
+    2^-8 for bf16, 2^-11 for fp16, plus half a subnormal spacing), and both paths round the
+    subtraction in fp32 (2^-24 each, of |x| <= |p_narrow|/(1-u) and of |p_wide|)."""
+    u, u32 = torch.finfo(dtype).eps / 2, 2.0 ** -24
+    half_subnormal = torch.finfo(dtype).tiny * torch.finfo(dtype).eps / 2
+    return ((u / (1 - u) + u32 / ((1 - u32) * (1 - u))) * narrow.abs() + u32 / (1 - u32) * wide.abs()
+            + half_subnormal)
+
+
+@pytest.mark.parametrize("fused", ["1", "0"], ids=["fused", "torch"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cls,kwargs", [(SparseAdam, dict(lr=1e-2, betas=(0.8, 0.95))),
+                                        (RowWiseAdagrad, dict(lr=0.1))], ids=["sparse_adam", "rowwise_adagrad"])
+def test_narrow_table_tracks_fp32_training(cls, kwargs, dtype, fused, monkeypatch):
+    """30 steps on a bf16/fp16 table and on the fp32 table of the same initial values, fed the same
+    (representable) sparse gradients: the state is identical and the tables stay within the sum of
+    the per-step rounding bounds (_tracking_bound_step), entry by entry."""
+    monkeypatch.setenv(ENV_FUSED, fused)
+    gen = torch.Generator().manual_seed(6)
+    narrow = torch.nn.Parameter(torch.randn(64, 16, generator=gen).to(dtype))
+    wide = torch.nn.Parameter(narrow.detach().float())
+    opts = cls([narrow], **kwargs), cls([wide], **kwargs)
+    bound = torch.zeros(64, 16, dtype=torch.float64)
+    for _ in range(30):
+        rows = torch.unique(torch.randint(0, 64, (24,), generator=gen))
+        values = torch.randn(rows.numel(), 16, generator=gen).to(dtype)
+        for p, opt in zip((narrow, wide), opts):
+            p.grad = torch.sparse_coo_tensor(rows[None], values.to(p.dtype), p.shape)
+            opt.step()
+        step_bound = _tracking_bound_step(narrow.detach().double(), wide.detach().double(), dtype)
+        bound[rows] += step_bound[rows]
+        assert bool(((narrow.detach().double() - wide.detach().double()).abs() <= bound).all())
+    for name, value in opts[1].state[wide].items():
+        assert opts[0].state[narrow][name] == value if name == "step" else torch.equal(opts[0].state[narrow][name], value)
+    assert not torch.equal(narrow.detach().double(), wide.detach().double())  # the roundings did happen
 
 
 @pytest.mark.parametrize("fused", ["1", "0"], ids=["fused", "torch"])

@@ -20,13 +20,19 @@ def run_checks():
     import torch
 
     from rmt.ops import lookup_reduce, triton_backend
-    from rmt.ops.testing import CASES, check_backend, make_case
+    from rmt.ops.testing import CASES, check_backend, check_narrow_table, make_case
 
     for case in CASES:
         check_backend("triton", case, torch.float32)
         check_backend("triton", case, torch.float32, sparse_grad=True)
     for dtype in (torch.bfloat16, torch.float16):
         check_backend("triton", CASES[1], dtype)
+    # A bf16/fp16 table with fp32 scores: the interpreter rounds fp32 -> bf16 toward zero (a GPU
+    # to nearest even, tests/test_ops_gpu.py), so the bf16 table gradient is checked against that.
+    for table_dtype, rounding in ((torch.bfloat16, "rtz"), (torch.float16, "rne")):
+        for case, sparse_grad in ((CASES[1], False), (CASES[2], True)):
+            check_backend("triton", case, torch.float32, sparse_grad=sparse_grad, table_dtype=table_dtype)
+            check_narrow_table("triton", case, table_dtype, sparse_grad=sparse_grad, rounding=rounding)
     table, indices, scores, block_ids, grad_out = make_case(9, 12, 6, 8, 2, 3)
     first = triton_backend.backward(grad_out, table, indices, scores, block_ids, 3)
     second = triton_backend.backward(grad_out, table, indices, scores, block_ids, 3)
@@ -46,11 +52,13 @@ def run_checks():
 
 def check_sparse_optim():
     """The Triton row-wise optimizer steps against torch's SparseAdam and the torch row-wise
-    Adagrad reference, over two steps on the same rows, D not a power of two included."""
+    Adagrad reference, over two steps on the same rows, D not a power of two included; and on
+    narrow tables (rmt.ops.testing.check_row_optimizer_kernels)."""
     import torch
 
     from rmt.ops import triton_sparse_optim
     from rmt.ops.sparse_optim import rowwise_adagrad_update_
+    from rmt.ops.testing import check_row_optimizer_kernels
 
     gen = torch.Generator().manual_seed(5)
     rows = torch.tensor([0, 3, 17, 49])
@@ -73,6 +81,10 @@ def check_sparse_optim():
         torch.testing.assert_close(ada, want, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(ada_sum, want_sum, rtol=1e-6, atol=1e-7)
         assert not torch.equal(ours, table) and torch.equal(ours[1], table[1])
+    # fp32/bf16/fp16 tables with fp32 state against the torch references, and a narrow step against
+    # the fp32 one (the interpreter truncates fp32 -> bf16: rounding "rtz")
+    for dtype, rounding in ((torch.float32, "rne"), (torch.bfloat16, "rtz"), (torch.float16, "rne")):
+        check_row_optimizer_kernels(triton_sparse_optim, dtype, rounding=rounding)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")

@@ -66,13 +66,31 @@ def test_comm_plot_png(tmp_path):
 
 
 def test_memory_ten_billion_slots(tmp_path, capsys):
+    """10^10 slots (100,000^2) x 64 with row-wise Adagrad: the per-phase plan and the smallest
+    group of 80 GiB ranks, with the numbers of rmt.planner.memory."""
+    from rmt.planner.memory import TablePlan, min_group_size, phases
+
     path = tmp_path / "mem.json"
-    assert cli.main(["memory", "--slots", "10000000000", "--dim", "64", "--dtype", "bf16",
-                     "--optimizer", "adam", "--gpu-mem-gib", "80", "--json", str(path)]) == 0
-    assert "minimal group size: 60 GPUs of 80 GiB" in capsys.readouterr().out
+    argv = ["memory", "--slots", "10000000000", "--dim", "64", "--group-size", "64", "--value-optimizer",
+            "rowwise_adagrad", "--tokens", "4096", "--json", str(path)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    plan = TablePlan(slots=10 ** 10, dim=64, group_size=64, value_optimizer="rowwise_adagrad", tokens=4096)
+    p_min = min_group_size(plan, 80 * 2 ** 30)
+    assert f"smallest group that fits: P={p_min} " in out and "a 156,250,000 x 64 shard per rank" in out
     doc = json.loads(path.read_text())
-    assert doc["min_group_size"] == 60 and doc["fits"] is False
-    assert doc["bytes_per_rank"]["total"] == 10 ** 10 * 64 * 8
+    assert doc["phases"] == phases(plan) and doc["min_group_size"] == p_min
+    assert doc["checkpoint_bytes"] == 10 ** 10 * (64 * 4 + 4)
+
+
+def test_memory_from_a_config(capsys):
+    """The table terms come from the config: UltraMem-1.6B-x12 has 6 memory layers of 1,792^2 slots
+    of 1,024; on 64 ranks (one memory-parallel group) each holds 1/64 of each table."""
+    assert cli.main(["memory", "--config", "configs/ultramem_1.6b_x12.yaml", "--world-size", "64",
+                     "memory.partition=number", "memory.value_optimizer=sparse_adam"]) == 0
+    out = capsys.readouterr().out
+    assert "6 memory table(s) of 3,211,264 slots (1,792^2) x 1024, fp32, sparse_adam, number-wise over P=64" in out
+    assert "32 micro-batch(es) of 2,048 tokens, 2 heads x top-42" in out
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -85,10 +103,14 @@ def test_memory_ten_billion_slots(tmp_path, capsys):
     (COMM + ["--dedup"], "needs exactly one"),
     (COMM + ["--frobnicate"], "unrecognized arguments"),
     (["comm", "--tokens", "3"], "required"),
-    (["memory", "--slots", "10", "--dim", "4", "--group-size", "20"], "exceeds slots"),
-    (["memory", "--slots", "10", "--dim", "4", "--grad", "sparse"], "tokens and topm"),
-    (["memory", "--slots", "10", "--dim", "4", "--dtype", "int3"], "invalid choice"),
-    (["memory", "--slots", "10", "--dim", "4", "--reserve-gib", "90"], "reserve"),
+    (["memory", "--slots", "64", "--dim", "4", "--group-size", "5"], "divisible by the group size"),
+    (["memory", "--slots", "10", "--dim", "4"], "not a square"),
+    (["memory", "--slots", "64", "--dim", "4", "--value-dtype", "int3"], "invalid choice"),
+    (["memory", "--slots", "64", "--dim", "4", "--reserve-gib", "90"], "reserve"),
+    (["memory", "--dim", "4"], "give --slots and --dim"),
+    (["memory", "--config", "configs/ultramem_tiny.yaml"], "--world-size"),
+    (["memory", "--config", "configs/tiny.yaml", "--world-size", "2"], "memory.type is 'none'"),
+    (["memory", "--config", "configs/ultramem_tiny.yaml", "--slots", "64"], "come from the config"),
     ([], "required"),
 ])
 def test_bad_input_exit_2_one_line(argv, match, capsys):

@@ -1,100 +1,124 @@
-"""rmt.planner.memory: exact byte counts and the minimal group size."""
+"""rmt.planner.memory: exact byte counts per component and phase, the group sizes rmt can run,
+rejections of layouts it cannot, and agreement with the tensors a built model holds."""
+
+import math
 
 import pytest
+import torch
 
-from rmt.planner.memory import memory_per_rank, min_group_size, plan_memory
+from rmt.planner.memory import (CHECKPOINT_CHUNK_BYTES, TablePlan, checkpoint_bytes, components, group_sizes,
+                                min_group_size, phases, plan_memory)
 
 GIB = 2 ** 30
+SMALL = dict(slots=64, dim=8, group_size=4, tokens=10, heads=2, topk=3, key_dim=4, tucker_rank=2, ive_blocks=4)
 
 
-def test_small_bf16_adam_exact():
-    # 10 slots x 4 over 3 ranks: ceil(10/3) = 4 rows -> 16 elements.
-    m = memory_per_rank(10, 4, 3)
-    assert m == {"elements": 16, "table": 32, "gradients": 32, "gradients_dense": 32,
-                 "gradients_sparse": None, "master_weights": 0,
-                 "optimizer_states": 16 * 2 * 2, "total": 32 + 32 + 64}
+def test_components_of_a_small_number_wise_adamw_table():
+    c = components(TablePlan(**SMALL))
+    rows, cols, n = 16, 8, 8 * 2  # 64 / 4 rows; grid side 8 keys x sqrt(4)
+    assert c == {"table": rows * cols * 4, "slot_stats": 16, "gradients": rows * cols * 4,
+                 "optimizer_states": 2 * rows * cols * 4, "keys": 2 * 2 * n * 4 * 4,
+                 "retrieval_activations": 2 * 10 * 2 * 2 * 2 * n * 4, "checkpoint_chunk": rows * cols * 4}
+    two = components(TablePlan(**SMALL, microbatches=3))
+    assert two["gradients"] == 2 * rows * cols * 4  # the accumulated one and the new one
 
 
-def test_master_fp32_widens_grads_and_states():
-    m = memory_per_rank(10, 4, 3, master_fp32=True)
-    assert (m["table"], m["gradients"], m["master_weights"], m["optimizer_states"]) == \
-        (16 * 2, 16 * 4, 16 * 4, 16 * 2 * 4)
-    assert m["total"] == 32 + 64 + 64 + 128
+def test_optimizer_states_and_dtypes():
+    bf16 = components(TablePlan(**SMALL, value_dtype="bf16"))
+    assert (bf16["table"], bf16["optimizer_states"]) == (16 * 8 * 2, 2 * 16 * 8 * 2)  # torch AdamW: table dtype
+    adam = components(TablePlan(**SMALL, value_dtype="bf16", value_optimizer="sparse_adam"))
+    assert adam["optimizer_states"] == 2 * 16 * 8 * 4  # fp32 moments
+    ada = components(TablePlan(**SMALL, value_optimizer="rowwise_adagrad"))
+    assert ada["optimizer_states"] == 16 * 4  # one fp32 per row
+    assert components(TablePlan(**SMALL, precision="bf16"))["retrieval_activations"] == 2 * 10 * 2 * 2 * 2 * 16 * 2
 
 
-def test_fp32_table_sgd_and_adagrad():
-    sgd = memory_per_rank(10, 4, 3, dtype="fp32", optimizer="sgd", master_fp32=True)
-    assert (sgd["table"], sgd["gradients"], sgd["master_weights"],
-            sgd["optimizer_states"], sgd["total"]) == (64, 64, 0, 0, 128)
-    ada = memory_per_rank(10, 4, 3, optimizer="adagrad")
-    assert ada["optimizer_states"] == 16 * 2
-    # row-wise Adagrad: one fp32 per row of the shard (4 rows number-wise, 10 dimension-wise)
-    assert memory_per_rank(10, 4, 3, optimizer="rowwise_adagrad")["optimizer_states"] == 4 * 4
-    assert memory_per_rank(10, 4, 3, optimizer="rowwise_adagrad", partition="dimension")["optimizer_states"] == 10 * 4
+def test_sparse_gradients_are_bounded_by_the_coalescing_hook():
+    plan = dict(SMALL, value_optimizer="sparse_adam", tokens=1)
+    served = 1 * 2 * 3  # T x heads x top-m lookups per micro-batch at the owner
+    per_row = 8 * 4 + 8
+    assert components(TablePlan(**plan, microbatches=2))["gradients"] == 2 * served * per_row
+    assert components(TablePlan(**plan, microbatches=50))["gradients"] == (2 * 16 + served) * per_row
+    dim = components(TablePlan(**dict(plan, partition="dimension"), microbatches=2))
+    assert dim["gradients"] == 2 * 4 * served * (2 * 4 + 8)  # every requester's lookups, 2 columns
 
 
-def test_dimension_partition_splits_columns():
-    m = memory_per_rank(10, 4, 3, partition="dimension")  # 10 rows x ceil(4/3) = 2 cols
-    assert m["elements"] == 20 and m["table"] == 40
+def test_phases_compose_the_components():
+    plan = TablePlan(**SMALL, layers=3)
+    c, p = components(plan), phases(plan)
+    trained = c["table"] + c["slot_stats"] + 4 * c["keys"] + c["optimizer_states"]
+    assert p["init"] == 3 * (c["table"] + c["slot_stats"] + 2 * c["keys"]) + 2 * c["keys"]
+    assert p["step"] == 3 * (trained + c["gradients"]) + c["retrieval_activations"]
+    assert p["save"] == 3 * (trained + c["gradients"])
+    assert p["load"] == 3 * trained + 2 * c["keys"]
+    assert p["load_resharded"] == 3 * trained + max(2 * c["keys"], c["checkpoint_chunk"])
+    big = components(TablePlan(slots=4096 ** 2, dim=1024, group_size=2))
+    assert big["checkpoint_chunk"] == CHECKPOINT_CHUNK_BYTES
 
 
-def test_sparse_gradients():
-    # Number-wise: T K = 10 rows of 4 bf16 + an int64 index each.
-    m = memory_per_rank(10, 4, 3, grad="sparse", tokens=5, topm=2)
-    assert m["gradients_sparse"] == 10 * (4 * 2 + 8)
-    assert m["gradients"] == m["gradients_sparse"] and m["gradients_dense"] == 32
-    assert m["total"] == 32 + 160 + 64
-    # Dimension-wise: P T K = 30 rows of 2 columns.
-    d = memory_per_rank(10, 4, 3, grad="sparse", tokens=5, topm=2, partition="dimension")
-    assert d["gradients_sparse"] == 30 * (2 * 2 + 8)
+def test_per_rank_bytes_fall_as_one_over_p_and_checkpoint_size_does_not_move():
+    sizes = [phases(TablePlan(slots=1024 ** 2, dim=64, group_size=P, value_optimizer="rowwise_adagrad"))["save"]
+             for P in (1, 2, 4, 8)]
+    table_part = [s - sizes[-1] for s in sizes]  # the P-independent key grid cancels
+    assert table_part[0] / table_part[1] == pytest.approx(2 * (1 - 1 / 8) / (1 - 1 / 4), rel=1e-6)
+    assert checkpoint_bytes(TablePlan(slots=1024 ** 2, dim=64, group_size=8)) == 3 * 1024 ** 2 * 64 * 4
 
 
-def test_ten_billion_slots():
-    # 10^10 x 64 bf16, Adam, no master: 2 + 2 + 2*2 = 8 bytes/element = 512 bytes/slot;
-    # 5.12e12 / (80 * 2^30) = 59.6 -> 60 GPUs.
+def test_group_sizes_are_the_divisors_rmt_can_run():
+    assert group_sizes(TablePlan(slots=36, dim=8)) == [1, 2, 3, 4, 6, 9, 12, 18, 36]
+    assert group_sizes(TablePlan(slots=36, dim=8, partition="dimension")) == [1, 2, 4, 8]
+
+
+def test_min_group_size_is_the_smallest_runnable_fit():
+    plan = TablePlan(slots=100_000 ** 2, dim=64, group_size=64, value_optimizer="rowwise_adagrad")
     budget = 80 * GIB
-    assert min_group_size(10 ** 10, 64, budget) == 60
-    assert memory_per_rank(10 ** 10, 64, 59)["total"] > budget
-    assert memory_per_rank(10 ** 10, 64, 60)["total"] <= budget
-    # With an fp32 master: 2 + 4 + 4 + 2*4 = 18 bytes/element -> 11.52e12 / 80 GiB -> 135.
-    assert min_group_size(10 ** 10, 64, budget, master_fp32=True) == 135
-    plan = plan_memory(10 ** 10, 64, 64)
-    assert plan["fits"] and plan["min_group_size"] == 60
-    assert plan["budget_bytes"] == budget
-    assert plan["min_group_bytes_per_rank"]["total"] == 8 * 64 * -(-10 ** 10 // 60)
-
-
-def test_reserve_and_unfittable_budget():
-    with_reserve = plan_memory(10 ** 10, 64, gpu_mem_gib=80, reserve_gib=20)
-    assert with_reserve["min_group_size"] == 80  # 5.12e12 / (60 * 2^30) = 79.5 -> 80
-    # Sparse gradients of T K rows per rank do not shrink with P.
-    assert min_group_size(1000, 64, 10 ** 4, grad="sparse", tokens=1000, topm=32) is None
-    assert min_group_size(1000, 64, 10 ** 4, partition="dimension", grad="sparse",
-                          tokens=1000, topm=32) is None
-    assert plan_memory(10, 4, gpu_mem_gib=1e-9)["min_group_size"] is None
-
-
-def test_dimension_min_group_size_scans():
-    per_element = 8  # bf16 adam
-    budget = 10 * 4 * per_element  # 10 rows x 4 columns fits exactly
-    assert min_group_size(10, 16, budget, partition="dimension") == 4
+    P = min_group_size(plan, budget)
+    assert P is not None and max(phases(TablePlan(**{**plan.__dict__, "group_size": P})).values()) <= budget
+    smaller = [q for q in group_sizes(plan) if q < P]
+    assert all(max(phases(TablePlan(**{**plan.__dict__, "group_size": q})).values()) > budget for q in smaller)
+    doc = plan_memory(plan, gpu_mem_gib=80)
+    assert doc["min_group_size"] == P and doc["fits"] == (doc["peak"] <= doc["budget_bytes"])
+    assert plan_memory(TablePlan(slots=64, dim=8), gpu_mem_gib=1e-9)["min_group_size"] is None
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(slots=0), "slots"), (dict(dim=-4), "dim"), (dict(P=11), "exceeds slots"),
-    (dict(P=5, partition="dimension"), "exceeds dim"), (dict(dtype="int8"), "dtype"),
-    (dict(optimizer="lion"), "optimizer"), (dict(grad="sparse"), "tokens and topm"),
-    (dict(grad="sparse", tokens=4, topm=11), "exceed"), (dict(grad="lazy"), "grad"),
+    (dict(slots=10, dim=4), "not a square"),
+    (dict(slots=64, dim=4, group_size=3), "divisible by the group size"),
+    (dict(slots=64, dim=6, group_size=4, partition="dimension"), "value dim \\(6\\) divisible"),
+    (dict(slots=64, dim=8, partition="dimension", value_optimizer="rowwise_adagrad"), "number-wise"),
+    (dict(slots=64, dim=8, value_dtype="fp16"), "value dtype"),
+    (dict(slots=64, dim=8, value_optimizer="sgd"), "value optimizer"),
+    (dict(slots=64, dim=8, ive_blocks=2), "perfect square"),
+    (dict(slots=64, dim=8, tokens=0), "tokens must be a positive integer"),
 ])
-def test_invalid_input(kwargs, match):
-    args = dict(slots=10, dim=4, P=2)
-    args.update(kwargs)
+def test_layouts_rmt_cannot_run_are_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        memory_per_rank(args.pop("slots"), args.pop("dim"), args.pop("P"), **args)
+        phases(TablePlan(**kwargs))
 
 
-def test_invalid_budget():
-    with pytest.raises(ValueError, match="positive"):
-        plan_memory(10, 4, gpu_mem_gib=0)
+def test_reserve_and_memory_must_make_sense():
+    with pytest.raises(ValueError, match="must be positive"):
+        plan_memory(TablePlan(slots=64, dim=8), gpu_mem_gib=0)
     with pytest.raises(ValueError, match="reserve"):
-        plan_memory(10, 4, gpu_mem_gib=80, reserve_gib=80)
+        plan_memory(TablePlan(slots=64, dim=8), gpu_mem_gib=80, reserve_gib=80)
+
+
+def test_planned_tensors_match_a_built_layer():
+    """The shard, the slot flags and the key grid the planner counts are the sizes a built memory
+    layer allocates (here local: P = 1)."""
+    from rmt.config import load_config
+    from rmt.memory.layer import MemoryLayer, MemorySpec
+    from rmt.planner.memory import plan_from_config
+
+    config = load_config(None, ["model.hidden_size=32", "memory.type=ultramem", "memory.placement='1:2'",
+                                "memory.num_keys=16", "memory.key_dim=8", "memory.topk=4"])
+    layer = MemoryLayer(MemorySpec.from_config(config))
+    c = components(plan_from_config(config, group_size=1, layers=1, microbatches=1))
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    assert c["table"] == nbytes(layer.values.weight)
+    assert c["slot_stats"] == nbytes(layer.values.hits)
+    assert c["keys"] == nbytes(layer.keys)
+    h = torch.randn(config.train.micro_batch_size * config.model.seq_length, 32)
+    s_row, s_col = layer.side_scores(layer.query_input(h[:, None]).reshape(h.shape[0], 32), layer.keys)
+    assert c["retrieval_activations"] == 2 * (nbytes(s_row) + nbytes(s_col))
+    assert math.isqrt(c["table"] // (4 * 16)) == 16

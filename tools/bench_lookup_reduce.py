@@ -33,6 +33,13 @@ run between a memory layer's forward and its backward. Without it the method tim
 round would pay for the cache misses that the ones after it skip (they look up the same rows).
 ``--cache warm`` skips the flush.
 
+``--table-dtype bf16`` stores the value table (and so its gradient) in bf16 for every method,
+scores and outputs staying fp32 (``memory.value_dtype: bf16``; the byte counts use 2-byte table
+rows): lookup_reduce and the naive gather take the table as it is, embedding_bag needs its
+per-sample weights in the table's dtype and returns bf16 (torch's bf16 table). The optimizers
+keep their own state dtypes: rmt's SparseAdam and RowWiseAdagrad fp32, torch's SparseAdam and
+AdamW the table's (bf16).
+
 On a shared machine elapsed times mostly measure the other jobs; ``--clock thread`` with
 ``OMP_NUM_THREADS=1`` times the CPU time of the calling thread instead (torch runs CPU autograd on
 the calling thread, so forward and backward are both covered), which is stable to a few percent.
@@ -50,7 +57,7 @@ summed kernel time (every stream, side streams included) from torch.profiler.
 
     PYTHONPATH=. python tools/bench_lookup_reduce.py [--quick] [--json FILE] [--device cpu|cuda]
         [--huge-pages on|off] [--clock wall|thread|events|device] [--cache cold|warm] [--repeats R]
-        [--backend NAME] [--profile]
+        [--backend NAME] [--profile] [--table-dtype fp32|bf16]
 """
 
 import argparse
@@ -68,6 +75,7 @@ from rmt.ops import available_backends, lookup_reduce, select_backend
 from rmt.ops.sparse_optim import RowWiseAdagrad, SparseAdam
 
 HEADLINE = dict(N=1 << 20, D=64, T=4096, K=32, C=1, E=1)
+TABLE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
@@ -168,10 +176,12 @@ class CacheFlusher:
             self.buffer.fill_(1.0)
 
 
-def bytes_touched(N, D, T, K, C, E, unique, elem=4):
+def bytes_touched(N, D, T, K, C, E, unique, elem=4, table_elem=4):
+    """(forward, backward) bytes: table rows and row gradients of ``table_elem`` bytes per value,
+    scores, outputs and their gradients of ``elem``."""
     index_bytes = T * K * (8 + C * elem + (8 if E > 1 else 0))
-    fwd = T * K * D * elem + index_bytes + T * E * D * elem
-    bwd = T * E * D * elem + 2 * unique * D * elem + index_bytes + T * K * C * elem
+    fwd = T * K * D * table_elem + index_bytes + T * E * D * elem
+    bwd = T * E * D * elem + 2 * unique * D * table_elem + index_bytes + T * K * C * elem
     return fwd, bwd
 
 
@@ -184,11 +194,11 @@ def methods(shape, backends):
             out[f"lookup_reduce[{backend}] {kind} grad"] = (
                 lambda t, i, s, b, backend=backend, sparse=sparse: lookup_reduce(
                     t, i, s, b, E, backend=backend, sparse_grad=sparse, validate=False))
-    if C == 1 and E == 1:
+    if C == 1 and E == 1:  # embedding_bag's per-sample weights must have the table's dtype
         out["embedding_bag dense"] = lambda t, i, s, b: F.embedding_bag(
-            i, t, per_sample_weights=s[..., 0], mode="sum").unsqueeze(1)
+            i, t, per_sample_weights=s[..., 0].to(t.dtype), mode="sum").unsqueeze(1)
         out["embedding_bag sparse"] = lambda t, i, s, b: F.embedding_bag(
-            i, t, per_sample_weights=s[..., 0], mode="sum", sparse=True).unsqueeze(1)
+            i, t, per_sample_weights=s[..., 0].to(t.dtype), mode="sum", sparse=True).unsqueeze(1)
         out["naive gather+sum"] = lambda t, i, s, b: (t[i] * s).sum(1, keepdim=True)
     return out
 
@@ -198,18 +208,19 @@ def time_method(fn, table, indices, scores, block_ids, grad_out, timer, flush=la
     timer.start()
     out = fn(table, indices, scores, block_ids)
     fwd = timer.stop()
+    grad_out = grad_out.to(out.dtype)  # embedding_bag on a bf16 table returns bf16
     flush()
     timer.start()
     torch.autograd.grad(out, [table, scores], grad_out)
     return fwd, timer.stop()
 
 
-def make_inputs(shape, seed, device):
+def make_inputs(shape, seed, device, table_dtype=torch.float32):
     """Seeded (table, indices, scores, block ids or None, output gradient) of one shape on ``device``;
-    the table and scores require gradients."""
+    the table (of ``table_dtype``) and the scores (fp32) require gradients."""
     N, D, T, K, C, E = (shape[k] for k in ("N", "D", "T", "K", "C", "E"))
     gen = torch.Generator().manual_seed(seed)
-    table = torch.randn(N, D, generator=gen).to(device).requires_grad_(True)
+    table = torch.randn(N, D, generator=gen).to(device, table_dtype).requires_grad_(True)
     indices = torch.randint(0, N, (T, K), generator=gen).to(device)
     scores = torch.randn(T, K, C, generator=gen).to(device).requires_grad_(True)
     block_ids = torch.randint(0, E, (T, K), generator=gen).to(device) if E > 1 else None
@@ -217,11 +228,12 @@ def make_inputs(shape, seed, device):
     return table, indices, scores, block_ids, grad_out
 
 
-def bench_shape(shape, repeats, backends, timer, seed=0, flush=lambda: None, device=torch.device("cpu")):
+def bench_shape(shape, repeats, backends, timer, seed=0, flush=lambda: None, device=torch.device("cpu"),
+                table_dtype=torch.float32):
     N, D, T, K, C, E = (shape[k] for k in ("N", "D", "T", "K", "C", "E"))
-    table, indices, scores, block_ids, grad_out = make_inputs(shape, seed, device)
+    table, indices, scores, block_ids, grad_out = make_inputs(shape, seed, device, table_dtype)
     unique = torch.unique(indices).numel()
-    fwd_bytes, bwd_bytes = bytes_touched(N, D, T, K, C, E, unique)
+    fwd_bytes, bwd_bytes = bytes_touched(N, D, T, K, C, E, unique, table_elem=table.element_size())
     fns = methods(shape, backends)
     samples = {name: [] for name in fns}
     for rep in range(repeats + 1):  # the first round warms up (JIT build, allocator) and is dropped
@@ -246,7 +258,7 @@ def step_methods(backend):
         return lambda t, i, s: lookup_reduce(t, i, s, None, 1, backend=backend, sparse_grad=sparse, validate=False)
 
     def bag(sparse):
-        return lambda t, i, s: F.embedding_bag(i, t, per_sample_weights=s[..., 0], mode="sum",
+        return lambda t, i, s: F.embedding_bag(i, t, per_sample_weights=s[..., 0].to(t.dtype), mode="sum",
                                                sparse=sparse).unsqueeze(1)
 
     return {
@@ -258,11 +270,12 @@ def step_methods(backend):
     }
 
 
-def bench_step(shape, repeats, backend, timer, seed=0, flush=lambda: None, device=torch.device("cpu")):
+def bench_step(shape, repeats, backend, timer, seed=0, flush=lambda: None, device=torch.device("cpu"),
+               table_dtype=torch.float32):
     """Medians of one training step (fwd + bwd + optimizer step; zero_grad untimed) per method."""
     N, D, T, K = (shape[k] for k in ("N", "D", "T", "K"))
     gen = torch.Generator().manual_seed(seed)
-    init = torch.randn(N, D, generator=gen).to(device)
+    init = torch.randn(N, D, generator=gen).to(device, table_dtype)
     batches = [(torch.randint(0, N, (T, K), generator=gen).to(device),
                 torch.randn(T, K, 1, generator=gen).to(device)) for _ in range(repeats + 1)]
     grad_out = torch.randn(T, 1, D, generator=gen).to(device)
@@ -275,7 +288,8 @@ def bench_step(shape, repeats, backend, timer, seed=0, flush=lambda: None, devic
             optimizer.zero_grad(set_to_none=True)
             flush()
             timer.start()
-            forward(table, indices, scores).backward(grad_out)
+            out = forward(table, indices, scores)
+            out.backward(grad_out.to(out.dtype))
             optimizer.step()
             times.append(timer.stop())
         rows.append(dict(shape, method=name, step_s=statistics.median(times[1:])))
@@ -283,21 +297,22 @@ def bench_step(shape, repeats, backend, timer, seed=0, flush=lambda: None, devic
     return rows
 
 
-def profile_headline(backends, device, rows=12):
+def profile_headline(backends, device, rows=12, table_dtype=torch.float32):
     """One fwd+bwd of each method at the headline shape under torch.profiler: the ops and kernels
     that take the time (device time on a GPU), printed as torch's table. Returns, on a GPU, each
     method's summed kernel time in seconds (all streams)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    table, indices, scores, _, grad_out = make_inputs(HEADLINE, 1, device)
+    table, indices, scores, _, grad_out = make_inputs(HEADLINE, 1, device, table_dtype)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     summed = {}
     sort_by = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     for name, fn in methods(HEADLINE, backends).items():
         for _ in range(2):  # warm-up (JIT builds, allocator), then the profiled call
             with profile(activities=activities) as prof:
-                torch.autograd.grad(fn(table, indices, scores, None), [table, scores], grad_out)
+                out = fn(table, indices, scores, None)
+                torch.autograd.grad(out, [table, scores], grad_out.to(out.dtype))
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
         averages = prof.key_averages()
@@ -339,7 +354,7 @@ def print_steps(step_rows):
         print(f"{r['method']:<46} {r['step_s'] * 1e3:9.3f}")
 
 
-def best_case_s(head, bandwidth):
+def best_case_s(head, bandwidth, table_elem=4):
     """(gather rate in GB/s, estimated fwd+bwd seconds of an ideal implementation) at the headline.
 
     Every method's forward is the same gather of the K*T looked-up rows, so the fastest forward
@@ -349,15 +364,15 @@ def best_case_s(head, bandwidth):
     model, not a proof, of what the goals ask of the hardware."""
     fastest = min(head.values(), key=lambda r: r["fwd_s"])
     gather = fastest["fwd_gbps"] * 1e9
-    touched_bytes = fastest["unique_rows"] * fastest["D"] * 4
+    touched_bytes = fastest["unique_rows"] * fastest["D"] * table_elem
     return gather / 1e9, fastest["fwd_s"] + touched_bytes / gather + touched_bytes / (bandwidth * 1e9)
 
 
-def summarize(rows, bandwidth, backend, step_rows):
+def summarize(rows, bandwidth, backend, step_rows, table_elem=4):
     head = {r["method"]: r for r in rows if all(r[k] == v for k, v in HEADLINE.items())}
     ours = head[f"lookup_reduce[{backend}] sparse grad"]
     step = {r["method"]: r["step_s"] for r in step_rows}
-    gather_gbps, best = best_case_s(head, bandwidth)
+    gather_gbps, best = best_case_s(head, bandwidth, table_elem)
     return {
         "step_speedup_sparse_adam_vs_embedding_bag_sparse_adam":
             step["embedding_bag sparse + torch SparseAdam"] / step[f"lookup_reduce[{backend}] sparse + rmt SparseAdam"],
@@ -392,7 +407,11 @@ def main(argv=None):
                         help="also print torch.profiler's table of one fwd+bwd per method at the headline shape")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
                         help="where the tensors live (default: cuda where torch sees a GPU, else cpu)")
+    parser.add_argument("--table-dtype", choices=tuple(TABLE_DTYPES), default="fp32",
+                        help="the value table's storage dtype (scores and outputs stay fp32; default fp32)")
     args = parser.parse_args(argv)
+    table_dtype = TABLE_DTYPES[args.table_dtype]
+    table_elem = torch.empty(0, dtype=table_dtype).element_size()
     os.environ["THP_MEM_ALLOC_ENABLE"] = "1" if args.huge_pages == "on" else "0"
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -412,17 +431,18 @@ def main(argv=None):
     bandwidth = measure_bandwidth(probe_mib, 7, timer, device)
     flush = CacheFlusher(args.cache == "cold", device)
     rows = [r for shape in shapes(args.quick, device)
-            for r in bench_shape(shape, repeats, backends, timer, flush=flush, device=device)]
+            for r in bench_shape(shape, repeats, backends, timer, flush=flush, device=device, table_dtype=table_dtype)]
     print_table(rows, bandwidth, args.huge_pages, args.clock, args.cache, device)
-    step_rows = bench_step(HEADLINE, repeats, backend, timer, flush=flush, device=device)
+    step_rows = bench_step(HEADLINE, repeats, backend, timer, flush=flush, device=device, table_dtype=table_dtype)
     print_steps(step_rows)
-    kernel_s = profile_headline(backends, device) if args.profile else {}
-    summary = summarize(rows, bandwidth, backend, step_rows)
+    kernel_s = profile_headline(backends, device, table_dtype=table_dtype) if args.profile else {}
+    summary = summarize(rows, bandwidth, backend, step_rows, table_elem)
     if kernel_s:
         ours = kernel_s[f"lookup_reduce[{backend}] sparse grad"]
         summary["kernel_time_speedup_vs_embedding_bag_sparse"] = kernel_s["embedding_bag sparse"] / ours
         summary["kernel_time_speedup_vs_embedding_bag_dense"] = kernel_s["embedding_bag dense"] / ours
-    print(f"summary ({backend}; fwd+bwd at N=1M, D=64, T=4096, K=32, C=1, E=1, fp32):")
+    print(f"summary ({backend}; fwd+bwd at N=1M, D=64, T=4096, K=32, C=1, E=1, {args.table_dtype} table, "
+          f"fp32 scores):")
     for key, value in summary.items():
         print(f"  {key}: {value:.3f}")
     if args.json:
@@ -431,7 +451,7 @@ def main(argv=None):
                        torch=torch.__version__, threads=torch.get_num_threads(), backend=backend,
                        backends=backends, device=str(device), gpu=gpu,
                        copy_bandwidth_gbps=bandwidth, huge_pages=args.huge_pages, clock=args.clock,
-                       cache=args.cache)
+                       cache=args.cache, table_dtype=args.table_dtype)
         with open(args.json, "w") as f:
             json.dump(dict(benchmark="bench_lookup_reduce", machine=machine, rows=rows, step_rows=step_rows,
                            kernel_s=kernel_s, summary=summary), f, indent=1)

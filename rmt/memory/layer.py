@@ -60,6 +60,7 @@ class MemorySpec:
     aux_loss_margin: float = _MEM.aux_loss_margin
     init_std: float = ModelConfig.init_std
     sparse_grad: bool = False  # value table gradients as touched rows (sparse optimizers)
+    value_dtype: torch.dtype = torch.float32  # storage dtype of the value table (memory.value_dtype)
     seed: int = 0
 
     def __post_init__(self):
@@ -75,7 +76,8 @@ class MemorySpec:
         width = memory_width(config)
         common = dict(hidden_size=width, num_layers=m.num_layers, num_heads=mem.num_heads,
                       topk=mem.topk, num_keys=mem.num_keys, init_std=m.init_std,
-                      sparse_grad=mem.value_optimizer != "adamw", seed=config.train.seed * 1000 + index)
+                      sparse_grad=mem.value_optimizer != "adamw", seed=config.train.seed * 1000 + index,
+                      value_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[mem.value_dtype])
         if mem.type == "pkm":
             return cls(side_dim=mem.key_dim // 2, retrieval="product", tucker_rank=1, num_cores=1,
                        ive_blocks=1, ive_shuffle=False, softmax=True, value_dim=width,
@@ -117,7 +119,7 @@ class MemorySpec:
     def table(self, **sharding) -> MemoryTable:
         """This layer's value table; ``sharding``: :class:`MemoryTable`'s partition arguments."""
         return MemoryTable(self.num_values, self.value_dim, self.value_std, sparse_grad=self.sparse_grad,
-                           init_key=self.value_init_key, **sharding)
+                           init_key=self.value_init_key, dtype=self.value_dtype, **sharding)
 
 
 def _tag(param: torch.nn.Parameter, std: Optional[float]) -> torch.nn.Parameter:
@@ -220,9 +222,10 @@ class MemoryLayer(torch.nn.Module):
         q = self.query(h).view(T, s.num_heads, 1 if s.share_query else 2, s.tucker_rank, self.sub_dim)
         if s.query_key_norm:
             q = self.query_norm(q)
-        q = q.expand(-1, -1, 2, -1, -1)
-        both = torch.einsum("thsrd,hsrnd->thsrn", q, keys)
-        return both[:, :, 0], both[:, :, 1]
+        # One product per side (a shared query serves both): slices of one [T, H, 2, r, n] product
+        # would backpropagate through two zero-filled copies of it and their sum.
+        return tuple(torch.einsum("thrd,hrnd->thrn", q[:, :, min(side, q.shape[2] - 1)], keys[:, side])
+                     for side in (0, 1))
 
     def retrieve(self, h: torch.Tensor):
         """Flat ``[T, H*m]`` virtual addresses and ``[T, H*m, C]`` scores."""

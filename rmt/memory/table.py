@@ -18,6 +18,7 @@ from rmt.memory import sharded_table
 from rmt.memory.comm_counter import CommCounter
 from rmt.ops import lookup_reduce
 from rmt.ops.counter_normal import fill_normal_
+from rmt.ops.sparse_optim import coalesced
 
 PARTITIONS = ("local", "number", "dimension", "auto")
 
@@ -40,6 +41,17 @@ def resolve_partition(partition: str, num_slots: int, dim: int, group_size: int,
                             owner_reduce=owner_reduce, ive=plan["ive"], cores=plan["cores"],
                             index_bytes=4, value_bytes=value_bytes, dedup=not owner_reduce,
                             slots=None if owner_reduce else num_slots)
+
+
+def _bound_sparse_grad(weight: torch.Tensor) -> None:
+    """Coalesce an accumulated sparse gradient once it holds more entries than the shard has rows:
+    torch sums sparse gradients by concatenation, so over a step's micro-batches the touched rows
+    would pile up without bound (32 micro-batches of 2,048 tokens x 84 lookups of 4 KiB rows are
+    21 GiB, against a 196 MiB shard of UltraMem-1.6B-x12 on 64 ranks). Bounded by the rows plus
+    one micro-batch's rows (and a coalesced copy while it is made)."""
+    grad = weight.grad
+    if grad is not None and grad.is_sparse and grad._nnz() > weight.shape[0]:
+        weight.grad = coalesced(grad)
 
 
 class MemoryTable(torch.nn.Module):
@@ -101,6 +113,7 @@ class MemoryTable(torch.nn.Module):
         self.weight.memory_value = True
         if sparse_grad:
             self.weight.memory_sparse_grad = True
+            self.weight.register_post_accumulate_grad_hook(_bound_sparse_grad)
         if partition != "local":
             self.weight.memory_sharded = True
             self.weight.memory_group, self.weight.memory_replica_group = group, replica_group
@@ -135,12 +148,12 @@ class MemoryTable(torch.nn.Module):
     def lookup_reduce(self, indices: torch.Tensor, scores: torch.Tensor, block_ids, num_blocks: int,
                       validate: bool = True):
         """``[T, K]`` slots, ``[T, K, C]`` scores, ``[T, K]`` virtual blocks or None ->
-        ``[T, num_blocks, dim]`` pooled values (UltraMem Eq. 15 and 17; ``rmt.ops`` contract).
+        ``[T, num_blocks, dim]`` pooled values (UltraMem Eq. 15 and 17; ``rmt.ops`` contract), in
+        the scores' dtype: a bf16 table is read as stored and accumulated in fp32.
 
         ``validate=False`` skips the op's index range checks on a local table, a min/max each and,
         on a GPU, a host sync that drains the device queue: for slots in range by construction,
         like the memory layer's retrieval. The sharded paths index with slots they derive."""
-        scores = scores.to(self.weight.dtype)
         if self.partition == "local":
             if self.training:
                 self.record_hits(indices)

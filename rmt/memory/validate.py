@@ -12,6 +12,7 @@ MOE_PLACEMENTS = ("skip", "mlp")
 MOE_DISPATCHERS = ("alltoall", "allgather")
 TABLE_PARTITIONS = ("local", "number", "dimension", "auto")
 VALUE_OPTIMIZERS = ("adamw", "sparse_adam", "rowwise_adagrad")
+VALUE_DTYPES = ("fp32", "bf16")
 
 
 def memory_width(config) -> int:
@@ -186,7 +187,10 @@ def validate_memory_parallel(config, world_size: int) -> None:
 
 
 def validate_value_optimizer(mem) -> None:
-    """``memory.value_optimizer``: a known name; row-wise Adagrad needs whole rows on a rank."""
+    """``memory.value_optimizer``: a known name; row-wise Adagrad needs whole rows on a rank;
+    ``memory.value_dtype``: a storage dtype the kernels take."""
+    if mem.value_dtype not in VALUE_DTYPES:
+        raise ConfigError(f"memory.value_dtype must be one of {', '.join(VALUE_DTYPES)}, got '{mem.value_dtype}'")
     if mem.value_optimizer not in VALUE_OPTIMIZERS:
         raise ConfigError(f"memory.value_optimizer must be one of {', '.join(VALUE_OPTIMIZERS)}, "
                           f"got '{mem.value_optimizer}'")

@@ -17,6 +17,27 @@ environment variable ``RMT_LOOKUP_BACKEND`` (``reference|cpu|triton|cuda``; Trit
 under ``TRITON_INTERPRET=1``). Every backend accumulates in fp32 and computes the table gradient
 without atomics: lookups are sorted by row, then each row's contributions are summed in a fixed
 order, so the table gradient is bit-identical from run to run.
+
+Dtypes. The table may be stored narrower than the computation, like FBGEMM's table-batched
+embeddings with bf16 weights and fp32 outputs:
+
+    ==========================  =================  ====================================
+    table                       scores             backends
+    ==========================  =================  ====================================
+    float32, bfloat16, float16  the table's dtype  cuda, triton, cpu, reference
+    bfloat16, float16           float32            cuda, triton, cpu, reference
+    float64                     float64            cpu, reference
+    ==========================  =================  ====================================
+
+The output, its gradient and the score gradients have the scores' dtype; the table gradient
+(dense, or the sparse touched rows) has the table's. Every backend reads the table's stored
+values, converts them exactly to fp32 (fp64 for fp64), accumulates there, and rounds each result
+once to its dtype: with a bf16 table and fp32 scores the only rounding beyond fp32 arithmetic is
+the table's storage and the table gradient's final rounding (each row's gradient is summed in
+fp32 and rounded to bf16 once), so the output equals the fp32 computation on the same
+(bf16-representable) table values, and the table gradient is the fp32 gradient rounded to bf16
+(``rmt.ops.testing.check_narrow_table``, run for every backend). A bf16 table halves the bytes
+the op gathers and the gradient rows it writes; its scores should stay fp32.
 """
 
 import os
@@ -104,7 +125,7 @@ class LookupReduceFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         table, scores, indices, block_ids = ctx.saved_tensors
-        grad_out = grad_out.to(table.dtype).contiguous()
+        grad_out = grad_out.to(scores.dtype).contiguous()
         args = (grad_out, table, indices, scores, block_ids, ctx.num_blocks)
         dense_kernel = getattr(ctx.impl, "backward_dense", None)
         if ctx.needs_input_grad[0] and not ctx.sparse_grad and dense_kernel is not None:
@@ -130,19 +151,21 @@ def lookup_reduce(table, indices, scores, block_ids=None, num_blocks=1, *, backe
     Args:
         table: [N, D] value table (float32, bfloat16, float16; float64 on reference and cpu).
         indices: [T, K] int32/int64 row indices in [0, N); duplicates within a token are allowed.
-        scores: [T, K, C] weights, same dtype as ``table``; column c scales the c-th D/C slice
-            (multi-core scores, UltraMem Eq. 16-17). D must be divisible by C.
+        scores: [T, K, C] weights, of the table's dtype or float32 for a bfloat16/float16 table
+            (see the module docstring); column c scales the c-th D/C slice (multi-core scores,
+            UltraMem Eq. 16-17). D must be divisible by C.
         block_ids: [T, K] int virtual-block ids in [0, num_blocks) (IVE, Eq. 13-15), or None
             for a single block.
         num_blocks: number of virtual blocks E.
         backend: None (auto / $RMT_LOOKUP_BACKEND) or one of "reference", "cpu", "triton", "cuda".
-        sparse_grad: return the table gradient as a sparse COO tensor of the touched rows
-            (use with ``rmt.ops.sparse_optim.SparseAdam`` or ``RowWiseAdagrad``).
+        sparse_grad: return the table gradient as a sparse COO tensor of the touched rows,
+            coalesced, of the table's dtype (use with ``rmt.ops.sparse_optim.SparseAdam`` or
+            ``RowWiseAdagrad``).
         validate: check index ranges (one min/max reduction each); shape and dtype checks
             always run.
 
     Returns:
-        [T, num_blocks, D] tensor of ``table.dtype`` (accumulated in fp32).
+        [T, num_blocks, D] tensor of ``scores.dtype`` (accumulated in fp32, fp64 for fp64).
     """
     check_inputs(table, indices, scores, block_ids, num_blocks, check_range=validate)
     name = select_backend(table.device, backend, table.dtype)

@@ -4,40 +4,51 @@
 backend is tested against. ``reference_backward`` computes the same (rows, row gradients,
 score gradients) triple the kernels return, in plain torch, so the reference can also run
 behind the op's ``autograd.Function``.
+
+Dtypes (the op's contract, :mod:`rmt.ops.lookup_reduce`): the table may be narrower than the
+scores (a bfloat16/float16 table with float32 scores). Everything is computed in the
+accumulation dtype (float64 for float64 scores, else float32) from the table's stored values;
+the output and the score gradients take the scores' dtype, the table gradient rows the table's,
+each row's gradient summed in the accumulation dtype and rounded once.
 """
 
 import torch
 
 
-def _acc_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def acc_dtype(scores_dtype):
+    """The accumulation dtype: float64 for float64 scores (and tables), else float32."""
+    return torch.float64 if scores_dtype == torch.float64 else torch.float32
 
 
 def reference_forward(table, indices, scores, block_ids=None, num_blocks=1):
     """out[t, b, slice c] = sum_{k: block_ids[t,k]==b} scores[t,k,c] * table[indices[t,k], slice c].
 
-    Accumulates in fp32 (fp64 for fp64 tables) and returns ``table.dtype``.
+    Accumulates in :func:`acc_dtype` and returns ``scores.dtype``. Differentiated by autograd
+    with respect to a table narrower than the scores, each lookup's contribution is rounded to
+    the table dtype before the per-row sum: the op's table gradient (one rounding per row) is
+    :func:`reference_backward`'s, and tests differentiate this function on upcast tables.
     """
     T, K = indices.shape
     D = table.shape[1]
     C = scores.shape[2]
-    acc = _acc_dtype(table.dtype)
+    acc = acc_dtype(scores.dtype)
     rows = table[indices.reshape(-1).long()].to(acc).view(T * K, C, D // C)
     weighted = (rows * scores.reshape(T * K, C, 1).to(acc)).view(T * K, D)
     token = torch.arange(T, device=indices.device).repeat_interleave(K)
     blocks = 0 if block_ids is None else block_ids.reshape(-1).long()
     out = torch.zeros(T * num_blocks, D, dtype=acc, device=table.device)
     out = out.index_add(0, token * num_blocks + blocks, weighted)
-    return out.view(T, num_blocks, D).to(table.dtype)
+    return out.view(T, num_blocks, D).to(scores.dtype)
 
 
 def reference_backward(grad_out, table, indices, scores, block_ids, num_blocks):
-    """Return (unique touched rows [U], their gradient rows [U, D], score gradients [T, K, C])."""
+    """Return (unique touched rows [U], their gradient rows [U, D] of ``table.dtype``, score
+    gradients [T, K, C] of ``scores.dtype``); ``grad_out`` has the output's (scores') dtype."""
     T, K = indices.shape
     D = table.shape[1]
     C = scores.shape[2]
     M = T * K
-    acc = _acc_dtype(table.dtype)
+    acc = acc_dtype(scores.dtype)
     flat = indices.reshape(-1).long()
     rows, inverse = torch.unique(flat, sorted=True, return_inverse=True)
     token = torch.arange(T, device=indices.device).repeat_interleave(K)

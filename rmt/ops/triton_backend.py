@@ -1,7 +1,9 @@
 """Triton backend: launches rmt/ops/triton_kernels.py; row sort and segmenting in torch.
 
 Runs on CUDA tensors, and on CPU tensors only under ``TRITON_INTERPRET=1`` (tests), which must
-be set before Triton is first imported.
+be set before Triton is first imported. The output and score gradients take the scores' dtype,
+the table gradient the table's (a bf16/fp16 table may come with fp32 scores): the kernels load
+every operand as fp32 and round each result once on store.
 """
 
 import importlib.util
@@ -29,7 +31,7 @@ def forward(table, indices, scores, block_ids, num_blocks):
     T, K = indices.shape
     N, D = table.shape
     C = scores.shape[2]
-    out = torch.empty(T, num_blocks, D, dtype=table.dtype, device=table.device)
+    out = torch.empty(T, num_blocks, D, dtype=scores.dtype, device=table.device)
     has_blocks = block_ids is not None
     lookup_reduce_fwd_kernel[(T, num_blocks)](
         table, indices, scores, block_ids if has_blocks else indices, out, K, D, num_blocks,

@@ -2,7 +2,9 @@
 
 Forward: one program per (token, virtual block); it walks the token's K lookups, loads the
 rows whose block id matches, and accumulates ``score[col // (D/C)] * row`` in fp32 over a
-padded power-of-two lane vector (any D works through masking).
+padded power-of-two lane vector (any D works through masking). Every operand is converted to
+fp32 on load and every result rounded once to its pointer's dtype on store, so a table stored
+narrower than the scores (bf16 with fp32 scores) changes nothing but those conversions.
 
 Backward: lookups are sorted by row (stable) and segmented on the device, so each program owns
 one unique row and sums its contributions in position order: no atomics, bit-identical table

@@ -4,6 +4,17 @@ import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
+# Table dtypes that may be paired with float32 scores (storage narrower than the computation).
+NARROW_TABLE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def dtypes_supported(table_dtype, scores_dtype):
+    """True for the (table, scores) dtype pairs the op takes: one floating dtype for both, or a
+    bfloat16/float16 table with float32 scores (the output and score gradients follow the scores,
+    the table gradient the table)."""
+    if table_dtype not in FLOAT_DTYPES:
+        return False
+    return scores_dtype == table_dtype or (table_dtype in NARROW_TABLE_DTYPES and scores_dtype == torch.float32)
 
 
 def _fail(message):
@@ -39,8 +50,9 @@ def check_inputs(table, indices, scores, block_ids, num_blocks, check_range=True
         _fail(f"scores must be [T, K, C] with [T, K] = {tuple(indices.shape)}; got shape {tuple(scores.shape)}")
     if table.dtype not in FLOAT_DTYPES:
         _fail(f"table dtype must be one of float32, bfloat16, float16, float64; got {table.dtype}")
-    if scores.dtype != table.dtype:
-        _fail(f"scores dtype {scores.dtype} must equal table dtype {table.dtype}")
+    if not dtypes_supported(table.dtype, scores.dtype):
+        _fail(f"scores dtype {scores.dtype} must equal table dtype {table.dtype}, or be torch.float32 for a "
+              f"bfloat16 or float16 table")
     if indices.dtype not in INDEX_DTYPES:
         _fail(f"indices dtype must be int32 or int64; got {indices.dtype}")
     n, d = table.shape

@@ -208,65 +208,114 @@ def _run_comm(args: argparse.Namespace) -> int:
 
 
 def _add_memory_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--slots", type=positive_int, required=True, metavar="N",
-                   help="memory table slots (rows)")
-    p.add_argument("--dim", type=positive_int, required=True, metavar="D",
-                   help="value dimension (columns)")
-    p.add_argument("--group-size", type=positive_int, default=1, metavar="P",
-                   help="ranks the table is sharded over (default 1)")
-    p.add_argument("--dtype", choices=sorted(memory.DTYPE_BYTES), default="bf16",
-                   help="table dtype (default bf16)")
-    p.add_argument("--optimizer", choices=sorted(memory.OPTIMIZER_STATES),
-                   default="adam",
-                   help="adam: 2 states/element, adagrad: 1, sgd: 0, rowwise_adagrad: one fp32 "
-                        "per row (default adam)")
-    p.add_argument("--master-fp32", action="store_true",
-                   help="keep an fp32 master copy; gradients and optimizer states fp32")
-    p.add_argument("--grad", choices=memory.GRAD_MODES, default="dense",
-                   help="dense: table-shard-sized gradient (default); sparse: touched "
-                        "rows as (int64 index, row) pairs, needs --tokens and --topm")
-    p.add_argument("--tokens", type=positive_int, metavar="T",
-                   help="tokens per rank per step (for sparse gradients)")
-    p.add_argument("--topm", type=positive_int, metavar="K",
-                   help="values retrieved per token (for sparse gradients)")
-    p.add_argument("--partition", choices=memory.PARTITIONS, default="number",
-                   help="number: rows split (default); dimension: columns split")
+    d = memory.TablePlan(slots=1, dim=1)
+    p.add_argument("--config", metavar="FILE", help="take every table term from this UltraMem/PKM config "
+                   "(and the overrides after it) instead of the flags below")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides (with --config)")
+    p.add_argument("--world-size", type=positive_int, metavar="W",
+                   help="with --config: ranks in all; gives the data-parallel size, the memory-parallel group "
+                        "(memory.group_size, or data x tensor parallel) and the micro-batches per step")
+    p.add_argument("--slots", type=positive_int, metavar="N", help="slots per table (num_keys^2)")
+    p.add_argument("--dim", type=positive_int, metavar="D", help="value dimension")
+    p.add_argument("--group-size", type=positive_int, metavar="P",
+                   help="ranks each table is sharded over (default 1; with --config: from --world-size)")
+    p.add_argument("--partition", choices=memory.PARTITIONS, default=d.partition, help="number (rows split, "
+                   "default) or dimension (columns split)")
+    p.add_argument("--value-optimizer", choices=memory.VALUE_OPTIMIZERS, default=d.value_optimizer,
+                   help="memory.value_optimizer (default adamw)")
+    p.add_argument("--value-dtype", choices=sorted(memory.DTYPE_BYTES), default=d.value_dtype,
+                   help="memory.value_dtype (default fp32)")
+    p.add_argument("--layers", type=positive_int, default=d.layers, help="memory layers on a rank (default 1)")
+    p.add_argument("--tokens", type=positive_int, default=d.tokens, metavar="T",
+                   help=f"tokens per micro-batch on a rank (default {d.tokens})")
+    p.add_argument("--microbatches", type=positive_int, default=d.microbatches, help="micro-batches per step")
+    for name in ("heads", "topk", "key_dim", "tucker_rank", "ive_blocks"):
+        p.add_argument("--" + name.replace("_", "-"), type=positive_int, default=getattr(d, name),
+                       help=f"memory.{name.replace('heads', 'num_heads')} (default {getattr(d, name)})")
+    p.add_argument("--precision", choices=memory.PRECISIONS, default=d.precision, help="train.precision")
+    p.add_argument("--device", choices=("cpu", "gpu"), default=d.device,
+                   help="where the tables live (a GPU save stages one chunk in host memory)")
     p.add_argument("--gpu-mem-gib", type=positive_float, default=80.0, metavar="GIB",
-                   help="memory per GPU in GiB (default 80)")
+                   help="memory per rank in GiB (default 80)")
     p.add_argument("--reserve-gib", type=non_negative_float, default=0.0, metavar="GIB",
-                   help="GiB per GPU kept for the dense model, activations and workspace "
-                        "(default 0)")
+                   help="GiB per rank kept for what does not grow with the slots: the dense model, its "
+                        "optimizer and activations, the framework (default 0)")
     p.add_argument("--json", metavar="FILE", help="write the numbers to FILE")
 
 
-def _memory_breakdown(per_rank: dict) -> list[str]:
-    rows = [("table shard", per_rank["table"]), ("gradients", per_rank["gradients"]),
-            ("master weights (fp32)", per_rank["master_weights"]),
-            ("optimizer states", per_rank["optimizer_states"]),
-            ("total", per_rank["total"])]
-    return [f"  {label:<24} {n:>22,}  {human(n):>11}" for label, n in rows]
+def _plan_from_args(args: argparse.Namespace) -> memory.TablePlan:
+    if args.config is None:
+        if args.slots is None or args.dim is None or args.overrides:
+            raise ValueError("give --slots and --dim, or --config FILE [section.key=value ...].")
+        return memory.TablePlan(**{k: getattr(args, k) for k in (
+            "slots", "dim", "partition", "value_optimizer", "value_dtype", "layers", "tokens", "microbatches",
+            "heads", "topk", "key_dim", "tucker_rank", "ive_blocks", "precision", "device")},
+            group_size=args.group_size or 1)
+    if args.slots is not None or args.dim is not None:
+        raise ValueError("--slots and --dim come from the config with --config; change them there "
+                         "(memory.num_keys=K) instead.")
+    from rmt.config import load_config
+    from rmt.errors import UserError
+    from rmt.memory.validate import parse_placement, stage_layers
+
+    try:
+        config = load_config(args.config, args.overrides)
+        if config.memory.type not in ("ultramem", "pkm"):
+            raise ValueError(f"memory.type is '{config.memory.type}': rmt-plan memory plans UltraMem and PKM tables.")
+        placement = parse_placement(config.memory.placement, config.model.num_layers)
+    except UserError as err:
+        raise ValueError(str(err)) from None
+    par = config.parallel
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    if args.world_size is not None:
+        if args.world_size % (tp * pp):
+            raise ValueError(f"the world size ({args.world_size}) must be a multiple of tensor x pipeline "
+                             f"parallel ({tp} x {pp}).")
+        dp = args.world_size // (tp * pp)
+        group = 1 if config.memory.partition == "local" else (config.memory.group_size or dp * tp)
+        if args.group_size is not None and args.group_size != group:
+            raise ValueError(f"--group-size {args.group_size} contradicts the config's group of {group} ranks "
+                             f"at world size {args.world_size}.")
+    elif args.group_size is not None:
+        group = args.group_size
+        dp = max(1, group // tp) if not config.memory.group_size else 1
+    else:
+        raise ValueError("with --config give --world-size (or --group-size).")
+    layers = max(sum(1 for i, j in placement if first <= i and j <= last)
+                 for first, last in (stage_layers(config, s) for s in range(pp)))
+    t = config.train
+    microbatches = max(1, (t.global_batch_size or t.micro_batch_size * dp) // (t.micro_batch_size * dp))
+    plan = memory.plan_from_config(config, group, layers, microbatches)
+    return memory.TablePlan(**dict(vars(plan), device=args.device))
+
+
+def _human_rows(rows) -> list[str]:
+    return [f"  {label:<26} {n:>22,}  {human(n):>11}" for label, n in rows]
 
 
 def _run_memory(args: argparse.Namespace) -> int:
-    doc = memory.plan_memory(
-        args.slots, args.dim, args.group_size, gpu_mem_gib=args.gpu_mem_gib,
-        reserve_gib=args.reserve_gib, dtype=args.dtype, optimizer=args.optimizer,
-        master_fp32=args.master_fp32, grad=args.grad, tokens=args.tokens,
-        topm=args.topm, partition=args.partition)
-    lines = [f"memory table {args.slots:,} slots x {args.dim}, {args.dtype}, "
-             f"{args.optimizer}{' + fp32 master' if args.master_fp32 else ''}, "
-             f"{args.grad} gradients, {args.partition}-wise",
-             f"bytes per rank at P={args.group_size}:"]
-    lines += _memory_breakdown(doc["bytes_per_rank"])
-    lines.append(f"budget per rank: {args.gpu_mem_gib:g} GiB - {args.reserve_gib:g} GiB "
-                 f"reserve = {doc['budget_bytes']:,} bytes -> "
-                 f"{'fits' if doc['fits'] else 'does not fit'} at P={args.group_size}")
+    plan = _plan_from_args(args)
+    doc = memory.plan_memory(plan, gpu_mem_gib=args.gpu_mem_gib, reserve_gib=args.reserve_gib)
+    rows, cols = doc["shard_shape"]
+    lines = [f"{plan.layers} memory table(s) of {plan.slots:,} slots ({doc['num_keys']:,}^2) x {plan.dim}, "
+             f"{plan.value_dtype}, {plan.value_optimizer}, {plan.partition}-wise over P={plan.group_size}: "
+             f"a {rows:,} x {cols:,} shard per rank",
+             f"each step: {plan.microbatches} micro-batch(es) of {plan.tokens:,} tokens, {plan.heads} heads x "
+             f"top-{plan.topk}, keys {plan.key_dim} (rank {plan.tucker_rank}, grid side {doc['grid_side']:,}), "
+             f"{plan.precision}", "bytes per memory layer on a rank:"]
+    lines += _human_rows(doc["components_per_layer"].items())
+    lines.append("peak bytes per rank that grow with the slots, by phase:")
+    lines += _human_rows(doc["phases"].items())
+    lines.append(f"checkpoint: {human(doc['checkpoint_bytes'])} of tables and optimizer states in all"
+                 + (f"; a GPU save stages {human(doc['host_chunk'])} of host memory" if doc["host_chunk"] else ""))
+    lines.append(f"budget per rank: {args.gpu_mem_gib:g} GiB - {args.reserve_gib:g} GiB reserve -> "
+                 f"{'fits' if doc['fits'] else 'does not fit'} at P={plan.group_size} "
+                 f"(peak {human(doc['peak'])})")
     if doc["min_group_size"] is None:
-        lines.append("no group size fits this budget")
+        lines.append("no group size rmt can run fits this budget")
     else:
-        lines.append(f"minimal group size: {doc['min_group_size']} GPUs of "
-                     f"{args.gpu_mem_gib:g} GiB")
-        lines += _memory_breakdown(doc["min_group_bytes_per_rank"])
+        lines.append(f"smallest group that fits: P={doc['min_group_size']} "
+                     f"(peak {human(max(doc['min_group_phases'].values()))} per rank)")
     print("\n".join(lines))
     _write_json(args.json, doc)
     return 0
@@ -276,8 +325,8 @@ SUBCOMMANDS: list[Subcommand] = [
     Subcommand("comm", "bytes per collective per step for number- and dimension-wise "
                "partitions (UltraMem Appendix D) and the cheaper choice",
                _add_comm_arguments, _run_comm),
-    Subcommand("memory", "bytes per rank of table, gradients and optimizer states; "
-               "minimal group size for a GPU memory", _add_memory_arguments, _run_memory),
+    Subcommand("memory", "peak bytes per rank of sharded memory tables in each phase (init, step, save, "
+               "load) and the smallest group that fits", _add_memory_arguments, _run_memory),
 ]
 SUBCOMMANDS.append(Subcommand("model", "parameters (total, without embeddings, activated per token), "
                               "forward FLOPs and activation bytes per token of any architecture with "

@@ -1,40 +1,117 @@
-"""Bytes per rank of a sharded memory table: shard, gradients, optimizer states.
+"""Bytes per rank of sharded memory tables, phase by phase: what ``rmt-plan memory`` answers.
 
-UltraMem's Appendix C shards the value table over a memory-parallel group of ``P`` ranks
-because table plus optimizer states exceed one device. This module answers "how much
-memory does each rank need" and "how many ranks does the table need".
+UltraMem's Appendix C shards the value table over a memory-parallel group of ``P`` ranks because
+table plus optimizer states exceed one device. This module counts every byte per rank that grows
+with the table's slots, as rmt's implementation holds them, for each phase of a run, so that
+"how many ranks does this table need" is answered before the run (``tools/bench_memory_scale.py``
+measures the same phases against it).
 
-Conventions:
+Per memory layer on a rank (``b`` = bytes of ``value_dtype``; a number-wise shard is ``N/P`` rows
+of ``D``, a dimension-wise one ``N`` rows of ``D/P``; ``n = num_keys * sqrt(E)`` keys per grid side):
 
-* Shard: number-wise a rank holds ``ceil(N/P)`` rows of ``D`` columns (the largest
-  shard); dimension-wise ``N`` rows of ``ceil(D/P)`` columns.
-* ``master_fp32``: mixed precision with an fp32 master copy of the shard (none if the
-  table is already fp32); gradients are then accumulated in fp32 and optimizer states
-  kept in fp32. Without it, gradients and optimizer states use the table's dtype
-  (fp32 tables: fp32 everywhere).
-* Optimizer states per element: Adam 2 (first and second moment; SparseAdam too, its
-  moments are dense), Adagrad 1 (sum of squares), SGD 0 (no momentum). Row-wise Adagrad
-  (``rowwise_adagrad``, ``memory.value_optimizer``) keeps one fp32 accumulator per row of
-  the shard instead, whatever the width.
-* Gradients, ``grad="dense"``: one table-shard-sized buffer (what autograd of an
-  embedding lookup materializes). ``grad="sparse"``: the rows touched in a step, kept
-  uncoalesced as (int64 row index, row gradient) pairs. With ``tokens`` = T tokens per
-  rank and ``topm`` = K, number-wise each rank receives ``T K`` rows of ``D`` in
-  expectation (``T K / P`` from each of ``P`` requesters); dimension-wise it computes
-  ``P T K`` rows of its ``ceil(D/P)`` columns.
+``table``
+    the shard, ``rows x cols x b``.
+``slot_stats``
+    one byte per slot this rank owns (``ceil(N/P)``), the slot-hit flags.
+``gradients``
+    ``adamw``: the dense shard-sized gradient, twice while micro-batches accumulate (the new one
+    before it is added). ``sparse_adam`` / ``rowwise_adagrad``: the touched rows, ``(cols x b + 8)``
+    bytes each (int64 row index), accumulated over the step's micro-batches: number-wise each
+    owner serves ``T x topm`` lookups per micro-batch, dimension-wise ``P x T x topm``; once that
+    exceeds the shard's rows the table coalesces its gradient after each micro-batch, so it holds
+    at most ``2 rows + served`` (the gradient, its coalesced copy and one micro-batch's rows).
+``optimizer_states``
+    ``adamw``: torch's two moments in the table's dtype; ``sparse_adam``: two fp32 moments per
+    element; ``rowwise_adagrad``: one fp32 per row.
+``keys``
+    the row and column keys ``[H, 2, r, n, Dk / r]`` (fp32, on every rank): with their fp32 DDP
+    gradient and two Adam moments, 4 copies in training.
+``retrieval_activations``
+    the score tensors of both grid sides, ``A = T x H x 2 x r x n`` scores (fp32, or bf16 under
+    ``precision: bf16``): their backward holds ``2 A`` (each side's score gradient and the copy
+    its product's backward makes; measured with a TorchDispatchMode at three grid sizes). One
+    layer's backward at a time.
+
+Phases (per rank; ``L`` memory layers on the rank):
+
+``init``  ``L x (table + slot_stats + 2 keys)`` + ``2 keys``: the shards, the keys and their DDP
+          gradient buffer, and one key tensor drawn whole and scaled (dense init).
+``step``  ``L x (table + slot_stats + 4 keys + optimizer_states + gradients)`` + the retrieval
+          activations of one layer (the fused optimizers and torch's fused AdamW step in place).
+``save``  as ``step`` without the activations: gradients are held until the next step; a GPU
+          shard is written through one host chunk (``host_chunk``, not device memory).
+``load``  ``L x (table + slot_stats + 4 keys + optimizer_states)`` + ``max(2 keys, chunk)``:
+          a checkpoint of the same partition is read straight into the shard (chunk 0);
+          ``load_resharded`` is a load from the other partition (one chunk of
+          :data:`CHECKPOINT_CHUNK_BYTES`, at most the shard).
+
+Bytes that do not grow with the slots (the dense model, its optimizer and activations, the
+framework) are not counted here: ``--reserve-gib`` sets them aside.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass, replace
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-OPTIMIZER_STATES = {"adam": 2, "adagrad": 1, "sgd": 0, "rowwise_adagrad": 0}  # per element
-ROW_STATE_BYTES = {"rowwise_adagrad": 4}  # per row
-GRAD_MODES = ("dense", "sparse")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+VALUE_OPTIMIZERS = ("adamw", "sparse_adam", "rowwise_adagrad")
 PARTITIONS = ("number", "dimension")
+PRECISIONS = ("fp32", "bf16")
+PHASES = ("init", "step", "save", "load", "load_resharded")
+CHECKPOINT_CHUNK_BYTES = 64 << 20  # rmt.training.table_checkpoint's read and staging chunk
+RETRIEVAL_ACTIVATION_FACTOR = 2  # score tensors alive in the retrieval backward (see above)
 SPARSE_INDEX_BYTES = 8
 GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class TablePlan:
+    """One rank's memory layers: the table shape and layout, and what a step feeds them."""
+
+    slots: int
+    """Slots N of each value table (UltraMem / PKM: ``num_keys ** 2``)."""
+    dim: int
+    """Value dimension D."""
+    group_size: int = 1
+    """Ranks P of the memory-parallel group the tables are sharded over."""
+    partition: str = "number"
+    value_optimizer: str = "adamw"
+    value_dtype: str = "fp32"
+    layers: int = 1
+    """Memory layers (tables) on the rank (its pipeline stage)."""
+    tokens: int = 256
+    """Tokens per micro-batch on the rank (micro-batch size x sequence length)."""
+    microbatches: int = 1
+    """Micro-batches per step on the rank (gradients accumulate over them)."""
+    heads: int = 2
+    topk: int = 16
+    key_dim: int = 64
+    tucker_rank: int = 2
+    ive_blocks: int = 4
+    precision: str = "fp32"
+    """Training precision (``bf16``: autocast, the score tensors are bf16)."""
+    device: str = "cpu"
+    """``cpu`` or ``gpu``: where the tables live (a GPU save stages through host memory)."""
+
+    @property
+    def num_keys(self) -> int:
+        return math.isqrt(self.slots)
+
+    @property
+    def grid_side(self) -> int:
+        return self.num_keys * math.isqrt(self.ive_blocks)
+
+    @property
+    def topm(self) -> int:
+        """Lookups per token (heads x top-m)."""
+        return self.heads * self.topk
+
+    @property
+    def shard_shape(self):
+        if self.partition == "number":
+            return self.slots // self.group_size, self.dim
+        return self.slots, self.dim // self.group_size
 
 
 def _positive_int(name: str, value) -> None:
@@ -42,120 +119,135 @@ def _positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}.")
 
 
-def _validate(slots, dim, P, dtype, optimizer, grad, tokens, topm, partition) -> None:
-    for name, value in (("slots", slots), ("dim", dim), ("group size P", P)):
-        _positive_int(name, value)
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}.")
-    if optimizer not in OPTIMIZER_STATES:
-        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, "
-                         f"got {optimizer!r}.")
-    if grad not in GRAD_MODES:
-        raise ValueError(f"grad must be one of {GRAD_MODES}, got {grad!r}.")
-    if partition not in PARTITIONS:
-        raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}.")
-    split, what = (slots, "slots") if partition == "number" else (dim, "dim")
-    if P > split:
-        raise ValueError(f"group size ({P}) exceeds {what} ({split}): a {partition}-wise "
-                         f"shard would be empty.")
-    if grad == "sparse" and (tokens is None or topm is None):
-        raise ValueError("sparse gradients need tokens and topm per step.")
-    for name, value in (("tokens", tokens), ("topm", topm)):
-        if value is not None:
-            _positive_int(name, value)
-    if topm is not None and topm > slots:
-        raise ValueError(f"top-m ({topm}) cannot exceed the number of slots ({slots}).")
+def validate_plan(plan: TablePlan) -> None:
+    """One sentence (``ValueError``) for a layout rmt cannot run."""
+    for name in ("slots", "dim", "group_size", "layers", "tokens", "microbatches", "heads", "topk", "key_dim",
+                 "tucker_rank", "ive_blocks"):
+        _positive_int(name.replace("_", " "), getattr(plan, name))
+    for name, value, allowed in (("partition", plan.partition, PARTITIONS),
+                                 ("value optimizer", plan.value_optimizer, VALUE_OPTIMIZERS),
+                                 ("value dtype", plan.value_dtype, tuple(DTYPE_BYTES)),
+                                 ("precision", plan.precision, PRECISIONS), ("device", plan.device, ("cpu", "gpu"))):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}.")
+    k = plan.num_keys
+    if k * k != plan.slots:
+        raise ValueError(f"UltraMem and PKM tables have num_keys^2 slots; {plan.slots:,} is not a square "
+                         f"(nearest: {k * k:,} = {k}^2 or {(k + 1) ** 2:,} = {k + 1}^2).")
+    if math.isqrt(plan.ive_blocks) ** 2 != plan.ive_blocks:
+        raise ValueError(f"IVE blocks must be a perfect square (the key grid grows by sqrt(E)), got {plan.ive_blocks}.")
+    if plan.key_dim % plan.tucker_rank:
+        raise ValueError(f"key dim ({plan.key_dim}) must be divisible by the Tucker rank ({plan.tucker_rank}).")
+    if plan.partition == "number" and plan.slots % plan.group_size:
+        raise ValueError(f"a number-wise table needs slots ({plan.slots:,}) divisible by the group size "
+                         f"({plan.group_size}).")
+    if plan.partition == "dimension" and plan.dim % plan.group_size:
+        raise ValueError(f"a dimension-wise table needs the value dim ({plan.dim}) divisible by the group size "
+                         f"({plan.group_size}).")
+    if plan.value_optimizer == "rowwise_adagrad" and plan.partition == "dimension":
+        raise ValueError("rowwise_adagrad keeps one accumulator per whole row, so it needs a number-wise table.")
 
 
-def memory_per_rank(slots: int, dim: int, P: int, *, dtype: str = "bf16",
-                    optimizer: str = "adam", master_fp32: bool = False,
-                    grad: str = "dense", tokens: int | None = None,
-                    topm: int | None = None, partition: str = "number") -> dict:
-    """Bytes one rank of a ``P``-rank memory-parallel group holds for the table.
-
-    Returns ``{"elements": table elements on this rank, "table": shard bytes,
-    "gradients": bytes of the ``grad`` mode, "gradients_dense": dense gradient bytes,
-    "gradients_sparse": sparse gradient bytes or None without tokens/topm,
-    "master_weights": fp32 master copy bytes, "optimizer_states": bytes,
-    "total": table + gradients + master_weights + optimizer_states}``.
-    """
-    _validate(slots, dim, P, dtype, optimizer, grad, tokens, topm, partition)
-    if partition == "number":
-        rows, cols = math.ceil(slots / P), dim
-    else:
-        rows, cols = slots, math.ceil(dim / P)
-    touched_rows = None
-    if tokens is not None and topm is not None:
-        touched_rows = tokens * topm * (1 if partition == "number" else P)
+def components(plan: TablePlan) -> dict:
+    """Bytes per memory layer on one rank (see the module docstring), plus the transients."""
+    validate_plan(plan)
+    rows, cols = plan.shard_shape
+    b = DTYPE_BYTES[plan.value_dtype]
     elements = rows * cols
-    param_bytes = DTYPE_BYTES[dtype]
-    wide = master_fp32 or dtype == "fp32"
-    grad_bytes = state_bytes = 4 if wide else param_bytes
-    dense = elements * grad_bytes
-    sparse = None if touched_rows is None else touched_rows * (
-        cols * grad_bytes + SPARSE_INDEX_BYTES)
-    table = elements * param_bytes
-    master = elements * 4 if master_fp32 and dtype != "fp32" else 0
-    states = elements * OPTIMIZER_STATES[optimizer] * state_bytes + rows * ROW_STATE_BYTES.get(optimizer, 0)
-    gradients = dense if grad == "dense" else sparse
-    return {"elements": elements, "table": table, "gradients": gradients,
-            "gradients_dense": dense, "gradients_sparse": sparse,
-            "master_weights": master, "optimizer_states": states,
-            "total": table + gradients + master + states}
+    if plan.value_optimizer == "adamw":
+        gradients = elements * b * (2 if plan.microbatches > 1 else 1)
+        states = 2 * elements * b
+    else:
+        served = plan.tokens * plan.topm * (1 if plan.partition == "number" else plan.group_size)
+        entries = plan.microbatches * served
+        if entries > rows:
+            entries = 2 * rows + served
+        gradients = entries * (cols * b + SPARSE_INDEX_BYTES)
+        states = 2 * elements * 4 if plan.value_optimizer == "sparse_adam" else rows * 4
+    keys = plan.heads * 2 * plan.grid_side * plan.key_dim * 4
+    scores = plan.tokens * plan.heads * 2 * plan.tucker_rank * plan.grid_side * (2 if plan.precision == "bf16" else 4)
+    table = elements * b
+    return {"table": table, "slot_stats": -(-plan.slots // plan.group_size), "gradients": gradients,
+            "optimizer_states": states, "keys": keys,
+            "retrieval_activations": RETRIEVAL_ACTIVATION_FACTOR * scores,
+            "checkpoint_chunk": min(CHECKPOINT_CHUNK_BYTES, table)}
 
 
-def min_group_size(slots: int, dim: int, budget_bytes: int, **options) -> int | None:
-    """Smallest ``P`` whose per-rank total (:func:`memory_per_rank`) fits ``budget_bytes``.
-
-    ``None`` if no group size fits (for example when sparse gradients alone exceed the
-    budget). Number-wise totals never grow with ``P`` (binary search over 1..N);
-    dimension-wise sparse gradients can, so that case scans 1..D.
-    """
-    partition = options.get("partition", "number")
-
-    def fits(p: int) -> bool:
-        return memory_per_rank(slots, dim, p, **options)["total"] <= budget_bytes
-
-    if partition == "dimension":
-        return next((p for p in range(1, dim + 1) if fits(p)), None)
-    if not fits(slots):
-        return None
-    lo, hi = 1, slots
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+def phases(plan: TablePlan) -> dict:
+    """Peak bytes per rank that grow with the slots, per phase (see the module docstring)."""
+    c = components(plan)
+    L = plan.layers
+    held = c["table"] + c["slot_stats"]
+    trained = held + 4 * c["keys"] + c["optimizer_states"]
+    return {"init": L * (held + 2 * c["keys"]) + 2 * c["keys"],
+            "step": L * (trained + c["gradients"]) + c["retrieval_activations"],
+            "save": L * (trained + c["gradients"]),
+            "load": L * trained + 2 * c["keys"],
+            "load_resharded": L * trained + max(2 * c["keys"], c["checkpoint_chunk"])}
 
 
-def plan_memory(slots: int, dim: int, P: int = 1, *, gpu_mem_gib: float = 80.0,
-                reserve_gib: float = 0.0, **options) -> dict:
-    """The ``rmt-plan memory`` JSON document.
+def checkpoint_bytes(plan: TablePlan) -> int:
+    """Bytes on disk of the tables and their optimizer states (all ranks together)."""
+    c = components(replace(plan, group_size=1, partition="number"))
+    return plan.layers * (c["table"] + c["optimizer_states"])
 
-    ``options`` are :func:`memory_per_rank`'s keyword options. The budget per rank is
-    ``(gpu_mem_gib - reserve_gib) * 2**30`` bytes (``reserve_gib``: what the dense model,
-    activations and workspace need). Returns the inputs, ``"bytes_per_rank"`` at ``P``,
-    ``"budget_bytes"``, ``"fits"`` (total at ``P`` within budget), ``"min_group_size"``
-    (or None) and ``"min_group_bytes_per_rank"`` (the breakdown at that size, or None).
-    """
+
+def group_sizes(plan: TablePlan):
+    """The group sizes rmt can run for this table: divisors of the slots (number-wise) or of
+    the value dim (dimension-wise), ascending."""
+    n = plan.slots if plan.partition == "number" else plan.dim
+    small, large = [], []
+    for d in range(1, math.isqrt(n) + 1):
+        if n % d == 0:
+            small.append(d)
+            if d != n // d:
+                large.append(n // d)
+    return small + large[::-1]
+
+
+def min_group_size(plan: TablePlan, budget_bytes: int) -> int | None:
+    """Smallest runnable ``P`` whose peak phase fits ``budget_bytes`` per rank (None if none)."""
+    for P in group_sizes(plan):
+        if max(phases(replace(plan, group_size=P)).values()) <= budget_bytes:
+            return P
+    return None
+
+
+def plan_memory(plan: TablePlan, gpu_mem_gib: float = 80.0, reserve_gib: float = 0.0) -> dict:
+    """The ``rmt-plan memory`` JSON document: the inputs, the per-layer components and per-rank
+    phases at ``plan.group_size``, the peak, the checkpoint size, and the smallest group whose
+    peak fits ``(gpu_mem_gib - reserve_gib) GiB`` per rank (``reserve_gib``: the dense model,
+    its optimizer and activations, the framework)."""
     if not gpu_mem_gib > 0:
-        raise ValueError(f"GPU memory must be positive, got {gpu_mem_gib!r} GiB.")
+        raise ValueError(f"the memory per rank must be positive, got {gpu_mem_gib!r} GiB.")
     if not 0 <= reserve_gib < gpu_mem_gib:
-        raise ValueError(f"reserve ({reserve_gib!r} GiB) must be non-negative and below "
-                         f"the GPU memory ({gpu_mem_gib!r} GiB).")
-    per_rank = memory_per_rank(slots, dim, P, **options)
+        raise ValueError(f"the reserve ({reserve_gib!r} GiB) must be non-negative and below the memory per rank "
+                         f"({gpu_mem_gib!r} GiB).")
+    per_phase = phases(plan)
     budget = math.floor((gpu_mem_gib - reserve_gib) * GIB)
-    p_min = min_group_size(slots, dim, budget, **options)
-    return {"slots": slots, "dim": dim, "group_size": P,
-            "dtype": options.get("dtype", "bf16"),
-            "optimizer": options.get("optimizer", "adam"),
-            "master_fp32": options.get("master_fp32", False),
-            "grad": options.get("grad", "dense"),
-            "partition": options.get("partition", "number"),
-            "gpu_mem_gib": gpu_mem_gib, "reserve_gib": reserve_gib,
-            "bytes_per_rank": per_rank, "budget_bytes": budget,
-            "fits": per_rank["total"] <= budget, "min_group_size": p_min,
-            "min_group_bytes_per_rank": None if p_min is None
-            else memory_per_rank(slots, dim, p_min, **options)}
+    p_min = min_group_size(plan, budget)
+    return {"inputs": asdict(plan), "num_keys": plan.num_keys, "grid_side": plan.grid_side,
+            "shard_shape": list(plan.shard_shape), "components_per_layer": components(plan),
+            "phases": per_phase, "peak": max(per_phase.values()),
+            "host_chunk": CHECKPOINT_CHUNK_BYTES if plan.device == "gpu" else 0,
+            "checkpoint_bytes": checkpoint_bytes(plan), "gpu_mem_gib": gpu_mem_gib, "reserve_gib": reserve_gib,
+            "budget_bytes": budget, "fits": max(per_phase.values()) <= budget, "min_group_size": p_min,
+            "min_group_phases": None if p_min is None else phases(replace(plan, group_size=p_min))}
+
+
+def plan_from_config(config, group_size: int, layers: int, microbatches: int) -> TablePlan:
+    """The :class:`TablePlan` of an UltraMem/PKM config (``rmt.config.RMTConfig``) for a rank
+    holding ``layers`` memory layers in a group of ``group_size`` ranks."""
+    from rmt.memory.validate import memory_width
+
+    mem, m, t = config.memory, config.model, config.train
+    width = memory_width(config)
+    pkm = mem.type == "pkm"
+    return TablePlan(
+        slots=mem.num_keys ** 2, dim=width if pkm or not mem.half_value_dim else width // 2,
+        group_size=group_size, partition="number" if mem.partition == "local" else mem.partition,
+        value_optimizer=mem.value_optimizer, value_dtype=mem.value_dtype, layers=layers,
+        tokens=t.micro_batch_size * m.seq_length, microbatches=microbatches, heads=mem.num_heads,
+        topk=mem.topk, key_dim=mem.key_dim // 2 if pkm else mem.key_dim,
+        tucker_rank=1 if pkm or mem.retrieval == "product" else mem.tucker_rank,
+        ive_blocks=1 if pkm else mem.ive_blocks, precision=t.precision)

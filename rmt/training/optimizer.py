@@ -1,10 +1,12 @@
 """AdamW with parameter groups, the warmup + decay schedule, and model-parallel grad clipping.
 
-Apex's FusedAdam is used when importable on CUDA; otherwise torch's fused AdamW (one kernel over
-all tensors, CPU and CUDA: on the CPU about 5x faster than its ``foreach`` form and as fast as
-DeepSpeed's ``DeepSpeedCPUAdam``, ``tools/bench_optimizer.py``). With
-``memory.value_optimizer`` sparse_adam or rowwise_adagrad the memory value tables, whose
-gradients are then sparse (touched rows), are stepped by that optimizer instead, chained
+Apex's FusedAdam is used when importable on CUDA; otherwise torch's fused AdamW, on CPU too: one
+pass per tensor, 6.9x faster than the foreach AdamW on 2 CPU threads at 46M parameters (86 vs
+594 ms per step) with the same results, as fast as DeepSpeed's ``DeepSpeedCPUAdam``
+(``tools/bench_optimizer.py``), and no temporary the size of the largest tensor (for a
+dense-gradient memory table, its whole shard). With ``memory.value_optimizer`` sparse_adam or
+rowwise_adagrad the memory value tables, whose gradients are then sparse (touched rows), are
+stepped by that optimizer instead, chained
 after AdamW so the scheduler and checkpoints see one optimizer.
 """
 

@@ -164,7 +164,9 @@ class Trainer:
         finish_memory_grads(self.chunks)
         for p in self.params:
             if not self_reduced(p):
-                p.grad = p.main_grad
+                # DDP reduces in fp32; a bf16 parameter (a local bf16 memory table under AdamW,
+                # memory.value_dtype) steps on that gradient rounded once to its dtype
+                p.grad = p.main_grad if p.main_grad.dtype == p.dtype else p.main_grad.to(p.dtype)
         metrics["grad_norm"] = clip_gradients(self.params, self.config.train.clip_grad)
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()

@@ -1,0 +1,26 @@
+"""tools/bench_memory_scale.py runs end to end on the smallest shapes (2 ranks, a 2 and an 8 MiB
+table, one step) and writes the JSON the figures in docs/benchmarks.md come from: every phase
+measured against rmt-plan memory's prediction, every checkpoint resumed. (Resharding loads are
+tested exactly in test_memory_scale.py.)"""
+
+import json
+import math
+
+from conftest import run_python
+
+
+def test_bench_smoke_writes_json(tmp_path, cache_dir):
+    out = tmp_path / "bench.json"
+    run_python(["tools/bench_memory_scale.py", "--sizes", "8", "--base-mib", "2", "--ranks", "2",
+                "--partitions", "number", "--optimizers", "sparse_adam", "--steps", "1",
+                "--cache-dir", cache_dir, "--workdir", str(tmp_path / "work"), "--json", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "bench_memory_scale"
+    base, run = doc["rows"]
+    assert base["base"] and not run["base"] and run["P"] == 2 and run["partition"] == "number"
+    assert run["whole_bytes"] == 2 * run["shard_bytes"] > base["whole_bytes"]
+    assert set(run["growth"]) == {"init", "step", "save", "load"}
+    for phase, g in run["growth"].items():
+        assert g["predicted"] > 0 and math.isfinite(g["error"]), phase
+    assert run["loaded_iteration"] == 1 and run["init_gbps"] > 0
+    assert math.isfinite(doc["summary"]["max_abs_phase_error"])
