@@ -201,6 +201,12 @@ class MemoryWiring:
                     for k, (i, _) in self.placement.items():
                         if i == number:
                             hidden = self._launch(k, hidden)
+                elif torch.is_grad_enabled() and hidden.requires_grad:
+                    # The dense layers read a copy, so layer i's output gradient is (their
+                    # gradient, summed) + (the memory layers' input gradient, summed), added
+                    # once: the two partial sums the async stream's ForkMemory adds, so both
+                    # modes round alike and give the same gradients bit for bit.
+                    hidden = ForkMemory.apply(hidden, None)
             added, aux = None, None
             for k, (i, j) in self.placement.items():
                 if j != number:

@@ -144,7 +144,8 @@ class MemoryLink:
 
 class ForkMemory(torch.autograd.Function):
     """Identity on layer i's output; backward adds the memory layer's input gradient, waiting
-    for its backward on the stream."""
+    for its backward on the stream (with no link, a plain identity node: the synchronous mode's
+    branch point, see :class:`~rmt.memory.attach.MemoryWiring`)."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, link: MemoryLink):
@@ -153,7 +154,7 @@ class ForkMemory(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        extra = ctx.link.input_grad()
+        extra = None if ctx.link is None else ctx.link.input_grad()
         return (grad if extra is None else grad + extra), None
 
 
