@@ -1,7 +1,8 @@
 """rmt: a megatron-core based pretraining framework for memory-centric language models.
 
-The C++/CUDA lookup-reduce kernels in csrc/ are compiled on first use (torch JIT extension
-with ninja), so a plain ``pip install -e .`` needs no compiler step.
+The C++/CUDA kernels in csrc/ are torch extensions built by ``python -m rmt.ops.extensions``
+(``launch/setup_env.sh`` runs it after installing) or else on first use, once per environment;
+a plain ``pip install -e .`` needs no compiler step.
 """
 
 from setuptools import find_packages, setup

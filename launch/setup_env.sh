@@ -17,3 +17,9 @@ if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q -e ".[dev]"
   touch "$stamp"
 fi
+# The C++ extensions of csrc/, built here once per environment where a compiler exists (else on
+# first use, or never: every kernel has a plain-torch fallback). Rerun when csrc/ changes.
+built=.venv/.rmt-extensions
+if command -v "${CXX:-c++}" >/dev/null && { [ ! -f "$built" ] || [ -n "$(find csrc -newer "$built")" ]; }; then
+  .venv/bin/python -m rmt.ops.extensions && touch "$built"
+fi

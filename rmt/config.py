@@ -543,9 +543,9 @@ def data_parallel_size(config: RMTConfig, world_size: int) -> int:
 
 
 def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
-    """Reject impossible settings with one sentence (:class:`ConfigError`). Returns ``config``."""
-    from rmt.models.build import registered_archs, validate_arch
-
+    """Reject impossible settings with one sentence (:class:`ConfigError`). Returns ``config``.
+    The model code (torch, megatron-core) is imported only for the architecture's own checks,
+    after the generic ones, so most mistakes are reported at once."""
     world_size = world_size_from_env() if world_size is None else world_size
     m, p, d, t = config.model, config.parallel, config.data, config.train
     _positive(config, [
@@ -560,9 +560,6 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
         "train.micro_batch_size", "train.global_batch_size", "train.lr", "train.log_interval",
         "train.eval_interval", "train.threads", "train.exit_interval",
     ])
-    archs = registered_archs()
-    if m.arch not in archs:
-        raise ConfigError(f"model.arch '{m.arch}' is not a known architecture; choose one of: {', '.join(archs)}")
     if m.normalization not in ("LayerNorm", "RMSNorm"):
         raise ConfigError(f"model.normalization must be 'LayerNorm' or 'RMSNorm', got '{m.normalization}'")
     if not 0.0 <= m.dropout < 1.0:
@@ -633,6 +630,11 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
         raise ConfigError(f"data.split must be three non-negative weights 'train,valid,test', got '{d.split}'")
     if t.eval_iters and split[1] <= 0:
         raise ConfigError("data.split gives no validation data but train.eval_iters > 0")
+    from rmt.models.build import registered_archs, validate_arch
+
+    archs = registered_archs()
+    if m.arch not in archs:
+        raise ConfigError(f"model.arch '{m.arch}' is not a known architecture; choose one of: {', '.join(archs)}")
     validate_arch(config)
     if d.task != "none":
         from rmt.data.tasks import validate_task

@@ -9,7 +9,8 @@ import torch
 
 from rmt import parallel
 from rmt.config import load_config, validate
-from rmt.generate import RecomputeDecoder, decoder_for, generate, main
+from rmt.decoding import RecomputeDecoder, decoder_for, generate
+from rmt.generate import main
 from rmt.models.build import build
 
 warnings.filterwarnings("ignore")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rmt.ops import lookup_reduce, reference_backward, reference_forward, select_backend
-from rmt.ops import _build, cpu_backend
+from rmt.ops import cpu_backend, extensions
 from rmt.ops.testing import CASES, DTYPE_PAIRS, check_backend, check_narrow_table, make_case, run_op
 
 PAIRS = DTYPE_PAIRS + [(torch.float64, torch.float64)]
@@ -207,7 +207,7 @@ def test_dispatch(monkeypatch):
 
 def test_failed_build_falls_back_to_reference(monkeypatch):
     monkeypatch.delenv("RMT_LOOKUP_BACKEND", raising=False)
-    monkeypatch.setitem(_build._cache, cpu_backend.NAME, None)
+    monkeypatch.setitem(extensions._cache, cpu_backend.NAME, None)
     assert select_backend(torch.device("cpu")) == "reference"
 
 

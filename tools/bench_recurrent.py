@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from rmt import parallel  # noqa: E402
 from rmt.config import load_config, validate  # noqa: E402
 from rmt.data.tasks import recall_accuracy  # noqa: E402
-from rmt.generate import decoder_for  # noqa: E402
+from rmt.decoding import decoder_for  # noqa: E402
 from rmt.models.build import build  # noqa: E402
 from rmt.training.trainer import Trainer  # noqa: E402
 

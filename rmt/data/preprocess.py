@@ -1,5 +1,8 @@
 """``rmt-preprocess``: jsonl / txt / parquet (read with HF ``datasets``, local files only) ->
-megatron-core indexed dataset ``PREFIX.bin/.idx`` plus ``PREFIX.json``."""
+megatron-core indexed dataset ``PREFIX.bin/.idx`` plus ``PREFIX.json``.
+
+torch, megatron-core and HF ``datasets`` are imported only once the arguments are checked, so
+``--help`` and argument errors answer at once."""
 
 from __future__ import annotations
 
@@ -8,7 +11,6 @@ import os
 import sys
 from typing import List, Optional
 
-from rmt.data.indexed import write_indexed
 from rmt.data.tokenizers import build_tokenizer
 from rmt.errors import UserError, cli_entry
 
@@ -33,6 +35,8 @@ def preprocess(inputs: List[str], output_prefix: str, tokenizer_spec: str = "byt
         if not os.path.isfile(p):
             raise UserError(f"input file '{p}' does not exist")
     fmt = _format_of(inputs)
+    from rmt.data.indexed import write_indexed
+
     tokenizer = build_tokenizer(tokenizer_spec, cache_dir, bpe_vocab_size)
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     import datasets

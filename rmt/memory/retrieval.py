@@ -73,10 +73,9 @@ def rank1_selector(cores: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, tor
 
 
 def _select_ext():
-    from rmt.ops._build import load_extension
+    from rmt.ops.extensions import load_extension
 
-    return load_extension("rmt_tucker_select_cpu", ["tucker_select_cpu.cpp"],
-                          extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    return load_extension("rmt_tucker_select_cpu")
 
 
 SELECT_BACKENDS = ("cpu", "torch")

@@ -43,7 +43,7 @@ import zlib
 
 import torch
 
-from ._build import load_extension
+from .extensions import load_extension
 
 GAMMA = 0x9E3779B97F4A7C15
 MIX1, MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -128,10 +128,7 @@ def reference_fill_normal_(out: torch.Tensor, key: int, row0: int, col0: int, gl
 
 
 def _ext():
-    return load_extension("rmt_counter_normal_cpu", ["counter_normal_cpu.cpp"],
-                          extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off",
-                                        "-fno-math-errno"],
-                          extra_ldflags=["-fopenmp"])
+    return load_extension("rmt_counter_normal_cpu")
 
 
 @torch.no_grad()

@@ -1,13 +1,12 @@
-"""CPU backend: the OpenMP C++ kernels of csrc/lookup_reduce_cpu.cpp, JIT-built on first use."""
+"""CPU backend: the OpenMP C++ kernels of csrc/lookup_reduce_cpu.cpp (built by :mod:`rmt.ops.extensions`)."""
 
-from ._build import load_extension
+from .extensions import load_extension
 
 NAME = "rmt_lookup_reduce_cpu"
 
 
 def _ext():
-    return load_extension(NAME, ["lookup_reduce_cpu.cpp"],
-                          extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    return load_extension(NAME)
 
 
 def is_available(device):

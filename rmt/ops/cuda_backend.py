@@ -1,4 +1,5 @@
-"""CUDA backend: csrc/lookup_reduce_cuda_kernels.cu + its torch binding, JIT-built on first use.
+"""CUDA backend: csrc/lookup_reduce_cuda_kernels.cu + its torch binding (built by
+:mod:`rmt.ops.extensions`).
 
 A forward that will be differentiated (:func:`forward_for_backward`) also issues the backward's
 sort of the lookups by row, on a side stream beside the forward kernel; the backward then reads
@@ -8,14 +9,13 @@ csrc/lookup_reduce_cuda.cpp).
 
 import torch
 
-from ._build import load_extension
+from .extensions import load_extension
 
 NAME = "rmt_lookup_reduce_cuda"
 
 
 def _ext():
-    return load_extension(NAME, ["lookup_reduce_cuda.cpp", "lookup_reduce_cuda_kernels.cu"],
-                          extra_cflags=["-O3"], extra_cuda_cflags=["-O3"])
+    return load_extension(NAME)
 
 
 def is_available(device):

@@ -55,17 +55,13 @@ import os
 
 import torch
 
-from ._build import load_extension
+from .extensions import load_extension
 
 ENV_FUSED = "RMT_SPARSE_OPTIM_FUSED"
 
 
 def _ext():
-    # -ffp-contract=off: every product and sum rounded on its own, as in torch's formulation (a
-    # fused multiply-add in the moment updates would differ from it by an ulp of a moment)
-    return load_extension("rmt_sparse_optim_cpu", ["sparse_optim_cpu.cpp"],
-                          extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                          extra_ldflags=["-fopenmp"])
+    return load_extension("rmt_sparse_optim_cpu")
 
 
 def fused_kernels(param):

@@ -1,0 +1,197 @@
+"""The C++/CUDA extensions of csrc/: what each is built from, where its binary is cached, and
+loading it (building it first where the cache has none).
+
+Built once per environment: ``launch/setup_env.sh`` runs ``python -m rmt.ops.extensions`` after
+installing, and a process that finds no binary builds it on first use (torch's
+``cpp_extension`` with ninja), saying so on stderr with the time it took. A build that fails
+warns once and the caller falls back to the next backend.
+
+The cache folder of an extension is ``$TORCH_EXTENSIONS_DIR`` (else ``~/.cache/rmt/
+torch_extensions``) ``/<name>-<key>``, the key a hash of everything the binary depends on:
+its sources and every header in csrc/, its compiler flags, the interpreter's environment
+(``sys.prefix``) and version, torch's version, CUDA version and location, the compiler named
+by ``$CXX``, and, for ``-march=native`` builds, the host CPU's feature flags. So two
+environments, or two machines sharing a home directory, never load each other's binaries, and
+one environment finds its own binary every time: a present binary is imported directly,
+without asking ninja whether it is stale (ninja compares build commands, which differ between
+interpreters and launch environments, and rebuilt whenever two of them alternated).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Dict, Optional
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+
+_NATIVE_CPU = ["-O3", "-march=native", "-fopenmp"]
+
+#: name -> cpp_extension.load arguments (sources relative to csrc/).
+EXTENSIONS: Dict[str, dict] = {
+    "rmt_lookup_reduce_cpu": dict(sources=["lookup_reduce_cpu.cpp"], extra_cflags=_NATIVE_CPU,
+                                  extra_ldflags=["-fopenmp"]),
+    # -ffp-contract=off: every product and sum rounded on its own, as in torch's formulation (a
+    # fused multiply-add in the moment updates would differ from it by an ulp of a moment)
+    "rmt_sparse_optim_cpu": dict(sources=["sparse_optim_cpu.cpp"], extra_cflags=_NATIVE_CPU + ["-ffp-contract=off"],
+                                 extra_ldflags=["-fopenmp"]),
+    "rmt_counter_normal_cpu": dict(sources=["counter_normal_cpu.cpp"],
+                                   extra_cflags=_NATIVE_CPU + ["-ffp-contract=off", "-fno-math-errno"],
+                                   extra_ldflags=["-fopenmp"]),
+    "rmt_tucker_select_cpu": dict(sources=["tucker_select_cpu.cpp"], extra_cflags=_NATIVE_CPU,
+                                  extra_ldflags=["-fopenmp"]),
+    "rmt_lookup_reduce_cuda": dict(sources=["lookup_reduce_cuda.cpp", "lookup_reduce_cuda_kernels.cu"],
+                                   extra_cflags=["-O3"], extra_cuda_cflags=["-O3"]),
+}
+
+_cache: Dict[str, object] = {}
+
+
+def is_cuda(spec: dict) -> bool:
+    return any(s.endswith(".cu") for s in spec["sources"])
+
+
+def _cpu_flags() -> str:
+    """The host CPU's feature flags (Linux), '' where /proc/cpuinfo is unreadable."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def cache_key(name: str, spec: dict) -> str:
+    """16 hex digits naming the binary ``spec`` builds in this environment (see the module
+    docstring for what goes in)."""
+    import torch
+    from torch.utils import cpp_extension
+
+    sources = [CSRC / s for s in spec["sources"]]
+    headers = sorted(p for p in CSRC.glob("*") if p.suffix in (".h", ".cuh", ".hpp"))
+    digest = hashlib.sha256()
+    for path in sources + headers:
+        digest.update(str(path.name).encode() + b"\0" + path.read_bytes() + b"\0")
+    flags = {k: v for k, v in spec.items() if k != "sources"}
+    cuda = is_cuda(spec)
+    env = [name, json.dumps(flags, sort_keys=True), sys.prefix, sys.version, torch.__version__,
+           os.path.dirname(torch.__file__), str(torch.version.cuda),
+           str(cpp_extension.CUDA_HOME) if cuda else "", os.environ.get("CXX", "c++"),
+           _cpu_flags() if "-march=native" in spec.get("extra_cflags", ()) else ""]
+    digest.update("\0".join(env).encode())
+    return digest.hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR")
+                or os.path.join(os.path.expanduser("~"), ".cache", "rmt", "torch_extensions"))
+
+
+def build_dir(name: str, spec: Optional[dict] = None) -> Path:
+    """The cache folder of extension ``name`` in this environment."""
+    spec = EXTENSIONS[name] if spec is None else spec
+    return cache_root() / f"{name}-{cache_key(name, spec)}"
+
+
+def _binary(folder: Path, name: str) -> Path:
+    from torch.utils.cpp_extension import LIB_EXT
+
+    return folder / f"{name}{LIB_EXT}"
+
+
+def _import(name: str, path: Path):
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def _say(message: str) -> None:
+    print(f"rmt: {message}", file=sys.stderr, flush=True)
+
+
+def _build(name: str, spec: dict, folder: Path):
+    """Build into ``folder`` under an exclusive lock (one builder among concurrent processes:
+    ranks of a job, pytest workers), or import what the lock's previous holder built."""
+    from torch.utils import cpp_extension
+
+    folder.mkdir(parents=True, exist_ok=True)
+    binary = _binary(folder, name)
+    with open(folder.with_name(folder.name + ".lock"), "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            from rmt.errors import global_rank
+
+            if global_rank() == 0:
+                _say(f"waiting for another process building C++ extension {name} in {folder}")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if binary.exists():
+            return _import(name, binary)
+        _say(f"building C++ extension {name} (once per environment; cached in {folder}) ...")
+        start = time.perf_counter()
+        module = cpp_extension.load(name=name, sources=[str(CSRC / s) for s in spec["sources"]],
+                                    build_directory=str(folder), verbose=False,
+                                    **{k: v for k, v in spec.items() if k != "sources"})
+        _say(f"built {name} in {time.perf_counter() - start:.0f} s")
+        return module
+
+
+def load_extension(name: str, spec: Optional[dict] = None):
+    """Extension ``name`` (of :data:`EXTENSIONS`, or built from ``spec``), imported from this
+    environment's cache, built first where there is none; None if the build fails (one warning,
+    not retried in the same process)."""
+    if name not in _cache:
+        spec = EXTENSIONS[name] if spec is None else spec
+        try:
+            folder = build_dir(name, spec)
+            binary = _binary(folder, name)
+            _cache[name] = _import(name, binary) if binary.exists() else _build(name, spec, folder)
+        except Exception as exc:  # compiler missing, headers missing, link errors...
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            warnings.warn(f"rmt.ops: building extension {name} failed ({first}); falling back",
+                          RuntimeWarning, stacklevel=3)
+            _cache[name] = None
+    return _cache[name]
+
+
+def main(argv=None) -> int:
+    """``python -m rmt.ops.extensions [NAME ...]``: build the named extensions, by default every
+    one this machine can (the CUDA one where torch has CUDA and nvcc is present), each once per
+    environment and side by side, one process per core; a failure is reported and left to the
+    fallbacks."""
+    import subprocess
+
+    import torch
+    from torch.utils import cpp_extension
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv:
+        return 0 if all(load_extension(n) is not None for n in argv) else 1
+    cuda = torch.cuda.is_available() and cpp_extension.CUDA_HOME is not None
+    names = [n for n, s in EXTENSIONS.items() if cuda or not is_cuda(s)]
+    missing = [n for n in names if not _binary(build_dir(n), n).exists()]
+    if not missing:
+        _say(f"C++ extensions up to date in {cache_root()}")
+        return 0
+    failed, running = [], []
+    for name in missing:
+        if len(running) >= (os.cpu_count() or 1):
+            done = running.pop(0)
+            if done[1].wait():
+                failed.append(done[0])
+        running.append((name, subprocess.Popen([sys.executable, "-m", "rmt.ops.extensions", name])))
+    failed += [name for name, proc in running if proc.wait()]
+    if failed:
+        _say(f"could not build {', '.join(failed)}: the plain-torch fallbacks will be used")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
