@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import warnings
 from typing import List, Optional
 
 from rmt.errors import UserError, cli_entry
@@ -68,7 +67,6 @@ def build_parser() -> argparse.ArgumentParser:
 @cli_entry("rmt-generate")
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex).*")
     if args.max_new_tokens < 1 or args.num_samples < 1 or args.temperature < 0 or args.top_k < 0:
         raise UserError("--max-new-tokens and --num-samples must be positive, --temperature and --top-k non-negative")
     import torch

@@ -6,12 +6,10 @@ import signal
 import socket
 import subprocess
 import sys
-import warnings
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex).*")
 
 
 def tiny_overrides(cache_dir, steps=3):

@@ -304,13 +304,15 @@ def profile_headline(backends, device, rows=12, table_dtype=torch.float32):
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    from rmt.quiet import profiler_lines_dropped
+
     table, indices, scores, _, grad_out = make_inputs(HEADLINE, 1, device, table_dtype)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     summed = {}
     sort_by = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     for name, fn in methods(HEADLINE, backends).items():
         for _ in range(2):  # warm-up (JIT builds, allocator), then the profiled call
-            with profile(activities=activities) as prof:
+            with profiler_lines_dropped(), profile(activities=activities) as prof:
                 out = fn(table, indices, scores, None)
                 torch.autograd.grad(out, [table, scores], grad_out.to(out.dtype))
                 if device.type == "cuda":

@@ -273,7 +273,6 @@ def runs(args) -> list:
 
 
 def main(argv=None):
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="two table sizes at P=2, one optimizer (~3 min)")
     ap.add_argument("--json", help="write {benchmark, machine, rows, summary} here")

@@ -79,7 +79,9 @@ def step_peak_bytes(trainer: Trainer) -> int:
         return torch.cuda.max_memory_allocated() - base
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    from rmt.quiet import profiler_lines_dropped
+
+    with profiler_lines_dropped(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         trainer.train_step()
     events = sorted((e.time_range.start, e.cpu_memory_usage) for e in prof.events()
                     if e.cpu_memory_usage != 0 and e.name == "[memory]")

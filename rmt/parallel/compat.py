@@ -20,6 +20,8 @@ import types
 
 import torch
 
+from rmt import quiet
+
 _APPLIED = False
 
 # Modules that create tensors with a literal ``device="cuda"``; each gets a torch proxy whose
@@ -116,6 +118,7 @@ def apply() -> None:
     if cuda_available():
         _APPLIED = True
         return
+    quiet.on_cpu()
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.cuda.Stream = _NullStream

@@ -29,7 +29,6 @@ import logging
 import os
 import signal
 import sys
-import warnings
 from typing import List, Optional
 
 import psutil
@@ -150,7 +149,6 @@ def build_parser():
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex).*")  # megatron-core's import
     try:
         _preflight(args)
     except UserError as err:

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import warnings
 from typing import Dict, List
 
 from rmt.config import RMTConfig, load_config
@@ -282,8 +281,6 @@ def _lines(doc: Dict) -> List[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    # Memory layers' counts import megatron-core, which warns about optional fused kernels.
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex).*")
     try:
         config = load_config(args.config, args.overrides)
         doc = plan_model(config)

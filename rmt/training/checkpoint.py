@@ -21,7 +21,6 @@ import logging
 import os
 import queue
 import shutil
-import warnings
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -270,9 +269,7 @@ def load_checkpoint(path: str, chunks, optimizer) -> dict:
     template = sharded_state(chunks, optimizer, {})
     template.pop("common")
     try:
-        with warnings.catch_warnings():  # torch's deprecations inside megatron-core's loader
-            warnings.simplefilter("ignore", FutureWarning)
-            loaded = dist_checkpointing.load(template, path)
+        loaded = dist_checkpointing.load(template, path)
     except _CHECKPOINT_ERRORS as err:
         # megatron-core validates keys and global shapes before reading: a mismatch there is
         # another model; anything else is a file that cannot be read.

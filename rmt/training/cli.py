@@ -15,7 +15,6 @@ import dataclasses
 import json
 import os
 import sys
-import warnings
 from typing import List, Optional
 
 from rmt.config import load_config, validate
@@ -66,8 +65,6 @@ def preflight(args: argparse.Namespace, world_size: Optional[int] = None) -> str
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     preemption.install()  # before the slow imports, so an early SIGTERM is not lost
-    # megatron-core announces every missing optional accelerator library (apex, TE) on import.
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex).*")
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: its own session, so tie it to torchrun
         from rmt.parallel.lifetime import die_with_parent
 
