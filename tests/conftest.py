@@ -2,6 +2,7 @@
 ``rmt-train`` and multi-process runs (torchrun over gloo)."""
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -21,10 +22,32 @@ def tiny_overrides(cache_dir, steps=3):
             "train.z_loss=1e-3"]
 
 
+def _ephemeral_ports():
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free TCP port for launchers that must be told one (multi-node emulations, launch
+    scripts): drawn outside the kernel's ephemeral range, so no process binding port 0 or
+    opening a connection can take it before the launcher binds it (a port the kernel handed out
+    and took back, as before, was often reused under load: EADDRINUSE). torchrun runs within one
+    node use ``--standalone`` instead (:func:`run_python`)."""
+    low, high = _ephemeral_ports()
+    pool = [p for p in range(10000, 65536) if not low <= p <= high]
+    rng = random.Random()
+    while True:
+        port = rng.choice(pool)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def _env():
@@ -40,8 +63,8 @@ def run_python(args, nproc=1, timeout=600, check=True):
     if nproc == 1:
         cmd = [sys.executable] + args
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={_free_port()}"] + args
+        # --standalone: torchrun's store binds a free port itself and the workers join that store
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] + args
     # A session of its own, so a timeout kills torchrun's workers too (not only the launcher).
     with subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, start_new_session=True) as popen:

@@ -15,8 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run(out, nproc):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     cmd = [sys.executable, SCRIPT, out] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-        "--master_port", "29531", SCRIPT, out]
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), SCRIPT, out]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out)

@@ -5,7 +5,6 @@ the TP=2 run's checkpoint then loads into TP=1 with the reference's weights."""
 
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 
@@ -35,11 +34,8 @@ def test_tp_pp_dp_equal_single_process(tmp_path):
     path = tmp_path / "reference.pt"
     torch.save(ref, path)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    with socket.socket() as sock:  # an explicit port: workers rendezvous at torchrun's store
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+    proc = subprocess.run(  # --standalone: the workers rendezvous at the store torchrun binds
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
          os.path.join(HERE, "dist", "rmt_parallel.py"), str(path), "tp", "pp", "dp"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import time
@@ -107,10 +106,9 @@ def main(argv=None):
     if args.worker_out:
         return worker(args)
     out = os.path.abspath((args.json or "bench_memory_parallel") + ".rows.tmp")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", f"--master_port={port}",
+    # --standalone: torchrun's store binds a free port itself and the workers join it (no port
+    # picked here that another process could take first)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            os.path.abspath(__file__), f"--worker-out={out}", f"--steps={args.steps}", f"--hidden={args.hidden}",
            f"--seq={args.seq}", f"--batch={args.batch}", f"--keys={args.keys}", f"--documents={args.documents}"]
     env = dict(os.environ, OMP_NUM_THREADS="1")

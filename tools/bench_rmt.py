@@ -146,6 +146,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="sizes tiny and small, fewer steps")
     ap.add_argument("--steps", type=int, help="timed steps per model (default 10, quick 5)")
+    ap.add_argument("--sizes", nargs="+", choices=list(SIZES),
+                    help=f"twin sizes to run (default all, quick {' '.join(QUICK_SIZES)})")
     ap.add_argument("--train", action="store_true",
                     help="instead: train the tiny twins for the same tokens at LRs 1e-3, 3e-3, "
                          "1e-2 and compare validation losses")
@@ -170,7 +172,7 @@ def main(argv=None) -> int:
             rows = []
             print(f"{'size':<10} {'rmt s/step':>10} {'tf s/step':>10} {'ratio':>6} "
                   f"{'rmt MiB':>8} {'tf MiB':>8} {'mem ratio':>9} {'rmt params':>11} {'tf params':>11}")
-            for size in (QUICK_SIZES if args.quick else SIZES):
+            for size in args.sizes or (QUICK_SIZES if args.quick else SIZES):
                 r = bench_size(size, steps, warmup=2)
                 rows.append(r)
                 print(f"{size:<10} {r['rmt']['step_s']:>10.4f} {r['transformer']['step_s']:>10.4f} "

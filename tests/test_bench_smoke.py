@@ -1,0 +1,53 @@
+"""Seconds-long smoke runs, at their smallest shapes, of the benchmarks that have no test of
+their own (bench_lookup_reduce, bench_memory_scale, bench_optimizer, bench_memory_train and
+bench_recurrent have theirs): each runs its real code path end to end and writes the JSON
+document every benchmark writes, with finite headline figures."""
+
+import json
+import math
+
+from conftest import run_python
+
+
+def _doc(path, name, summary_keys):
+    doc = json.loads(path.read_text())
+    assert doc["benchmark"] == name and doc["rows"] and doc["machine"]
+    assert set(summary_keys) <= set(doc["summary"])
+    assert all(math.isfinite(doc["summary"][k]) and doc["summary"][k] > 0 for k in summary_keys)
+    return doc
+
+
+def test_bench_memory_inference_smoke(tmp_path):
+    out = tmp_path / "bench.json"
+    run_python(["tools/bench_memory_inference.py", "--hidden", "64", "--heads", "2", "--layers", "2",
+                "--kv-len", "8", "--batches", "1,2", "--reps", "1", "--expansion", "2", "--topk", "2",
+                "--json", str(out)])
+    doc = _doc(out, "bench_memory_inference", ["ultramem_over_dense_latency_b64", "moe_over_ultramem_latency_b64",
+                                               "ultramem_latency_growth_10x_slots"])
+    assert [r["batch"] for r in doc["rows"]] == [1, 2]
+    for row in doc["rows"]:
+        # every model touches at least the dense layers' weights; MoE and UltraMem more
+        assert row["dense_bytes"] > 0
+        assert row["ultramem_bytes"] > row["dense_bytes"] and row["moe_bytes"] > row["dense_bytes"]
+
+
+def test_bench_memory_parallel_smoke(tmp_path):
+    out = tmp_path / "bench.json"
+    run_python(["tools/bench_memory_parallel.py", "--steps", "3", "--hidden", "32", "--seq", "16", "--batch", "2",
+                "--keys", "8", "--documents", "5", "--json", str(out)])
+    doc = _doc(out, "bench_memory_parallel", ["async_over_sync_step_time"])
+    assert {(r["partition"], r["async"]) for r in doc["rows"]} == {
+        ("local", False), ("number", False), ("number", True), ("dimension", False), ("dimension", True)}
+    for row in doc["rows"]:
+        assert row["step_s"] > 0 and 0 <= row["hidden_fraction"] <= 1
+        assert (row["memory_backward_s"] is not None) == row["async"]
+
+
+def test_bench_rmt_smoke(tmp_path):
+    out = tmp_path / "bench.json"
+    run_python(["tools/bench_rmt.py", "--sizes", "tiny", "--steps", "3", "--json", str(out)])
+    doc = _doc(out, "bench_rmt", ["step_time_ratio_rmt_over_transformer", "peak_mem_ratio"])
+    (row,) = doc["rows"]
+    assert row["size"] == "tiny" and len(row["rmt"]["step_s_all"]) == 3
+    for name in ("rmt", "transformer"):
+        assert row[name]["peak_bytes"] > row[name]["persistent_bytes"] > 0 and row[name]["params"] > 0
