@@ -20,6 +20,10 @@ step peak at the largest table times P, relative spread over the P runs), and
 ``rowwise_adagrad_mib_per_mib_at_P4``: the per-rank peak's growth per MiB of whole table at P = 4
 (goal <= 0.35; ideal 0.25).
 
+With ``--json FILE`` every measured run is appended to ``FILE.partial`` at once; the same command
+run again after an interruption reuses those runs and measures only the rest (the file is removed
+once ``FILE`` is written).
+
 ``--demo``: 4 ranks, each capped by the kernel (``setrlimit``: RLIMIT_DATA, or RLIMIT_AS with
 ``--cap-kind as``) at ``--cap-gib``, train a few steps, save and reload a table at least 3x the
 cap with row-wise Adagrad (with SparseAdam the table plus its moments is: each rank must hold three
@@ -199,11 +203,17 @@ def measure_run(args, run: dict) -> dict:
                init_gbps=train[0]["shard_bytes"] / max(r["fill_s"] for r in train) / 1e9,
                vm_peak=max(r["vm_peak"] for r in train + load),
                loaded_iteration=load[0]["loaded_iteration"], predicted=predict(run))
-    other = "dimension" if run["partition"] == "number" else "number"
-    if args.reshard and run["P"] > 1 and (run["optimizer"] != "rowwise_adagrad" or other == "number"):
+    if reshards(args, run):
+        other = "dimension" if run["partition"] == "number" else "number"
         resharded = launch(args, run, "load", load_partition=other, cap_gib=args.cap_gib)
         out["peak"]["load_resharded"] = max(r["load"]["peak"] for r in resharded)
     return out
+
+
+def reshards(args, run: dict) -> bool:
+    """Whether ``run``'s checkpoint is also loaded under the other partition (row-wise Adagrad
+    cannot run dimension-wise)."""
+    return args.reshard and run["P"] > 1 and (run["optimizer"] != "rowwise_adagrad" or run["partition"] == "dimension")
 
 
 def compare(rows: list) -> None:
@@ -322,13 +332,37 @@ def main(argv=None):
         args.optimizers = args.optimizers or ["adamw", "sparse_adam", "rowwise_adagrad"]
         args.grid = {(4, m) for m in args.sizes} | {(P, max(args.sizes)) for P in args.ranks}
     args.cap_gib = 0.0
+    done = measured_before(args)
     rows = []
     for run, base in runs(args):
+        key = json.dumps(run, sort_keys=True)
+        if key in done:
+            rows.append(done[key])
+            continue
         rows.append(dict(run, base=base, **measure_in(args, run)))
         if args.json:  # a run that dies later keeps what was measured
             with open(args.json + ".partial", "a") as f:
                 f.write(json.dumps(rows[-1]) + "\n")
     return report(args, rows, "bench_memory_scale")
+
+
+def measured_before(args) -> dict:
+    """Rows of ``--json``'s ``.partial`` file left by an interrupted run of the same command, by run.
+
+    A row measured without the resharded load is not reused when ``--reshard`` asks for one."""
+    path = (args.json or "") + ".partial"
+    if not args.json or not os.path.exists(path):
+        return {}
+    done = {}
+    with open(path) as f:
+        for line in f:
+            row = json.loads(line)
+            run = {k: row[k] for k in ("P", "partition", "optimizer", "dtype", "steps", "num_keys")}
+            if reshards(args, row) and "load_resharded" not in row["peak"]:
+                continue
+            done[json.dumps(run, sort_keys=True)] = row
+    print(f"reusing {len(done)} runs measured before, from {path}", file=sys.stderr, flush=True)
+    return done
 
 
 def measure_in(args, run: dict) -> dict:
@@ -391,6 +425,9 @@ def report(args, rows: list, name: str) -> int:
             json.dump({"benchmark": name, "machine": {"platform": platform.platform(), "torch": torch.__version__,
                                                       "cpus": os.cpu_count(), "argv": sys.argv[1:]},
                        "rows": rows, "summary": summary}, f, indent=1)
+        if os.path.exists(args.json + ".partial"):  # complete now: a rerun measures afresh
+            os.remove(args.json + ".partial")
+        print(f"wrote {args.json}", file=sys.stderr)
     return 0
 
 
