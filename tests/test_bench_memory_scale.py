@@ -35,3 +35,9 @@ def test_bench_smoke_writes_json(tmp_path, cache_dir):
     again = json.loads(out.read_text())
     assert again["rows"][0]["peak"] == base["peak"] and again["rows"][1]["num_keys"] == run["num_keys"]
     assert not (tmp_path / "bench.json.partial").exists()
+    # --repredict measures nothing: the same rows against the planner as it is now
+    proc = run_python(["tools/bench_memory_scale.py", "--repredict", str(out), "--json", str(tmp_path / "re.json")])
+    re_doc = json.loads((tmp_path / "re.json").read_text())
+    assert "measuring" not in proc.stderr
+    assert [r["peak"] for r in re_doc["rows"]] == [r["peak"] for r in again["rows"]]
+    assert [r["predicted"] for r in re_doc["rows"]] == [r["predicted"] for r in again["rows"]]

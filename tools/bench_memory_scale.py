@@ -180,12 +180,20 @@ def launch(args, run: dict, phase: str, load_partition: str = "", cap_gib: float
 
 
 def predict(run: dict) -> dict:
-    """``rmt-plan memory``'s phases for the run's config (rmt.planner.memory.plan_from_config)."""
+    """``rmt-plan memory``'s phases for the run's config (rmt.planner.memory.plan_from_config);
+    ``load_resharded`` is the load of this run's checkpoint under the other partition."""
     from rmt.config import load_config
     from rmt.planner.memory import phases, plan_from_config
 
-    config = load_config(None, overrides(run, 1))
-    return phases(plan_from_config(config, run["P"], layers=1, microbatches=1))
+    def plan(partition):
+        config = load_config(None, overrides(dict(run, partition=partition), 1))
+        return phases(plan_from_config(config, run["P"], layers=1, microbatches=1))
+
+    out = plan(run["partition"])
+    other = "dimension" if run["partition"] == "number" else "number"
+    if run["optimizer"] != "rowwise_adagrad":  # its resharded load (into the other partition) is that plan's
+        out["load_resharded"] = plan(other)["load_resharded"]
+    return out
 
 
 def measure_run(args, run: dict) -> dict:
@@ -295,6 +303,8 @@ def main(argv=None):
     ap.add_argument("--dtypes", nargs="+", default=["fp32"], choices=("fp32", "bf16"))
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--reshard", action="store_true", help="also load each checkpoint under the other partition")
+    ap.add_argument("--repredict", metavar="JSON", help="measure nothing: compare the rows of an earlier --json "
+                    "file with the planner as it is now, print the table (and write --json)")
     ap.add_argument("--demo", action="store_true", help="the RLIMIT_AS-capped demonstration (see above)")
     ap.add_argument("--cap-gib", type=float, default=0.0, help="--demo: the per-rank cap in GiB (default 5)")
     ap.add_argument("--cap-kind", choices=sorted(CAP_LIMITS), default="data",
@@ -311,6 +321,12 @@ def main(argv=None):
     ap.add_argument("--load-partition", help=argparse.SUPPRESS)
     ap.add_argument("--t0", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.repredict:
+        with open(args.repredict) as f:
+            doc = json.load(f)
+        for row in doc["rows"]:
+            row["predicted"] = predict(row)
+        return report(args, doc["rows"], doc["benchmark"])
     if args.workdir is None and not args.worker_out:
         import tempfile
 
