@@ -72,6 +72,9 @@ def test_second_process_loads_without_rebuilding(tmp_path):
     assert "building" not in second.stderr
     assert binary.stat().st_mtime_ns == stamp
     assert [p for p in (tmp_path / "cache").iterdir() if p.is_dir()] == [folder]
+    # a binary without its completion mark is one being linked: never imported, built again
+    (folder / "complete").unlink()
+    assert "rmt: building C++ extension rmt_probe" in run().stderr
 
 
 def test_failed_build_warns_once_and_returns_none(tmp_path, monkeypatch):

@@ -105,6 +105,11 @@ def _binary(folder: Path, name: str) -> Path:
     return folder / f"{name}{LIB_EXT}"
 
 
+def _built(folder: Path) -> bool:
+    """Whether a build into ``folder`` completed (the binary exists while it is being linked)."""
+    return (folder / "complete").exists()
+
+
 def _import(name: str, path: Path):
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
@@ -132,13 +137,14 @@ def _build(name: str, spec: dict, folder: Path):
             if global_rank() == 0:
                 _say(f"waiting for another process building C++ extension {name} in {folder}")
             fcntl.flock(lock, fcntl.LOCK_EX)
-        if binary.exists():
+        if _built(folder):
             return _import(name, binary)
         _say(f"building C++ extension {name} (once per environment; cached in {folder}) ...")
         start = time.perf_counter()
         module = cpp_extension.load(name=name, sources=[str(CSRC / s) for s in spec["sources"]],
                                     build_directory=str(folder), verbose=False,
                                     **{k: v for k, v in spec.items() if k != "sources"})
+        (folder / "complete").touch()
         _say(f"built {name} in {time.perf_counter() - start:.0f} s")
         return module
 
@@ -151,8 +157,7 @@ def load_extension(name: str, spec: Optional[dict] = None):
         spec = EXTENSIONS[name] if spec is None else spec
         try:
             folder = build_dir(name, spec)
-            binary = _binary(folder, name)
-            _cache[name] = _import(name, binary) if binary.exists() else _build(name, spec, folder)
+            _cache[name] = _import(name, _binary(folder, name)) if _built(folder) else _build(name, spec, folder)
         except Exception as exc:  # compiler missing, headers missing, link errors...
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             warnings.warn(f"rmt.ops: building extension {name} failed ({first}); falling back",
@@ -176,7 +181,7 @@ def main(argv=None) -> int:
         return 0 if all(load_extension(n) is not None for n in argv) else 1
     cuda = torch.cuda.is_available() and cpp_extension.CUDA_HOME is not None
     names = [n for n, s in EXTENSIONS.items() if cuda or not is_cuda(s)]
-    missing = [n for n in names if not _binary(build_dir(n), n).exists()]
+    missing = [n for n in names if not _built(build_dir(n))]
     if not missing:
         _say(f"C++ extensions up to date in {cache_root()}")
         return 0
