@@ -55,20 +55,25 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _ensure_optimizer_state(optimizer) -> None:
-    """The optimizers create their state lazily; create it (zeros) so it can be loaded into."""
+def _ensure_optimizer_state(optimizer, device: Optional[str] = None) -> list:
+    """The optimizers create their state lazily; create it (zeros) so it can be loaded into.
+    ``device="meta"``: shapes and dtypes only, nothing allocated. Returns the states created."""
+    created = []
     for group in optimizer.param_groups:
         for p in group["params"]:
             state = optimizer.state[p]
             if state:
                 continue
+            like = p if device is None else torch.empty_like(p, device=device)
             owner = optimizer.owner(p) if isinstance(optimizer, ChainedOptimizer) else optimizer
             if hasattr(owner, "initial_state"):  # rmt's SparseAdam and RowWiseAdagrad
-                state.update(owner.initial_state(p))
-                continue
-            state["step"] = torch.tensor(0.0)
-            for name in _MOMENTS:
-                state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state.update(owner.initial_state(like))
+            else:
+                state["step"] = torch.tensor(0.0)
+                for name in _MOMENTS:
+                    state[name] = torch.zeros_like(like, memory_format=torch.preserve_format)
+            created.append(state)
+    return created
 
 
 def sharded_state(chunks: List[torch.nn.Module], optimizer, common: dict) -> dict:
@@ -202,8 +207,16 @@ def _prepare(root: str, need: int, tmp: Optional[str] = None) -> None:
 
 def check_space(root: str, chunks, optimizer) -> None:
     """Before training: raise :class:`CheckpointSaveError` now, not after the first steps, when
-    ``root`` has no room for one checkpoint of this model (collective)."""
-    _prepare(root, _bytes_needed(sharded_state(chunks, optimizer, {}), chunks, optimizer))
+    ``root`` has no room for one checkpoint of this model (collective). The optimizer states
+    that do not exist yet are sized on the meta device: creating them here would hold
+    table-sized moments from start-up on, before the first step needs them."""
+    created = _ensure_optimizer_state(optimizer, device="meta")
+    try:
+        need = _bytes_needed(sharded_state(chunks, optimizer, {}), chunks, optimizer)
+    finally:
+        for state in created:
+            state.clear()
+    _prepare(root, need)
 
 
 def save_checkpoint(root: str, iteration: int, chunks, optimizer, common: dict, keep: int = 0) -> str:
