@@ -212,6 +212,7 @@ def load_model(path: str, overrides: List[str]):
     saved["parallel"].update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                              virtual_pipeline_model_parallel_size=None, data_parallel_size=None)
     saved["train"].update(load=None, save=None, save_interval=0)
+    saved["data"]["path"] = None  # generating needs no data: the saved data.tokenizer is the data's
     if overrides:
         saved = OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(saved), OmegaConf.from_dotlist(overrides)))
     config = from_dict(saved)
@@ -220,6 +221,17 @@ def load_model(path: str, overrides: List[str]):
     chunks = build(config)
     load_checkpoint(path, chunks, None)
     return chunks[0].eval(), config
+
+
+def prompt_text(prompt: str) -> str:
+    """``--prompt`` as text; the command line delivers bytes that are not UTF-8 as surrogate
+    escapes, which no tokenizer can encode."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise UserError(f"the prompt is not valid UTF-8 (character {err.start} is an undecodable byte); "
+                        f"pass UTF-8 text or token ids with --prompt-ids") from None
+    return prompt
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -261,8 +273,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 raise UserError(f"--prompt-ids must be comma-separated integers, got '{args.prompt_ids}'") from None
         else:
             d = config.data
-            tokenizer = build_tokenizer(d.tokenizer, d.cache_dir, d.bpe_vocab_size)
-            ids = tokenizer.tokenize(args.prompt)
+            tokenizer = build_tokenizer(d.tokenizer or "byte", d.cache_dir, d.bpe_vocab_size, d.max_documents)
+            ids = tokenizer.tokenize(prompt_text(args.prompt))
         if any(not 0 <= i < config.model.vocab_size for i in ids):
             raise UserError(f"prompt token ids must lie in [0, {config.model.vocab_size})")
         device = next(model.parameters()).device

@@ -85,8 +85,9 @@ def build_tokenizer(spec: str, cache_dir: str = ".rmt_cache", bpe_vocab_size: in
         return ByteTokenizer()
     if spec == "bpe":
         from rmt.data.corpus import corpus_documents
+        from rmt.data.metadata import bpe_path
 
-        path = os.path.join(cache_dir, f"bpe_{bpe_vocab_size}_{max_documents or 'all'}.json")
+        path = bpe_path(cache_dir, bpe_vocab_size, max_documents)
         if not os.path.isfile(path):
             train_bpe(corpus_documents(max_documents), bpe_vocab_size, path)
         return HFTokenizer(path)
