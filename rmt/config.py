@@ -485,6 +485,8 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
     merged = OmegaConf.structured(RMTConfig)
     layers = []
     if path is not None:
+        if os.path.isdir(path):
+            raise ConfigError(f"config file '{path}' is a directory; --config takes a YAML file")
         if not os.path.isfile(path):
             raise ConfigError(f"config file '{path}' does not exist")
         try:

@@ -206,7 +206,8 @@ def load_model(path: str, overrides: List[str]):
     from rmt import parallel
     from rmt.config import from_dict, validate
     from rmt.models.build import build
-    from rmt.training.checkpoint import load_checkpoint, load_common
+    from rmt.training.checkpoint import find_checkpoint, load_checkpoint, load_common
+    from rmt.training.same_model import model_difference
 
     saved = load_common(path)["config"]
     saved["parallel"].update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
@@ -214,7 +215,11 @@ def load_model(path: str, overrides: List[str]):
     saved["train"].update(load=None, save=None, save_interval=0)
     saved["data"]["path"] = None  # generating needs no data: the saved data.tokenizer is the data's
     if overrides:
-        saved = OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(saved), OmegaConf.from_dotlist(overrides)))
+        merged = OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(saved), OmegaConf.from_dotlist(overrides)))
+        problem = model_difference(from_dict(merged), saved, find_checkpoint(path))
+        if problem is not None:
+            raise UserError(problem)
+        saved = merged
     config = from_dict(saved)
     validate(config, 1)
     parallel.initialize(config)
@@ -256,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 @cli_entry("rmt-generate")
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)  # overrides may follow the options
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex).*")
     if args.max_new_tokens < 1 or args.num_samples < 1 or args.temperature < 0 or args.top_k < 0:
         raise UserError("--max-new-tokens and --num-samples must be positive, --temperature and --top-k non-negative")
