@@ -265,6 +265,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex).*")
     if args.max_new_tokens < 1 or args.num_samples < 1 or args.temperature < 0 or args.top_k < 0:
         raise UserError("--max-new-tokens and --num-samples must be positive, --temperature and --top-k non-negative")
+    prompt_string = None if args.prompt_ids is not None else prompt_text(args.prompt)
     from rmt import parallel
     from rmt.data.tokenizers import build_tokenizer
 
@@ -279,7 +280,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         else:
             d = config.data
             tokenizer = build_tokenizer(d.tokenizer or "byte", d.cache_dir, d.bpe_vocab_size, d.max_documents)
-            ids = tokenizer.tokenize(prompt_text(args.prompt))
+            ids = tokenizer.tokenize(prompt_string)
         if any(not 0 <= i < config.model.vocab_size for i in ids):
             raise UserError(f"prompt token ids must lie in [0, {config.model.vocab_size})")
         device = next(model.parameters()).device
