@@ -276,7 +276,8 @@ class TrainConfig:
     exist unless it equals ``save``."""
 
     tensorboard_dir: Optional[str] = None
-    """TensorBoard log directory (scalars of every step); ``null`` = no TensorBoard logs."""
+    """TensorBoard log directory (scalars of every step), one subdirectory per run (its start time
+    and process id, continued by the run's restarts); ``null`` = no TensorBoard logs."""
 
     log_file: Optional[str] = None
     """JSONL file that gets one line of metrics per training step (appended; a resumed run first
