@@ -6,6 +6,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -63,29 +65,37 @@ def test_config_naming_a_directory(tmp_path):
         f"rmt-train: error: config file '{tmp_path}' is a directory; --config takes a YAML file")
 
 
-def test_unwritable_checkpoint_directory_is_refused_at_start(cache_dir, tmp_path):
+@pytest.fixture
+def open_dir():
+    """A directory every user can reach (pytest's tmp_path is private to its owner)."""
+    path = tempfile.mkdtemp(prefix="rmt_open_")
+    os.chmod(path, 0o777)
+    yield Path(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_unwritable_checkpoint_directory_is_refused_at_start(cache_dir, tmp_path, open_dir):
     """A read-only directory (as another user when the tests run as root: permission bits do not
     bind root) and a path below a file; neither trains a step."""
-    readonly = tmp_path / "ro"
+    readonly = open_dir / "ro"
     readonly.mkdir()
-    os.chmod(tmp_path, 0o755)
     os.chmod(readonly, 0o555)
-    cache = tmp_path / "cache"  # the session cache lives in a directory only root can read
+    cache = open_dir / "cache"
     shutil.copytree(cache_dir, cache)
-    for folder, dirs, files in os.walk(tmp_path):
+    for folder, dirs, files in os.walk(cache):
         for name in dirs + files:
-            if os.path.join(folder, name) != str(readonly):
-                os.chmod(os.path.join(folder, name), 0o777)
-    overrides = tiny_overrides(str(cache), steps=50) + [f"train.save={readonly}", f"train.log_file={tmp_path}/log.jsonl"]
+            os.chmod(os.path.join(folder, name), 0o777)
+    os.chmod(cache, 0o777)
+    overrides = tiny_overrides(str(cache), steps=50) + [f"train.save={readonly}", f"train.log_file={open_dir}/log.jsonl"]
     cmd = [sys.executable, "-m", "rmt.training.cli"] + overrides
     if os.geteuid() == 0:
         cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] + cmd
-    env = dict(_env(), HOME=str(tmp_path))
+    env = dict(_env(), HOME=str(open_dir))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert _one_sentence(proc, "rmt-train", "") == (
         f"rmt-train: error: cannot write to checkpoint directory '{readonly}' (Permission denied); "
         f"train.save must name a writable directory")
-    assert not os.path.exists(tmp_path / "log.jsonl")  # no step ran
+    assert not os.path.exists(open_dir / "log.jsonl")  # no step ran
     (tmp_path / "file").write_text("")
     below_file = rmt_train(tiny_overrides(cache_dir) + [f"train.save={tmp_path}/file/ckpt"], check=False)
     _one_sentence(below_file, "rmt-train", f"cannot create '{tmp_path}/file/ckpt': Not a directory")
@@ -193,3 +203,16 @@ def test_mistake_under_torchrun_is_said_once(cache_dir, tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "restarting" not in proc.stderr
     assert [l for l in proc.stderr.splitlines() if "error" in l] == [
         f"rmt-train: error: cannot create '{tmp_path}/file/ckpt': Not a directory"], proc.stderr[-3000:]
+
+
+def test_unwritable_cache_directory(tmp_path):
+    from rmt.config import load_config
+    from rmt.data.gpt_data import prepare_default_corpus
+    from rmt.errors import UserError
+
+    (tmp_path / "file").write_text("")
+    config = load_config(None, [f"data.cache_dir={tmp_path}/file/cache", "data.max_documents=2"])
+    with pytest.raises(UserError) as err:
+        prepare_default_corpus(config)
+    assert str(err.value) == (f"cannot write the tokenized default corpus into data.cache_dir '{tmp_path}/file/cache' "
+                              f"(Not a directory); set data.cache_dir to a writable directory")

@@ -60,7 +60,11 @@ def prepare_default_corpus(config: RMTConfig) -> str:
         docs = corpus_documents(d.max_documents)
         batch = getattr(tok, "tokenize_batch", None)
         ids = batch(list(docs)) if batch else [tok.tokenize(t) for t in docs]
-        write_indexed(prefix, ids, tok)
+        try:
+            write_indexed(prefix, ids, tok)
+        except OSError as err:
+            raise UserError(f"cannot write the tokenized default corpus into data.cache_dir '{d.cache_dir}' "
+                            f"({err.strerror or err}); set data.cache_dir to a writable directory") from None
     return prefix
 
 
