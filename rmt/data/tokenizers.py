@@ -71,10 +71,14 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_file: str) -> str:
         vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer)
-    os.makedirs(os.path.dirname(os.path.abspath(out_file)), exist_ok=True)
     tmp = out_file + ".tmp"
-    tok.save(tmp)
-    os.replace(tmp, out_file)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(out_file)), exist_ok=True)
+        tok.save(tmp)
+        os.replace(tmp, out_file)
+    except Exception as err:  # OSError, or the Rust side's own error for an unwritable file
+        raise UserError(f"cannot write the trained tokenizer '{out_file}' ({getattr(err, 'strerror', None) or err}); "
+                        f"the cache directory must be writable") from None
     return out_file
 
 
