@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 from typing import List, Optional
@@ -199,8 +200,9 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, vocab_size: int, 
 
 
 def load_model(path: str, overrides: List[str]):
-    """``(model, config)`` rebuilt from a checkpoint's saved config on one process (process
-    groups initialised; the caller runs ``rmt.parallel.destroy()``)."""
+    """``(model, config, tokenizer_json)`` rebuilt from a checkpoint's saved config on one process
+    (process groups initialised; the caller runs ``rmt.parallel.destroy()``); ``tokenizer_json``
+    is the tokenizer file the checkpoint carries (None for byte tokens and older checkpoints)."""
     from omegaconf import OmegaConf
 
     from rmt import parallel
@@ -209,7 +211,10 @@ def load_model(path: str, overrides: List[str]):
     from rmt.training.checkpoint import find_checkpoint, load_checkpoint, load_common
     from rmt.training.same_model import model_difference
 
-    saved = load_common(path)["config"]
+    common = load_common(path)
+    saved, tokenizer_json = common["config"], common.get("tokenizer_json")
+    if tokenizer_json is not None and not os.path.isfile(saved["data"]["tokenizer"]):
+        saved["data"]["tokenizer"] = None  # moved or deleted since training: the carried copy serves
     saved["parallel"].update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                              virtual_pipeline_model_parallel_size=None, data_parallel_size=None)
     saved["train"].update(load=None, save=None, save_interval=0)
@@ -225,7 +230,7 @@ def load_model(path: str, overrides: List[str]):
     parallel.initialize(config)
     chunks = build(config)
     load_checkpoint(path, chunks, None)
-    return chunks[0].eval(), config
+    return chunks[0].eval(), config, tokenizer_json
 
 
 def prompt_text(prompt: str) -> str:
@@ -267,10 +272,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise UserError("--max-new-tokens and --num-samples must be positive, --temperature and --top-k non-negative")
     prompt_string = None if args.prompt_ids is not None else prompt_text(args.prompt)
     from rmt import parallel
-    from rmt.data.tokenizers import build_tokenizer
+    from rmt.data.tokenizers import HFTokenizer, build_tokenizer
 
     try:
-        model, config = load_model(args.checkpoint, args.overrides)
+        model, config, tokenizer_json = load_model(args.checkpoint, args.overrides)
         tokenizer = None
         if args.prompt_ids is not None:
             try:
@@ -279,7 +284,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 raise UserError(f"--prompt-ids must be comma-separated integers, got '{args.prompt_ids}'") from None
         else:
             d = config.data
-            tokenizer = build_tokenizer(d.tokenizer or "byte", d.cache_dir, d.bpe_vocab_size, d.max_documents)
+            tokenizer = (HFTokenizer(d.tokenizer or "tokenizer.json", tokenizer_json) if tokenizer_json is not None
+                         else build_tokenizer(d.tokenizer or "byte", d.cache_dir, d.bpe_vocab_size, d.max_documents))
             ids = tokenizer.tokenize(prompt_string)
         if any(not 0 <= i < config.model.vocab_size for i in ids):
             raise UserError(f"prompt token ids must lie in [0, {config.model.vocab_size})")

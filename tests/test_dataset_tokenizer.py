@@ -46,6 +46,15 @@ def test_bpe_data_trains_and_generates_with_its_own_tokenizer(cache_dir, tmp_pat
     sample = result["samples"][0]
     assert result["prompt_ids"] == tok.tokenize(prompt) and len(sample["ids"]) == len(result["prompt_ids"]) + 6
     assert sample["text"] == tok.detokenize(sample["ids"]) and sample["text"].startswith(prompt)
+    # The checkpoint carries the tokenizer: generating needs neither the data nor its cache.
+    os.rename(recorded, recorded + ".moved")
+    try:
+        run_python(["-m", "rmt.generate", "--checkpoint", str(ckpt), "--prompt", prompt, "--max-new-tokens", "6",
+                    "--json", str(tmp_path / "g2.json")])
+    finally:
+        os.rename(recorded + ".moved", recorded)
+    with open(tmp_path / "g2.json") as f:
+        assert json.load(f) == result
 
     contradiction = rmt_train(tiny_overrides(cache_dir, steps=2) + [f"data.path={prefix}", "data.tokenizer=byte"],
                               check=False)

@@ -90,6 +90,15 @@ def adopt_dataset_tokenizer(config, prefix: str) -> None:
     d.tokenizer = recorded
 
 
+def tokenizer_file_text(spec: Optional[str]) -> Optional[str]:
+    """The contents of tokenizer file ``spec`` (``data.tokenizer`` once resolved), for a checkpoint
+    to carry so that generating needs neither the data nor its tokenizer cache; None for byte."""
+    if spec in (None, DEFAULT, "bpe") or not os.path.isfile(spec):
+        return None
+    with open(spec) as f:
+        return f.read()
+
+
 def known_vocab_size(config) -> Optional[int]:
     """The vocabulary a run of ``config`` gets, where it is known without building data: the
     one ``data.path``'s metadata records, or the byte tokenizer's; else None."""

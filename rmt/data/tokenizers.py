@@ -8,7 +8,7 @@ Each exposes what megatron-core's GPTDataset reads (``vocab_size``, ``eod``) plu
 from __future__ import annotations
 
 import os
-from typing import Iterable, List
+from typing import Iterable, List, Optional
 
 from rmt.errors import UserError
 
@@ -30,17 +30,18 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A HF ``tokenizers`` tokenizer file. The end-of-document id is the first of the usual
-    special tokens present, else one id past the vocabulary."""
+    """A HF ``tokenizers`` tokenizer file (or its contents ``json_text``, as a checkpoint carries
+    them, with ``path`` where it was). The end-of-document id is the first of the usual special
+    tokens present, else one id past the vocabulary."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, json_text: Optional[str] = None):
         from tokenizers import Tokenizer
 
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-        if not os.path.isfile(file):
+        if json_text is None and not os.path.isfile(file):
             raise UserError(f"tokenizer path '{path}' has no tokenizer.json")
         try:
-            self._tok = Tokenizer.from_file(file)
+            self._tok = Tokenizer.from_file(file) if json_text is None else Tokenizer.from_str(json_text)
         except Exception as err:
             raise UserError(f"tokenizer file '{file}' could not be read ({err})") from None
         self.spec = os.path.abspath(file)

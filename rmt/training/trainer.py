@@ -22,6 +22,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from rmt import config as rmt_config
 from rmt.config import RMTConfig
 from rmt.data.gpt_data import build_datasets, microbatches, resolve_data
+from rmt.data.metadata import tokenizer_file_text
 from rmt.data.tasks import build_task_datasets, curriculum_hook
 from rmt.memory import pop_aux_loss, pop_memory_stats
 from rmt.memory.groups import excluded_from_ddp, finish_memory_grads, self_reduced
@@ -222,7 +223,7 @@ class Trainer:
     def save(self) -> str:
         common = {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
                   "global_batch_size": self.global_batch, "config": rmt_config.to_dict(self.config),
-                  "run_name": self.run_name}
+                  "run_name": self.run_name, "tokenizer_json": tokenizer_file_text(self.config.data.tokenizer)}
         if hasattr(self.train_ds, "state_dict"):  # e.g. a task curriculum's noise length
             common["data_state"] = self.train_ds.state_dict()
         self.last_save = checkpoint.save_checkpoint(self.config.train.save, self.iteration, self.chunks,
