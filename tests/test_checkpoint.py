@@ -104,10 +104,10 @@ def test_same_command_resumes_and_logs_every_step_once(six_steps, cache_dir, tmp
     assert f"TensorBoard logs: '{tb / run}' (tensorboard --logdir {tb})\n" in first.stdout
     for step in (3, 6):
         assert f"checkpoint saved to '{ckpt / f'iter_000000{step}'}'\n" in first.stdout
-    summary = first.stdout[first.stdout.index("finished: step 6 of 6\n"):].splitlines()
+    summary = first.stdout[first.stdout.index(f"finished: step 6 of 6; checkpoint '{ckpt / 'iter_0000006'}'\n"):].splitlines()
     assert re.fullmatch(r"  this run: 6 steps, 768 tokens in [0-9.]+ s \([0-9,]+ tokens/s\)", summary[1])
-    assert summary[2:] == ["  no validation loss (train.eval_iters is 0)", f"  checkpoint: '{ckpt / 'iter_0000006'}'",
-                           f"  TensorBoard: '{tb / run}'", f"  metrics log: '{log}'"]
+    assert summary[2:] == ["  no validation loss (train.eval_iters is 0)", f"  TensorBoard: '{tb / run}'",
+                           f"  metrics log: '{log}'"]
     shutil.rmtree(ckpt / "iter_0000006")
     again = rmt_train(cmd + ["--json", str(tmp_path / "b.json")])
     assert f"resumed from iteration 3 of 6: '{ckpt / 'iter_0000003'}'\n" in again.stdout

@@ -284,16 +284,15 @@ class Trainer:
             head = f"stopped at step {self.iteration} of {t.steps} (train.exit_interval)"
         else:
             head = f"finished: step {self.iteration} of {t.steps}"
+        where = f"; checkpoint '{self.last_save}'" if self.last_save else "; no checkpoint saved"
         more = "; run the same command to continue" if self.iteration < t.steps and self.last_save else ""
-        self.say(head + more)
+        self.say(head + where + more)
         self.say(f"  this run: {steps} steps, {self.tokens_this_run:,} tokens in {seconds:.1f} s "
                  f"({self.tokens_this_run / max(seconds, 1e-9):,.0f} tokens/s)")
         vals = [m for m in self.history if "val_loss" in m]
         self.say(f"  final validation loss {vals[-1]['val_loss']:.4f} at step {vals[-1]['step']}" if vals else
                  "  no validation loss (train.eval_iters is 0)" if not t.eval_iters else
                  "  no validation loss this run")
-        self.say(f"  checkpoint: '{self.last_save}'" if self.last_save else
-                 "  checkpoint: none (train.save is not set)" if not t.save else "  checkpoint: none saved")
         if writer is not None:
             self.say(f"  TensorBoard: '{writer.log_dir}'")
         if t.log_file:
