@@ -81,8 +81,8 @@ def reader_may_leave():
     sys.stdout = _ReaderMayLeave(original)
     try:
         yield
+    finally:  # also on SystemExit (argparse's --help) and errors: the buffered rest goes now
         sys.stdout.flush()
-    finally:
         sys.stdout = original
 
 
