@@ -149,9 +149,12 @@ class DataConfig:
     """Prefix of a megatron-core indexed dataset (``P.bin``/``P.idx`` from ``rmt-preprocess``);
     ``null`` = the default corpus (the running interpreter's standard library)."""
 
-    tokenizer: str = "byte"
-    """``byte`` (256 bytes + end-of-document), ``bpe`` (byte-level BPE trained on the default
-    corpus with HF tokenizers) or a path to a HF ``tokenizer.json`` or its directory."""
+    tokenizer: Optional[str] = None
+    """``null`` = the tokenizer the data was made with (recorded in ``data.path``'s ``.json`` by
+    ``rmt-preprocess``; ``byte`` for the default corpus); or ``byte`` (256 bytes +
+    end-of-document), ``bpe`` (byte-level BPE trained on the default corpus with HF tokenizers) or
+    a path to a HF ``tokenizer.json`` or its directory. A setting that contradicts the data's
+    record is an error; the checkpoint's config records the tokenizer actually used."""
 
     bpe_vocab_size: int = 2048
     """Vocabulary size of the BPE trained with ``tokenizer: bpe``."""
@@ -211,7 +214,8 @@ class TrainConfig:
     """Final learning rate as a fraction of ``lr``, in [0, 1]."""
 
     warmup_steps: int = 30
-    """Linear warmup steps, in [0, ``steps``)."""
+    """Linear warmup steps, >= 0; a value not below ``steps`` (e.g. a short smoke run of a config
+    made for longer ones) is clamped to ``steps`` - 1, and the run says so."""
 
     lr_decay_style: str = "cosine"
     """Decay after warmup: ``cosine``, ``linear`` or ``constant``."""
@@ -272,7 +276,8 @@ class TrainConfig:
     exist unless it equals ``save``."""
 
     tensorboard_dir: Optional[str] = None
-    """TensorBoard log directory (scalars of every step); ``null`` = no TensorBoard logs."""
+    """TensorBoard log directory (scalars of every step), one subdirectory per run (its start time
+    and process id, continued by the run's restarts); ``null`` = no TensorBoard logs."""
 
     log_file: Optional[str] = None
     """JSONL file that gets one line of metrics per training step (appended; a resumed run first
@@ -481,6 +486,8 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
     merged = OmegaConf.structured(RMTConfig)
     layers = []
     if path is not None:
+        if os.path.isdir(path):
+            raise ConfigError(f"config file '{path}' is a directory; --config takes a YAML file")
         if not os.path.isfile(path):
             raise ConfigError(f"config file '{path}' does not exist")
         try:
@@ -600,8 +607,8 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
         raise ConfigError(f"train.precision must be 'fp32' or 'bf16', got '{t.precision}'")
     if t.lr_decay_style not in ("cosine", "linear", "constant"):
         raise ConfigError(f"train.lr_decay_style must be 'cosine', 'linear' or 'constant', got '{t.lr_decay_style}'")
-    if t.warmup_steps < 0 or t.warmup_steps >= t.steps:
-        raise ConfigError(f"train.warmup_steps ({t.warmup_steps}) must lie in [0, train.steps={t.steps})")
+    if t.warmup_steps < 0:
+        raise ConfigError(f"train.warmup_steps must not be negative, got {t.warmup_steps}")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise ConfigError(f"train.min_lr_ratio must lie in [0, 1], got {t.min_lr_ratio}")
     if t.z_loss < 0 or t.weight_decay < 0 or t.clip_grad < 0:
@@ -622,7 +629,10 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
         for ext in (".bin", ".idx"):
             if not os.path.isfile(d.path + ext):
                 raise ConfigError(f"data.path '{d.path}' has no '{d.path}{ext}' (run rmt-preprocess first)")
-    if d.tokenizer not in ("byte", "bpe") and not os.path.exists(d.tokenizer):
+        from rmt.data.metadata import adopt_dataset_tokenizer
+
+        adopt_dataset_tokenizer(config, d.path)
+    if d.tokenizer not in (None, "byte", "bpe") and not os.path.exists(d.tokenizer):
         raise ConfigError(
             f"data.tokenizer must be 'byte', 'bpe' or a path to a HF tokenizer; '{d.tokenizer}' does not exist")
     try:

@@ -18,6 +18,7 @@ import json
 import sys
 from typing import Callable, NamedTuple
 
+from rmt.errors import reader_may_leave
 from rmt.planner import comm, flops, memory
 
 
@@ -350,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-        return args.run(args)
+        with reader_may_leave():
+            return args.run(args)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 0
     except (_UsageError, ValueError, OSError) as exc:

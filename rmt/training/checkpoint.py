@@ -188,13 +188,14 @@ def _bytes_needed(state: dict, chunks, optimizer) -> int:
 
 
 def _prepare(root: str, need: int, tmp: Optional[str] = None) -> None:
-    """Global rank 0 creates ``root``, checks its free space against ``need`` and makes an empty
-    ``tmp``; every rank raises :class:`CheckpointSaveError` when it cannot."""
+    """Global rank 0 creates ``root``, checks that it can write there and its free space against
+    ``need``, and makes an empty ``tmp``; every rank raises :class:`CheckpointSaveError` when it
+    cannot."""
     problem = None
     if _rank() == 0:
         try:
             os.makedirs(root, exist_ok=True)
-            problem = checkpoint_dirs.free_space_problem(root, need)
+            problem = checkpoint_dirs.write_problem(root) or checkpoint_dirs.free_space_problem(root, need)
             if problem is None and tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
                 os.makedirs(tmp)
@@ -207,7 +208,7 @@ def _prepare(root: str, need: int, tmp: Optional[str] = None) -> None:
 
 def check_space(root: str, chunks, optimizer) -> None:
     """Before training: raise :class:`CheckpointSaveError` now, not after the first steps, when
-    ``root`` has no room for one checkpoint of this model (collective). The optimizer states
+    ``root`` cannot be written or has no room for one checkpoint of this model (collective). The optimizer states
     that do not exist yet are sized on the meta device: creating them here would hold
     table-sized moments from start-up on, before the first step needs them."""
     created = _ensure_optimizer_state(optimizer, device="meta")
@@ -317,13 +318,15 @@ def load_checkpoint(path: str, chunks, optimizer) -> dict:
 
 
 def resume(save: Optional[str], load: Optional[str], chunks, optimizer,
-           say: Callable[[str], None]) -> Optional[Tuple[str, dict]]:
+           say: Callable[[str], None],
+           model_problem: Optional[Callable[[dict, str], Optional[str]]] = None) -> Optional[Tuple[str, dict]]:
     """Load the checkpoint a run continues from (collective; see
     ``checkpoint_dirs.resume_plan``) and return its path and common part, or None for a fresh
     start. A complete-looking checkpoint that cannot be read is reported and the next older one
     tried; one of another model (:class:`CheckpointMismatch`) is an error at once, as every
     older one would fail the same way. ``say`` receives each sentence worth telling (called on
-    global rank 0 only)."""
+    global rank 0 only). ``model_problem(saved_config, path)`` says why a checkpoint's saved
+    config is of another model (None when it is this one); such a checkpoint is a mismatch."""
     plan = None
     if _rank() == 0:
         try:
@@ -343,6 +346,10 @@ def resume(save: Optional[str], load: Optional[str], chunks, optimizer,
     for path in candidates:
         problem = None
         try:
+            if model_problem is not None:
+                problem = model_problem(load_common(path)["config"], path)
+                if problem is not None:
+                    raise CheckpointMismatch(problem)
             common = load_checkpoint(path, chunks, optimizer)
         except UserError as err:
             problem = (str(err), isinstance(err, CheckpointMismatch))

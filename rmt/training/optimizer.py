@@ -114,6 +114,12 @@ def build_adamw(groups: List[dict], kwargs: dict) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, fused=True, **kwargs)
 
 
+def warmup_steps(config: RMTConfig) -> int:
+    """``train.warmup_steps`` clamped below ``train.steps`` (the schedule must reach its peak
+    before the last step; a smoke run of a few steps uses a config made for long runs)."""
+    return min(config.train.warmup_steps, config.train.steps - 1)
+
+
 def build_scheduler(optimizer, config: RMTConfig) -> OptimizerParamScheduler:
     """megatron-core's scheduler: linear warmup to ``lr`` then cosine/linear decay to
     ``min_lr_ratio * lr`` at the last step. Weight decay stays constant. Memory values (a group
@@ -121,7 +127,7 @@ def build_scheduler(optimizer, config: RMTConfig) -> OptimizerParamScheduler:
     t = config.train
     return ValueLRScheduler(
         optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.lr * t.min_lr_ratio,
-        lr_warmup_steps=t.warmup_steps, lr_decay_steps=t.steps, lr_decay_style=t.lr_decay_style,
+        lr_warmup_steps=warmup_steps(config), lr_decay_steps=t.steps, lr_decay_style=t.lr_decay_style,
         start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=t.steps,
         wd_incr_style="constant")
 
