@@ -144,6 +144,9 @@ def validate_memory(config, world_size: Optional[int] = None) -> None:
                 raise ConfigError(f"memory.{key} must be positive, got {getattr(mem, key)}")
         if mem.moe_topk > mem.num_experts:
             raise ConfigError(f"memory.moe_topk ({mem.moe_topk}) exceeds memory.num_experts ({mem.num_experts})")
+        if mem.query_batchnorm or mem.query_bias:
+            raise ConfigError("memory.query_batchnorm and memory.query_bias apply to the queries of memory.type "
+                              "'ultramem' or 'pkm'; MoE has none")
         if mem.expert_hidden_size is not None and mem.expert_hidden_size <= 0:
             raise ConfigError(f"memory.expert_hidden_size must be positive, got {mem.expert_hidden_size}")
         return

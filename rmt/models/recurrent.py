@@ -35,6 +35,7 @@ from megatron.core.transformer.spec_utils import build_module
 from rmt.config import RMTConfig
 from rmt.errors import ConfigError
 from rmt.models.build import register
+from rmt.models.documents import document_starts, per_document
 from rmt.models.megatron_config import padded_vocab_size, transformer_config, validate_attention_shapes
 from rmt.models.mixer import norm
 
@@ -119,8 +120,18 @@ class RecurrentTransformer(MegatronModule):
         assert all(t is None for t in input_tensor), "the recurrent transformer does not support pipeline parallelism"
 
     def forward(self, input_ids, position_ids=None, attention_mask=None):
-        """Logits ``[b, s, V]``. The attention mask of the common interface is not used: each
-        window builds its own causal mask. ``position_ids`` default to ``0..s-1``."""
+        """Logits ``[b, s, V]``. Each window builds its own causal mask; a document mask
+        (``data.reset_attention_mask``, :mod:`rmt.models.documents`) runs every document as a
+        sequence of its own, the exact per-document computation (block windows are aligned to
+        the sequence start and its last block ends with eq. 8, so documents are batched by
+        their number of blocks). ``position_ids`` default to ``0..s-1``."""
+        starts = document_starts(attention_mask)
+        if starts is not None:
+            k = self.layers[0].block_width  # a document's last block ends its recurrence (eq. 8)
+            return per_document(self._forward, input_ids, position_ids, starts, lambda n: (n + k - 1) // k)
+        return self._forward(input_ids, position_ids)
+
+    def _forward(self, input_ids, position_ids=None):
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         x = self.embed(input_ids, position_ids)
