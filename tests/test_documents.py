@@ -125,3 +125,49 @@ def test_dataset_samples_carry_document_masks(cache_dir):
     assert sample["attention_mask"][0, eod + 1, eod] and not sample["attention_mask"][0, eod, 0]
     assert sample["position_ids"][eod + 1] == 0 and sample["loss_mask"][eod] == 0
     assert sample["loss_mask"].sum() == 256 - int((sample["tokens"] == 256).sum())
+
+
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory):
+    """An indexed dataset of 300 documents of 2..30 bytes: every 32-token sample crosses one."""
+    from rmt.data.indexed import write_indexed
+    from rmt.data.tokenizers import ByteTokenizer
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(2, 31, (300,), generator=gen).tolist()
+    docs = [torch.randint(32, 127, (n,), generator=gen).tolist() for n in lengths]
+    prefix = str(tmp_path_factory.mktemp("short_docs") / "docs")
+    write_indexed(prefix, docs, ByteTokenizer())
+    return prefix
+
+
+DOCUMENT_KEYS = ["data.reset_position_ids=true", "data.reset_attention_mask=true", "data.eod_mask_loss=true"]
+LAYOUT_CASES = {
+    "transformer+ultramem-tp2": (ARCHS["transformer-learned+ultramem"][2:] + ["model.hidden_size=32",
+                                                                             "model.num_attention_heads=4"],
+                                 ["parallel.tensor_model_parallel_size=2"]),
+    "rmt+ultramem-pp2": (["model.arch=rmt", "model.dk=4", "model.dv=8", "model.rank=4", "model.ffn_hidden_size=32",
+                          "model.num_layers=4"] + ULTRAMEM[:1] + ["memory.placement='3:4'"] + ULTRAMEM[2:],
+                         ["parallel.pipeline_model_parallel_size=2"]),
+    "recurrent-dp2": (ARCHS["recurrent"], []),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LAYOUT_CASES))
+def test_document_keys_under_parallel_layouts(case, short_documents, cache_dir, tmp_path):
+    """3 training steps with the document keys on data of short documents: TP=2 (masked
+    attention and the memory convolution), PP=2 (the mask and document starts reach the second
+    stage and its memory layer), DP=2 (documents run as their own sequences) == one process."""
+    from conftest import run_python, tiny_overrides
+
+    arch, layout = LAYOUT_CASES[case]
+    base = tiny_overrides(cache_dir) + arch + DOCUMENT_KEYS + [f"data.path={short_documents}"]
+    runs = {}
+    for name, extra, nproc in (("single", [], 1), ("layout", layout, 2)):
+        run_python(["tests/dist/train_steps.py", str(tmp_path / f"{name}.pt")] + base + extra, nproc=nproc)
+        runs[name] = torch.load(tmp_path / f"{name}.pt")
+    ref, got = runs["single"], runs["layout"]
+    assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+    for key in ref["grads"]:
+        torch.testing.assert_close(got["grads"][key], ref["grads"][key], atol=1e-5, rtol=0, msg=key)
+        torch.testing.assert_close(got["params"][key], ref["params"][key], atol=1e-5, rtol=0, msg=key)

@@ -58,9 +58,11 @@ class RecurrentLayer(MegatronModule):
                                   requires_grad=config.model.recurrent_alpha_learned)
 
     def accumulation(self) -> torch.Tensor:
-        """The accumulation parameter ``a`` of eq. 7, clamped into [0, 1] in place first."""
-        with torch.no_grad():
-            self.alpha.clamp_(0.0, 1.0)
+        """The accumulation parameter ``a`` of eq. 7, clamped into [0, 1] in place first. The
+        clamp goes through ``.data``: it changes the value only before the first use after an
+        optimizer step, and a forward that runs several passes (documents batched by length)
+        must not bump the version autograd checks of the earlier passes."""
+        self.alpha.data.clamp_(0.0, 1.0)
         return self.alpha
 
     def tau(self, x: torch.Tensor) -> torch.Tensor:
@@ -69,8 +71,7 @@ class RecurrentLayer(MegatronModule):
     def window(self, previous, block: torch.Tensor, a: torch.Tensor):
         """Halves ``(A_i, h_i)`` of the window of ``block`` (``[q, b, h]``, ``q <= k``): eq. 6 when
         ``previous`` is None (the first block), else eq. 7 on the previous complete window, with
-        ``a = self.accumulation()`` (clamped once per pass: clamping bumps the version autograd
-        checks)."""
+        ``a = self.accumulation()``."""
         if previous is None:
             return block, self.tau(block)
         carried = a * previous[0]
