@@ -60,7 +60,7 @@ class ModelConfig:
     """``LayerNorm`` or ``RMSNorm``. Ignored by the RMT (whole-matrix RMSNorm)."""
 
     activation: Optional[str] = None
-    """Feed-forward activation of every architecture: ``gelu`` (exact, erf), ``gelu_tanh`` (the tanh approximation: the RMT
+    """Feed-forward activation of every architecture (and of megatron's MoE experts): ``gelu`` (exact, erf), ``gelu_tanh`` (the tanh approximation: the RMT
     authors' ``hax.nn.gelu``, GPT-2's), ``silu`` or ``relu``; ``null`` = the architecture's own,
     ``gelu`` (transformer, rmt, recurrent) or ``silu`` (mixer, as its author's code)."""
 
@@ -125,6 +125,15 @@ class ParallelConfig:
 
     data_parallel_size: Optional[int] = None
     """Data parallel size; ``null`` = derived, world size / (tp x pp); if set it must match."""
+
+    expert_model_parallel_size: int = 1
+    """MoE expert parallelism (megatron-core's expert groups): the experts are split over this
+    many ranks of the data x tensor parallel grid, ``num_experts / EP`` each; needs ``memory.type:
+    moe``. Expert tensor x expert model x pipeline size must divide the world size."""
+
+    expert_tensor_parallel_size: Optional[int] = None
+    """Ranks splitting each MoE expert's MLP; ``null`` = ``tensor_model_parallel_size``. Must
+    divide the expert hidden size."""
 
     backend: str = "auto"
     """torch.distributed backend: ``auto`` (NCCL with CUDA, else gloo), ``gloo`` or ``nccl``."""
@@ -313,7 +322,8 @@ class MemoryConfig:
     """Skip placements ``i:j/...``: a memory's input is taken after layer i and its output added
     after layer j (1-based global layer numbers, i <= j), e.g. ``"3:5/6:8/9:11"``. Quote a single
     pair (``memory.placement='1:2'``): YAML reads ``3:5`` as a number. With pipeline parallelism
-    each placement must lie inside one model chunk."""
+    each placement must lie inside one model chunk. With ``moe_placement: mlp``: the layers whose
+    MLP is an MoE, ``i`` or ranges ``i-j`` joined by ``/``."""
 
     num_heads: int = 2
     """Memory heads."""
@@ -414,16 +424,31 @@ class MemoryConfig:
     ``adamw`` keeps torch's moments in the table's dtype). ``rmt-plan memory`` counts it."""
 
     num_experts: int = 8
-    """MoE baseline: number of experts."""
+    """MoE (megatron-core's MoELayer, :mod:`rmt.memory.moe`): number of experts; divisible by
+    ``parallel.expert_model_parallel_size``."""
 
     moe_topk: int = 2
-    """MoE baseline: experts per token; at most ``num_experts``."""
+    """MoE: experts per token; at most ``num_experts``."""
 
     expert_hidden_size: Optional[int] = None
-    """MoE baseline: expert inner width; ``null`` = 2 x ffn / ``moe_topk``."""
+    """MoE: inner width of one expert; ``null`` = the dense MLP's ffn / ``moe_topk`` (granularity
+    k: the k activated experts together as wide as the dense MLP)."""
 
     balance_loss_weight: float = 0.01
-    """MoE baseline: weight of the Switch balance loss."""
+    """MoE: coefficient of the Switch load-balancing loss (Fedus et al. Eq. 4), megatron's
+    ``moe_aux_loss_coeff``."""
+
+    moe_placement: str = "skip"
+    """MoE: ``mlp`` (the MoE replaces the MLP of the layers listed in ``placement``, e.g. ``"1-12"``
+    or ``"2/4/6"``; megatron's usual form, transformer only) or ``skip`` (LayerNorm + MoE beside
+    the dense model at ``i:j`` placements, like UltraMem; transformer and RMT)."""
+
+    moe_token_dispatcher_type: str = "alltoall"
+    """MoE: megatron's token dispatcher, ``alltoall`` or ``allgather`` (both run on gloo)."""
+
+    moe_expert_capacity_factor: Optional[float] = None
+    """MoE: ``null`` = no token dropping; else each expert takes at most ``ceil(factor x tokens x
+    moe_topk / num_experts)`` routing slots per microbatch and drops those of smallest weight."""
 
     partition: str = "local"
     """Memory-parallel table sharding: ``local`` (whole table on every rank), ``number`` (rows
@@ -587,7 +612,8 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
         "model.make_vocab_size_divisible_by", "model.init_std", "model.layernorm_epsilon",
         "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
         "parallel.virtual_pipeline_model_parallel_size", "parallel.data_parallel_size",
-        "parallel.timeout_minutes", "data.bpe_vocab_size", "train.steps",
+        "parallel.timeout_minutes", "parallel.expert_model_parallel_size",
+        "parallel.expert_tensor_parallel_size", "data.bpe_vocab_size", "train.steps",
         "train.micro_batch_size", "train.global_batch_size", "train.lr", "train.log_interval",
         "train.eval_interval", "train.threads", "train.exit_interval",
     ])

@@ -16,7 +16,7 @@ from rmt.parallel.launch_env import read_launch_env
 
 def initialize(config: RMTConfig) -> None:
     """Create the default process group (NCCL with CUDA, else gloo) and megatron-core's
-    TP/PP/DP groups; seed every RNG. ``validate(config)`` must have run already."""
+    TP/PP/DP groups and its expert (EP, expert-TP, expert-DP) groups; seed every RNG. ``validate(config)`` must have run already."""
     compat.apply()
     launch = read_launch_env()
     if not dist.is_initialized():
@@ -43,6 +43,8 @@ def initialize(config: RMTConfig) -> None:
             tensor_model_parallel_size=p.tensor_model_parallel_size,
             pipeline_model_parallel_size=p.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
+            expert_model_parallel_size=p.expert_model_parallel_size,
+            expert_tensor_parallel_size=p.expert_tensor_parallel_size,
         )
     compat.seed_model_parallel(config.train.seed)
 
