@@ -34,7 +34,7 @@ def test_quick_run_matches_sizes_and_claims_nothing(tmp_path, cache_dir):
     for kind, (params, flops) in extra.items():  # matched to UltraMem's sparse module within 10%
         assert abs(params / extra["ultramem"][0] - 1) < 0.1, (kind, params)
         assert abs(flops / extra["ultramem"][1] - 1) < 0.1, (kind, flops)
-    assert doc["summary"]["orderings"]["ultramem vs dense"] == "not claimed (one seed)"
+    assert set(doc["summary"]["orderings"].values()) == {"not claimed (quick run)"}
     assert doc["summary"]["tuned_value_lr_mult"] == {"pkm": 1.0, "ultramem": 10.0}
 
 
@@ -47,6 +47,10 @@ def test_orderings_need_separated_seeds():
     assert pairs["ultramem vs pkm"]["verdict"] == "ultramem < pkm"
     assert pairs["ultramem vs dense"]["difference"] == pytest.approx(-0.14)
     assert "moe vs dense" not in pairs
+    quick = bench.orderings({"dense": [2.10, 2.12], "ultramem": [1.95, 1.99]}, quick=True)
+    assert [p["verdict"] for p in quick] == ["not claimed (quick run)"] and quick[0]["agrees"] is None
+    one_seed = bench.orderings({"dense": [2.10], "ultramem": [1.95, 1.99]})
+    assert [p["verdict"] for p in one_seed] == ["not claimed (one seed)"]
 
 
 def test_backbone_mismatch_rejected(tmp_path):
