@@ -46,6 +46,8 @@ def test_orderings_need_separated_seeds():
     assert pairs["pkm vs dense"]["verdict"] == "not separated" and pairs["pkm vs dense"]["agrees"] is None
     assert pairs["ultramem vs pkm"]["verdict"] == "ultramem < pkm"
     assert pairs["ultramem vs dense"]["difference"] == pytest.approx(-0.14)
+    assert pairs["ultramem vs dense"]["per_seed"] == pytest.approx([-0.15, -0.13])
+    assert pairs["pkm vs dense"]["per_seed"] == pytest.approx([-0.05, -0.01])  # paired: reported only
     assert "moe vs dense" not in pairs
     quick = bench.orderings({"dense": [2.10, 2.12], "ultramem": [1.95, 1.99]}, quick=True)
     assert [p["verdict"] for p in quick] == ["not claimed (quick run)"] and quick[0]["agrees"] is None

@@ -115,7 +115,10 @@ def spread(values: List[float]) -> float:
 
 def orderings(final: Dict[str, List[float]], quick: bool = False) -> List[Dict]:
     """Each pair: 'a < b' when every seed of a is below every seed of b (and the reverse), else
-    not separated; nothing is claimed from one seed or from a ``--quick`` run."""
+    not separated; nothing is claimed from one seed or from a ``--quick`` run. ``per_seed`` gives
+    the paired differences a - b seed by seed (the variants of one seed share the data order and
+    the backbone's initial weights, so a seed's effect, often larger than the variants', cancels
+    in them); they are reported, not used for the verdict."""
     out = []
     for a, b in PAIRS:
         if a not in final or b not in final:
@@ -133,6 +136,7 @@ def orderings(final: Dict[str, List[float]], quick: bool = False) -> List[Dict]:
             verdict = "not separated"
         paper = f"{a} < {b}" if PAPER[a] < PAPER[b] else f"{b} < {a}"
         out.append({"pair": f"{a} vs {b}", "difference": sum(va) / len(va) - sum(vb) / len(vb),
+                    "per_seed": [x - y for x, y in zip(va, vb)],
                     "verdict": verdict, "paper": paper,
                     "agrees": None if verdict.startswith("not") else verdict == paper})
     return out
@@ -259,7 +263,9 @@ def main(argv=None) -> int:
         print("\nOrderings (stated when the seeds' ranges do not overlap; paper: Table 1 at 151M):")
         for p in pairs:
             agree = {None: "", True: "  (as the paper)", False: "  (the paper has the reverse)"}[p["agrees"]]
-            print(f"  {p['pair']:<20} {p['verdict']:<22} mean difference {p['difference']:+.4f}{agree}")
+            paired = ", ".join(f"{d:+.3f}" for d in p["per_seed"])
+            print(f"  {p['pair']:<20} {p['verdict']:<22} mean difference {p['difference']:+.4f} "
+                  f"(per seed {paired}){agree}")
     summary = {f"{k}_val_loss": sum(v) / len(v) for k, v in final.items()}
     summary.update({f"{k}_val_loss_spread": spread(v) for k, v in final.items()})
     if "ultramem" in final:
