@@ -141,6 +141,10 @@ class ParallelConfig:
     timeout_minutes: int = 10
     """Timeout of the process groups' collectives, in minutes."""
 
+    join_timeout_minutes: float = 10.0
+    """How long ranks wait for every rank to join the process group, in minutes; when it expires
+    the error names the ranks that did not join and the nodes they belong on."""
+
 
 @dataclass
 class DataConfig:
@@ -284,22 +288,30 @@ class TrainConfig:
 
     save: Optional[str] = None
     """Checkpoint directory to save into (megatron-core distributed checkpoints); ``null`` = no
-    checkpoints."""
+    checkpoints. A run continues from its newest complete checkpoint, so the same command serves
+    the first start and every restart."""
 
     save_interval: int = 0
     """Save every N steps; 0 = only at the end. Needs ``save``."""
+
+    keep_checkpoints: int = 0
+    """Complete checkpoints kept under ``save``: the newest N; 0 = all. Older ones are deleted only
+    after a new one is complete."""
 
     exit_interval: Optional[int] = None
     """Stop, after saving, every N steps (for time-limited jobs); ``null`` = run all ``steps``."""
 
     load: Optional[str] = None
-    """Checkpoint directory to resume from (or to evaluate with ``--eval-only``); must exist."""
+    """Checkpoint to start from while ``save`` holds none (e.g. to fine-tune), or to evaluate with
+    ``--eval-only``: a save root (its newest complete checkpoint) or one ``iter_*`` directory; must
+    exist unless it equals ``save``."""
 
     tensorboard_dir: Optional[str] = None
     """TensorBoard log directory (scalars of every step); ``null`` = no TensorBoard logs."""
 
     log_file: Optional[str] = None
-    """JSONL file that gets one line of metrics per training step (appended); ``null`` = none."""
+    """JSONL file that gets one line of metrics per training step (appended; a resumed run first
+    drops the lines of steps after its checkpoint); ``null`` = none."""
 
     progress: bool = True
     """true: a tqdm progress bar; false, as in batch jobs: the step lines every ``log_interval``
@@ -612,8 +624,9 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
         "model.make_vocab_size_divisible_by", "model.init_std", "model.layernorm_epsilon",
         "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
         "parallel.virtual_pipeline_model_parallel_size", "parallel.data_parallel_size",
-        "parallel.timeout_minutes", "parallel.expert_model_parallel_size",
-        "parallel.expert_tensor_parallel_size", "data.bpe_vocab_size", "train.steps",
+        "parallel.timeout_minutes", "parallel.join_timeout_minutes",
+        "parallel.expert_model_parallel_size", "parallel.expert_tensor_parallel_size",
+        "data.bpe_vocab_size", "train.steps",
         "train.micro_batch_size", "train.global_batch_size", "train.lr", "train.log_interval",
         "train.eval_interval", "train.threads", "train.exit_interval",
     ])
@@ -678,7 +691,11 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
         raise ConfigError(f"train.save_interval must not be negative, got {t.save_interval}")
     if t.save_interval and not t.save:
         raise ConfigError("train.save_interval is set but train.save (the checkpoint directory) is not")
-    if t.load is not None and not os.path.isdir(t.load):
+    if t.keep_checkpoints < 0:
+        raise ConfigError(f"train.keep_checkpoints must not be negative, got {t.keep_checkpoints} (0 keeps all)")
+    # train.load equal to train.save is the resume directory itself, which a first start lacks.
+    same = t.save is not None and t.load is not None and os.path.realpath(t.load) == os.path.realpath(t.save)
+    if t.load is not None and not same and not os.path.isdir(t.load):
         raise ConfigError(f"train.load directory '{t.load}' does not exist")
     if d.path is not None:
         for ext in (".bin", ".idx"):
