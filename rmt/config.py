@@ -59,6 +59,11 @@ class ModelConfig:
     normalization: str = "LayerNorm"
     """``LayerNorm`` or ``RMSNorm``. Ignored by the RMT (whole-matrix RMSNorm)."""
 
+    activation: Optional[str] = None
+    """Feed-forward activation of every architecture (and of megatron's MoE experts): ``gelu`` (exact, erf), ``gelu_tanh`` (the tanh approximation: the RMT
+    authors' ``hax.nn.gelu``, GPT-2's), ``silu`` or ``relu``; ``null`` = the architecture's own,
+    ``gelu`` (transformer, rmt, recurrent) or ``silu`` (mixer, as its author's code)."""
+
     layernorm_epsilon: float = 1e-5
     """Epsilon of the normalization layers."""
 
@@ -192,6 +197,24 @@ class DataConfig:
     """Curriculum: the noise length at which doubling stops; set together with
     ``curriculum_threshold``."""
 
+    reset_position_ids: bool = False
+    """Documents (megatron-core's GPTDataset key): position ids restart at 0 after every
+    end-of-document token, so a document packed mid-sequence gets the positions it has alone.
+    Only meaningful with absolute positions (``model.position: learned``); RoPE and ALiBi depend
+    on distances only, so without ``reset_attention_mask`` it is rejected for them."""
+
+    reset_attention_mask: bool = False
+    """Documents (megatron-core's GPTDataset key): no token attends across an end-of-document
+    token, so every document in a packed sequence is computed as if alone (with
+    ``reset_position_ids`` for learned positions). Transformer and RMT: a per-sample block-causal
+    attention mask; recurrent transformer and mixer: each document runs as its own sequence
+    from position 0 (their windows and token mixing are position-indexed); UltraMem's query
+    convolution does not reach into the previous document. Every parallel layout."""
+
+    eod_mask_loss: bool = False
+    """Documents (megatron-core's GPTDataset key): no loss where the input token is the
+    end-of-document token, i.e. on predicting the first token of the next document."""
+
 
 @dataclass
 class TrainConfig:
@@ -221,7 +244,19 @@ class TrainConfig:
     """Decay after warmup: ``cosine``, ``linear`` or ``constant``."""
 
     weight_decay: float = 0.1
-    """AdamW weight decay; never on norms, biases, embeddings, unembedding."""
+    """AdamW weight decay wd; never on norms, biases, embedding and unembedding tables, memory
+    values (:mod:`rmt.training.optimizer` lists what each recipe decays)."""
+
+    weight_decay_mode: str = "lr"
+    """How the decay scales per step: ``lr`` shrinks weights by ``lr_t * wd`` (torch's and
+    megatron's AdamW); ``schedule`` by ``wd * lr_t / lr``, the decay following the LR schedule's
+    shape but not its size (Loshchilov & Hutter's decoupled decay; the RMT authors' optax chain,
+    whose "decoupled weight decay 1e-4" at lr 1e-2 is 100x the ``lr`` mode's)."""
+
+    decay_rmt_keys: bool = False
+    """RMT: also decay the embedding's and unembedding's key matrices (``embedding.word_keys``,
+    ``embedding.position_keys``, ``output_layer.read``), as the authors' code does; their
+    tables stay undecayed."""
 
     adam_beta1: float = 0.9
     """Adam β1 (also for the sparse value optimizers)."""
@@ -349,6 +384,22 @@ class MemoryConfig:
 
     query_key_norm: bool = True
     """Table 2 ablation switch: LayerNorm of queries and keys (§3.2 item 2)."""
+
+    query_batchnorm: bool = False
+    """BatchNorm of the query projection's output (PKM as published: Lample et al. §3.2, XLM's
+    ``mem_query_batchnorm``; the shipped ``pkm_*`` configs set it). Batch statistics over the
+    tokens of one microbatch on one data-parallel rank (equal on its tensor-parallel ranks, which
+    hold the same tokens), so every layout computes what one process computes with the same
+    ``train.micro_batch_size``; running statistics (evaluation, decoding) follow every
+    microbatch of the global batch in the single-process order
+    (:mod:`rmt.memory.batchnorm`). The memory's input LayerNorm then has no bias (a constant
+    shift of the query cancels in the BatchNorm)."""
+
+    query_bias: bool = False
+    """A bias in the query projection (PKM as published: XLM's ``mem_query_bias``; the shipped
+    ``pkm_*`` configs set it), initialised to zero. With ``query_batchnorm`` it is kept but not
+    trained: the BatchNorm subtracts exactly the mean it adds, so its gradient is zero up to
+    rounding noise (which Adam would turn into steps of ~0.1 x lr)."""
 
     query_conv: bool = True
     """Table 2 ablation switch: causal depthwise convolution over the sequence before the
@@ -549,6 +600,25 @@ def data_parallel_size(config: RMTConfig, world_size: int) -> int:
     return world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
 
 
+def validate_documents(config: RMTConfig) -> None:
+    """The document keys (``data.reset_position_ids``, ``reset_attention_mask``,
+    ``eod_mask_loss``) need a corpus with end-of-document tokens and, for position resets,
+    absolute positions."""
+    d, m = config.data, config.model
+    keys = [k for k in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss") if getattr(d, k)]
+    if not keys:
+        return
+    if d.task != "none":
+        raise ConfigError(f"data.{keys[0]} needs documents; the synthetic task '{d.task}' has none")
+    if d.reset_position_ids and not d.reset_attention_mask:
+        relative = {"transformer": "rope", "rmt": "alibi"}.get(m.arch)
+        if m.arch == "mixer" or m.position == relative:
+            what = "the mixer has no position ids" if m.arch == "mixer" else (
+                f"model.position '{m.position}' depends on token distances only")
+            raise ConfigError(f"data.reset_position_ids has no effect here ({what}); set "
+                              f"data.reset_attention_mask to compute every document as if alone")
+
+
 def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
     """Reject impossible settings with one sentence (:class:`ConfigError`). Returns ``config``."""
     from rmt.models.build import registered_archs, validate_arch
@@ -572,6 +642,11 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
         raise ConfigError(f"model.arch '{m.arch}' is not a known architecture; choose one of: {', '.join(archs)}")
     if m.normalization not in ("LayerNorm", "RMSNorm"):
         raise ConfigError(f"model.normalization must be 'LayerNorm' or 'RMSNorm', got '{m.normalization}'")
+    from rmt.models.activation import ACTIVATIONS
+
+    if m.activation is not None and m.activation not in ACTIVATIONS:
+        raise ConfigError(f"model.activation must be one of {', '.join(ACTIVATIONS)} (or null for the "
+                          f"architecture's own), got '{m.activation}'")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout must lie in [0, 1), got {m.dropout}")
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
@@ -605,6 +680,10 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
             f"to be a multiple of pipeline_model_parallel_size ({pp})")
     if t.precision not in ("fp32", "bf16"):
         raise ConfigError(f"train.precision must be 'fp32' or 'bf16', got '{t.precision}'")
+    if t.weight_decay_mode not in ("lr", "schedule"):
+        raise ConfigError(f"train.weight_decay_mode must be 'lr' or 'schedule', got '{t.weight_decay_mode}'")
+    if t.decay_rmt_keys and m.arch != "rmt":
+        raise ConfigError(f"train.decay_rmt_keys applies to model.arch 'rmt' (its key matrices), not '{m.arch}'")
     if t.lr_decay_style not in ("cosine", "linear", "constant"):
         raise ConfigError(f"train.lr_decay_style must be 'cosine', 'linear' or 'constant', got '{t.lr_decay_style}'")
     if t.warmup_steps < 0:
@@ -644,6 +723,7 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
     if t.eval_iters and split[1] <= 0:
         raise ConfigError("data.split gives no validation data but train.eval_iters > 0")
     validate_arch(config)
+    validate_documents(config)
     if d.task != "none":
         from rmt.data.tasks import validate_task
 

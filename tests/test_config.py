@@ -17,7 +17,7 @@ def test_yaml_and_overrides_merge(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, world, message", [
-    (["model.hidden_sz=3"], 1, "unknown config key 'model.hidden_sz' in override 'model.hidden_sz=3'; valid keys of 'model' are: arch,"),
+    (["model.hidden_sz=3"], 1, "unknown config key 'model.hidden_sz' in override 'model.hidden_sz=3'; valid keys of 'model' are: activation, arch,"),
     (["optim.lr=3"], 1, "unknown config section 'optim'"),
     (["train.steps=abc"], 1, "bad value for 'train.steps'"),
     (["train.steps"], 1, "must have the form section.key=value"),

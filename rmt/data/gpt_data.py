@@ -5,6 +5,9 @@ against the model's vocabulary; :func:`build_datasets` makes the train/valid spl
 :func:`microbatches` yields the microbatches of one global batch for this data-parallel rank.
 The order of samples depends only on the number consumed, so training resumes at the exact
 position and a change of data-parallel size with the same global batch sees the same samples.
+Document boundaries (``data.reset_position_ids``, ``reset_attention_mask``, ``eod_mask_loss``)
+are megatron-core's: each sample then carries its position ids, loss mask and block-causal
+attention mask (:mod:`rmt.models.documents`).
 """
 
 from __future__ import annotations
@@ -110,10 +113,11 @@ def build_datasets(config: RMTConfig, spec: DataSpec, num_train: int, num_valid:
         split=config.data.split,
         path_to_cache=os.path.join(os.path.dirname(os.path.abspath(spec.prefix)), "index_cache"),
         tokenizer=_TokenizerInfo(spec.vocab_size, spec.eod),
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        create_attention_mask=False,
+        reset_position_ids=config.data.reset_position_ids,
+        reset_attention_mask=config.data.reset_attention_mask,
+        eod_mask_loss=config.data.eod_mask_loss,
+        # per-sample block-causal masks only where documents restart attention
+        create_attention_mask=config.data.reset_attention_mask,
         mid_level_dataset_surplus=0.005,
     )
     _check_split(spec.prefix, config.data.split, bool(num_valid))

@@ -221,6 +221,9 @@ def validate_memory(config, world_size: Optional[int] = None) -> None:
     if not mem.placement:
         raise ConfigError(f"memory.type '{mem.type}' needs memory.placement, e.g. '1:2'")
     if mem.type == "moe":
+        if mem.query_batchnorm or mem.query_bias:
+            raise ConfigError("memory.query_batchnorm and memory.query_bias apply to the queries of memory.type "
+                              "'ultramem' or 'pkm'; MoE has none")
         validate_moe(config, world_size)
         return
     validate_memory_pipeline(config, parse_placement(mem.placement, m.num_layers))

@@ -25,6 +25,7 @@ from rmt.data.gpt_data import build_datasets, microbatches, resolve_data
 from rmt.data.metadata import tokenizer_file_text
 from rmt.data.tasks import build_task_datasets, curriculum_hook
 from rmt.memory import pop_aux_loss, pop_memory_stats
+from rmt.memory.batchnorm import sync_running_stats
 from rmt.memory.groups import excluded_from_ddp, finish_memory_grads, self_reduced
 from rmt.models.build import build
 from rmt.parallel import compat
@@ -140,8 +141,14 @@ class Trainer:
         positions = batch["position_ids"].to(self.device)
         labels = batch["labels"].to(self.device)
         loss_mask = batch["loss_mask"].to(self.device)
+        mask = batch.get("attention_mask")  # per-sample document masks (data.reset_attention_mask)
+        if mask is not None:
+            mask = mask.to(self.device)
+        elif tokens.shape[1] == self.mask.shape[-1]:
+            mask = self.mask
+        else:
+            mask = causal_mask(tokens.shape[1], self.device)
         with self._autocast():
-            mask = self.mask if tokens.shape[1] == self.mask.shape[-1] else causal_mask(tokens.shape[1], self.device)
             output = model(tokens, positions, mask)
         return output, partial(self._loss, labels, loss_mask, pop_aux_loss(model))
 
@@ -194,6 +201,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         metrics = self._run_schedule(self.train_ds, self.consumed_samples, forward_only=False)
         finish_memory_grads(self.chunks)
+        sync_running_stats(self.chunks, parallel_state.get_data_parallel_group())
         for p in self.params:
             if not self_reduced(p):
                 # DDP reduces in fp32; a bf16 parameter (a local bf16 memory table under AdamW,
@@ -213,11 +221,18 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Validation loss (cross-entropy) over ``eval_iters`` fixed global batches."""
+        """Validation loss (cross-entropy) over ``eval_iters`` fixed global batches, in eval
+        mode (no dropout; BatchNorm on its running statistics)."""
         t = self.config.train
         total = 0.0
-        for i in range(t.eval_iters):
-            total += self._run_schedule(self.valid_ds, i * self.global_batch, forward_only=True)["lm loss"]
+        for chunk in self.chunks:
+            chunk.eval()
+        try:
+            for i in range(t.eval_iters):
+                total += self._run_schedule(self.valid_ds, i * self.global_batch, forward_only=True)["lm loss"]
+        finally:
+            for chunk in self.chunks:
+                chunk.train()
         return total / t.eval_iters
 
     def save(self) -> str:
