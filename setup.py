@@ -20,6 +20,7 @@ INSTALL_REQUIRES = [
     "numpy==2.4.6",
     "matplotlib==3.11.2",
     "ninja==1.13.2",
+    "psutil==7.2.2",
 ]
 
 setup(

@@ -121,11 +121,24 @@ class ParallelConfig:
     data_parallel_size: Optional[int] = None
     """Data parallel size; ``null`` = derived, world size / (tp x pp); if set it must match."""
 
+    expert_model_parallel_size: int = 1
+    """MoE expert parallelism (megatron-core's expert groups): the experts are split over this
+    many ranks of the data x tensor parallel grid, ``num_experts / EP`` each; needs ``memory.type:
+    moe``. Expert tensor x expert model x pipeline size must divide the world size."""
+
+    expert_tensor_parallel_size: Optional[int] = None
+    """Ranks splitting each MoE expert's MLP; ``null`` = ``tensor_model_parallel_size``. Must
+    divide the expert hidden size."""
+
     backend: str = "auto"
     """torch.distributed backend: ``auto`` (NCCL with CUDA, else gloo), ``gloo`` or ``nccl``."""
 
     timeout_minutes: int = 10
     """Timeout of the process groups' collectives, in minutes."""
+
+    join_timeout_minutes: float = 10.0
+    """How long ranks wait for every rank to join the process group, in minutes; when it expires
+    the error names the ranks that did not join and the nodes they belong on."""
 
 
 @dataclass
@@ -240,22 +253,30 @@ class TrainConfig:
 
     save: Optional[str] = None
     """Checkpoint directory to save into (megatron-core distributed checkpoints); ``null`` = no
-    checkpoints."""
+    checkpoints. A run continues from its newest complete checkpoint, so the same command serves
+    the first start and every restart."""
 
     save_interval: int = 0
     """Save every N steps; 0 = only at the end. Needs ``save``."""
+
+    keep_checkpoints: int = 0
+    """Complete checkpoints kept under ``save``: the newest N; 0 = all. Older ones are deleted only
+    after a new one is complete."""
 
     exit_interval: Optional[int] = None
     """Stop, after saving, every N steps (for time-limited jobs); ``null`` = run all ``steps``."""
 
     load: Optional[str] = None
-    """Checkpoint directory to resume from (or to evaluate with ``--eval-only``); must exist."""
+    """Checkpoint to start from while ``save`` holds none (e.g. to fine-tune), or to evaluate with
+    ``--eval-only``: a save root (its newest complete checkpoint) or one ``iter_*`` directory; must
+    exist unless it equals ``save``."""
 
     tensorboard_dir: Optional[str] = None
     """TensorBoard log directory (scalars of every step); ``null`` = no TensorBoard logs."""
 
     log_file: Optional[str] = None
-    """JSONL file that gets one line of metrics per training step (appended); ``null`` = none."""
+    """JSONL file that gets one line of metrics per training step (appended; a resumed run first
+    drops the lines of steps after its checkpoint); ``null`` = none."""
 
     progress: bool = True
     """true: a tqdm progress bar; false, as in batch jobs: the step lines every ``log_interval``
@@ -278,7 +299,8 @@ class MemoryConfig:
     """Skip placements ``i:j/...``: a memory's input is taken after layer i and its output added
     after layer j (1-based global layer numbers, i <= j), e.g. ``"3:5/6:8/9:11"``. Quote a single
     pair (``memory.placement='1:2'``): YAML reads ``3:5`` as a number. With pipeline parallelism
-    each placement must lie inside one model chunk."""
+    each placement must lie inside one model chunk. With ``moe_placement: mlp``: the layers whose
+    MLP is an MoE, ``i`` or ranges ``i-j`` joined by ``/``."""
 
     num_heads: int = 2
     """Memory heads."""
@@ -373,16 +395,31 @@ class MemoryConfig:
     step (:mod:`rmt.ops.fused_update`)."""
 
     num_experts: int = 8
-    """MoE baseline: number of experts."""
+    """MoE (megatron-core's MoELayer, :mod:`rmt.memory.moe`): number of experts; divisible by
+    ``parallel.expert_model_parallel_size``."""
 
     moe_topk: int = 2
-    """MoE baseline: experts per token; at most ``num_experts``."""
+    """MoE: experts per token; at most ``num_experts``."""
 
     expert_hidden_size: Optional[int] = None
-    """MoE baseline: expert inner width; ``null`` = 2 x ffn / ``moe_topk``."""
+    """MoE: inner width of one expert; ``null`` = the dense MLP's ffn / ``moe_topk`` (granularity
+    k: the k activated experts together as wide as the dense MLP)."""
 
     balance_loss_weight: float = 0.01
-    """MoE baseline: weight of the Switch balance loss."""
+    """MoE: coefficient of the Switch load-balancing loss (Fedus et al. Eq. 4), megatron's
+    ``moe_aux_loss_coeff``."""
+
+    moe_placement: str = "skip"
+    """MoE: ``mlp`` (the MoE replaces the MLP of the layers listed in ``placement``, e.g. ``"1-12"``
+    or ``"2/4/6"``; megatron's usual form, transformer only) or ``skip`` (LayerNorm + MoE beside
+    the dense model at ``i:j`` placements, like UltraMem; transformer and RMT)."""
+
+    moe_token_dispatcher_type: str = "alltoall"
+    """MoE: megatron's token dispatcher, ``alltoall`` or ``allgather`` (both run on gloo)."""
+
+    moe_expert_capacity_factor: Optional[float] = None
+    """MoE: ``null`` = no token dropping; else each expert takes at most ``ceil(factor x tokens x
+    moe_topk / num_experts)`` routing slots per microbatch and drops those of smallest weight."""
 
     partition: str = "local"
     """Memory-parallel table sharding: ``local`` (whole table on every rank), ``number`` (rows
@@ -527,7 +564,9 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
         "model.make_vocab_size_divisible_by", "model.init_std", "model.layernorm_epsilon",
         "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
         "parallel.virtual_pipeline_model_parallel_size", "parallel.data_parallel_size",
-        "parallel.timeout_minutes", "data.bpe_vocab_size", "train.steps",
+        "parallel.timeout_minutes", "parallel.join_timeout_minutes",
+        "parallel.expert_model_parallel_size", "parallel.expert_tensor_parallel_size",
+        "data.bpe_vocab_size", "train.steps",
         "train.micro_batch_size", "train.global_batch_size", "train.lr", "train.log_interval",
         "train.eval_interval", "train.threads", "train.exit_interval",
     ])
@@ -583,7 +622,11 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
         raise ConfigError(f"train.save_interval must not be negative, got {t.save_interval}")
     if t.save_interval and not t.save:
         raise ConfigError("train.save_interval is set but train.save (the checkpoint directory) is not")
-    if t.load is not None and not os.path.isdir(t.load):
+    if t.keep_checkpoints < 0:
+        raise ConfigError(f"train.keep_checkpoints must not be negative, got {t.keep_checkpoints} (0 keeps all)")
+    # train.load equal to train.save is the resume directory itself, which a first start lacks.
+    same = t.save is not None and t.load is not None and os.path.realpath(t.load) == os.path.realpath(t.save)
+    if t.load is not None and not same and not os.path.isdir(t.load):
         raise ConfigError(f"train.load directory '{t.load}' does not exist")
     if d.path is not None:
         for ext in (".bin", ".idx"):

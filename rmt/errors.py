@@ -1,9 +1,21 @@
-"""User-facing errors: one clear sentence on stderr and exit status 2, never a traceback."""
+"""Errors a user or operator acts on: one clear sentence on stderr, never a traceback.
+
+* :class:`UserError` (and :class:`ConfigError`): a mistake in the input (config, data,
+  checkpoint, command line). Every rank of a job meets the same mistake, so only global rank 0
+  prints it; the exit status is 2 (argparse's convention for usage errors), and the launcher
+  (``rmt.parallel.launcher``) does not restart workers that exit with it.
+* :class:`JobError`: the job cannot go on for a reason outside its input that a rank sees on
+  its own (a rank that never joined, an unreachable rendezvous). Every rank that meets it prints
+  it, prefixed with its rank; the exit status is 1, so a launcher may restart the job.
+"""
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
+
+USER_ERROR_EXIT = 2
 
 
 class UserError(Exception):
@@ -14,9 +26,25 @@ class ConfigError(UserError):
     """An impossible or unknown configuration setting."""
 
 
+class JobError(Exception):
+    """A failure of the job's environment, seen by one rank (exit status 1)."""
+
+
+def global_rank() -> int:
+    """This process's rank as its launcher (torchrun or srun) set it; 0 for a plain process."""
+    for var in ("RANK", "SLURM_PROCID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def _is_multi_rank() -> bool:
+    return any(int(os.environ.get(v, "1") or 1) > 1 for v in ("WORLD_SIZE", "SLURM_NTASKS"))
+
+
 def cli_entry(prog: str):
-    """Wrap a console-script ``main`` so a :class:`UserError` prints ``prog: error: msg`` on
-    stderr and exits with status 2 (argparse's convention for usage errors)."""
+    """Wrap a console-script ``main``: a :class:`UserError` prints ``prog: error: msg`` once
+    (global rank 0) and exits 2; a :class:`JobError` prints on the rank that met it and exits 1."""
 
     def wrap(main):
         @functools.wraps(main)
@@ -24,8 +52,13 @@ def cli_entry(prog: str):
             try:
                 return main(*args, **kwargs)
             except UserError as err:
-                print(f"{prog}: error: {err}", file=sys.stderr)
-                raise SystemExit(2) from None
+                if global_rank() == 0:
+                    print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
+                raise SystemExit(USER_ERROR_EXIT) from None
+            except JobError as err:
+                where = f"rank {global_rank()}: " if _is_multi_rank() else ""
+                print(f"{prog}: {where}error: {err}", file=sys.stderr, flush=True)
+                raise SystemExit(1) from None
 
         return run
 

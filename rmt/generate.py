@@ -224,7 +224,8 @@ def load_model(path: str, overrides: List[str]):
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="rmt-generate", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--checkpoint", required=True, help="checkpoint directory (root with 'latest' or iter_*)")
+    ap.add_argument("--checkpoint", required=True,
+                    help="a save root (its newest complete checkpoint is used) or one iter_* directory")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--prompt", default="\n", help="prompt text, tokenized with the checkpoint's tokenizer")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids")

@@ -62,6 +62,22 @@ def rmt_train(args, nproc=1, check=True):
     return run_python(["-m", "rmt.training.cli"] + args, nproc=nproc, check=check)
 
 
+def train_steps(out, overrides, nproc):
+    """``tests/dist/train_steps.py``'s record (losses, full gradients and weights) of a run."""
+    run_python(["tests/dist/train_steps.py", str(out)] + overrides, nproc=nproc)
+    import torch
+
+    return torch.load(out)
+
+
+def json_history(path):
+    """The per-step metrics of ``rmt-train --json PATH``."""
+    import json
+
+    with open(path) as f:
+        return json.load(f)["history"]
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
     """One tokenized default-corpus slice for the whole session."""

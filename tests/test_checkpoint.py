@@ -1,17 +1,35 @@
-"""Checkpoints: exact resume, resume under a different data-parallel size, resharding TP=2 ->
-TP=1, atomic layout on disk, and clear errors for missing or corrupt checkpoints."""
+"""Checkpoints: exact resume (by default, from the newest complete checkpoint, with logs that
+hold every step once), resume under a different data-parallel size, resharding TP=2 -> TP=1,
+manifests, fallback past corrupt checkpoints, rotation, saves that cannot complete, and clear
+errors for missing or corrupt checkpoints."""
 
 import json
 import os
+import resource
+import shutil
+import subprocess
+import sys
 
 import pytest
 
-from conftest import rmt_train, tiny_overrides
+from conftest import ROOT, _env, rmt_train, tiny_overrides
 
 
 def _losses(path):
     with open(path) as f:
         return [m["lm loss"] for m in json.load(f)["history"]]
+
+
+def _jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def _truncate(path, nbytes):
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size - nbytes)
+    return size
 
 
 @pytest.fixture(scope="module")
@@ -65,5 +83,106 @@ def test_missing_and_corrupt_checkpoints_exit_2(cache_dir, tmp_path):
     empty.mkdir()
     bad = rmt_train(tiny_overrides(cache_dir) + [f"train.load={empty}"], check=False)
     assert bad.returncode == 2
-    assert "is not a complete rmt checkpoint" in bad.stderr
+    assert "is not a checkpoint directory" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_same_command_resumes_and_logs_every_step_once(six_steps, cache_dir, tmp_path):
+    """One command line for the first start and every restart: a run whose last checkpoint was
+    lost (a crash after step 6, before its save) continues from step 3; the JSONL log and the
+    TensorBoard scalars hold steps 1..6 once, with the uninterrupted run's losses."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ckpt, log, tb = tmp_path / "ckpt", tmp_path / "log.jsonl", tmp_path / "tb"
+    cmd = tiny_overrides(cache_dir, steps=6) + [f"train.save={ckpt}", "train.save_interval=3",
+                                                f"train.log_file={log}", f"train.tensorboard_dir={tb}"]
+    first = rmt_train(cmd)
+    assert f"starting from step 0: no checkpoint in '{ckpt}' yet" in first.stdout
+    shutil.rmtree(ckpt / "iter_0000006")
+    again = rmt_train(cmd + ["--json", str(tmp_path / "b.json")])
+    assert f"resuming from '{ckpt / 'iter_0000003'}' at step 3 of 6" in again.stdout
+    assert f"'{log}': dropped 3 entries after step 3" in again.stdout
+    assert _losses(tmp_path / "b.json") == six_steps[3:]
+    entries = _jsonl(log)
+    assert [m["step"] for m in entries] == [1, 2, 3, 4, 5, 6]
+    assert [m["lm loss"] for m in entries] == six_steps
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/lm_loss")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_checkpoints_carry_a_manifest_and_rotate(cache_dir, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    rmt_train(tiny_overrides(cache_dir, steps=5) + [f"train.save={ckpt}", "train.save_interval=1",
+                                                    "train.keep_checkpoints=2"])
+    assert sorted(os.listdir(ckpt)) == ["iter_0000004", "iter_0000005", "latest"]
+    for name in ("iter_0000004", "iter_0000005"):
+        with open(ckpt / name / "manifest.json") as f:
+            manifest = json.load(f)
+        on_disk = {n: os.path.getsize(ckpt / name / n) for n in os.listdir(ckpt / name) if n != "manifest.json"}
+        assert manifest["files"] == on_disk and ".metadata" in on_disk and "common.pt" in on_disk
+
+
+def test_broken_checkpoints_are_passed_over_and_named_explicitly_exit_2(six_steps, cache_dir, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    cmd = tiny_overrides(cache_dir, steps=6) + [f"train.save={ckpt}", "train.save_interval=1"]
+    rmt_train(cmd + ["train.exit_interval=4"])
+    # iter_4: a truncated shard, caught by the manifest.
+    size = _truncate(ckpt / "iter_0000004" / "__0_0.distcp", 100)
+    bad = rmt_train(tiny_overrides(cache_dir, steps=6) + [f"train.load={ckpt / 'iter_0000004'}"], check=False)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        f"rmt-train: error: checkpoint '{ckpt / 'iter_0000004'}' is incomplete or corrupt: its file "
+        f"'__0_0.distcp' has {size - 100} bytes where the manifest records {size}"]
+    # iter_3: truncated and without a manifest (as written before manifests existed), so only
+    # loading finds it: torch's CheckpointException (a BaseException) is caught and said. The
+    # same command as before passes over both, saying so, and continues from step 2 exactly as
+    # the uninterrupted run did.
+    _truncate(ckpt / "iter_0000003" / "__0_0.distcp", 100)
+    os.remove(ckpt / "iter_0000003" / "manifest.json")
+    resumed = rmt_train(cmd + ["--json", str(tmp_path / "r.json")])
+    assert (f"checkpoint '{ckpt / 'iter_0000004'}' is incomplete or corrupt (its file '__0_0.distcp' has "
+            f"{size - 100} bytes where the manifest records {size}), so it is skipped") in resumed.stdout
+    assert f"checkpoint '{ckpt / 'iter_0000003'}' is corrupt or unreadable (" in resumed.stdout
+    assert "falling back to the previous checkpoint" in resumed.stdout
+    assert f"resuming from '{ckpt / 'iter_0000002'}' at step 2 of 6" in resumed.stdout
+    assert _losses(tmp_path / "r.json") == six_steps[2:]
+
+
+def test_failed_save_leaves_no_tmp_and_says_why(six_steps, cache_dir, tmp_path):
+    """A write that fails mid-save (here: files limited to 200 kB, smaller than a shard, as a
+    full disk would) stops the run with one sentence and removes the half-written directory.
+    (``six_steps`` made the data caches of these steps before the limit applies.)"""
+    ckpt = tmp_path / "ckpt"
+    args = tiny_overrides(cache_dir, steps=6) + ["train.save_interval=2"]
+
+    def limit_file_size():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+
+    proc = subprocess.run([sys.executable, "-m", "rmt.training.cli"] + args + [f"train.save={ckpt}"],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600,
+                          preexec_fn=limit_file_size)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"rmt-train: error: saving checkpoint '{ckpt / 'iter_0000002'}' failed (")
+    assert "a write was cut short: the disk is full or a quota or file-size limit was hit" in lines[0]
+    assert lines[0].endswith("its incomplete directory was removed")
+    assert os.listdir(ckpt) == []
+
+
+def test_free_space_is_checked_before_training(cache_dir, tmp_path):
+    """On a file system too small for a checkpoint nothing is trained or written: one sentence,
+    exit 2."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("needs permission to mount a 2 MiB tmpfs")
+    try:
+        bad = rmt_train(tiny_overrides(cache_dir, steps=2) + [f"train.save={mnt}/ckpt"], check=False)
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr and "step" not in bad.stdout
+        assert bad.stderr.startswith(f"rmt-train: error: not enough free space for a checkpoint in "
+                                     f"'{mnt}/ckpt': it needs about ")
+        assert os.listdir(mnt / "ckpt") == []
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)

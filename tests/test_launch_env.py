@@ -27,3 +27,28 @@ def test_first_host_forms():
 def test_plain_process_is_world_of_one():
     e = read_launch_env({})
     assert (e.rank, e.world_size, e.launcher) == (0, 1, "single") and e.master_port > 0
+
+
+def test_expand_nodelist_and_rank_locations():
+    from rmt.parallel.launch_env import expand_nodelist, rank_locations
+
+    assert expand_nodelist("gpu[08-10,12],cpu1") == ["gpu08", "gpu09", "gpu10", "gpu12", "cpu1"]
+    slurm = {"SLURM_JOB_NODELIST": "gpu[1-2]", "SLURM_TASKS_PER_NODE": "2(x2)"}
+    assert rank_locations(4, slurm) == ["node 0 (gpu1)", "node 0 (gpu1)", "node 1 (gpu2)", "node 1 (gpu2)"]
+    assert rank_locations(4, {"LOCAL_WORLD_SIZE": "2"}) == ["node 0", "node 0", "node 1", "node 1"]
+    assert rank_locations(4, {}) is None
+
+
+def test_launcher_names_the_worker_that_failed_first():
+    """torch's agent stops the other workers with SIGTERM in the same second; a user error
+    (exit 2) is the failure to report (and not to restart)."""
+    from types import SimpleNamespace as F
+
+    from rmt.parallel.launcher import _describe, _root_failure
+
+    killed = {0: F(exitcode=-15, timestamp=7), 1: F(exitcode=-9, timestamp=7)}
+    rank, failure = _root_failure(killed)
+    assert rank == 1 and _describe(failure) == "was killed by SIGKILL"
+    user_error = {0: F(exitcode=-15, timestamp=9), 1: F(exitcode=1, timestamp=8), 2: F(exitcode=2, timestamp=9)}
+    assert _root_failure(user_error)[0] == 2 and _describe(_root_failure(user_error)[1]) == "exited with status 2"
+    assert _root_failure({3: F(exitcode=-15, timestamp=1)})[0] == 3

@@ -13,6 +13,7 @@ from conftest import run_python, tiny_overrides
 from rmt.memory.ive import AddressShuffle
 from rmt.memory.retrieval import expected_topm_mean
 from rmt.ops import counter_normal as cn
+from rmt.planner.memory import TablePlan, resharding_read
 
 
 def spec_normal(key: int, e: int) -> float:
@@ -139,18 +140,25 @@ def test_expected_topm_mean_for_billions_of_candidates_is_cheap():
 
 
 def test_table_checkpoints_reshard_through_chains_of_layouts_within_one_chunk(tmp_path):
-    """4 ranks: number(4) -> dimension(2) -> number(4), dimension(4) -> number(2) -> local and,
-    with per-row state, number(4) -> number(2) -> local; every init and every load exact, and
+    """4 ranks: number(4) -> dimension(2) -> number(4), dimension(4) -> number(2) -> local, with
+    per-row state number(4) -> number(2) -> local, and one-column shards dimension(4) -> number(4);
+    every init and every load exact, and
     each load allocates at most one chunk beside the new shard (read in place when the saved
     blocks have the shard's columns)."""
     chunk = 16384
     proc = run_python(["tests/dist/table_checkpoint.py", str(tmp_path), str(chunk)], nproc=4)
     loads = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(loads) == 6
+    assert len(loads) == 7
     for load in loads:
-        assert max(load["load_peak_bytes"]) <= chunk < load["shard_bytes"]
+        assert max(load["load_peak_bytes"]) <= chunk
         same_width = load["from"][0] != "dimension" and load["to"][0] != "dimension"
         assert (max(load["load_peak_bytes"]) == 0) == same_width, load
+    # rmt-plan memory's resharding buffer, exactly, for the partition switch at one group size
+    switch = [load for load in loads if load["from"] == ["dimension", 4] and load["to"] == ["number", 4]]
+    assert len(switch) == 1
+    plan = TablePlan(slots=4096, dim=4, group_size=4, partition="number")
+    assert max(switch[0]["load_peak_bytes"]) == min(chunk, resharding_read(plan, switch[0]["shard_bytes"])) \
+        == switch[0]["shard_bytes"] // 4
 
 
 MEMORY = ["memory.type=ultramem", "memory.placement='1:2'", "memory.num_keys=512", "memory.topk=4",

@@ -18,7 +18,10 @@ def test_components_of_a_small_number_wise_adamw_table():
     rows, cols, n = 16, 8, 8 * 2  # 64 / 4 rows; grid side 8 keys x sqrt(4)
     assert c == {"table": rows * cols * 4, "slot_stats": 16, "gradients": rows * cols * 4,
                  "optimizer_states": 2 * rows * cols * 4, "keys": 2 * 2 * n * 4 * 4,
-                 "retrieval_activations": 2 * 10 * 2 * 2 * 2 * n * 4, "checkpoint_chunk": rows * cols * 4}
+                 "retrieval_activations": 2 * 10 * 2 * 2 * 2 * n * 4,
+                 "checkpoint_chunk": rows * cols * 4 // 4}  # its rows of each of the 4 dimension-wise files
+    dim = components(TablePlan(**dict(SMALL, partition="dimension")))
+    assert dim["checkpoint_chunk"] == dim["table"] == 64 * 2 * 4  # whole rows of the number-wise files
     two = components(TablePlan(**SMALL, microbatches=3))
     assert two["gradients"] == 2 * rows * cols * 4  # the accumulated one and the new one
 

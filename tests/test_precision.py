@@ -1,4 +1,5 @@
-"""bf16 (autocast) training runs on CPU and tracks fp32 closely, for the transformer and the RMT."""
+"""bf16 (autocast) training runs on CPU and tracks fp32 closely, for the transformer, the RMT and
+megatron's MoE (router in fp32)."""
 
 import json
 
@@ -7,7 +8,8 @@ import pytest
 from conftest import rmt_train, tiny_overrides
 
 ARCHS = {"transformer": [], "rmt": ["model.arch=rmt", "model.position=alibi", "model.dk=8",
-                                    "model.dv=8", "model.rank=4"]}
+                                    "model.dv=8", "model.rank=4"],
+         "moe_mlp": ["memory.type=moe", "memory.moe_placement=mlp", "memory.placement=1-2", "memory.num_experts=4"]}
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

@@ -8,7 +8,9 @@ pre-LN layers (attention + GELU FFN). Models, side by side in one run:
 * ultramem: dense + UltraMem layers (``rmt.memory.MemoryLayer``, every §3.2 improvement on) at
   skip placements, sparse parameters ``--expansion`` x the dense ones (same activated compute as
   dense plus the small memory query/retrieval);
-* moe: every FFN replaced by top-2 of N experts (granularity 2) whose inner width is widened
+* moe: every FFN replaced by megatron-core's MoE (``rmt.memory.SkipMoE``: LayerNorm, top-k
+  router, experts; one process, no expert parallelism): top-2 of N experts (granularity 2) whose
+  inner width is widened
   from 2D so that MoE's activated compute equals UltraMem's (dense + memory layers, counted by
   :func:`ultramem_macs`), N chosen so total parameters equal UltraMem's: the paper's setting
   (§5.1 "we slightly increased the width of MoE's experts to match UltraMem's computational and
@@ -38,7 +40,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from rmt.memory import MemoryLayer, MemorySpec, MoELayer
+from rmt.memory import MemoryLayer, MemorySpec, SkipMoE
 
 
 class Attention(torch.nn.Module):
@@ -116,6 +118,24 @@ def ultramem_macs(spec: MemorySpec) -> int:
             + s.num_heads * s.topk * s.value_dim + s.ive_blocks * s.value_dim * s.hidden_size)
 
 
+def megatron_moe(d, heads, layers, experts, inner):
+    """megatron-core's MoE behind a LayerNorm (rmt's skip-placed MoE module), top-2, in a
+    single-process parallel state."""
+    from megatron.core import parallel_state
+
+    from rmt import parallel
+    from rmt.config import load_config, validate
+    from rmt.models.megatron_config import transformer_config
+
+    cfg = validate(load_config(None, [
+        f"model.hidden_size={d}", f"model.num_attention_heads={heads}", f"model.num_layers={layers}",
+        "model.vocab_size=256", "memory.type=moe", "memory.placement='1:1'", f"memory.num_experts={experts}",
+        "memory.moe_topk=2", f"memory.expert_hidden_size={inner}"]), world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel.initialize(cfg)
+    return SkipMoE(cfg, transformer_config(cfg)).eval()
+
+
 def build_models(d, heads, layers, expansion, topk, seed=0):
     torch.manual_seed(seed)
     inner = 4 * d
@@ -139,7 +159,7 @@ def build_models(d, heads, layers, expansion, topk, seed=0):
     expert_params = 2 * d * expert_inner
     attn_params = sum(p.numel() for p in dense.attn.parameters())
     experts = max(2, round((um_params - attn_params) / layers / expert_params))
-    moe = DecodeModel(d, heads, layers, lambda: MoELayer(d, experts, expert_inner, topk=2))
+    moe = DecodeModel(d, heads, layers, lambda: megatron_moe(d, heads, layers, experts, expert_inner))
     tenth_keys = round(num_keys / math.sqrt(10))
     return {"dense": dense, "moe": moe, "ultramem": um, "ultramem_tenth": ultramem(tenth_keys)}, {
         "hidden": d, "layers": layers, "dense_params": dense_params, "ultramem_params": um_params,
@@ -155,8 +175,8 @@ def _sparse_tensors(model):
     for m in model.modules():
         if isinstance(m, MemoryLayer):
             out.add(m.values.weight)
-        if isinstance(m, MoELayer):
-            out.update((m.fc1, m.fc2))
+        if isinstance(m, SkipMoE):
+            out.update(m.moe.experts.parameters())
     return out
 
 
@@ -170,17 +190,18 @@ def bytes_touched(model, x, caches, states):
         if isinstance(m, MemoryLayer):
             table, orig = m.values, m.values.lookup_reduce
 
-            def counting(indices, scores, block_ids, num_blocks, _orig=orig, _t=table):
+            def counting(indices, scores, block_ids, num_blocks, _orig=orig, _t=table, **kwargs):
                 touched.append(indices.unique().numel() * _t.dim * _t.weight.element_size())
-                return _orig(indices, scores, block_ids, num_blocks)
+                return _orig(indices, scores, block_ids, num_blocks, **kwargs)
 
             table.lookup_reduce = counting
             hooks.append((table, orig))
-        if isinstance(m, MoELayer):
+        if isinstance(m, SkipMoE):
             def route(mod, args, out, _m=m):
-                used = out.topk(_m.topk, dim=-1).indices.unique().numel()
-                touched.append(used * (_m.fc1[0].numel() + _m.fc2[0].numel()) * _m.fc1.element_size())
-            hooks.append(m.router.register_forward_hook(route))
+                expert = list(_m.moe.experts.local_experts[0].parameters())
+                used = int(out[1].any(0).sum())  # routing map [tokens, experts]
+                touched.append(used * sum(p.numel() * p.element_size() for p in expert))
+            hooks.append(m.moe.router.register_forward_hook(route))
     model.step(x, caches, states)
     for h in hooks:
         if isinstance(h, tuple):

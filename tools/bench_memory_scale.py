@@ -20,11 +20,17 @@ step peak at the largest table times P, relative spread over the P runs), and
 ``rowwise_adagrad_mib_per_mib_at_P4``: the per-rank peak's growth per MiB of whole table at P = 4
 (goal <= 0.35; ideal 0.25).
 
+With ``--json FILE`` every measured run is appended to ``FILE.partial`` at once; the same command
+run again after an interruption reuses those runs and measures only the rest (the file is removed
+once ``FILE`` is written).
+
 ``--demo``: 4 ranks, each capped by the kernel (``setrlimit``: RLIMIT_DATA, or RLIMIT_AS with
-``--cap-kind as``) at ``--cap-gib``, train a few steps, save and reload a table at least 3x the
-cap with row-wise Adagrad (with SparseAdam the table plus its moments is: each rank must hold three
-shard-sized tensors, so the table alone can be at most P/3 = 1.33x the cap), and one capped rank
-alone cannot build it: no rank ever needs more than its shard.
+``--cap-kind as``) at ``--cap-gib`` (4), train a few steps, save and reload a table
+``--cap-fraction`` (2.5) times the cap with row-wise Adagrad (with SparseAdam the table plus its
+moments is: each rank holds three shard-sized tensors), and one capped rank alone cannot build
+it: no rank ever needs more than its shard. A rank's own data without any table (~1.3 GiB of
+VmData here: heaps, gloo's thread stacks) shares the cap, so the fraction can be at most about
+``P x (cap - 1.3 GiB) / cap`` (3 GiB caps fail at 2.5x; 4 GiB caps pass).
 """
 
 from __future__ import annotations
@@ -146,9 +152,11 @@ def worker(args) -> None:
 
 
 # -- driver --------------------------------------------------------------------------------------
-def launch(args, run: dict, phase: str, load_partition: str = "", cap_gib: float = 0.0, tries: int = 2) -> list:
+def launch(args, run: dict, phase: str, load_partition: str = "", cap_gib: float = 0.0, tries: int = 2,
+           quiet: bool = False) -> list:
     """Run one phase on ``run["P"]`` ranks (torchrun --standalone: its rendezvous takes a free port
-    from the OS, so concurrent jobs cannot race for one); one retry of a failed launch."""
+    from the OS, so concurrent jobs cannot race for one); one retry of a failed launch; ``quiet``:
+    a failure is expected, print nothing of it."""
     out = os.path.join(args.workdir, f"worker-{os.getpid()}.json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={run['P']}",
            os.path.abspath(__file__), f"--worker-out={out}", f"--run-spec={json.dumps(run)}", f"--phase={phase}",
@@ -164,10 +172,12 @@ def launch(args, run: dict, phase: str, load_partition: str = "", cap_gib: float
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode == 0:
             break
-        print(f"bench_memory_scale: {phase} run {run} failed (exit {proc.returncode})"
-              + ("; retrying" if attempt + 1 < tries else ""), file=sys.stderr, flush=True)
+        if not quiet:
+            print(f"bench_memory_scale: {phase} run {run} failed (exit {proc.returncode})"
+                  + ("; retrying" if attempt + 1 < tries else ""), file=sys.stderr, flush=True)
     else:
-        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
+        if not quiet:
+            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
         raise SystemExit(f"bench_memory_scale: {phase} run {run} failed twice")
     with open(out) as f:
         ranks = json.load(f)
@@ -176,12 +186,20 @@ def launch(args, run: dict, phase: str, load_partition: str = "", cap_gib: float
 
 
 def predict(run: dict) -> dict:
-    """``rmt-plan memory``'s phases for the run's config (rmt.planner.memory.plan_from_config)."""
+    """``rmt-plan memory``'s phases for the run's config (rmt.planner.memory.plan_from_config);
+    ``load_resharded`` is the load of this run's checkpoint under the other partition."""
     from rmt.config import load_config
     from rmt.planner.memory import phases, plan_from_config
 
-    config = load_config(None, overrides(run, 1))
-    return phases(plan_from_config(config, run["P"], layers=1, microbatches=1))
+    def plan(partition):
+        config = load_config(None, overrides(dict(run, partition=partition), 1))
+        return phases(plan_from_config(config, run["P"], layers=1, microbatches=1))
+
+    out = plan(run["partition"])
+    other = "dimension" if run["partition"] == "number" else "number"
+    if run["optimizer"] != "rowwise_adagrad":  # its resharded load (into the other partition) is that plan's
+        out["load_resharded"] = plan(other)["load_resharded"]
+    return out
 
 
 def measure_run(args, run: dict) -> dict:
@@ -199,11 +217,17 @@ def measure_run(args, run: dict) -> dict:
                init_gbps=train[0]["shard_bytes"] / max(r["fill_s"] for r in train) / 1e9,
                vm_peak=max(r["vm_peak"] for r in train + load),
                loaded_iteration=load[0]["loaded_iteration"], predicted=predict(run))
-    other = "dimension" if run["partition"] == "number" else "number"
-    if args.reshard and run["P"] > 1 and (run["optimizer"] != "rowwise_adagrad" or other == "number"):
+    if reshards(args, run):
+        other = "dimension" if run["partition"] == "number" else "number"
         resharded = launch(args, run, "load", load_partition=other, cap_gib=args.cap_gib)
         out["peak"]["load_resharded"] = max(r["load"]["peak"] for r in resharded)
     return out
+
+
+def reshards(args, run: dict) -> bool:
+    """Whether ``run``'s checkpoint is also loaded under the other partition (row-wise Adagrad
+    cannot run dimension-wise)."""
+    return args.reshard and run["P"] > 1 and (run["optimizer"] != "rowwise_adagrad" or run["partition"] == "dimension")
 
 
 def compare(rows: list) -> None:
@@ -285,14 +309,16 @@ def main(argv=None):
     ap.add_argument("--dtypes", nargs="+", default=["fp32"], choices=("fp32", "bf16"))
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--reshard", action="store_true", help="also load each checkpoint under the other partition")
+    ap.add_argument("--repredict", metavar="JSON", help="measure nothing: compare the rows of an earlier --json "
+                    "file with the planner as it is now, print the table (and write --json)")
     ap.add_argument("--demo", action="store_true", help="the RLIMIT_AS-capped demonstration (see above)")
-    ap.add_argument("--cap-gib", type=float, default=0.0, help="--demo: the per-rank cap in GiB (default 5)")
+    ap.add_argument("--cap-gib", type=float, default=0.0, help="--demo: the per-rank cap in GiB (default 4)")
     ap.add_argument("--cap-kind", choices=sorted(CAP_LIMITS), default="data",
                     help="--demo: RLIMIT_DATA (default) or RLIMIT_AS; see CAP_LIMITS")
     ap.add_argument("--documents", type=int, default=20)
     ap.add_argument("--cache-dir", default=os.path.join(ROOT, ".rmt_cache"))
     ap.add_argument("--workdir", default=None, help="scratch directory for checkpoints (default: a temp dir)")
-    ap.add_argument("--cap-fraction", type=float, default=3.0, help="--demo: whole table / per-rank cap")
+    ap.add_argument("--cap-fraction", type=float, default=2.5, help="--demo: whole table / per-rank cap")
     # worker-only
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     ap.add_argument("--run-spec", help=argparse.SUPPRESS)
@@ -301,6 +327,12 @@ def main(argv=None):
     ap.add_argument("--load-partition", help=argparse.SUPPRESS)
     ap.add_argument("--t0", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.repredict:
+        with open(args.repredict) as f:
+            doc = json.load(f)
+        for row in doc["rows"]:
+            row["predicted"] = predict(row)
+        return report(args, doc["rows"], doc["benchmark"], machine=doc["machine"])
     if args.workdir is None and not args.worker_out:
         import tempfile
 
@@ -322,13 +354,37 @@ def main(argv=None):
         args.optimizers = args.optimizers or ["adamw", "sparse_adam", "rowwise_adagrad"]
         args.grid = {(4, m) for m in args.sizes} | {(P, max(args.sizes)) for P in args.ranks}
     args.cap_gib = 0.0
+    done = measured_before(args)
     rows = []
     for run, base in runs(args):
+        key = json.dumps(run, sort_keys=True)
+        if key in done:
+            rows.append(done[key])
+            continue
         rows.append(dict(run, base=base, **measure_in(args, run)))
         if args.json:  # a run that dies later keeps what was measured
             with open(args.json + ".partial", "a") as f:
                 f.write(json.dumps(rows[-1]) + "\n")
     return report(args, rows, "bench_memory_scale")
+
+
+def measured_before(args) -> dict:
+    """Rows of ``--json``'s ``.partial`` file left by an interrupted run of the same command, by run.
+
+    A row measured without the resharded load is not reused when ``--reshard`` asks for one."""
+    path = (args.json or "") + ".partial"
+    if not args.json or not os.path.exists(path):
+        return {}
+    done = {}
+    with open(path) as f:
+        for line in f:
+            row = json.loads(line)
+            run = {k: row[k] for k in ("P", "partition", "optimizer", "dtype", "steps", "num_keys")}
+            if reshards(args, row) and "load_resharded" not in row["peak"]:
+                continue
+            done[json.dumps(run, sort_keys=True)] = row
+    print(f"reusing {len(done)} runs measured before, from {path}", file=sys.stderr, flush=True)
+    return done
 
 
 def measure_in(args, run: dict) -> dict:
@@ -341,7 +397,7 @@ def measure_in(args, run: dict) -> dict:
 def demo(args) -> int:
     """4 capped ranks train, save and reload a table whose whole size (with SparseAdam: with its
     moments) is ``--cap-fraction`` x the cap; one capped rank alone cannot even build it."""
-    cap = args.cap_gib or 5.0
+    cap = args.cap_gib or 4.0
     rows = []
     for opt, per_byte in (("rowwise_adagrad", 1), ("sparse_adam", 3)):  # bytes counted per table byte
         whole_mib = args.cap_fraction * cap * 1024 / per_byte
@@ -353,7 +409,7 @@ def demo(args) -> int:
                  counted_over_cap=r["whole_bytes"] * per_byte / (cap * (1 << 30)), growth={})
         alone = dict(run, P=1)
         try:
-            launch(args, alone, "train", cap_gib=cap, tries=1)
+            launch(args, alone, "train", cap_gib=cap, tries=1, quiet=True)  # expected to fail
             r["one_rank_alone"] = "ran"
         except SystemExit:
             r["one_rank_alone"] = "failed under the cap"
@@ -379,7 +435,8 @@ def demo(args) -> int:
     return 0
 
 
-def report(args, rows: list, name: str) -> int:
+def report(args, rows: list, name: str, machine: dict | None = None) -> int:
+    """Print and (``--json``) write ``rows``; ``machine`` is where they were measured (default: here)."""
     import torch
 
     compare(rows)
@@ -388,9 +445,13 @@ def report(args, rows: list, name: str) -> int:
     print(json.dumps(summary))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"benchmark": name, "machine": {"platform": platform.platform(), "torch": torch.__version__,
-                                                      "cpus": os.cpu_count(), "argv": sys.argv[1:]},
+            machine = machine or {"platform": platform.platform(), "torch": torch.__version__,
+                                  "cpus": os.cpu_count(), "argv": sys.argv[1:]}
+            json.dump({"benchmark": name, "machine": machine,
                        "rows": rows, "summary": summary}, f, indent=1)
+        if os.path.exists(args.json + ".partial"):  # complete now: a rerun measures afresh
+            os.remove(args.json + ".partial")
+        print(f"wrote {args.json}", file=sys.stderr)
     return 0
 
 

@@ -32,25 +32,24 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from rmt.memory.groups import memory_parallel_groups
 from rmt.memory.layer import MemoryLayer, MemorySpec
-from rmt.memory.moe import MoELayer
+from rmt.memory.moe import SkipMoE, moe_modules, set_aux_loss_scale
 from rmt.memory.stream import ForkMemory, JoinMemory, MemoryLink, MemoryStream
 from rmt.memory.table import MemoryTable
-from rmt.memory.validate import memory_width, parse_placement, stage_layers
+from rmt.memory.validate import parse_placement, stage_layers
 from rmt.parallel import compat
 
 
-def build_memory_layer(config, index: int) -> torch.nn.Module:
-    """The ``index``-th memory module of ``config`` (UltraMem, PKM or MoE)."""
+def build_memory_layer(config, index: int, base=None) -> torch.nn.Module:
+    """The ``index``-th memory module of ``config`` (UltraMem, PKM or a skip-placed MoE, which
+    takes the model's megatron ``TransformerConfig`` ``base``)."""
     mem, m = config.memory, config.model
     if mem.type == "moe":
-        width = memory_width(config)
-        return MoELayer(width, mem.num_experts,
-                        mem.expert_hidden_size or 2 * (m.ffn_hidden_size or 4 * width) // mem.moe_topk,
-                        mem.moe_topk, mem.balance_loss_weight, m.init_std, m.num_layers)
+        return SkipMoE(config, base)
     spec = MemorySpec.from_config(config, index)
     sharding = {"device": compat.device()}
     if mem.partition != "local":
@@ -67,7 +66,8 @@ class MemoryModules(torch.nn.Module):
     """The memory layers of a chunk, indexed (and named, ``memory.k.*``) by their global
     placement index k, so that a pipeline stage holding only some of them uses the keys of the
     single-stage run; iterating gives the layers. Its ``sharded_state_dict`` lets sharded
-    tables describe their own shards; every other tensor is replicated (megatron's default)."""
+    tables and megatron modules (the MoE: experts at their global indices) describe their own
+    shards; every other tensor is replicated (megatron's default)."""
 
     def __init__(self, modules: Dict[int, torch.nn.Module]):
         super().__init__()
@@ -85,9 +85,13 @@ class MemoryModules(torch.nn.Module):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         out = {}
+        delegated = [f"{k}." for k, module in self._modules.items() if isinstance(module, MegatronModule)]
         for name, module in self.named_modules():
             sub = f"{prefix}{name}." if name else prefix
-            if isinstance(module, MemoryTable):
+            if any(f"{name}.".startswith(d) for d in delegated):
+                if f"{name}." in delegated:
+                    out.update(module.sharded_state_dict(sub, sharded_offsets, metadata))
+            elif isinstance(module, MemoryTable):
                 out.update(module.sharded_state_dict(sub, sharded_offsets, metadata))
             else:
                 own = dict(module.named_parameters(prefix="", recurse=False))
@@ -233,13 +237,18 @@ def attach_memory(chunks: List[torch.nn.Module], config,
     ``chunk.memory``, :class:`MemoryModules`, so they are in the chunk's parameters and
     ``sharded_state_dict``) and return the init rule that
     gives memory parameters their own std (``memory_init_std``; None keeps the module's init, as
-    for value tables, which draw their own shard at construction)."""
+    for value tables, which draw their own shard at construction). An MoE replacing MLPs
+    (``memory.moe_placement: mlp``) is the architecture's own: nothing to attach."""
     mem, t = config.memory, config.train
+    dp = parallel_state.get_data_parallel_world_size()
+    loss_scale = t.micro_batch_size * dp / (t.global_batch_size or t.micro_batch_size * dp)  # 1 / microbatches
+    if mem.type == "moe":
+        set_aux_loss_scale(loss_scale)
+        if mem.moe_placement == "mlp":
+            return std_rule
     placement = parse_placement(mem.placement, config.model.num_layers)
     if mem.partition != "local":
         memory_parallel_groups(mem.group_size)  # collective: also on stages without memory layers
-    dp = parallel_state.get_data_parallel_world_size()
-    loss_scale = t.micro_batch_size * dp / (t.global_batch_size or t.micro_batch_size * dp)  # 1 / microbatches
     # One stream for all chunks of the rank: a single worker issues the memory collectives in
     # the schedule's order, the same on every rank of a memory-parallel group.
     stream = MemoryStream(compat.device()) if mem.async_stream else None
@@ -248,7 +257,7 @@ def attach_memory(chunks: List[torch.nn.Module], config,
     for vp_stage, chunk in enumerate(chunks):
         first, last = stage_layers(config, rank, vp_stage if vpp else None)
         own = {k: (i - first + 1, j - first + 1) for k, (i, j) in enumerate(placement) if first <= i and j <= last}
-        chunk.memory = MemoryModules({k: build_memory_layer(config, k) for k in own})
+        chunk.memory = MemoryModules({k: build_memory_layer(config, k, chunk.config) for k in own})
         if own:
             layers, seq_dim = _hook_layers(chunk)
             loss_chunk = parallel_state.is_pipeline_last_stage(ignore_virtual=True) and vp_stage == len(chunks) - 1
@@ -266,11 +275,12 @@ def attach_memory(chunks: List[torch.nn.Module], config,
 
 
 def memory_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
-    return [m for m in model.modules() if isinstance(m, (MemoryLayer, MoELayer))]
+    return [m for m in model.modules() if isinstance(m, (MemoryLayer, SkipMoE))]
 
 
 def pop_aux_loss(model: torch.nn.Module) -> Optional[torch.Tensor]:
-    """Sum of the auxiliary losses (TDQKR Eq. 12, MoE balance) of the last forward; clears them."""
+    """Sum of the auxiliary losses of the last forward (TDQKR Eq. 12); clears them. MoE balance
+    losses are not among them: megatron attaches them to the routing weights."""
     total = None
     for m in memory_modules(model):
         if m.aux_loss is not None:
@@ -280,12 +290,20 @@ def pop_aux_loss(model: torch.nn.Module) -> Optional[torch.Tensor]:
 
 
 def pop_memory_stats(chunks: List[torch.nn.Module], group=None) -> Dict[str, float]:
-    """``memory/layer{k}/<stat>`` slot-usage scalars since the last call (collective over
-    ``group``), k the global placement index; empty without UltraMem/PKM layers."""
+    """Scalars since the last call (collective over ``group``): ``memory/layer{k}/<stat>``
+    slot usage of UltraMem/PKM layers and load of skip-placed MoE layers, k the global placement
+    index; ``moe/layer{n}/<stat>`` of the MoE MLP of transformer layer n."""
     out = {}
     layers = [(k, m) for c in chunks for own in c.modules() if isinstance(own, MemoryModules)
-              for k, m in own._modules.items() if isinstance(m, MemoryLayer)]
+              for k, m in own._modules.items() if isinstance(m, (MemoryLayer, SkipMoE))]
+    skip = set()
     for k, layer in layers:
-        for name, value in layer.pop_stats(group).items():
+        stats = layer.pop_stats(group) if isinstance(layer, MemoryLayer) else layer.moe.pop_stats(group)
+        skip.update(layer.modules())
+        for name, value in stats.items():
             out[f"memory/layer{k}/{name}"] = value
+    for moe in moe_modules(chunks):
+        if moe not in skip:
+            for name, value in moe.pop_stats(group).items():
+                out[f"moe/layer{moe.layer_number}/{name}"] = value
     return out

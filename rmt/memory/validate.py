@@ -8,6 +8,8 @@ from typing import List, Optional, Tuple
 from rmt.errors import ConfigError
 
 MEMORY_TYPES = ("none", "ultramem", "pkm", "moe")
+MOE_PLACEMENTS = ("skip", "mlp")
+MOE_DISPATCHERS = ("alltoall", "allgather")
 TABLE_PARTITIONS = ("local", "number", "dimension", "auto")
 VALUE_OPTIMIZERS = ("adamw", "sparse_adam", "rowwise_adagrad")
 VALUE_DTYPES = ("fp32", "bf16")
@@ -41,6 +43,83 @@ def parse_placement(text: str, num_layers: int) -> List[Tuple[int, int]]:
                 f"memory.placement entry '{item}' must lie within layers 1..model.num_layers ({num_layers})")
         pairs.append((start, end))
     return pairs
+
+
+def parse_moe_layers(text: str, num_layers: int) -> List[int]:
+    """``"1-4/7"`` -> ``[1, 2, 3, 4, 7]``: the layers whose MLP an MoE replaces
+    (``memory.moe_placement: mlp``; 1-based, ranges inclusive)."""
+    layers = set()
+    for item in text.split("/"):
+        parts = item.strip().split("-")
+        try:
+            first, last = int(parts[0]), int(parts[-1])
+        except ValueError:
+            raise ConfigError(f"memory.placement entry '{item}' must be a layer 'i' or a range 'i-j' "
+                              f"(memory.moe_placement 'mlp' lists the layers whose MLP is an MoE)")
+        if len(parts) > 2 or first > last:
+            raise ConfigError(f"memory.placement entry '{item}' must be a layer 'i' or a range 'i-j' with i <= j")
+        if first < 1 or last > num_layers:
+            raise ConfigError(
+                f"memory.placement entry '{item}' must lie within layers 1..model.num_layers ({num_layers})")
+        layers.update(range(first, last + 1))
+    return sorted(layers)
+
+
+def expert_hidden_size(config) -> int:
+    """Inner width of one expert: ``memory.expert_hidden_size``, else the dense MLP's divided by
+    the top-k (granularity k: the activated experts together are as wide as the MLP)."""
+    mem, m = config.memory, config.model
+    if mem.expert_hidden_size:
+        return mem.expert_hidden_size
+    width = memory_width(config)
+    dense = m.ffn_hidden_size or (4 * m.rank * m.dv if m.arch == "rmt" else 4 * width)
+    return max(1, dense // mem.moe_topk)
+
+
+def validate_moe(config, world_size: int) -> None:
+    """``memory.type: moe`` keys and expert parallelism (megatron-core's MoELayer and groups)."""
+    mem, m, p = config.memory, config.model, config.parallel
+    if mem.value_optimizer != "adamw":
+        raise ConfigError("memory.value_optimizer applies to the value tables of memory.type 'ultramem' "
+                          "or 'pkm'; MoE experts are dense, leave it 'adamw'")
+    for key in ("num_experts", "moe_topk"):
+        if getattr(mem, key) <= 0:
+            raise ConfigError(f"memory.{key} must be positive, got {getattr(mem, key)}")
+    if mem.moe_topk > mem.num_experts:
+        raise ConfigError(f"memory.moe_topk ({mem.moe_topk}) exceeds memory.num_experts ({mem.num_experts})")
+    if mem.expert_hidden_size is not None and mem.expert_hidden_size <= 0:
+        raise ConfigError(f"memory.expert_hidden_size must be positive, got {mem.expert_hidden_size}")
+    if mem.moe_placement not in MOE_PLACEMENTS:
+        raise ConfigError(f"memory.moe_placement must be one of {', '.join(MOE_PLACEMENTS)}, got '{mem.moe_placement}'")
+    if mem.moe_token_dispatcher_type not in MOE_DISPATCHERS:
+        raise ConfigError(f"memory.moe_token_dispatcher_type must be one of {', '.join(MOE_DISPATCHERS)}, "
+                          f"got '{mem.moe_token_dispatcher_type}'")
+    if mem.moe_expert_capacity_factor is not None and mem.moe_expert_capacity_factor <= 0:
+        raise ConfigError(f"memory.moe_expert_capacity_factor must be positive (or null for no token dropping), "
+                          f"got {mem.moe_expert_capacity_factor}")
+    if mem.moe_placement == "mlp":
+        if m.arch != "transformer":
+            raise ConfigError(f"memory.moe_placement 'mlp' replaces the MLP of megatron's transformer layers and "
+                              f"needs model.arch 'transformer', got '{m.arch}' (use moe_placement 'skip')")
+        parse_moe_layers(mem.placement, m.num_layers)
+    else:
+        validate_memory_pipeline(config, parse_placement(mem.placement, m.num_layers))
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size or tp
+    if mem.num_experts % ep:
+        raise ConfigError(f"memory.num_experts ({mem.num_experts}) must be divisible by "
+                          f"parallel.expert_model_parallel_size ({ep})")
+    if world_size % (etp * ep * pp):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by expert tensor x expert model x pipeline parallel "
+            f"size {etp} x {ep} x {pp} = {etp * ep * pp}")
+    if expert_hidden_size(config) % etp:
+        raise ConfigError(f"the expert hidden size ({expert_hidden_size(config)}) must be divisible by the expert "
+                          f"tensor-parallel size ({etp})")
+    if tp > 1 and m.seq_length % tp:
+        raise ConfigError(f"model.seq_length ({m.seq_length}) must be divisible by "
+                          f"parallel.tensor_model_parallel_size ({tp}): each tensor-parallel rank routes its "
+                          f"share of the sequence through the MoE")
 
 
 def num_model_chunks(config) -> int:
@@ -129,8 +208,15 @@ def validate_memory(config, world_size: Optional[int] = None) -> None:
     mem, m = config.memory, config.model
     if mem.type not in MEMORY_TYPES:
         raise ConfigError(f"memory.type '{mem.type}' is not available; valid: {', '.join(MEMORY_TYPES)}")
+    p = config.parallel
+    if mem.type != "moe" and (p.expert_model_parallel_size != 1 or p.expert_tensor_parallel_size is not None):
+        raise ConfigError("parallel.expert_model_parallel_size and expert_tensor_parallel_size split MoE "
+                          "experts; they need memory.type 'moe'")
     if mem.type == "none":
         return
+    if m.arch not in ("transformer", "rmt"):
+        raise ConfigError(f"memory.type '{mem.type}' needs model.arch 'transformer' or 'rmt' (the {m.arch} "
+                          f"does not take memory layers)")
     if world_size is None:
         from rmt.config import world_size_from_env
 
@@ -138,19 +224,10 @@ def validate_memory(config, world_size: Optional[int] = None) -> None:
     validate_memory_parallel(config, world_size)
     if not mem.placement:
         raise ConfigError(f"memory.type '{mem.type}' needs memory.placement, e.g. '1:2'")
-    validate_memory_pipeline(config, parse_placement(mem.placement, m.num_layers))
     if mem.type == "moe":
-        if mem.value_optimizer != "adamw":
-            raise ConfigError("memory.value_optimizer applies to the value tables of memory.type 'ultramem' "
-                              "or 'pkm'; MoE experts are dense, leave it 'adamw'")
-        for key in ("num_experts", "moe_topk"):
-            if getattr(mem, key) <= 0:
-                raise ConfigError(f"memory.{key} must be positive, got {getattr(mem, key)}")
-        if mem.moe_topk > mem.num_experts:
-            raise ConfigError(f"memory.moe_topk ({mem.moe_topk}) exceeds memory.num_experts ({mem.num_experts})")
-        if mem.expert_hidden_size is not None and mem.expert_hidden_size <= 0:
-            raise ConfigError(f"memory.expert_hidden_size must be positive, got {mem.expert_hidden_size}")
+        validate_moe(config, world_size)
         return
+    validate_memory_pipeline(config, parse_placement(mem.placement, m.num_layers))
     for key in ("num_heads", "topk", "key_dim", "num_keys", "tucker_rank", "num_cores", "ive_blocks",
                 "conv_kernel"):
         if getattr(mem, key) <= 0:

@@ -1,6 +1,8 @@
 """Transformer baseline: megatron-core's GPTModel with its local (torch-only) layer spec.
 
-Pre-norm, GELU MLP, learned absolute positions or RoPE, untied input/output embeddings.
+Pre-norm, GELU MLP, learned absolute positions or RoPE, untied input/output embeddings. With
+``memory.type: moe`` and ``memory.moe_placement: mlp`` the MLP of the listed layers is
+megatron's MoE (:mod:`rmt.memory.moe`, megatron's decoder block spec with ``moe_layer_freq``).
 """
 
 from __future__ import annotations
@@ -22,12 +24,30 @@ def validate_transformer(config: RMTConfig) -> None:
         raise ConfigError(f"model.position must be 'learned' or 'rope' for the transformer, got '{config.model.position}'")
 
 
+def _moe_mlp(config: RMTConfig) -> bool:
+    return config.memory.type == "moe" and config.memory.moe_placement == "mlp"
+
+
 @register("transformer", validate=validate_transformer)
 def build_transformer(config: RMTConfig, pre_process: bool, post_process: bool, vp_stage):
     m = config.model
+    if _moe_mlp(config):
+        from rmt.memory.moe import moe_block_spec, moe_layer_pattern, quiet_mlp_type_warning
+
+        # Dense and MoE layers mixed: checkpoint keys per layer, as megatron does for a
+        # moe_layer_freq pattern (stacked keys need every layer to have the same tensors).
+        tcfg = transformer_config(config, hetereogenous_dist_checkpoint=0 in moe_layer_pattern(config))
+        with quiet_mlp_type_warning():
+            return _gpt(config, tcfg, moe_block_spec(config, tcfg, vp_stage), pre_process, post_process, vp_stage)
+    return _gpt(config, transformer_config(config), get_gpt_layer_local_spec(normalization=m.normalization),
+                pre_process, post_process, vp_stage)
+
+
+def _gpt(config: RMTConfig, tcfg, layer_spec, pre_process: bool, post_process: bool, vp_stage) -> GPTModel:
+    m = config.model
     return GPTModel(
-        config=transformer_config(config),
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization=m.normalization),
+        config=tcfg,
+        transformer_layer_spec=layer_spec,
         vocab_size=padded_vocab_size(config),
         max_sequence_length=m.seq_length,
         pre_process=pre_process,

@@ -5,6 +5,12 @@ megatron-core assumes CUDA throughout: ``torch.cuda.current_device()`` as a devi
 RNG states and synchronisation. :func:`apply` patches exactly those places, and only when
 CUDA is absent, so the same code takes the NCCL/CUDA paths on a GPU cluster. The adjustments
 were measured on megatron-core 0.16.1 with torch 2.13 (see REFERENCE_NOTES.md).
+
+Its MoE (:func:`_moe_without_te`, :func:`_cpu_moe_dispatch`, :func:`_gloo_uneven_gather`)
+needs three more: the router's GEMM names a Transformer Engine function that is undefined
+without TE (on GPUs too), the all-to-all dispatcher hands gloo its split sizes as tensors, and
+with expert tensor parallelism it all-gathers and reduce-scatters chunks of unequal length,
+which gloo does not do.
 """
 
 from __future__ import annotations
@@ -101,9 +107,14 @@ class _NullStream:
 
 
 def apply() -> None:
-    """Install the CPU adjustments once per process; a no-op when CUDA is available."""
+    """Install the CPU adjustments once per process (only the Transformer Engine fallback when
+    CUDA is available)."""
     global _APPLIED
-    if _APPLIED or cuda_available():
+    if _APPLIED:
+        return
+    _moe_without_te()
+    if cuda_available():
+        _APPLIED = True
         return
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *args, **kwargs: None
@@ -115,7 +126,35 @@ def apply() -> None:
     for name in _CUDA_LITERAL_MODULES:
         importlib.import_module(name).torch = proxy
     _cpu_autocast_linears()
+    _cpu_moe_dispatch()
+    _gloo_uneven_gather()
     _APPLIED = True
+
+
+def _moe_without_te() -> None:
+    """megatron's router GEMM (``RouterGatingLinearFunction``) tests ``te_general_gemm is not
+    None``, a name only bound when Transformer Engine imports: bind it to None so the torch
+    matmul path runs."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not moe_utils.HAVE_TE:
+        moe_utils.te_general_gemm = None
+
+
+def _cpu_moe_dispatch() -> None:
+    """The all-to-all dispatcher moves its split sizes to the host with
+    ``maybe_move_tensor_to_cpu(..., as_numpy=True)``, which leaves CPU tensors as tensors; gloo's
+    ``all_to_all_single`` then rejects them (it takes sequences of ints). Return numpy arrays
+    for CPU tensors too, as the function does for CUDA tensors."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if torch.is_tensor(tensor):
+            tensor = tensor.cpu()
+            return tensor.numpy() if as_numpy else tensor
+        return tensor
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
 
 
 def _cpu_autocast_linears() -> None:
@@ -140,3 +179,39 @@ def seed_model_parallel(seed: int) -> None:
         model_parallel_cuda_manual_seed(seed)
     else:
         model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
+
+
+def _gloo_uneven_gather() -> None:
+    """megatron's sequence all-gather and reduce-scatter take ``split_sizes`` for chunks of
+    unequal length (the all-to-all MoE dispatcher over expert-tensor-parallel ranks) and then
+    call the list forms of ``all_gather`` / ``reduce_scatter``, which gloo lacks or requires
+    equal. Pad every chunk to the longest, run the equal-size collective, cut the padding."""
+    from megatron.core.tensor_parallel import mappings
+
+    gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def padded(chunks, width):
+        out = chunks[0].new_zeros((len(chunks) * width,) + tuple(chunks[0].shape[1:]))
+        for i, chunk in enumerate(chunks):
+            out[i * width:i * width + chunk.shape[0]] = chunk
+        return out
+
+    def gather_uneven(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        width = max(output_split_sizes)
+        out = torch.empty((group.size() * width,) + tuple(input_.shape[1:]), dtype=input_.dtype)
+        torch.distributed.all_gather_into_tensor(out, padded([input_], width), group=group)
+        return torch.cat([out[i * width:i * width + n] for i, n in enumerate(output_split_sizes)])
+
+    def reduce_scatter_uneven(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        width = max(input_split_sizes)
+        out = input_.new_empty((width,) + tuple(input_.shape[1:]))
+        torch.distributed.reduce_scatter_tensor(out, padded(list(input_.split(input_split_sizes)), width),
+                                                group=group)
+        return out[:input_split_sizes[group.rank()]]
+
+    mappings._gather_along_first_dim = gather_uneven
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_uneven

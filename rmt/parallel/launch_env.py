@@ -12,6 +12,7 @@ import re
 import socket
 import subprocess
 from dataclasses import dataclass
+from typing import List, Optional
 
 
 @dataclass(frozen=True)
@@ -24,10 +25,28 @@ class LaunchEnv:
     launcher: str
 
 
+def expand_nodelist(nodelist: str) -> List[str]:
+    """Every host of a SLURM node list, in order (``node[03-05,7],gpu1`` -> node03, node04,
+    node05, node7, gpu1); zero padding of a range is kept."""
+    hosts = []
+    for m in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?(?:,|$)", nodelist.strip()):
+        prefix, ranges = m.group(1), m.group(2)
+        if ranges is None:
+            hosts.append(prefix)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            for i in range(int(lo), int(hi or lo) + 1):
+                hosts.append(f"{prefix}{i:0{len(lo)}d}")
+    if not hosts:
+        raise ValueError(f"cannot parse SLURM_NODELIST '{nodelist}'")
+    return hosts
+
+
 def first_host(nodelist: str) -> str:
     """First host of a SLURM node list (``node[03-05,7],gpu1`` -> ``node03``).
 
-    ``scontrol show hostnames`` is asked first; the parser below covers machines without it.
+    ``scontrol show hostnames`` is asked first; the parser above covers machines without it.
     """
     try:
         out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
@@ -36,13 +55,25 @@ def first_host(nodelist: str) -> str:
             return out[0]
     except (OSError, subprocess.SubprocessError):
         pass
-    head = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
-    if head is None:
-        raise ValueError(f"cannot parse SLURM_NODELIST '{nodelist}'")
-    prefix, ranges = head.group(1), head.group(3)
-    if ranges is None:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
+    return expand_nodelist(nodelist)[0]
+
+
+def rank_locations(world_size: int, environ=None) -> Optional[List[str]]:
+    """Where each rank runs, as the launcher laid them out (``node 1`` under torchrun, ``node 1
+    (gpu02)`` under SLURM's block distribution); None when the launcher does not say."""
+    env = os.environ if environ is None else environ
+    if env.get("LOCAL_WORLD_SIZE", "").isdigit():
+        per_node = int(env["LOCAL_WORLD_SIZE"])
+        return [f"node {r // per_node}" for r in range(world_size)]
+    if env.get("SLURM_TASKS_PER_NODE") and env.get("SLURM_JOB_NODELIST"):
+        hosts = expand_nodelist(env["SLURM_JOB_NODELIST"])
+        counts = []
+        for part in env["SLURM_TASKS_PER_NODE"].split(","):  # e.g. "4(x2),2"
+            m = re.match(r"(\d+)(?:\(x(\d+)\))?$", part)
+            counts += [int(m.group(1))] * int(m.group(2) or 1) if m else []
+        where = [f"node {n} ({hosts[n]})" for n, c in enumerate(counts[:len(hosts)]) for _ in range(c)]
+        return where if len(where) == world_size else None
+    return None
 
 
 def _free_port() -> int:

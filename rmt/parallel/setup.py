@@ -12,11 +12,12 @@ from megatron.core import parallel_state
 from rmt.config import RMTConfig
 from rmt.parallel import compat
 from rmt.parallel.launch_env import read_launch_env
+from rmt.parallel.rendezvous import process_group_store
 
 
 def initialize(config: RMTConfig) -> None:
     """Create the default process group (NCCL with CUDA, else gloo) and megatron-core's
-    TP/PP/DP groups; seed every RNG. ``validate(config)`` must have run already."""
+    TP/PP/DP groups and its expert (EP, expert-TP, expert-DP) groups; seed every RNG. ``validate(config)`` must have run already."""
     compat.apply()
     launch = read_launch_env()
     if not dist.is_initialized():
@@ -27,12 +28,9 @@ def initialize(config: RMTConfig) -> None:
             torch.cuda.set_device(launch.local_rank)
         os.environ.setdefault("MASTER_ADDR", launch.master_addr)
         os.environ.setdefault("MASTER_PORT", str(launch.master_port))
-        # torchrun already serves a store at MASTER_ADDR:MASTER_PORT (env://); SLURM and
-        # single-process launches rendezvous over TCP.
-        init = "env://" if launch.launcher == "torchrun" else f"tcp://{launch.master_addr}:{launch.master_port}"
         dist.init_process_group(
             backend=backend,
-            init_method=init,
+            store=process_group_store(launch, datetime.timedelta(minutes=config.parallel.join_timeout_minutes)),
             rank=launch.rank,
             world_size=launch.world_size,
             timeout=datetime.timedelta(minutes=config.parallel.timeout_minutes),
@@ -43,6 +41,8 @@ def initialize(config: RMTConfig) -> None:
             tensor_model_parallel_size=p.tensor_model_parallel_size,
             pipeline_model_parallel_size=p.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
+            expert_model_parallel_size=p.expert_model_parallel_size,
+            expert_tensor_parallel_size=p.expert_tensor_parallel_size,
         )
     compat.seed_model_parallel(config.train.seed)
 

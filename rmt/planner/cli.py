@@ -332,8 +332,9 @@ SUBCOMMANDS: list[Subcommand] = [
     Subcommand("memory", "peak bytes per rank of sharded memory tables in each phase (init, step, save, "
                "load) and the smallest group that fits", _add_memory_arguments, _run_memory),
 ]
-SUBCOMMANDS.append(Subcommand("model", "parameters, forward FLOPs and activation bytes per token "
-                              "of a transformer or RMT config (exact and paper Table 7)",
+SUBCOMMANDS.append(Subcommand("model", "parameters (total, without embeddings, activated per token), "
+                              "forward FLOPs and activation bytes per token of any architecture with "
+                              "its memory layers (exact; transformer and RMT also paper Table 7)",
                               flops.add_arguments, flops.run))
 
 

@@ -1,6 +1,8 @@
-"""Parameters, forward FLOPs and activation bytes per token of the transformer and the RMT.
+"""Parameters, forward FLOPs and activation bytes per token of every architecture (transformer,
+RMT, recurrent transformer, masked / repeat mixer) with its memory layers (UltraMem, PKM, MoE;
+:mod:`rmt.planner.memory_layers`).
 
-Two counts for each architecture:
+Two counts for the transformer and the RMT (the exact one for the others):
 
 * **exact**: what :func:`rmt.models.build` builds (megatron GPTModel with the local spec:
   biased linears, LayerNorm with bias or RMSNorm, learned positions unless RoPE, untied output
@@ -19,13 +21,25 @@ skip norms, biases and residual adds.
 
 Activation bytes per token: tensors kept for the backward pass of one training step without
 recomputation (inputs of every matmul and norm, GELU input and output, attention
-probabilities ``heads x N`` of an unfused softmax), in the model dtype, plus the fp32 logits.
+probabilities ``heads x N`` of an unfused softmax), in the model dtype, plus the fp32 logits
+(transformer and RMT; memory layers at skip placements not included).
+
+The recurrent transformer (:mod:`rmt.models.recurrent`) runs its layer on windows: per layer
+two of k tokens and ``ceil(N/k) - 1`` of 2k (the sequence padded to a multiple of k), attention
+within each window. The mixer (:mod:`rmt.models.mixer`) applies its token mixing as a dense
+``N x N`` product per head (``2 N D`` per token), FFN with SiLU, biased linears.
+
+Memory layers add their parameters and FLOPs (itemized under ``memory``; in the Table 7
+differences as one item each). ``non_embedding_params`` leaves out the token and position
+tables and the output layer (UltraMem Table 6's "Param"); ``activated_non_embedding_params``
+further leaves out the experts and value rows a token does not use (2x it is Table 6's FLOPs).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import warnings
 from typing import Dict, List
 
 from rmt.config import RMTConfig, load_config
@@ -39,6 +53,15 @@ def _pad(v: int, multiple: int) -> int:
     return -(-v // multiple) * multiple
 
 
+def _layer_counts(D: int, H: int, Dh: int, Dff: int, w: int, norm: int) -> Dict[str, int]:
+    """One megatron transformer layer (local spec, biased linears) on a sequence of ``w``
+    tokens: its parameters and forward FLOPs (attention over all ``w x w`` pairs)."""
+    A = H * Dh
+    params = norm + D * 3 * A + 3 * A + A * D + D + norm + D * Dff + Dff + Dff * D + D
+    flops = w * (2 * D * 3 * A + 2 * A * D + 4 * D * Dff) + w * w * (4 * A + 3 * H)
+    return {"params": params, "flops": flops}
+
+
 def transformer_counts(L: int, D: int, H: int, Dh: int, Dff: int, V: int, N: int,
                        Vp: int = None, position: str = "learned", normalization: str = "LayerNorm",
                        dtype_bytes: int = 4) -> Dict:
@@ -47,9 +70,8 @@ def transformer_counts(L: int, D: int, H: int, Dh: int, Dff: int, V: int, N: int
     A = H * Dh
     norm = 2 * D if normalization == "LayerNorm" else D
     learned = position == "learned"
-    params = (Vp * D + (N * D if learned else 0)
-              + L * (norm + D * 3 * A + 3 * A + A * D + D + norm + D * Dff + Dff + Dff * D + D)
-              + norm + Vp * D)
+    layer = _layer_counts(D, H, Dh, Dff, N, norm)
+    params = Vp * D + (N * D if learned else 0) + L * layer["params"] + norm + Vp * D
     paper_params = D * (L * (4 * H * Dh + 2 * Dff) + V)
     diff_params = [
         ("linear biases L(3 H Dh + 2 D + Dff), not counted", L * (3 * A + 2 * D + Dff)),
@@ -58,8 +80,7 @@ def transformer_counts(L: int, D: int, H: int, Dh: int, Dff: int, V: int, N: int
         ("untied output layer V D (Table 7 counts one V D table)", V * D),
         ("vocabulary padded to Vp, input and output tables 2 D (Vp - V)", 2 * D * (Vp - V)),
     ]
-    layer_flops = 2 * D * 3 * A + 2 * N * A + 3 * H * N + 2 * N * A + 2 * A * D + 4 * D * Dff
-    flops = L * layer_flops + 2 * D * Vp
+    flops = L * layer["flops"] // N + 2 * D * Vp
     paper_flops = 4 * (D * V + L * D * (2 * Dh * H + Dff) + L * (N * Dh * H + 0.75 * N * H))
     diff_flops = [
         ("embedding lookup is a gather; Chinchilla counts it as a one-hot matmul (2 D V)", -2 * D * V),
@@ -118,72 +139,156 @@ def _doc(arch, params, paper_params, diff_params, flops, paper_flops, diff_flops
     }
 
 
-def _with_per_sequence(doc: Dict, N: int) -> Dict:
-    doc["flops_per_sequence"] = doc["flops_per_token"] * N
-    doc["paper_flops_per_sequence"] = doc["paper_flops_per_token"] * N
-    return doc
-
-
-def recurrent_plan(config: RMTConfig) -> Dict:
-    """Ops per sample of the recurrent transformer against a regular transformer of the same
-    shape (the paper's accounting, :mod:`rmt.planner.recurrent_ops`)."""
+def recurrent_counts(config: RMTConfig, Vp: int) -> Dict:
+    """Exact counts of :class:`rmt.models.recurrent.RecurrentTransformer` (module docstring),
+    with the paper's ops per sample (§5.1, :mod:`rmt.planner.recurrent_ops`) beside them."""
     m = config.model
-    recurrent = recurrent_ops_per_sample(m.num_layers, m.hidden_size, m.seq_length, m.block_width)
-    regular = transformer_ops_per_sample(m.num_layers, m.hidden_size, m.seq_length)
-    return {"arch": "recurrent", "ops_per_sample": recurrent, "transformer_ops_per_sample": regular,
+    D, H, L, N, k = m.hidden_size, m.num_attention_heads, m.num_layers, m.seq_length, m.block_width
+    Dff = m.ffn_hidden_size or 4 * D
+    norm = 2 * D if m.normalization == "LayerNorm" else D
+    blocks = -(-N // k)
+    block, window = (_layer_counts(D, H, D // H, Dff, w, norm) for w in (k, 2 * k))
+    params = Vp * D + N * D + L * (block["params"] + 1) + norm + Vp * D
+    flops = L * (2 * block["flops"] + (blocks - 1) * window["flops"]) + N * 2 * D * Vp
+    recurrent = recurrent_ops_per_sample(L, D, N, k)
+    regular = transformer_ops_per_sample(L, D, N)
+    return {"arch": "recurrent", "params": params, "embedding_params": Vp * D + N * D + Vp * D,
+            "flops_per_sequence": flops, "flops_per_token": flops / N,
+            "ops_per_sample": recurrent, "transformer_ops_per_sample": regular,
             "ops_ratio_recurrent_over_transformer": recurrent / regular}
 
 
-def plan_model(config: RMTConfig) -> Dict:
-    """Counts for ``config.model`` (``arch`` transformer, rmt or recurrent)."""
+def mixer_counts(config: RMTConfig, Vp: int) -> Dict:
+    """Exact counts of :class:`rmt.models.mixer.MixerModel` (module docstring)."""
     m = config.model
-    if m.arch == "recurrent":
-        return recurrent_plan(config)
+    D, H, L, N = m.hidden_size, m.num_attention_heads, m.num_layers, m.seq_length
+    Dff = m.ffn_hidden_size or 4 * D
+    norm = 2 * D if m.normalization == "LayerNorm" else D
+    token = H * N * N if m.mixer_kind == "masked" else H * N
+    layer = (norm + D * Dff + Dff + Dff * D + D + norm + 2 * (D * D + D) + token + H * N
+             + (H if m.mixer_decay else 0))
+    params = Vp * D + L * layer + norm + Vp * D
+    flops = L * (4 * D * Dff + 4 * D * D + 2 * N * D) + 2 * D * Vp
+    return {"arch": "mixer", "params": params, "embedding_params": 2 * Vp * D, "flops_per_token": flops}
+
+
+def _moe_mlp(doc: Dict, config: RMTConfig, plan: Dict) -> None:
+    """MoE MLPs replacing dense ones (``memory.moe_placement: mlp``): swap their counts. Their
+    activations: the k routed copies of the token and each expert's GELU input and output
+    (``k (D + 2F)``) and the router's logits and probabilities (``2N``), for the dense ``2 Dff``."""
+    from rmt.memory.validate import expert_hidden_size
+
+    m, mem = config.model, config.memory
+    D, Dff = m.hidden_size, m.ffn_hidden_size or 4 * m.hidden_size
+    n = len(plan["layers"])
+    dense_params, dense_flops = n * (2 * D * Dff + Dff + D), n * 4 * D * Dff
+    doc["params"] += plan["params"] - dense_params
+    doc["flops_per_token"] += plan["flops_per_token"] - dense_flops
+    item = f"MoE MLPs in layers {','.join(l['placement'] for l in plan['layers'])} instead of dense ones"
+    doc["params_differences"].append({"item": item, "count": plan["params"] - dense_params})
+    doc["flops_differences"].append({"item": item, "count": plan["flops_per_token"] - dense_flops})
+    moe_act = mem.moe_topk * (D + 2 * expert_hidden_size(config)) + 2 * mem.num_experts
+    doc["activation_bytes_per_token"] += n * (moe_act - 2 * Dff) * DTYPE_BYTES[config.train.precision]
+
+
+def plan_model(config: RMTConfig) -> Dict:
+    """Counts for ``config.model`` and its ``config.memory`` layers."""
+    m = config.model
     if m.vocab_size is None:
-        raise ValueError("model.vocab_size must be set to count parameters")
+        if config.data.tokenizer != "byte":
+            raise ValueError("model.vocab_size must be set to count parameters (only the byte tokenizer's "
+                             "vocabulary is known without data)")
+        from rmt.data.tokenizers import ByteTokenizer
+
+        m.vocab_size = ByteTokenizer.vocab_size
     Vp = _pad(m.vocab_size, m.make_vocab_size_divisible_by)
     dtype = DTYPE_BYTES[config.train.precision]
+    learned = m.position == "learned"
     if m.arch == "transformer":
         doc = transformer_counts(m.num_layers, m.hidden_size, m.num_attention_heads,
                                  m.hidden_size // m.num_attention_heads,
                                  m.ffn_hidden_size or 4 * m.hidden_size, m.vocab_size,
                                  m.seq_length, Vp, m.position, m.normalization, dtype)
+        doc["embedding_params"] = 2 * Vp * m.hidden_size + (m.seq_length * m.hidden_size if learned else 0)
     elif m.arch == "rmt":
         doc = rmt_counts(m.num_layers, m.dk, m.dv, m.rank, m.ffn_hidden_size or 4 * m.rank * m.dv,
                          m.vocab_size, m.seq_length, Vp, m.position, dtype)
+        doc["embedding_params"] = 2 * Vp * m.dv * m.rank + (m.seq_length * m.dv * m.rank if learned else 0)
+    elif m.arch == "recurrent":
+        doc = recurrent_counts(config, Vp)
+    elif m.arch == "mixer":
+        doc = mixer_counts(config, Vp)
     else:
-        raise ValueError(f"model.arch '{m.arch}' has no FLOP model; valid: transformer, rmt, recurrent")
-    return _with_per_sequence(doc, m.seq_length)
+        raise ValueError(f"model.arch '{m.arch}' has no FLOP model; valid: transformer, rmt, recurrent, mixer")
+    inactive = 0
+    if config.memory.type != "none":
+        from rmt.planner.memory_layers import memory_plan  # imports rmt.memory (megatron-core)
+
+        plan = doc["memory"] = memory_plan(config)
+        (_moe_mlp(doc, config, plan) if plan["placement"] == "mlp" else _add_memory(doc, plan))
+        inactive = plan["params"] - plan["activated_params"]
+    doc["non_embedding_params"] = doc["params"] - doc["embedding_params"]
+    doc["activated_non_embedding_params"] = doc["non_embedding_params"] - inactive
+    if "flops_per_sequence" not in doc:
+        doc["flops_per_sequence"] = doc["flops_per_token"] * m.seq_length
+    if "paper_flops_per_token" in doc:
+        doc["paper_flops_per_sequence"] = doc["paper_flops_per_token"] * m.seq_length
+    return doc
+
+
+def _add_memory(doc: Dict, plan: Dict) -> None:
+    """Memory layers at skip placements: their counts on top of the architecture's."""
+    doc["params"] += plan["params"]
+    doc["flops_per_token"] += plan["flops_per_token"]
+    if "params_differences" in doc:
+        item = f"{plan['type']} memory layers at {'/'.join(l['placement'] for l in plan['layers'])} (not in Table 7)"
+        doc["params_differences"].append({"item": item, "count": plan["params"]})
+        doc["flops_differences"].append({"item": item, "count": plan["flops_per_token"]})
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, help="YAML config (model.arch transformer, rmt or recurrent)")
+    p.add_argument("--config", required=True,
+                   help="YAML config (model.arch transformer, rmt, recurrent or mixer; memory.* layers counted)")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     p.add_argument("--json", metavar="FILE", help="write the numbers to FILE")
 
 
 def _lines(doc: Dict) -> List[str]:
-    if doc["arch"] == "recurrent":
-        return [f"recurrent: ops per sample r(4dlk + 2ld^2) = {doc['ops_per_sample']:,}",
-                f"transformer of the same shape: r(l^2 d + l d^2) = {doc['transformer_ops_per_sample']:,}",
-                f"ratio recurrent / transformer = {doc['ops_ratio_recurrent_over_transformer']:.3f}"]
-    out = [f"{doc['arch']}: parameters {doc['params']:,} (Table 7 formula: "
-           f"{doc['paper_params']:,.0f}, exact - formula = {doc['params'] - doc['paper_params']:+,.0f})"]
-    out += [f"  {d['count']:+16,}  {d['item']}" for d in doc["params_differences"]]
-    out.append(f"forward FLOPs per token {doc['flops_per_token']:,} (Table 7 formula: "
-               f"{doc['paper_flops_per_token']:,.0f}; per sequence {doc['flops_per_sequence']:,})")
-    out += [f"  {d['count']:+16,}  {d['item']}" for d in doc["flops_differences"]]
-    out.append(f"activation bytes per token (training, no recompute): "
-               f"{doc['activation_bytes_per_token']:,}")
+    paper = "paper_params" in doc
+    head = (f"{doc['arch']}: parameters {doc['params']:,} (without embeddings {doc['non_embedding_params']:,}; "
+            f"activated per token {doc['activated_non_embedding_params']:,})")
+    out = [head]
+    if paper:
+        out.append(f"  Table 7 formula: {doc['paper_params']:,.0f}, exact - formula = "
+                   f"{doc['params'] - doc['paper_params']:+,.0f}")
+        out += [f"  {d['count']:+16,}  {d['item']}" for d in doc["params_differences"]]
+    out.append(f"forward FLOPs per token {doc['flops_per_token']:,.0f} (per sequence {doc['flops_per_sequence']:,})")
+    if paper:
+        out.append(f"  Table 7 formula: {doc['paper_flops_per_token']:,.0f}")
+        out += [f"  {d['count']:+16,}  {d['item']}" for d in doc["flops_differences"]]
+    if "memory" in doc:
+        mem = doc["memory"]
+        out.append(f"{mem['type']} ({mem['placement']}): parameters {mem['params']:,}, activated per token "
+                   f"{mem['activated_params']:,}, forward FLOPs per token {mem['flops_per_token']:,}")
+        out += [f"  {l['placement']:>8}  parameters {l['params']:,}  activated {l['activated_params']:,}  "
+                f"FLOPs/token {l['flops_per_token']:,}" for l in mem["layers"]]
+    if "ops_per_sample" in doc:
+        out += [f"paper accounting (§5.1): ops per sample r(4dlk + 2ld^2) = {doc['ops_per_sample']:,}; "
+                f"transformer of the same shape r(l^2 d + l d^2) = {doc['transformer_ops_per_sample']:,}; "
+                f"ratio {doc['ops_ratio_recurrent_over_transformer']:.3f}"]
+    if "activation_bytes_per_token" in doc:
+        out.append(f"activation bytes per token (training, no recompute): {doc['activation_bytes_per_token']:,}")
     return out
 
 
 def run(args: argparse.Namespace) -> int:
+    # Memory layers' counts import megatron-core, which warns about optional fused kernels.
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex).*")
     try:
         config = load_config(args.config, args.overrides)
+        doc = plan_model(config)
     except UserError as err:
         raise ValueError(str(err)) from None
-    doc = plan_model(config)
     print("\n".join(_lines(doc)))
     if args.json:
         with open(args.json, "w") as f:

@@ -54,8 +54,9 @@ Phases (per rank; ``L`` memory layers on the rank):
           shard is written through one host chunk (``host_chunk``, not device memory).
 ``load``  ``L x (table + slot_stats + 4 keys + optimizer_states)`` + ``max(2 keys, chunk)``:
           a checkpoint of the same partition is read straight into the shard (chunk 0);
-          ``load_resharded`` is a load from the other partition (one chunk of
-          :data:`CHECKPOINT_CHUNK_BYTES`, at most the shard).
+          ``load_resharded`` is a load from the other partition (one read buffer of at
+          most :data:`CHECKPOINT_CHUNK_BYTES`, and at most the overlap of one saved block with
+          the new shard: the shard for a dimension-wise target, ``1/P`` of it for a number-wise one).
 
 Bytes that do not grow with the slots (the dense model, its optimizer and activations, the
 framework) are not counted here: ``--reserve-gib`` sets them aside.
@@ -208,7 +209,14 @@ def components(plan: TablePlan) -> dict:
     return {"table": table, "slot_stats": -(-plan.slots // plan.group_size), "gradients": gradients,
             "optimizer_states": states, "keys": keys,
             "retrieval_activations": RETRIEVAL_ACTIVATION_FACTOR * scores,
-            "checkpoint_chunk": min(CHECKPOINT_CHUNK_BYTES, table)}
+            "checkpoint_chunk": min(CHECKPOINT_CHUNK_BYTES, resharding_read(plan, table))}
+
+
+def resharding_read(plan: TablePlan, table: int) -> int:
+    """Bytes of one saved block's overlap with the new shard when the checkpoint has the other
+    partition: a dimension-wise shard reads whole rows of ``N/P x D`` files (its shard's bytes); a
+    number-wise shard reads its rows of ``N x D/P`` files (``1/P`` of its shard)."""
+    return table if plan.partition == "dimension" else -(-table // plan.group_size)
 
 
 def phases(plan: TablePlan) -> dict:

@@ -4,27 +4,44 @@ A checkpoint holds the model shards and the Adam moments (AdamW, SparseAdam) as 
 global tensors (so both reshard to any TP/PP layout), and a common part: iteration, samples
 consumed, scheduler state and the config. Memory value tables and their optimizer states
 (moments, row-wise Adagrad's per-row sums) are streamed shard by shard beside it
-(:mod:`rmt.training.table_checkpoint`), so no rank ever holds more than its shard of them. Writing is atomic: every rank writes into
-``iter_NNNNNNN.tmp``; once all are done global rank 0 renames it and then rewrites ``latest``.
-A crash mid-save leaves only a ``.tmp`` directory, which loading ignores.
+(:mod:`rmt.training.table_checkpoint`), so no rank ever holds more than its shard of them.
+
+Saving (:func:`save_checkpoint`): global rank 0 checks the free space against the size of the
+state about to be written, every rank writes into ``iter_NNNNNNN.tmp``, rank 0 adds a manifest
+(every file with its size), renames the directory, rewrites ``latest`` and deletes checkpoints
+beyond ``train.keep_checkpoints``. A save that fails removes its ``.tmp`` and raises one sentence
+on every rank. Loading (:func:`resume`) continues from the newest complete checkpoint and falls
+back to older ones past incomplete or corrupt ones. Directory logic lives in
+``rmt.training.checkpoint_dirs``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import queue
 import shutil
-from typing import List
+import warnings
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import is_main_replica
 from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+from torch.distributed.checkpoint.api import CheckpointException
 
 from rmt.errors import UserError
+from rmt.parallel import compat
+from rmt.parallel.lifetime import forked_children_die_with_this_process
 from rmt.parallel.sharding import shards
+from rmt.training import checkpoint_dirs
+from rmt.training.checkpoint_dirs import iteration_dir
 from rmt.training.optimizer import ChainedOptimizer
 from rmt.training.table_checkpoint import FORMAT as TABLE_FORMAT
-from rmt.training.table_checkpoint import load_tables, save_tables, table_shards
+from rmt.training.table_checkpoint import load_tables, save_tables, table_shards, table_tensors
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -75,43 +92,167 @@ def sharded_state(chunks: List[torch.nn.Module], optimizer, common: dict) -> dic
     return state
 
 
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
+class CheckpointMismatch(UserError):
+    """A checkpoint that is intact but of another model (shapes or keys differ): every
+    checkpoint of that run would fail the same way, so nothing falls back past it."""
 
 
-def save_checkpoint(root: str, iteration: int, chunks, optimizer, common: dict) -> str:
+class CheckpointSaveError(UserError):
+    """A save that could not complete (no space, a failed write); nothing half-written is left.
+    A restart would fail the same way until the operator acts, hence a user error (exit 2)."""
+
+
+# torch's CheckpointException derives from BaseException, so ``except Exception`` misses it.
+_CHECKPOINT_ERRORS = (Exception, CheckpointException)
+
+
+def _from_rank0(value):
+    """``value`` as global rank 0 has it, on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _first_problem(problem):
+    """The lowest rank's ``problem`` that is not None, on every rank (None when no rank has one)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return problem
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, problem)
+    return next((p for p in every if p is not None), None)
+
+
+def _innermost(err: BaseException) -> BaseException:
+    """The error behind ``err`` (torch's CheckpointException wraps each rank's exception with its
+    traceback; megatron-core chains them)."""
+    while True:
+        failures = getattr(err, "failures", None)
+        if isinstance(failures, dict) and failures:
+            inner = next(iter(failures.values()))
+            err = inner[0] if isinstance(inner, tuple) else inner
+        elif err.__cause__ is not None:
+            err = err.__cause__
+        else:
+            return err
+
+
+def _root_cause(err: BaseException) -> str:
+    """The first line of the innermost error behind ``err``, said plainly."""
+    err = _innermost(err)
+    text = str(err).strip().splitlines()
+    cause = (text[0] if text else type(err).__name__)[:300]
+    if "unexpected pos" in cause:  # torch's zip writer, when a write to its file came up short
+        cause = f"a write was cut short: the disk is full or a quota or file-size limit was hit ({cause})"
+    return cause
+
+
+def _state_bytes(state: dict, chunks, optimizer) -> int:
+    """Bytes of tensor data the whole job writes for megatron's ``state`` and the memory tables
+    (main replicas only, summed over ranks): the size the new checkpoint will have, up to
+    metadata."""
+    local = sum(v.data.numel() * v.data.element_size() for v in nested_values(state)
+                if torch.is_tensor(getattr(v, "data", None)) and hasattr(v, "replica_id")
+                and is_main_replica(v.replica_id))
+    local += sum(t.numel() * t.element_size() for shard in table_shards(chunks) if shard.is_main_replica
+                 for t in table_tensors(shard, optimizer).values())
+    total = torch.tensor([local], dtype=torch.int64, device=compat.device())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return int(total.item())
+
+
+def _without_writer_server() -> None:
+    """megatron-core's torch_dist writer hands its writers' results to the saving process
+    through a queue it takes from a ``multiprocessing.Manager``: a spawned server process (about
+    300 MB, since it imports the trainer) that nothing stops when the trainer is killed. Saves
+    here are synchronous: the trainer itself puts the results on that queue and takes them off
+    (the forked writers report on a queue of their own), so an in-process queue does the same
+    without the server."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+def _bytes_needed(state: dict, chunks, optimizer) -> int:
+    """Free space a save of ``state`` needs: its tensor bytes, and for metadata (torch's
+    .metadata, common.pt, table descriptors) 5% and 16 MiB on top."""
+    return int(_state_bytes(state, chunks, optimizer) * 1.05) + 16 * 2**20
+
+
+def _prepare(root: str, need: int, tmp: Optional[str] = None) -> None:
+    """Global rank 0 creates ``root``, checks its free space against ``need`` and makes an empty
+    ``tmp``; every rank raises :class:`CheckpointSaveError` when it cannot."""
+    problem = None
+    if _rank() == 0:
+        try:
+            os.makedirs(root, exist_ok=True)
+            problem = checkpoint_dirs.free_space_problem(root, need)
+            if problem is None and tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.makedirs(tmp)
+        except OSError as err:
+            problem = f"cannot create '{tmp or root}': {err.strerror or err}"
+    problem = _from_rank0(problem)
+    if problem is not None:
+        raise CheckpointSaveError(problem)
+
+
+def check_space(root: str, chunks, optimizer) -> None:
+    """Before training: raise :class:`CheckpointSaveError` now, not after the first steps, when
+    ``root`` has no room for one checkpoint of this model (collective)."""
+    _prepare(root, _bytes_needed(sharded_state(chunks, optimizer, {}), chunks, optimizer))
+
+
+def save_checkpoint(root: str, iteration: int, chunks, optimizer, common: dict, keep: int = 0) -> str:
+    """Write ``root/iter_NNNNNNN`` (collective). Returns its path; raises
+    :class:`CheckpointSaveError` on every rank when the save cannot complete."""
     final = iteration_dir(root, iteration)
     tmp = final + ".tmp"
+    state = sharded_state(chunks, optimizer, dict(common, table_format=TABLE_FORMAT))
+    need = _bytes_needed(state, chunks, optimizer)
+    _prepare(root, need, tmp)
+    _without_writer_server()
+    forked_children_die_with_this_process()
+    failure = None
+    quiet = logging.getLogger("megatron.core.dist_checkpointing")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)  # a failed write is reported below, in one sentence
+    try:
+        dist_checkpointing.save(state, tmp)
+        save_tables(tmp, chunks, optimizer)
+    except _CHECKPOINT_ERRORS as err:
+        failure = _root_cause(err)
+    finally:
+        quiet.setLevel(level)
+    failure = _first_problem(failure)
+    if failure is None and _rank() == 0:
+        try:
+            checkpoint_dirs.write_manifest(tmp, iteration)
+            checkpoint_dirs.publish(tmp, final, root, iteration)
+        except OSError as err:
+            failure = str(err)
+    failure = _from_rank0(failure)
+    if failure is not None:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            space = checkpoint_dirs.free_space_problem(root, need) if os.path.isdir(root) else None
+            failure += f"; {space}" if space else ""
+        _barrier()
+        raise CheckpointSaveError(f"saving checkpoint '{final}' failed ({failure}); its "
+                                  f"incomplete directory was removed")
     if _rank() == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _barrier()
-    dist_checkpointing.save(sharded_state(chunks, optimizer, dict(common, table_format=TABLE_FORMAT)), tmp)
-    save_tables(tmp, chunks, optimizer)
-    _barrier()
-    if _rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        with open(os.path.join(root, "latest.tmp"), "w") as f:
-            f.write(str(iteration))
-        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+        checkpoint_dirs.rotate(root, keep)
     _barrier()
     return final
 
 
 def find_checkpoint(path: str) -> str:
-    """``path`` is an ``iter_*`` directory or a root with a ``latest`` file."""
-    latest = os.path.join(path, "latest")
-    if os.path.isfile(latest):
-        try:
-            with open(latest) as f:
-                path = iteration_dir(path, int(f.read().strip()))
-        except ValueError:
-            raise UserError(f"checkpoint file '{latest}' is corrupt") from None
-    if not os.path.isdir(path) or not dist_checkpointing.check_is_distributed_checkpoint(path):
-        raise UserError(f"'{path}' is not a complete rmt checkpoint (no dist_checkpointing metadata)")
-    return path
+    """``path`` is an ``iter_*`` directory (which must be complete) or a save root (its newest
+    complete checkpoint)."""
+    return checkpoint_dirs.resolve(path)
 
 
 def load_common(path: str) -> dict:
@@ -119,8 +260,8 @@ def load_common(path: str) -> dict:
         return dist_checkpointing.load_common_state_dict(find_checkpoint(path))["common"]
     except UserError:
         raise
-    except Exception as err:
-        raise UserError(f"checkpoint '{path}' is corrupt ({str(err).splitlines()[0]})") from None
+    except _CHECKPOINT_ERRORS as err:
+        raise UserError(f"checkpoint '{path}' is corrupt ({_root_cause(err)})") from None
 
 
 def load_checkpoint(path: str, chunks, optimizer) -> dict:
@@ -129,11 +270,15 @@ def load_checkpoint(path: str, chunks, optimizer) -> dict:
     template = sharded_state(chunks, optimizer, {})
     template.pop("common")
     try:
-        loaded = dist_checkpointing.load(template, path)
-    except Exception as err:
-        raise UserError(
-            f"checkpoint '{path}' does not fit this model or is corrupt "
-            f"({str(err).splitlines()[0][:300]})") from None
+        with warnings.catch_warnings():  # torch's deprecations inside megatron-core's loader
+            warnings.simplefilter("ignore", FutureWarning)
+            loaded = dist_checkpointing.load(template, path)
+    except _CHECKPOINT_ERRORS as err:
+        # megatron-core validates keys and global shapes before reading: a mismatch there is
+        # another model; anything else is a file that cannot be read.
+        if isinstance(_innermost(err), (CheckpointingException, KeyError)):
+            raise CheckpointMismatch(f"checkpoint '{path}' does not fit this model ({_root_cause(err)})") from None
+        raise UserError(f"checkpoint '{path}' is corrupt or unreadable ({_root_cause(err)})") from None
     common = load_common(path)
     tables = table_shards(chunks)
     if tables and common.get("table_format") != TABLE_FORMAT:
@@ -145,7 +290,7 @@ def load_checkpoint(path: str, chunks, optimizer) -> dict:
     for i, chunk in enumerate(chunks):
         missing, unexpected = getattr(chunk, "module", chunk).load_state_dict(loaded[f"model{i}"], strict=False)
         if unexpected or set(missing) - names:  # the tables were filled in place above
-            raise UserError(f"checkpoint '{path}' does not fit this model (missing {sorted(set(missing) - names)}, "
+            raise CheckpointMismatch(f"checkpoint '{path}' does not fit this model (missing {sorted(set(missing) - names)}, "
                             f"unexpected {sorted(unexpected)})")
     if optimizer is not None:
         for i, shard in enumerate(shards(chunks)):
@@ -156,6 +301,51 @@ def load_checkpoint(path: str, chunks, optimizer) -> dict:
                 if name in st:
                     st[name].copy_(loaded[f"optimizer.{name}.{i}"].view_as(st[name]))
     return common
+
+
+def resume(save: Optional[str], load: Optional[str], chunks, optimizer,
+           say: Callable[[str], None]) -> Optional[Tuple[str, dict]]:
+    """Load the checkpoint a run continues from (collective; see
+    ``checkpoint_dirs.resume_plan``) and return its path and common part, or None for a fresh
+    start. A complete-looking checkpoint that cannot be read is reported and the next older one
+    tried; one of another model (:class:`CheckpointMismatch`) is an error at once, as every
+    older one would fail the same way. ``say`` receives each sentence worth telling (called on
+    global rank 0 only)."""
+    plan = None
+    if _rank() == 0:
+        try:
+            plan = checkpoint_dirs.resume_plan(save, load)
+            for stale in checkpoint_dirs.remove_stale_saves(save) if save else []:
+                say(f"removed '{stale}', a save that an earlier run did not finish")
+        except UserError as err:
+            plan = str(err)
+    plan = _from_rank0(plan)
+    if isinstance(plan, str):
+        raise UserError(plan)
+    candidates, notes, explicit = plan
+    if _rank() == 0:
+        for note in notes:
+            say(note)
+    failures = []
+    for path in candidates:
+        problem = None
+        try:
+            common = load_checkpoint(path, chunks, optimizer)
+        except UserError as err:
+            problem = (str(err), isinstance(err, CheckpointMismatch))
+        problem = _first_problem(problem)
+        if problem is None:
+            return path, common
+        problem, mismatch = problem
+        if explicit or mismatch:
+            raise UserError(problem)
+        failures.append(problem)
+        if _rank() == 0 and path != candidates[-1]:
+            say(f"{problem}; falling back to the previous checkpoint")
+    if failures:  # the model may hold parts of a failed load: do not train from it
+        raise UserError(failures[0] if len(failures) == 1 else
+                        f"none of {len(failures)} checkpoints could be loaded: {'; '.join(failures)}")
+    return None
 
 
 def set_optimizer_step(optimizer, step: int) -> None:

@@ -2,18 +2,25 @@
 
     rmt-train --config configs/tiny.yaml train.steps=50 model.num_layers=4
     torchrun --nproc_per_node=4 -m rmt.training.cli --config X parallel.tensor_model_parallel_size=2
+
+The same command line serves the first start and every restart: a run continues from the
+newest complete checkpoint under ``train.save``. SIGTERM or SIGUSR1 make it save at the next
+step boundary and exit with status 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import sys
 import warnings
 from typing import List, Optional
 
 from rmt.config import load_config, validate
-from rmt.errors import cli_entry
+from rmt.errors import ConfigError, cli_entry
+from rmt.training import checkpoint_dirs, preemption
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,19 +34,48 @@ def build_parser() -> argparse.ArgumentParser:
                     help="load train.load, report the validation loss and exit")
     ap.add_argument("--json", metavar="FILE",
                     help="write the final metrics (and the loss history) as JSON")
+    ap.add_argument("--check", action="store_true",
+                    help="check the config for the launcher's world size (WORLD_SIZE or SLURM_NTASKS) "
+                         "and the checkpoint the run would continue from, say where it would start, "
+                         "and exit (status 2 on a problem); the launch scripts run this before "
+                         "starting workers")
     return ap
+
+
+def checked_config(args: argparse.Namespace, world_size: Optional[int] = None):
+    """The validated config of ``args`` for ``world_size`` (default: the launcher's)."""
+    config = validate(load_config(args.config, args.overrides), world_size)
+    if args.eval_only:
+        if not config.train.load:
+            raise ConfigError("--eval-only needs train.load=<checkpoint directory>")
+        config.train = dataclasses.replace(config.train, save=None)  # evaluate train.load, save nothing
+    return config
+
+
+def preflight(args: argparse.Namespace, world_size: Optional[int] = None) -> str:
+    """Everything that can be checked before any worker starts: the config for ``world_size``
+    and the checkpoint the run would continue from. Returns where the run would start; raises
+    ``UserError`` (one sentence) on a problem."""
+    t = checked_config(args, world_size).train
+    candidates, notes, _ = checkpoint_dirs.resume_plan(t.save, t.load)
+    start = f"the run would continue from '{candidates[0]}'" if candidates else "the run would start from step 0"
+    return "; ".join(notes + [start])
 
 
 @cli_entry("rmt-train")
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    preemption.install()  # before the slow imports, so an early SIGTERM is not lost
     # megatron-core announces every missing optional accelerator library (apex, TE) on import.
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex).*")
-    config = validate(load_config(args.config, args.overrides))
-    if args.eval_only and not config.train.load:
-        from rmt.errors import ConfigError
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: its own session, so tie it to torchrun
+        from rmt.parallel.lifetime import die_with_parent
 
-        raise ConfigError("--eval-only needs train.load=<checkpoint directory>")
+        die_with_parent(os.getppid())
+    if args.check:
+        print(f"rmt-train: config OK; {preflight(args)}")
+        return 0
+    config = checked_config(args)
     from rmt import parallel
     from rmt.training.trainer import Trainer
 

@@ -2,7 +2,8 @@
 
 Apex's FusedAdam is used when importable on CUDA; otherwise torch's fused AdamW, on CPU too: one
 pass per tensor, 6.9x faster than the foreach AdamW on 2 CPU threads at 46M parameters (86 vs
-594 ms per step) with the same results, and no temporary the size of the largest tensor (for a
+594 ms per step) with the same results, as fast as DeepSpeed's ``DeepSpeedCPUAdam``
+(``tools/bench_optimizer.py``), and no temporary the size of the largest tensor (for a
 dense-gradient memory table, its whole shard). With ``memory.value_optimizer`` sparse_adam or
 rowwise_adagrad the memory value tables, whose gradients are then sparse (touched rows), are
 stepped by that optimizer instead, chained
@@ -131,14 +132,22 @@ def build_scheduler(optimizer, config: RMTConfig) -> OptimizerParamScheduler:
 
 
 def clip_gradients(params: List[torch.nn.Parameter], max_norm: float) -> float:
-    """Global L2 norm over the model-parallel group (each TP-duplicated parameter counted
-    once; self-reduced memory tables, sharded or with sparse gradients, by
-    :func:`~rmt.memory.groups.memory_grad_sq_norm`); scales gradients in place when above
+    """Global L2 norm (each TP-duplicated parameter counted once): replicated parameters over
+    the model-parallel group, expert-parallel MoE experts (megatron's ``allreduce = False``)
+    over the expert-tensor x expert-model x pipeline group that holds each expert once,
+    self-reduced memory tables (sharded or with sparse gradients) by
+    :func:`~rmt.memory.groups.memory_grad_sq_norm`; scales gradients in place when above
     ``max_norm``. Returns the norm."""
-    grads = [p.grad for p in params if p.grad is not None and not self_reduced(p)
-             and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
-    norm = get_grad_norm_fp32(grads, grad_stats_parallel_group=parallel_state.get_model_parallel_group())
-    norm = (norm ** 2 + memory_grad_sq_norm(params)) ** 0.5
+    grads = {True: [], False: []}
+    for p in params:
+        if p.grad is not None and not self_reduced(p) and param_is_not_shared(p) \
+                and param_is_not_tensor_parallel_duplicate(p):
+            grads[getattr(p, "allreduce", True)].append(p.grad)
+    norm_sq = get_grad_norm_fp32(grads[True], grad_stats_parallel_group=parallel_state.get_model_parallel_group()) ** 2
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        norm_sq += get_grad_norm_fp32(
+            grads[False], grad_stats_parallel_group=parallel_state.get_expert_tensor_model_pipeline_parallel_group()) ** 2
+    norm = (norm_sq + memory_grad_sq_norm(params)) ** 0.5
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
         torch._foreach_mul_([p.grad for p in params if p.grad is not None and not p.grad.is_sparse], scale)

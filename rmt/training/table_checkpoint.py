@@ -33,6 +33,7 @@ from rmt.planner.memory import CHECKPOINT_CHUNK_BYTES
 FORMAT = 1
 CHUNK_BYTES = CHECKPOINT_CHUNK_BYTES  # the planner counts it in a resharding load's peak
 STATES = ("exp_avg", "exp_avg_sq", "sum")  # Adam moments (AdamW, SparseAdam); RowWiseAdagrad's row sums
+ROW_STATES = ("sum",)  # one value per table row
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 
 
@@ -51,13 +52,13 @@ def table_tensors(shard: Shard, optimizer) -> Dict[str, torch.Tensor]:
     return out
 
 
-def _block(shard: Shard, tensor: torch.Tensor) -> Tuple[int, int, Tuple[int, int]]:
-    """(row0, col0, global shape) of ``tensor`` (a table-sized tensor of ``shard``) in its
-    global tensor; a per-row state spans one global column."""
+def _block(shard: Shard, name: str) -> Tuple[int, int, Tuple[int, int]]:
+    """(row0, col0, global shape) of the tensor ``name`` of ``shard`` in its global tensor; a
+    per-row state is one global column."""
     rows, cols = shard.index
-    width = shard.global_shape[1] if tensor.shape[1] != 1 or shard.global_shape[1] == 1 else 1
-    col0 = 0 if width == 1 else (cols.start or 0)
-    return rows.start or 0, col0, (shard.global_shape[0], width)
+    if name in ROW_STATES:
+        return rows.start or 0, 0, (shard.global_shape[0], 1)
+    return rows.start or 0, cols.start or 0, tuple(shard.global_shape)
 
 
 def _paths(root: str, key: str, name: str, row0: int, col0: int) -> Tuple[str, str]:
@@ -77,7 +78,9 @@ def save_tables(root: str, chunks, optimizer, chunk_bytes: int = CHUNK_BYTES) ->
         if not shard.is_main_replica:
             continue
         for name, tensor in table_tensors(shard, optimizer).items():
-            row0, col0, global_shape = _block(shard, tensor)
+            if name in ROW_STATES and (shard.index[1].start or 0):
+                continue  # the ranks of a dimension-wise group hold the same rows: the first writes them
+            row0, col0, global_shape = _block(shard, name)
             data, meta = _paths(root, shard.key, name, row0, col0)
             os.makedirs(os.path.dirname(data), exist_ok=True)
             rows, cols = tensor.shape
@@ -144,7 +147,7 @@ def load_tables(root: str, chunks, optimizer, chunk_bytes: int = CHUNK_BYTES) ->
     from the blocks saved under ``root``, whatever layout saved them."""
     for shard in table_shards(chunks):
         for name, tensor in table_tensors(shard, optimizer).items():
-            row0, col0, global_shape = _block(shard, tensor)
+            row0, col0, global_shape = _block(shard, name)
             blocks = _saved_blocks(root, shard.key, name)
             if not blocks:
                 raise UserError(f"checkpoint '{root}' holds no '{name}' of memory table '{shard.key}'")

@@ -1,6 +1,7 @@
 """The training loop on megatron-core: DDP-wrapped model chunks, the forward-backward schedule
 (microbatches, gradient accumulation, 1F1B or interleaved pipelining), AdamW, the LR schedule,
-gradient clipping, validation, checkpoints, TensorBoard scalars and a progress bar."""
+gradient clipping, validation, checkpoints (resumed by default, saved on preemption signals),
+TensorBoard scalars and a progress bar."""
 
 from __future__ import annotations
 
@@ -26,9 +27,10 @@ from rmt.memory import pop_aux_loss, pop_memory_stats
 from rmt.memory.groups import excluded_from_ddp, finish_memory_grads, fused_update, self_reduced
 from rmt.models.build import build
 from rmt.parallel import compat
-from rmt.training import checkpoint
+from rmt.training import checkpoint, preemption
 from rmt.training.loss import lm_loss
 from rmt.training.optimizer import build_optimizer, build_scheduler, clip_gradients
+from rmt.training.step_log import open_jsonl, open_tensorboard
 
 
 def causal_mask(seq_length: int, device) -> torch.Tensor:
@@ -41,7 +43,8 @@ class Trainer:
     """Build everything for ``config`` in the current process group and train.
 
     ``initialize`` (process groups) must have run. Data problems raise ``UserError`` before any
-    step runs.
+    step runs. The run continues from the newest complete checkpoint under ``train.save``, else
+    from ``train.load``, else from step 0 (``checkpoint.resume``).
     """
 
     def __init__(self, config: RMTConfig):
@@ -76,8 +79,20 @@ class Trainer:
         self.iteration = 0
         self.consumed_samples = 0
         self.history: List[Dict] = []
-        if t.load:
-            self._load(t.load)
+        self.is_logger = (dist.get_rank() if dist.is_initialized() else 0) == 0
+        self._bar = None
+        self.stopped_by: Optional[str] = None  # the signal that ended the run early
+        self.last_save: Optional[str] = None
+        if t.save:
+            checkpoint.check_space(t.save, self.chunks, self.optimizer)
+        resumed = checkpoint.resume(t.save, t.load, self.chunks, self.optimizer, self.say)
+        if resumed is not None:
+            self.last_save, common = resumed
+            self._restore(common)
+            self.say(f"resuming from '{self.last_save}' at step {self.iteration} of {t.steps}")
+        else:
+            self.say("starting from step 0" + (f": no checkpoint in '{t.save}' yet" if t.save else
+                                              " (train.save is not set: no checkpoints are kept)"))
 
     # -- setup ---------------------------------------------------------------------------
     def _wrap(self, chunks):
@@ -94,8 +109,16 @@ class Trainer:
         mcfg.no_sync_func = [c.no_sync for c in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
         return wrapped
 
-    def _load(self, path: str) -> None:
-        common = checkpoint.load_checkpoint(path, self.chunks, self.optimizer)
+    def say(self, message: str) -> None:
+        """Tell the user what happened (global rank 0; above the progress bar when there is one)."""
+        if not self.is_logger:
+            return
+        if self._bar is not None:
+            self._bar.write(message)
+        else:
+            print(message, flush=True)
+
+    def _restore(self, common: dict) -> None:
         self.iteration = int(common["iteration"])
         self.consumed_samples = int(common["consumed_samples"])
         checkpoint.set_optimizer_step(self.optimizer, self.iteration)
@@ -201,20 +224,24 @@ class Trainer:
                   "global_batch_size": self.global_batch, "config": rmt_config.to_dict(self.config)}
         if hasattr(self.train_ds, "state_dict"):  # e.g. a task curriculum's noise length
             common["data_state"] = self.train_ds.state_dict()
-        return checkpoint.save_checkpoint(self.config.train.save, self.iteration, self.chunks,
-                                          self.optimizer, common)
+        self.last_save = checkpoint.save_checkpoint(self.config.train.save, self.iteration, self.chunks,
+                                                    self.optimizer, common, self.config.train.keep_checkpoints)
+        return self.last_save
 
     # -- loop ----------------------------------------------------------------------------
     def train(self) -> List[Dict]:
         t = self.config.train
-        is_logger = (dist.get_rank() if dist.is_initialized() else 0) == 0
-        writer = _tensorboard(t.tensorboard_dir) if is_logger else None
-        log = open(t.log_file, "a") if (is_logger and t.log_file) else None
-        bar = None
-        if is_logger and t.progress:
+        writer = open_tensorboard(t.tensorboard_dir, self.iteration) if self.is_logger else None
+        log = None
+        if self.is_logger and t.log_file:
+            log, dropped = open_jsonl(t.log_file, self.iteration)
+            if dropped:
+                self.say(f"'{t.log_file}': dropped {dropped} entries after step {self.iteration} "
+                         f"that an interrupted run logged (they are run again)")
+        if self.is_logger and t.progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=t.steps, initial=self.iteration, desc="train", unit="step", dynamic_ncols=True)
+            self._bar = tqdm(total=t.steps, initial=self.iteration, desc="train", unit="step", dynamic_ncols=True)
         try:
             while self.iteration < t.steps:
                 m = self.train_step()
@@ -225,27 +252,34 @@ class Trainer:
                 if self.iteration % t.log_interval == 0:
                     m.update(pop_memory_stats(self.chunks, parallel_state.get_data_parallel_group()))
                 self.history.append(m)
-                if is_logger:
-                    _emit(m, writer, log, bar, self.iteration % t.log_interval == 0 or "val_loss" in m)
+                if self.is_logger:
+                    _emit(m, writer, log, self._bar, self.iteration % t.log_interval == 0 or "val_loss" in m)
+                self.stopped_by = preemption.agreed_signal()
                 stop = bool(t.exit_interval) and self.iteration % t.exit_interval == 0
-                if t.save and (stop or self.iteration == t.steps
+                if t.save and (stop or self.stopped_by or self.iteration == t.steps
                                or (t.save_interval and self.iteration % t.save_interval == 0)):
                     self.save()
-                if stop:
+                if stop or self.stopped_by:
                     break
         finally:
-            for h in (bar, writer, log):
+            for h in (self._bar, writer, log):
                 if h is not None:
                     h.close()
+            self._bar = None
+        self._summary()
         return self.history
 
-
-def _tensorboard(path: Optional[str]):
-    if not path:
-        return None
-    from torch.utils.tensorboard import SummaryWriter
-
-    return SummaryWriter(path)
+    def _summary(self) -> None:
+        t = self.config.train
+        if self.stopped_by:
+            head = f"stopped on {self.stopped_by} after step {self.iteration} of {t.steps}"
+        elif self.iteration < t.steps:
+            head = f"stopped at step {self.iteration} of {t.steps} (train.exit_interval)"
+        else:
+            head = f"finished: step {self.iteration} of {t.steps}"
+        where = f"; checkpoint '{self.last_save}'" if self.last_save else "; no checkpoint saved"
+        more = "; run the same command to continue" if self.iteration < t.steps and self.last_save else ""
+        self.say(head + where + more)
 
 
 def _emit(m: Dict, writer, log, bar, verbose: bool) -> None:

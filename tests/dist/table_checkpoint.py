@@ -5,7 +5,8 @@
 A ``N x D`` table with Adam's two moments (or row-wise Adagrad's per-row sums), each filled with
 known global values, goes round a chain of layouts on 4 ranks: number-wise over 4 -> dimension-
 wise over 2 (two replica groups) -> number-wise over 4, dimension-wise over 4 -> number-wise over
-2 -> local, and, with per-row sums (number-wise only), number-wise over 4 -> over 2 -> local.
+2 -> local, with per-row sums (number-wise only) number-wise over 4 -> over 2 -> local, and a
+4-column table dimension-wise over 4 (one column per shard) -> number-wise over 4.
 Every freshly built shard must equal the global table (drawn whole here) at its position (the
 init does not depend on the layout); after every load each rank's weight and state shards must
 equal the global tensors at the shard's position, and the bytes the load allocated (peak of live tensors, counted by a
@@ -31,8 +32,8 @@ STD = 0.5
 KEYS = {"weight": 11, "exp_avg": 12, "exp_avg_sq": 13, "sum": 14}
 
 
-def expected(name):
-    full = torch.empty(N, 1 if name == "sum" else D)
+def expected(name, dim=D):
+    full = torch.empty(N, 1 if name == "sum" else dim)
     return fill_normal_(full, KEYS[name], std=STD)
 
 
@@ -55,15 +56,15 @@ class States:
                                for name in names}}
 
 
-def build(partition, P, names):
-    """The table sharded over groups of ``P`` consecutive ranks (``partition`` local: whole)."""
+def build(partition, P, names, dim=D):
+    """The ``N x dim`` table sharded over groups of ``P`` consecutive ranks (``partition`` local: whole)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     groups = [dist.new_group(list(range(g, g + P))) for g in range(0, world, P)]
     replicas = [dist.new_group(list(range(i, world, P))) for i in range(P)]
     if partition == "local":
-        table = MemoryTable(N, D, STD, init_key=KEYS["weight"])
+        table = MemoryTable(N, dim, STD, init_key=KEYS["weight"])
     else:
-        table = MemoryTable(N, D, STD, partition, groups[rank // P], replica_index=rank // P,
+        table = MemoryTable(N, dim, STD, partition, groups[rank // P], replica_index=rank // P,
                             replica_group=replicas[rank % P], init_key=KEYS["weight"])
     return Holder(table), States(table.weight, names)
 
@@ -71,10 +72,10 @@ def build(partition, P, names):
 def check(holder, states, label):
     table = holder.table
     rows, cols = table.shard_index
-    torch.testing.assert_close(table.weight.data, expected("weight")[rows, cols], rtol=0, atol=0,
+    torch.testing.assert_close(table.weight.data, expected("weight", table.dim)[rows, cols], rtol=0, atol=0,
                                msg=f"{label}: weight")
     for name, value in states.state[table.weight].items():
-        want = expected(name)[rows].view(-1) if name == "sum" else expected(name)[rows, cols]
+        want = expected(name)[rows].view(-1) if name == "sum" else expected(name, table.dim)[rows, cols]
         torch.testing.assert_close(value, want, rtol=0, atol=0, msg=f"{label}: {name}")
 
 
@@ -85,22 +86,23 @@ def main():
     parallel_state.initialize_model_parallel()  # a local table's replicas are megatron's data-parallel ones
     rank = dist.get_rank()
     adam, adagrad = ("exp_avg", "exp_avg_sq"), ("sum",)
-    chains = [(adam, [("number", 4), ("dimension", 2), ("number", 4)]),
-              (adam, [("dimension", 4), ("number", 2), ("local", 1)]),
-              (adagrad, [("number", 4), ("number", 2), ("local", 1)])]
-    for c, (names, chain) in enumerate(chains):
-        holder, states = build(*chain[0], names)
+    chains = [(adam, D, [("number", 4), ("dimension", 2), ("number", 4)]),
+              (adam, D, [("dimension", 4), ("number", 2), ("local", 1)]),
+              (adagrad, D, [("number", 4), ("number", 2), ("local", 1)]),
+              (adam, 4, [("dimension", 4), ("number", 4)])]  # one column per dimension-wise shard
+    for c, (names, dim, chain) in enumerate(chains):
+        holder, states = build(*chain[0], names, dim)
         for name, value in states.state[holder.table.weight].items():  # known values to carry along
             rows, cols = holder.table.shard_index
-            value.copy_(expected(name)[rows].view(-1) if name == "sum" else expected(name)[rows, cols])
+            value.copy_(expected(name)[rows].view(-1) if name == "sum" else expected(name, dim)[rows, cols])
         check(holder, states, f"chain {c} start")
         for step, layout in enumerate(chain[1:]):
             path = f"{out}/chain{c}_{step}"
             save_tables(path, [holder], states, chunk)
             dist.barrier()
-            holder, states = build(*layout, names)
+            holder, states = build(*layout, names, dim)
             rows, cols = holder.table.shard_index  # every layout draws its shard of the same global table
-            assert torch.equal(holder.table.weight.data, expected("weight")[rows, cols]), layout
+            assert torch.equal(holder.table.weight.data, expected("weight", dim)[rows, cols]), layout
             for value in states.state[holder.table.weight].values():
                 value.zero_()
             holder.table.weight.data.zero_()
