@@ -370,10 +370,9 @@ class FbgemmRowwiseStep:
             ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
 
         N, D = init.shape
-        precision = {torch.float32: SparseType.FP32, torch.bfloat16: SparseType.BF16}[init.dtype]
         self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
             [(N, D, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-            learning_rate=ROWWISE_LR, eps=ROWWISE_EPS, pooling_mode=PoolingMode.SUM, weights_precision=precision,
+            learning_rate=ROWWISE_LR, eps=ROWWISE_EPS, pooling_mode=PoolingMode.SUM, weights_precision=SparseType.FP32,
             output_dtype=SparseType.FP32, stochastic_rounding=False)
         with torch.no_grad():
             self.tbe.split_embedding_weights()[0].copy_(init)
@@ -666,6 +665,9 @@ def run_all(args, device, backends, backend, timer, flush, repeats, table_dtype,
     note = fbgemm_missing() if device.type == "cpu" else "FBGEMM's CPU build only (fbgemm-gpu-cpu)"
     if note and device.type == "cpu":
         note = f"FBGEMM skipped: {note}; pip install -e '.[bench]'"
+        print(note)
+    elif device.type == "cpu" and table_dtype != torch.float32:
+        note = "FBGEMM skipped: its CPU kernels take fp32 or fp16 weights, not bf16"
         print(note)
     peer_rows = []
     if device.type == "cpu":
