@@ -80,6 +80,7 @@ import platform
 import statistics
 import time
 
+import rmt  # noqa: F401  (before torch: rmt's OpenMP wait policy, as in training)
 import torch
 import torch.nn.functional as F
 
@@ -650,6 +651,7 @@ def main(argv=None):
                        backends=backends, device=str(device), gpu=gpu,
                        copy_bandwidth_gbps=bandwidth, huge_pages=args.huge_pages, clock=args.clock,
                        cache=args.cache, table_dtype=args.table_dtype, load=args.load, peer_threads=threads,
+                       omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
                        fbgemm=fbgemm_note or "fbgemm-gpu-cpu")
         with open(args.json, "w") as f:
             json.dump(dict(benchmark="bench_lookup_reduce", machine=machine, rows=rows, step_rows=step_rows,
