@@ -440,6 +440,16 @@ class MemoryConfig:
     (``sparse_adam`` and ``rowwise_adagrad`` keep fp32 state and round the updated rows once;
     ``adamw`` keeps torch's moments in the table's dtype). ``rmt-plan memory`` counts it."""
 
+    fused_value_optimizer: bool = False
+    """Apply ``value_optimizer`` (``sparse_adam`` or ``rowwise_adagrad``) inside the lookups'
+    backward, FBGEMM-style: each touched row is stepped as soon as its gradient is summed, and no
+    table gradient (``[U, D]`` touched rows) exists. Same optimizer, state, LR schedule and
+    checkpoints; micro-batches accumulate and replicas sum their lookups exactly as gradients do
+    (the last micro-batch's backward steps). What changes: the value rows step with their
+    unclipped gradient (``train.clip_grad`` still counts them in ``grad_norm`` and clips every
+    other parameter as before), and a bf16 table's gradient is not rounded to bf16 before the
+    step (:mod:`rmt.ops.fused_update`)."""
+
     num_experts: int = 8
     """MoE (megatron-core's MoELayer, :mod:`rmt.memory.moe`): number of experts; divisible by
     ``parallel.expert_model_parallel_size``."""

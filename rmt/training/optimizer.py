@@ -7,7 +7,10 @@ pass per tensor, 6.9x faster than the foreach AdamW on 2 CPU threads at 46M para
 dense-gradient memory table, its whole shard). With ``memory.value_optimizer`` sparse_adam or
 rowwise_adagrad the memory value tables, whose gradients are then sparse (touched rows), are
 stepped by that optimizer instead, chained
-after AdamW so the scheduler and checkpoints see one optimizer.
+after AdamW so the scheduler and checkpoints see one optimizer; with
+``memory.fused_value_optimizer`` that optimizer's step runs inside the lookups' backward
+(:mod:`rmt.ops.fused_update`), on its state and param groups, and its ``step()`` finds no
+gradient to apply.
 
 Weight decay (``train.weight_decay`` wd) applies to every parameter of two or more dimensions
 (the layers' weight matrices; the memory layers' query, keys, cores, convolution and
@@ -32,7 +35,7 @@ from megatron.core.transformer.module import param_is_not_shared
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
 from rmt.config import RMTConfig
-from rmt.memory.groups import memory_grad_sq_norm, self_reduced
+from rmt.memory.groups import attach_fused_updates, memory_grad_sq_norm, self_reduced
 from rmt.memory.optim import ValueLRScheduler, split_value_group
 from rmt.models.rmt import RMT_KEY_MATRICES
 from rmt.ops.sparse_optim import RowWiseAdagrad, SparseAdam
@@ -121,6 +124,8 @@ def build_optimizer(chunks: List[torch.nn.Module], config: RMTConfig):
         values = SparseAdam(sparse, **kwargs)
     else:
         values = RowWiseAdagrad(sparse, lr=t.lr, eps=t.adam_eps)
+    if config.memory.fused_value_optimizer:
+        attach_fused_updates([p for g in sparse for p in g["params"]], values)
     return ChainedOptimizer([dense, values])
 
 

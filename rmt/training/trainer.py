@@ -26,7 +26,7 @@ from rmt.data.metadata import tokenizer_file_text
 from rmt.data.tasks import build_task_datasets, curriculum_hook
 from rmt.memory import pop_aux_loss, pop_memory_stats
 from rmt.memory.batchnorm import sync_running_stats
-from rmt.memory.groups import excluded_from_ddp, finish_memory_grads, self_reduced
+from rmt.memory.groups import excluded_from_ddp, finish_memory_grads, fused_update, self_reduced
 from rmt.models.build import build
 from rmt.parallel import compat
 from rmt.training import checkpoint, preemption
@@ -73,6 +73,10 @@ class Trainer:
         self.chunks = self._wrap(build(config))
         self.params = [p for c in self.chunks for p in c.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.chunks, config)
+        # value tables stepped in their lookups' backward (memory.fused_value_optimizer), per chunk
+        self.fused_updates = [[fused_update(p) for p in c.parameters() if fused_update(p) is not None]
+                              for c in self.chunks]
+        self.forwards = [0] * len(self.chunks)
         self.scheduler = build_scheduler(self.optimizer, config)
         self.mask = causal_mask(config.model.seq_length, self.device)
         self.iteration = 0
@@ -136,6 +140,10 @@ class Trainer:
 
     # -- one step ------------------------------------------------------------------------
     def _forward_step(self, data_iterator, model):
+        chunk = next(i for i, c in enumerate(self.chunks) if c is model)
+        self.forwards[chunk] += 1
+        for update in self.fused_updates[chunk]:  # the step's last micro-batch steps the tables
+            update.final = self.forwards[chunk] >= self.num_microbatches
         batch = next(data_iterator)
         tokens = batch["tokens"].to(self.device)
         positions = batch["position_ids"].to(self.device)
@@ -199,6 +207,7 @@ class Trainer:
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad(set_to_none=True)
+        self.forwards = [0] * len(self.chunks)
         metrics = self._run_schedule(self.train_ds, self.consumed_samples, forward_only=False)
         finish_memory_grads(self.chunks)
         sync_running_stats(self.chunks, parallel_state.get_data_parallel_group())

@@ -1,7 +1,8 @@
 """Train a few steps under the current launch (plain python or torchrun) and save, on global
 rank 0, the loss history, the full (reassembled) parameters and gradients (``.grad``, which
 the trainer points at megatron DDP's ``main_grad`` and which sharded or sparse-gradient memory
-tables, outside DDP, fill directly; sparse ones are saved dense) and every rank's running statistics.
+tables, outside DDP, fill directly; sparse ones are saved dense, tables stepped in their backward
+as zeros) and every rank's running statistics.
 
     python -m torch.distributed.run --nproc_per_node=2 tests/dist/train_steps.py OUT.pt key=value...
 """
@@ -24,6 +25,7 @@ def main():
     parallel.initialize(config)
     trainer = Trainer(config)
     history = trainer.train()
+    # a table stepped in its backward (memory.fused_value_optimizer) has no gradient: zeros
     grads = gather_full(trainer.chunks, lambda p: torch.zeros_like(p) if p.grad is None
                         else p.grad.to_dense() if p.grad.is_sparse else p.grad)
     params = gather_full(trainer.chunks)
