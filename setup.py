@@ -32,7 +32,9 @@ setup(
     python_requires=">=3.11,<3.12",
     packages=find_packages(include=["rmt", "rmt.*"]),
     install_requires=INSTALL_REQUIRES,
-    extras_require={"dev": ["pytest==9.2.0", "pytest-xdist==3.8.0"]},
+    # bench: FBGEMM's table-batched embeddings, the peer tools/bench_lookup_reduce.py times beside
+    # lookup_reduce (its CPU build for torch 2.13; 1.9.0 is built for torch 2.14)
+    extras_require={"dev": ["pytest==9.2.0", "pytest-xdist==3.8.0"], "bench": ["fbgemm-gpu-cpu==1.8.0"]},
     entry_points={
         "console_scripts": [
             "rmt-train=rmt.training.cli:main",

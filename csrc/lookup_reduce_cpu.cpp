@@ -28,12 +28,16 @@
 // Table gradient outputs:
 //   sparse: the touched rows [U] and their gradients [U, D];
 //   dense:  the [N, D] gradient written in one pass, each chunk of table rows zero-filled
-//           between its touched rows, which are written directly (no [U, D] intermediate).
+//           between its touched rows, which are written directly (no [U, D] intermediate);
+//   fused:  none: each row's gradient, once summed, steps the row and its optimizer state in place
+//           (SparseAdam or row-wise Adagrad, the rules of row_optim.h), as FBGEMM's table-batched
+//           embeddings do; the score gradients are computed before the row changes.
 // All outputs (rows, row or dense table gradients, score gradients) come from small pools of
 // buffers: a buffer is handed out again only once nothing but the pool references its storage (the
 // gradient that aliased it was freed), so repeated steps skip the first-touch page faults of fresh
 // multi-MB (for the dense gradient: table-sized) allocations.
 #include <torch/extension.h>
+#include <ATen/OpMathType.h>
 #include <omp.h>
 #if defined(__SSE2__)
 #include <immintrin.h>
@@ -49,6 +53,7 @@
 #include <vector>
 
 #include "cpu_numerics.h"
+#include "row_optim.h"
 
 namespace {
 
@@ -350,19 +355,20 @@ inline acc_t fixed_order_dot(const a_t* __restrict a, const b_t* __restrict b, i
   return sum;
 }
 
-// Gradient of run u (row s.rows[u]), kD and kC as in forward_token_blocks: accumulates the row gradient in acc[0:D], streams it to
-// dst[0:D] (rounded once into stage[0:D] when table_t is narrower), and writes the score gradients of
-// the run's lookups. For the sorted lookup kPrefetchDistance ahead it prefetches the table row,
-// the output-gradient row, the score and the score-gradient slot (and the block id twice as far
-// ahead): the last ones are read in sorted-row order, i.e. at random, and after the other
+// Gradient of run u (row s.rows[u]), kD and kC as in forward_token_blocks: accumulates the row
+// gradient in acc[0:D] and writes the score gradients of the run's lookups at positions p in
+// [score_lo, score_hi), to grad_scores[(p - score_lo) * C + c] (all lookups but in the fused
+// update of several batches' lookups, whose other batches have theirs computed elsewhere). For the sorted lookup kPrefetchDistance
+// ahead it prefetches the table row, the output-gradient row, the score and the score-gradient
+// slot (and the block id twice as far ahead), and calls ahead(row) (the optimizer state of the
+// fused update): the last ones are read in sorted-row order, i.e. at random, and after the other
 // layers' work they are not in cache.
-template <typename table_t, typename scalar_t, typename acc_t, int64_t kD, int64_t kC>
-inline void run_backward(int64_t u, const SortedLookups& s, const scalar_t* __restrict grad_out,
+template <typename table_t, typename scalar_t, typename acc_t, int64_t kD, int64_t kC, typename Ahead>
+inline void run_gradient(int64_t u, const SortedLookups& s, const scalar_t* __restrict grad_out,
                          const table_t* __restrict table, const scalar_t* __restrict scores,
-                         const int64_t* __restrict blk, acc_t* __restrict acc, table_t* __restrict stage,
-                         table_t* __restrict dst,
-                         scalar_t* __restrict grad_scores, int64_t M, int64_t K, int64_t runtime_C,
-                         int64_t runtime_D, int64_t E) {
+                         const int64_t* __restrict blk, acc_t* __restrict acc, scalar_t* __restrict grad_scores,
+                         int64_t score_lo, int64_t score_hi, int64_t M, int64_t K, int64_t runtime_C, int64_t runtime_D,
+                         int64_t E, Ahead&& ahead) {
   const int64_t C = kC ? kC : runtime_C, D = kD ? kD : runtime_D;
   const int64_t Dc = D / C;
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(table_t));
@@ -374,12 +380,13 @@ inline void run_backward(int64_t u, const SortedLookups& s, const scalar_t* __re
     // the block id is read to find the prefetched gradient row, so it is fetched first, further ahead
     if (blk && j + 2 * kPrefetchDistance < M) __builtin_prefetch(blk + sorted_pos(sorted[j + 2 * kPrefetchDistance]), 0, 3);
     if (j + kPrefetchDistance < M) {
-      const uint64_t ahead = sorted[j + kPrefetchDistance];
-      const int64_t q = sorted_pos(ahead);
-      prefetch_row(table + sorted_row(ahead) * D, row_bytes);
+      const uint64_t far = sorted[j + kPrefetchDistance];
+      const int64_t q = sorted_pos(far);
+      prefetch_row(table + sorted_row(far) * D, row_bytes);
       prefetch_row(grad_out + ((q / K) * E + (blk ? blk[q] : 0)) * D, grad_row_bytes);
       __builtin_prefetch(scores + q * C, 0, 3);
-      __builtin_prefetch(grad_scores + q * C, 1, 3);
+      if (q >= score_lo && q < score_hi) __builtin_prefetch(grad_scores + (q - score_lo) * C, 1, 3);
+      ahead(sorted_row(far));
     }
     const int64_t p = sorted_pos(sorted[j]);
     const scalar_t* __restrict g = grad_out + ((p / K) * E + (blk ? blk[p] : 0)) * D;
@@ -389,9 +396,17 @@ inline void run_backward(int64_t u, const SortedLookups& s, const scalar_t* __re
       const scalar_t* __restrict gc = g + c * Dc;
 #pragma omp simd
       for (int64_t d = 0; d < Dc; ++d) a[d] = madd(w, static_cast<acc_t>(gc[d]), a[d]);
-      grad_scores[p * C + c] = round_to<scalar_t>(fixed_order_dot<acc_t>(tr + c * Dc, g + c * Dc, Dc));
+      if (p >= score_lo && p < score_hi)
+        grad_scores[(p - score_lo) * C + c] = round_to<scalar_t>(fixed_order_dot<acc_t>(tr + c * Dc, g + c * Dc, Dc));
     }
   }
+}
+
+// Streams the gradient row acc[0:D] to dst[0:D], rounded once (into stage[0:D]) where table_t is
+// narrower than the accumulator.
+template <typename table_t, typename acc_t>
+inline void store_row(table_t* __restrict dst, const acc_t* __restrict acc, table_t* __restrict stage, int64_t D) {
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(table_t));
   if (std::is_same<table_t, acc_t>::value) {
     stream_store(dst, acc, row_bytes);
   } else {
@@ -400,6 +415,8 @@ inline void run_backward(int64_t u, const SortedLookups& s, const scalar_t* __re
     stream_store(dst, stage, row_bytes);
   }
 }
+
+inline void no_prefetch(int64_t) {}
 
 int64_t num_chunks(int64_t work) {
   return std::max<int64_t>(1, std::min<int64_t>(work, kChunksPerThread * at::get_num_threads()));
@@ -426,9 +443,11 @@ void sparse_backward_kernel(const scalar_t* __restrict grad_out, const table_t* 
         // the runs whose first lookup lies in the chunk's share of the M sorted lookups
         const int64_t lo = std::lower_bound(start, start + U, ch * M / chunks) - start;
         const int64_t hi = std::lower_bound(start, start + U, (ch + 1) * M / chunks) - start;
-        for (int64_t u = lo; u < hi; ++u)
-          run_backward<table_t, scalar_t, acc_t, decltype(kD)::value, decltype(kC)::value>(
-              u, s, grad_out, table, scores, blk, acc.data(), stage.data(), values + u * D, grad_scores, M, K, C, D, E);
+        for (int64_t u = lo; u < hi; ++u) {
+          run_gradient<table_t, scalar_t, acc_t, decltype(kD)::value, decltype(kC)::value>(
+              u, s, grad_out, table, scores, blk, acc.data(), grad_scores, 0, M, M, K, C, D, E, no_prefetch);
+          store_row(values + u * D, acc.data(), stage.data(), D);
+        }
       }
       stream_fence();
     }
@@ -458,9 +477,9 @@ void dense_backward_kernel(const scalar_t* __restrict grad_out, const table_t* _
         int64_t zero_from = row_lo;
         for (int64_t u = std::lower_bound(urows, urows + U, row_lo) - urows; u < U && urows[u] < row_hi; ++u) {
           stream_store(grad_table + zero_from * D, nullptr, (urows[u] - zero_from) * row_bytes);
-          run_backward<table_t, scalar_t, acc_t, decltype(kD)::value, decltype(kC)::value>(
-              u, s, grad_out, table, scores, blk, acc.data(), stage.data(), grad_table + urows[u] * D, grad_scores,
-              M, K, C, D, E);
+          run_gradient<table_t, scalar_t, acc_t, decltype(kD)::value, decltype(kC)::value>(
+              u, s, grad_out, table, scores, blk, acc.data(), grad_scores, 0, M, M, K, C, D, E, no_prefetch);
+          store_row(grad_table + urows[u] * D, acc.data(), stage.data(), D);
           zero_from = urows[u] + 1;
         }
         stream_store(grad_table + zero_from * D, nullptr, (row_hi - zero_from) * row_bytes);
@@ -468,6 +487,70 @@ void dense_backward_kernel(const scalar_t* __restrict grad_out, const table_t* _
       stream_fence();
     }
   });
+}
+
+// Sum of the squares of acc[0:D] in fp64 (kLanes partial sums in a fixed order): a row's share
+// of the gradient norm that clipping reads.
+template <typename acc_t>
+inline double square_sum(const acc_t* __restrict acc, int64_t D) {
+  double part[kLanes] = {};
+  int64_t d = 0;
+  for (; d + kLanes <= D; d += kLanes)
+#pragma omp simd
+    for (int64_t j = 0; j < kLanes; ++j) part[j] += static_cast<double>(acc[d + j]) * static_cast<double>(acc[d + j]);
+  for (; d < D; ++d) part[0] += static_cast<double>(acc[d]) * static_cast<double>(acc[d]);
+  double sum = 0.0;
+  for (int64_t j = 0; j < kLanes; ++j) sum += part[j];
+  return sum;
+}
+
+// The backward with the optimizer fused in: each run's row gradient is summed in acc (no
+// gradient row is stored), multiplied by grad_scale (the data-parallel mean; negative for a
+// maximizing Adam), its squared norm added to its chunk's fp64 partial sum, and update(row, acc)
+// steps the table row and its optimizer state in place. Runs own distinct rows, so the threads
+// update disjoint rows and state, each row after its score gradients read it. Returns the
+// squared norm of the scaled gradient (the chunks' partials summed in chunk order).
+template <typename table_t, typename scalar_t, typename Update, typename Ahead>
+double fused_backward_kernel(const scalar_t* __restrict grad_out, const table_t* __restrict table,
+                             const scalar_t* __restrict scores, const int64_t* __restrict blk,
+                             const SortedLookups& s, scalar_t* __restrict grad_scores, int64_t score_lo,
+                             int64_t score_hi, int64_t M, int64_t K, int64_t C, int64_t D, int64_t E,
+                             typename Acc<scalar_t>::type grad_scale, Update&& update, Ahead&& ahead) {
+  using acc_t = typename Acc<scalar_t>::type;
+  const int64_t U = s.num_runs, chunks = num_chunks(U);
+  const int64_t* start = s.run_start.data();
+  std::vector<double> chunk_sq(chunks, 0.0);
+  dispatch_row_shape(D, C, [&](auto kD, auto kC) {
+#pragma omp parallel num_threads(at::get_num_threads())
+    {
+      std::vector<acc_t> acc(D);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t ch = 0; ch < chunks; ++ch) {
+        const int64_t lo = std::lower_bound(start, start + U, ch * M / chunks) - start;
+        const int64_t hi = std::lower_bound(start, start + U, (ch + 1) * M / chunks) - start;
+        double sq = 0.0;
+        for (int64_t u = lo; u < hi; ++u) {
+          run_gradient<table_t, scalar_t, acc_t, decltype(kD)::value, decltype(kC)::value>(
+              u, s, grad_out, table, scores, blk, acc.data(), grad_scores, score_lo, score_hi, M, K, C, D, E, ahead);
+          if (grad_scale != acc_t(1)) {
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) acc[d] *= grad_scale;
+          }
+          sq += square_sum(acc.data(), D);
+          update(s.rows[u], acc.data());
+        }
+        chunk_sq[ch] = sq;
+      }
+    }
+  });
+  double total = 0.0;
+  for (double x : chunk_sq) total += x;
+  return total;
+}
+
+inline void prefetch_for_write(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 1, 2);
 }
 
 // An uninitialised buffer of `numel` elements from `pool`, reusing a pooled allocation whose
@@ -593,6 +676,109 @@ std::tuple<at::Tensor, at::Tensor> lookup_reduce_backward_dense(
   return {grad_table, grad_scores};
 }
 
+// Score gradients alone, grad_scores[t, k, c] = <table row, output-gradient row> over column slice
+// c, tokens in order (no sort): the backward of a batch whose table gradient the fused update
+// sums later. The same fixed-order dot products as the backward's, so the same bits.
+at::Tensor lookup_reduce_score_gradients(const at::Tensor& grad_out, const at::Tensor& table, const at::Tensor& indices,
+                                         const at::Tensor& scores, const c10::optional<at::Tensor>& block_ids,
+                                         int64_t num_blocks) {
+  const int64_t T = indices.size(0), K = indices.size(1), C = scores.size(2), D = table.size(1);
+  const int64_t M = T * K, E = num_blocks, Dc = D / C;
+  auto grad_scores = at::empty_like(scores);
+  dispatch_dtypes(table, scores, "lookup_reduce_score_gradients", [&](auto table_tag, auto score_tag) {
+    using table_t = decltype(table_tag);
+    using scalar_t = decltype(score_tag);
+    using acc_t = typename Acc<scalar_t>::type;
+    const table_t* __restrict tab = table.data_ptr<table_t>();
+    const scalar_t* __restrict g = grad_out.data_ptr<scalar_t>();
+    const int64_t* __restrict idx = indices.data_ptr<int64_t>();
+    const int64_t* __restrict blk = block_ptr(block_ids);
+    scalar_t* __restrict out = grad_scores.data_ptr<scalar_t>();
+    const int64_t row_bytes = D * static_cast<int64_t>(sizeof(table_t));
+#pragma omp parallel for schedule(dynamic, kTokensPerChunk) num_threads(at::get_num_threads())
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t i = t * K; i < (t + 1) * K; ++i) {
+        if (i + kPrefetchDistance < M) prefetch_row(tab + idx[i + kPrefetchDistance] * D, row_bytes);
+        const table_t* row = tab + idx[i] * D;
+        const scalar_t* gr = g + (t * E + (blk ? blk[i] : 0)) * D;
+        for (int64_t c = 0; c < C; ++c)
+          out[i * C + c] = round_to<scalar_t>(fixed_order_dot<acc_t>(row + c * Dc, gr + c * Dc, Dc));
+      }
+    }
+  });
+  return grad_scores;
+}
+
+// Optimizers the fused backward applies (rmt/ops/sparse_optim.py; kinds as in rmt/ops/fused_update.py).
+constexpr int64_t kSparseAdam = 0, kRowwiseAdagrad = 1;
+
+// The backward with the optimizer step fused in: score gradients of the lookups of tokens
+// [score_first, score_first + score_tokens) (returned, [score_tokens, K, C]) and, for every touched row, the gradient
+// summed over its lookups times grad_scale, stepped into the table row and its optimizer state
+// in place (SparseAdam: state1/state2 the moments, of the table's opmath dtype; row-wise Adagrad:
+// state1 the fp32 per-row sums), and the squared norm of those gradients.
+std::tuple<at::Tensor, double> lookup_reduce_backward_update(
+    const at::Tensor& grad_out, at::Tensor table, const at::Tensor& indices, const at::Tensor& scores,
+    const c10::optional<at::Tensor>& block_ids, int64_t num_blocks, int64_t score_first, int64_t score_tokens,
+    int64_t optimizer,
+    at::Tensor state1, const c10::optional<at::Tensor>& state2, double lr, double beta1, double beta2, double eps,
+    double weight_decay, int64_t step, double grad_scale) {
+  const int64_t T = indices.size(0), K = indices.size(1), C = scores.size(2);
+  const int64_t N = table.size(0), D = table.size(1);
+  TORCH_CHECK(table.is_contiguous() && score_first >= 0 && score_tokens >= 0 && score_first + score_tokens <= T,
+              "lookup_reduce_backward_update: a contiguous table and score tokens within [0, T)");
+  TORCH_CHECK(optimizer == kSparseAdam || optimizer == kRowwiseAdagrad,
+              "lookup_reduce_backward_update: unknown optimizer ", optimizer);
+  SortScope scope;
+  SortedLookups& sorted = scope.sorted();
+  sort_lookups(indices.data_ptr<int64_t>(), T * K, N, sorted);
+  auto grad_scores = at::empty({score_tokens, K, C}, scores.options());
+  double sq = 0.0;
+  dispatch_dtypes(table, scores, "lookup_reduce_backward_update", [&](auto table_tag, auto score_tag) {
+    using table_t = decltype(table_tag);
+    using scalar_t = decltype(score_tag);
+    using acc_t = typename Acc<scalar_t>::type;
+    table_t* __restrict p = table.data_ptr<table_t>();
+    auto run = [&](auto&& update, auto&& ahead) {
+      sq = fused_backward_kernel<table_t, scalar_t>(
+          grad_out.data_ptr<scalar_t>(), p, scores.data_ptr<scalar_t>(), block_ptr(block_ids), sorted,
+          grad_scores.data_ptr<scalar_t>(), score_first * K, (score_first + score_tokens) * K, T * K, K, C, D,
+          num_blocks,
+          static_cast<acc_t>(grad_scale), update, ahead);
+    };
+    if (optimizer == kSparseAdam) {
+      using state_t = at::opmath_type<table_t>;
+      const auto state_type = c10::CppTypeToScalarType<state_t>::value;
+      TORCH_CHECK(state2.has_value() && state1.sizes() == table.sizes() && state2->sizes() == table.sizes() &&
+                      state1.is_contiguous() && state2->is_contiguous() && state1.scalar_type() == state_type &&
+                      state2->scalar_type() == state_type,
+                  "lookup_reduce_backward_update: the Adam moments must be contiguous, shaped like the table, of dtype ",
+                  state_type);
+      state_t* __restrict m = state1.data_ptr<state_t>();
+      state_t* __restrict v = state2->data_ptr<state_t>();
+      const double step_size = lr * std::sqrt(1 - std::pow(beta2, step)) / (1 - std::pow(beta1, step));
+      const auto omb1 = static_cast<state_t>(1 - beta1), omb2 = static_cast<state_t>(1 - beta2);
+      const auto eps_s = static_cast<state_t>(eps), step_s = static_cast<state_t>(step_size);
+      const int64_t state_bytes = D * static_cast<int64_t>(sizeof(state_t));
+      run([&](int64_t row, const acc_t* g) { rmt_cpu::adam_row(p + row * D, m + row * D, v + row * D, g, D, omb1, omb2,
+                                                               eps_s, step_s); },
+          [&](int64_t row) {
+            prefetch_for_write(m + row * D, state_bytes);
+            prefetch_for_write(v + row * D, state_bytes);
+          });
+    } else {
+      TORCH_CHECK(state1.dim() == 1 && state1.size(0) == N && state1.scalar_type() == at::kFloat &&
+                      state1.is_contiguous(),
+                  "lookup_reduce_backward_update: the row-wise Adagrad sums must be a contiguous fp32 vector, one per row");
+      float* __restrict sum = state1.data_ptr<float>();
+      const float lr_f = static_cast<float>(lr), eps_f = static_cast<float>(eps), wd = static_cast<float>(weight_decay);
+      run([&](int64_t row, const acc_t* g) { rmt_cpu::rowwise_adagrad_row(p + row * D, sum + row, g, D, lr_f, eps_f, wd); },
+          [&](int64_t row) { __builtin_prefetch(sum + row, 1, 2); });
+    }
+  });
+  return {grad_scores, sq};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "rmt fused lookup-reduce, CPU (OpenMP) kernels";
   m.def("forward", &lookup_reduce_forward, "lookup-reduce forward -> [T, num_blocks, D]");
@@ -600,4 +786,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "lookup-reduce backward -> (unique rows, row gradients, score gradients)");
   m.def("backward_dense", &lookup_reduce_backward_dense,
         "lookup-reduce backward -> (dense [N, D] table gradient, score gradients)");
+  m.def("score_gradients", &lookup_reduce_score_gradients,
+        "lookup-reduce score gradients alone -> [T, K, C] (no table gradient)");
+  m.def("backward_update", &lookup_reduce_backward_update,
+        "lookup-reduce backward with the optimizer step fused in -> (score gradients, squared gradient norm)");
 }

@@ -172,6 +172,34 @@ void lookup_reduce_backward(const at::Tensor& grad_out, const at::Tensor& table,
       scores.size(2), table.size(1), num_blocks, current_stream()));
 }
 
+// The backward with the optimizer fused in (rmt/ops/fused_update.py): after the sort, every row's
+// gradient steps the table row and its fp32 state in place (adam: SparseAdam with moments
+// state1/state2 and the bias-corrected step size lr; else row-wise Adagrad with per-row sums
+// state1); score gradients of positions [score_lo, score_hi) into grad_scores; each row's
+// squared gradient norm into row_sq. Launched over max_unique rows (groups past U exit): no host
+// wait. Returns false where the kernel does not take the row width (D > 512).
+bool lookup_reduce_backward_update(const at::Tensor& grad_out, at::Tensor& table, const at::Tensor& scores,
+                                   const c10::optional<at::Tensor>& block_ids, int64_t num_blocks, int64_t K,
+                                   SortedLookups& sorted, int64_t max_unique, at::Tensor& grad_scores,
+                                   int64_t score_lo, int64_t score_hi, bool adam, at::Tensor& state1,
+                                   const c10::optional<at::Tensor>& state2, at::Tensor& row_sq, double grad_scale,
+                                   double lr, double beta1, double beta2, double eps, double weight_decay) {
+  if (table.size(1) > 512) return false;
+  TORCH_CHECK(state1.scalar_type() == at::kFloat && (!adam || (state2.has_value() && state2->scalar_type() == at::kFloat)),
+              "lookup_reduce CUDA: the fused update keeps fp32 state");
+  sorted.ready.block(current_stream());
+  check(rmt_lookup_reduce_backward_update_cuda(
+      dtype_code(table.scalar_type()), dtype_code(scores.scalar_type()), grad_out.data_ptr(), table.data_ptr(),
+      scores.data_ptr(), block_ptr(block_ids), sorted.sorted_positions.data_ptr<int64_t>(),
+      sorted.seg_start.data_ptr<int64_t>(), sorted.unique_rows.data_ptr<int64_t>(),
+      sorted.num_unique.data_ptr<int64_t>(), max_unique, grad_scores.data_ptr(), score_lo, score_hi, adam ? 1 : 0,
+      state1.data_ptr<float>(), adam ? state2->data_ptr<float>() : nullptr, row_sq.data_ptr<float>(), K,
+      scores.size(2), table.size(1), num_blocks, static_cast<float>(grad_scale), static_cast<float>(lr),
+      static_cast<float>(1 - beta1), static_cast<float>(1 - beta2), static_cast<float>(eps),
+      static_cast<float>(weight_decay), current_stream()));
+  return true;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "rmt fused lookup-reduce, CUDA kernels";
   pybind11::class_<SortedLookups, SortedPtr>(m, "SortedLookups")
@@ -185,4 +213,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sort", &lookup_reduce_sort, "lookups sorted by row on the current stream -> SortedLookups");
   m.def("backward", &lookup_reduce_backward,
         "lookup-reduce backward into dst (compact [U, D] or dense [N, D]) and grad_scores");
+  m.def("backward_update", &lookup_reduce_backward_update,
+        "lookup-reduce backward with the optimizer step fused in (false: row width not taken)");
 }

@@ -26,6 +26,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <type_traits>
+
 namespace {
 
 constexpr int kWarp = 32;
@@ -338,5 +340,140 @@ int rmt_lookup_reduce_backward_cuda(int table_dtype, int score_dtype, const void
     // Half-warp rows up to D = 64 (one pass), whole-warp rows beyond.
     if (D <= 4 * kHalfWarp) return dispatch_cols(D, kHalfWarp, [&](auto cols) { return launch(Int<kHalfWarp>{}, cols); });
     return launch(Int<kWarp>{}, Int<4>{});
+  });
+}
+
+namespace {
+
+// The backward with the optimizer fused in (rmt/ops/fused_update.py): backward_kernel's one-pass
+// path (the row held in registers, D <= LANES * COLS), score gradients only for positions in
+// [score_lo, score_hi) (written at p - score_lo), then the row's gradient times grad_scale steps
+// the row and its fp32 state in place, no gradient row stored: SparseAdam (ADAM; lr is the
+// bias-corrected step size, state1/state2 the moments) or row-wise Adagrad (state1 the per-row
+// sums). Every operation rounded on its own (__f*_rn intrinsics: no contraction into fused
+// multiply-adds, IEEE division and square root), as in the unfused step. row_sq[u] receives the
+// row's squared gradient norm (a fixed shuffle tree).
+template <typename table_t, typename scalar_t, int LANES, int COLS, bool ADAM>
+__global__ void __launch_bounds__(kThreads)
+backward_update_kernel(const scalar_t* __restrict__ grad_out, table_t* __restrict__ table,
+                       const scalar_t* __restrict__ scores, const int64_t* __restrict__ block_ids,
+                       const int64_t* __restrict__ sorted_positions, const int64_t* __restrict__ seg_start,
+                       const int64_t* __restrict__ unique_rows, const int64_t* __restrict__ num_unique,
+                       scalar_t* __restrict__ grad_scores, int64_t score_lo, int64_t score_hi,
+                       float* __restrict__ state1, float* __restrict__ state2, float* __restrict__ row_sq,
+                       int64_t K, int C, int D, int64_t E, float grad_scale, float lr, float one_minus_beta1,
+                       float one_minus_beta2, float eps, float weight_decay) {
+  constexpr int kGroups = kWarp / LANES;
+  const int lane = threadIdx.x % kWarp, group = lane / LANES, l = lane % LANES;
+  const unsigned mask = LANES == kWarp ? kFullMask : ((1u << LANES) - 1) << (group * LANES);
+  const int64_t u = warp_id() * kGroups + group;
+  if (u >= *num_unique) return;
+  const int64_t start = seg_start[u], end = seg_start[u + 1], row = unique_rows[u];
+  const int Dc = D / C;
+  table_t* trow = table + row * D;
+  float tv[COLS], acc[COLS] = {};
+  int col[COLS];
+#pragma unroll
+  for (int v = 0; v < COLS; ++v) {
+    const int d = v * LANES + l;
+    tv[v] = d < D ? to_float(trow[d]) : 0.f;
+    col[v] = d < D ? d / Dc : -1;
+  }
+  for (int64_t j = start; j < end; ++j) {
+    const int64_t p = sorted_positions[j];
+    const int64_t b = block_ids != nullptr ? block_ids[p] : 0;
+    const scalar_t* g = grad_out + ((p / K) * E + b) * D;
+    float gv[COLS];
+#pragma unroll
+    for (int v = 0; v < COLS; ++v) {
+      const int d = v * LANES + l;
+      gv[v] = d < D ? to_float(g[d]) : 0.f;
+      acc[v] = fmaf(d < D ? to_float(scores[p * C + col[v]]) : 0.f, gv[v], acc[v]);
+    }
+    if (p >= score_lo && p < score_hi) {
+      for (int c = 0; c < C; ++c) {
+        float dot = 0.f;
+#pragma unroll
+        for (int v = 0; v < COLS; ++v) dot = col[v] == c ? fmaf(tv[v], gv[v], dot) : dot;
+        dot = group_sum<LANES>(dot, mask);
+        if (l == 0) grad_scores[(p - score_lo) * C + c] = from_float<scalar_t>(dot);
+      }
+    }
+  }
+  float g[COLS], sq = 0.f;
+#pragma unroll
+  for (int v = 0; v < COLS; ++v) {
+    g[v] = __fmul_rn(acc[v], grad_scale);
+    sq = __fadd_rn(sq, __fmul_rn(g[v], g[v]));
+  }
+  sq = group_sum<LANES>(sq, mask);
+  if (l == 0) row_sq[u] = sq;
+  if (ADAM) {
+#pragma unroll
+    for (int v = 0; v < COLS; ++v) {
+      const int d = v * LANES + l;
+      if (d >= D) continue;
+      const int64_t off = row * D + d;
+      const float m = __fadd_rn(state1[off], __fmul_rn(__fsub_rn(g[v], state1[off]), one_minus_beta1));
+      const float s = __fadd_rn(state2[off], __fmul_rn(__fsub_rn(__fmul_rn(g[v], g[v]), state2[off]), one_minus_beta2));
+      state1[off] = m;
+      state2[off] = s;
+      trow[d] = from_float<table_t>(__fsub_rn(tv[v], __fmul_rn(lr, __fdiv_rn(m, __fadd_rn(__fsqrt_rn(s), eps)))));
+    }
+  } else {
+    float gw[COLS], sq_w = 0.f;
+#pragma unroll
+    for (int v = 0; v < COLS; ++v) {
+      gw[v] = __fadd_rn(g[v], __fmul_rn(weight_decay, tv[v]));
+      sq_w = __fadd_rn(sq_w, __fmul_rn(gw[v], gw[v]));
+    }
+    sq_w = group_sum<LANES>(sq_w, mask);
+    const float total = __fadd_rn(state1[row], __fdiv_rn(sq_w, static_cast<float>(D)));
+    __syncwarp(mask);
+    if (l == 0) state1[row] = total;
+    const float scale = __fdiv_rn(lr, __fadd_rn(__fsqrt_rn(total), eps));
+#pragma unroll
+    for (int v = 0; v < COLS; ++v) {
+      const int d = v * LANES + l;
+      if (d < D) trow[d] = from_float<table_t>(__fsub_rn(tv[v], __fmul_rn(scale, gw[v])));
+    }
+  }
+}
+
+}  // namespace
+
+int rmt_lookup_reduce_backward_update_cuda(int table_dtype, int score_dtype, const void* grad_out, void* table,
+                                           const void* scores, const int64_t* block_ids,
+                                           const int64_t* sorted_positions, const int64_t* seg_start,
+                                           const int64_t* unique_rows, const int64_t* num_unique,
+                                           int64_t max_unique, void* grad_scores, int64_t score_lo,
+                                           int64_t score_hi, int adam, float* state1, float* state2, float* row_sq,
+                                           int64_t K, int64_t C, int64_t D, int64_t E, float grad_scale, float lr,
+                                           float one_minus_beta1, float one_minus_beta2, float eps,
+                                           float weight_decay, cudaStream_t stream) {
+  if (max_unique == 0) return static_cast<int>(cudaSuccess);
+  if (D > kWarp * 16) return static_cast<int>(cudaErrorInvalidValue);
+  return dispatch_dtypes(table_dtype, score_dtype, [&](auto table_tag, auto score_tag) {
+    using table_t = decltype(table_tag);
+    using scalar_t = decltype(score_tag);
+    auto launch = [&](auto lanes, auto cols, auto is_adam) {
+      constexpr int LANES = decltype(lanes)::value;
+      backward_update_kernel<table_t, scalar_t, LANES, decltype(cols)::value, decltype(is_adam)::value>
+          <<<blocks_for_warps((max_unique + kWarp / LANES - 1) / (kWarp / LANES)), kThreads, 0, stream>>>(
+              static_cast<const scalar_t*>(grad_out), static_cast<table_t*>(table),
+              static_cast<const scalar_t*>(scores), block_ids, sorted_positions, seg_start, unique_rows, num_unique,
+              static_cast<scalar_t*>(grad_scores), score_lo, score_hi, state1, state2, row_sq, K,
+              static_cast<int>(C), static_cast<int>(D), E, grad_scale, lr, one_minus_beta1, one_minus_beta2, eps,
+              weight_decay);
+      return static_cast<int>(cudaGetLastError());
+    };
+    auto by_optimizer = [&](auto lanes, auto cols) {
+      return adam ? launch(lanes, cols, std::true_type{}) : launch(lanes, cols, std::false_type{});
+    };
+    // Half-warp rows up to D = 64, whole-warp rows up to 16 columns per lane (D = 512).
+    if (D <= 4 * kHalfWarp) return dispatch_cols(D, kHalfWarp, [&](auto cols) { return by_optimizer(Int<kHalfWarp>{}, cols); });
+    if (D <= 4 * kWarp) return by_optimizer(Int<kWarp>{}, Int<4>{});
+    if (D <= 8 * kWarp) return by_optimizer(Int<kWarp>{}, Int<8>{});
+    return by_optimizer(Int<kWarp>{}, Int<16>{});
   });
 }

@@ -46,3 +46,19 @@ int rmt_lookup_reduce_backward_cuda(int table_dtype, int score_dtype, const void
                                     const int64_t* unique_rows, const int64_t* num_unique,
                                     int64_t max_unique, void* dst, int dense, void* grad_scores,
                                     int64_t K, int64_t C, int64_t D, int64_t E, cudaStream_t stream);
+
+// The backward with the optimizer step fused in (rmt/ops/fused_update.py), for D <= 512 (else
+// cudaErrorInvalidValue): per unique row, the gradient as above times grad_scale steps
+// table[row] and its fp32 state in place (adam != 0: SparseAdam, state1/state2 the moments, lr
+// the bias-corrected step size; else row-wise Adagrad, state1 the per-row sums); score gradients
+// of positions in [score_lo, score_hi) into grad_scores[p - score_lo]; row_sq[u] the row's
+// squared gradient norm. No gradient row is stored.
+int rmt_lookup_reduce_backward_update_cuda(int table_dtype, int score_dtype, const void* grad_out, void* table,
+                                           const void* scores, const int64_t* block_ids,
+                                           const int64_t* sorted_positions, const int64_t* seg_start,
+                                           const int64_t* unique_rows, const int64_t* num_unique,
+                                           int64_t max_unique, void* grad_scores, int64_t score_lo,
+                                           int64_t score_hi, int adam, float* state1, float* state2, float* row_sq,
+                                           int64_t K, int64_t C, int64_t D, int64_t E, float grad_scale, float lr,
+                                           float one_minus_beta1, float one_minus_beta2, float eps,
+                                           float weight_decay, cudaStream_t stream);

@@ -8,11 +8,9 @@
 // The Adam step follows torch.optim.SparseAdam's operation order and scalar roundings; it
 // differs from torch's only where torch's vectorized sqrt is not correctly rounded (1 ulp).
 //
-// sparse_adam_step: torch.optim.SparseAdam's update (lazy Adam), element by element
-//   m += (1 - beta1) * (g - m);  v += (1 - beta2) * (g^2 - v)
-//   p -= step_size * m / (sqrt(v) + eps),  step_size = lr * sqrt(1 - beta2^t) / (1 - beta1^t)
-// rowwise_adagrad_step: one accumulator per row (DLRM / FBGEMM row-wise Adagrad)
-//   g += weight_decay * p;  s += mean(g^2);  p -= lr * g / (sqrt(s) + eps)
+// sparse_adam_step: torch.optim.SparseAdam's update (lazy Adam), step_size = lr * sqrt(1 - beta2^t)
+//   / (1 - beta1^t); rowwise_adagrad_step: one accumulator per row (DLRM / FBGEMM row-wise
+//   Adagrad). The per-row rules are in row_optim.h, shared with the fused backward.
 //
 // Dtypes: the gradient rows have the parameter's dtype. Adam's moments are fp32 for bf16/fp16
 // tables (at::opmath_type: the parameter's own dtype for fp32/fp64) and row-wise Adagrad's
@@ -24,17 +22,13 @@
 
 #include <cmath>
 
-#include "cpu_numerics.h"
+#include "row_optim.h"
 
 namespace {
-
-using rmt_cpu::round_to;
 
 // Rows prefetched ahead of use: the touched rows are ascending but far apart, so the hardware
 // prefetchers do not see them coming.
 constexpr int64_t kPrefetchDistance = 8;
-// Partial sums of a row's squared gradient (row-wise Adagrad).
-constexpr int64_t kLanes = 8;
 
 template <typename T>
 inline void prefetch_row(const T* p, int64_t D) {
@@ -66,19 +60,7 @@ void sparse_adam_kernel(param_t* __restrict p, state_t* __restrict m, state_t* _
       prefetch_row(v + ahead, D);
     }
     const int64_t off = rows[u] * D;
-    const param_t* __restrict gu = g + u * D;
-    param_t* __restrict pu = p + off;
-    state_t* __restrict mu = m + off;
-    state_t* __restrict vu = v + off;
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) {
-      const state_t gd = static_cast<state_t>(gu[d]);
-      const state_t mn = mu[d] + (gd - mu[d]) * one_minus_beta1;
-      const state_t vn = vu[d] + (gd * gd - vu[d]) * one_minus_beta2;
-      mu[d] = mn;
-      vu[d] = vn;
-      pu[d] = round_to<param_t>(static_cast<state_t>(pu[d]) - step_size * (mn / (std::sqrt(vn) + eps)));
-    }
+    rmt_cpu::adam_row(p + off, m + off, v + off, g + u * D, D, one_minus_beta1, one_minus_beta2, eps, step_size);
   }
 }
 
@@ -92,33 +74,7 @@ void rowwise_adagrad_kernel(scalar_t* __restrict p, float* __restrict sum, const
       prefetch_row(p + rows[u + kPrefetchDistance] * D, D);
       __builtin_prefetch(sum + rows[u + kPrefetchDistance], 1, 3);
     }
-    scalar_t* __restrict pu = p + rows[u] * D;
-    const scalar_t* __restrict gu = g + u * D;
-    // the squares summed in kLanes partial sums, combined in a fixed order: vectorized for every
-    // dtype (GCC keeps a single in-order sum of converted bf16 values scalar) and independent of
-    // the threading
-    float part[kLanes] = {};
-    int64_t d0 = 0;
-    for (; d0 + kLanes <= D; d0 += kLanes)
-#pragma omp simd
-      for (int64_t j = 0; j < kLanes; ++j) {
-        const float gd = static_cast<float>(gu[d0 + j]) + weight_decay * static_cast<float>(pu[d0 + j]);
-        part[j] += gd * gd;
-      }
-    for (int64_t d = d0; d < D; ++d) {
-      const float gd = static_cast<float>(gu[d]) + weight_decay * static_cast<float>(pu[d]);
-      part[0] += gd * gd;
-    }
-    float sq = 0.f;
-    for (int64_t j = 0; j < kLanes; ++j) sq += part[j];
-    const float s = sum[rows[u]] + sq / static_cast<float>(D);
-    sum[rows[u]] = s;
-    const float scale = lr / (std::sqrt(s) + eps);
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) {
-      const float old = static_cast<float>(pu[d]);
-      pu[d] = round_to<scalar_t>(old - scale * (static_cast<float>(gu[d]) + weight_decay * old));
-    }
+    rmt_cpu::rowwise_adagrad_row(p + rows[u] * D, sum + rows[u], g + u * D, D, lr, eps, weight_decay);
   }
 }
 

@@ -14,7 +14,8 @@ if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   # torch first, pinned: a looser requirement elsewhere would otherwise pull a CUDA build.
   .venv/bin/python -m pip install -q torch==2.13.0
-  .venv/bin/python -m pip install -q -e ".[dev]"
+  # bench: FBGEMM, the peer of tools/bench_lookup_reduce.py (its smoke test runs it where installed)
+  .venv/bin/python -m pip install -q -e ".[dev,bench]"
   touch "$stamp"
 fi
 # The C++ extensions of csrc/, built here once per environment where a compiler exists (else on

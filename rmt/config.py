@@ -59,6 +59,11 @@ class ModelConfig:
     normalization: str = "LayerNorm"
     """``LayerNorm`` or ``RMSNorm``. Ignored by the RMT (whole-matrix RMSNorm)."""
 
+    activation: Optional[str] = None
+    """Feed-forward activation of every architecture (and of megatron's MoE experts): ``gelu`` (exact, erf), ``gelu_tanh`` (the tanh approximation: the RMT
+    authors' ``hax.nn.gelu``, GPT-2's), ``silu`` or ``relu``; ``null`` = the architecture's own,
+    ``gelu`` (transformer, rmt, recurrent) or ``silu`` (mixer, as its author's code)."""
+
     layernorm_epsilon: float = 1e-5
     """Epsilon of the normalization layers."""
 
@@ -149,9 +154,12 @@ class DataConfig:
     """Prefix of a megatron-core indexed dataset (``P.bin``/``P.idx`` from ``rmt-preprocess``);
     ``null`` = the default corpus (the running interpreter's standard library)."""
 
-    tokenizer: str = "byte"
-    """``byte`` (256 bytes + end-of-document), ``bpe`` (byte-level BPE trained on the default
-    corpus with HF tokenizers) or a path to a HF ``tokenizer.json`` or its directory."""
+    tokenizer: Optional[str] = None
+    """``null`` = the tokenizer the data was made with (recorded in ``data.path``'s ``.json`` by
+    ``rmt-preprocess``; ``byte`` for the default corpus); or ``byte`` (256 bytes +
+    end-of-document), ``bpe`` (byte-level BPE trained on the default corpus with HF tokenizers) or
+    a path to a HF ``tokenizer.json`` or its directory. A setting that contradicts the data's
+    record is an error; the checkpoint's config records the tokenizer actually used."""
 
     bpe_vocab_size: int = 2048
     """Vocabulary size of the BPE trained with ``tokenizer: bpe``."""
@@ -189,6 +197,24 @@ class DataConfig:
     """Curriculum: the noise length at which doubling stops; set together with
     ``curriculum_threshold``."""
 
+    reset_position_ids: bool = False
+    """Documents (megatron-core's GPTDataset key): position ids restart at 0 after every
+    end-of-document token, so a document packed mid-sequence gets the positions it has alone.
+    Only meaningful with absolute positions (``model.position: learned``); RoPE and ALiBi depend
+    on distances only, so without ``reset_attention_mask`` it is rejected for them."""
+
+    reset_attention_mask: bool = False
+    """Documents (megatron-core's GPTDataset key): no token attends across an end-of-document
+    token, so every document in a packed sequence is computed as if alone (with
+    ``reset_position_ids`` for learned positions). Transformer and RMT: a per-sample block-causal
+    attention mask; recurrent transformer and mixer: each document runs as its own sequence
+    from position 0 (their windows and token mixing are position-indexed); UltraMem's query
+    convolution does not reach into the previous document. Every parallel layout."""
+
+    eod_mask_loss: bool = False
+    """Documents (megatron-core's GPTDataset key): no loss where the input token is the
+    end-of-document token, i.e. on predicting the first token of the next document."""
+
 
 @dataclass
 class TrainConfig:
@@ -211,13 +237,26 @@ class TrainConfig:
     """Final learning rate as a fraction of ``lr``, in [0, 1]."""
 
     warmup_steps: int = 30
-    """Linear warmup steps, in [0, ``steps``)."""
+    """Linear warmup steps, >= 0; a value not below ``steps`` (e.g. a short smoke run of a config
+    made for longer ones) is clamped to ``steps`` - 1, and the run says so."""
 
     lr_decay_style: str = "cosine"
     """Decay after warmup: ``cosine``, ``linear`` or ``constant``."""
 
     weight_decay: float = 0.1
-    """AdamW weight decay; never on norms, biases, embeddings, unembedding."""
+    """AdamW weight decay wd; never on norms, biases, embedding and unembedding tables, memory
+    values (:mod:`rmt.training.optimizer` lists what each recipe decays)."""
+
+    weight_decay_mode: str = "lr"
+    """How the decay scales per step: ``lr`` shrinks weights by ``lr_t * wd`` (torch's and
+    megatron's AdamW); ``schedule`` by ``wd * lr_t / lr``, the decay following the LR schedule's
+    shape but not its size (Loshchilov & Hutter's decoupled decay; the RMT authors' optax chain,
+    whose "decoupled weight decay 1e-4" at lr 1e-2 is 100x the ``lr`` mode's)."""
+
+    decay_rmt_keys: bool = False
+    """RMT: also decay the embedding's and unembedding's key matrices (``embedding.word_keys``,
+    ``embedding.position_keys``, ``output_layer.read``), as the authors' code does; their
+    tables stay undecayed."""
 
     adam_beta1: float = 0.9
     """Adam β1 (also for the sparse value optimizers)."""
@@ -272,7 +311,8 @@ class TrainConfig:
     exist unless it equals ``save``."""
 
     tensorboard_dir: Optional[str] = None
-    """TensorBoard log directory (scalars of every step); ``null`` = no TensorBoard logs."""
+    """TensorBoard log directory (scalars of every step), one subdirectory per run (its start time
+    and process id, continued by the run's restarts); ``null`` = no TensorBoard logs."""
 
     log_file: Optional[str] = None
     """JSONL file that gets one line of metrics per training step (appended; a resumed run first
@@ -345,6 +385,22 @@ class MemoryConfig:
     query_key_norm: bool = True
     """Table 2 ablation switch: LayerNorm of queries and keys (§3.2 item 2)."""
 
+    query_batchnorm: bool = False
+    """BatchNorm of the query projection's output (PKM as published: Lample et al. §3.2, XLM's
+    ``mem_query_batchnorm``; the shipped ``pkm_*`` configs set it). Batch statistics over the
+    tokens of one microbatch on one data-parallel rank (equal on its tensor-parallel ranks, which
+    hold the same tokens), so every layout computes what one process computes with the same
+    ``train.micro_batch_size``; running statistics (evaluation, decoding) follow every
+    microbatch of the global batch in the single-process order
+    (:mod:`rmt.memory.batchnorm`). The memory's input LayerNorm then has no bias (a constant
+    shift of the query cancels in the BatchNorm)."""
+
+    query_bias: bool = False
+    """A bias in the query projection (PKM as published: XLM's ``mem_query_bias``; the shipped
+    ``pkm_*`` configs set it), initialised to zero. With ``query_batchnorm`` it is kept but not
+    trained: the BatchNorm subtracts exactly the mean it adds, so its gradient is zero up to
+    rounding noise (which Adam would turn into steps of ~0.1 x lr)."""
+
     query_conv: bool = True
     """Table 2 ablation switch: causal depthwise convolution over the sequence before the
     query (§3.2 item 4)."""
@@ -383,6 +439,16 @@ class MemoryConfig:
     the optimizers' state and update rule per dtype are stated in :mod:`rmt.ops.sparse_optim`
     (``sparse_adam`` and ``rowwise_adagrad`` keep fp32 state and round the updated rows once;
     ``adamw`` keeps torch's moments in the table's dtype). ``rmt-plan memory`` counts it."""
+
+    fused_value_optimizer: bool = False
+    """Apply ``value_optimizer`` (``sparse_adam`` or ``rowwise_adagrad``) inside the lookups'
+    backward, FBGEMM-style: each touched row is stepped as soon as its gradient is summed, and no
+    table gradient (``[U, D]`` touched rows) exists. Same optimizer, state, LR schedule and
+    checkpoints; micro-batches accumulate and replicas sum their lookups exactly as gradients do
+    (the last micro-batch's backward steps). What changes: the value rows step with their
+    unclipped gradient (``train.clip_grad`` still counts them in ``grad_norm`` and clips every
+    other parameter as before), and a bf16 table's gradient is not rounded to bf16 before the
+    step (:mod:`rmt.ops.fused_update`)."""
 
     num_experts: int = 8
     """MoE (megatron-core's MoELayer, :mod:`rmt.memory.moe`): number of experts; divisible by
@@ -481,6 +547,8 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
     merged = OmegaConf.structured(RMTConfig)
     layers = []
     if path is not None:
+        if os.path.isdir(path):
+            raise ConfigError(f"config file '{path}' is a directory; --config takes a YAML file")
         if not os.path.isfile(path):
             raise ConfigError(f"config file '{path}' does not exist")
         try:
@@ -542,6 +610,25 @@ def data_parallel_size(config: RMTConfig, world_size: int) -> int:
     return world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
 
 
+def validate_documents(config: RMTConfig) -> None:
+    """The document keys (``data.reset_position_ids``, ``reset_attention_mask``,
+    ``eod_mask_loss``) need a corpus with end-of-document tokens and, for position resets,
+    absolute positions."""
+    d, m = config.data, config.model
+    keys = [k for k in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss") if getattr(d, k)]
+    if not keys:
+        return
+    if d.task != "none":
+        raise ConfigError(f"data.{keys[0]} needs documents; the synthetic task '{d.task}' has none")
+    if d.reset_position_ids and not d.reset_attention_mask:
+        relative = {"transformer": "rope", "rmt": "alibi"}.get(m.arch)
+        if m.arch == "mixer" or m.position == relative:
+            what = "the mixer has no position ids" if m.arch == "mixer" else (
+                f"model.position '{m.position}' depends on token distances only")
+            raise ConfigError(f"data.reset_position_ids has no effect here ({what}); set "
+                              f"data.reset_attention_mask to compute every document as if alone")
+
+
 def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
     """Reject impossible settings with one sentence (:class:`ConfigError`). Returns ``config``.
     The model code (torch, megatron-core) is imported only for the architecture's own checks,
@@ -562,6 +649,11 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
     ])
     if m.normalization not in ("LayerNorm", "RMSNorm"):
         raise ConfigError(f"model.normalization must be 'LayerNorm' or 'RMSNorm', got '{m.normalization}'")
+    from rmt.models.activation import ACTIVATIONS
+
+    if m.activation is not None and m.activation not in ACTIVATIONS:
+        raise ConfigError(f"model.activation must be one of {', '.join(ACTIVATIONS)} (or null for the "
+                          f"architecture's own), got '{m.activation}'")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout must lie in [0, 1), got {m.dropout}")
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
@@ -595,10 +687,14 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
             f"to be a multiple of pipeline_model_parallel_size ({pp})")
     if t.precision not in ("fp32", "bf16"):
         raise ConfigError(f"train.precision must be 'fp32' or 'bf16', got '{t.precision}'")
+    if t.weight_decay_mode not in ("lr", "schedule"):
+        raise ConfigError(f"train.weight_decay_mode must be 'lr' or 'schedule', got '{t.weight_decay_mode}'")
+    if t.decay_rmt_keys and m.arch != "rmt":
+        raise ConfigError(f"train.decay_rmt_keys applies to model.arch 'rmt' (its key matrices), not '{m.arch}'")
     if t.lr_decay_style not in ("cosine", "linear", "constant"):
         raise ConfigError(f"train.lr_decay_style must be 'cosine', 'linear' or 'constant', got '{t.lr_decay_style}'")
-    if t.warmup_steps < 0 or t.warmup_steps >= t.steps:
-        raise ConfigError(f"train.warmup_steps ({t.warmup_steps}) must lie in [0, train.steps={t.steps})")
+    if t.warmup_steps < 0:
+        raise ConfigError(f"train.warmup_steps must not be negative, got {t.warmup_steps}")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise ConfigError(f"train.min_lr_ratio must lie in [0, 1], got {t.min_lr_ratio}")
     if t.z_loss < 0 or t.weight_decay < 0 or t.clip_grad < 0:
@@ -619,7 +715,10 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
         for ext in (".bin", ".idx"):
             if not os.path.isfile(d.path + ext):
                 raise ConfigError(f"data.path '{d.path}' has no '{d.path}{ext}' (run rmt-preprocess first)")
-    if d.tokenizer not in ("byte", "bpe") and not os.path.exists(d.tokenizer):
+        from rmt.data.metadata import adopt_dataset_tokenizer
+
+        adopt_dataset_tokenizer(config, d.path)
+    if d.tokenizer not in (None, "byte", "bpe") and not os.path.exists(d.tokenizer):
         raise ConfigError(
             f"data.tokenizer must be 'byte', 'bpe' or a path to a HF tokenizer; '{d.tokenizer}' does not exist")
     try:
@@ -636,6 +735,7 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
     if m.arch not in archs:
         raise ConfigError(f"model.arch '{m.arch}' is not a known architecture; choose one of: {', '.join(archs)}")
     validate_arch(config)
+    validate_documents(config)
     if d.task != "none":
         from rmt.data.tasks import validate_task
 

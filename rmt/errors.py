@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -42,15 +43,60 @@ def _is_multi_rank() -> bool:
     return any(int(os.environ.get(v, "1") or 1) > 1 for v in ("WORLD_SIZE", "SLURM_NTASKS"))
 
 
+class _ReaderMayLeave:
+    """stdout that goes quiet when its reader leaves (``rmt-plan ... | head``): the rest of the
+    output is discarded, the command finishes its work (a training run is not cut short), and no
+    "Broken pipe" error appears. Python ignores SIGPIPE, so a closed pipe surfaces as
+    BrokenPipeError on a write or flush; from then on file descriptor 1 is /dev/null."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._discard()
+            return len(text)
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._discard()
+
+    def _discard(self):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self._stream.fileno())
+        os.close(devnull)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def reader_may_leave():
+    """Within: stdout discards what its reader no longer takes (:class:`_ReaderMayLeave`)."""
+    original = sys.stdout
+    sys.stdout = _ReaderMayLeave(original)
+    try:
+        yield
+    finally:  # also on SystemExit (argparse's --help) and errors: the buffered rest goes now
+        sys.stdout.flush()
+        sys.stdout = original
+
+
 def cli_entry(prog: str):
     """Wrap a console-script ``main``: a :class:`UserError` prints ``prog: error: msg`` once
-    (global rank 0) and exits 2; a :class:`JobError` prints on the rank that met it and exits 1."""
+    (global rank 0) and exits 2; a :class:`JobError` prints on the rank that met it and exits 1.
+    Output piped into a reader that stops early (``| head``) is cut off quietly."""
 
     def wrap(main):
         @functools.wraps(main)
         def run(*args, **kwargs):
             try:
-                return main(*args, **kwargs)
+                with reader_may_leave():
+                    return main(*args, **kwargs)
             except UserError as err:
                 if global_rank() == 0:
                     print(f"{prog}: error: {err}", file=sys.stderr, flush=True)

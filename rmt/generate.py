@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import List, Optional
 
@@ -21,27 +22,48 @@ from rmt.errors import UserError, cli_entry
 
 
 def load_model(path: str, overrides: List[str]):
-    """``(model, config)`` rebuilt from a checkpoint's saved config on one process (process
-    groups initialised; the caller runs ``rmt.parallel.destroy()``)."""
+    """``(model, config, tokenizer_json)`` rebuilt from a checkpoint's saved config on one process
+    (process groups initialised; the caller runs ``rmt.parallel.destroy()``); ``tokenizer_json``
+    is the tokenizer file the checkpoint carries (None for byte tokens and older checkpoints)."""
     from omegaconf import OmegaConf
 
     from rmt import parallel
     from rmt.config import from_dict, validate
     from rmt.models.build import build
-    from rmt.training.checkpoint import load_checkpoint, load_common
+    from rmt.training.checkpoint import find_checkpoint, load_checkpoint, load_common
+    from rmt.training.same_model import model_difference
 
-    saved = load_common(path)["config"]
+    common = load_common(path)
+    saved, tokenizer_json = common["config"], common.get("tokenizer_json")
+    if tokenizer_json is not None and not os.path.isfile(saved["data"]["tokenizer"]):
+        saved["data"]["tokenizer"] = None  # moved or deleted since training: the carried copy serves
     saved["parallel"].update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                              virtual_pipeline_model_parallel_size=None, data_parallel_size=None)
     saved["train"].update(load=None, save=None, save_interval=0)
+    saved["data"]["path"] = None  # generating needs no data: the saved data.tokenizer is the data's
     if overrides:
-        saved = OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(saved), OmegaConf.from_dotlist(overrides)))
+        merged = OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(saved), OmegaConf.from_dotlist(overrides)))
+        problem = model_difference(from_dict(merged), saved, find_checkpoint(path))
+        if problem is not None:
+            raise UserError(problem)
+        saved = merged
     config = from_dict(saved)
     validate(config, 1)
     parallel.initialize(config)
     chunks = build(config)
     load_checkpoint(path, chunks, None)
-    return chunks[0].eval(), config
+    return chunks[0].eval(), config, tokenizer_json
+
+
+def prompt_text(prompt: str) -> str:
+    """``--prompt`` as text; the command line delivers bytes that are not UTF-8 as surrogate
+    escapes, which no tokenizer can encode."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise UserError(f"the prompt is not valid UTF-8 (character {err.start} is an undecodable byte); "
+                        f"pass UTF-8 text or token ids with --prompt-ids") from None
+    return prompt
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,17 +88,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 @cli_entry("rmt-generate")
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)  # overrides may follow the options
     if args.max_new_tokens < 1 or args.num_samples < 1 or args.temperature < 0 or args.top_k < 0:
         raise UserError("--max-new-tokens and --num-samples must be positive, --temperature and --top-k non-negative")
+    prompt_string = None if args.prompt_ids is not None else prompt_text(args.prompt)
     import torch
 
     from rmt import parallel
-    from rmt.data.tokenizers import build_tokenizer
+    from rmt.data.tokenizers import HFTokenizer, build_tokenizer
     from rmt.decoding import generate
 
     try:
-        model, config = load_model(args.checkpoint, args.overrides)
+        model, config, tokenizer_json = load_model(args.checkpoint, args.overrides)
         tokenizer = None
         if args.prompt_ids is not None:
             try:
@@ -85,8 +108,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 raise UserError(f"--prompt-ids must be comma-separated integers, got '{args.prompt_ids}'") from None
         else:
             d = config.data
-            tokenizer = build_tokenizer(d.tokenizer, d.cache_dir, d.bpe_vocab_size)
-            ids = tokenizer.tokenize(args.prompt)
+            tokenizer = (HFTokenizer(d.tokenizer or "tokenizer.json", tokenizer_json) if tokenizer_json is not None
+                         else build_tokenizer(d.tokenizer or "byte", d.cache_dir, d.bpe_vocab_size, d.max_documents))
+            ids = tokenizer.tokenize(prompt_string)
         if any(not 0 <= i < config.model.vocab_size for i in ids):
             raise UserError(f"prompt token ids must lie in [0, {config.model.vocab_size})")
         device = next(model.parameters()).device

@@ -21,7 +21,9 @@ def test_bench_smoke_writes_json(tmp_path, cache_dir):
     assert run["whole_bytes"] == 2 * run["shard_bytes"] > base["whole_bytes"]
     assert set(run["growth"]) == {"init", "step", "save", "load"}
     for phase, g in run["growth"].items():
-        assert g["predicted"] > 0 and math.isfinite(g["error"]), phase
+        # A 6 MiB growth, where allocator rounding is up to ~1 MiB; a phase holding a tensor the
+        # planner does not count (e.g. SparseAdam's moments created at start-up) is off by >= 100%.
+        assert g["predicted"] > 0 and abs(g["error"]) < 0.5, (phase, g)
     assert run["loaded_iteration"] == 1 and run["init_gbps"] > 0
     assert math.isfinite(doc["summary"]["max_abs_phase_error"])
     # An interrupted run leaves its measured runs in .partial; the same command reuses them.

@@ -5,6 +5,7 @@ errors for missing or corrupt checkpoints."""
 
 import json
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -90,7 +91,8 @@ def test_missing_and_corrupt_checkpoints_exit_2(cache_dir, tmp_path):
 def test_same_command_resumes_and_logs_every_step_once(six_steps, cache_dir, tmp_path):
     """One command line for the first start and every restart: a run whose last checkpoint was
     lost (a crash after step 6, before its save) continues from step 3; the JSONL log and the
-    TensorBoard scalars hold steps 1..6 once, with the uninterrupted run's losses."""
+    TensorBoard scalars (in the run's own subdirectory, which the restart continues) hold steps
+    1..6 once, with the uninterrupted run's losses. Each run says where its outputs went."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     ckpt, log, tb = tmp_path / "ckpt", tmp_path / "log.jsonl", tmp_path / "tb"
@@ -98,15 +100,26 @@ def test_same_command_resumes_and_logs_every_step_once(six_steps, cache_dir, tmp
                                                 f"train.log_file={log}", f"train.tensorboard_dir={tb}"]
     first = rmt_train(cmd)
     assert f"starting from step 0: no checkpoint in '{ckpt}' yet" in first.stdout
+    (run,) = os.listdir(tb)
+    assert f"TensorBoard logs: '{tb / run}' (tensorboard --logdir {tb})\n" in first.stdout
+    for step in (3, 6):
+        assert f"checkpoint saved to '{ckpt / f'iter_000000{step}'}'\n" in first.stdout
+    summary = first.stdout[first.stdout.index(f"finished: step 6 of 6; checkpoint '{ckpt / 'iter_0000006'}'\n"):].splitlines()
+    assert re.fullmatch(r"  this run: 6 steps, 768 tokens in [0-9.]+ s \([0-9,]+ tokens/s\)", summary[1])
+    assert summary[2:] == ["  no validation loss (train.eval_iters is 0)", f"  TensorBoard: '{tb / run}'",
+                           f"  metrics log: '{log}'"]
     shutil.rmtree(ckpt / "iter_0000006")
     again = rmt_train(cmd + ["--json", str(tmp_path / "b.json")])
-    assert f"resuming from '{ckpt / 'iter_0000003'}' at step 3 of 6" in again.stdout
+    assert f"resumed from iteration 3 of 6: '{ckpt / 'iter_0000003'}'\n" in again.stdout
+    assert os.listdir(tb) == [run] and f"TensorBoard logs: '{tb / run}'" in again.stdout
+    assert re.search(r"\n  this run: 3 steps, 384 tokens in ", again.stdout)
+    assert f"metrics written to '{tmp_path / 'b.json'}'" in again.stdout
     assert f"'{log}': dropped 3 entries after step 3" in again.stdout
     assert _losses(tmp_path / "b.json") == six_steps[3:]
     entries = _jsonl(log)
     assert [m["step"] for m in entries] == [1, 2, 3, 4, 5, 6]
     assert [m["lm loss"] for m in entries] == six_steps
-    events = EventAccumulator(str(tb))
+    events = EventAccumulator(str(tb / run))
     events.Reload()
     assert [e.step for e in events.Scalars("train/lm_loss")] == [1, 2, 3, 4, 5, 6]
 
@@ -144,7 +157,7 @@ def test_broken_checkpoints_are_passed_over_and_named_explicitly_exit_2(six_step
             f"{size - 100} bytes where the manifest records {size}), so it is skipped") in resumed.stdout
     assert f"checkpoint '{ckpt / 'iter_0000003'}' is corrupt or unreadable (" in resumed.stdout
     assert "falling back to the previous checkpoint" in resumed.stdout
-    assert f"resuming from '{ckpt / 'iter_0000002'}' at step 2 of 6" in resumed.stdout
+    assert f"resumed from iteration 2 of 6: '{ckpt / 'iter_0000002'}'" in resumed.stdout
     assert _losses(tmp_path / "r.json") == six_steps[2:]
 
 

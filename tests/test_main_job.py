@@ -19,8 +19,10 @@ def test_quickstart_command_trains_with_falling_loss(cache_dir, tmp_path):
     logged = [line.split() for line in out.splitlines() if line.startswith("step ")]
     assert [int(w[1]) for w in logged] == [6, 12] and all("val_loss" in w for w in logged)
     assert float(logged[-1][3]) < float(logged[0][3]) < 6.0
-    events = [f for f in os.listdir(tmp_path / "tb") if f.startswith("events.out.tfevents")]
-    assert events
+    (run,) = os.listdir(tmp_path / "tb")  # the run's own TensorBoard subdirectory
+    assert f"TensorBoard logs: '{tmp_path / 'tb' / run}'" in proc.stdout
+    events = [f for f in os.listdir(tmp_path / "tb" / run) if f.startswith("events.out.tfevents")]
+    assert events and "\nfinished: step 12 of 12; no checkpoint saved\n" in proc.stdout
 
 
 def test_single_node_launcher_runs_two_processes(cache_dir, tmp_path):

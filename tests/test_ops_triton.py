@@ -48,6 +48,60 @@ def run_checks():
     else:
         raise AssertionError("negative indices were not rejected")
     check_sparse_optim()
+    check_fused_update()
+
+
+def check_fused_update():
+    """The Triton backward with the optimizer fused in against the torch formulation (reference
+    backward, then the torch updates), over two micro-batches accumulated into one step and a
+    second step; SparseAdam and row-wise Adagrad; fp32 and bf16 tables (fp32 state and scores).
+    Bounds as for the CPU kernel (tests/test_ops_fused_update.py); the interpreter rounds the
+    bf16 rows toward zero."""
+    import torch
+
+    from rmt.ops import lookup_reduce
+    from rmt.ops.fused_update import FusedValueUpdate
+    from rmt.ops.sparse_optim import RowWiseAdagrad, SparseAdam
+    from rmt.ops.testing import ADAM_REL, adagrad_rel, assert_rounded_within
+
+    N, D, T, K, C, E = 60, 20, 6, 5, 2, 3
+    gen = torch.Generator().manual_seed(3)
+    steps = [[(torch.randint(0, N, (T, K), generator=gen), torch.randn(T, K, C, generator=gen),
+               torch.randint(0, E, (T, K), generator=gen), torch.randn(T, E, D, generator=gen)) for _ in range(2)]
+             for _ in range(2)]
+    makers = {"sparse_adam": lambda p: SparseAdam([p], lr=2e-2, betas=(0.8, 0.95), eps=1e-6),
+              "rowwise_adagrad": lambda p: RowWiseAdagrad([p], lr=0.1, weight_decay=0.01)}
+    for kind, make in makers.items():
+        for dtype, rounding in ((torch.float32, "rne"), (torch.bfloat16, "rtz")):
+            table = torch.randn(N, D, generator=gen).to(dtype)
+            got = {}
+            for backend in ("triton", "reference"):
+                p = torch.nn.Parameter(table.clone())
+                opt = make(p)
+                update = FusedValueUpdate(p, opt)
+                grads = []
+                for step in steps:
+                    for i, (indices, scores, blocks, grad_out) in enumerate(step):
+                        update.final = i == len(step) - 1
+                        s = scores.clone().requires_grad_(True)
+                        lookup_reduce(p, indices, s, blocks, E, backend=backend, update=update).backward(grad_out)
+                        grads.append(s.grad)
+                got[backend] = (p.data, [v for v in opt.state[p].values() if torch.is_tensor(v)], grads, update)
+            (p_t, st_t, g_t, u_t), (p_r, st_r, _, u_r) = got["triton"], got["reference"]
+            assert u_t.updates == 2 and p.grad is None
+            x = p_r.float()
+            rel = ADAM_REL if kind == "sparse_adam" else adagrad_rel(D)
+            # two steps, each rounding a bf16 row toward zero here and to nearest in the reference:
+            # up to 1.5 ulps (2^-7 relative) of that step's row apart per step; the rows in between
+            # are bounded by |start| + |x - start| (steps of one sign) or |x| + |x - start|
+            bound = 4 * (rel + 2.0 ** -20) * (x - table.float()).abs() + 2.0 ** -20 * x.abs()
+            if dtype == torch.bfloat16:
+                bound = bound + 3 * 2.0 ** -7 * (x.abs() + table.float().abs() + (x - table.float()).abs())
+            assert_rounded_within(p_t, x, bound, rounding, f"triton fused {kind} {dtype}")
+            for a, b in zip(st_t, st_r):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+            torch.testing.assert_close(g_t[0], got["reference"][2][0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(u_t.pop_sq_norm(), u_r.pop_sq_norm(), rtol=1e-5, atol=0)
 
 
 def check_sparse_optim():

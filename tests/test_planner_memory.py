@@ -125,3 +125,52 @@ def test_planned_tensors_match_a_built_layer():
     s_row, s_col = layer.side_scores(layer.query_input(h[:, None]).reshape(h.shape[0], 32), layer.keys)
     assert c["retrieval_activations"] == 2 * (nbytes(s_row) + nbytes(s_col))
     assert math.isqrt(c["table"] // (4 * 16)) == 16
+
+
+def test_fused_value_optimizer_holds_no_gradient_but_the_kept_lookups():
+    """``memory.fused_value_optimizer``: one micro-batch holds nothing beyond the backward's own
+    tensors; m micro-batches keep m - 1 micro-batches' lookups and concatenate all m."""
+    from rmt.planner.memory import fused_kept_bytes
+
+    plan = dict(SMALL, value_optimizer="rowwise_adagrad", cores=2)
+    unfused = components(TablePlan(**plan))
+    one = components(TablePlan(**plan, fused=True))
+    assert one["gradients"] == 0 and unfused["gradients"] > 0
+    assert {k: v for k, v in one.items() if k != "gradients"} == {k: v for k, v in unfused.items() if k != "gradients"}
+    three = TablePlan(**plan, fused=True, microbatches=3)
+    assert components(three)["gradients"] == 5 * fused_kept_bytes(three)
+    # number-wise over P = 4: the owner's unit-score lookups of the T x topm served rows, 8 fp32 columns
+    assert fused_kept_bytes(three) == 10 * 6 * (8 * 4 + 8 + 4)
+    # dimension-wise: every requester's lookups on the 2 columns (one core each side), 4 blocks
+    dim = TablePlan(**dict(plan, value_optimizer="sparse_adam", partition="dimension"), fused=True)
+    assert fused_kept_bytes(dim) == 4 * 10 * (4 * 2 * 4 + 6 * (8 + 1 * 4 + 8))
+    bf16 = TablePlan(**dict(plan, group_size=1, precision="bf16"), fused=True)
+    assert fused_kept_bytes(bf16) == 10 * (4 * 8 * 2 + 6 * (8 + 2 * 2 + 8))
+    with pytest.raises(ValueError, match="fused value optimizer"):
+        phases(TablePlan(**SMALL, fused=True))
+
+
+def test_fused_kept_lookups_match_what_a_built_layer_keeps():
+    """The bytes a local layer's backward keeps for the fused step (all but the step's last
+    micro-batch) are the planner's ``kept``."""
+    from rmt.config import load_config
+    from rmt.memory.layer import MemoryLayer, MemorySpec
+    from rmt.ops.fused_update import FusedValueUpdate
+    from rmt.ops.sparse_optim import SparseAdam
+    from rmt.planner.memory import fused_kept_bytes, plan_from_config
+
+    config = load_config(None, ["model.hidden_size=32", "memory.type=ultramem", "memory.placement='1:2'",
+                                "memory.num_keys=16", "memory.key_dim=8", "memory.topk=4",
+                                "memory.value_optimizer=sparse_adam", "memory.fused_value_optimizer=true"])
+    layer = MemoryLayer(MemorySpec.from_config(config))
+    weight = layer.values.weight
+    weight.memory_fused_update = FusedValueUpdate(weight, SparseAdam([weight], lr=1e-3))
+    weight.memory_fused_update.final = False  # an early micro-batch of the step
+    T = config.train.micro_batch_size * config.model.seq_length
+    layer(torch.randn(T, 1, 32)).sum().backward()
+    kept = sum(t.numel() * t.element_size() for entry in weight.memory_fused_update.stash
+               for t in entry[:4] if t is not None)
+    plan = plan_from_config(config, group_size=1, layers=1, microbatches=2)
+    assert plan.fused and plan.cores == config.memory.num_cores
+    assert kept == fused_kept_bytes(plan)
+    assert components(plan)["gradients"] == 3 * kept

@@ -124,8 +124,8 @@ def test_killed_rank_is_restarted_and_the_run_matches_an_uninterrupted_one(unint
     code, out, err = _finish(job)
     assert code == 0, err[-3000:]
     assert f"rmt-launch: rank 1 was killed by SIGKILL; restarting the workers (restart 1 of 2)" in err
-    resumed = [line for line in out.splitlines() if line.startswith("resuming from")]
-    assert len(resumed) == 1 and int(resumed[0].split("at step ")[1].split()[0]) >= 10
+    resumed = [line for line in out.splitlines() if line.startswith("resumed from iteration ")]
+    assert len(resumed) == 1 and int(resumed[0].split()[3]) >= 10
     log = _log(tmp_path)
     assert [m["step"] for m in log] == list(range(1, 31))
     assert [m["lm loss"] for m in log] == uninterrupted
@@ -185,8 +185,9 @@ def test_user_errors_under_the_launcher_are_said_once_with_exit_2(uninterrupted_
     code, out, err = _finish(_single_node(tiny_overrides(cache_dir) + ["model.hidden_size=48", f"train.load={other}"]))
     assert code == 2 and "Traceback" not in err and "restarting" not in err
     errors = [line for line in err.splitlines() if "error" in line]
-    assert len(errors) == 1 and errors[0].startswith(
-        f"rmt-train: error: checkpoint '{other}/iter_0000030' does not fit this model (Global shape mismatch")
+    assert errors == [f"rmt-train: error: model.hidden_size is 48 here but 32 in checkpoint '{other}/iter_0000030', "
+                      f"which holds another model; a checkpoint cannot change its model (train another in a "
+                      f"new train.save directory)"]
 
 
 def test_missing_node_is_named_when_the_join_timeout_expires(cache_dir):
@@ -246,7 +247,7 @@ def test_slurm_script_on_a_cpu_partition_requeues_after_sigusr1(uninterrupted, c
         assert f.read() == "requeue 4242\n"
     code, out, err = _finish(_sbatch(args, tmp_path))  # the requeued job
     assert code == 0, err[-3000:]
-    assert f"resuming from '{tmp_path}/ckpt/iter_{stopped:07d}' at step {stopped} of 30" in out
+    assert f"resumed from iteration {stopped} of 30: '{tmp_path}/ckpt/iter_{stopped:07d}'" in out
     assert [m["lm loss"] for m in _log(tmp_path)] == uninterrupted
 
 

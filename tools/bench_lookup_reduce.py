@@ -19,7 +19,19 @@ A second table times a whole training step of the table at the headline shape, f
 optimizer step, which is where a table-sized gradient costs most: dense gradients with AdamW
 (what the trainer does with ``memory.value_optimizer: adamw``) against touched-row gradients
 with SparseAdam or row-wise Adagrad (``sparse_adam`` / ``rowwise_adagrad``), for lookup_reduce
-and for embedding_bag. Each method trains its own copy of the table (own optimizer state).
+and for embedding_bag, and rmt's optimizers fused into the backward (``FusedValueUpdate``,
+``memory.fused_value_optimizer``). Each method trains its own copy of the table (own optimizer state).
+
+A third table puts rmt's row-wise Adagrad step beside the peer that users of sharded embedding
+tables run, FBGEMM's table-batched embedding bag (TBE) with EXACT_ROWWISE_ADAGRAD applied in its
+backward (the ``bench`` extra, ``fbgemm-gpu-cpu==1.8.0``; skipped with a note where it does not
+import): rmt fused, rmt unfused (sparse gradient, then ``RowWiseAdagrad.step``) and FBGEMM, at
+the headline shape and at K=128, on each of ``--threads`` (default 1 and 2), interleaved, the
+scores as per-sample weights with gradients. Forward and backward + optimizer are timed apart;
+after the first step each method's output, score gradients and updated table are compared with
+rmt's fused one (``max_diff_*``). ``--load N`` runs N competing busy processes for the whole
+benchmark: a machine shared with other jobs, where a 2-thread kernel that waits for a
+descheduled thread falls behind the 1-thread one.
 
 Transparent huge pages: with 4 KB pages a random row of a 256 MB table costs a TLB miss and a
 page walk per lookup. ``--huge-pages on`` (the default) sets torch's ``THP_MEM_ALLOC_ENABLE=1``
@@ -57,7 +69,7 @@ summed kernel time (every stream, side streams included) from torch.profiler.
 
     PYTHONPATH=. python tools/bench_lookup_reduce.py [--quick] [--json FILE] [--device cpu|cuda]
         [--huge-pages on|off] [--clock wall|thread|events|device] [--cache cold|warm] [--repeats R]
-        [--backend NAME] [--profile] [--table-dtype fp32|bf16]
+        [--backend NAME] [--profile] [--table-dtype fp32|bf16] [--threads 1,2] [--load N]
 """
 
 import argparse
@@ -68,10 +80,12 @@ import platform
 import statistics
 import time
 
+import rmt  # noqa: F401  (before torch: rmt's OpenMP wait policy, as in training)
 import torch
 import torch.nn.functional as F
 
 from rmt.ops import available_backends, lookup_reduce, select_backend
+from rmt.ops.fused_update import FusedValueUpdate
 from rmt.ops.sparse_optim import RowWiseAdagrad, SparseAdam
 
 HEADLINE = dict(N=1 << 20, D=64, T=4096, K=32, C=1, E=1)
@@ -253,20 +267,24 @@ def bench_shape(shape, repeats, backends, timer, seed=0, flush=lambda: None, dev
 
 
 def step_methods(backend):
-    """name -> (forward(table, indices, scores) -> [T, 1, D], optimizer class) at C = E = 1."""
+    """name -> (forward(table, indices, scores, update) -> [T, 1, D], optimizer class, fused) at
+    C = E = 1; a fused method steps the table in its backward (rmt.ops.fused_update)."""
     def ours(sparse):
-        return lambda t, i, s: lookup_reduce(t, i, s, None, 1, backend=backend, sparse_grad=sparse, validate=False)
+        return lambda t, i, s, u=None: lookup_reduce(t, i, s, None, 1, backend=backend, sparse_grad=sparse,
+                                                     validate=False, update=u)
 
     def bag(sparse):
         return lambda t, i, s: F.embedding_bag(i, t, per_sample_weights=s[..., 0].to(t.dtype), mode="sum",
                                                sparse=sparse).unsqueeze(1)
 
     return {
-        f"lookup_reduce[{backend}] sparse + rmt SparseAdam": (ours(True), SparseAdam),
-        f"lookup_reduce[{backend}] sparse + RowWiseAdagrad": (ours(True), RowWiseAdagrad),
-        f"lookup_reduce[{backend}] dense + AdamW": (ours(False), torch.optim.AdamW),
-        "embedding_bag sparse + torch SparseAdam": (bag(True), torch.optim.SparseAdam),
-        "embedding_bag dense + AdamW": (bag(False), torch.optim.AdamW),
+        f"lookup_reduce[{backend}] fused SparseAdam": (ours(True), SparseAdam, True),
+        f"lookup_reduce[{backend}] fused RowWiseAdagrad": (ours(True), RowWiseAdagrad, True),
+        f"lookup_reduce[{backend}] sparse + rmt SparseAdam": (ours(True), SparseAdam, False),
+        f"lookup_reduce[{backend}] sparse + RowWiseAdagrad": (ours(True), RowWiseAdagrad, False),
+        f"lookup_reduce[{backend}] dense + AdamW": (ours(False), torch.optim.AdamW, False),
+        "embedding_bag sparse + torch SparseAdam": (bag(True), torch.optim.SparseAdam, False),
+        "embedding_bag dense + AdamW": (bag(False), torch.optim.AdamW, False),
     }
 
 
@@ -280,21 +298,168 @@ def bench_step(shape, repeats, backend, timer, seed=0, flush=lambda: None, devic
                 torch.randn(T, K, 1, generator=gen).to(device)) for _ in range(repeats + 1)]
     grad_out = torch.randn(T, 1, D, generator=gen).to(device)
     rows = []
-    for name, (forward, optimizer_class) in step_methods(backend).items():
+    for name, (forward, optimizer_class, fused) in step_methods(backend).items():
         table = torch.nn.Parameter(init.clone())
         optimizer = optimizer_class([table], lr=1e-3)
+        update = FusedValueUpdate(table, optimizer) if fused else None
         times = []
         for indices, scores in batches:  # the first step warms up (optimizer state, allocator)
             optimizer.zero_grad(set_to_none=True)
             flush()
             timer.start()
-            out = forward(table, indices, scores)
+            out = forward(table, indices, scores, update) if fused else forward(table, indices, scores)
             out.backward(grad_out.to(out.dtype))
-            optimizer.step()
+            if not fused:
+                optimizer.step()
             times.append(timer.stop())
         rows.append(dict(shape, method=name, step_s=statistics.median(times[1:])))
         del table, optimizer
     return rows
+
+
+FBGEMM_SHAPES = (HEADLINE, dict(HEADLINE, K=128))
+ROWWISE_LR, ROWWISE_EPS = 1e-2, 1e-8
+
+
+def fbgemm_missing():
+    """None when fbgemm_gpu's table-batched embeddings import (the ``bench`` extra,
+    ``fbgemm-gpu-cpu==1.8.0``, built for torch 2.13), else why not."""
+    try:
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # noqa: F401
+            SplitTableBatchedEmbeddingBagsCodegen)
+    except (ImportError, OSError) as exc:  # OSError: a build for another torch (undefined symbol)
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return None
+
+
+class RmtRowwiseStep:
+    """One row-wise Adagrad training step of rmt's table: ``lookup_reduce`` with the optimizer
+    fused into its backward, or (``fused=False``) the sparse gradient then ``RowWiseAdagrad.step``."""
+
+    def __init__(self, init, backend, fused):
+        self.table = torch.nn.Parameter(init.clone())
+        self.optimizer = RowWiseAdagrad([self.table], lr=ROWWISE_LR, eps=ROWWISE_EPS)
+        self.update = FusedValueUpdate(self.table, self.optimizer) if fused else None
+        self.backend = backend
+
+    def forward(self, indices, scores):
+        self.scores = scores.clone().requires_grad_(True)
+        return lookup_reduce(self.table, indices, self.scores, None, 1, backend=self.backend, sparse_grad=True,
+                             validate=False, update=self.update)
+
+    def backward_step(self, out, grad_out):
+        out.backward(grad_out)
+        if self.update is None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def weights(self):
+        return self.table.detach()
+
+    def score_grad(self):
+        return self.scores.grad[..., 0]
+
+
+class FbgemmRowwiseStep:
+    """The same step with FBGEMM's table-batched embedding bag (one table, SUM pooling, the scores
+    as per-sample weights), EXACT_ROWWISE_ADAGRAD applied in its backward."""
+
+    def __init__(self, init, backend=None, fused=True):
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
+
+        N, D = init.shape
+        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            [(N, D, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+            learning_rate=ROWWISE_LR, eps=ROWWISE_EPS, pooling_mode=PoolingMode.SUM, weights_precision=SparseType.FP32,
+            output_dtype=SparseType.FP32, stochastic_rounding=False)
+        with torch.no_grad():
+            self.tbe.split_embedding_weights()[0].copy_(init)
+
+    def forward(self, indices, scores):
+        T, K = indices.shape
+        self.weights_in = scores[..., 0].reshape(-1).clone().requires_grad_(True)
+        offsets = torch.arange(0, T * K + 1, K, dtype=torch.int64)
+        return self.tbe(indices.reshape(-1), offsets, self.weights_in).view(T, 1, -1)
+
+    def backward_step(self, out, grad_out):
+        out.backward(grad_out)
+
+    def weights(self):
+        return self.tbe.split_embedding_weights()[0].detach()
+
+    def score_grad(self):
+        return self.weights_in.grad
+
+
+def rowwise_peers(with_fbgemm):
+    """name -> step class of the row-wise Adagrad comparison (rmt fused, rmt unfused, FBGEMM)."""
+    out = {"rmt fused RowWiseAdagrad": (RmtRowwiseStep, True), "rmt sparse + RowWiseAdagrad": (RmtRowwiseStep, False)}
+    if with_fbgemm:
+        out["FBGEMM TBE EXACT_ROWWISE_ADAGRAD"] = (FbgemmRowwiseStep, True)
+    return out
+
+
+def bench_rowwise_peers(shapes, threads, repeats, backend, timer, flush, table_dtype, with_fbgemm, seed=0):
+    """Row-wise Adagrad training steps side by side, interleaved (every repeat runs each method
+    once, in turn), at each shape and thread count: forward, backward + optimizer, and their sum
+    (medians; a warm-up step dropped). Each method trains its own copy of the same table on the
+    same batches; after the first step the methods' outputs, score gradients and tables are
+    compared with rmt's fused one (``max_diff_*``)."""
+    rows = []
+    before = torch.get_num_threads()
+    for shape in shapes:
+        N, D, T, K = (shape[k] for k in ("N", "D", "T", "K"))
+        gen = torch.Generator().manual_seed(seed)
+        init = torch.randn(N, D, generator=gen).to(table_dtype)
+        batches = [(torch.randint(0, N, (T, K), generator=gen), torch.rand(T, K, 1, generator=gen))
+                   for _ in range(repeats + 1)]
+        grad_out = torch.randn(T, 1, D, generator=gen)
+        for n in threads:
+            torch.set_num_threads(n)
+            steps = {name: cls(init, backend, fused) for name, (cls, fused) in rowwise_peers(with_fbgemm).items()}
+            samples = {name: [] for name in steps}
+            diffs = {}
+            for rep, (indices, scores) in enumerate(batches):
+                for name, step in steps.items():
+                    flush()
+                    timer.start()
+                    out = step.forward(indices, scores)
+                    fwd = timer.stop()
+                    flush()
+                    timer.start()
+                    step.backward_step(out, grad_out)
+                    bwd = timer.stop()
+                    if rep:
+                        samples[name].append((fwd, bwd))
+                    else:
+                        diffs[name] = (out.detach(), step.score_grad().reshape(-1), step.weights())
+            ref = diffs["rmt fused RowWiseAdagrad"]
+            for name, s in samples.items():
+                got = diffs[name]
+                rows.append(dict(shape, method=name, threads=n, fwd_s=statistics.median(x[0] for x in s),
+                                 bwd_opt_s=statistics.median(x[1] for x in s),
+                                 step_s=statistics.median(x[0] + x[1] for x in s),
+                                 max_diff_output=float((got[0].float() - ref[0].float()).abs().max()),
+                                 max_diff_score_grad=float((got[1].float() - ref[1].float()).abs().max()),
+                                 max_diff_table=float((got[2].float() - ref[2].float()).abs().max())))
+            del steps
+    torch.set_num_threads(before)
+    return rows
+
+
+def print_rowwise_peers(rows, note):
+    print("\nrow-wise Adagrad training step side by side (interleaved), ms:" + (f" ({note})" if note else ""))
+    header = (f"{'K':>4} {'thr':>3}  {'method':<34} {'fwd':>8} {'bwd+opt':>8} {'step':>8} {'x fused':>8}"
+              f" {'max|dW|':>9}")
+    print(header)
+    print("-" * len(header))
+    fused = {(r["K"], r["threads"]): r["step_s"] for r in rows if r["method"] == "rmt fused RowWiseAdagrad"}
+    for r in rows:
+        print(f"{r['K']:>4} {r['threads']:>3}  {r['method']:<34} {r['fwd_s'] * 1e3:8.3f} {r['bwd_opt_s'] * 1e3:8.3f} "
+              f"{r['step_s'] * 1e3:8.3f} {r['step_s'] / fused[(r['K'], r['threads'])]:8.2f} {r['max_diff_table']:9.2e}")
 
 
 def profile_headline(backends, device, rows=12, table_dtype=torch.float32):
@@ -389,6 +554,26 @@ def summarize(rows, bandwidth, backend, step_rows, table_elem=4):
     }
 
 
+class CompetingLoad:
+    """``n`` busy processes (pure-Python spin loops) for the duration of a ``with`` block: a
+    machine shared with other jobs, to see how the kernels' threading copes (``--load``)."""
+
+    def __init__(self, n):
+        self.n, self.procs = n, []
+
+    def __enter__(self):
+        import subprocess
+        import sys
+
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.n)]
+        return self
+
+    def __exit__(self, *exc):
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="two shapes, fewer repeats (~1-3 minutes on 2 cores)")
@@ -411,6 +596,11 @@ def main(argv=None):
                         help="where the tensors live (default: cuda where torch sees a GPU, else cpu)")
     parser.add_argument("--table-dtype", choices=tuple(TABLE_DTYPES), default="fp32",
                         help="the value table's storage dtype (scores and outputs stay fp32; default fp32)")
+    parser.add_argument("--threads", default=None,
+                        help="thread counts of the row-wise Adagrad side-by-side table, comma-separated (default "
+                             "1,2 on the CPU; 1 with --clock thread)")
+    parser.add_argument("--load", type=int, default=0, metavar="N",
+                        help="run N competing busy processes during the whole benchmark (a loaded machine)")
     args = parser.parse_args(argv)
     table_dtype = TABLE_DTYPES[args.table_dtype]
     table_elem = torch.empty(0, dtype=table_dtype).element_size()
@@ -427,24 +617,33 @@ def main(argv=None):
         parser.error("--clock thread measures the calling thread's CPU time only: run on the CPU with OMP_NUM_THREADS=1")
     if args.clock in ("events", "device") and device.type != "cuda":
         parser.error(f"--clock {args.clock} times CUDA events: it needs --device cuda")
+    try:
+        threads = [int(x) for x in (args.threads or ("1" if args.clock == "thread" else "1,2")).split(",")]
+    except ValueError:
+        parser.error(f"--threads must be comma-separated positive integers; got {args.threads!r}")
+    if min(threads) < 1 or (args.clock == "thread" and threads != [1]):
+        parser.error("--threads: positive integers, and only 1 with --clock thread")
+    if args.load < 0:
+        parser.error(f"--load must be >= 0; got {args.load}")
     timer = make_timer(args.clock, device)
     # on the CPU a copy of twice the last-level cache (at least 256 MiB): memory, not cache, bandwidth
     probe_mib = 1024 if device.type == "cuda" else max(256, 2 * last_level_cache_bytes(device) >> 20)
     bandwidth = measure_bandwidth(probe_mib, 7, timer, device)
     flush = CacheFlusher(args.cache == "cold", device)
-    rows = [r for shape in shapes(args.quick, device)
-            for r in bench_shape(shape, repeats, backends, timer, flush=flush, device=device, table_dtype=table_dtype)]
+    with CompetingLoad(args.load):
+        rows, step_rows, peer_rows, fbgemm_note, kernel_s = run_all(args, device, backends, backend, timer, flush,
+                                                                    repeats, table_dtype, threads)
     print_table(rows, bandwidth, args.huge_pages, args.clock, args.cache, device)
-    step_rows = bench_step(HEADLINE, repeats, backend, timer, flush=flush, device=device, table_dtype=table_dtype)
     print_steps(step_rows)
-    kernel_s = profile_headline(backends, device, table_dtype=table_dtype) if args.profile else {}
+    print_rowwise_peers(peer_rows, fbgemm_note)
     summary = summarize(rows, bandwidth, backend, step_rows, table_elem)
+    summary.update(summarize_peers(peer_rows))
     if kernel_s:
         ours = kernel_s[f"lookup_reduce[{backend}] sparse grad"]
         summary["kernel_time_speedup_vs_embedding_bag_sparse"] = kernel_s["embedding_bag sparse"] / ours
         summary["kernel_time_speedup_vs_embedding_bag_dense"] = kernel_s["embedding_bag dense"] / ours
     print(f"summary ({backend}; fwd+bwd at N=1M, D=64, T=4096, K=32, C=1, E=1, {args.table_dtype} table, "
-          f"fp32 scores):")
+          f"fp32 scores; competing processes: {args.load}):")
     for key, value in summary.items():
         print(f"  {key}: {value:.3f}")
     if args.json:
@@ -453,10 +652,47 @@ def main(argv=None):
                        torch=torch.__version__, threads=torch.get_num_threads(), backend=backend,
                        backends=backends, device=str(device), gpu=gpu,
                        copy_bandwidth_gbps=bandwidth, huge_pages=args.huge_pages, clock=args.clock,
-                       cache=args.cache, table_dtype=args.table_dtype)
+                       cache=args.cache, table_dtype=args.table_dtype, load=args.load, peer_threads=threads,
+                       omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
+                       fbgemm=fbgemm_note or "fbgemm-gpu-cpu")
         with open(args.json, "w") as f:
             json.dump(dict(benchmark="bench_lookup_reduce", machine=machine, rows=rows, step_rows=step_rows,
-                           kernel_s=kernel_s, summary=summary), f, indent=1)
+                           peer_rows=peer_rows, kernel_s=kernel_s, summary=summary), f, indent=1)
+
+
+def run_all(args, device, backends, backend, timer, flush, repeats, table_dtype, threads):
+    """Every timed table of the run: (fwd/bwd rows, training-step rows, row-wise peer rows, the
+    note on FBGEMM ('' when it ran), profiled kernel seconds)."""
+    rows = [r for shape in shapes(args.quick, device)
+            for r in bench_shape(shape, repeats, backends, timer, flush=flush, device=device, table_dtype=table_dtype)]
+    step_rows = bench_step(HEADLINE, repeats, backend, timer, flush=flush, device=device, table_dtype=table_dtype)
+    note = fbgemm_missing() if device.type == "cpu" else "FBGEMM's CPU build only (fbgemm-gpu-cpu)"
+    if note and device.type == "cpu":
+        note = f"FBGEMM skipped: {note}; pip install -e '.[bench]'"
+        print(note)
+    elif device.type == "cpu" and table_dtype != torch.float32:
+        note = "FBGEMM skipped: its CPU kernels take fp32 or fp16 weights, not bf16"
+        print(note)
+    peer_rows = []
+    if device.type == "cpu":
+        peer_rows = bench_rowwise_peers(FBGEMM_SHAPES, threads, repeats, backend, timer, flush, table_dtype,
+                                        with_fbgemm=not note)
+    kernel_s = profile_headline(backends, device, table_dtype=table_dtype) if args.profile else {}
+    return rows, step_rows, peer_rows, note, kernel_s
+
+
+def summarize_peers(peer_rows):
+    """Headline ratios of the row-wise Adagrad side-by-side table (K=32): rmt's fused step over
+    FBGEMM's and over rmt's unfused one, per thread count."""
+    out = {}
+    step = {(r["method"], r["K"], r["threads"]): r["step_s"] for r in peer_rows}
+    for (method, K, n), value in step.items():
+        if method != "rmt fused RowWiseAdagrad" or K != HEADLINE["K"]:
+            continue
+        out[f"fused_step_speedup_vs_unfused_t{n}"] = step[("rmt sparse + RowWiseAdagrad", K, n)] / value
+        if ("FBGEMM TBE EXACT_ROWWISE_ADAGRAD", K, n) in step:
+            out[f"fused_step_over_fbgemm_step_t{n}"] = value / step[("FBGEMM TBE EXACT_ROWWISE_ADAGRAD", K, n)]
+    return out
 
 
 if __name__ == "__main__":

@@ -1,75 +1,289 @@
-"""Tiny dense / PKM / MoE / UltraMem transformers trained for the same tokens on the default
-corpus; prints their validation losses as a table (UltraMem arXiv 2411.12364, Table 1 in
-miniature). Each model is ``configs/tiny.yaml`` plus the memory of ``configs/<kind>_tiny.yaml``.
+"""Quality of the memory layers side by side (UltraMem arXiv 2411.12364, Table 1 in miniature):
+one dense backbone (``configs/tiny.yaml``: hidden 128, 2 layers, 4 heads, sequence 128) trained
+alone and with each sparse module of ``configs/{pkm,moe,ultramem}_tiny.yaml`` at the same
+placement (input after layer 1, output added after layer 2). As in the paper the three sparse
+modules have matched total parameters and activated FLOPs per token (measured here, printed in
+the table); each memory variant trains at its own tuned value learning rate (a sweep of
+``memory.value_lr_mult`` on a tuning seed not used for the reported runs), then every variant
+trains on several seeds. The table gives validation loss (mean, spread over seeds) against
+parameters and activated FLOPs; an ordering is stated only when the seeds' ranges do not
+overlap.
+
+    python tools/bench_memory_train.py                       # the full comparison (~1 h of CPU)
+    python tools/bench_memory_train.py --quick --json out.json   # smoke run, no conclusion
+    python tools/bench_memory_train.py --plot docs/figures/bench_memory_train.png
+
+Summary keys: ``<variant>_val_loss`` (mean over seeds), ``<variant>_val_loss_spread`` (max - min),
+``ultramem_minus_dense_val_loss``, ``orderings`` (the separated pairs), ``tuned_value_lr_mult``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
 import socket
+import sys
 import time
+import warnings
+from typing import Dict, List, Optional
 
 import torch
 
-from rmt.config import load_config, validate
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-VARIANTS = {"dense": None, "pkm": "configs/pkm_tiny.yaml", "moe": "configs/moe_tiny.yaml",
+from rmt.config import load_config, validate  # noqa: E402
+from rmt.errors import ConfigError  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANTS = {"dense": "configs/tiny.yaml", "pkm": "configs/pkm_tiny.yaml", "moe": "configs/moe_tiny.yaml",
             "ultramem": "configs/ultramem_tiny.yaml"}
+TUNED = ("pkm", "ultramem")  # variants with value tables
+# Table 1 of the paper, 151M activated parameters (C4 validation loss): the orderings to compare.
+PAPER = {"dense": 2.96, "pkm": 2.76, "moe": 2.63, "ultramem": 2.67}
+PAIRS = [("ultramem", "dense"), ("pkm", "dense"), ("moe", "dense"), ("ultramem", "pkm"), ("moe", "ultramem"),
+         ("moe", "pkm")]
 
 
-def _config(kind, steps, overrides):
+def variant_config(kind: str, steps: int, seed: int, eval_iters: int, overrides: List[str],
+                   value_lr_mult: Optional[float] = None, threads: int = 1):
     base = ["train.tensorboard_dir=null", "train.progress=false", f"train.steps={steps}",
-            f"train.warmup_steps={max(1, steps // 10)}", f"train.eval_interval={steps}", "train.eval_iters=4"]
-    return validate(load_config(VARIANTS[kind] or "configs/tiny.yaml", base + overrides), world_size=1)
+            f"train.warmup_steps={max(1, steps // 20)}", f"train.eval_interval={max(1, steps // 10)}",
+            f"train.eval_iters={eval_iters}", f"train.seed={seed}", f"train.threads={threads}",
+            f"train.log_interval={steps}"]
+    if value_lr_mult is not None:
+        base.append(f"memory.value_lr_mult={value_lr_mult}")
+    return validate(load_config(os.path.join(ROOT, VARIANTS[kind]), base + overrides), world_size=1)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quick", action="store_true", help="60 steps per model (~3 min on 2 cores)")
-    ap.add_argument("--steps", type=int, help="training steps per model (default 300, quick 60)")
-    ap.add_argument("--json", help="write {benchmark, machine, rows, summary} here")
-    ap.add_argument("overrides", nargs="*", help="dotted config overrides applied to every model")
-    args = ap.parse_args(argv)
-    steps = args.steps or (60 if args.quick else 300)
-    from rmt.parallel import destroy, initialize
+def check_backbone(configs: Dict[str, object]) -> None:
+    """Every variant must share the dense model and the training recipe; only ``memory.*`` differs."""
+    ref = configs["dense"]
+    for kind, cfg in configs.items():
+        for section in ("model", "train", "data"):
+            a, b = dataclasses.asdict(getattr(ref, section)), dataclasses.asdict(getattr(cfg, section))
+            diff = sorted(k for k in a if a[k] != b[k])
+            if diff:
+                raise ConfigError(f"variant '{kind}' ({VARIANTS[kind]}) differs from the dense backbone in "
+                                  f"{', '.join(f'{section}.{k}' for k in diff)}; only memory.* may differ")
+
+
+def activated_flops_per_token(chunk: torch.nn.Module, config) -> float:
+    """Forward FLOPs per token of one microbatch as torch's FlopCounterMode counts them (the matmuls
+    that run: for MoE only the routed experts), plus the score-weighted sums of the memory
+    lookups (2 x retrieved values x value dim per token), which run in rmt's own op."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from rmt.memory.layer import MemoryLayer
+    from rmt.training.trainer import causal_mask
+
+    b, s = config.train.micro_batch_size, config.model.seq_length
+    ids = torch.randint(0, config.model.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
+    was_training = chunk.training
+    chunk.eval()  # no BatchNorm statistics or slot counters recorded
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        chunk(ids, torch.arange(s).expand(b, s), causal_mask(s, ids.device))
+    chunk.train(was_training)
+    lookups = sum(2 * m.spec.num_heads * m.spec.topk * m.spec.value_dim
+                  for m in chunk.modules() if isinstance(m, MemoryLayer))
+    return counter.get_total_flops() / (b * s) + lookups
+
+
+def train_once(kind: str, config) -> Dict:
     from rmt.training.trainer import Trainer
+
+    torch.manual_seed(config.train.seed)
+    start, cpu = time.perf_counter(), time.process_time()
+    trainer = Trainer(config)
+    history = trainer.train()
+    module = trainer.chunks[0].module
+    return {"model": kind, "seed": config.train.seed, "value_lr_mult": config.memory.value_lr_mult
+            if kind in TUNED else None,
+            "params": sum(p.numel() for p in module.parameters()),
+            "flops_per_token": activated_flops_per_token(module, config),
+            "tokens": config.train.steps * trainer.global_batch * config.model.seq_length,
+            "curve": [(m["step"], m["val_loss"]) for m in history if "val_loss" in m],
+            "train_loss": history[-1]["lm loss"], "val_loss": history[-1]["val_loss"],
+            "seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu}
+
+
+def spread(values: List[float]) -> float:
+    return max(values) - min(values)
+
+
+def orderings(final: Dict[str, List[float]], quick: bool = False) -> List[Dict]:
+    """Each pair: 'a < b' when every seed of a is below every seed of b (and the reverse), else
+    not separated; nothing is claimed from one seed or from a ``--quick`` run. ``per_seed`` gives
+    the paired differences a - b seed by seed (the variants of one seed share the data order and
+    the backbone's initial weights, so a seed's effect, often larger than the variants', cancels
+    in them); they are reported, not used for the verdict."""
+    out = []
+    for a, b in PAIRS:
+        if a not in final or b not in final:
+            continue
+        va, vb = final[a], final[b]
+        if quick:
+            verdict = "not claimed (quick run)"
+        elif min(len(va), len(vb)) < 2:
+            verdict = "not claimed (one seed)"
+        elif max(va) < min(vb):
+            verdict = f"{a} < {b}"
+        elif max(vb) < min(va):
+            verdict = f"{b} < {a}"
+        else:
+            verdict = "not separated"
+        paper = f"{a} < {b}" if PAPER[a] < PAPER[b] else f"{b} < {a}"
+        out.append({"pair": f"{a} vs {b}", "difference": sum(va) / len(va) - sum(vb) / len(vb),
+                    "per_seed": [x - y for x, y in zip(va, vb)],
+                    "verdict": verdict, "paper": paper,
+                    "agrees": None if verdict.startswith("not") else verdict == paper})
+    return out
+
+
+def plot(path: str, final_rows: List[Dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    kinds = [k for k in VARIANTS if any(r["model"] == k for r in final_rows)]
+    for kind in kinds:
+        runs = [r for r in final_rows if r["model"] == kind]
+        steps = [s for s, _ in runs[0]["curve"]]
+        curves = torch.tensor([[v for _, v in r["curve"]] for r in runs])
+        line, = ax1.plot(steps, curves.mean(0), label=kind)
+        ax1.fill_between(steps, curves.min(0).values, curves.max(0).values, color=line.get_color(), alpha=0.25)
+        finals = [r["val_loss"] for r in runs]
+        ax2.errorbar(runs[0]["flops_per_token"] / 1e6, sum(finals) / len(finals),
+                     yerr=[[sum(finals) / len(finals) - min(finals)], [max(finals) - sum(finals) / len(finals)]],
+                     fmt="o", color=line.get_color(), capsize=4)
+        ax2.annotate(f"{kind} {runs[0]['params'] / 1e6:.2f}M", (runs[0]["flops_per_token"] / 1e6, min(finals)),
+                     textcoords="offset points", xytext=(4, -12), fontsize=8)
+    ax1.set(xlabel="step", ylabel="validation loss", title="validation loss (mean, seed range)")
+    curves = [v for r in final_rows for _, v in r["curve"][len(r["curve"]) // 5:]]
+    ax1.set_ylim(min(curves) - 0.02, max(curves) + 0.02)  # the first fifth (warmup) off the scale
+    ax1.legend()
+    ax2.set(xlabel="activated MFLOPs per token", ylabel="final validation loss",
+            title="final loss vs activated compute (label: parameters)")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smoke run: 60 steps, one seed, no LR sweep, no conclusion")
+    ap.add_argument("--steps", type=int, help="training steps per run (default 1500; quick 60)")
+    ap.add_argument("--seeds", help="comma-separated seeds of the reported runs (default 1,2,3; quick 1)")
+    ap.add_argument("--tune-seed", type=int, default=0, help="seed of the value-LR sweep runs (default 0)")
+    ap.add_argument("--value-lr-mults", help="memory.value_lr_mult values swept for PKM and UltraMem "
+                    "(default 1,3,10,30; quick: none, the configs' own)")
+    ap.add_argument("--eval-iters", type=int, help="validation batches per evaluation (default 16; quick 2)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="subset of dense,pkm,moe,ultramem")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
+    ap.add_argument("--json", help="write {benchmark, machine, rows, summary} here")
+    ap.add_argument("--plot", help="write validation curves and loss vs activated FLOPs as a PNG here")
+    ap.add_argument("overrides", nargs="*", help="dotted config overrides applied to every variant")
+    args = ap.parse_args(argv)
+    q = args.quick
+    steps = args.steps or (60 if q else 1500)
+    seeds = [int(s) for s in (args.seeds or ("1" if q else "1,2,3")).split(",")]
+    mults = [float(x) for x in (args.value_lr_mults or ("" if q else "1,3,10,30")).split(",") if x]
+    eval_iters = args.eval_iters or (2 if q else 16)
+    kinds = [k for k in args.variants.split(",") if k]
+    unknown = [k for k in kinds if k not in VARIANTS]
+    if unknown or "dense" not in kinds:
+        print(f"bench_memory_train: --variants must include dense and name only {', '.join(VARIANTS)}; "
+              f"got {args.variants}", file=sys.stderr)
+        return 2
+    try:
+        configs = {k: variant_config(k, steps, seeds[0], eval_iters, args.overrides, threads=args.threads)
+                   for k in kinds}
+        check_backbone(configs)
+    except ConfigError as err:
+        print(f"bench_memory_train: {err}", file=sys.stderr)
+        return 2
+    warnings.filterwarnings("ignore")
+    from rmt.parallel import destroy, initialize
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
-    rows = []
-    initialize(_config("dense", steps, args.overrides))
+    rows: List[Dict] = []
+    initialize(configs["dense"])
     try:
-        for kind in VARIANTS:
-            cfg = _config(kind, steps, args.overrides)
-            torch.manual_seed(cfg.train.seed)
-            start = time.perf_counter()
-            trainer = Trainer(cfg)
-            history = trainer.train()
-            params = sum(p.numel() for c in trainer.chunks for p in c.parameters())
-            rows.append({"model": kind, "params": params, "tokens": steps * trainer.global_batch * cfg.model.seq_length,
-                         "train_loss": history[-1]["lm loss"], "val_loss": history[-1]["val_loss"],
-                         "seconds": time.perf_counter() - start})
-            print(f"{kind}: val_loss {rows[-1]['val_loss']:.4f}", flush=True)
+        tuned = {}
+        for kind in [k for k in kinds if k in TUNED]:
+            if not mults:
+                tuned[kind] = configs[kind].memory.value_lr_mult
+                continue
+            sweep = []
+            for mult in mults:
+                row = train_once(kind, variant_config(kind, steps, args.tune_seed, eval_iters, args.overrides,
+                                                      mult, args.threads))
+                rows.append(dict(row, phase="tune"))
+                sweep.append((row["val_loss"], mult))
+                print(f"tune {kind} value_lr_mult {mult:g}: val_loss {row['val_loss']:.4f} "
+                      f"({row['cpu_seconds']:.0f} CPU s)", flush=True)
+            tuned[kind] = min(sweep)[1]
+        final: Dict[str, List[float]] = {}
+        for kind in kinds:
+            for seed in seeds:
+                row = train_once(kind, variant_config(kind, steps, seed, eval_iters, args.overrides,
+                                                      tuned.get(kind), args.threads))
+                rows.append(dict(row, phase="final"))
+                final.setdefault(kind, []).append(row["val_loss"])
+                print(f"{kind} seed {seed}: val_loss {row['val_loss']:.4f} ({row['cpu_seconds']:.0f} CPU s)",
+                      flush=True)
     finally:
         destroy()
-    print(f"\n{'model':<10} {'params':>10} {'tokens':>10} {'train loss':>11} {'val loss':>9} {'s':>7}")
-    for r in rows:
-        print(f"{r['model']:<10} {r['params']:>10} {r['tokens']:>10} {r['train_loss']:>11.4f} {r['val_loss']:>9.4f} "
-              f"{r['seconds']:>7.1f}")
-    by = {r["model"]: r["val_loss"] for r in rows}
-    summary = {f"{k}_val_loss": v for k, v in by.items()}
-    summary["ultramem_minus_dense_val_loss"] = by["ultramem"] - by["dense"]
+    final_rows = [r for r in rows if r["phase"] == "final"]
+    dense = sum(final["dense"]) / len(final["dense"])
+    sweep = (f"value LR mult tuned on seed {args.tune_seed} over {','.join(f'{m:g}' for m in mults)}" if mults
+             else "value LR mult: the configs' own (no sweep)")
+    print(f"\n{steps} steps x {final_rows[0]['tokens'] // steps} tokens, seeds {','.join(map(str, seeds))}; {sweep}")
+    print(f"{'model':<9} {'params':>9} {'MFLOP/tok':>9} {'value LR':>8} {'val loss':>9} {'spread':>7} "
+          f"{'vs dense':>8} {'paper':>6}")
+    for kind in kinds:
+        r = next(x for x in final_rows if x["model"] == kind)
+        mean = sum(final[kind]) / len(final[kind])
+        mult = f"{tuned[kind]:g}x" if kind in tuned else "-"
+        print(f"{kind:<9} {r['params']:>9,} {r['flops_per_token'] / 1e6:>9.3f} {mult:>8} {mean:>9.4f} "
+              f"{spread(final[kind]):>7.4f} {mean - dense:>+8.4f} {PAPER[kind]:>6.2f}")
+    pairs = orderings(final, quick=q)
+    if q:
+        print(f"\nNo ordering is claimed: a --quick run ({steps} steps, no value-LR sweep) is too short to "
+              "separate the variants.")
+    elif len(seeds) < 2:
+        print("\nNo ordering is claimed: one seed cannot separate the variants.")
+    else:
+        print("\nOrderings (stated when the seeds' ranges do not overlap; paper: Table 1 at 151M):")
+        for p in pairs:
+            agree = {None: "", True: "  (as the paper)", False: "  (the paper has the reverse)"}[p["agrees"]]
+            paired = ", ".join(f"{d:+.3f}" for d in p["per_seed"])
+            print(f"  {p['pair']:<20} {p['verdict']:<22} mean difference {p['difference']:+.4f} "
+                  f"(per seed {paired}){agree}")
+    summary = {f"{k}_val_loss": sum(v) / len(v) for k, v in final.items()}
+    summary.update({f"{k}_val_loss_spread": spread(v) for k, v in final.items()})
+    if "ultramem" in final:
+        summary["ultramem_minus_dense_val_loss"] = summary["ultramem_val_loss"] - dense
+    summary["orderings"] = {p["pair"]: p["verdict"] for p in pairs}
+    summary["tuned_value_lr_mult"] = tuned
+    if args.plot:
+        plot(args.plot, final_rows)
+        print(f"figure: {args.plot}")
     if args.json:
+        machine = {"platform": platform.platform(), "torch": torch.__version__, "threads": args.threads,
+                   "quick": q, "steps": steps, "seeds": seeds}
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "bench_memory_train",
-                       "machine": {"platform": platform.platform(), "torch": torch.__version__,
-                                   "threads": torch.get_num_threads()},
-                       "rows": rows, "summary": summary}, f, indent=1)
+            json.dump({"benchmark": "bench_memory_train", "machine": machine, "rows": rows, "summary": summary},
+                      f, indent=1)
+        print(f"json: {args.json}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

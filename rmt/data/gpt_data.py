@@ -5,6 +5,9 @@ against the model's vocabulary; :func:`build_datasets` makes the train/valid spl
 :func:`microbatches` yields the microbatches of one global batch for this data-parallel rank.
 The order of samples depends only on the number consumed, so training resumes at the exact
 position and a change of data-parallel size with the same global batch sees the same samples.
+Document boundaries (``data.reset_position_ids``, ``reset_attention_mask``, ``eod_mask_loss``)
+are megatron-core's: each sample then carries its position ids, loss mask and block-causal
+attention mask (:mod:`rmt.models.documents`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 from rmt.config import RMTConfig
 from rmt.data.corpus import corpus_documents
-from rmt.data.indexed import max_token_id, open_indexed, read_metadata, write_indexed
+from rmt.data.indexed import max_token_id, open_indexed, write_indexed
+from rmt.data.metadata import DEFAULT, adopt_dataset_tokenizer, read_metadata
 from rmt.data.tokenizers import build_tokenizer
 from rmt.errors import UserError
 
@@ -43,8 +47,9 @@ class _TokenizerInfo:
 
 def default_corpus_prefix(config: RMTConfig) -> str:
     d = config.data
-    tok = d.tokenizer if d.tokenizer in ("byte", "bpe") else "hf_" + os.path.basename(d.tokenizer.rstrip("/"))
-    if d.tokenizer == "bpe":
+    spec = d.tokenizer or DEFAULT
+    tok = spec if spec in ("byte", "bpe") else "hf_" + os.path.basename(spec.rstrip("/"))
+    if spec == "bpe":
         tok += str(d.bpe_vocab_size)
     return os.path.join(d.cache_dir, f"stdlib_{tok}_{d.max_documents or 'all'}", "corpus")
 
@@ -54,17 +59,22 @@ def prepare_default_corpus(config: RMTConfig) -> str:
     prefix = default_corpus_prefix(config)
     if not os.path.isfile(prefix + ".idx"):
         d = config.data
-        tok = build_tokenizer(d.tokenizer, d.cache_dir, d.bpe_vocab_size, d.max_documents)
+        tok = build_tokenizer(d.tokenizer or DEFAULT, d.cache_dir, d.bpe_vocab_size, d.max_documents)
         docs = corpus_documents(d.max_documents)
         batch = getattr(tok, "tokenize_batch", None)
         ids = batch(list(docs)) if batch else [tok.tokenize(t) for t in docs]
-        write_indexed(prefix, ids, tok)
+        try:
+            write_indexed(prefix, ids, tok)
+        except OSError as err:
+            raise UserError(f"cannot write the tokenized default corpus into data.cache_dir '{d.cache_dir}' "
+                            f"({err.strerror or err}); set data.cache_dir to a writable directory") from None
     return prefix
 
 
 def resolve_data(config: RMTConfig) -> DataSpec:
-    """Open and check the dataset (building the default corpus on global rank 0 first), and
-    fix ``model.vocab_size`` from it when unset. Raises UserError for bad data."""
+    """Open and check the dataset (building the default corpus on global rank 0 first), take
+    the tokenizer its metadata records (``data.tokenizer``, :mod:`rmt.data.metadata`) and fix
+    ``model.vocab_size`` from it when unset. Raises UserError for bad data."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     if config.data.path is None:
         if rank == 0:
@@ -75,6 +85,7 @@ def resolve_data(config: RMTConfig) -> DataSpec:
     else:
         prefix = config.data.path
     ds = open_indexed(prefix)
+    adopt_dataset_tokenizer(config, prefix)
     meta = read_metadata(prefix)
     if meta is not None:
         vocab, eod = int(meta["vocab_size"]), int(meta["eod"])
@@ -102,10 +113,11 @@ def build_datasets(config: RMTConfig, spec: DataSpec, num_train: int, num_valid:
         split=config.data.split,
         path_to_cache=os.path.join(os.path.dirname(os.path.abspath(spec.prefix)), "index_cache"),
         tokenizer=_TokenizerInfo(spec.vocab_size, spec.eod),
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        create_attention_mask=False,
+        reset_position_ids=config.data.reset_position_ids,
+        reset_attention_mask=config.data.reset_attention_mask,
+        eod_mask_loss=config.data.eod_mask_loss,
+        # per-sample block-causal masks only where documents restart attention
+        create_attention_mask=config.data.reset_attention_mask,
         mid_level_dataset_surplus=0.005,
     )
     _check_split(spec.prefix, config.data.split, bool(num_valid))

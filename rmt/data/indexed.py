@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
+from rmt.data.metadata import read_metadata
 from rmt.errors import UserError
 
 
@@ -82,18 +83,6 @@ def open_indexed(prefix: str) -> IndexedDataset:
             f"dataset '{prefix}.bin' has {actual} bytes but its index describes {expected}: "
             "the files are truncated or do not belong together")
     return ds
-
-
-def read_metadata(prefix: str):
-    """The sidecar written by :func:`write_indexed`, or None for datasets made elsewhere."""
-    path = prefix + ".json"
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as err:
-        raise UserError(f"dataset metadata '{path}' is unreadable ({err})") from None
 
 
 def max_token_id(prefix: str, ds: IndexedDataset) -> int:

@@ -35,6 +35,9 @@ def preprocess(inputs: List[str], output_prefix: str, tokenizer_spec: str = "byt
         if not os.path.isfile(p):
             raise UserError(f"input file '{p}' does not exist")
     fmt = _format_of(inputs)
+    if fmt != "parquet":
+        for p in inputs:
+            _check_has_text(p)
     from rmt.data.indexed import write_indexed
 
     tokenizer = build_tokenizer(tokenizer_spec, cache_dir, bpe_vocab_size)
@@ -46,18 +49,35 @@ def preprocess(inputs: List[str], output_prefix: str, tokenizer_spec: str = "byt
         ds = datasets.load_dataset(fmt, data_files=inputs, split="train",
                                    cache_dir=os.path.join(cache_dir, "hf_datasets"))
     except Exception as err:
-        raise UserError(f"could not read {inputs[0]} as {fmt} ({str(err).splitlines()[0]})") from None
+        cause = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise UserError(f"could not read {inputs[0]} as {fmt} ({cause})") from None
     if text_key not in ds.column_names:
         raise UserError(f"inputs have no '{text_key}' field; fields are: {', '.join(ds.column_names)}")
+    if not any(t for batch in ds.iter(batch_size=1024) for t in batch[text_key]):
+        raise UserError(f"the inputs hold no text: every '{text_key}' is empty")
     return write_indexed(output_prefix, _tokenized(ds, text_key, tokenizer), tokenizer)
 
 
+def _check_has_text(path: str) -> None:
+    """A jsonl or txt input with nothing but white space is a mistake (HF ``datasets`` fails on
+    it with a message that does not say so)."""
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 20)
+            if not chunk:
+                raise UserError(f"input file '{path}' is empty" if f.tell() == 0 else
+                                f"input file '{path}' holds nothing but white space")
+            if chunk.strip():
+                return
+
+
 def _tokenized(ds, text_key: str, tokenizer, batch_size: int = 1024):
-    """Token ids per document, in order. (Not ``Dataset.map``: its fingerprinting pickles the
-    function, and pickling a Rust tokenizer crashes; HF tokenizers batch-encode in parallel.)"""
+    """Token ids per document with text, in order; empty documents (blank lines of a txt file)
+    are left out. (Not ``Dataset.map``: its fingerprinting pickles the function, and pickling a
+    Rust tokenizer crashes; HF tokenizers batch-encode in parallel.)"""
     encode = getattr(tokenizer, "tokenize_batch", None)
     for batch in ds.iter(batch_size=batch_size):
-        texts = [t or "" for t in batch[text_key]]
+        texts = [t for t in batch[text_key] if t]
         yield from (encode(texts) if encode else [tokenizer.tokenize(t) for t in texts])
 
 

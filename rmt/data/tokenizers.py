@@ -8,7 +8,7 @@ Each exposes what megatron-core's GPTDataset reads (``vocab_size``, ``eod``) plu
 from __future__ import annotations
 
 import os
-from typing import Iterable, List
+from typing import Iterable, List, Optional
 
 from rmt.errors import UserError
 
@@ -30,17 +30,18 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A HF ``tokenizers`` tokenizer file. The end-of-document id is the first of the usual
-    special tokens present, else one id past the vocabulary."""
+    """A HF ``tokenizers`` tokenizer file (or its contents ``json_text``, as a checkpoint carries
+    them, with ``path`` where it was). The end-of-document id is the first of the usual special
+    tokens present, else one id past the vocabulary."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, json_text: Optional[str] = None):
         from tokenizers import Tokenizer
 
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-        if not os.path.isfile(file):
+        if json_text is None and not os.path.isfile(file):
             raise UserError(f"tokenizer path '{path}' has no tokenizer.json")
         try:
-            self._tok = Tokenizer.from_file(file)
+            self._tok = Tokenizer.from_file(file) if json_text is None else Tokenizer.from_str(json_text)
         except Exception as err:
             raise UserError(f"tokenizer file '{file}' could not be read ({err})") from None
         self.spec = os.path.abspath(file)
@@ -71,10 +72,14 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_file: str) -> str:
         vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer)
-    os.makedirs(os.path.dirname(os.path.abspath(out_file)), exist_ok=True)
     tmp = out_file + ".tmp"
-    tok.save(tmp)
-    os.replace(tmp, out_file)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(out_file)), exist_ok=True)
+        tok.save(tmp)
+        os.replace(tmp, out_file)
+    except Exception as err:  # OSError, or the Rust side's own error for an unwritable file
+        raise UserError(f"cannot write the trained tokenizer '{out_file}' ({getattr(err, 'strerror', None) or err}); "
+                        f"the cache directory must be writable") from None
     return out_file
 
 
@@ -85,8 +90,9 @@ def build_tokenizer(spec: str, cache_dir: str = ".rmt_cache", bpe_vocab_size: in
         return ByteTokenizer()
     if spec == "bpe":
         from rmt.data.corpus import corpus_documents
+        from rmt.data.metadata import bpe_path
 
-        path = os.path.join(cache_dir, f"bpe_{bpe_vocab_size}_{max_documents or 'all'}.json")
+        path = bpe_path(cache_dir, bpe_vocab_size, max_documents)
         if not os.path.isfile(path):
             train_bpe(corpus_documents(max_documents), bpe_vocab_size, path)
         return HFTokenizer(path)

@@ -41,6 +41,7 @@ from rmt.memory.moe import SkipMoE, moe_modules, set_aux_loss_scale
 from rmt.memory.stream import ForkMemory, JoinMemory, MemoryLink, MemoryStream
 from rmt.memory.table import MemoryTable
 from rmt.memory.validate import parse_placement, stage_layers
+from rmt.models.documents import document_starts
 from rmt.parallel import compat
 
 
@@ -151,15 +152,25 @@ class MemoryWiring:
         self.kept: Dict[int, torch.Tensor] = {}
         self.pending: Dict[int, object] = {}
         self.sync_s = 0.0
-        self.handles = []
+        self.documents: Optional[torch.Tensor] = None
+        self.handles = [chunk.register_forward_pre_hook(self.capture_documents, with_kwargs=True)]
         starts = {i for i, _ in placement.values()}
         for number in sorted(starts | {j for _, j in placement.values()}):
             self.handles.append(layers[number - 1].register_forward_hook(self._hook(number, number in starts)))
 
-    def _run(self, k: int, x: torch.Tensor) -> torch.Tensor:
+    def capture_documents(self, module, args, kwargs) -> None:
+        """Forward pre-hook of the chunk: the document starts of its attention mask (argument
+        ``attention_mask``, the third positional one), for the memory layers' query convolution
+        (:mod:`rmt.models.documents`; None without document boundaries)."""
+        mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
+        self.documents = document_starts(mask)
+
+    def _run(self, k: int, x: torch.Tensor, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
         x = x if self.seq_dim == 0 else x.transpose(0, self.seq_dim)
+        module = self.modules[k]
+        extra = {"documents": documents} if documents is not None and isinstance(module, MemoryLayer) else {}
         # Flattened to [s, b, width]: the RMT's residual is a Dv x Dk matrix per token.
-        y = self.modules[k](x.flatten(2)).view(x.shape)
+        y = module(x.flatten(2), **extra).view(x.shape)
         return y if self.seq_dim == 0 else y.transpose(0, self.seq_dim)
 
     def _launch(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
@@ -172,7 +183,7 @@ class MemoryWiring:
             x = hidden.detach().requires_grad_()
             link = MemoryLink(self.stream, x)
             hidden = ForkMemory.apply(hidden, link)
-        self.pending[k] = (self.stream.launch(partial(self._run, k), x), link)
+        self.pending[k] = (self.stream.launch(partial(self._run, k, documents=self.documents), x), link)
         return hidden
 
     def _join(self, k: int, hidden: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -217,7 +228,7 @@ class MemoryWiring:
                         continue
                 else:
                     start = time.perf_counter()
-                    y = self._run(k, self.kept[i])
+                    y = self._run(k, self.kept[i], self.documents)
                     self.sync_s += time.perf_counter() - start
                 added = y if added is None else added + y
                 if self.aux_scale is not None:

@@ -62,6 +62,32 @@ def memory_parallel_groups(group_size: int = 0):
     return _CACHE[key]
 
 
+def fused_update(p: torch.nn.Parameter):
+    """The :class:`rmt.ops.fused_update.FusedValueUpdate` that steps ``p`` inside its lookups'
+    backward (``memory.fused_value_optimizer``), or None."""
+    return getattr(p, "memory_fused_update", None)
+
+
+def attach_fused_updates(params: Iterable[torch.nn.Parameter], optimizer) -> List:
+    """Step every value table among ``params`` (sparse-gradient tables held by ``optimizer``, a
+    SparseAdam or RowWiseAdagrad) inside its lookups' backward: its lookups of the step are summed
+    over its replicas (the data-parallel group of a local table, the replica group of a shard) and
+    scaled by ``1 / DP``, the data-parallel mean :func:`finish_memory_grads` makes of the unfused
+    gradient. Returns the updates."""
+    from rmt.ops.fused_update import FusedValueUpdate
+
+    scale = 1.0 / parallel_state.get_data_parallel_world_size()
+    updates = []
+    for p in params:
+        if not getattr(p, "memory_sparse_grad", False):
+            continue
+        sharded = getattr(p, "memory_sharded", False)
+        group = p.memory_replica_group if sharded else parallel_state.get_data_parallel_group()
+        p.memory_fused_update = FusedValueUpdate(p, optimizer, group=group, grad_scale=scale)
+        updates.append(p.memory_fused_update)
+    return updates
+
+
 def self_reduced(p: torch.nn.Parameter) -> bool:
     """Whether the memory code, not megatron DDP, reduces ``p``'s gradient: sharded tables
     (gradients through the collectives) and tables with sparse touched-row gradients."""
@@ -128,9 +154,14 @@ def finish_memory_grads(modules: Iterable[torch.nn.Module]) -> None:
     """The data-parallel mean gradient of every self-reduced table: shard gradients are
     summed over their replicas and divided by ``DP`` (see the module docstring); replicated
     (local) tables with sparse gradients are summed over the data-parallel group and divided
-    by ``DP``, as DDP does for dense ones. Sparse gradients stay sparse (coalesced)."""
+    by ``DP``, as DDP does for dense ones. Sparse gradients stay sparse (coalesced). Tables with a
+    :func:`fused_update` have no gradient: their rows were stepped in the backward (the update's
+    leftover lookups, if any, are stepped here)."""
     scale = 1.0 / parallel_state.get_data_parallel_world_size()
     for p in self_reduced_params(modules):
+        if fused_update(p) is not None:
+            fused_update(p).flush()
+            continue
         sharded = getattr(p, "memory_sharded", False)
         group = p.memory_replica_group if sharded else parallel_state.get_data_parallel_group()
         if getattr(p, "memory_sparse_grad", False):
@@ -158,14 +189,18 @@ def memory_grad_sq_norm(params: Iterable[torch.nn.Parameter]) -> float:
     """Squared L2 norm of the full gradients of the self-reduced tables among ``params``:
     each shard counted once (summed over its memory-parallel group), replicated tables once
     (their reduced gradient is the same on every tensor-parallel rank), then summed over the
-    pipeline stages, whose tables differ. Collective over the pipeline group."""
+    pipeline stages, whose tables differ. Collective over the pipeline group. A table stepped in
+    its backward (:func:`fused_update`) counts the squared norm of the gradient it stepped with."""
     device = compat.device()
     sharded, local = torch.zeros(1, dtype=torch.float64, device=device), torch.zeros(1, dtype=torch.float64, device=device)
     group = None
     for p in params:
-        if not self_reduced(p) or p.grad is None:
+        if not self_reduced(p) or (p.grad is None and fused_update(p) is None):
             continue
-        sq = square_sum(grad_values(p.grad.detach()))
+        if fused_update(p) is not None:
+            sq = torch.tensor(fused_update(p).pop_sq_norm(), dtype=torch.float64, device=device)
+        else:
+            sq = square_sum(grad_values(p.grad.detach()))
         if getattr(p, "memory_sharded", False):
             sharded += sq
             group = p.memory_group

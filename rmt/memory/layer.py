@@ -4,7 +4,8 @@ module whose every §3.2 / Table 2 improvement is a switch of :class:`MemorySpec
 Forward of one layer on hidden states ``x [s, b, hidden]`` (sequence first):
 
 1. input LayerNorm; optional causal depthwise conv over the sequence (§3.2 item 4);
-2. query projection, per head, shared by row and column keys or not (item 5);
+2. query projection, per head, shared by row and column keys or not (item 5), with an optional
+   bias and BatchNorm (PKM as published, :mod:`rmt.memory.batchnorm`);
 3. optional LayerNorm of queries and keys (item 2), gains per Appendix A;
 4. retrieval: product keys (Eq. 2-3) or TDQKR with multi-core scoring (Eq. 4-10, 16);
 5. optional softmax over the top-m (PKM; removed in UltraMem, item 1);
@@ -28,6 +29,7 @@ from rmt.config import MemoryConfig as _MEM
 from rmt.config import ModelConfig
 from rmt.memory.retrieval import (expected_topm_mean, grid_side, product_topk, rank1_selector,
                                   tucker_aux_loss, tucker_topk)
+from rmt.memory.batchnorm import QueryBatchNorm
 from rmt.memory.ive import AddressShuffle
 from rmt.memory.table import MemoryTable
 from rmt.memory.validate import memory_width
@@ -53,6 +55,8 @@ class MemorySpec:
     value_dim: int = 0  # 0: hidden_size // 2 (§3.2 item 6)
     share_query: bool = _MEM.share_query
     query_key_norm: bool = _MEM.query_key_norm
+    query_batchnorm: bool = _MEM.query_batchnorm
+    query_bias: bool = _MEM.query_bias
     conv_kernel: int = _MEM.conv_kernel
     improved_init: bool = _MEM.improved_init
     init_samples: int = _MEM.init_samples
@@ -77,6 +81,7 @@ class MemorySpec:
         common = dict(hidden_size=width, num_layers=m.num_layers, num_heads=mem.num_heads,
                       topk=mem.topk, num_keys=mem.num_keys, init_std=m.init_std,
                       sparse_grad=mem.value_optimizer != "adamw", seed=config.train.seed * 1000 + index,
+                      query_batchnorm=mem.query_batchnorm, query_bias=mem.query_bias,
                       value_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[mem.value_dtype])
         if mem.type == "pkm":
             return cls(side_dim=mem.key_dim // 2, retrieval="product", tucker_rank=1, num_cores=1,
@@ -137,15 +142,23 @@ class MemoryLayer(torch.nn.Module):
         self.spec = s = spec
         H, r, n, E = s.num_heads, s.tucker_rank, s.grid, s.ive_blocks
         self.sub_dim = s.side_dim // r
-        self.norm = torch.nn.LayerNorm(s.hidden_size)
+        # With the query BatchNorm a constant shift of the query input cancels: the input norm has
+        # no bias (its gradient would be rounding noise, which Adam turns into steps of ~0.1 lr).
+        self.norm = torch.nn.LayerNorm(s.hidden_size, bias=not s.query_batchnorm)
         if s.conv_kernel:
             # Causal depthwise conv (§3.2 item 4), initialised to the identity (current token).
             w = torch.zeros(s.hidden_size, 1, s.conv_kernel)
             w[..., -1] = 1.0
             self.conv = _tag(torch.nn.Parameter(w), None)
         sides = 1 if s.share_query else 2
-        self.query = torch.nn.Linear(s.hidden_size, H * sides * s.side_dim, bias=False)
+        self.query = torch.nn.Linear(s.hidden_size, H * sides * s.side_dim, bias=s.query_bias)
         _tag(self.query.weight, s.init_std)
+        if s.query_bias:
+            torch.nn.init.zeros_(self.query.bias)
+            # BatchNorm subtracts the mean the bias adds (in training, and in evaluation through
+            # the running mean): kept (XLM's parameters), not trained, as the norm's bias above.
+            self.query.bias.requires_grad_(not s.query_batchnorm)
+        self.query_bn = QueryBatchNorm(H * sides * s.side_dim) if s.query_batchnorm else None
         key_std = 1.0 / math.sqrt(self.sub_dim)
         self.keys = _tag(torch.nn.Parameter(torch.randn(H, 2, r, n, self.sub_dim) * key_std), key_std)
         if s.query_key_norm:
@@ -173,13 +186,18 @@ class MemoryLayer(torch.nn.Module):
         self._frozen = None
 
     # -- pieces ----------------------------------------------------------------------------
-    def query_input(self, x: torch.Tensor, state: Optional[Dict] = None) -> torch.Tensor:
+    def query_input(self, x: torch.Tensor, state: Optional[Dict] = None,
+                    documents: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Normed (and causally convolved) input ``[s, b, hidden]``. ``state`` (decoding) keeps
-        the last ``kernel - 1`` normed inputs between calls."""
+        the last ``kernel - 1`` normed inputs between calls. ``documents`` (``[b, s]`` document
+        starts, :func:`~rmt.models.documents.document_starts`): the convolution's taps stop at
+        each token's document start."""
         h = self.norm(x)
         if not self.spec.conv_kernel:
             return h
         k = self.spec.conv_kernel
+        if documents is not None:
+            return self._document_conv(h, documents)
         if state is not None:
             past = state.get("conv")
             if past is None:
@@ -191,6 +209,19 @@ class MemoryLayer(torch.nn.Module):
             full, left = h, k - 1
         y = F.conv1d(F.pad(full.permute(1, 2, 0), (left, 0)), self.conv, groups=self.spec.hidden_size)
         return y[..., -h.shape[0]:].permute(2, 0, 1)
+
+    def _document_conv(self, h: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        """The causal depthwise convolution as a sum of shifted inputs, each tap zeroed where it
+        reaches before the token's document start: ``y_t = sum_d w[k-1-d] h_{t-d} [t-d >= start_t]``
+        (with every start 0 it equals the ``conv1d`` path)."""
+        k, seq = self.spec.conv_kernel, h.shape[0]
+        t = torch.arange(seq, device=h.device)[:, None]
+        y = h * self.conv[:, 0, k - 1].to(h.dtype)
+        for d in range(1, min(k, seq)):
+            inside = (t[d:] - d >= starts.t()[d:]).to(h.dtype)[..., None]  # [s-d, b, 1]
+            tap = h[:-d] * inside * self.conv[:, 0, k - 1 - d].to(h.dtype)
+            y = y + F.pad(tap, (0, 0, 0, 0, d, 0))
+        return y
 
     def _weight_terms(self):
         """Normalised keys and the TDQKR selector (:func:`rank1_selector`; None for product keys):
@@ -219,7 +250,10 @@ class MemoryLayer(torch.nn.Module):
         normalised keys of :meth:`_weight_terms`)."""
         s = self.spec
         T = h.shape[0]
-        q = self.query(h).view(T, s.num_heads, 1 if s.share_query else 2, s.tucker_rank, self.sub_dim)
+        q = self.query(h)
+        if self.query_bn is not None:
+            q = self.query_bn(q)
+        q = q.view(T, s.num_heads, 1 if s.share_query else 2, s.tucker_rank, self.sub_dim)
         if s.query_key_norm:
             q = self.query_norm(q)
         # One product per side (a shared query serves both): slices of one [T, H, 2, r, n] product
@@ -252,10 +286,12 @@ class MemoryLayer(torch.nn.Module):
             return addr, None
         return addr % s.num_values, addr // s.num_values
 
-    def forward(self, x: torch.Tensor, state: Optional[Dict] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: Optional[Dict] = None,
+                documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x [s, b, hidden]`` -> ``[s, b, hidden]``; ``documents``: see :meth:`query_input`."""
         s = self.spec
         seq, b = x.shape[:2]
-        h = self.query_input(x, state).reshape(seq * b, s.hidden_size)
+        h = self.query_input(x, state, documents).reshape(seq * b, s.hidden_size)
         addr, scores = self.retrieve(h)
         slots, blocks = self.physical(addr)
         pooled = self.values.lookup_reduce(slots, scores, blocks, s.ive_blocks, validate=False)  # top-k slots

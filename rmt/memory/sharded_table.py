@@ -173,13 +173,16 @@ def _route_to_owners(indices: torch.Tensor, rows_per: int, P: int, group):
 
 
 def number_lookup(weight, indices, scores, block_ids, num_blocks, group, counter: CommCounter,
-                  sparse_grad: bool = False, record=None):
+                  sparse_grad: bool = False, record=None, update=None):
     """Plain number-wise: every distinct row travels once to the requester, which pools
     (Appendix D with index dedup: ``rmt.planner.comm``'s ``dedup`` counts exactly this; the
     row gradients of duplicates are summed by the local lookup-reduce before they go back).
     ``sparse_grad`` (every lookup of this module): the shard's gradient holds only the
     touched rows. ``record`` (training statistics) receives the global slots the owner serves,
-    as in every route below."""
+    as in every route below. ``update`` (a :class:`rmt.ops.fused_update.FusedValueUpdate`, every
+    route): the owner's lookup steps the shard's rows in its backward, from the gradient rows the
+    all-to-all brings back (a unit-score lookup of the served rows, so the fused kernel sums
+    the requesters' copies of a row)."""
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     T, K = indices.shape
     rows_per = weight.shape[0]
@@ -194,13 +197,17 @@ def number_lookup(weight, indices, scores, block_ids, num_blocks, group, counter
     wanted = _exchange(local_rows, send, recv, group).long()
     if record is not None:
         record(wanted + rank * rows_per)
-    rows = _AllToAll.apply(F.embedding(wanted, weight, sparse=sparse_grad), recv, send, group, counter,
-                           ("all_to_all_values", "all_to_all_value_grads"))
+    if update is not None:
+        served = lookup_reduce(weight, wanted.view(-1, 1), weight.new_ones(wanted.numel(), 1, 1), update=update,
+                               validate=False).view(-1, weight.shape[1])
+    else:
+        served = F.embedding(wanted, weight, sparse=sparse_grad)
+    rows = _AllToAll.apply(served, recv, send, group, counter, ("all_to_all_values", "all_to_all_value_grads"))
     return lookup_reduce(rows, inverse.view(T, K), scores, block_ids, num_blocks, validate=False)
 
 
 def number_owner_reduce_lookup(weight, indices, scores, block_ids, num_blocks, group,
-                               counter: CommCounter, sparse_grad: bool = False, record=None):
+                               counter: CommCounter, sparse_grad: bool = False, record=None, update=None):
     """Number-wise with owner-side pooling: partial sums travel back (Appendix D)."""
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     T, K = indices.shape
@@ -222,7 +229,7 @@ def number_owner_reduce_lookup(weight, indices, scores, block_ids, num_blocks, g
     if record is not None:
         record(got % rows_per + rank * rows_per)
     weighted = lookup_reduce(weight, (got % rows_per).view(M, 1), got_scores.view(M, 1, C),
-                             sparse_grad=sparse_grad, validate=False).view(M, D)
+                             sparse_grad=sparse_grad, validate=False, update=update).view(M, D)
     partial = weighted.new_zeros(sum(counts) * E, D).index_add(0, target, weighted)
     back = _AllToAll.apply(partial.view(sum(counts), E, D), counts, [T] * P, group, counter,
                            ("all_to_all_partial_sums", "all_to_all_partial_sum_grads"))
@@ -239,7 +246,7 @@ def _core_columns(col0: int, width: int, dim: int, cores: int) -> List[int]:
 
 
 def dimension_lookup(weight, indices, scores, block_ids, num_blocks, num_slots, dim, group,
-                     counter: CommCounter, sparse_grad: bool = False, record=None):
+                     counter: CommCounter, sparse_grad: bool = False, record=None, update=None):
     """Dimension-wise: all-gather indices and scores, pool the local column slice for every
     token of the group, all-to-all of the pooled slices back (Appendix D)."""
     P, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -257,7 +264,7 @@ def dimension_lookup(weight, indices, scores, block_ids, num_blocks, num_slots, 
     columns = torch.tensor(_core_columns(rank * width, width, dim, C), device=scores.device)
     pooled = lookup_reduce(weight, every % num_slots, every_scores.index_select(2, columns),
                            None if block_ids is None else every // num_slots, E, sparse_grad=sparse_grad,
-                           validate=False)
+                           validate=False, update=update)
     back = _AllToAll.apply(pooled, counts, [T] * P, group, counter,
                            ("all_to_all_pooled", "all_to_all_pooled_grads"))
     return back.view(P, T, E, width).permute(1, 2, 0, 3).reshape(T, E, P * width)

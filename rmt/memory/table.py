@@ -72,7 +72,9 @@ class MemoryTable(torch.nn.Module):
     sharded ``memory_sharded = True`` (its gradient arrives through the collectives, not DDP),
     and with ``sparse_grad`` ``memory_sparse_grad = True``: its gradient is a coalesced sparse
     tensor of the touched rows, for the row-wise optimizers (``memory.value_optimizer``), and it
-    is kept out of DDP too (:mod:`rmt.memory.groups` reduces it). In training mode the lookups
+    is kept out of DDP too (:mod:`rmt.memory.groups` reduces it); with a ``memory_fused_update``
+    (``memory.fused_value_optimizer``) every lookup's backward steps the rows instead and the
+    weight gets no gradient (:mod:`rmt.ops.fused_update`). In training mode the lookups
     mark the slots they hit in ``hits`` (one byte per owned slot, :meth:`pop_hit_fraction`).
     ``counter`` counts the bytes sent per collective.
     """
@@ -135,6 +137,12 @@ class MemoryTable(torch.nn.Module):
         return getattr(self.weight, "memory_sparse_grad", False)
 
     @property
+    def fused_update(self):
+        """The :class:`rmt.ops.fused_update.FusedValueUpdate` stepping the weight inside the
+        lookups' backward (``memory.fused_value_optimizer``; set by the trainer), or None."""
+        return getattr(self.weight, "memory_fused_update", None)
+
+    @property
     def shard_index(self):
         """Index of this rank's shard inside the global ``[num_slots, dim]`` table."""
         if self.partition == "number":
@@ -158,7 +166,7 @@ class MemoryTable(torch.nn.Module):
             if self.training:
                 self.record_hits(indices)
             return lookup_reduce(self.weight, indices, scores, block_ids, num_blocks, sparse_grad=self.sparse_grad,
-                                 validate=validate)
+                                 validate=validate, update=self.fused_update)
         if self.split_group is not None:
             return sharded_table.tensor_parallel_chunks(self._sharded_lookup, indices, scores, block_ids,
                                                         num_blocks, self.split_group, self.counter)
@@ -169,10 +177,10 @@ class MemoryTable(torch.nn.Module):
         if self.partition == "dimension":
             return sharded_table.dimension_lookup(self.weight, indices, scores, block_ids, num_blocks,
                                                   self.num_slots, self.dim, self.group, self.counter,
-                                                  self.sparse_grad, record)
+                                                  self.sparse_grad, record, self.fused_update)
         route = sharded_table.number_owner_reduce_lookup if self.owner_reduce else sharded_table.number_lookup
         return route(self.weight, indices, scores, block_ids, num_blocks, self.group, self.counter, self.sparse_grad,
-                     record)
+                     record, self.fused_update)
 
     @torch.no_grad()
     def record_hits(self, slots: torch.Tensor) -> None:

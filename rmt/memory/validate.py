@@ -188,7 +188,8 @@ def validate_memory_parallel(config, world_size: int) -> None:
 
 def validate_value_optimizer(mem) -> None:
     """``memory.value_optimizer``: a known name; row-wise Adagrad needs whole rows on a rank;
-    ``memory.value_dtype``: a storage dtype the kernels take."""
+    ``memory.value_dtype``: a storage dtype the kernels take; ``memory.fused_value_optimizer``: a
+    row-wise optimizer to fuse."""
     if mem.value_dtype not in VALUE_DTYPES:
         raise ConfigError(f"memory.value_dtype must be one of {', '.join(VALUE_DTYPES)}, got '{mem.value_dtype}'")
     if mem.value_optimizer not in VALUE_OPTIMIZERS:
@@ -197,6 +198,9 @@ def validate_value_optimizer(mem) -> None:
     if mem.value_optimizer == "rowwise_adagrad" and mem.partition in ("dimension", "auto"):
         raise ConfigError(f"memory.value_optimizer 'rowwise_adagrad' keeps one accumulator per whole row, so it "
                           f"needs memory.partition 'local' or 'number', got '{mem.partition}'")
+    if mem.fused_value_optimizer and mem.value_optimizer == "adamw":
+        raise ConfigError("memory.fused_value_optimizer steps the rows in the lookups' backward with a row-wise "
+                          "optimizer: it needs memory.value_optimizer 'sparse_adam' or 'rowwise_adagrad', got 'adamw'")
 
 
 def validate_memory(config, world_size: Optional[int] = None) -> None:
@@ -221,6 +225,9 @@ def validate_memory(config, world_size: Optional[int] = None) -> None:
     if not mem.placement:
         raise ConfigError(f"memory.type '{mem.type}' needs memory.placement, e.g. '1:2'")
     if mem.type == "moe":
+        if mem.query_batchnorm or mem.query_bias:
+            raise ConfigError("memory.query_batchnorm and memory.query_bias apply to the queries of memory.type "
+                              "'ultramem' or 'pkm'; MoE has none")
         validate_moe(config, world_size)
         return
     validate_memory_pipeline(config, parse_placement(mem.placement, m.num_layers))

@@ -7,6 +7,7 @@ from megatron.core.transformer import TransformerConfig
 
 from rmt.config import RMTConfig
 from rmt.errors import ConfigError
+from rmt.models.activation import activation
 from rmt.parallel import compat
 
 
@@ -54,7 +55,7 @@ def transformer_config(config: RMTConfig, **extra) -> TransformerConfig:
         attention_dropout=m.dropout,
         normalization=m.normalization,
         layernorm_epsilon=m.layernorm_epsilon,
-        activation_func=torch.nn.functional.gelu,
+        activation_func=activation(config),
         gradient_accumulation_fusion=False,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,

@@ -4,7 +4,7 @@ A mixer is a transformer with attention replaced by a *data-independent* causal 
 ``Y = X M + beta`` (the paper's first displayed equation, with ``M`` upper-triangular ``T x T``,
 shared across channels). Each block is, in the reference's order::
 
-    x = x + FFN(LN(x))          # Linear(d, 4d), SiLU, Linear(4d, d)
+    x = x + FFN(LN(x))          # Linear(d, 4d), SiLU (model.activation), Linear(4d, d)
     x = x + Mix(LN(x))          # per-head Linear(d, d/H), token mixing per head, concat, out_proj
 
 ``model.mixer_kind`` picks the token mixing of every head:
@@ -42,7 +42,9 @@ from megatron.core.transformer.module import MegatronModule
 
 from rmt.config import RMTConfig
 from rmt.errors import ConfigError
+from rmt.models.activation import activation
 from rmt.models.build import register
+from rmt.models.documents import document_starts, per_document
 from rmt.models.init import default_std_rule
 from rmt.models.megatron_config import padded_vocab_size, transformer_config, validate_attention_shapes
 
@@ -161,11 +163,12 @@ class MixerBlock(nn.Module):
         self.mix_norm = norm(config, d)
         self.mixing = TokenMixing(config)
         self.dropout = nn.Dropout(m.dropout)
+        self.activation = activation(config)
         nn.init.zeros_(self.linear_fc1.bias)
         nn.init.zeros_(self.linear_fc2.bias)
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.dropout(self.linear_fc2(nn.functional.silu(self.linear_fc1(self.ffn_norm(x)))))
+        return x + self.dropout(self.linear_fc2(self.activation(self.linear_fc1(self.ffn_norm(x)))))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.ffn(x)
@@ -195,8 +198,16 @@ class MixerModel(MegatronModule):
         assert all(t is None for t in input_tensor), "the mixer does not support pipeline parallelism"
 
     def forward(self, input_ids, position_ids=None, attention_mask=None):
-        """Logits ``[b, s, V]``. Causality is built into the token mixing; positions and the
-        attention mask of the common model interface are not used."""
+        """Logits ``[b, s, V]``. Causality is built into the token mixing, whose weights are
+        indexed by position (so position ids are not used); a document mask
+        (``data.reset_attention_mask``, :mod:`rmt.models.documents`) runs every document as a
+        sequence of its own from position 0."""
+        starts = document_starts(attention_mask)
+        if starts is not None:
+            return per_document(lambda ids, _: self._forward(ids), input_ids, None, starts)
+        return self._forward(input_ids)
+
+    def _forward(self, input_ids):
         x = self.embedding(input_ids)
         for layer in self.layers:
             x = layer(x)

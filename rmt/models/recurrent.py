@@ -35,6 +35,7 @@ from megatron.core.transformer.spec_utils import build_module
 from rmt.config import RMTConfig
 from rmt.errors import ConfigError
 from rmt.models.build import register
+from rmt.models.documents import document_starts, per_document
 from rmt.models.megatron_config import padded_vocab_size, transformer_config, validate_attention_shapes
 from rmt.models.mixer import norm
 
@@ -57,9 +58,11 @@ class RecurrentLayer(MegatronModule):
                                   requires_grad=config.model.recurrent_alpha_learned)
 
     def accumulation(self) -> torch.Tensor:
-        """The accumulation parameter ``a`` of eq. 7, clamped into [0, 1] in place first."""
-        with torch.no_grad():
-            self.alpha.clamp_(0.0, 1.0)
+        """The accumulation parameter ``a`` of eq. 7, clamped into [0, 1] in place first. The
+        clamp goes through ``.data``: it changes the value only before the first use after an
+        optimizer step, and a forward that runs several passes (documents batched by length)
+        must not bump the version autograd checks of the earlier passes."""
+        self.alpha.data.clamp_(0.0, 1.0)
         return self.alpha
 
     def tau(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,8 +71,7 @@ class RecurrentLayer(MegatronModule):
     def window(self, previous, block: torch.Tensor, a: torch.Tensor):
         """Halves ``(A_i, h_i)`` of the window of ``block`` (``[q, b, h]``, ``q <= k``): eq. 6 when
         ``previous`` is None (the first block), else eq. 7 on the previous complete window, with
-        ``a = self.accumulation()`` (clamped once per pass: clamping bumps the version autograd
-        checks)."""
+        ``a = self.accumulation()``."""
         if previous is None:
             return block, self.tau(block)
         carried = a * previous[0]
@@ -119,8 +121,18 @@ class RecurrentTransformer(MegatronModule):
         assert all(t is None for t in input_tensor), "the recurrent transformer does not support pipeline parallelism"
 
     def forward(self, input_ids, position_ids=None, attention_mask=None):
-        """Logits ``[b, s, V]``. The attention mask of the common interface is not used: each
-        window builds its own causal mask. ``position_ids`` default to ``0..s-1``."""
+        """Logits ``[b, s, V]``. Each window builds its own causal mask; a document mask
+        (``data.reset_attention_mask``, :mod:`rmt.models.documents`) runs every document as a
+        sequence of its own, the exact per-document computation (block windows are aligned to
+        the sequence start and its last block ends with eq. 8, so documents are batched by
+        their number of blocks). ``position_ids`` default to ``0..s-1``."""
+        starts = document_starts(attention_mask)
+        if starts is not None:
+            k = self.layers[0].block_width  # a document's last block ends its recurrence (eq. 8)
+            return per_document(self._forward, input_ids, position_ids, starts, lambda n: (n + k - 1) // k)
+        return self._forward(input_ids, position_ids)
+
+    def _forward(self, input_ids, position_ids=None):
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         x = self.embed(input_ids, position_ids)

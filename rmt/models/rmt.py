@@ -61,6 +61,9 @@ from rmt.models.build import register
 from rmt.models.megatron_config import padded_vocab_size, transformer_config
 
 POSITIONS = ("alibi", "learned")
+# The embedding's and unembedding's key matrices (parameter name suffixes): the authors decay
+# them (``train.decay_rmt_keys``), unlike the tables they read and write.
+RMT_KEY_MATRICES = ("embedding.word_keys", "embedding.position_keys", "output_layer.read.weight")
 
 
 def ffn_hidden_size(config: RMTConfig) -> int:
@@ -178,6 +181,7 @@ class RMTLayer(MegatronModule):
         self.fc2 = tensor_parallel.RowParallelLinear(
             ffn, m.rank * m.dv, input_is_parallel=True, skip_bias_add=True, **linear)
         self.ff_write = torch.nn.Linear(m.rank, m.dk, bias=False)
+        self.activation = config.activation_func
 
     def attention(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         s, b = x.shape[:2]
@@ -195,7 +199,7 @@ class RMTLayer(MegatronModule):
         s, b = x.shape[:2]
         h = read(self.ff_norm(x), self.ff_read.weight).reshape(s, b, self.dv * self.rank)
         h, _ = self.fc1(h)
-        h, _ = self.fc2(F.gelu(h))
+        h, _ = self.fc2(self.activation(h))
         return write(h.view(s, b, self.dv, self.rank), self.ff_write.weight)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -262,8 +266,9 @@ class RMTModel(MegatronModule):
         self.input_tensor = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
 
     def attention_bias(self, s: int, attention_mask: Optional[torch.Tensor], device) -> torch.Tensor:
-        """``[1, R/tp, s, s]`` additive logit bias: ALiBi ``-slope_h (i - j)`` (or 0) and -inf
-        where ``attention_mask`` is True (causal when no mask is given)."""
+        """``[B, R/tp, s, s]`` additive logit bias: ALiBi ``-slope_h (i - j)`` (or 0) and -inf
+        where ``attention_mask`` (``[B, 1, s, s]``, B = 1 or the batch: per-sample document
+        masks) is True (causal when no mask is given)."""
         if attention_mask is None:
             attention_mask = torch.ones(s, s, dtype=torch.bool, device=device).triu(1)
         pos = torch.arange(s, device=device, dtype=torch.float32)
@@ -271,7 +276,7 @@ class RMTModel(MegatronModule):
             bias = -self.slopes.to(device)[:, None, None] * (pos[:, None] - pos[None, :]).abs()
         else:
             bias = torch.zeros(1, s, s, device=device)
-        return bias.masked_fill(attention_mask.view(1, s, s), float("-inf")).unsqueeze(0)
+        return bias.unsqueeze(0).masked_fill(attention_mask.view(-1, 1, s, s), float("-inf"))
 
     def forward(self, input_ids, position_ids, attention_mask=None):
         if self.pre_process:

@@ -25,3 +25,18 @@ def backward(grad_out, table, indices, scores, block_ids, num_blocks):
 def backward_dense(grad_out, table, indices, scores, block_ids, num_blocks):
     """(dense [N, D] table gradient, score gradients), written in one pass without a [U, D] buffer."""
     return tuple(_ext().backward_dense(grad_out, table, indices, scores, block_ids, num_blocks))
+
+
+def score_gradients(grad_out, table, indices, scores, block_ids, num_blocks):
+    """[T, K, C] score gradients alone (no table gradient)."""
+    return _ext().score_gradients(grad_out, table, indices, scores, block_ids, num_blocks)
+
+
+def backward_update(grad_out, table, indices, scores, block_ids, num_blocks, score_first, score_tokens, optimizer,
+                    state1, state2, lr, beta1, beta2, eps, weight_decay, step, grad_scale):
+    """The backward with the optimizer step fused in (:mod:`rmt.ops.fused_update`): (score
+    gradients of tokens ``[score_first, score_first + score_tokens)``, squared norm of the scaled
+    table gradient)."""
+    return tuple(_ext().backward_update(grad_out, table, indices, scores, block_ids, num_blocks, score_first,
+                                        score_tokens, optimizer, state1, state2, lr, beta1, beta2, eps, weight_decay,
+                                        step, grad_scale))

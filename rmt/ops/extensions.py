@@ -36,7 +36,9 @@ _NATIVE_CPU = ["-O3", "-march=native", "-fopenmp"]
 
 #: name -> cpp_extension.load arguments (sources relative to csrc/).
 EXTENSIONS: Dict[str, dict] = {
-    "rmt_lookup_reduce_cpu": dict(sources=["lookup_reduce_cpu.cpp"], extra_cflags=_NATIVE_CPU,
+    # -ffp-contract=off: the fused optimizer step (csrc/row_optim.h) rounds every product and sum
+    # on its own, as the separate step does; the kernels' own multiply-adds are explicit (madd)
+    "rmt_lookup_reduce_cpu": dict(sources=["lookup_reduce_cpu.cpp"], extra_cflags=_NATIVE_CPU + ["-ffp-contract=off"],
                                   extra_ldflags=["-fopenmp"]),
     # -ffp-contract=off: every product and sum rounded on its own, as in torch's formulation (a
     # fused multiply-add in the moment updates would differ from it by an ulp of a moment)

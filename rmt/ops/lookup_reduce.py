@@ -145,7 +145,7 @@ class LookupReduceFunction(torch.autograd.Function):
 
 
 def lookup_reduce(table, indices, scores, block_ids=None, num_blocks=1, *, backend=None,
-                  sparse_grad=False, validate=True):
+                  sparse_grad=False, validate=True, update=None):
     """Gather-and-weighted-sum of memory value rows, grouped by IVE virtual block.
 
     Args:
@@ -163,6 +163,9 @@ def lookup_reduce(table, indices, scores, block_ids=None, num_blocks=1, *, backe
             ``RowWiseAdagrad``).
         validate: check index ranges (one min/max reduction each); shape and dtype checks
             always run.
+        update: a :class:`rmt.ops.fused_update.FusedValueUpdate` of ``table``: the backward steps
+            the touched rows with its optimizer instead of returning a table gradient (when the
+            table requires one and grad mode is on; see :mod:`rmt.ops.fused_update`).
 
     Returns:
         [T, num_blocks, D] tensor of ``scores.dtype`` (accumulated in fp32, fp64 for fp64).
@@ -172,5 +175,12 @@ def lookup_reduce(table, indices, scores, block_ids=None, num_blocks=1, *, backe
     indices = indices.to(torch.int64).contiguous()
     if block_ids is not None:
         block_ids = block_ids.to(torch.int64).contiguous()
+    if update is not None and table.requires_grad and torch.is_grad_enabled():
+        from .fused_update import LookupReduceUpdateFunction
+
+        if not table.is_contiguous():
+            raise ValueError("lookup_reduce: a table stepped in the backward (update=) must be contiguous")
+        return LookupReduceUpdateFunction.apply(table, scores.contiguous(), indices, block_ids, num_blocks, name,
+                                                update)
     return LookupReduceFunction.apply(table.contiguous(), scores.contiguous(), indices,
                                       block_ids, num_blocks, name, sparse_grad)

@@ -41,9 +41,10 @@ def reference_forward(table, indices, scores, block_ids=None, num_blocks=1):
     return out.view(T, num_blocks, D).to(scores.dtype)
 
 
-def reference_backward(grad_out, table, indices, scores, block_ids, num_blocks):
-    """Return (unique touched rows [U], their gradient rows [U, D] of ``table.dtype``, score
-    gradients [T, K, C] of ``scores.dtype``); ``grad_out`` has the output's (scores') dtype."""
+def reference_backward(grad_out, table, indices, scores, block_ids, num_blocks, grad_dtype=None):
+    """Return (unique touched rows [U], their gradient rows [U, D] of ``grad_dtype`` (default
+    ``table.dtype``; the fused optimizer update takes them unrounded, in the accumulation dtype),
+    score gradients [T, K, C] of ``scores.dtype``); ``grad_out`` has the output's (scores') dtype."""
     T, K = indices.shape
     D = table.shape[1]
     C = scores.shape[2]
@@ -57,9 +58,21 @@ def reference_backward(grad_out, table, indices, scores, block_ids, num_blocks):
     s = scores.reshape(M, C, 1).to(acc)
     values = torch.zeros(rows.numel(), D, dtype=acc, device=table.device)
     values.index_add_(0, inverse, (g * s).view(M, D))
-    trows = table[flat].to(acc).view(M, C, D // C)
-    grad_scores = (trows * g).sum(-1).view(T, K, C)
-    return rows, values.to(table.dtype), grad_scores.to(scores.dtype)
+    grad_scores = score_gradients(grad_out, table, indices, scores, block_ids, num_blocks)
+    return rows, values.to(grad_dtype or table.dtype), grad_scores
+
+
+def score_gradients(grad_out, table, indices, scores, block_ids, num_blocks):
+    """[T, K, C] score gradients alone: ``<table row, output-gradient row>`` per column slice."""
+    T, K = indices.shape
+    D = table.shape[1]
+    C = scores.shape[2]
+    acc = acc_dtype(scores.dtype)
+    token = torch.arange(T, device=indices.device).repeat_interleave(K)
+    blocks = 0 if block_ids is None else block_ids.reshape(-1).long()
+    g = grad_out.reshape(T * num_blocks, D)[token * num_blocks + blocks].to(acc).view(T * K, C, D // C)
+    rows = table[indices.reshape(-1).long()].to(acc).view(T * K, C, D // C)
+    return (rows * g).sum(-1).view(T, K, C).to(scores.dtype)
 
 
 forward = reference_forward

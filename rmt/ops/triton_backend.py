@@ -86,3 +86,43 @@ def backward_dense(grad_out, table, indices, scores, block_ids, num_blocks):
     grad_table = torch.zeros_like(table)
     _, _, grad_scores = _launch_backward(grad_out, table, indices, scores, block_ids, num_blocks, grad_table, True)
     return grad_table, grad_scores
+
+
+def score_gradients(grad_out, table, indices, scores, block_ids, num_blocks):
+    """[T, K, C] score gradients alone: the torch formulation (a gather of the looked-up rows)."""
+    from .reference import score_gradients as torch_score_gradients
+
+    return torch_score_gradients(grad_out, table, indices, scores, block_ids, num_blocks)
+
+
+def backward_update(grad_out, table, indices, scores, block_ids, num_blocks, score_first, score_tokens, optimizer,
+                    state1, state2, lr, beta1, beta2, eps, weight_decay, step, grad_scale):
+    """The backward with the optimizer step fused in (:mod:`rmt.ops.fused_update`): one program
+    per unique row sums its gradient, computes its lookups' score gradients and steps the row and
+    its state in place; no gradient row is stored. Returns (score gradients of tokens
+    ``[score_first, score_first + score_tokens)``, squared norm of the scaled gradient, a device
+    scalar: no host sync)."""
+    import math
+
+    from .fused_update import SPARSE_ADAM
+    from .triton_kernels import lookup_reduce_bwd_update_kernel
+
+    K = indices.shape[1]
+    D = table.shape[1]
+    C = scores.shape[2]
+    M = indices.numel()
+    positions, rows, seg_start, num_unique = sort_by_row(indices)
+    grad_scores = torch.empty(score_tokens, K, C, dtype=scores.dtype, device=scores.device)
+    row_sq = torch.zeros(M, dtype=torch.float32, device=table.device)
+    adam = optimizer == SPARSE_ADAM
+    # Adam's lr argument is the bias-corrected step size, as in the unfused step
+    rate = lr * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step) if adam else lr
+    has_blocks = block_ids is not None
+    if M:
+        lookup_reduce_bwd_update_kernel[(M,)](
+            grad_out, table, scores, block_ids if has_blocks else indices, positions, seg_start, rows, num_unique,
+            grad_scores, score_first * K, (score_first + score_tokens) * K, state1,
+            state2 if state2 is not None else state1, row_sq, K, D, num_blocks, D // C, grad_scale, rate,
+            1 - beta1, 1 - beta2, eps, weight_decay, C=C, HAS_BLOCKS=has_blocks, ADAM=adam,
+            BLOCK_D=_block_d(D), enable_fp_fusion=False)
+    return grad_scores, row_sq.double().sum()

@@ -77,3 +77,68 @@ def lookup_reduce_bwd_kernel(grad_out, table, scores, block_ids, sorted_pos, seg
     else:
         out = dst + u * D
     tl.store(out + d, acc.to(dst.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def lookup_reduce_bwd_update_kernel(grad_out, table, scores, block_ids, sorted_pos, seg_start, rows, num_unique,
+                                    grad_scores, score_lo, score_hi, state1, state2, row_sq, K, D, E, DC,
+                                    grad_scale, lr, one_minus_beta1, one_minus_beta2, eps, weight_decay,
+                                    C: tl.constexpr, HAS_BLOCKS: tl.constexpr, ADAM: tl.constexpr,
+                                    BLOCK_D: tl.constexpr):
+    """The backward with the optimizer fused in (rmt.ops.fused_update): as
+    lookup_reduce_bwd_kernel, with score gradients for positions in [score_lo, score_hi) only,
+    then the row's gradient (times grad_scale) steps the row in place: SparseAdam (ADAM; ``lr`` is
+    the bias-corrected step size, state1/state2 the fp32 moments) or row-wise Adagrad (state1 the
+    fp32 per-row sums). Every operation rounded on its own (launched with enable_fp_fusion=False,
+    IEEE division and square root), as the unfused Triton step. row_sq[u]: the row's squared
+    gradient norm."""
+    u = tl.program_id(0).to(tl.int64)
+    start = tl.load(seg_start + u)
+    end = tl.load(seg_start + u + 1)
+    row = tl.load(rows + u)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    valid = dmask & ((u + tl.zeros([BLOCK_D], dtype=tl.int64)) < tl.load(num_unique))
+    col = d // DC
+    trow = tl.load(table + row * D + d, mask=valid, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for j in range(start, end):
+        p = tl.load(sorted_pos + j)
+        t = p // K
+        if HAS_BLOCKS:
+            b = tl.load(block_ids + p)
+        else:
+            b = 0
+        g = tl.load(grad_out + (t * E + b) * D + d, mask=dmask, other=0.0).to(tl.float32)
+        s = tl.load(scores + p * C + col, mask=dmask, other=0.0).to(tl.float32)
+        acc += s * g
+        prod = trow * g
+        # p in [score_lo, score_hi) as a lane vector (the interpreter rejects scalar masks)
+        pv = p + tl.zeros([BLOCK_D], dtype=tl.int64)
+        keep = (pv >= score_lo) & (pv < score_hi) & (d == 0)
+        for c in tl.static_range(C):
+            dot = tl.sum(tl.where(col == c, prod, 0.0), axis=0)
+            tl.store(grad_scores + (pv - score_lo) * C + c, (dot + tl.zeros([BLOCK_D], dtype=tl.float32)).to(
+                grad_scores.dtype.element_ty), mask=keep)
+    g = acc * grad_scale
+    g = tl.where(valid, g, 0.0)
+    tl.store(row_sq + u + tl.zeros([BLOCK_D], dtype=tl.int64), tl.sum(g * g, axis=0) + tl.zeros(
+        [BLOCK_D], dtype=tl.float32), mask=valid & (d == 0))
+    off = row * D + d
+    if ADAM:
+        m = tl.load(state1 + off, mask=valid, other=0.0)
+        v = tl.load(state2 + off, mask=valid, other=0.0)
+        m = m + (g - m) * one_minus_beta1
+        v = v + (g * g - v) * one_minus_beta2
+        new = trow - lr * tl.div_rn(m, tl.sqrt_rn(v) + eps)
+        tl.store(state1 + off, m, mask=valid)
+        tl.store(state2 + off, v, mask=valid)
+    else:
+        gw = g + weight_decay * trow
+        sq = tl.sum(tl.where(valid, gw * gw, 0.0), axis=0)
+        rv = row + tl.zeros([BLOCK_D], dtype=tl.int64)
+        first = valid & (d == 0)
+        total = tl.load(state1 + rv, mask=valid, other=0.0) + tl.div_rn(sq, D * 1.0)
+        tl.store(state1 + rv, total, mask=first)
+        new = trow - tl.div_rn(lr + tl.zeros([BLOCK_D], dtype=tl.float32), tl.sqrt_rn(total) + eps) * gw
+    tl.store(table + off, new.to(table.dtype.element_ty), mask=valid)

@@ -18,6 +18,7 @@ import json
 import sys
 from typing import Callable, NamedTuple
 
+from rmt.errors import reader_may_leave
 from rmt.planner import comm, flops, memory
 
 
@@ -225,6 +226,10 @@ def _add_memory_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory.value_optimizer (default adamw)")
     p.add_argument("--value-dtype", choices=sorted(memory.DTYPE_BYTES), default=d.value_dtype,
                    help="memory.value_dtype (default fp32)")
+    p.add_argument("--fused-value-optimizer", dest="fused", action="store_true",
+                   help="memory.fused_value_optimizer: the rows are stepped in the lookups' backward (no gradient)")
+    p.add_argument("--cores", type=positive_int, default=d.cores, help="memory.num_cores, score columns per "
+                   f"lookup (default {d.cores})")
     p.add_argument("--layers", type=positive_int, default=d.layers, help="memory layers on a rank (default 1)")
     p.add_argument("--tokens", type=positive_int, default=d.tokens, metavar="T",
                    help=f"tokens per micro-batch on a rank (default {d.tokens})")
@@ -249,7 +254,7 @@ def _plan_from_args(args: argparse.Namespace) -> memory.TablePlan:
             raise ValueError("give --slots and --dim, or --config FILE [section.key=value ...].")
         return memory.TablePlan(**{k: getattr(args, k) for k in (
             "slots", "dim", "partition", "value_optimizer", "value_dtype", "layers", "tokens", "microbatches",
-            "heads", "topk", "key_dim", "tucker_rank", "ive_blocks", "precision", "device")},
+            "heads", "topk", "key_dim", "tucker_rank", "ive_blocks", "precision", "device", "fused", "cores")},
             group_size=args.group_size or 1)
     if args.slots is not None or args.dim is not None:
         raise ValueError("--slots and --dim come from the config with --config; change them there "
@@ -350,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-        return args.run(args)
+        with reader_may_leave():
+            return args.run(args)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 0
     except (_UsageError, ValueError, OSError) as exc:

@@ -194,12 +194,12 @@ def plan_model(config: RMTConfig) -> Dict:
     """Counts for ``config.model`` and its ``config.memory`` layers."""
     m = config.model
     if m.vocab_size is None:
-        if config.data.tokenizer != "byte":
-            raise ValueError("model.vocab_size must be set to count parameters (only the byte tokenizer's "
-                             "vocabulary is known without data)")
-        from rmt.data.tokenizers import ByteTokenizer
+        from rmt.data.metadata import known_vocab_size
 
-        m.vocab_size = ByteTokenizer.vocab_size
+        m.vocab_size = known_vocab_size(config)
+        if m.vocab_size is None:
+            raise ValueError("model.vocab_size must be set to count parameters (only the byte tokenizer's "
+                             "vocabulary and a dataset's recorded one are known without building data)")
     Vp = _pad(m.vocab_size, m.make_vocab_size_divisible_by)
     dtype = DTYPE_BYTES[config.train.precision]
     learned = m.position == "learned"

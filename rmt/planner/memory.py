@@ -20,6 +20,18 @@ of ``D``, a dimension-wise one ``N`` rows of ``D/P``; ``n = num_keys * sqrt(E)``
     owner serves ``T x topm`` lookups per micro-batch, dimension-wise ``P x T x topm``; once that
     exceeds the shard's rows the table coalesces its gradient after each micro-batch, so it holds
     at most ``2 rows + served`` (the gradient, its coalesced copy and one micro-batch's rows).
+    ``fused`` (``memory.fused_value_optimizer``): no gradient exists; the backwards of a step's
+    first ``m - 1`` micro-batches keep the lookups the fused kernel needs (their output gradient,
+    indices, scores and block ids, :mod:`rmt.ops.fused_update`) and the last one concatenates
+    all ``m``, so ``(2m - 1) x kept`` for ``m > 1`` micro-batches and nothing for one (the kernel
+    reads the backward's own tensors). ``kept`` per micro-batch, with ``s`` = 4 bytes (2 under
+    ``precision: bf16``) per score and output gradient element: a local table (``P = 1``)
+    ``T x (E x D x s + topm x (8 + C x s + 8 [E > 1]))``; number-wise, the owner's unit-score
+    lookup of the served rows in the table's dtype, ``served x (cols x b + 8 + b)``;
+    dimension-wise, the lookups of all ``P`` requesters on the shard's columns,
+    ``P x T x (E x cols x s + topm x (8 + C' x s + 8 [E > 1]))`` with ``C'`` the score columns the
+    shard's slice spans. As for the sparse gradient, the data-parallel replicas' copies are not
+    counted.
 ``optimizer_states``
     ``adamw``: torch's two moments in the table's dtype; ``sparse_adam``: two fp32 moments per
     element; ``rowwise_adagrad``: one fp32 per row.
@@ -94,6 +106,11 @@ class TablePlan:
     """Training precision (``bf16``: autocast, the score tensors are bf16)."""
     device: str = "cpu"
     """``cpu`` or ``gpu``: where the tables live (a GPU save stages through host memory)."""
+    fused: bool = False
+    """``memory.fused_value_optimizer``: the row-wise optimizer steps the rows in the lookups'
+    backward (no gradient; the kept lookups instead)."""
+    cores: int = 1
+    """Score columns C of multi-core scoring (``memory.num_cores``; PKM 1)."""
 
     @property
     def num_keys(self) -> int:
@@ -123,7 +140,7 @@ def _positive_int(name: str, value) -> None:
 def validate_plan(plan: TablePlan) -> None:
     """One sentence (``ValueError``) for a layout rmt cannot run."""
     for name in ("slots", "dim", "group_size", "layers", "tokens", "microbatches", "heads", "topk", "key_dim",
-                 "tucker_rank", "ive_blocks"):
+                 "tucker_rank", "ive_blocks", "cores"):
         _positive_int(name.replace("_", " "), getattr(plan, name))
     for name, value, allowed in (("partition", plan.partition, PARTITIONS),
                                  ("value optimizer", plan.value_optimizer, VALUE_OPTIMIZERS),
@@ -147,6 +164,25 @@ def validate_plan(plan: TablePlan) -> None:
                          f"({plan.group_size}).")
     if plan.value_optimizer == "rowwise_adagrad" and plan.partition == "dimension":
         raise ValueError("rowwise_adagrad keeps one accumulator per whole row, so it needs a number-wise table.")
+    if plan.fused and plan.value_optimizer == "adamw":
+        raise ValueError("a fused value optimizer is sparse_adam or rowwise_adagrad, not adamw.")
+    if plan.dim % plan.cores:
+        raise ValueError(f"the value dim ({plan.dim}) must be divisible by the score cores ({plan.cores}).")
+
+
+def fused_kept_bytes(plan: TablePlan) -> int:
+    """Bytes one micro-batch's lookups keep for the fused optimizer step (module docstring)."""
+    rows, cols = plan.shard_shape
+    s = 2 if plan.precision == "bf16" else 4
+    E, T, block = plan.ive_blocks, plan.tokens, 8 if plan.ive_blocks > 1 else 0
+    if plan.group_size == 1:
+        return T * (E * cols * s + plan.topm * (8 + plan.cores * s + block))
+    if plan.partition == "number":
+        b = DTYPE_BYTES[plan.value_dtype]
+        return T * plan.topm * (cols * b + 8 + b)
+    core_width = plan.dim // plan.cores
+    spanned = cols // math.gcd(cols, core_width)  # rmt.memory.sharded_table._core_columns
+    return plan.group_size * T * (E * cols * s + plan.topm * (8 + spanned * s + block))
 
 
 def components(plan: TablePlan) -> dict:
@@ -159,12 +195,14 @@ def components(plan: TablePlan) -> dict:
         gradients = elements * b * (2 if plan.microbatches > 1 else 1)
         states = 2 * elements * b
     else:
+        states = 2 * elements * 4 if plan.value_optimizer == "sparse_adam" else rows * 4
         served = plan.tokens * plan.topm * (1 if plan.partition == "number" else plan.group_size)
         entries = plan.microbatches * served
         if entries > rows:
             entries = 2 * rows + served
         gradients = entries * (cols * b + SPARSE_INDEX_BYTES)
-        states = 2 * elements * 4 if plan.value_optimizer == "sparse_adam" else rows * 4
+    if plan.fused:
+        gradients = (2 * plan.microbatches - 1) * fused_kept_bytes(plan) if plan.microbatches > 1 else 0
     keys = plan.heads * 2 * plan.grid_side * plan.key_dim * 4
     scores = plan.tokens * plan.heads * 2 * plan.tucker_rank * plan.grid_side * (2 if plan.precision == "bf16" else 4)
     table = elements * b
@@ -258,4 +296,5 @@ def plan_from_config(config, group_size: int, layers: int, microbatches: int) ->
         tokens=t.micro_batch_size * m.seq_length, microbatches=microbatches, heads=mem.num_heads,
         topk=mem.topk, key_dim=mem.key_dim // 2 if pkm else mem.key_dim,
         tucker_rank=1 if pkm or mem.retrieval == "product" else mem.tucker_rank,
-        ive_blocks=1 if pkm else mem.ive_blocks, precision=t.precision)
+        ive_blocks=1 if pkm else mem.ive_blocks, precision=t.precision, fused=mem.fused_value_optimizer,
+        cores=1 if pkm else mem.num_cores)

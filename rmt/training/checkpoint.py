@@ -54,20 +54,25 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _ensure_optimizer_state(optimizer) -> None:
-    """The optimizers create their state lazily; create it (zeros) so it can be loaded into."""
+def _ensure_optimizer_state(optimizer, device: Optional[str] = None) -> list:
+    """The optimizers create their state lazily; create it (zeros) so it can be loaded into.
+    ``device="meta"``: shapes and dtypes only, nothing allocated. Returns the states created."""
+    created = []
     for group in optimizer.param_groups:
         for p in group["params"]:
             state = optimizer.state[p]
             if state:
                 continue
+            like = p if device is None else torch.empty_like(p, device=device)
             owner = optimizer.owner(p) if isinstance(optimizer, ChainedOptimizer) else optimizer
             if hasattr(owner, "initial_state"):  # rmt's SparseAdam and RowWiseAdagrad
-                state.update(owner.initial_state(p))
-                continue
-            state["step"] = torch.tensor(0.0)
-            for name in _MOMENTS:
-                state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state.update(owner.initial_state(like))
+            else:
+                state["step"] = torch.tensor(0.0)
+                for name in _MOMENTS:
+                    state[name] = torch.zeros_like(like, memory_format=torch.preserve_format)
+            created.append(state)
+    return created
 
 
 def sharded_state(chunks: List[torch.nn.Module], optimizer, common: dict) -> dict:
@@ -182,13 +187,14 @@ def _bytes_needed(state: dict, chunks, optimizer) -> int:
 
 
 def _prepare(root: str, need: int, tmp: Optional[str] = None) -> None:
-    """Global rank 0 creates ``root``, checks its free space against ``need`` and makes an empty
-    ``tmp``; every rank raises :class:`CheckpointSaveError` when it cannot."""
+    """Global rank 0 creates ``root``, checks that it can write there and its free space against
+    ``need``, and makes an empty ``tmp``; every rank raises :class:`CheckpointSaveError` when it
+    cannot."""
     problem = None
     if _rank() == 0:
         try:
             os.makedirs(root, exist_ok=True)
-            problem = checkpoint_dirs.free_space_problem(root, need)
+            problem = checkpoint_dirs.write_problem(root) or checkpoint_dirs.free_space_problem(root, need)
             if problem is None and tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
                 os.makedirs(tmp)
@@ -201,8 +207,16 @@ def _prepare(root: str, need: int, tmp: Optional[str] = None) -> None:
 
 def check_space(root: str, chunks, optimizer) -> None:
     """Before training: raise :class:`CheckpointSaveError` now, not after the first steps, when
-    ``root`` has no room for one checkpoint of this model (collective)."""
-    _prepare(root, _bytes_needed(sharded_state(chunks, optimizer, {}), chunks, optimizer))
+    ``root`` cannot be written or has no room for one checkpoint of this model (collective). The optimizer states
+    that do not exist yet are sized on the meta device: creating them here would hold
+    table-sized moments from start-up on, before the first step needs them."""
+    created = _ensure_optimizer_state(optimizer, device="meta")
+    try:
+        need = _bytes_needed(sharded_state(chunks, optimizer, {}), chunks, optimizer)
+    finally:
+        for state in created:
+            state.clear()
+    _prepare(root, need)
 
 
 def save_checkpoint(root: str, iteration: int, chunks, optimizer, common: dict, keep: int = 0) -> str:
@@ -301,13 +315,15 @@ def load_checkpoint(path: str, chunks, optimizer) -> dict:
 
 
 def resume(save: Optional[str], load: Optional[str], chunks, optimizer,
-           say: Callable[[str], None]) -> Optional[Tuple[str, dict]]:
+           say: Callable[[str], None],
+           model_problem: Optional[Callable[[dict, str], Optional[str]]] = None) -> Optional[Tuple[str, dict]]:
     """Load the checkpoint a run continues from (collective; see
     ``checkpoint_dirs.resume_plan``) and return its path and common part, or None for a fresh
     start. A complete-looking checkpoint that cannot be read is reported and the next older one
     tried; one of another model (:class:`CheckpointMismatch`) is an error at once, as every
     older one would fail the same way. ``say`` receives each sentence worth telling (called on
-    global rank 0 only)."""
+    global rank 0 only). ``model_problem(saved_config, path)`` says why a checkpoint's saved
+    config is of another model (None when it is this one); such a checkpoint is a mismatch."""
     plan = None
     if _rank() == 0:
         try:
@@ -327,6 +343,10 @@ def resume(save: Optional[str], load: Optional[str], chunks, optimizer,
     for path in candidates:
         problem = None
         try:
+            if model_problem is not None:
+                problem = model_problem(load_common(path)["config"], path)
+                if problem is not None:
+                    raise CheckpointMismatch(problem)
             common = load_checkpoint(path, chunks, optimizer)
         except UserError as err:
             problem = (str(err), isinstance(err, CheckpointMismatch))

@@ -162,6 +162,20 @@ def remove_stale_saves(root: str) -> List[str]:
     return stale
 
 
+def write_problem(root: str) -> Optional[str]:
+    """A sentence when no file can be created in directory ``root`` (permissions, a read-only
+    file system), else None. Tried with a real file: permission bits do not tell for root, ACLs
+    or read-only mounts."""
+    probe = os.path.join(root, f".write_test_{os.getpid()}")
+    try:
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as err:
+        return f"cannot write to checkpoint directory '{root}' ({err.strerror or err}); train.save must name a writable directory"
+    return None
+
+
 def free_space_problem(root: str, need: int) -> Optional[str]:
     """A sentence when the file system of ``root`` has less than ``need`` bytes free, else None."""
     free = shutil.disk_usage(root).free

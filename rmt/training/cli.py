@@ -20,6 +20,7 @@ from typing import List, Optional
 from rmt.config import load_config, validate
 from rmt.errors import ConfigError, cli_entry
 from rmt.training import checkpoint_dirs, preemption
+from rmt.training.fit import check_fits
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,9 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
 def checked_config(args: argparse.Namespace, world_size: Optional[int] = None):
     """The validated config of ``args`` for ``world_size`` (default: the launcher's)."""
     config = validate(load_config(args.config, args.overrides), world_size)
+    check_fits(config)
     if args.eval_only:
         if not config.train.load:
             raise ConfigError("--eval-only needs train.load=<checkpoint directory>")
+        if not config.train.eval_iters:
+            raise ConfigError("--eval-only needs train.eval_iters > 0 (validation batches to evaluate)")
         config.train = dataclasses.replace(config.train, save=None)  # evaluate train.load, save nothing
     return config
 
@@ -63,7 +67,7 @@ def preflight(args: argparse.Namespace, world_size: Optional[int] = None) -> str
 
 @cli_entry("rmt-train")
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)  # overrides may follow --eval-only etc.
     preemption.install()  # before the slow imports, so an early SIGTERM is not lost
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: its own session, so tie it to torchrun
         from rmt.parallel.lifetime import die_with_parent
@@ -88,6 +92,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.json and _rank() == 0:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
+            print(f"metrics written to '{args.json}'")
     finally:
         parallel.destroy()
     return 0

@@ -7,7 +7,20 @@ pass per tensor, 6.9x faster than the foreach AdamW on 2 CPU threads at 46M para
 dense-gradient memory table, its whole shard). With ``memory.value_optimizer`` sparse_adam or
 rowwise_adagrad the memory value tables, whose gradients are then sparse (touched rows), are
 stepped by that optimizer instead, chained
-after AdamW so the scheduler and checkpoints see one optimizer.
+after AdamW so the scheduler and checkpoints see one optimizer; with
+``memory.fused_value_optimizer`` that optimizer's step runs inside the lookups' backward
+(:mod:`rmt.ops.fused_update`), on its state and param groups, and its ``step()`` finds no
+gradient to apply.
+
+Weight decay (``train.weight_decay`` wd) applies to every parameter of two or more dimensions
+(the layers' weight matrices; the memory layers' query, keys, cores, convolution and
+projections; MoE routers and experts) except the embedding tables (word and position), the
+unembedding (output layer) and memory value tables; never to norm gains or biases. ``train.decay_rmt_keys`` adds the RMT's embedding and unembedding key matrices
+(the RMT authors' recipe; their tables stay exempt). Per step a decayed weight shrinks by
+``lr_t * wd`` (``train.weight_decay_mode: lr``, AdamW as torch and megatron define it) or by
+``wd * lr_t / lr`` (``schedule``: decoupled from the LR's size, following its schedule, as in
+Loshchilov & Hutter and the RMT authors' optax chain). Both run as AdamW with a per-group decay
+coefficient: ``schedule`` is AdamW with coefficient ``wd / lr``.
 """
 
 from __future__ import annotations
@@ -22,14 +35,25 @@ from megatron.core.transformer.module import param_is_not_shared
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
 from rmt.config import RMTConfig
-from rmt.memory.groups import memory_grad_sq_norm, self_reduced
+from rmt.memory.groups import attach_fused_updates, memory_grad_sq_norm, self_reduced
 from rmt.memory.optim import ValueLRScheduler, split_value_group
+from rmt.models.rmt import RMT_KEY_MATRICES
 from rmt.ops.sparse_optim import RowWiseAdagrad, SparseAdam
 
 
-def _no_decay(name: str, param: torch.Tensor) -> bool:
-    """Norm gains, biases, embeddings and the unembedding are not decayed."""
+def _no_decay(name: str, param: torch.Tensor, decay_rmt_keys: bool = False) -> bool:
+    """Norm gains, biases, embeddings and the unembedding are not decayed (the RMT's embedding
+    and unembedding key matrices are, with ``decay_rmt_keys``)."""
+    if decay_rmt_keys and name.endswith(RMT_KEY_MATRICES):
+        return False
     return param.dim() < 2 or "embedding" in name or "output_layer" in name
+
+
+def decay_coefficient(config: RMTConfig) -> float:
+    """AdamW's per-group coefficient that gives ``train.weight_decay_mode``'s shrink per step
+    (AdamW shrinks by ``lr_t * coefficient``)."""
+    t = config.train
+    return t.weight_decay / t.lr if t.weight_decay_mode == "schedule" else t.weight_decay
 
 
 def param_groups(chunks: List[torch.nn.Module], config: RMTConfig) -> List[dict]:
@@ -37,8 +61,8 @@ def param_groups(chunks: List[torch.nn.Module], config: RMTConfig) -> List[dict]
     for chunk in chunks:
         for name, p in chunk.named_parameters():
             if p.requires_grad:
-                (no_decay if _no_decay(name, p) else decay).append(p)
-    wd = config.train.weight_decay
+                (no_decay if _no_decay(name, p, config.train.decay_rmt_keys) else decay).append(p)
+    wd = decay_coefficient(config)
     groups = [g for g in ({"params": decay, "weight_decay": wd, "wd_mult": 1.0},
                           {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}) if g["params"]]
     return split_value_group(groups, config.memory.value_lr_mult)
@@ -100,6 +124,8 @@ def build_optimizer(chunks: List[torch.nn.Module], config: RMTConfig):
         values = SparseAdam(sparse, **kwargs)
     else:
         values = RowWiseAdagrad(sparse, lr=t.lr, eps=t.adam_eps)
+    if config.memory.fused_value_optimizer:
+        attach_fused_updates([p for g in sparse for p in g["params"]], values)
     return ChainedOptimizer([dense, values])
 
 
@@ -114,15 +140,23 @@ def build_adamw(groups: List[dict], kwargs: dict) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, fused=True, **kwargs)
 
 
+def warmup_steps(config: RMTConfig) -> int:
+    """``train.warmup_steps`` clamped below ``train.steps`` (the schedule must reach its peak
+    before the last step; a smoke run of a few steps uses a config made for long runs)."""
+    return min(config.train.warmup_steps, config.train.steps - 1)
+
+
 def build_scheduler(optimizer, config: RMTConfig) -> OptimizerParamScheduler:
     """megatron-core's scheduler: linear warmup to ``lr`` then cosine/linear decay to
-    ``min_lr_ratio * lr`` at the last step. Weight decay stays constant. Memory values (a group
-    of their own) get ``memory.value_lr_mult`` times that, decaying linearly to 1x."""
+    ``min_lr_ratio * lr`` at the last step. The decay coefficient (:func:`decay_coefficient`)
+    stays constant. Memory values (a group of their own) get ``memory.value_lr_mult`` times
+    that, decaying linearly to 1x."""
     t = config.train
+    wd = decay_coefficient(config)
     return ValueLRScheduler(
         optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.lr * t.min_lr_ratio,
-        lr_warmup_steps=t.warmup_steps, lr_decay_steps=t.steps, lr_decay_style=t.lr_decay_style,
-        start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=t.steps,
+        lr_warmup_steps=warmup_steps(config), lr_decay_steps=t.steps, lr_decay_style=t.lr_decay_style,
+        start_wd=wd, end_wd=wd, wd_incr_steps=t.steps,
         wd_incr_style="constant")
 
 

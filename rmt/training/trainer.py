@@ -22,15 +22,18 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from rmt import config as rmt_config
 from rmt.config import RMTConfig
 from rmt.data.gpt_data import build_datasets, microbatches, resolve_data
+from rmt.data.metadata import tokenizer_file_text
 from rmt.data.tasks import build_task_datasets, curriculum_hook
 from rmt.memory import pop_aux_loss, pop_memory_stats
-from rmt.memory.groups import excluded_from_ddp, finish_memory_grads, self_reduced
+from rmt.memory.batchnorm import sync_running_stats
+from rmt.memory.groups import excluded_from_ddp, finish_memory_grads, fused_update, self_reduced
 from rmt.models.build import build
 from rmt.parallel import compat
 from rmt.training import checkpoint, preemption
 from rmt.training.loss import lm_loss
-from rmt.training.optimizer import build_optimizer, build_scheduler, clip_gradients
-from rmt.training.step_log import open_jsonl, open_tensorboard
+from rmt.training.optimizer import build_optimizer, build_scheduler, clip_gradients, warmup_steps
+from rmt.training.same_model import model_difference
+from rmt.training.step_log import new_run_name, open_jsonl, open_tensorboard, run_log_dir
 
 
 def causal_mask(seq_length: int, device) -> torch.Tensor:
@@ -70,25 +73,36 @@ class Trainer:
         self.chunks = self._wrap(build(config))
         self.params = [p for c in self.chunks for p in c.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.chunks, config)
+        # value tables stepped in their lookups' backward (memory.fused_value_optimizer), per chunk
+        self.fused_updates = [[fused_update(p) for p in c.parameters() if fused_update(p) is not None]
+                              for c in self.chunks]
+        self.forwards = [0] * len(self.chunks)
         self.scheduler = build_scheduler(self.optimizer, config)
         self.mask = causal_mask(config.model.seq_length, self.device)
         self.iteration = 0
         self.consumed_samples = 0
         self.history: List[Dict] = []
+        self.tokens_this_run = 0  # tokens trained on since this process started
         self.is_logger = (dist.get_rank() if dist.is_initialized() else 0) == 0
         self._bar = None
         self.stopped_by: Optional[str] = None  # the signal that ended the run early
         self.last_save: Optional[str] = None
         if t.save:
             checkpoint.check_space(t.save, self.chunks, self.optimizer)
-        resumed = checkpoint.resume(t.save, t.load, self.chunks, self.optimizer, self.say)
+        resumed = checkpoint.resume(t.save, t.load, self.chunks, self.optimizer, self.say,
+                                    partial(model_difference, config))
+        self.run_name = new_run_name()
         if resumed is not None:
             self.last_save, common = resumed
             self._restore(common)
-            self.say(f"resuming from '{self.last_save}' at step {self.iteration} of {t.steps}")
+            self.run_name = common.get("run_name", self.run_name)
+            self.say(f"resumed from iteration {self.iteration} of {t.steps}: '{self.last_save}'")
         else:
             self.say("starting from step 0" + (f": no checkpoint in '{t.save}' yet" if t.save else
                                               " (train.save is not set: no checkpoints are kept)"))
+        if warmup_steps(config) < t.warmup_steps:
+            self.say(f"train.warmup_steps {t.warmup_steps} is not below train.steps {t.steps}: "
+                     f"warming up over {warmup_steps(config)} steps instead")
 
     # -- setup ---------------------------------------------------------------------------
     def _wrap(self, chunks):
@@ -126,13 +140,23 @@ class Trainer:
 
     # -- one step ------------------------------------------------------------------------
     def _forward_step(self, data_iterator, model):
+        chunk = next(i for i, c in enumerate(self.chunks) if c is model)
+        self.forwards[chunk] += 1
+        for update in self.fused_updates[chunk]:  # the step's last micro-batch steps the tables
+            update.final = self.forwards[chunk] >= self.num_microbatches
         batch = next(data_iterator)
         tokens = batch["tokens"].to(self.device)
         positions = batch["position_ids"].to(self.device)
         labels = batch["labels"].to(self.device)
         loss_mask = batch["loss_mask"].to(self.device)
+        mask = batch.get("attention_mask")  # per-sample document masks (data.reset_attention_mask)
+        if mask is not None:
+            mask = mask.to(self.device)
+        elif tokens.shape[1] == self.mask.shape[-1]:
+            mask = self.mask
+        else:
+            mask = causal_mask(tokens.shape[1], self.device)
         with self._autocast():
-            mask = self.mask if tokens.shape[1] == self.mask.shape[-1] else causal_mask(tokens.shape[1], self.device)
             output = model(tokens, positions, mask)
         return output, partial(self._loss, labels, loss_mask, pop_aux_loss(model))
 
@@ -183,8 +207,10 @@ class Trainer:
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad(set_to_none=True)
+        self.forwards = [0] * len(self.chunks)
         metrics = self._run_schedule(self.train_ds, self.consumed_samples, forward_only=False)
         finish_memory_grads(self.chunks)
+        sync_running_stats(self.chunks, parallel_state.get_data_parallel_group())
         for p in self.params:
             if not self_reduced(p):
                 # DDP reduces in fp32; a bf16 parameter (a local bf16 memory table under AdamW,
@@ -196,6 +222,7 @@ class Trainer:
         self.scheduler.step(1)
         self.iteration += 1
         self.consumed_samples += self.global_batch
+        self.tokens_this_run += self.batch_tokens
         elapsed = time.perf_counter() - start
         metrics["tokens_per_s"] = self.batch_tokens / elapsed
         metrics["step"] = self.iteration
@@ -203,26 +230,39 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Validation loss (cross-entropy) over ``eval_iters`` fixed global batches."""
+        """Validation loss (cross-entropy) over ``eval_iters`` fixed global batches, in eval
+        mode (no dropout; BatchNorm on its running statistics)."""
         t = self.config.train
         total = 0.0
-        for i in range(t.eval_iters):
-            total += self._run_schedule(self.valid_ds, i * self.global_batch, forward_only=True)["lm loss"]
+        for chunk in self.chunks:
+            chunk.eval()
+        try:
+            for i in range(t.eval_iters):
+                total += self._run_schedule(self.valid_ds, i * self.global_batch, forward_only=True)["lm loss"]
+        finally:
+            for chunk in self.chunks:
+                chunk.train()
         return total / t.eval_iters
 
     def save(self) -> str:
         common = {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
-                  "global_batch_size": self.global_batch, "config": rmt_config.to_dict(self.config)}
+                  "global_batch_size": self.global_batch, "config": rmt_config.to_dict(self.config),
+                  "run_name": self.run_name, "tokenizer_json": tokenizer_file_text(self.config.data.tokenizer)}
         if hasattr(self.train_ds, "state_dict"):  # e.g. a task curriculum's noise length
             common["data_state"] = self.train_ds.state_dict()
         self.last_save = checkpoint.save_checkpoint(self.config.train.save, self.iteration, self.chunks,
                                                     self.optimizer, common, self.config.train.keep_checkpoints)
+        self.say(f"checkpoint saved to '{self.last_save}'")
         return self.last_save
 
     # -- loop ----------------------------------------------------------------------------
     def train(self) -> List[Dict]:
         t = self.config.train
-        writer = open_tensorboard(t.tensorboard_dir, self.iteration) if self.is_logger else None
+        start, first_step = time.perf_counter(), self.iteration
+        writer = None
+        if self.is_logger and t.tensorboard_dir:
+            writer = open_tensorboard(run_log_dir(t.tensorboard_dir, self.run_name), self.iteration)
+            self.say(f"TensorBoard logs: '{writer.log_dir}' (tensorboard --logdir {t.tensorboard_dir})")
         log = None
         if self.is_logger and t.log_file:
             log, dropped = open_jsonl(t.log_file, self.iteration)
@@ -257,10 +297,10 @@ class Trainer:
                 if h is not None:
                     h.close()
             self._bar = None
-        self._summary()
+        self._summary(self.iteration - first_step, time.perf_counter() - start, writer)
         return self.history
 
-    def _summary(self) -> None:
+    def _summary(self, steps: int, seconds: float, writer) -> None:
         t = self.config.train
         if self.stopped_by:
             head = f"stopped on {self.stopped_by} after step {self.iteration} of {t.steps}"
@@ -271,6 +311,16 @@ class Trainer:
         where = f"; checkpoint '{self.last_save}'" if self.last_save else "; no checkpoint saved"
         more = "; run the same command to continue" if self.iteration < t.steps and self.last_save else ""
         self.say(head + where + more)
+        self.say(f"  this run: {steps} steps, {self.tokens_this_run:,} tokens in {seconds:.1f} s "
+                 f"({self.tokens_this_run / max(seconds, 1e-9):,.0f} tokens/s)")
+        vals = [m for m in self.history if "val_loss" in m]
+        self.say(f"  final validation loss {vals[-1]['val_loss']:.4f} at step {vals[-1]['step']}" if vals else
+                 "  no validation loss (train.eval_iters is 0)" if not t.eval_iters else
+                 "  no validation loss this run")
+        if writer is not None:
+            self.say(f"  TensorBoard: '{writer.log_dir}'")
+        if t.log_file:
+            self.say(f"  metrics log: '{t.log_file}'")
 
 
 def _emit(m: Dict, writer, log, bar, verbose: bool) -> None:

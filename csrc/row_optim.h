@@ -1,0 +1,70 @@
+// The per-row update rules of the row-wise optimizers (rmt/ops/sparse_optim.py), shared by the
+// optimizer steps on a stored gradient (sparse_optim_cpu.cpp) and the backward that applies the
+// step to each row as soon as its gradient is summed (lookup_reduce_cpu.cpp), so the two compute
+// the same operations in the same order. Both translation units are built with
+// -ffp-contract=off: every product and sum is rounded on its own, as in torch's formulation.
+//
+// grad_t is the gradient row's element type: the table's (a stored gradient) or the fp32/fp64
+// accumulator of the fused backward, which is never rounded to a narrow table's dtype.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "cpu_numerics.h"
+
+namespace rmt_cpu {
+
+// SparseAdam (torch.optim.SparseAdam's lazy Adam), element by element in state_t:
+//   m += (1 - beta1) (g - m);  v += (1 - beta2) (g^2 - v);  p <- rn(p - step_size m / (sqrt(v) + eps))
+template <typename param_t, typename state_t, typename grad_t>
+inline void adam_row(param_t* __restrict p, state_t* __restrict m, state_t* __restrict v,
+                     const grad_t* __restrict g, int64_t D, state_t one_minus_beta1, state_t one_minus_beta2,
+                     state_t eps, state_t step_size) {
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) {
+    const state_t gd = static_cast<state_t>(g[d]);
+    const state_t mn = m[d] + (gd - m[d]) * one_minus_beta1;
+    const state_t vn = v[d] + (gd * gd - v[d]) * one_minus_beta2;
+    m[d] = mn;
+    v[d] = vn;
+    p[d] = round_to<param_t>(static_cast<state_t>(p[d]) - step_size * (mn / (std::sqrt(vn) + eps)));
+  }
+}
+
+// Partial sums of a row's squared gradient (row-wise Adagrad).
+constexpr int64_t kSquareLanes = 8;
+
+// Row-wise Adagrad (DLRM / FBGEMM), in fp32 with one fp32 accumulator *sum per row:
+//   g' = g + wd p;  sum += mean(g'^2);  p <- rn(p - lr g' / (sqrt(sum) + eps))
+// The squares are summed in kSquareLanes partial sums combined in a fixed order: vectorized for
+// every dtype (GCC keeps a single in-order sum of converted bf16 values scalar) and independent
+// of the threading.
+template <typename param_t, typename grad_t>
+inline void rowwise_adagrad_row(param_t* __restrict p, float* __restrict sum, const grad_t* __restrict g, int64_t D,
+                                float lr, float eps, float weight_decay) {
+  float part[kSquareLanes] = {};
+  int64_t d0 = 0;
+  for (; d0 + kSquareLanes <= D; d0 += kSquareLanes)
+#pragma omp simd
+    for (int64_t j = 0; j < kSquareLanes; ++j) {
+      const float gd = static_cast<float>(g[d0 + j]) + weight_decay * static_cast<float>(p[d0 + j]);
+      part[j] += gd * gd;
+    }
+  for (int64_t d = d0; d < D; ++d) {
+    const float gd = static_cast<float>(g[d]) + weight_decay * static_cast<float>(p[d]);
+    part[0] += gd * gd;
+  }
+  float sq = 0.f;
+  for (int64_t j = 0; j < kSquareLanes; ++j) sq += part[j];
+  const float s = *sum + sq / static_cast<float>(D);
+  *sum = s;
+  const float scale = lr / (std::sqrt(s) + eps);
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) {
+    const float old = static_cast<float>(p[d]);
+    p[d] = round_to<param_t>(old - scale * (static_cast<float>(g[d]) + weight_decay * old));
+  }
+}
+
+}  // namespace rmt_cpu

@@ -1,0 +1,114 @@
+"""The metadata sidecar ``P.json`` of an indexed dataset, and the tokenizer it decides.
+
+``rmt-preprocess`` (and the default corpus's build) record the tokenizer they encoded with in
+``P.json`` beside ``P.bin/.idx``: ``byte`` or the absolute path of a HF ``tokenizer.json`` (the
+trained ``bpe`` is such a file in the cache). Training and evaluation set ``data.tokenizer`` to
+that record, so the checkpoint's config names the tokenizer that made its data and
+``rmt-generate`` encodes and decodes with it. ``data.tokenizer`` left unset (``null``) takes the
+record; a setting that names another tokenizer is an error, never silently used.
+
+Plain file reads only (no torch, no megatron): this runs inside ``rmt.config.validate``.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+from typing import Optional
+
+from rmt.errors import ConfigError, UserError
+
+DEFAULT = "byte"
+
+
+def bpe_path(cache_dir: str, vocab_size: int, max_documents=None) -> str:
+    """Where ``tokenizer: bpe`` trained on the default corpus is cached."""
+    return os.path.join(cache_dir, f"bpe_{vocab_size}_{max_documents or 'all'}.json")
+
+
+def read_metadata(prefix: str) -> Optional[dict]:
+    """The ``prefix.json`` sidecar of an indexed dataset, or None for datasets made elsewhere."""
+    path = prefix + ".json"
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as err:
+        raise UserError(f"dataset metadata '{path}' is unreadable ({err})") from None
+    if not isinstance(meta, dict):
+        raise UserError(f"dataset metadata '{path}' is not a JSON object")
+    return meta
+
+
+def check_metadata(prefix: str, meta: dict) -> None:
+    """Reject a sidecar whose numbers contradict each other (e.g. a vocabulary smaller than the
+    largest token id it records): the model would be built too small for its data."""
+    path = prefix + ".json"
+    for key in ("vocab_size", "eod"):
+        if not isinstance(meta.get(key), int) or meta[key] < 0:
+            raise UserError(f"dataset metadata '{path}' has no valid '{key}' (a non-negative integer)")
+    vocab = meta["vocab_size"]
+    for key in ("eod", "max_token_id"):
+        value = meta.get(key)
+        if isinstance(value, int) and value >= vocab:
+            raise UserError(f"dataset metadata '{path}' understates the vocabulary: vocab_size {vocab} "
+                            f"but {key} {value}; re-run rmt-preprocess to rewrite it")
+
+
+def _same_tokenizer(setting: str, recorded: str) -> bool:
+    """Whether the ``data.tokenizer`` setting names the tokenizer the dataset records."""
+    if setting == DEFAULT or recorded == DEFAULT:
+        return setting == recorded
+    if setting == "bpe":  # rmt's own BPE (bpe_path), whatever cache and vocabulary made it
+        return os.path.basename(recorded).startswith("bpe_")
+    if os.path.isdir(setting):
+        setting = os.path.join(setting, "tokenizer.json")
+    if os.path.realpath(setting) == os.path.realpath(recorded):
+        return True
+    return os.path.isfile(setting) and os.path.isfile(recorded) and filecmp.cmp(setting, recorded, shallow=False)
+
+
+def adopt_dataset_tokenizer(config, prefix: str) -> None:
+    """Set ``config.data.tokenizer`` to the tokenizer dataset ``prefix`` records; raise
+    :class:`ConfigError` when an explicit setting names another one. A dataset without metadata
+    keeps the setting (``byte`` when unset)."""
+    d = config.data
+    meta = read_metadata(prefix)
+    if meta is None or "tokenizer" not in meta:
+        d.tokenizer = d.tokenizer or DEFAULT
+        return
+    check_metadata(prefix, meta)
+    recorded = meta["tokenizer"]
+    if d.tokenizer is not None and not _same_tokenizer(d.tokenizer, recorded):
+        raise ConfigError(f"data.tokenizer '{d.tokenizer}' contradicts the tokenizer '{recorded}' that "
+                          f"'{prefix}.json' records for the data; leave data.tokenizer unset to use the data's own")
+    if recorded != DEFAULT and not os.path.isfile(recorded):
+        raise UserError(f"the tokenizer '{recorded}' that '{prefix}.json' records for the data does not exist "
+                        f"(the dataset was made on another machine or its tokenizer cache was removed)")
+    d.tokenizer = recorded
+
+
+def tokenizer_file_text(spec: Optional[str]) -> Optional[str]:
+    """The contents of tokenizer file ``spec`` (``data.tokenizer`` once resolved), for a checkpoint
+    to carry so that generating needs neither the data nor its tokenizer cache; None for byte."""
+    if spec in (None, DEFAULT, "bpe") or not os.path.isfile(spec):
+        return None
+    with open(spec) as f:
+        return f.read()
+
+
+def known_vocab_size(config) -> Optional[int]:
+    """The vocabulary a run of ``config`` gets, where it is known without building data: the
+    one ``data.path``'s metadata records, or the byte tokenizer's; else None."""
+    d = config.data
+    meta = read_metadata(d.path) if d.path else None
+    if meta is not None and "vocab_size" in meta:
+        check_metadata(d.path, meta)
+        return int(meta["vocab_size"])
+    if (d.tokenizer or DEFAULT) == DEFAULT:
+        from rmt.data.tokenizers import ByteTokenizer
+
+        return ByteTokenizer.vocab_size
+    return None

@@ -1,0 +1,91 @@
+"""Reject, before anything is allocated, a run whose per-rank memory can never fit.
+
+A *lower bound* of the bytes one rank must hold at once is compared with the memory the rank
+could ever get (its GPU's total memory, or on CPU the machine's RAM plus swap shared by the
+ranks on the node). Only what training certainly allocates counts, so the check never rejects
+a run that might fit:
+
+* the dense parameters with their fp32 gradient buffer and Adam's two moments, 16 bytes per
+  parameter, split evenly over tensor x pipeline ranks (memory tables, which may be sharded
+  further, are left out);
+* the activations one micro batch keeps for its backward pass
+  (``rmt-plan model``'s ``activation_bytes_per_token``, :mod:`rmt.planner.flops`), split evenly
+  over tensor x pipeline ranks; for architectures without that figure, the fp32 logits;
+* the ``seq_length x seq_length`` causal mask every rank builds.
+
+A model that fits this bound may still run out of memory later; one that exceeds it cannot run
+at all, and without this check it would fail inside an allocation with a traceback (or after
+the machine swapped for minutes).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Optional
+
+from rmt.config import RMTConfig
+from rmt.errors import ConfigError
+
+_GIB = 2**30
+
+
+def _machine_memory() -> int:
+    """RAM plus swap of this machine (bytes)."""
+    total = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, value = line.split(":", 1)
+                if key in ("MemTotal", "SwapTotal"):
+                    total += int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return total or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def rank_memory() -> int:
+    """The most memory one rank could ever use: its GPU's, or the machine's share per local rank."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0))).total_memory
+    return _machine_memory() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+
+def memory_floor(config: RMTConfig) -> dict:
+    """Bytes a rank of ``config`` certainly holds at once: ``{"state", "activations", "mask"}``."""
+    from rmt.data.metadata import known_vocab_size
+    from rmt.planner.flops import DTYPE_BYTES, _pad, plan_model
+
+    config = copy.deepcopy(config)
+    m, t, p = config.model, config.train, config.parallel
+    if m.vocab_size is None:  # a vocabulary known only once data is built: its lower end
+        m.vocab_size = (known_vocab_size(config) if config.data.task == "none" else None) or 1
+    doc = plan_model(config)
+    model_ranks = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+    memory_params = doc.get("memory", {}).get("params", 0)
+    state = 16 * (doc["params"] - memory_params) // model_ranks
+    tokens = t.micro_batch_size * m.seq_length
+    if "activation_bytes_per_token" in doc:
+        activations = doc["activation_bytes_per_token"] * tokens // model_ranks
+    else:
+        Vp = _pad(m.vocab_size, m.make_vocab_size_divisible_by)
+        activations = max(4, DTYPE_BYTES[t.precision]) * Vp * tokens // p.tensor_model_parallel_size
+    return {"state": state, "activations": activations, "mask": m.seq_length ** 2}
+
+
+def check_fits(config: RMTConfig, available: Optional[int] = None) -> None:
+    """Raise :class:`ConfigError` when :func:`memory_floor` exceeds what a rank could ever get."""
+    available = rank_memory() if available is None else available
+    floor = memory_floor(config)
+    need = sum(floor.values())
+    if need <= available:
+        return
+    m, t = config.model, config.train
+    raise ConfigError(
+        f"this run needs at least {need / _GIB:,.1f} GiB per rank (activations of one micro batch of "
+        f"{t.micro_batch_size} x {m.seq_length} tokens {floor['activations'] / _GIB:,.1f} GiB, parameters with "
+        f"gradients and Adam state {floor['state'] / _GIB:,.1f} GiB, causal mask {floor['mask'] / _GIB:,.1f} GiB), "
+        f"more than the {available / _GIB:,.1f} GiB a rank can have here; lower model.seq_length, "
+        f"train.micro_batch_size or the model size, or split the model over more tensor/pipeline ranks")

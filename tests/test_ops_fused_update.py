@@ -1,0 +1,228 @@
+"""The optimizer step fused into lookup_reduce's backward (rmt.ops.fused_update) against the
+unfused path it replaces: the sparse touched-row gradient, then SparseAdam / RowWiseAdagrad."""
+
+import pytest
+import torch
+
+from rmt.ops import lookup_reduce
+from rmt.ops.fused_update import FusedValueUpdate
+from rmt.ops.sparse_optim import RowWiseAdagrad, SparseAdam
+from rmt.ops.testing import ADAM_REL, adagrad_rel, assert_rounded_within, round_fp32
+
+OPTIMIZERS = {
+    "sparse_adam": lambda p: SparseAdam([p], lr=2e-2, betas=(0.8, 0.95), eps=1e-6),
+    "rowwise_adagrad": lambda p: RowWiseAdagrad([p], lr=0.1, eps=1e-10, weight_decay=0.01),
+}
+# (N, D, T, K, C, E): compile-time row shapes (64 x 1, 64 x 2) and run-time ones (12 x 3)
+SHAPES = [(300, 12, 10, 6, 3, 1), (500, 64, 16, 8, 2, 4), (400, 64, 20, 7, 1, 1)]
+
+
+def batches(shape, steps, seed=0, dtype=torch.float32, score_dtype=None):
+    N, D, T, K, C, E = shape
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        indices = torch.randint(0, N, (T, K), generator=gen)
+        indices[:, 1] = indices[:, 0]  # duplicates within a token
+        scores = torch.randn(T, K, C, generator=gen).to(score_dtype or dtype)
+        blocks = torch.randint(0, E, (T, K), generator=gen) if E > 1 else None
+        grad_out = torch.randn(T, E, D, generator=gen).to(score_dtype or dtype)
+        out.append((indices, scores, blocks, grad_out))
+    return out
+
+
+def make_table(shape, dtype=torch.float32, seed=1):
+    N, D = shape[:2]
+    return torch.randn(N, D, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def run(table, kind, steps, E, fused, backend="cpu", micro=1):
+    """Train ``table`` over ``steps`` (lists of ``micro`` batches); returns the parameter, the
+    optimizer, the score gradients of every batch and the fused update (or None)."""
+    p = torch.nn.Parameter(table.clone())
+    opt = OPTIMIZERS[kind](p)
+    update = FusedValueUpdate(p, opt) if fused else None
+    score_grads = []
+    for step in steps:
+        opt.zero_grad(set_to_none=True)
+        for i, (indices, scores, blocks, grad_out) in enumerate(step):
+            if update is not None:
+                update.final = i == len(step) - 1
+            s = scores.clone().requires_grad_(True)
+            out = lookup_reduce(p, indices, s, blocks, E, backend=backend, sparse_grad=True, update=update)
+            out.backward(grad_out)
+            score_grads.append(s.grad)
+        if fused:
+            assert p.grad is None
+        else:
+            opt.step()
+    return p, opt, score_grads, update
+
+
+def state_tensors(opt, p):
+    st = opt.state[p]
+    return [st[k] for k in ("exp_avg", "exp_avg_sq", "sum") if k in st]
+
+
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_equals_unfused_bit_for_bit(kind, shape, dtype):
+    """One micro-batch per step: the fused kernel sums each row's gradient as the backward does and
+    steps it with the optimizer's own row rule (csrc/row_optim.h), so table, state and score
+    gradients equal the unfused path's exactly."""
+    steps = [[b] for b in batches(shape, 3, dtype=dtype)]
+    table = make_table(shape, dtype)
+    p_u, opt_u, sg_u, _ = run(table, kind, steps, shape[5], fused=False)
+    p_f, opt_f, sg_f, update = run(table, kind, steps, shape[5], fused=True)
+    assert update.updates == 3 and not update.stash and update.pending == 0
+    assert torch.equal(p_f.data, p_u.data)
+    assert not torch.equal(p_f.data, table)
+    for a, b in zip(state_tensors(opt_f, p_f), state_tensors(opt_u, p_u)):
+        assert torch.equal(a, b)
+    if kind == "sparse_adam":
+        assert opt_f.state[p_f]["step"] == opt_u.state[p_u]["step"] == 3
+    for a, b in zip(sg_f, sg_u):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+def test_squared_norm_is_the_unfused_gradients(kind):
+    shape = SHAPES[1]
+    (indices, scores, blocks, grad_out), = batches(shape, 1)
+    table = make_table(shape)
+    p = torch.nn.Parameter(table.clone())
+    lookup_reduce(p, indices, scores, blocks, shape[5], backend="cpu", sparse_grad=True).backward(grad_out)
+    want = float(p.grad.coalesce().values().double().pow(2).sum())
+    q = torch.nn.Parameter(table.clone())
+    update = FusedValueUpdate(q, OPTIMIZERS[kind](q), grad_scale=0.25)
+    lookup_reduce(q, indices, scores, blocks, shape[5], backend="cpu", update=update).backward(grad_out)
+    assert update.pop_sq_norm() == pytest.approx(want * 0.25 ** 2, rel=1e-12)
+    assert update.pop_sq_norm() == 0.0
+
+
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_micro_batches_accumulate_into_one_step(kind, backend):
+    """Three micro-batches (``final`` only on the last): one step with their summed gradient, as
+    the unfused path accumulates ``.grad`` and steps once. The sums run in another order (one
+    sorted pass against per-batch sums added), so equal to fp32 rounding of the gradient; Adam
+    normalizes by the gradient, so the rows agree to that relative to their update."""
+    shape = SHAPES[1]
+    steps = [batches(shape, 3, seed=s) for s in range(2)]
+    table = make_table(shape)
+    p_u, opt_u, sg_u, _ = run(table, kind, steps, shape[5], fused=False)
+    p_f, opt_f, sg_f, update = run(table, kind, steps, shape[5], fused=True, backend=backend)
+    assert update.updates == 2
+    # a row's gradient is an n-term fp32 sum in both paths, in two orders: within 2 gamma_n of the
+    # sum of its terms' magnitudes (Higham Eq. 3.5); n <= all lookups of the step
+    bound_g = 0.0
+    for step in steps:
+        p = torch.nn.Parameter(make_table(shape).abs())
+        for indices, scores, blocks, grad_out in step:
+            lookup_reduce(p, indices, scores.abs(), blocks, shape[5], backend="reference").backward(grad_out.abs())
+        n = sum(b[0].numel() for b in step)
+        bound_g = max(bound_g, 2 * n * 2.0 ** -24 / (1 - n * 2.0 ** -24) * float(p.grad.max()))
+    g_max = max(float(x[3].abs().max() * x[1].abs().max()) * x[0].numel() for step in steps for x in step)
+    # moments / sums: m moves by (1 - beta1) times the gradient's error, v and the Adagrad sum by
+    # up to 2 |g| times it; rows: Adam normalizes by sqrt(v), so relative to the step
+    for a, b, tol in zip(state_tensors(opt_f, p_f), state_tensors(opt_u, p_u),
+                         (bound_g, 2 * g_max * bound_g) if kind == "sparse_adam" else (2 * g_max * bound_g,)):
+        torch.testing.assert_close(a, b, rtol=2.0 ** -20, atol=tol)
+    # Adam's step is lr m / sqrt(v): where the gradient is within its rounding bound of zero the
+    # sign, so the step, may flip; elsewhere the rows agree to the rounding relative to the step
+    keep = opt_u.state[p_u]["exp_avg"].abs() > 10 * bound_g if kind == "sparse_adam" else slice(None)
+    torch.testing.assert_close(p_f.data[keep], p_u.data[keep], rtol=1e-5, atol=1e-6)
+    # the first step's score gradients read the same table (bit for bit on the CPU backend: the same
+    # dot products); the second's read the stepped rows, equal to the rounding above
+    for i, (a, b) in enumerate(zip(sg_f, sg_u)):
+        assert torch.equal(a, b) if backend == "cpu" and i < 3 else torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_table_looked_up_twice_in_one_forward_steps_once():
+    shape = SHAPES[2]
+    (i1, s1, _, g1), (i2, s2, _, g2) = batches(shape, 2)
+    table = make_table(shape)
+    results = []
+    for fused in (False, True):
+        p = torch.nn.Parameter(table.clone())
+        opt = OPTIMIZERS["rowwise_adagrad"](p)
+        update = FusedValueUpdate(p, opt) if fused else None
+        loss = sum((lookup_reduce(p, i, s, backend="cpu", sparse_grad=True, update=update) * g).sum()
+                   for i, s, g in ((i1, s1, g1), (i2, s2, g2)))
+        loss.backward()
+        if not fused:
+            opt.step()
+        results.append((p.data.clone(), opt.state[p]["sum"].clone(), update))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-5, atol=1e-6)
+    assert results[1][2].updates == 1
+
+
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+@pytest.mark.parametrize("shape", SHAPES[:2])
+def test_bf16_table_is_the_fp32_step_rounded_once(kind, shape):
+    """A bf16 table with fp32 scores: the fused step is the fp32 one on the same (representable)
+    values and state, the new rows rounded once to bf16, the state fp32 and equal."""
+    (indices, scores, blocks, grad_out), = batches(shape, 1)
+    table = make_table(shape, torch.bfloat16)
+    out = []
+    for t in (table, table.float()):
+        p, opt, sg, _ = run(t, kind, [[(indices, scores, blocks, grad_out)]], shape[5], fused=True)
+        out.append((p.data, state_tensors(opt, p), sg[0]))
+    (narrow, narrow_state, narrow_sg), (wide, wide_state, wide_sg) = out
+    assert narrow.dtype == torch.bfloat16
+    assert torch.equal(narrow, round_fp32(wide, torch.bfloat16))
+    for a, b in zip(narrow_state, wide_state):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+    assert torch.equal(narrow_sg, wide_sg)
+
+
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+@pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_matches_torch_reference(kind, table_dtype):
+    """The C++ fused step against the plain torch formulation (reference backward, then the torch
+    updates of rmt.ops.sparse_optim): within the rounding bounds of rmt.ops.testing (the torch
+    CPU sqrt is off by an ulp; the gradient sums in another order, within fp32 rounding)."""
+    shape = SHAPES[1]
+    steps = [[b] for b in batches(shape, 1)]
+    table = make_table(shape, table_dtype)
+    p_c, opt_c, sg_c, _ = run(table, kind, steps, shape[5], fused=True, backend="cpu")
+    p_r, opt_r, sg_r, _ = run(table, kind, steps, shape[5], fused=True, backend="reference")
+    x = p_r.data.float()
+    rel = ADAM_REL if kind == "sparse_adam" else adagrad_rel(shape[1])
+    bound = (rel + 2.0 ** -20) * (x - table.float()).abs() + 2.0 ** -21 * x.abs()
+    assert_rounded_within(p_c.data, x, bound, what=f"{kind} {table_dtype}")
+    for a, b in zip(state_tensors(opt_c, p_c), state_tensors(opt_r, p_r)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(sg_c[0], sg_r[0], rtol=1e-5, atol=1e-5)
+
+
+def test_score_gradients_alone_equal_the_backwards():
+    from rmt.ops import cpu_backend
+
+    shape = SHAPES[1]
+    (indices, scores, blocks, grad_out), = batches(shape, 1)
+    table = make_table(shape)
+    _, _, want = cpu_backend.backward(grad_out, table, indices, scores, blocks, shape[5])
+    assert torch.equal(cpu_backend.score_gradients(grad_out, table, indices, scores, blocks, shape[5]), want)
+
+
+def test_flush_steps_lookups_left_without_their_final_backward():
+    shape = SHAPES[2]
+    (indices, scores, _, grad_out), = batches(shape, 1)
+    table = make_table(shape)
+    p = torch.nn.Parameter(table.clone())
+    update = FusedValueUpdate(p, OPTIMIZERS["rowwise_adagrad"](p))
+    update.final = False
+    lookup_reduce(p, indices, scores, backend="cpu", update=update).backward(grad_out)
+    assert torch.equal(p.data, table) and len(update.stash) == 1
+    update.flush()
+    q, _, _, _ = run(table, "rowwise_adagrad", [[(indices, scores, None, grad_out)]], 1, fused=False)
+    assert torch.equal(p.data, q.data) and not update.stash
+
+
+def test_rejects_an_optimizer_it_cannot_fuse():
+    p = torch.nn.Parameter(torch.zeros(4, 2))
+    with pytest.raises(TypeError, match="SparseAdam or RowWiseAdagrad"):
+        FusedValueUpdate(p, torch.optim.SGD([p], lr=0.1))
