@@ -7,7 +7,9 @@ synchronous and with the async memory stream, side by side in one run.
 Launches itself on ``--nproc`` ranks (data parallel, one memory-parallel group of all of
 them). Per variant: mean step time over the timed steps, the memory layers' forward time
 per step and the part of it the dense path waited for. ``hidden_fraction`` = 1 - waited /
-memory forward time (async rows; 0 for sync: its memory forward is all on the dense path);
+memory forward time (async rows; 0 for sync: its memory forward is all on the dense path),
+at least 0: the dense path can wait longer than the memory work took, when the job queues
+behind the worker's previous one or the thread starts late on a loaded machine;
 async rows also give the same for the memory layers' backward, which the stream runs beside
 the dense backward (sync rows run it inside the autograd engine, not timed apart).
 Summary: ``async_over_sync_step_time`` (mean over sharded partitions of async / sync step
@@ -36,6 +38,11 @@ def overrides(args):
             "train.warmup_steps=1", f"train.micro_batch_size={args.batch}", "train.eval_iters=0",
             "train.progress=false", "memory.type=ultramem", "memory.placement='1:4'",
             f"memory.num_keys={args.keys}", "memory.topk=8", "memory.key_dim=32"]
+
+
+def _hidden(busy: float, waited: float) -> float:
+    """Fraction of the memory work the dense path did not wait for, in [0, 1]."""
+    return max(0.0, 1.0 - waited / busy) if busy else 0.0
 
 
 def worker(args):
@@ -72,12 +79,12 @@ def worker(args):
         if stream is not None:
             busy, waited = stream.busy_s / timed, stream.exposed_s / timed
             back, back_waited = stream.busy_backward_s / timed, stream.exposed_backward_s / timed
-            back_hidden = 1.0 - back_waited / back if back else 0.0
+            back_hidden = _hidden(back, back_waited)
         else:
             busy = waited = wiring.sync_s / timed
         rows.append({"partition": partition, "owner_reduce": owner_reduce, "async": async_stream,
                      "step_s": step_s, "memory_forward_s": busy, "memory_waited_s": waited,
-                     "hidden_fraction": 1.0 - waited / busy if busy else 0.0,
+                     "hidden_fraction": _hidden(busy, waited),
                      "memory_backward_s": back, "memory_backward_waited_s": back_waited,
                      "hidden_backward_fraction": back_hidden})
         if dist.get_rank() == 0:
