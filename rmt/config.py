@@ -411,6 +411,16 @@ class MemoryConfig:
     improved_init: bool = True
     """Table 2 ablation switch: Appendix A init (E[Y] sampled)."""
 
+    value_init_std: Optional[float] = None
+    """Init std of the value tables; ``null``: Appendix A's ``sqrt(E / (2 m H L))`` with
+    ``improved_init`` (E expansion, m top-m, H heads, L layers: memory output ~ N(0, 1/(2L)) at
+    init), else Lample et al.'s ``1 / sqrt(value dim)``. The authors' public code
+    (``UltraMemLayerV1``) draws the values at 0.02 whatever the model's size. Appendix A's output
+    variance 1/(2L) does not shrink with the width: it is about the MLP's at init for hidden
+    1024-2048 (the paper's models) but 18x the MLP's output (12x the residual stream) at hidden
+    128 with 2 layers, which costs the tiny configs ~0.13 of validation loss at 1000 steps
+    (docs/benchmarks.md, "Memory layers, quality"); they set 0.02."""
+
     init_samples: int = 0
     """How the improved init gets E[Y], the expected mean of the top-m of the grid's candidate
     scores (Appendix A): 0 = exactly, by quadrature over the order statistics, in milliseconds

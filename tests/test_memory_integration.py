@@ -31,6 +31,7 @@ def _cfg(*overrides):
     ("memory.topk=17", "exceeds the number of memory slots (16)"),
     ("memory.topk=9", "exceeds the 8 keys per side"),
     ("memory.ive_blocks=2", "must be a perfect square"),
+    ("memory.value_init_std=0", "memory.value_init_std must be positive (or null: the improved_init rule), got 0"),
     ("memory.type=lstm", "memory.type 'lstm' is not available"),
     ("memory.retrieval=product", "num_cores > 1 (multi-core scoring) needs memory.retrieval 'tucker'"),
     ("memory.tucker_rank=3", "key_dim (8) must be divisible by memory.tucker_rank (3)"),
@@ -143,6 +144,9 @@ def test_memory_parameters_in_sharded_state_dict_and_initialised(megatron):
     assert values.std().item() == pytest.approx(a.memory[0].spec.value_std, rel=0.2)
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.equal(pa, pb)
+    # memory.value_init_std scales the same draw (the counter stream of the table's seed)
+    (c,) = build(validate(_cfg("memory.value_init_std=0.02"), world_size=1))
+    torch.testing.assert_close(c.memory[0].values.weight, values * (0.02 / a.memory[0].spec.value_std))
 
 
 def test_value_lr_schedule(megatron):

@@ -1,6 +1,7 @@
 """UltraMem / PKM layer components against naive dense computations (arXiv 2411.12364 §3)."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -168,6 +169,36 @@ def test_improved_init_appendix_a():
     assert s.value_std == pytest.approx(math.sqrt(4 / (2 * 4 * 2 * 2)))
     big = expected_topm_mean(10000, 1, 8)
     assert 3.3 < big < 4.3  # E[max of 1e4 normals] ~ 3.85
+
+
+def test_value_init_std_overrides_appendix_a():
+    assert _spec(value_init_std=0.02).value_std == 0.02
+    assert _spec(value_init_std=0.02, improved_init=False).value_std == 0.02
+    assert _spec(improved_init=False).value_std == pytest.approx(1 / math.sqrt(8))  # Lample: 1/sqrt(value dim)
+
+
+def test_tiny_config_memory_output_at_init_is_the_mlps_scale():
+    """configs/ultramem_tiny.yaml draws its values at 0.02 (the authors' code), not Appendix A's
+    sqrt(E / (2 m H L)) = 0.25: the output is linear in the values, so it is 0.02 / 0.25 of the
+    Appendix A layer's on the same draw, ~0.04 RMS (the dense MLP's output at init is ~0.026,
+    the residual stream ~0.04) instead of Appendix A's sqrt(1 / (2L)) = 0.5."""
+    from conftest import ROOT
+    from rmt.config import load_config, validate
+
+    def layer(*overrides):
+        config = validate(load_config(os.path.join(ROOT, "configs", "ultramem_tiny.yaml"), list(overrides)),
+                          world_size=1)
+        torch.manual_seed(0)
+        return MemoryLayer(MemorySpec.from_config(config))
+
+    tiny, appendix_a = layer(), layer("memory.value_init_std=null")
+    assert tiny.spec.value_std == 0.02 and appendix_a.spec.value_std == pytest.approx(0.25)
+    x = torch.randn(128, 8, 128, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out, ref = tiny(x), appendix_a(x)
+    torch.testing.assert_close(out, ref * (0.02 / 0.25), rtol=1e-5, atol=1e-7)
+    assert 0.02 < out.pow(2).mean().sqrt().item() < 0.06
+    assert ref.pow(2).mean().sqrt().item() > 0.35
 
 
 def test_slot_statistics():

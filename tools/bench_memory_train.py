@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", help="comma-separated seeds of the reported runs (default 1,2,3; quick 1)")
     ap.add_argument("--tune-seed", type=int, default=0, help="seed of the value-LR sweep runs (default 0)")
     ap.add_argument("--value-lr-mults", help="memory.value_lr_mult values swept for PKM and UltraMem "
-                    "(default 1,3,10,30; quick: none, the configs' own)")
+                    "(default 1,3,10,30; quick or 'none': no sweep, the configs' own after the overrides)")
     ap.add_argument("--eval-iters", type=int, help="validation batches per evaluation (default 16; quick 2)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="subset of dense,pkm,moe,ultramem")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
@@ -191,17 +191,18 @@ def main(argv=None) -> int:
     q = args.quick
     steps = args.steps or (60 if q else 1500)
     seeds = [int(s) for s in (args.seeds or ("1" if q else "1,2,3")).split(",")]
-    mults = [float(x) for x in (args.value_lr_mults or ("" if q else "1,3,10,30")).split(",") if x]
+    sweep_arg = args.value_lr_mults or ("none" if q else "1,3,10,30")
+    mults = [] if sweep_arg == "none" else [float(x) for x in sweep_arg.split(",") if x]
     eval_iters = args.eval_iters or (2 if q else 16)
     kinds = [k for k in args.variants.split(",") if k]
     unknown = [k for k in kinds if k not in VARIANTS]
-    if unknown or "dense" not in kinds:
-        print(f"bench_memory_train: --variants must include dense and name only {', '.join(VARIANTS)}; "
+    if unknown or not kinds:
+        print(f"bench_memory_train: --variants must name some of {', '.join(VARIANTS)}; "
               f"got {args.variants}", file=sys.stderr)
         return 2
     try:
         configs = {k: variant_config(k, steps, seeds[0], eval_iters, args.overrides, threads=args.threads)
-                   for k in kinds}
+                   for k in ["dense"] + [k for k in kinds if k != "dense"]}  # dense: the backbone to check
         check_backbone(configs)
     except ConfigError as err:
         print(f"bench_memory_train: {err}", file=sys.stderr)
@@ -241,7 +242,7 @@ def main(argv=None) -> int:
     finally:
         destroy()
     final_rows = [r for r in rows if r["phase"] == "final"]
-    dense = sum(final["dense"]) / len(final["dense"])
+    dense = sum(final["dense"]) / len(final["dense"]) if "dense" in final else None
     sweep = (f"value LR mult tuned on seed {args.tune_seed} over {','.join(f'{m:g}' for m in mults)}" if mults
              else "value LR mult: the configs' own (no sweep)")
     print(f"\n{steps} steps x {final_rows[0]['tokens'] // steps} tokens, seeds {','.join(map(str, seeds))}; {sweep}")
@@ -252,7 +253,8 @@ def main(argv=None) -> int:
         mean = sum(final[kind]) / len(final[kind])
         mult = f"{tuned[kind]:g}x" if kind in tuned else "-"
         print(f"{kind:<9} {r['params']:>9,} {r['flops_per_token'] / 1e6:>9.3f} {mult:>8} {mean:>9.4f} "
-              f"{spread(final[kind]):>7.4f} {mean - dense:>+8.4f} {PAPER[kind]:>6.2f}")
+              f"{spread(final[kind]):>7.4f} {'-' if dense is None else f'{mean - dense:+.4f}':>8} "
+              f"{PAPER[kind]:>6.2f}")
     pairs = orderings(final, quick=q)
     if q:
         print(f"\nNo ordering is claimed: a --quick run ({steps} steps, no value-LR sweep) is too short to "
@@ -268,7 +270,7 @@ def main(argv=None) -> int:
                   f"(per seed {paired}){agree}")
     summary = {f"{k}_val_loss": sum(v) / len(v) for k, v in final.items()}
     summary.update({f"{k}_val_loss_spread": spread(v) for k, v in final.items()})
-    if "ultramem" in final:
+    if "ultramem" in final and dense is not None:
         summary["ultramem_minus_dense_val_loss"] = summary["ultramem_val_loss"] - dense
     summary["orderings"] = {p["pair"]: p["verdict"] for p in pairs}
     summary["tuned_value_lr_mult"] = tuned

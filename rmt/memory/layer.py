@@ -60,6 +60,7 @@ class MemorySpec:
     conv_kernel: int = _MEM.conv_kernel
     improved_init: bool = _MEM.improved_init
     init_samples: int = _MEM.init_samples
+    value_init_std: Optional[float] = _MEM.value_init_std
     aux_loss_weight: float = _MEM.aux_loss_weight
     aux_loss_margin: float = _MEM.aux_loss_margin
     init_std: float = ModelConfig.init_std
@@ -82,6 +83,7 @@ class MemorySpec:
                       topk=mem.topk, num_keys=mem.num_keys, init_std=m.init_std,
                       sparse_grad=mem.value_optimizer != "adamw", seed=config.train.seed * 1000 + index,
                       query_batchnorm=mem.query_batchnorm, query_bias=mem.query_bias,
+                      value_init_std=mem.value_init_std,
                       value_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[mem.value_dtype])
         if mem.type == "pkm":
             return cls(side_dim=mem.key_dim // 2, retrieval="product", tucker_rank=1, num_cores=1,
@@ -109,8 +111,10 @@ class MemorySpec:
 
     @property
     def value_std(self) -> float:
-        """Init std of the values: Appendix A's sqrt(E / (2 m H L)) with ``improved_init``, else
-        1 / sqrt(value dim) (Lample et al.)."""
+        """Init std of the values: ``value_init_std`` when given, else Appendix A's
+        sqrt(E / (2 m H L)) with ``improved_init``, else 1 / sqrt(value dim) (Lample et al.)."""
+        if self.value_init_std is not None:
+            return self.value_init_std
         if self.improved_init:
             return math.sqrt(self.ive_blocks / (2.0 * self.topk * self.num_heads * self.num_layers))
         return 1.0 / math.sqrt(self.value_dim)

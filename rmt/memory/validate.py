@@ -238,6 +238,9 @@ def validate_memory(config, world_size: Optional[int] = None) -> None:
     if mem.init_samples < 0:
         raise ConfigError(f"memory.init_samples must be 0 (exact E[Y]) or a positive sample count, "
                           f"got {mem.init_samples}")
+    if mem.value_init_std is not None and not mem.value_init_std > 0:
+        raise ConfigError(f"memory.value_init_std must be positive (or null: the improved_init rule), "
+                          f"got {mem.value_init_std}")
     if mem.value_lr_mult < 1.0:
         raise ConfigError(f"memory.value_lr_mult must be >= 1, got {mem.value_lr_mult}")
     validate_value_optimizer(mem)
