@@ -64,3 +64,20 @@ def test_backbone_mismatch_rejected(tmp_path):
     with pytest.raises(ConfigError, match=r"^variant 'ultramem' \(configs/ultramem_tiny.yaml\) differs from the "
                                           r"dense backbone in model.hidden_size; only memory.\* may differ$"):
         bench.check_backbone(configs)
+
+
+def test_one_variant_without_sweep_for_ablations(tmp_path, cache_dir):
+    """``--variants ultramem --value-lr-mults none``: one run per seed at the config's value LR
+    (after the overrides), the backbone still checked against dense, no dense-relative summary."""
+    out = tmp_path / "bench.json"
+    run_python(["tools/bench_memory_train.py", "--steps", "2", "--seeds", "1", "--eval-iters", "1",
+                "--variants", "ultramem", "--value-lr-mults", "none", "--json", str(out),
+                f"data.cache_dir={cache_dir}", "data.max_documents=60", "memory.value_lr_mult=3"])
+    doc = json.loads(out.read_text())
+    assert [(r["model"], r["phase"], r["value_lr_mult"]) for r in doc["rows"]] == [("ultramem", "final", 3.0)]
+    assert "ultramem_minus_dense_val_loss" not in doc["summary"]
+    assert doc["summary"]["tuned_value_lr_mult"] == {"ultramem": 3.0}
+    bad = run_python(["tools/bench_memory_train.py", "--variants", "ultramem,lstm"], check=False)
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == ("bench_memory_train: --variants must name some of dense, pkm, moe, ultramem; "
+                                  "got ultramem,lstm")

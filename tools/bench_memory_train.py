@@ -12,6 +12,8 @@ overlap.
     python tools/bench_memory_train.py                       # the full comparison (~1 h of CPU)
     python tools/bench_memory_train.py --quick --json out.json   # smoke run, no conclusion
     python tools/bench_memory_train.py --plot docs/figures/bench_memory_train.png
+    python tools/bench_memory_train.py --steps 1000 --seeds 1 --variants ultramem --value-lr-mults none \
+        memory.value_init_std=null                           # one ablation run, no dense, no sweep
 
 Summary keys: ``<variant>_val_loss`` (mean over seeds), ``<variant>_val_loss_spread`` (max - min),
 ``ultramem_minus_dense_val_loss``, ``orderings`` (the separated pairs), ``tuned_value_lr_mult``.
