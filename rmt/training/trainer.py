@@ -30,6 +30,7 @@ from rmt.memory.groups import excluded_from_ddp, finish_memory_grads, fused_upda
 from rmt.models.build import build
 from rmt.parallel import compat
 from rmt.training import checkpoint, preemption
+from rmt.training.host_heap import retain_freed_memory
 from rmt.training.loss import lm_loss
 from rmt.training.optimizer import build_optimizer, build_scheduler, clip_gradients, warmup_steps
 from rmt.training.same_model import model_difference
@@ -55,6 +56,7 @@ class Trainer:
         t = config.train
         if t.threads:
             torch.set_num_threads(t.threads)
+        retain_freed_memory(t.host_heap_retain_mib)
         self.device = compat.device()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
