@@ -176,3 +176,42 @@ def test_no_rank_allocates_the_whole_table(layout, cache_dir, tmp_path):
     args = tiny_overrides(cache_dir, steps=2) + ["train.global_batch_size=8"] + MEMORY + layout
     proc = run_python(["tests/dist/no_whole_table.py", str(tmp_path / "ckpt")] + args, nproc=4)
     assert "OK" in proc.stdout, proc.stdout[-2000:]
+
+
+RESUME_SCRIPT = """
+import json, sys, torch
+from rmt import parallel
+from rmt.config import load_config, validate
+from rmt.memory import table
+from rmt.training.trainer import Trainer
+out, steps, overrides = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+draws = []
+fill = table.fill_normal_
+table.fill_normal_ = lambda weight, *a, **k: draws.append(weight.shape) or fill(weight, *a, **k)
+config = validate(load_config(None, overrides + [f"train.steps={steps}"]), world_size=1)
+parallel.initialize(config)
+trainer = Trainer(config)
+built = {n: p.detach().clone() for n, p in trainer.chunks[0].named_parameters() if "values" in n}
+trainer.train()
+torch.save({"draws": len(draws), "built": built, "final": {n: p.detach().clone() for n, p in
+            trainer.chunks[0].named_parameters() if "values" in n}}, out)
+parallel.destroy()
+"""
+
+
+def test_a_resumed_run_does_not_draw_the_tables_it_loads(tmp_path, cache_dir):
+    """A restart allocates its shards without drawing them (the load overwrites every value): no
+    counter-normal fill runs, and the tables start as the checkpoint holds them."""
+    overrides = tiny_overrides(cache_dir) + MEMORY + [f"train.save={tmp_path}/ckpt", "train.save_interval=2"]
+
+    def run(steps, name):
+        run_python(["-c", RESUME_SCRIPT, str(tmp_path / name), str(steps)] + overrides)
+        return torch.load(tmp_path / name)
+
+    first = run(2, "first.pt")
+    assert first["draws"] >= 1 and first["built"]
+    second = run(3, "second.pt")
+    assert second["draws"] == 0
+    assert second["built"].keys() == first["final"].keys()
+    for name, values in second["built"].items():
+        assert torch.equal(values, first["final"][name]), name

@@ -86,7 +86,10 @@ def overrides(run: dict, documents: int) -> list:
             "memory.type=ultramem", "memory.placement='1:2'", f"memory.num_keys={run['num_keys']}",
             "memory.topk=8", "memory.key_dim=32", "memory.num_heads=2",
             f"memory.partition={run['partition']}", f"memory.value_optimizer={run['optimizer']}",
-            f"memory.value_dtype={run['dtype']}"]
+            f"memory.value_dtype={run['dtype']}",
+            # freed memory goes back to the OS at once (as MALLOC_MMAP_THRESHOLD_ in launch() asks;
+            # the trainer's default keeps up to 256 MiB of it for the next step)
+            "train.host_heap_retain_mib=0"]
 
 
 # -- worker (one rank) ---------------------------------------------------------------------------

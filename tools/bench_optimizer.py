@@ -41,7 +41,10 @@ def optimizers():
     def deepspeed(params):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(params, adamw_mode=True, **kw)
+        from rmt.ops.extensions import deepspeed_build_guard
+
+        with deepspeed_build_guard("cpu_adam"):
+            return DeepSpeedCPUAdam(params, adamw_mode=True, **kw)
 
     return {"torch_foreach": lambda p: torch.optim.AdamW(p, foreach=True, **kw),
             "torch_fused": lambda p: torch.optim.AdamW(p, fused=True, **kw),

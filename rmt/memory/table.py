@@ -7,6 +7,7 @@ and D; :mod:`rmt.memory.sharded_table`) plug in here without touching the layers
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -21,6 +22,21 @@ from rmt.ops.counter_normal import fill_normal_
 from rmt.ops.sparse_optim import coalesced
 
 PARTITIONS = ("local", "number", "dimension", "auto")
+
+_values_from_checkpoint = False
+
+
+@contextlib.contextmanager
+def values_from_checkpoint(enabled: bool = True):
+    """Tables built inside (when ``enabled``) are allocated but not drawn: a checkpoint load will
+    overwrite every value (``rmt.training.checkpoint.will_resume``). A restart then neither spends
+    the draw's time (most of a 10 GiB table's load) nor touches the shard's pages before the load."""
+    global _values_from_checkpoint
+    before, _values_from_checkpoint = _values_from_checkpoint, enabled
+    try:
+        yield
+    finally:
+        _values_from_checkpoint = before
 
 
 def resolve_partition(partition: str, num_slots: int, dim: int, group_size: int, plan: Optional[dict],
@@ -109,8 +125,9 @@ class MemoryTable(torch.nn.Module):
         # Only this rank's shard is ever allocated; its values are the global table's at the
         # shard's positions (counter-based, rmt.ops.counter_normal), whatever the layout.
         weight = torch.empty(shape, dtype=dtype, device=device)
-        rows, cols = self.shard_index
-        fill_normal_(weight, init_key, rows.start or 0, cols.start or 0, dim, init_std)
+        if not _values_from_checkpoint:
+            rows, cols = self.shard_index
+            fill_normal_(weight, init_key, rows.start or 0, cols.start or 0, dim, init_std)
         self.weight = torch.nn.Parameter(weight)
         self.weight.memory_value = True
         if sparse_grad:

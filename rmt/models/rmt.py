@@ -59,6 +59,7 @@ from rmt.config import RMTConfig
 from rmt.errors import ConfigError
 from rmt.models.build import register
 from rmt.models.megatron_config import padded_vocab_size, transformer_config
+from rmt.ops.matrix_rmsnorm import matrix_rms_norm
 
 POSITIONS = ("alibi", "learned")
 # The embedding's and unembedding's key matrices (parameter name suffixes): the authors decay
@@ -90,35 +91,9 @@ def alibi_slopes(rank: int) -> torch.Tensor:
     return torch.pow(2.0, -8.0 * torch.arange(1, rank + 1, dtype=torch.float64) / rank).float()
 
 
-class _MatrixRMSNormFunction(torch.autograd.Function):
-    """``y = x / rms(x) * g`` over the last dim of ``x [T, n]`` with a hand-written backward:
-    the residual matrix is Dk/R times wider than the transformer's residual vector, so the
-    number of passes over it (3 forward, 5 backward here, the reductions as GEMVs; about twice
-    that for the autograd composite) decides the norm's cost."""
-
-    @staticmethod
-    def forward(ctx, x, gain, eps):
-        n = x.shape[-1]
-        acc = torch.promote_types(x.dtype, torch.float32)
-        ms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=acc).square_().div_(n)
-        rstd = ms.add_(eps).rsqrt_().to(x.dtype)
-        ctx.save_for_backward(x, gain, rstd)
-        return (x * rstd).mul_(gain)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, gain, rstd = ctx.saved_tensors
-        n, g = x.shape[-1], gain.to(x.dtype)
-        grad = grad.to(x.dtype)
-        gx = grad * x
-        grad_gain = (rstd.t() @ gx).view(-1).to(gain.dtype) if ctx.needs_input_grad[1] else None
-        dot = gx @ g.unsqueeze(1)  # sum_j grad_j gain_j x_j per token
-        grad_x = torch.addcmul(grad * g, x, dot * rstd.square() / -n).mul_(rstd)
-        return grad_x, grad_gain, None
-
-
 class MatrixRMSNorm(torch.nn.Module):
-    """RMSNorm over all Dk*Dv entries of a token's residual matrix, elementwise gain (ones).
+    """RMSNorm over all Dk*Dv entries of a token's residual matrix, elementwise gain (ones)
+    (:func:`rmt.ops.matrix_rmsnorm.matrix_rms_norm`).
     The gain is stored flat so that the optimizer treats it as a norm (no weight decay)."""
 
     def __init__(self, dv: int, dk: int, eps: float):
@@ -128,7 +103,7 @@ class MatrixRMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.weight.numel())
-        return _MatrixRMSNormFunction.apply(flat, self.weight, self.eps).view(x.shape)
+        return matrix_rms_norm(flat, self.weight, self.eps).view(x.shape)
 
 
 class RMTEmbedding(MegatronModule):

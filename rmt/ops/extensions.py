@@ -19,6 +19,7 @@ interpreters and launch environments, and rebuilt whenever two of them alternate
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import importlib.util
@@ -49,6 +50,8 @@ EXTENSIONS: Dict[str, dict] = {
                                    extra_ldflags=["-fopenmp"]),
     "rmt_tucker_select_cpu": dict(sources=["tucker_select_cpu.cpp"], extra_cflags=_NATIVE_CPU,
                                   extra_ldflags=["-fopenmp"]),
+    "rmt_matrix_rmsnorm_cpu": dict(sources=["matrix_rmsnorm_cpu.cpp"], extra_cflags=_NATIVE_CPU,
+                                   extra_ldflags=["-fopenmp"]),
     "rmt_lookup_reduce_cuda": dict(sources=["lookup_reduce_cuda.cpp", "lookup_reduce_cuda_kernels.cu"],
                                    extra_cflags=["-O3"], extra_cuda_cflags=["-O3"]),
 }
@@ -166,6 +169,26 @@ def load_extension(name: str, spec: Optional[dict] = None):
                           RuntimeWarning, stacklevel=3)
             _cache[name] = None
     return _cache[name]
+
+
+@contextlib.contextmanager
+def deepspeed_build_guard(op_name: str):
+    """Hold around the first use of DeepSpeed op ``op_name`` (e.g. ``cpu_adam``), which builds it
+    on first use: DeepSpeed builds through torch's ``cpp_extension``, whose lock is a plain file
+    (``FileBaton``) in the op's build folder; a builder killed mid-build leaves it behind, and every
+    later build then waits for it forever without a word. rmt's builders hold an ``flock`` (released
+    by the kernel when its holder dies) for the whole build, so a lock file found under it was left
+    by a builder that died: it is removed, saying so. Builds started outside rmt are not covered."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    stale = Path(_get_build_directory(op_name, verbose=False)) / "lock"
+    cache_root().mkdir(parents=True, exist_ok=True)
+    with open(cache_root() / f"deepspeed-{op_name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if stale.exists():
+            _say(f"removing the lock file '{stale}' that a killed build of DeepSpeed's {op_name} left behind")
+            stale.unlink(missing_ok=True)
+        yield
 
 
 def main(argv=None) -> int:

@@ -314,6 +314,19 @@ def load_checkpoint(path: str, chunks, optimizer) -> dict:
     return common
 
 
+def will_resume(save: Optional[str], load: Optional[str]) -> bool:
+    """Whether :func:`resume` will load a checkpoint (collective): there is a complete one to try.
+    :func:`resume` then either loads one completely or stops the run, so the model's initial
+    values are never used. A problem with the directories is left for :func:`resume` to report."""
+    found = False
+    if _rank() == 0:
+        try:
+            found = bool(checkpoint_dirs.resume_plan(save, load)[0])
+        except UserError:
+            found = False
+    return _from_rank0(found)
+
+
 def resume(save: Optional[str], load: Optional[str], chunks, optimizer,
            say: Callable[[str], None],
            model_problem: Optional[Callable[[dict, str], Optional[str]]] = None) -> Optional[Tuple[str, dict]]:

@@ -27,9 +27,11 @@ from rmt.data.tasks import build_task_datasets, curriculum_hook
 from rmt.memory import pop_aux_loss, pop_memory_stats
 from rmt.memory.batchnorm import sync_running_stats
 from rmt.memory.groups import excluded_from_ddp, finish_memory_grads, fused_update, self_reduced
+from rmt.memory.table import values_from_checkpoint
 from rmt.models.build import build
 from rmt.parallel import compat
 from rmt.training import checkpoint, preemption
+from rmt.training.host_heap import retain_freed_memory
 from rmt.training.loss import lm_loss
 from rmt.training.optimizer import build_optimizer, build_scheduler, clip_gradients, warmup_steps
 from rmt.training.same_model import model_difference
@@ -55,6 +57,7 @@ class Trainer:
         t = config.train
         if t.threads:
             torch.set_num_threads(t.threads)
+        retain_freed_memory(t.host_heap_retain_mib)
         self.device = compat.device()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
@@ -70,7 +73,8 @@ class Trainer:
             self.train_ds, self.valid_ds = build_datasets(
                 config, self.data, t.steps * self.global_batch, evals * t.eval_iters * self.global_batch)
         self.after_eval_hook = curriculum_hook(config)
-        self.chunks = self._wrap(build(config))
+        with values_from_checkpoint(checkpoint.will_resume(t.save, t.load)):
+            self.chunks = self._wrap(build(config))
         self.params = [p for c in self.chunks for p in c.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.chunks, config)
         # value tables stepped in their lookups' backward (memory.fused_value_optimizer), per chunk

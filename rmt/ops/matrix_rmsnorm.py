@@ -1,0 +1,83 @@
+"""RMSNorm over all Dk*Dv entries of a token's residual matrix (RMT, Mak & Flanigan §2.2; the
+authors normalize the whole matrix jointly, with an elementwise gain):
+
+    r_t = 1 / sqrt(mean_j x_tj^2 + eps),   y_tj = x_tj r_t g_j
+
+for ``x [T, n]`` (n = Dk*Dv) and ``g [n]``. Backward, with ``c_t = sum_j dy_tj g_j x_tj``:
+``dx_tj = r_t (dy_tj g_j - x_tj c_t r_t^2 / n)`` and ``dg_j = sum_t r_t dy_tj x_tj``.
+
+Two implementations with a hand-written backward: :class:`TorchMatrixRMSNorm`, the reference, a few
+torch ops (3 passes over ``[T, n]`` forward, 5 backward, its reductions as GEMVs: about half the
+passes of the autograd composite), and the fused CPU kernel of ``csrc/matrix_rmsnorm_cpu.cpp``
+(one pass each way: the residual matrix is Dk/R times wider than the transformer's residual
+vector, so the passes over it decide the norm's cost). torch's own ``F.rms_norm`` was 2.5x slower
+than the reference on CPU (composite backward).
+"""
+
+from __future__ import annotations
+
+import torch
+
+BACKENDS = ("cpu", "torch")
+_FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+class TorchMatrixRMSNorm(torch.autograd.Function):
+    """The reference: ``apply(x [T, n], gain [n], eps)``."""
+
+    @staticmethod
+    def forward(ctx, x, gain, eps):
+        n = x.shape[-1]
+        acc = torch.promote_types(x.dtype, torch.float32)
+        ms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=acc).square_().div_(n)
+        rstd = ms.add_(eps).rsqrt_().to(x.dtype)
+        ctx.save_for_backward(x, gain, rstd)
+        return (x * rstd).mul_(gain)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, gain, rstd = ctx.saved_tensors
+        n, g = x.shape[-1], gain.to(x.dtype)
+        grad = grad.to(x.dtype)
+        gx = grad * x
+        grad_gain = (rstd.t() @ gx).view(-1).to(gain.dtype) if ctx.needs_input_grad[1] else None
+        dot = gx @ g.unsqueeze(1)  # sum_j grad_j gain_j x_j per token
+        grad_x = torch.addcmul(grad * g, x, dot * rstd.square() / -n).mul_(rstd)
+        return grad_x, grad_gain, None
+
+
+class FusedMatrixRMSNorm(torch.autograd.Function):
+    """The CPU kernel: ``apply(x [T, n] contiguous, gain [n] of x's dtype, eps)``."""
+
+    @staticmethod
+    def forward(ctx, x, gain, eps):
+        y, rstd = _ext().forward(x, gain, eps)
+        ctx.save_for_backward(x, gain, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, gain, rstd = ctx.saved_tensors
+        grad_x, grad_gain = _ext().backward(grad.contiguous().to(x.dtype), x, gain, rstd, ctx.needs_input_grad[1])
+        return grad_x, (grad_gain if ctx.needs_input_grad[1] else None), None
+
+
+def _ext():
+    from rmt.ops.extensions import load_extension
+
+    return load_extension("rmt_matrix_rmsnorm_cpu")
+
+
+def matrix_rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float, backend: str = None) -> torch.Tensor:
+    """``x [T, n]`` normalized per row with gain ``[n]``. ``backend``: ``"cpu"`` (the fused kernel,
+    the default for contiguous CPU float32/float64/bfloat16 inputs with a gain of the same dtype,
+    where it builds) or ``"torch"`` (:class:`TorchMatrixRMSNorm`)."""
+    if backend is None:
+        fits = (x.device.type == "cpu" and x.dim() == 2 and x.dtype in _FUSED_DTYPES and gain.dtype == x.dtype
+                and x.is_contiguous())
+        backend = "cpu" if fits and _ext() is not None else "torch"
+    if backend == "cpu":
+        return FusedMatrixRMSNorm.apply(x, gain, eps)
+    if backend != "torch":
+        raise ValueError(f"matrix_rms_norm: backend must be one of {BACKENDS}; got {backend!r}")
+    return TorchMatrixRMSNorm.apply(x, gain, eps)

@@ -1,0 +1,100 @@
+"""The fused CPU matrix RMSNorm (csrc/matrix_rmsnorm_cpu.cpp) against its torch reference
+(rmt.ops.matrix_rmsnorm.TorchMatrixRMSNorm) and the float64 truth, forward and backward."""
+
+import pytest
+import torch
+
+from rmt.ops.matrix_rmsnorm import FusedMatrixRMSNorm, TorchMatrixRMSNorm, _ext, matrix_rms_norm
+
+pytestmark = pytest.mark.skipif(_ext() is None, reason="the C++ extension did not build")
+
+U = 2.0 ** -24  # float32 unit roundoff
+EPS = 1e-5
+
+
+def _case(T=200, n=520, dtype=torch.float32, seed=0):
+    """x and dy with rows of very different scales; n not a multiple of the kernel's 16 lanes,
+    T not a multiple of its 64-row blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, n, generator=gen, dtype=torch.float64) * torch.logspace(-2, 2, T, dtype=torch.float64)[:, None]
+    gain = 1 + 0.3 * torch.randn(n, generator=gen, dtype=torch.float64)
+    dy = torch.randn(T, n, generator=gen, dtype=torch.float64)
+    return x.to(dtype), gain.to(dtype), dy.to(dtype)
+
+
+def _run(fn, x, gain, dy):
+    x, gain = x.clone().requires_grad_(), gain.clone().requires_grad_()
+    y = fn.apply(x, gain, EPS)
+    y.backward(dy)
+    return y.detach(), x.grad, gain.grad
+
+
+def _bounds(x, gain, dy, u):
+    """First-order error bounds, per element, of a computation with unit roundoff u whose sums of n
+    (T) terms are accumulated in any order: gamma_k = k u on sum |terms|."""
+    x, gain, dy = x.double(), gain.double(), dy.double()
+    T, n = x.shape
+    r = (x.square().mean(1, keepdim=True) + EPS).rsqrt()
+    g_r = (n + 4) * u  # relative error of r (a sum of n squares, a division, a square root)
+    y = (x * r * gain).abs() * (g_r + 3 * u)
+    c_abs = (dy * gain * x).abs().sum(1, keepdim=True)
+    dx = r * (dy * gain).abs() * (g_r + 3 * u) + r ** 3 / n * c_abs * x.abs() * (n + 3 * g_r / u + 8) * u
+    dg = (r * dy * x).abs().sum(0) * (T + g_r / u + 4) * u
+    return y, dx, dg
+
+
+def test_fused_float32_is_within_rounding_of_the_float64_truth():
+    x, gain, dy = _case()
+    truth = _run(TorchMatrixRMSNorm, x.double(), gain.double(), dy.double())
+    fused = _run(FusedMatrixRMSNorm, x, gain, dy)
+    ref = _run(TorchMatrixRMSNorm, x, gain, dy)
+    for name, got, want, bound in zip(("y", "dx", "dgain"), fused, truth, _bounds(x, gain, dy, U)):
+        assert got.dtype == torch.float32
+        excess = ((got.double() - want).abs() - bound).max().item()
+        assert excess <= 0, (name, excess)
+    for name, got, want, bound in zip(("y", "dx", "dgain"), ref, truth, _bounds(x, gain, dy, U)):
+        assert ((got.double() - want).abs() - bound).max().item() <= 0, ("reference", name)
+
+
+def test_fused_bfloat16_rounds_float32_results_once():
+    x, gain, dy = _case(dtype=torch.bfloat16)
+    truth = _run(TorchMatrixRMSNorm, x.double(), gain.double(), dy.double())
+    fused = _run(FusedMatrixRMSNorm, x, gain, dy)
+    for name, got, want, bound in zip(("y", "dx", "dgain"), fused, truth, _bounds(x, gain, dy, U)):
+        assert got.dtype == torch.bfloat16
+        # float32 arithmetic, then one rounding to bfloat16 (relative 2^-8 of the result)
+        excess = ((got.double() - want).abs() - bound - 2.0 ** -8 * want.abs() * (1 + 1e-3)).max().item()
+        assert excess <= 0, (name, excess)
+
+
+def test_fused_float64_gradients_are_the_derivative():
+    x, gain, _ = _case(T=7, n=37, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda a, b: FusedMatrixRMSNorm.apply(a, b, EPS),
+                                    (x.requires_grad_(), gain.requires_grad_()))
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    x, gain, dy = _case(T=1000, n=512)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run(FusedMatrixRMSNorm, x, gain, dy)
+        torch.set_num_threads(3)
+        three = _run(FusedMatrixRMSNorm, x, gain, dy)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, three):
+        assert torch.equal(a, b)
+
+
+def test_dispatch_and_a_gain_without_gradient():
+    x, gain, dy = _case(T=10, n=48)
+    xt = x.t().contiguous().t()  # not contiguous: the reference runs
+    assert torch.equal(matrix_rms_norm(xt, gain, EPS), TorchMatrixRMSNorm.apply(xt, gain, EPS))
+    assert torch.equal(matrix_rms_norm(x, gain, EPS), FusedMatrixRMSNorm.apply(x, gain, EPS))
+    x.requires_grad_()
+    matrix_rms_norm(x, gain, EPS).backward(dy)
+    want = torch.autograd.grad(FusedMatrixRMSNorm.apply(x, gain.clone().requires_grad_(), EPS), x, dy)[0]
+    assert gain.grad is None and torch.equal(x.grad, want)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        matrix_rms_norm(x, gain, EPS, backend="cuda")
