@@ -423,8 +423,8 @@ class MemoryConfig:
     (``UltraMemLayerV1``) draws the values at 0.02 whatever the model's size. Appendix A's output
     variance 1/(2L) does not shrink with the width: it is about the MLP's at init for hidden
     1024-2048 (the paper's models) but 18x the MLP's output (12x the residual stream) at hidden
-    128 with 2 layers, which costs the tiny configs ~0.13 of validation loss at 1000 steps
-    (docs/benchmarks.md, "Memory layers, quality"); they set 0.02."""
+    128 with 2 layers, which costs ``configs/ultramem_tiny.yaml`` 0.22 of validation loss at 1000
+    steps (docs/benchmarks.md, "Memory layers, quality"); it sets 0.02."""
 
     init_samples: int = 0
     """How the improved init gets E[Y], the expected mean of the top-m of the grid's candidate
