@@ -504,12 +504,16 @@ inline double square_sum(const acc_t* __restrict acc, int64_t D) {
   return sum;
 }
 
+// Sorted lookups per chunk of the fused backward (at least 256 chunks for 2^17 lookups).
+constexpr int64_t kLookupsPerNormChunk = 512;
+
 // The backward with the optimizer fused in: each run's row gradient is summed in acc (no
 // gradient row is stored), multiplied by grad_scale (the data-parallel mean; negative for a
 // maximizing Adam), its squared norm added to its chunk's fp64 partial sum, and update(row, acc)
 // steps the table row and its optimizer state in place. Runs own distinct rows, so the threads
 // update disjoint rows and state, each row after its score gradients read it. Returns the
-// squared norm of the scaled gradient (the chunks' partials summed in chunk order).
+// squared norm of the scaled gradient (the chunks' partials summed in chunk order: the same bits
+// whatever the thread count).
 template <typename table_t, typename scalar_t, typename Update, typename Ahead>
 double fused_backward_kernel(const scalar_t* __restrict grad_out, const table_t* __restrict table,
                              const scalar_t* __restrict scores, const int64_t* __restrict blk,
@@ -517,7 +521,9 @@ double fused_backward_kernel(const scalar_t* __restrict grad_out, const table_t*
                              int64_t score_hi, int64_t M, int64_t K, int64_t C, int64_t D, int64_t E,
                              typename Acc<scalar_t>::type grad_scale, Update&& update, Ahead&& ahead) {
   using acc_t = typename Acc<scalar_t>::type;
-  const int64_t U = s.num_runs, chunks = num_chunks(U);
+  // chunks of about kLookupsPerNormChunk sorted lookups, whatever the thread count: the norm's
+  // partial sums, and so its bits, do not depend on it
+  const int64_t U = s.num_runs, chunks = std::max<int64_t>(1, std::min<int64_t>(U, M / kLookupsPerNormChunk));
   const int64_t* start = s.run_start.data();
   std::vector<double> chunk_sq(chunks, 0.0);
   dispatch_row_shape(D, C, [&](auto kD, auto kC) {

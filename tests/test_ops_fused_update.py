@@ -87,6 +87,34 @@ def test_fused_equals_unfused_bit_for_bit(kind, shape, dtype):
 
 
 @pytest.mark.parametrize("kind", list(OPTIMIZERS))
+def test_large_batch_fused_step_is_thread_count_independent(kind):
+    """65536 lookups into 2^17 rows, rows that occur once and runs of several in bulk, sorted in
+    per-thread slices: 1, 2 and 3 threads give the same table, state, score gradients and squared
+    norm (its partial sums are chunked independently of the thread count), and equal the
+    unfused step."""
+    shape = (1 << 17, 16, 2048, 32, 1, 1)
+    steps = [[b] for b in batches(shape, 1)]
+    table = make_table(shape)
+    p_u, opt_u, sg_u, _ = run(table, kind, steps, 1, fused=False)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            p_f, opt_f, sg_f, update = run(table, kind, steps, 1, fused=True)
+            results.append((p_f.data, state_tensors(opt_f, p_f), sg_f, update.pop_sq_norm()))
+    finally:
+        torch.set_num_threads(threads)
+    singles = (torch.bincount(steps[0][0][0].flatten(), minlength=shape[0]) == 1).sum()
+    assert singles > 30000 and 65536 - singles > 20000  # both kinds of row, in bulk
+    for p_f, state, sg_f, sq in results:
+        assert torch.equal(p_f, p_u.data)
+        assert all(torch.equal(a, b) for a, b in zip(state, state_tensors(opt_u, p_u)))
+        assert all(torch.equal(a, b) for a, b in zip(sg_f, sg_u))
+        assert sq == results[0][3]
+
+
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
 def test_squared_norm_is_the_unfused_gradients(kind):
     shape = SHAPES[1]
     (indices, scores, blocks, grad_out), = batches(shape, 1)
