@@ -554,9 +554,18 @@ double fused_backward_kernel(const scalar_t* __restrict grad_out, const table_t*
   return total;
 }
 
-inline void prefetch_for_write(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 1, 2);
+// Prefetches the n elements at a and at b for writing (a row of both Adam moments), one prefetch
+// per 64-byte line of each, in one loop. Two such loops, one per moment (a helper called twice, or
+// written out), compiled (GCC 12, -O3) to no moment prefetch at all in the fused backward: the
+// moments were read cold, and the fused SparseAdam step took 26.4 ms against 9.9 ms in this form
+// (1M x 64 fp32, T=4096, K=32, one thread).
+template <typename T>
+inline void prefetch_pair_for_write(const T* a, const T* b, int64_t n) {
+  constexpr int64_t kPerLine = 64 / static_cast<int64_t>(sizeof(T));
+  for (int64_t i = 0; i < n; i += kPerLine) {
+    __builtin_prefetch(a + i, 1, 2);
+    __builtin_prefetch(b + i, 1, 2);
+  }
 }
 
 // An uninitialised buffer of `numel` elements from `pool`, reusing a pooled allocation whose
@@ -765,13 +774,9 @@ std::tuple<at::Tensor, double> lookup_reduce_backward_update(
       const double step_size = lr * std::sqrt(1 - std::pow(beta2, step)) / (1 - std::pow(beta1, step));
       const auto omb1 = static_cast<state_t>(1 - beta1), omb2 = static_cast<state_t>(1 - beta2);
       const auto eps_s = static_cast<state_t>(eps), step_s = static_cast<state_t>(step_size);
-      const int64_t state_bytes = D * static_cast<int64_t>(sizeof(state_t));
       run([&](int64_t row, const acc_t* g) { rmt_cpu::adam_row(p + row * D, m + row * D, v + row * D, g, D, omb1, omb2,
                                                                eps_s, step_s); },
-          [&](int64_t row) {
-            prefetch_for_write(m + row * D, state_bytes);
-            prefetch_for_write(v + row * D, state_bytes);
-          });
+          [&](int64_t row) { prefetch_pair_for_write(m + row * D, v + row * D, D); });
     } else {
       TORCH_CHECK(state1.dim() == 1 && state1.size(0) == N && state1.scalar_type() == at::kFloat &&
                       state1.is_contiguous(),
