@@ -1,7 +1,7 @@
-"""tools/bench_lookup_reduce.py runs end to end (CPU, --quick, one repeat, fp32 and bf16 tables,
-the bf16 run beside a competing process) and writes the JSON the figures in docs/benchmarks.md
-come from, FBGEMM's row-wise Adagrad step beside rmt's where ``fbgemm-gpu-cpu`` is installed; bad
-options are one clear error, exit 2."""
+"""tools/bench_lookup_reduce.py runs end to end (CPU, --quick, one repeat, a 16384-row table that
+keeps it to seconds, fp32 and bf16 tables, the bf16 run beside a competing process) and writes the
+JSON the figures in docs/benchmarks.md come from, FBGEMM's row-wise Adagrad step beside rmt's
+where ``fbgemm-gpu-cpu`` is installed; bad options are one clear error, exit 2."""
 
 import importlib.util
 import json
@@ -54,8 +54,9 @@ def check_rowwise_peers(doc, table_dtype, proc):
 def test_bench_quick_writes_json(tmp_path, table_dtype, table_elem, load):
     out = tmp_path / "bench.json"
     proc = run_python(["tools/bench_lookup_reduce.py", "--quick", "--repeats", "1", "--device", "cpu",
-                       "--table-dtype", table_dtype, "--load", str(load), "--json", str(out)])
+                       "--table-dtype", table_dtype, "--load", str(load), "--rows", "16384", "--json", str(out)])
     doc = json.loads(out.read_text())
+    assert {r["N"] for r in doc["rows"] + doc["step_rows"] + doc["peer_rows"]} == {16384}
     assert doc["benchmark"] == "bench_lookup_reduce" and doc["machine"]["device"] == "cpu"
     assert doc["machine"]["table_dtype"] == table_dtype and doc["machine"]["load"] == load
     assert doc["machine"]["backends"] == ["cpu"] and doc["machine"]["clock"] == "wall"
@@ -89,6 +90,7 @@ def test_bench_gpu_clock_on_cpu_is_rejected():
 @pytest.mark.parametrize("args, message", [
     (["--threads", "1,x"], "--threads must be comma-separated positive integers; got '1,x'"),
     (["--load", "-1"], "--load must be >= 0; got -1"),
+    (["--rows", "100"], "--rows must be at least 1024; got 100"),
 ])
 def test_bench_bad_options_are_rejected(args, message):
     proc = run_python(["tools/bench_lookup_reduce.py", "--device", "cpu"] + args, check=False)

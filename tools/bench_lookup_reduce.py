@@ -69,7 +69,7 @@ summed kernel time (every stream, side streams included) from torch.profiler.
 
     PYTHONPATH=. python tools/bench_lookup_reduce.py [--quick] [--json FILE] [--device cpu|cuda]
         [--huge-pages on|off] [--clock wall|thread|events|device] [--cache cold|warm] [--repeats R]
-        [--backend NAME] [--profile] [--table-dtype fp32|bf16] [--threads 1,2] [--load N]
+        [--backend NAME] [--profile] [--table-dtype fp32|bf16] [--threads 1,2] [--load N] [--rows N]
 """
 
 import argparse
@@ -317,7 +317,6 @@ def bench_step(shape, repeats, backend, timer, seed=0, flush=lambda: None, devic
     return rows
 
 
-FBGEMM_SHAPES = (HEADLINE, dict(HEADLINE, K=128))
 ROWWISE_LR, ROWWISE_EPS = 1e-2, 1e-8
 
 
@@ -462,7 +461,7 @@ def print_rowwise_peers(rows, note):
               f"{r['step_s'] * 1e3:8.3f} {r['step_s'] / fused[(r['K'], r['threads'])]:8.2f} {r['max_diff_table']:9.2e}")
 
 
-def profile_headline(backends, device, rows=12, table_dtype=torch.float32):
+def profile_headline(backends, device, headline, rows=12, table_dtype=torch.float32):
     """One fwd+bwd of each method at the headline shape under torch.profiler: the ops and kernels
     that take the time (device time on a GPU), printed as torch's table. Returns, on a GPU, each
     method's summed kernel time in seconds (all streams)."""
@@ -471,11 +470,11 @@ def profile_headline(backends, device, rows=12, table_dtype=torch.float32):
 
     from rmt.quiet import profiler_lines_dropped
 
-    table, indices, scores, _, grad_out = make_inputs(HEADLINE, 1, device, table_dtype)
+    table, indices, scores, _, grad_out = make_inputs(headline, 1, device, table_dtype)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     summed = {}
     sort_by = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    for name, fn in methods(HEADLINE, backends).items():
+    for name, fn in methods(headline, backends).items():
         for _ in range(2):  # warm-up (JIT builds, allocator), then the profiled call
             with profiler_lines_dropped(), profile(activities=activities) as prof:
                 out = fn(table, indices, scores, None)
@@ -493,11 +492,11 @@ def profile_headline(backends, device, rows=12, table_dtype=torch.float32):
     return summed
 
 
-def shapes(quick, device):
+def shapes(quick, device, headline):
     if quick:
-        return [HEADLINE, dict(HEADLINE, K=128, C=2, E=4)]
-    grid = [dict(HEADLINE, K=k, C=c, E=e) for k in (32, 128) for c in (1, 2) for e in (1, 4)]
-    larger = [dict(HEADLINE, N=1 << 22)] + ([dict(HEADLINE, N=1 << 24)] if device.type == "cuda" else [])
+        return [headline, dict(headline, K=128, C=2, E=4)]
+    grid = [dict(headline, K=k, C=c, E=e) for k in (32, 128) for c in (1, 2) for e in (1, 4)]
+    larger = [dict(headline, N=4 * headline["N"])] + ([dict(headline, N=16 * headline["N"])] if device.type == "cuda" else [])
     return grid + larger
 
 
@@ -513,7 +512,7 @@ def print_table(rows, bandwidth, huge_pages, clock, cache, device):
 
 
 def print_steps(step_rows):
-    print(f"\ntraining step of the table (fwd + bwd + optimizer step), N={HEADLINE['N']}, K={HEADLINE['K']}:")
+    print(f"\ntraining step of the table (fwd + bwd + optimizer step), N={step_rows[0]['N']}, K={step_rows[0]['K']}:")
     header = f"{'method':<46} {'step ms':>9}"
     print(header)
     print("-" * len(header))
@@ -535,8 +534,8 @@ def best_case_s(head, bandwidth, table_elem=4):
     return gather / 1e9, fastest["fwd_s"] + touched_bytes / gather + touched_bytes / (bandwidth * 1e9)
 
 
-def summarize(rows, bandwidth, backend, step_rows, table_elem=4):
-    head = {r["method"]: r for r in rows if all(r[k] == v for k, v in HEADLINE.items())}
+def summarize(rows, bandwidth, backend, step_rows, headline, table_elem=4):
+    head = {r["method"]: r for r in rows if all(r[k] == v for k, v in headline.items())}
     ours = head[f"lookup_reduce[{backend}] sparse grad"]
     step = {r["method"]: r["step_s"] for r in step_rows}
     gather_gbps, best = best_case_s(head, bandwidth, table_elem)
@@ -601,7 +600,13 @@ def main(argv=None):
                              "1,2 on the CPU; 1 with --clock thread)")
     parser.add_argument("--load", type=int, default=0, metavar="N",
                         help="run N competing busy processes during the whole benchmark (a loaded machine)")
+    parser.add_argument("--rows", type=int, default=HEADLINE["N"], metavar="N",
+                        help=f"value table rows of the headline shape (default {HEADLINE['N']}; the other shapes "
+                             "scale with it): a small table runs every path in seconds, with cache-resident timings")
     args = parser.parse_args(argv)
+    if args.rows < 1024:
+        parser.error(f"--rows must be at least 1024; got {args.rows}")
+    headline = dict(HEADLINE, N=args.rows)
     table_dtype = TABLE_DTYPES[args.table_dtype]
     table_elem = torch.empty(0, dtype=table_dtype).element_size()
     os.environ["THP_MEM_ALLOC_ENABLE"] = "1" if args.huge_pages == "on" else "0"
@@ -632,18 +637,19 @@ def main(argv=None):
     flush = CacheFlusher(args.cache == "cold", device)
     with CompetingLoad(args.load):
         rows, step_rows, peer_rows, fbgemm_note, kernel_s = run_all(args, device, backends, backend, timer, flush,
-                                                                    repeats, table_dtype, threads)
+                                                                    repeats, table_dtype, threads, headline)
     print_table(rows, bandwidth, args.huge_pages, args.clock, args.cache, device)
     print_steps(step_rows)
     print_rowwise_peers(peer_rows, fbgemm_note)
-    summary = summarize(rows, bandwidth, backend, step_rows, table_elem)
+    summary = summarize(rows, bandwidth, backend, step_rows, headline, table_elem)
     summary.update(summarize_peers(peer_rows))
     if kernel_s:
         ours = kernel_s[f"lookup_reduce[{backend}] sparse grad"]
         summary["kernel_time_speedup_vs_embedding_bag_sparse"] = kernel_s["embedding_bag sparse"] / ours
         summary["kernel_time_speedup_vs_embedding_bag_dense"] = kernel_s["embedding_bag dense"] / ours
-    print(f"summary ({backend}; fwd+bwd at N=1M, D=64, T=4096, K=32, C=1, E=1, {args.table_dtype} table, "
-          f"fp32 scores; competing processes: {args.load}):")
+    shape = ", ".join(f"{k}={v}" for k, v in headline.items())
+    print(f"summary ({backend}; fwd+bwd at {shape}, {args.table_dtype} table, fp32 scores; "
+          f"competing processes: {args.load}):")
     for key, value in summary.items():
         print(f"  {key}: {value:.3f}")
     if args.json:
@@ -660,12 +666,12 @@ def main(argv=None):
                            peer_rows=peer_rows, kernel_s=kernel_s, summary=summary), f, indent=1)
 
 
-def run_all(args, device, backends, backend, timer, flush, repeats, table_dtype, threads):
+def run_all(args, device, backends, backend, timer, flush, repeats, table_dtype, threads, headline):
     """Every timed table of the run: (fwd/bwd rows, training-step rows, row-wise peer rows, the
     note on FBGEMM ('' when it ran), profiled kernel seconds)."""
-    rows = [r for shape in shapes(args.quick, device)
+    rows = [r for shape in shapes(args.quick, device, headline)
             for r in bench_shape(shape, repeats, backends, timer, flush=flush, device=device, table_dtype=table_dtype)]
-    step_rows = bench_step(HEADLINE, repeats, backend, timer, flush=flush, device=device, table_dtype=table_dtype)
+    step_rows = bench_step(headline, repeats, backend, timer, flush=flush, device=device, table_dtype=table_dtype)
     note = fbgemm_missing() if device.type == "cpu" else "FBGEMM's CPU build only (fbgemm-gpu-cpu)"
     if note and device.type == "cpu":
         note = f"FBGEMM skipped: {note}; pip install -e '.[bench]'"
@@ -675,9 +681,10 @@ def run_all(args, device, backends, backend, timer, flush, repeats, table_dtype,
         print(note)
     peer_rows = []
     if device.type == "cpu":
-        peer_rows = bench_rowwise_peers(FBGEMM_SHAPES, threads, repeats, backend, timer, flush, table_dtype,
+        peer_rows = bench_rowwise_peers((headline, dict(headline, K=128)), threads, repeats, backend, timer, flush,
+                                        table_dtype,
                                         with_fbgemm=not note)
-    kernel_s = profile_headline(backends, device, table_dtype=table_dtype) if args.profile else {}
+    kernel_s = profile_headline(backends, device, headline, table_dtype=table_dtype) if args.profile else {}
     return rows, step_rows, peer_rows, note, kernel_s
 
 
