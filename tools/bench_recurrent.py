@@ -76,7 +76,7 @@ def train_task(task: str, args, rows: list) -> dict:
             m = trainer.train_step()
             if trainer.iteration % args.eval_interval == 0:
                 m["val_loss"] = val = trainer.evaluate()
-                trainer.after_eval_hook(trainer, m)
+                trainer.after_evaluation(m)
                 rows.append({"part": "curriculum", "task": task, "step": trainer.iteration,
                              "noise_length": noise, "val_loss": val, "alpha": float(trainer.chunks[0].module.layers[0].alpha),
                              "elapsed_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu})
