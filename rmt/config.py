@@ -234,7 +234,8 @@ class TrainConfig:
     """Peak learning rate."""
 
     min_lr_ratio: float = 0.1
-    """Final learning rate as a fraction of ``lr``, in [0, 1]."""
+    """Final learning rate as a fraction of ``lr``, in [0, 1]; also the lowest factor that
+    ``lr_curriculum_decay`` and ``lr_plateau_decay`` bring the schedule to."""
 
     warmup_steps: int = 30
     """Linear warmup steps, >= 0; a value not below ``steps`` (e.g. a short smoke run of a config
