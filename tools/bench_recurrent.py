@@ -56,7 +56,8 @@ def task_config(task: str, args):
         f"data.noise_length={args.noise_start}", "data.curriculum_threshold=0.3",
         f"data.curriculum_target={args.noise_target}", f"train.steps={args.max_steps}",
         f"train.warmup_steps={min(20, args.max_steps - 1)}",
-        "train.lr_decay_style=constant", f"train.lr={args.lr}", f"train.micro_batch_size={args.batch}",
+        "train.lr_decay_style=constant", f"train.lr={args.lr}", f"train.lr_curriculum_decay={args.lr_curriculum_decay}",
+        f"train.min_lr_ratio={args.min_lr_ratio}", f"train.micro_batch_size={args.batch}",
         f"train.eval_interval={args.eval_interval}", "train.eval_iters=1", "train.weight_decay=0.0",
         "train.progress=false", f"train.threads={args.threads}"] + args.overrides
     return validate(load_config(None, overrides), 1)
@@ -78,7 +79,7 @@ def train_task(task: str, args, rows: list) -> dict:
                 m["val_loss"] = val = trainer.evaluate()
                 trainer.after_evaluation(m)
                 rows.append({"part": "curriculum", "task": task, "step": trainer.iteration,
-                             "noise_length": noise, "val_loss": val, "alpha": float(trainer.chunks[0].module.layers[0].alpha),
+                             "noise_length": noise, "val_loss": val, "lr": m["lr"], "alpha": float(trainer.chunks[0].module.layers[0].alpha),
                              "elapsed_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu})
                 print(json.dumps(rows[-1]), flush=True)
                 noise = m["noise_length"]
@@ -156,7 +157,11 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, help="default 6 (quick 4)")
     ap.add_argument("--block", type=int, help="block width, default 32 (quick 8)")
     ap.add_argument("--batch", type=int, help="samples per step, default 32 (the paper: 64; quick 16)")
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=1e-3, help="learning rate at the first noise length")
+    ap.add_argument("--lr-curriculum-decay", type=float, default=0.5,
+                    help="factor on the learning rate at each doubling of the noise length (train.lr_curriculum_decay)")
+    ap.add_argument("--min-lr-ratio", type=float, default=0.05,
+                    help="the lowest the learning rate falls to, as a fraction of --lr (train.min_lr_ratio)")
     ap.add_argument("--eval-interval", type=int, help="default 25 (quick 10)")
     ap.add_argument("--eval-samples", type=int, default=64)
     ap.add_argument("--stop-loss", type=float, default=0.01)
