@@ -5,9 +5,13 @@ repeat mixers).
     noise-length curriculum (start at ``--noise-start``, default 16, double when validation loss
     < 0.3, up to ``--noise-target``, default 512), then recall accuracy at the noise reached.
     Batch 32 (the paper's Table 4 has 64, which passes the first stages faster but then stalls at 64
-    noise tokens as the learned α collapses; docs/recipes.md). The
-    paper starts at 128 and reports 100% / 99.4% at 4096 noise tokens with ~0.5M parameters;
-    docs/recipes.md ("Recurrent transformer on copy tasks") lists what was measured here.
+    noise tokens as the learned α collapses; docs/recipes.md). The learning rate ``--lr`` is halved
+    at every doubling (``--lr-curriculum-decay``, ``train.lr_curriculum_decay``; the paper's
+    learning rate "decays as a function of the sequence length") down to ``--min-lr-ratio`` x
+    ``--lr``: at 32 noise tokens a constant 1e-3 sits at validation loss ~1 for 3,000 steps where
+    5e-4 passes the stage. The paper starts at 128 and reports 100% / 99.4% at 4096 noise tokens
+    with ~0.5M parameters; docs/recipes.md ("Recurrent transformer on copy tasks") lists what was
+    measured here.
 (b) Decoding tokens/s and cache memory against position, up to 2048: the repeat mixer in its
     recurrent form (one state vector per head per layer) and the recurrent transformer (last
     window per layer plus the current block) against the transformer with megatron-core's KV
