@@ -234,7 +234,8 @@ class TrainConfig:
     """Peak learning rate."""
 
     min_lr_ratio: float = 0.1
-    """Final learning rate as a fraction of ``lr``, in [0, 1]."""
+    """Final learning rate as a fraction of ``lr``, in [0, 1]; also the lowest factor that
+    ``lr_curriculum_decay`` and ``lr_plateau_decay`` bring the schedule to."""
 
     warmup_steps: int = 30
     """Linear warmup steps, >= 0; a value not below ``steps`` (e.g. a short smoke run of a config
@@ -242,6 +243,23 @@ class TrainConfig:
 
     lr_decay_style: str = "cosine"
     """Decay after warmup: ``cosine``, ``linear`` or ``constant``."""
+
+    lr_curriculum_decay: float = 1.0
+    """Synthetic-task curriculum (``data.curriculum_threshold``): multiply the learning rate by
+    this, in (0, 1], each time the curriculum doubles the noise length ("Efficient LLM
+    Architectures" §6.2: the learning rate "decays as a function of the sequence length and the
+    validation loss"); 1 = never. Like ``lr_plateau_decay`` it scales the whole schedule, never
+    below ``min_lr_ratio`` x its value, and is saved in checkpoints."""
+
+    lr_plateau_decay: float = 1.0
+    """Reduce on plateau: multiply the learning rate by this, in (0, 1], after
+    ``lr_plateau_patience`` evaluations in a row without a new lowest validation loss; with a
+    curriculum only once the noise length is at ``data.curriculum_target`` (the lowest loss is
+    forgotten at each doubling). 1 = never."""
+
+    lr_plateau_patience: int = 10
+    """Evaluations without a new lowest validation loss before ``lr_plateau_decay`` applies
+    (counted afresh after each reduction); positive."""
 
     weight_decay: float = 0.1
     """AdamW weight decay wd; never on norms, biases, embedding and unembedding tables, memory
@@ -714,6 +732,13 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
         raise ConfigError(f"train.warmup_steps must not be negative, got {t.warmup_steps}")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise ConfigError(f"train.min_lr_ratio must lie in [0, 1], got {t.min_lr_ratio}")
+    for key in ("lr_curriculum_decay", "lr_plateau_decay"):
+        if not 0.0 < getattr(t, key) <= 1.0:
+            raise ConfigError(f"train.{key} must lie in (0, 1], got {getattr(t, key)}")
+    if t.lr_plateau_patience <= 0:
+        raise ConfigError(f"train.lr_plateau_patience must be positive, got {t.lr_plateau_patience}")
+    if t.lr_curriculum_decay < 1.0 and (d.task == "none" or d.curriculum_threshold is None):
+        raise ConfigError("train.lr_curriculum_decay needs a curriculum (data.task with data.curriculum_threshold)")
     if t.z_loss < 0 or t.weight_decay < 0 or t.clip_grad < 0:
         raise ConfigError("train.z_loss, train.weight_decay and train.clip_grad must not be negative")
     if t.eval_iters < 0:

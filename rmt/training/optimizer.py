@@ -146,14 +146,26 @@ def warmup_steps(config: RMTConfig) -> int:
     return min(config.train.warmup_steps, config.train.steps - 1)
 
 
+class ScaledLRScheduler(ValueLRScheduler):
+    """The schedule times ``scale``, the validation-driven factor of
+    :class:`rmt.training.lr_control.ValidationLR` (1 unless ``train.lr_curriculum_decay`` or
+    ``train.lr_plateau_decay`` lowers it); ``step(0)`` applies a new ``scale`` at once."""
+
+    scale = 1.0
+
+    def get_lr(self, param_group: dict) -> float:
+        return super().get_lr(param_group) * self.scale
+
+
 def build_scheduler(optimizer, config: RMTConfig) -> OptimizerParamScheduler:
     """megatron-core's scheduler: linear warmup to ``lr`` then cosine/linear decay to
-    ``min_lr_ratio * lr`` at the last step. The decay coefficient (:func:`decay_coefficient`)
+    ``min_lr_ratio * lr`` at the last step, times the validation-driven ``scale``
+    (:class:`ScaledLRScheduler`). The decay coefficient (:func:`decay_coefficient`)
     stays constant. Memory values (a group of their own) get ``memory.value_lr_mult`` times
     that, decaying linearly to 1x."""
     t = config.train
     wd = decay_coefficient(config)
-    return ValueLRScheduler(
+    return ScaledLRScheduler(
         optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.lr * t.min_lr_ratio,
         lr_warmup_steps=warmup_steps(config), lr_decay_steps=t.steps, lr_decay_style=t.lr_decay_style,
         start_wd=wd, end_wd=wd, wd_incr_steps=t.steps,

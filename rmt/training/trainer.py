@@ -33,6 +33,7 @@ from rmt.parallel import compat
 from rmt.training import checkpoint, preemption
 from rmt.training.host_heap import retain_freed_memory
 from rmt.training.loss import lm_loss
+from rmt.training.lr_control import ValidationLR
 from rmt.training.optimizer import build_optimizer, build_scheduler, clip_gradients, warmup_steps
 from rmt.training.same_model import model_difference
 from rmt.training.step_log import new_run_name, open_jsonl, open_tensorboard, run_log_dir
@@ -82,6 +83,7 @@ class Trainer:
                               for c in self.chunks]
         self.forwards = [0] * len(self.chunks)
         self.scheduler = build_scheduler(self.optimizer, config)
+        self.lr_control = ValidationLR(config)
         self.mask = causal_mask(config.model.seq_length, self.device)
         self.iteration = 0
         self.consumed_samples = 0
@@ -139,6 +141,9 @@ class Trainer:
         for ds in (self.train_ds, self.valid_ds):
             if "data_state" in common and hasattr(ds, "load_state_dict"):
                 ds.load_state_dict(common["data_state"])
+        if "lr_control" in common:
+            self.lr_control.load_state_dict(common["lr_control"])
+            self.scheduler.scale = self.lr_control.scale
         if self.iteration:
             self.scheduler.step(self.iteration)
 
@@ -248,10 +253,27 @@ class Trainer:
                 chunk.train()
         return total / t.eval_iters
 
+    def after_evaluation(self, metrics: Dict) -> None:
+        """React to ``metrics["val_loss"]``: the task curriculum (:mod:`rmt.data.tasks`, which
+        records ``noise_length``), then the learning rate's factor (:mod:`rmt.training.lr_control`,
+        recorded as ``lr_scale``), applied from the next step."""
+        d = self.config.data
+        before = getattr(self.train_ds, "noise_length", None)
+        if self.after_eval_hook is not None:
+            self.after_eval_hook(self, metrics)
+        noise = getattr(self.train_ds, "noise_length", None)
+        at_target = self.after_eval_hook is None or noise >= d.curriculum_target
+        scale = self.lr_control.update(metrics["val_loss"], noise != before, at_target)
+        if scale != self.scheduler.scale:
+            self.scheduler.scale = scale
+            self.scheduler.step(0)
+        metrics["lr_scale"] = scale
+
     def save(self) -> str:
         common = {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
                   "global_batch_size": self.global_batch, "config": rmt_config.to_dict(self.config),
-                  "run_name": self.run_name, "tokenizer_json": tokenizer_file_text(self.config.data.tokenizer)}
+                  "run_name": self.run_name, "tokenizer_json": tokenizer_file_text(self.config.data.tokenizer),
+                  "lr_control": self.lr_control.state_dict()}
         if hasattr(self.train_ds, "state_dict"):  # e.g. a task curriculum's noise length
             common["data_state"] = self.train_ds.state_dict()
         self.last_save = checkpoint.save_checkpoint(self.config.train.save, self.iteration, self.chunks,
@@ -282,8 +304,7 @@ class Trainer:
                 m = self.train_step()
                 if t.eval_iters and (self.iteration % t.eval_interval == 0 or self.iteration == t.steps):
                     m["val_loss"] = self.evaluate()
-                    if self.after_eval_hook is not None:
-                        self.after_eval_hook(self, m)
+                    self.after_evaluation(m)
                 if self.iteration % t.log_interval == 0:
                     m.update(pop_memory_stats(self.chunks, parallel_state.get_data_parallel_group()))
                 self.history.append(m)

@@ -1,0 +1,93 @@
+"""The validation-driven learning-rate factor (train.lr_curriculum_decay, train.lr_plateau_decay):
+its rules, its effect on the trainer's learning rate, its checkpointing, and config validation."""
+
+import math
+import warnings
+
+import pytest
+
+from rmt import parallel
+from rmt.config import load_config, validate
+from rmt.errors import ConfigError
+from rmt.training.lr_control import ValidationLR
+
+warnings.filterwarnings("ignore")
+
+TASK = ["model.arch=transformer", "model.num_layers=1", "model.hidden_size=16", "model.num_attention_heads=2",
+        "model.seq_length=48", "data.task=copy", "data.task_tokens=4", "data.task_alphabet=8",
+        "data.noise_length=4", "train.warmup_steps=0", "train.lr=1e-3", "train.lr_decay_style=constant",
+        "train.micro_batch_size=2", "train.eval_interval=1", "train.eval_iters=1", "train.progress=false"]
+
+
+def control(**train):
+    config = load_config(None, [f"train.{k}={v}" for k, v in train.items()])
+    return ValidationLR(config)
+
+
+def test_curriculum_advance_scales_and_forgets_the_best_loss():
+    c = control(lr_curriculum_decay=0.5, min_lr_ratio=0.2)
+    assert c.update(1.0, advanced=False, at_target=False) == 1.0
+    assert c.best == math.inf  # before the target the plateau rule does not watch
+    assert c.update(0.2, advanced=True, at_target=False) == 0.5
+    assert c.update(0.2, advanced=True, at_target=True) == 0.25
+    assert c.best == math.inf and c.waited == 0
+    assert c.update(0.2, advanced=True, at_target=True) == 0.2  # floored at min_lr_ratio
+
+
+def test_plateau_waits_patience_evaluations_then_counts_afresh():
+    c = control(lr_plateau_decay=0.5, lr_plateau_patience=2, min_lr_ratio=0.0)
+    scales = [c.update(v, advanced=False, at_target=True) for v in (1.0, 0.9, 0.95, 0.9, 0.8, 0.85, 0.85, 0.9, 0.9)]
+    assert scales == [1, 1, 1, 0.5, 0.5, 0.5, 0.25, 0.25, 0.125]
+    assert c.best == 0.8
+    restored = control()
+    restored.load_state_dict(c.state_dict())
+    assert (restored.scale, restored.best, restored.waited) == (0.125, 0.8, 0)
+
+
+def test_plateau_ignored_before_the_target():
+    c = control(lr_plateau_decay=0.5, lr_plateau_patience=1)
+    assert [c.update(1.0, advanced=False, at_target=False) for _ in range(4)] == [1.0] * 4
+
+
+def train(overrides):
+    from rmt.training.trainer import Trainer
+
+    config = validate(load_config(None, TASK + overrides), 1)
+    parallel.initialize(config)
+    try:
+        trainer = Trainer(config)
+        return trainer, trainer.train()
+    finally:
+        parallel.destroy()
+
+
+def test_trainer_lr_falls_at_each_doubling_and_survives_resume(tmp_path):
+    base = ["data.curriculum_threshold=100", "data.curriculum_target=32", "train.steps=5",
+            "train.lr_curriculum_decay=0.5", "train.min_lr_ratio=0.2", f"train.save={tmp_path}"]
+    _, first = train(base + ["train.exit_interval=2"])
+    assert [m["noise_length"] for m in first] == [8, 16]
+    assert [m["lr"] for m in first] == pytest.approx([1e-3, 5e-4])  # lr of the step, before its evaluation
+    assert [m["lr_scale"] for m in first] == [0.5, 0.25]
+    trainer, resumed = train(base + [f"train.load={tmp_path}"])
+    assert [m["noise_length"] for m in resumed] == [32, 32, 32]
+    assert [m["lr"] for m in resumed] == pytest.approx([2.5e-4, 2e-4, 2e-4])
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(2e-4)
+
+
+def test_trainer_reduces_on_plateau():
+    # an lr too small to move the weights keeps the validation loss exactly level
+    _, history = train(["train.lr=1e-12", "train.steps=5", "train.lr_plateau_decay=0.5",
+                        "train.lr_plateau_patience=1", "train.min_lr_ratio=0.1"])
+    assert [m["lr_scale"] for m in history] == [1.0, 0.5, 0.25, 0.125, 0.1]
+    assert history[-1]["lr"] == pytest.approx(1e-12 * 0.125)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["train.lr_plateau_decay=0"], r"train.lr_plateau_decay must lie in \(0, 1\], got 0"),
+    (["train.lr_curriculum_decay=1.5"], r"train.lr_curriculum_decay must lie in \(0, 1\], got 1.5"),
+    (["train.lr_plateau_patience=0"], "train.lr_plateau_patience must be positive, got 0"),
+    (["train.lr_curriculum_decay=0.5"], "train.lr_curriculum_decay needs a curriculum"),
+])
+def test_bad_values_are_rejected(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(load_config(None, TASK + overrides), 1)
