@@ -10,9 +10,9 @@ repeat mixers).
     validation plateau at the target, down to ``--min-lr-ratio`` x ``--lr`` (the paper's learning
     rate "decays as a function of the sequence length and the validation loss", §6.2): at 32
     noise tokens a constant 1e-3 sits at validation loss ~1 for 3,000 steps where 5e-4 passes the
-    stage, and this rule is the first measured here to reach 512 within 4,800 CPU s. The paper starts at 128 and reports 100% / 99.4% at 4096 noise tokens
-    with ~0.5M parameters; docs/recipes.md ("Recurrent transformer on copy tasks") lists what was
-    measured here.
+    stage, and this rule is the first measured here to reach 512 within 4,800 CPU s. The paper
+    starts at 128 and reports 100% / 99.4% at 4096 noise tokens with ~0.5M parameters;
+    docs/recipes.md ("Recurrent transformer on copy tasks") lists what was measured here.
 (b) Decoding tokens/s and cache memory against position, up to 2048: the repeat mixer in its
     recurrent form (one state vector per head per layer) and the recurrent transformer (last
     window per layer plus the current block) against the transformer with megatron-core's KV
