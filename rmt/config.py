@@ -54,7 +54,9 @@ class ModelConfig:
 
     position: str = "learned"
     """Positions: ``learned`` or ``rope`` for the transformer; ``alibi`` or ``learned`` for the
-    RMT (the shipped ``rmt_*.yaml`` set ``alibi``); ``learned`` for the recurrent transformer."""
+    RMT (the shipped ``rmt_*.yaml`` set ``alibi``); ``learned`` (absolute) or ``block`` (learned,
+    indexed by the position within its block, the same at any sequence length) for the recurrent
+    transformer."""
 
     normalization: str = "LayerNorm"
     """``LayerNorm`` or ``RMSNorm``. Ignored by the RMT (whole-matrix RMSNorm)."""

@@ -28,6 +28,7 @@ CASES = {
     "transformer_layernorm": TRANSFORMER,
     "transformer_rmsnorm_rope": TRANSFORMER + ["model.normalization=RMSNorm", "model.position=rope"],
     "recurrent": TRANSFORMER + ["model.arch=recurrent", "model.block_width=7"],
+    "recurrent_block_positions": TRANSFORMER + ["model.arch=recurrent", "model.block_width=7", "model.position=block"],
     "mixer_mixed_decay": TRANSFORMER + ["model.arch=mixer", "model.mixer_decay=true"],
     "mixer_masked_rmsnorm": TRANSFORMER + ["model.arch=mixer", "model.mixer_kind=masked",
                                            "model.normalization=RMSNorm"],

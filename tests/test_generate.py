@@ -22,6 +22,7 @@ ARCHS = {
     "mixer_mixed_decay": ["model.arch=mixer", "model.mixer_kind=mixed", "model.mixer_decay=true"],
     "mixer_masked": ["model.arch=mixer", "model.mixer_kind=masked"],
     "recurrent": ["model.arch=recurrent"],
+    "recurrent_block_positions": ["model.arch=recurrent", "model.position=block"],
     "transformer_moe_mlp": ["model.arch=transformer", "memory.type=moe", "memory.moe_placement=mlp",
                             "memory.placement=1-2", "memory.num_experts=4"],
 }

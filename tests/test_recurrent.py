@@ -89,11 +89,30 @@ def test_frozen_alpha_and_every_parameter_sharded(built):
     assert "layers.1.alpha" in keys and len(keys) == len(list(model.parameters()))
 
 
+def test_block_positions_make_every_block_alike(built):
+    """``model.position=block``: a table of k rows indexed by position mod k, so the logits of a
+    sequence do not change when its positions move by whole blocks (they do with ``learned``),
+    and equal those of explicit ids mod k."""
+    tokens = torch.randint(0, 16, (2, 12))
+    positions = torch.arange(12)[None].expand(2, -1)
+    for position, moves in (("block", False), ("learned", True)):
+        model = built(f"model.position={position}").eval()
+        with torch.no_grad():
+            here, later = model(tokens, positions), model(tokens, positions + 4)
+            wrapped = model(tokens, positions % 4)
+        assert model.position_embedding.num_embeddings == (4 if position == "block" else 16)
+        assert ((later - here).abs().max() > 1e-3) == moves
+        if not moves:
+            torch.testing.assert_close(later, here, rtol=0, atol=0)
+            torch.testing.assert_close(wrapped, here, rtol=0, atol=0)
+        parallel.destroy()
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["model.block_width=32"], "must not exceed model.seq_length"),
     (["model.recurrent_alpha=1.5"], "recurrent_alpha must lie in"),
     (["parallel.pipeline_model_parallel_size=2", "model.num_layers=2"], "supports data parallelism only"),
-    (["model.position=rope"], "must be 'learned'"),
+    (["model.position=rope"], "must be 'learned' or 'block'"),
 ])
 def test_validator_rejects(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -19,6 +19,12 @@ With ``k = l`` (one block) eqs. 6 and 8 give ``y = tau(tau(x))``: the layer appl
 A sequence length that is not a multiple of ``k`` is right-padded to one; causality makes the
 outputs of the real positions exact.
 
+Positions (``model.position``): ``learned`` adds a learned embedding of the absolute position
+``0..s-1``; ``block`` adds one of the position within its block (``position mod k``, a table
+of ``k`` rows), so every block enters the recurrence alike and the model is the same function at
+any sequence length. Under a noise-length curriculum (§6.2) ``learned`` meets untrained rows at
+every doubling: the recall tokens move to positions never seen in training.
+
 Tensor and pipeline parallelism are not supported (rejected by the validator); data parallelism
 works through the trainer.
 """
@@ -110,7 +116,8 @@ class RecurrentTransformer(MegatronModule):
         self.model_type = ModelType.encoder_or_decoder  # read by megatron-core's schedules
         vocab = padded_vocab_size(config)
         self.embedding = nn.Embedding(vocab, m.hidden_size)
-        self.position_embedding = nn.Embedding(m.seq_length, m.hidden_size)
+        self.block_positions = m.block_width if m.position == "block" else None
+        self.position_embedding = nn.Embedding(position_rows(m), m.hidden_size)
         self.layers = nn.ModuleList(RecurrentLayer(config, i + 1) for i in range(m.num_layers))
         self.final_norm = norm(config, m.hidden_size)
         self.output_layer = nn.Linear(m.hidden_size, vocab, bias=False)
@@ -142,11 +149,18 @@ class RecurrentTransformer(MegatronModule):
 
     def embed(self, input_ids, position_ids) -> torch.Tensor:
         """Token + position embeddings, ``[b, s]`` ids -> ``[s, b, h]``."""
+        if self.block_positions:
+            position_ids = position_ids % self.block_positions
         return self.dropout(self.embedding(input_ids) + self.position_embedding(position_ids)).transpose(0, 1)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """``[s, b, h]`` -> logits ``[b, s, V]``."""
         return self.output_layer(self.final_norm(x.transpose(0, 1)))
+
+
+def position_rows(m) -> int:
+    """Rows of the position table: ``model.seq_length`` absolute positions or ``block_width``."""
+    return m.block_width if m.position == "block" else m.seq_length
 
 
 def validate_recurrent(config: RMTConfig) -> None:
@@ -161,8 +175,9 @@ def validate_recurrent(config: RMTConfig) -> None:
         raise ConfigError(f"model.block_width ({m.block_width}) must not exceed model.seq_length ({m.seq_length})")
     if not 0.0 <= m.recurrent_alpha <= 1.0:
         raise ConfigError(f"model.recurrent_alpha must lie in [0, 1], got {m.recurrent_alpha}")
-    if m.position != "learned":
-        raise ConfigError(f"model.position must be 'learned' for the recurrent transformer, got '{m.position}'")
+    if m.position not in ("learned", "block"):
+        raise ConfigError(f"model.position must be 'learned' or 'block' for the recurrent transformer, "
+                          f"got '{m.position}'")
 
 
 @register("recurrent", validate=validate_recurrent)
