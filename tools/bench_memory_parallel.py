@@ -25,7 +25,6 @@ import platform
 import subprocess
 import sys
 import time
-import warnings
 
 VARIANTS = [("local", False, False), ("number", False, False), ("number", False, True),
             ("number", True, False), ("number", True, True), ("dimension", False, False),
@@ -46,7 +45,6 @@ def _hidden(busy: float, waited: float) -> float:
 
 
 def worker(args):
-    warnings.filterwarnings("ignore")
     import torch.distributed as dist
 
     from rmt import parallel

@@ -29,7 +29,6 @@ import platform
 import socket
 import sys
 import time
-import warnings
 from typing import Dict, List, Optional
 
 import torch
@@ -209,7 +208,6 @@ def main(argv=None) -> int:
     except ConfigError as err:
         print(f"bench_memory_train: {err}", file=sys.stderr)
         return 2
-    warnings.filterwarnings("ignore")
     from rmt.parallel import destroy, initialize
 
     with socket.socket() as s:

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
-import warnings
 
 import torch
 
@@ -39,6 +39,11 @@ def optimizers():
     kw = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
     def deepspeed(params):
+        # DeepSpeed guesses its accelerator on import and warns when it falls back to the CPU;
+        # rmt's device choice is made already (compat.device), so it is passed on.
+        from rmt.parallel import compat
+
+        os.environ.setdefault("DS_ACCELERATOR", compat.device().type)
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         from rmt.ops.extensions import deepspeed_build_guard
@@ -72,7 +77,7 @@ def run(shapes, steps: int, threads: int):
             spent.append(time.perf_counter() - t0)
         times[name] = statistics.median(spent)
         final[name] = params
-    worst = max(float((a - b).abs().max()) for name in final for a, b in zip(final[name], final["torch_foreach"]))
+    worst = max(float((a - b).detach().abs().max()) for name in final for a, b in zip(final[name], final["torch_foreach"]))
     return times, worst
 
 
@@ -84,7 +89,6 @@ def main(argv=None):
     ap.add_argument("--threads", default="1,2", help="comma-separated torch thread counts (default 1,2)")
     ap.add_argument("--json", help="write {benchmark, machine, rows, summary} here")
     args = ap.parse_args(argv)
-    warnings.filterwarnings("ignore")
     overrides = ["model.vocab_size=50304"]
     if args.quick:
         overrides = ["model.vocab_size=512", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4"]

@@ -35,7 +35,6 @@ import os
 import platform
 import sys
 import time
-import warnings
 
 import torch
 
@@ -85,7 +84,7 @@ def train_task(task: str, args, rows: list) -> dict:
                 m["val_loss"] = val = trainer.evaluate()
                 trainer.after_evaluation(m)
                 rows.append({"part": "curriculum", "task": task, "step": trainer.iteration,
-                             "noise_length": noise, "val_loss": val, "lr": m["lr"], "alpha": float(trainer.chunks[0].module.layers[0].alpha),
+                             "noise_length": noise, "val_loss": val, "lr": m["lr"], "alpha": trainer.chunks[0].module.layers[0].alpha.item(),
                              "elapsed_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu})
                 print(json.dumps(rows[-1]), flush=True)
                 noise = m["noise_length"]
@@ -197,7 +196,6 @@ def main(argv=None) -> int:
     except ConfigError as err:
         print(f"bench_recurrent: {err}", file=sys.stderr)
         return 2
-    warnings.filterwarnings("ignore")
     rows: list = []
     results = {task: train_task(task, args, rows) for task in tasks}
     for task, r in results.items():

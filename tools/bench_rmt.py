@@ -25,7 +25,6 @@ import platform
 import statistics
 import sys
 import time
-import warnings
 
 import torch
 
@@ -153,7 +152,6 @@ def main(argv=None) -> int:
                          "1e-2 and compare validation losses")
     ap.add_argument("--json", metavar="FILE", help="write the results as JSON")
     args = ap.parse_args(argv)
-    warnings.filterwarnings("ignore")
     parallel.initialize(validate(load_config(None, []), world_size=1))
     machine = {"platform": platform.platform(), "cpus": os.cpu_count(),
                "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
