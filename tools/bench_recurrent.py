@@ -4,15 +4,16 @@ repeat mixers).
 (a) Copy and selective copy ("Efficient LLM Architectures" §6.2) trained on CPU with the
     noise-length curriculum (start at ``--noise-start``, default 16, double when validation loss
     < 0.3, up to ``--noise-target``, default 512), then recall accuracy at the noise reached.
-    Batch 32 (the paper's Table 4 has 64, which passes the first stages faster but then stalls at 64
-    noise tokens as the learned α collapses; docs/recipes.md). The learning rate ``--lr`` falls
-    by ``--lr-curriculum-decay`` (0.7) at every doubling and by ``--lr-plateau-decay`` (0.5) on a
-    validation plateau at the target, down to ``--min-lr-ratio`` x ``--lr`` (the paper's learning
-    rate "decays as a function of the sequence length and the validation loss", §6.2): at 32
-    noise tokens a constant 1e-3 sits at validation loss ~1 for 3,000 steps where 5e-4 passes the
-    stage, and this rule is the first measured here to reach 512 within 4,800 CPU s. The paper
-    starts at 128 and reports 100% / 99.4% at 4096 noise tokens with ~0.5M parameters;
-    docs/recipes.md ("Recurrent transformer on copy tasks") lists what was measured here.
+    Positions are learned per place in the block (``model.position=block``): with absolute
+    positions the recall tokens move to untrained rows at every doubling. Batch 32 (the paper's
+    Table 4 has 64, which reaches 512 sooner but then learns slower per CPU second;
+    docs/recipes.md). The learning rate ``--lr`` falls by ``--lr-curriculum-decay`` (0.8) at
+    every doubling and by ``--lr-plateau-decay`` (0.5) after ``--lr-plateau-patience`` (40)
+    evaluations at the target without a new lowest validation loss, down to ``--min-lr-ratio`` x
+    ``--lr`` (the paper's learning rate "decays as a function of the sequence length and the
+    validation loss", §6.2). The paper starts at 128 and reports 100% / 99.4% at 4096 noise
+    tokens with ~0.5M parameters; docs/recipes.md ("Recurrent transformer on copy tasks") lists
+    what was measured here.
 (b) Decoding tokens/s and cache memory against position, up to 2048: the repeat mixer in its
     recurrent form (one state vector per head per layer) and the recurrent transformer (last
     window per layer plus the current block) against the transformer with megatron-core's KV
@@ -56,7 +57,7 @@ def task_config(task: str, args):
     overrides = [
         "model.arch=recurrent", f"model.hidden_size={args.hidden}", f"model.num_attention_heads={args.heads}",
         "model.num_layers=1", f"model.block_width={args.block}", f"model.seq_length={32 + args.noise_target}",
-        "model.recurrent_alpha=0.5", f"data.task={task}", "data.task_tokens=16", "data.task_alphabet=16",
+        "model.recurrent_alpha=0.5", "model.position=block", f"data.task={task}", "data.task_tokens=16", "data.task_alphabet=16",
         f"data.noise_length={args.noise_start}", "data.curriculum_threshold=0.3",
         f"data.curriculum_target={args.noise_target}", f"train.steps={args.max_steps}",
         f"train.warmup_steps={min(20, args.max_steps - 1)}",
@@ -163,12 +164,14 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=int, help="block width, default 32 (quick 8)")
     ap.add_argument("--batch", type=int, help="samples per step, default 32 (the paper: 64; quick 16)")
     ap.add_argument("--lr", type=float, default=1e-3, help="learning rate at the first noise length")
-    ap.add_argument("--lr-curriculum-decay", type=float, default=0.7,
+    ap.add_argument("--lr-curriculum-decay", type=float, default=0.8,
                     help="factor on the learning rate at each doubling of the noise length (train.lr_curriculum_decay)")
     ap.add_argument("--lr-plateau-decay", type=float, default=0.5,
                     help="factor on the learning rate at the target noise length after --lr-plateau-patience "
                          "evaluations without a new lowest validation loss (train.lr_plateau_decay)")
-    ap.add_argument("--lr-plateau-patience", type=int, default=10)
+    ap.add_argument("--lr-plateau-patience", type=int, default=40,
+                    help="evaluations (of --eval-interval steps) without a new lowest validation loss that "
+                         "make a plateau (train.lr_plateau_patience)")
     ap.add_argument("--min-lr-ratio", type=float, default=0.02,
                     help="the lowest the learning rate falls to, as a fraction of --lr (train.min_lr_ratio)")
     ap.add_argument("--eval-interval", type=int, help="default 25 (quick 10)")
