@@ -263,6 +263,13 @@ class TrainConfig:
     """Evaluations without a new lowest validation loss before ``lr_plateau_decay`` applies
     (counted afresh after each reduction); positive."""
 
+    lr_plateau_smoothing: float = 0.0
+    """The plateau rule judges an exponential moving average of the validation loss,
+    ``s = smoothing * s + (1 - smoothing) * val_loss`` (started afresh at each doubling of a
+    curriculum), instead of each evaluation alone; in [0, 1), 0 = each evaluation alone. On a
+    loss that swings from one evaluation to the next, a lone low value resets the patience
+    count and postpones the reduction however long the trend has been level."""
+
     weight_decay: float = 0.1
     """AdamW weight decay wd; never on norms, biases, embedding and unembedding tables, memory
     values (:mod:`rmt.training.optimizer` lists what each recipe decays)."""
@@ -739,6 +746,8 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
             raise ConfigError(f"train.{key} must lie in (0, 1], got {getattr(t, key)}")
     if t.lr_plateau_patience <= 0:
         raise ConfigError(f"train.lr_plateau_patience must be positive, got {t.lr_plateau_patience}")
+    if not 0.0 <= t.lr_plateau_smoothing < 1.0:
+        raise ConfigError(f"train.lr_plateau_smoothing must lie in [0, 1), got {t.lr_plateau_smoothing}")
     if t.lr_curriculum_decay < 1.0 and (d.task == "none" or d.curriculum_threshold is None):
         raise ConfigError("train.lr_curriculum_decay needs a curriculum (data.task with data.curriculum_threshold)")
     if t.z_loss < 0 or t.weight_decay < 0 or t.clip_grad < 0:

@@ -44,6 +44,28 @@ def test_plateau_waits_patience_evaluations_then_counts_afresh():
     assert (restored.scale, restored.best, restored.waited) == (0.125, 0.8, 0)
 
 
+def test_smoothed_plateau_judges_the_moving_average():
+    # a level-to-rising loss whose dips are each a new low: the raw rule never reduces, the
+    # average 0.9 * s + 0.1 * v never falls below its first value (1.0, 1.02, 1.038, 1.0242, ...)
+    losses = (1.0, 1.2, 1.2, 0.9, 1.2, 1.2, 0.8, 1.2)
+    raw = control(lr_plateau_decay=0.5, lr_plateau_patience=3, min_lr_ratio=0.0)
+    assert [raw.update(v, advanced=False, at_target=True) for v in losses] == [1.0] * 8
+    c = control(lr_plateau_decay=0.5, lr_plateau_patience=3, min_lr_ratio=0.0, lr_plateau_smoothing=0.9)
+    smoothed, expected = None, []
+    for v in losses:
+        smoothed = v if smoothed is None else 0.9 * smoothed + 0.1 * v
+        expected.append(smoothed)
+    assert [c.update(v, advanced=False, at_target=True) for v in losses] == [1, 1, 1, 0.5, 0.5, 0.5, 0.25, 0.25]
+    assert c.smoothed == pytest.approx(expected[-1], rel=1e-15) and c.best == pytest.approx(min(expected), rel=1e-15)
+    restored = control(lr_plateau_smoothing=0.9)
+    restored.load_state_dict(c.state_dict())
+    assert restored.state_dict() == c.state_dict()
+    assert c.update(9.0, advanced=True, at_target=True) == 0.25  # a doubling restarts the average
+    assert (c.smoothed, c.best, c.waited) == (None, math.inf, 0)
+    c.update(2.0, advanced=False, at_target=True)
+    assert c.smoothed == 2.0
+
+
 def test_plateau_ignored_before_the_target():
     c = control(lr_plateau_decay=0.5, lr_plateau_patience=1)
     assert [c.update(1.0, advanced=False, at_target=False) for _ in range(4)] == [1.0] * 4
@@ -86,6 +108,7 @@ def test_trainer_reduces_on_plateau():
     (["train.lr_plateau_decay=0"], r"train.lr_plateau_decay must lie in \(0, 1\], got 0"),
     (["train.lr_curriculum_decay=1.5"], r"train.lr_curriculum_decay must lie in \(0, 1\], got 1.5"),
     (["train.lr_plateau_patience=0"], "train.lr_plateau_patience must be positive, got 0"),
+    (["train.lr_plateau_smoothing=1"], r"train.lr_plateau_smoothing must lie in \[0, 1\), got 1"),
     (["train.lr_curriculum_decay=0.5"], "train.lr_curriculum_decay needs a curriculum"),
 ])
 def test_bad_values_are_rejected(overrides, message):

@@ -63,7 +63,8 @@ def task_config(task: str, args):
         f"train.warmup_steps={min(20, args.max_steps - 1)}",
         "train.lr_decay_style=constant", f"train.lr={args.lr}", f"train.lr_curriculum_decay={args.lr_curriculum_decay}",
         f"train.min_lr_ratio={args.min_lr_ratio}", f"train.lr_plateau_decay={args.lr_plateau_decay}",
-        f"train.lr_plateau_patience={args.lr_plateau_patience}", f"train.micro_batch_size={args.batch}",
+        f"train.lr_plateau_patience={args.lr_plateau_patience}",
+        f"train.lr_plateau_smoothing={args.lr_plateau_smoothing}", f"train.micro_batch_size={args.batch}",
         f"train.eval_interval={args.eval_interval}", "train.eval_iters=1", "train.weight_decay=0.0",
         "train.progress=false", f"train.threads={args.threads}"] + args.overrides
     return validate(load_config(None, overrides), 1)
@@ -172,6 +173,9 @@ def main(argv=None) -> int:
     ap.add_argument("--lr-plateau-patience", type=int, default=40,
                     help="evaluations (of --eval-interval steps) without a new lowest validation loss that "
                          "make a plateau (train.lr_plateau_patience)")
+    ap.add_argument("--lr-plateau-smoothing", type=float, default=0.0,
+                    help="the plateau rule judges a moving average of the validation loss with this weight on "
+                         "the previous average, in [0, 1) (train.lr_plateau_smoothing)")
     ap.add_argument("--min-lr-ratio", type=float, default=0.02,
                     help="the lowest the learning rate falls to, as a fraction of --lr (train.min_lr_ratio)")
     ap.add_argument("--eval-interval", type=int, help="default 25 (quick 10)")
