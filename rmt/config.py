@@ -109,6 +109,12 @@ class ModelConfig:
     """RMT: rank R = attention heads = feed-forward reads/writes = embedding/unembedding keys; must
     be divisible by the tensor parallel size."""
 
+    def position_rows(self) -> int:
+        """Rows of the recurrent transformer's learned position table: ``block_width`` with
+        ``position: block`` (indexed by position mod ``block_width``), else ``seq_length``. The
+        model and the planner's parameter count both read it here."""
+        return self.block_width if self.position == "block" else self.seq_length
+
 
 @dataclass
 class ParallelConfig:

@@ -116,8 +116,8 @@ class RecurrentTransformer(MegatronModule):
         self.model_type = ModelType.encoder_or_decoder  # read by megatron-core's schedules
         vocab = padded_vocab_size(config)
         self.embedding = nn.Embedding(vocab, m.hidden_size)
-        self.block_positions = m.block_width if m.position == "block" else None
-        self.position_embedding = nn.Embedding(position_rows(m), m.hidden_size)
+        self.block_positions = m.position == "block"
+        self.position_embedding = nn.Embedding(m.position_rows(), m.hidden_size)
         self.layers = nn.ModuleList(RecurrentLayer(config, i + 1) for i in range(m.num_layers))
         self.final_norm = norm(config, m.hidden_size)
         self.output_layer = nn.Linear(m.hidden_size, vocab, bias=False)
@@ -150,17 +150,12 @@ class RecurrentTransformer(MegatronModule):
     def embed(self, input_ids, position_ids) -> torch.Tensor:
         """Token + position embeddings, ``[b, s]`` ids -> ``[s, b, h]``."""
         if self.block_positions:
-            position_ids = position_ids % self.block_positions
+            position_ids = position_ids % self.position_embedding.num_embeddings
         return self.dropout(self.embedding(input_ids) + self.position_embedding(position_ids)).transpose(0, 1)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """``[s, b, h]`` -> logits ``[b, s, V]``."""
         return self.output_layer(self.final_norm(x.transpose(0, 1)))
-
-
-def position_rows(m) -> int:
-    """Rows of the position table: ``model.seq_length`` absolute positions or ``block_width``."""
-    return m.block_width if m.position == "block" else m.seq_length
 
 
 def validate_recurrent(config: RMTConfig) -> None:

@@ -147,12 +147,12 @@ def recurrent_counts(config: RMTConfig, Vp: int) -> Dict:
     norm = 2 * D if m.normalization == "LayerNorm" else D
     blocks = -(-N // k)
     block, window = (_layer_counts(D, H, D // H, Dff, w, norm) for w in (k, 2 * k))
-    P = k if m.position == "block" else N  # position table rows (recurrent.position_rows)
-    params = Vp * D + P * D + L * (block["params"] + 1) + norm + Vp * D
+    embedding = Vp * D + m.position_rows() * D + Vp * D  # tokens, positions, output layer
+    params = embedding + L * (block["params"] + 1) + norm
     flops = L * (2 * block["flops"] + (blocks - 1) * window["flops"]) + N * 2 * D * Vp
     recurrent = recurrent_ops_per_sample(L, D, N, k)
     regular = transformer_ops_per_sample(L, D, N)
-    return {"arch": "recurrent", "params": params, "embedding_params": Vp * D + P * D + Vp * D,
+    return {"arch": "recurrent", "params": params, "embedding_params": embedding,
             "flops_per_sequence": flops, "flops_per_token": flops / N,
             "ops_per_sample": recurrent, "transformer_ops_per_sample": regular,
             "ops_ratio_recurrent_over_transformer": recurrent / regular}
