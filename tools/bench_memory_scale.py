@@ -44,7 +44,6 @@ import resource
 import subprocess
 import sys
 import time
-import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 1 << 20
@@ -106,7 +105,6 @@ def worker(args) -> None:
     if args.cap_gib:
         cap = int(args.cap_gib * (1 << 30))
         resource.setrlimit(CAP_LIMITS[args.cap_kind], (cap, cap))
-    warnings.filterwarnings("ignore")
     import torch.distributed as dist
 
     from rmt import parallel
@@ -169,7 +167,7 @@ def launch(args, run: dict, phase: str, load_partition: str = "", cap_gib: float
     # Freed tensors go back to the OS at once, so that a phase's resident peak shows the live bytes
     # (glibc keeps freed blocks below its dynamic mmap threshold, up to 32 MiB, resident: the
     # previous phase's activations would count in the next phase's window).
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MALLOC_MMAP_THRESHOLD_="65536")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     for attempt in range(tries):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
