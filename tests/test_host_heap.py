@@ -1,6 +1,6 @@
 """``train.host_heap_retain_mib`` (rmt/training/host_heap.py): with it, training steps reuse the
 heap memory the previous step freed instead of faulting fresh pages in (minor page faults counted
-by the kernel, per step of the tiny RMT of tools/bench_rmt.py); with 0, glibc's defaults."""
+by the kernel, in the median step of the tiny RMT of tools/bench_rmt.py); with 0, glibc's defaults."""
 
 import json
 import platform
@@ -14,7 +14,7 @@ from conftest import ROOT, _env
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 
 SCRIPT = """
-import json, resource, sys
+import json, resource, statistics, sys
 from rmt import parallel
 from rmt.config import load_config, validate
 from rmt.training.trainer import Trainer
@@ -26,11 +26,12 @@ parallel.initialize(config)
 trainer = Trainer(config)
 for _ in range(4):
     trainer.train_step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+faults = []
 for _ in range(8):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     trainer.train_step()
-faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 8
-json.dump({"faults_per_step": faults}, open(sys.argv[1], "w"))
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+json.dump({"faults_per_step": statistics.median(faults)}, open(sys.argv[1], "w"))
 parallel.destroy()
 """
 
@@ -47,7 +48,10 @@ def test_steps_reuse_freed_heap_memory(tmp_path, cache_dir):
     default = _faults_per_step(tmp_path, cache_dir, 0)
     retained = _faults_per_step(tmp_path, cache_dir, 256)
     # A step's activations are ~50 MiB in tensors of 0.5-2 MiB: glibc's defaults fault most of them
-    # in again every step (1,400-6,500 4-KiB pages measured here); retained, almost none are.
+    # in again every step (2,000-8,500 4-KiB pages in most steps, a few steps near 0); retained,
+    # almost none are (0-7; a step that first raises the heap's high-water mark faults its growth,
+    # 128-512 pages once). The median step is the steady state: the mean of 8 steps measured 818
+    # to 4,000 with the defaults and up to 193 retained, one spike making the difference.
     assert default > 1000 and retained < default / 10, (default, retained)
 
 

@@ -52,3 +52,6 @@ def test_launcher_names_the_worker_that_failed_first():
     user_error = {0: F(exitcode=-15, timestamp=9), 1: F(exitcode=1, timestamp=8), 2: F(exitcode=2, timestamp=9)}
     assert _root_failure(user_error)[0] == 2 and _describe(_root_failure(user_error)[1]) == "exited with status 2"
     assert _root_failure({3: F(exitcode=-15, timestamp=1)})[0] == 3
+    # rank 1 SIGKILLed; rank 0 lost its peer and exited first, with an earlier timestamp
+    peer_lost = {0: F(exitcode=1, timestamp=5), 1: F(exitcode=-9, timestamp=6)}
+    assert _root_failure(peer_lost)[0] == 1

@@ -73,9 +73,14 @@ def _describe(failure) -> str:
 def _root_failure(failures: dict):
     """``(global rank, failure)`` of the worker that failed first. torch's agent stops the
     others with SIGTERM once one fails (timestamps are whole seconds), so those are passed over;
-    a user error (exit status 2) comes first, as the one that says what to fix."""
+    a user error (exit status 2) comes first, as the one that says what to fix. Next comes a
+    worker killed by a signal (SIGKILL from the OOM killer or an operator, SIGSEGV): its peers
+    then fail in their next collective and exit with status 1, sometimes before the agent has
+    seen the killed one, and a failure's timestamp is when the agent saw it unless the worker
+    wrote an error file, so the order of the timestamps cannot tell cause from consequence."""
     own = {r: f for r, f in failures.items() if f.exitcode != -signal.SIGTERM} or failures
-    return min(own.items(), key=lambda kv: (kv[1].exitcode != USER_ERROR_EXIT, kv[1].timestamp, kv[0]))
+    return min(own.items(), key=lambda kv: (kv[1].exitcode != USER_ERROR_EXIT, kv[1].exitcode >= 0,
+                                            kv[1].timestamp, kv[0]))
 
 
 class _Agent(LocalElasticAgent):
