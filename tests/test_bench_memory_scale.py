@@ -21,7 +21,8 @@ def test_bench_smoke_writes_json(tmp_path, cache_dir):
     assert run["whole_bytes"] == 2 * run["shard_bytes"] > base["whole_bytes"]
     assert set(run["growth"]) == {"init", "step", "save", "load"}
     for phase, g in run["growth"].items():
-        # A 6 MiB growth, where allocator rounding is up to ~1 MiB; a phase holding a tensor the
+        # 3.6 to 11 MiB of growth per rank, where allocator rounding and the index caches the first run builds
+        # move it by up to ~1 MiB (peaks above each process's own start); a phase holding a tensor the
         # planner does not count (e.g. SparseAdam's moments created at start-up) is off by >= 100%.
         assert g["predicted"] > 0 and abs(g["error"]) < 0.5, (phase, g)
     assert run["loaded_iteration"] == 1 and run["init_gbps"] > 0
