@@ -259,6 +259,13 @@ class TrainConfig:
     validation loss"); 1 = never. Like ``lr_plateau_decay`` it scales the whole schedule, never
     below ``min_lr_ratio`` x its value, and is saved in checkpoints."""
 
+    lr_target_decay: float = 1.0
+    """Synthetic-task curriculum: multiply the learning rate by this, in (0, 1], once more (on top
+    of ``lr_curriculum_decay``) at the doubling that brings the noise length to
+    ``data.curriculum_target``, so that the last stage, which must drive the loss down rather than
+    only below ``data.curriculum_threshold``, can start lower than the early stages' rule puts it;
+    1 = no extra cut. Floored and saved like ``lr_curriculum_decay``."""
+
     lr_plateau_decay: float = 1.0
     """Reduce on plateau: multiply the learning rate by this, in (0, 1], after
     ``lr_plateau_patience`` evaluations in a row without a new lowest validation loss; with a
@@ -747,15 +754,16 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
         raise ConfigError(f"train.warmup_steps must not be negative, got {t.warmup_steps}")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise ConfigError(f"train.min_lr_ratio must lie in [0, 1], got {t.min_lr_ratio}")
-    for key in ("lr_curriculum_decay", "lr_plateau_decay"):
+    for key in ("lr_curriculum_decay", "lr_target_decay", "lr_plateau_decay"):
         if not 0.0 < getattr(t, key) <= 1.0:
             raise ConfigError(f"train.{key} must lie in (0, 1], got {getattr(t, key)}")
     if t.lr_plateau_patience <= 0:
         raise ConfigError(f"train.lr_plateau_patience must be positive, got {t.lr_plateau_patience}")
     if not 0.0 <= t.lr_plateau_smoothing < 1.0:
         raise ConfigError(f"train.lr_plateau_smoothing must lie in [0, 1), got {t.lr_plateau_smoothing}")
-    if t.lr_curriculum_decay < 1.0 and (d.task == "none" or d.curriculum_threshold is None):
-        raise ConfigError("train.lr_curriculum_decay needs a curriculum (data.task with data.curriculum_threshold)")
+    for key in ("lr_curriculum_decay", "lr_target_decay"):
+        if getattr(t, key) < 1.0 and (d.task == "none" or d.curriculum_threshold is None):
+            raise ConfigError(f"train.{key} needs a curriculum (data.task with data.curriculum_threshold)")
     if t.z_loss < 0 or t.weight_decay < 0 or t.clip_grad < 0:
         raise ConfigError("train.z_loss, train.weight_decay and train.clip_grad must not be negative")
     if t.eval_iters < 0:

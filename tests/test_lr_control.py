@@ -1,4 +1,4 @@
-"""The validation-driven learning-rate factor (train.lr_curriculum_decay, train.lr_plateau_decay):
+"""The validation-driven learning-rate factor (train.lr_curriculum_decay, lr_target_decay, lr_plateau_decay):
 its rules, its effect on the trainer's learning rate, its checkpointing, and config validation."""
 
 import math
@@ -32,6 +32,13 @@ def test_curriculum_advance_scales_and_forgets_the_best_loss():
     assert c.update(0.2, advanced=True, at_target=True) == 0.25
     assert c.best == math.inf and c.waited == 0
     assert c.update(0.2, advanced=True, at_target=True) == 0.2  # floored at min_lr_ratio
+
+
+def test_target_decay_cuts_once_more_at_the_doubling_that_reaches_the_target():
+    c = control(lr_curriculum_decay=0.5, lr_target_decay=0.25, min_lr_ratio=0.0)
+    assert c.update(1.0, advanced=True, at_target=False) == 0.5
+    assert c.update(1.0, advanced=True, at_target=True) == 0.0625  # 0.5 * 0.5 * 0.25
+    assert c.update(1.0, advanced=False, at_target=True) == 0.0625  # only at that doubling
 
 
 def test_plateau_waits_patience_evaluations_then_counts_afresh():
@@ -96,6 +103,15 @@ def test_trainer_lr_falls_at_each_doubling_and_survives_resume(tmp_path):
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(2e-4)
 
 
+def test_trainer_cuts_the_lr_once_more_on_reaching_the_target():
+    _, history = train(["data.curriculum_threshold=100", "data.curriculum_target=32", "train.steps=3",
+                        "train.lr_curriculum_decay=0.5", "train.lr_target_decay=0.5", "train.min_lr_ratio=0.01"])
+    # noise 4 -> 8 -> 16 -> 32 (the target) at the three evaluations; the last doubling cuts twice
+    assert [m["noise_length"] for m in history] == [8, 16, 32]
+    assert [m["lr_scale"] for m in history] == [0.5, 0.25, 0.0625]
+    assert [m["lr"] for m in history] == pytest.approx([1e-3, 5e-4, 2.5e-4])
+
+
 def test_trainer_reduces_on_plateau():
     # an lr too small to move the weights keeps the validation loss exactly level
     _, history = train(["train.lr=1e-12", "train.steps=5", "train.lr_plateau_decay=0.5",
@@ -110,6 +126,8 @@ def test_trainer_reduces_on_plateau():
     (["train.lr_plateau_patience=0"], "train.lr_plateau_patience must be positive, got 0"),
     (["train.lr_plateau_smoothing=1"], r"train.lr_plateau_smoothing must lie in \[0, 1\), got 1"),
     (["train.lr_curriculum_decay=0.5"], "train.lr_curriculum_decay needs a curriculum"),
+    (["train.lr_target_decay=0"], r"train.lr_target_decay must lie in \(0, 1\], got 0"),
+    (["train.lr_target_decay=0.5"], "train.lr_target_decay needs a curriculum"),
 ])
 def test_bad_values_are_rejected(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -62,6 +62,7 @@ def task_config(task: str, args):
         f"data.curriculum_target={args.noise_target}", f"train.steps={args.max_steps}",
         f"train.warmup_steps={min(20, args.max_steps - 1)}",
         "train.lr_decay_style=constant", f"train.lr={args.lr}", f"train.lr_curriculum_decay={args.lr_curriculum_decay}",
+        f"train.lr_target_decay={args.lr_target_decay}",
         f"train.min_lr_ratio={args.min_lr_ratio}", f"train.lr_plateau_decay={args.lr_plateau_decay}",
         f"train.lr_plateau_patience={args.lr_plateau_patience}",
         f"train.lr_plateau_smoothing={args.lr_plateau_smoothing}", f"train.micro_batch_size={args.batch}",
@@ -167,6 +168,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3, help="learning rate at the first noise length")
     ap.add_argument("--lr-curriculum-decay", type=float, default=0.8,
                     help="factor on the learning rate at each doubling of the noise length (train.lr_curriculum_decay)")
+    ap.add_argument("--lr-target-decay", type=float, default=1.0,
+                    help="a further factor at the doubling that reaches --noise-target (train.lr_target_decay)")
     ap.add_argument("--lr-plateau-decay", type=float, default=0.5,
                     help="factor on the learning rate at the target noise length after --lr-plateau-patience "
                          "evaluations without a new lowest validation loss (train.lr_plateau_decay)")

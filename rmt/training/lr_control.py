@@ -1,5 +1,6 @@
 """The learning rate's response to validation: a factor on the whole schedule that falls when a
-synthetic-task curriculum doubles its noise length (``train.lr_curriculum_decay``) and when the
+synthetic-task curriculum doubles its noise length (``train.lr_curriculum_decay``, and
+``train.lr_target_decay`` more at the doubling that reaches the target) and when the
 validation loss stops improving (``train.lr_plateau_decay`` after ``train.lr_plateau_patience``
 evaluations, judged on the loss's moving average when ``train.lr_plateau_smoothing`` > 0), never
 below ``train.min_lr_ratio``.
@@ -27,6 +28,7 @@ class ValidationLR:
     def __init__(self, config: RMTConfig):
         t = config.train
         self.curriculum_decay = t.lr_curriculum_decay
+        self.target_decay = t.lr_target_decay
         self.plateau_decay = t.lr_plateau_decay
         self.patience = t.lr_plateau_patience
         self.smoothing = t.lr_plateau_smoothing
@@ -41,7 +43,7 @@ class ValidationLR:
         length, ``at_target`` when the plateau rule applies (the noise length is at the
         curriculum's target, or there is no curriculum). Returns the new ``scale``."""
         if advanced:
-            self.scale *= self.curriculum_decay
+            self.scale *= self.curriculum_decay * (self.target_decay if at_target else 1.0)
             self.smoothed, self.best, self.waited = None, math.inf, 0
         elif at_target:
             if self.smoothed is None:
