@@ -28,12 +28,26 @@ def check_rowwise_peers(doc, table_dtype, proc):
     methods = {FUSED, UNFUSED} | ({TBE} if with_tbe else set())
     assert {(r["method"], r["threads"], r["K"]) for r in rows} == {(m, n, k) for m in methods for n in (1, 2) for k in (32, 128)}
     assert all(math.isfinite(r[k]) and r[k] > 0 for r in rows for k in ("fwd_s", "bwd_opt_s", "step_s"))
-    keys = {f"fused_step_speedup_vs_unfused_t{n}" for n in (1, 2)}
+    keys = {f"fused_step_speedup_vs_unfused_t{n}" for n in (1, 2)} | {f"fused_step_fraction_of_best_case_t{n}" for n in (1, 2)}
     if with_tbe:
-        keys |= {f"fused_step_over_fbgemm_step_t{n}" for n in (1, 2)}
+        keys |= {f"{k}_t{n}" for k in ("fused_step_over_fbgemm_step", "best_case_step_over_fbgemm_step") for n in (1, 2)}
     else:
         assert "FBGEMM skipped" in proc.stdout
     assert keys <= set(doc["summary"])
+    # the ideal step: the fastest forward of the three at K=32, then each touched row read at that
+    # forward's rate and written at copy bandwidth
+    table_elem = 4 if table_dtype == "fp32" else 2
+    for n in (1, 2):
+        at = [r for r in rows if (r["K"], r["threads"]) == (32, n)]
+        fastest = min(at, key=lambda r: r["fwd_s"])
+        touched = fastest["unique_rows"] * fastest["D"] * table_elem
+        best = (fastest["fwd_s"] + touched / (fastest["fwd_gbps"] * 1e9)
+                + touched / (doc["machine"]["copy_bandwidth_gbps"] * 1e9))
+        fused = next(r for r in at if r["method"] == FUSED)
+        assert math.isclose(doc["summary"][f"fused_step_fraction_of_best_case_t{n}"], best / fused["step_s"])
+        if with_tbe:
+            tbe = next(r for r in at if r["method"] == TBE)
+            assert math.isclose(doc["summary"][f"best_case_step_over_fbgemm_step_t{n}"], best / tbe["step_s"])
     if table_dtype != "fp32":  # rmt's fused step does not round the gradient to bf16, the others do
         return
     for r in rows:
