@@ -22,6 +22,7 @@ INSTALL_REQUIRES = [
     "matplotlib==3.11.2",
     "ninja==1.13.2",
     "psutil==7.2.2",
+    "scipy==1.17.1",
 ]
 
 setup(

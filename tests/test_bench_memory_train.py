@@ -53,6 +53,41 @@ def test_orderings_need_separated_seeds():
     assert [p["verdict"] for p in quick] == ["not claimed (quick run)"] and quick[0]["agrees"] is None
     one_seed = bench.orderings({"dense": [2.10], "ultramem": [1.95, 1.99]})
     assert [p["verdict"] for p in one_seed] == ["not claimed (one seed)"]
+    assert [p["paired_verdict"] for p in one_seed + quick] == ["not claimed (one seed)", "not claimed (quick run)"]
+
+
+def test_paired_orderings_use_the_per_seed_differences():
+    bench = _bench()
+    # the seeds move both variants together: the ranges overlap, every seed's difference is -0.04 +- 0.01
+    pairs = {p["pair"]: p for p in bench.orderings({"dense": [2.10, 2.12, 2.30], "pkm": [2.05, 2.08, 2.27],
+                                                    "ultramem": [2.13, 2.06, 2.31]})}
+    pkm = pairs["pkm vs dense"]
+    assert pkm["verdict"] == "not separated" and pkm["agrees"] is None
+    assert pkm["per_seed"] == pytest.approx([-0.05, -0.04, -0.03])
+    # mean -0.04, sample standard deviation 0.01, Student's t at 0.975 with 2 degrees of freedom
+    half = 4.302652729749462 * 0.01 / 3 ** 0.5
+    assert pkm["paired_ci95"] == pytest.approx((-0.04 - half, -0.04 + half))
+    assert pkm["paired_verdict"] == "pkm < dense" and pkm["paired_agrees"]
+    # differences +0.03, -0.06, +0.01: the interval holds 0
+    assert pairs["ultramem vs dense"]["paired_verdict"] == "not separated"
+    assert pairs["ultramem vs dense"]["paired_agrees"] is None
+    # ultramem - pkm = +0.08, -0.02, +0.04: not separated either; the paper has ultramem below
+    assert pairs["ultramem vs pkm"]["paired_verdict"] == "not separated"
+
+
+@pytest.mark.parametrize("arg,message", [
+    ("1,x", "--value-lr-mults takes numbers (1,3,10), KIND=MULT pairs (pkm=10,ultramem=30) or 'none'; got '1,x'"),
+    ("pkm=10,moe=3", "--value-lr-mults: only pkm and ultramem have value tables; got 'pkm=10,moe=3'"),
+])
+def test_bad_value_lr_mults_are_one_sentence(arg, message):
+    bad = run_python(["tools/bench_memory_train.py", "--value-lr-mults", arg], check=False)
+    assert bad.returncode == 2 and bad.stderr.strip() == f"bench_memory_train: {message}"
+
+
+def test_fixed_value_lr_mults_per_variant():
+    assert _bench().parse_value_lr_mults("pkm=10,ultramem=30") == ([], {"pkm": 10.0, "ultramem": 30.0})
+    assert _bench().parse_value_lr_mults("1,3") == ([1.0, 3.0], {})
+    assert _bench().parse_value_lr_mults("none") == ([], {})
 
 
 def test_backbone_mismatch_rejected(tmp_path):
@@ -66,13 +101,16 @@ def test_backbone_mismatch_rejected(tmp_path):
         bench.check_backbone(configs)
 
 
-def test_one_variant_without_sweep_for_ablations(tmp_path, cache_dir):
+@pytest.mark.parametrize("value_lr", [["--value-lr-mults", "none", "memory.value_lr_mult=3"],
+                                      ["--value-lr-mults", "ultramem=3"]])
+def test_one_variant_without_sweep_for_ablations(tmp_path, cache_dir, value_lr):
     """``--variants ultramem --value-lr-mults none``: one run per seed at the config's value LR
-    (after the overrides), the backbone still checked against dense, no dense-relative summary."""
+    (after the overrides), or at the value ``ultramem=3`` fixes, the backbone still checked
+    against dense, no dense-relative summary."""
     out = tmp_path / "bench.json"
     run_python(["tools/bench_memory_train.py", "--steps", "2", "--seeds", "1", "--eval-iters", "1",
-                "--variants", "ultramem", "--value-lr-mults", "none", "--json", str(out),
-                f"data.cache_dir={cache_dir}", "data.max_documents=60", "memory.value_lr_mult=3"])
+                "--variants", "ultramem", "--json", str(out)] + value_lr
+               + [f"data.cache_dir={cache_dir}", "data.max_documents=60"])
     doc = json.loads(out.read_text())
     assert [(r["model"], r["phase"], r["value_lr_mult"]) for r in doc["rows"]] == [("ultramem", "final", 3.0)]
     assert "ultramem_minus_dense_val_loss" not in doc["summary"]

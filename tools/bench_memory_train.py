@@ -6,17 +6,20 @@ modules have matched total parameters and activated FLOPs per token (measured he
 the table); each memory variant trains at its own tuned value learning rate (a sweep of
 ``memory.value_lr_mult`` on a tuning seed not used for the reported runs), then every variant
 trains on several seeds. The table gives validation loss (mean, spread over seeds) against
-parameters and activated FLOPs; an ordering is stated only when the seeds' ranges do not
-overlap.
+parameters and activated FLOPs, and two verdicts per pair of variants: unpaired, when the seeds'
+ranges do not overlap, and paired, when the 95% confidence interval of the per-seed differences
+(same seed, same data order and backbone initialisation) excludes 0.
 
     python tools/bench_memory_train.py                       # the full comparison (~1 h of CPU)
     python tools/bench_memory_train.py --quick --json out.json   # smoke run, no conclusion
     python tools/bench_memory_train.py --plot docs/figures/bench_memory_train.png
     python tools/bench_memory_train.py --steps 1000 --seeds 1 --variants ultramem --value-lr-mults none \
         memory.value_init_std=null                           # one ablation run, no dense, no sweep
+    python tools/bench_memory_train.py --steps 2000 --value-lr-mults pkm=10,ultramem=30   # fixed value LRs
 
 Summary keys: ``<variant>_val_loss`` (mean over seeds), ``<variant>_val_loss_spread`` (max - min),
-``ultramem_minus_dense_val_loss``, ``orderings`` (the separated pairs), ``tuned_value_lr_mult``.
+``ultramem_minus_dense_val_loss``, ``orderings`` and ``paired_orderings`` (each pair's verdict),
+``tuned_value_lr_mult``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import platform
 import socket
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -114,32 +117,65 @@ def spread(values: List[float]) -> float:
     return max(values) - min(values)
 
 
+def parse_value_lr_mults(arg: str) -> Tuple[List[float], Dict[str, float]]:
+    """``--value-lr-mults``: (values to sweep, fixed value per variant); 'none' gives neither."""
+    try:
+        if arg == "none":
+            return [], {}
+        if "=" not in arg:
+            return [float(x) for x in arg.split(",") if x], {}
+        fixed = {kind: float(mult) for kind, mult in (pair.split("=") for pair in arg.split(",") if pair)}
+    except ValueError:
+        raise ValueError(f"--value-lr-mults takes numbers (1,3,10), KIND=MULT pairs (pkm=10,ultramem=30) "
+                         f"or 'none'; got {arg!r}") from None
+    if set(fixed) - set(TUNED):
+        raise ValueError(f"--value-lr-mults: only {' and '.join(TUNED)} have value tables; got {arg!r}")
+    return [], fixed
+
+
+def paired_interval(diffs: List[float]) -> Tuple[float, float]:
+    """The 95% confidence interval of the mean of paired differences (Student's t, n - 1 degrees
+    of freedom; n >= 2)."""
+    from scipy.stats import t
+
+    n = len(diffs)
+    mean = sum(diffs) / n
+    sd = (sum((d - mean) ** 2 for d in diffs) / (n - 1)) ** 0.5
+    half = t.ppf(0.975, n - 1) * sd / n ** 0.5
+    return mean - half, mean + half
+
+
 def orderings(final: Dict[str, List[float]], quick: bool = False) -> List[Dict]:
-    """Each pair: 'a < b' when every seed of a is below every seed of b (and the reverse), else
-    not separated; nothing is claimed from one seed or from a ``--quick`` run. ``per_seed`` gives
-    the paired differences a - b seed by seed (the variants of one seed share the data order and
-    the backbone's initial weights, so a seed's effect, often larger than the variants', cancels
-    in them); they are reported, not used for the verdict."""
+    """Each pair, two verdicts; nothing is claimed from one seed or from a ``--quick`` run.
+
+    ``verdict`` (unpaired): 'a < b' when every seed of a is below every seed of b (and the
+    reverse), else not separated. ``paired_verdict``: the variants of one seed share the data
+    order and the backbone's initial weights, so a seed's effect, often larger than the
+    variants', cancels in the differences a - b seed by seed (``per_seed``); 'a < b' when the 95%
+    confidence interval of their mean (``paired_ci95``, Student's t) lies below 0 (and the
+    reverse), else not separated. Three seeds make the interval 4.3 standard errors wide each
+    side, two 12.7."""
     out = []
     for a, b in PAIRS:
         if a not in final or b not in final:
             continue
         va, vb = final[a], final[b]
+        per_seed = [x - y for x, y in zip(va, vb)]
+        interval = None
         if quick:
-            verdict = "not claimed (quick run)"
+            verdict = paired = "not claimed (quick run)"
         elif min(len(va), len(vb)) < 2:
-            verdict = "not claimed (one seed)"
-        elif max(va) < min(vb):
-            verdict = f"{a} < {b}"
-        elif max(vb) < min(va):
-            verdict = f"{b} < {a}"
+            verdict = paired = "not claimed (one seed)"
         else:
-            verdict = "not separated"
+            verdict = f"{a} < {b}" if max(va) < min(vb) else f"{b} < {a}" if max(vb) < min(va) else "not separated"
+            interval = paired_interval(per_seed)
+            paired = f"{a} < {b}" if interval[1] < 0 else f"{b} < {a}" if interval[0] > 0 else "not separated"
         paper = f"{a} < {b}" if PAPER[a] < PAPER[b] else f"{b} < {a}"
         out.append({"pair": f"{a} vs {b}", "difference": sum(va) / len(va) - sum(vb) / len(vb),
-                    "per_seed": [x - y for x, y in zip(va, vb)],
-                    "verdict": verdict, "paper": paper,
-                    "agrees": None if verdict.startswith("not") else verdict == paper})
+                    "per_seed": per_seed, "paired_ci95": interval,
+                    "verdict": verdict, "paired_verdict": paired, "paper": paper,
+                    "agrees": None if verdict.startswith("not") else verdict == paper,
+                    "paired_agrees": None if paired.startswith("not") else paired == paper})
     return out
 
 
@@ -181,7 +217,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", help="comma-separated seeds of the reported runs (default 1,2,3; quick 1)")
     ap.add_argument("--tune-seed", type=int, default=0, help="seed of the value-LR sweep runs (default 0)")
     ap.add_argument("--value-lr-mults", help="memory.value_lr_mult values swept for PKM and UltraMem "
-                    "(default 1,3,10,30; quick or 'none': no sweep, the configs' own after the overrides)")
+                    "(default 1,3,10,30); 'none' (quick's default): no sweep, the configs' own after the "
+                    "overrides; KIND=MULT pairs (e.g. pkm=10,ultramem=30): no sweep, these values")
     ap.add_argument("--eval-iters", type=int, help="validation batches per evaluation (default 16; quick 2)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="subset of dense,pkm,moe,ultramem")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
@@ -192,8 +229,11 @@ def main(argv=None) -> int:
     q = args.quick
     steps = args.steps or (60 if q else 1500)
     seeds = [int(s) for s in (args.seeds or ("1" if q else "1,2,3")).split(",")]
-    sweep_arg = args.value_lr_mults or ("none" if q else "1,3,10,30")
-    mults = [] if sweep_arg == "none" else [float(x) for x in sweep_arg.split(",") if x]
+    try:
+        mults, fixed = parse_value_lr_mults(args.value_lr_mults or ("none" if q else "1,3,10,30"))
+    except ValueError as err:
+        print(f"bench_memory_train: {err}", file=sys.stderr)
+        return 2
     eval_iters = args.eval_iters or (2 if q else 16)
     kinds = [k for k in args.variants.split(",") if k]
     unknown = [k for k in kinds if k not in VARIANTS]
@@ -219,7 +259,7 @@ def main(argv=None) -> int:
         tuned = {}
         for kind in [k for k in kinds if k in TUNED]:
             if not mults:
-                tuned[kind] = configs[kind].memory.value_lr_mult
+                tuned[kind] = fixed.get(kind, configs[kind].memory.value_lr_mult)
                 continue
             sweep = []
             for mult in mults:
@@ -244,6 +284,7 @@ def main(argv=None) -> int:
     final_rows = [r for r in rows if r["phase"] == "final"]
     dense = sum(final["dense"]) / len(final["dense"]) if "dense" in final else None
     sweep = (f"value LR mult tuned on seed {args.tune_seed} over {','.join(f'{m:g}' for m in mults)}" if mults
+             else "value LR mult: " + ", ".join(f"{k} {v:g}x" for k, v in fixed.items()) + " (no sweep)" if fixed
              else "value LR mult: the configs' own (no sweep)")
     print(f"\n{steps} steps x {final_rows[0]['tokens'] // steps} tokens, seeds {','.join(map(str, seeds))}; {sweep}")
     print(f"{'model':<9} {'params':>9} {'MFLOP/tok':>9} {'value LR':>8} {'val loss':>9} {'spread':>7} "
@@ -262,17 +303,21 @@ def main(argv=None) -> int:
     elif len(seeds) < 2:
         print("\nNo ordering is claimed: one seed cannot separate the variants.")
     else:
-        print("\nOrderings (stated when the seeds' ranges do not overlap; paper: Table 1 at 151M):")
+        agree = {None: "", True: " (as the paper)", False: " (the paper has the reverse)"}
+        print("\nOrderings (paper: Table 1 at 151M). Unpaired: stated when the seeds' ranges do not overlap;"
+              "\npaired: when the 95% interval of the per-seed differences excludes 0.")
         for p in pairs:
-            agree = {None: "", True: "  (as the paper)", False: "  (the paper has the reverse)"}[p["agrees"]]
-            paired = ", ".join(f"{d:+.3f}" for d in p["per_seed"])
-            print(f"  {p['pair']:<20} {p['verdict']:<22} mean difference {p['difference']:+.4f} "
-                  f"(per seed {paired}){agree}")
+            per_seed = ", ".join(f"{d:+.3f}" for d in p["per_seed"])
+            lo, hi = p["paired_ci95"]
+            print(f"  {p['pair']:<20} unpaired: {p['verdict'] + agree[p['agrees']]:<40} "
+                  f"paired: {p['paired_verdict'] + agree[p['paired_agrees']]:<40} mean difference "
+                  f"{p['difference']:+.4f}, per seed {per_seed}, 95% interval [{lo:+.4f}, {hi:+.4f}]")
     summary = {f"{k}_val_loss": sum(v) / len(v) for k, v in final.items()}
     summary.update({f"{k}_val_loss_spread": spread(v) for k, v in final.items()})
     if "ultramem" in final and dense is not None:
         summary["ultramem_minus_dense_val_loss"] = summary["ultramem_val_loss"] - dense
     summary["orderings"] = {p["pair"]: p["verdict"] for p in pairs}
+    summary["paired_orderings"] = {p["pair"]: p["paired_verdict"] for p in pairs}
     summary["tuned_value_lr_mult"] = tuned
     if args.plot:
         plot(args.plot, final_rows)
