@@ -44,3 +44,11 @@ def test_bench_smoke_writes_json(tmp_path, cache_dir):
     assert "measuring" not in proc.stderr
     assert [r["peak"] for r in re_doc["rows"]] == [r["peak"] for r in again["rows"]]
     assert [r["predicted"] for r in re_doc["rows"]] == [r["predicted"] for r in again["rows"]]
+    # a file written before above_start existed is compared on its absolute peaks
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(dict(again, rows=[{k: v for k, v in r.items() if k != "above_start"}
+                                                for r in again["rows"]])))
+    run_python(["tools/bench_memory_scale.py", "--repredict", str(old), "--json", str(tmp_path / "re_old.json")])
+    old_base, old_run = json.loads((tmp_path / "re_old.json").read_text())["rows"]
+    assert {p: g["measured"] for p, g in old_run["growth"].items()} == {
+        p: old_run["peak"][p] - old_base["peak"][p] for p in ("init", "step", "save", "load")}

@@ -230,6 +230,12 @@ def measure_run(args, run: dict) -> dict:
     return out
 
 
+def _grown(row: dict) -> dict:
+    """The per-phase bytes compared between runs: ``above_start``, or for rows of a ``--json``
+    file written before it existed (``--repredict``), the absolute ``peak``."""
+    return row.get("above_start", row["peak"])
+
+
 def _above_start(ranks: list, first: str, phase: str) -> int:
     """The largest rank's peak of ``phase`` above its process's resident set at the start of its
     first measured phase ``first``. What a process holds before that (libraries, heaps, gloo's
@@ -250,10 +256,10 @@ def compare(rows: list) -> None:
     for r in rows:
         base = next(b for b in rows if b["base"] and all(b[k] == r[k] for k in ("P", "partition", "optimizer", "dtype")))
         r["growth"] = {}
-        for phase in r["above_start"]:
-            if r["base"] or phase not in base["above_start"]:
+        for phase in _grown(r):
+            if r["base"] or phase not in _grown(base):
                 continue
-            measured = r["above_start"][phase] - base["above_start"][phase]
+            measured = _grown(r)[phase] - _grown(base)[phase]
             predicted = r["predicted"][phase] - base["predicted"][phase]
             r["growth"][phase] = {"measured": measured, "predicted": predicted, "error": measured / predicted - 1}
 
@@ -271,7 +277,7 @@ def summarize(rows: list) -> dict:
                   and r["partition"] == "number" and r["dtype"] == "fp32"), key=lambda r: r["whole_bytes"])
     if len(ada) >= 2:
         a, b = ada[-2], ada[-1]
-        summary["rowwise_adagrad_mib_per_mib_at_P4"] = (max(b["above_start"].values()) - max(a["above_start"].values())) / (
+        summary["rowwise_adagrad_mib_per_mib_at_P4"] = (max(_grown(b).values()) - max(_grown(a).values())) / (
             b["whole_bytes"] - a["whole_bytes"])
     return summary
 
@@ -355,7 +361,7 @@ def main(argv=None):
     if args.worker_out:
         return worker(args)
     if args.demo:
-            return demo(args)
+        return demo(args)
     if args.quick:
         args.sizes, args.ranks = args.sizes or [64.0], args.ranks or [2]
         args.partitions, args.optimizers = args.partitions or ["number"], args.optimizers or ["rowwise_adagrad"]
