@@ -136,13 +136,10 @@ def parse_value_lr_mults(arg: str) -> Tuple[List[float], Dict[str, float]]:
 def paired_interval(diffs: List[float]) -> Tuple[float, float]:
     """The 95% confidence interval of the mean of paired differences (Student's t, n - 1 degrees
     of freedom; n >= 2)."""
-    from scipy.stats import t
+    from scipy.stats import ttest_1samp
 
-    n = len(diffs)
-    mean = sum(diffs) / n
-    sd = (sum((d - mean) ** 2 for d in diffs) / (n - 1)) ** 0.5
-    half = t.ppf(0.975, n - 1) * sd / n ** 0.5
-    return mean - half, mean + half
+    interval = ttest_1samp(diffs, 0.0).confidence_interval(0.95)
+    return float(interval.low), float(interval.high)
 
 
 def orderings(final: Dict[str, List[float]], quick: bool = False) -> List[Dict]:
