@@ -13,6 +13,7 @@ def test_sharded_table_equals_local_and_sends_planned_bytes(nproc):
     out = run_python(["tests/dist/memory_parallel_table.py"], nproc=nproc).stdout
     for name in ("number", "number+owner_reduce", "dimension"):
         assert out.count(f"OK {name} P={nproc} ") == 3, out  # balanced, ragged, tensor_parallel=2
+        assert out.count(f"OK {name} bf16 P={nproc} ") == 1, out  # 2-byte rows, 4-byte scores
 
 
 TRAIN = "tests/dist/train_steps.py"
@@ -100,6 +101,15 @@ def test_auto_partition_is_the_planners_training_step_choice():
         assert resolve_partition("auto", slots, dim, 4, plan, False, 4) == expected
     # a small table repeats rows, so dedup makes number-wise win where it otherwise loses
     assert plan_comm(64, 32, 32, 4, phase="forward_backward", ive=4, cores=2, value_bytes=4)["choice"] == "dimension"
+    # a bf16 table trained in fp32: 2-byte rows, 4-byte scores and pooled slices; counting the
+    # scores at the table's 2 bytes would pick dimension-wise, which sends more
+    mixed = dict(plan, activation_bytes=4)
+    for dim in (16, 24):
+        assert resolve_partition("auto", 1 << 20, dim, 4, plan, False, 2) == "dimension"
+        assert resolve_partition("auto", 1 << 20, dim, 4, mixed, False, 2) == "number"
+        costs = plan_comm(64, 32, dim, 4, phase="forward_backward", ive=4, cores=2, value_bytes=2,
+                          activation_bytes=4, dedup=True, slots=1 << 20)
+        assert costs["number_bytes"] < costs["dimension_bytes"]
     assert resolve_partition("number", 1 << 20, 512, 4, None, False, 4) == "number"
     with pytest.raises(ValueError, match="partition 'auto' needs plan"):
         resolve_partition("auto", 1 << 20, 512, 4, None, False, 4)

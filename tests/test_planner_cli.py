@@ -156,3 +156,12 @@ def test_one_line_registration(monkeypatch, capsys):
     assert cli.main(["example", "--layers", "3"]) == 0
     assert "layers=3" in capsys.readouterr().out
     assert cli.main(["example", "--layers", "x"]) == 2
+
+
+def test_comm_activation_bytes(capsys):
+    """--activation-bytes prices the scores and pooled slices; the rows keep --value-bytes."""
+    assert cli.main(COMM + ["--activation-bytes", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "2 B/value, 4 B/score and pooled element" in out
+    assert "14,680,064" in out  # all_to_all_values: 2 T K D (P-1)/P, unchanged
+    assert "3,670,016" in out  # all_gather_scores: 4 T K (P-1), twice the bf16 figure

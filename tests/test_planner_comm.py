@@ -258,3 +258,42 @@ def test_virtual_addresses_must_fit_the_index_width():
     with pytest.raises(ValueError, match=r"ive x slots \(2147483648\) virtual addresses do not fit 4-byte"):
         comm_volume("number", 64, 8, 64, 4, dedup=True, slots=2 ** 29, ive=4)
     assert comm_volume("number", 64, 8, 64, 4, dedup=True, slots=2 ** 29, ive=4, index_bytes=8)["forward_total"] > 0
+
+
+ROW_TERMS = {"all_to_all_values", "all_to_all_value_grads", "all_to_all_indices", "all_gather_indices"}
+
+
+@pytest.mark.parametrize("partition,options", [("number", {}), ("number", {"owner_reduce": True}),
+                                               ("dimension", {}), ("dimension", {"tensor_parallel": 2}),
+                                               ("number", {"owner_reduce": True, "tensor_parallel": 2})])
+def test_activation_bytes_price_scores_and_pooled_outputs_only(partition, options):
+    """A bf16 table trained in fp32 sends its rows (and row gradients) in 2 bytes but its scores,
+    pooled slices, partial sums and their gradients in 4: each collective is priced as if the
+    whole lookup had the dtype of what it carries."""
+    T, K, D, P = 96, 12, 48, 4
+    shape = dict(ive=4, cores=2, **options)
+    mixed = comm_volume(partition, T, K, D, P, value_bytes=2, activation_bytes=4, **shape)
+    narrow = comm_volume(partition, T, K, D, P, value_bytes=2, **shape)
+    wide = comm_volume(partition, T, K, D, P, value_bytes=4, **shape)
+    assert comm_volume(partition, T, K, D, P, value_bytes=2, activation_bytes=2, **shape) == narrow
+    for phase in ("forward", "backward"):
+        for name, n in mixed[phase].items():
+            assert n == (narrow if name in ROW_TERMS else wide)[phase][name], (phase, name)
+    plain_number = partition == "number" and not options  # rows at the requester: no scores sent
+    assert (mixed == narrow) == plain_number
+
+
+def test_activation_bytes_move_the_decision_boundary():
+    """With 4-byte scores and pooled slices but a 2-byte table, D* = K (P (ib + ab C) - ib) /
+    (vb K - ab E): the two forward totals meet there and the choice flips across it."""
+    K, P = 32, 8
+    d_star = boundary_v_dim(K, P, value_bytes=2, activation_bytes=4)
+    assert d_star == pytest.approx(K * (P * (4 + 4) - 4) / (2 * K - 4))
+    assert d_star > boundary_v_dim(K, P, value_bytes=2)  # wider scores favour number-wise
+    for D in (int(d_star) - 1, int(d_star) + 1):
+        choice = choose_partition(4096, K, D, P, value_bytes=2, activation_bytes=4)
+        assert choice == ("number" if D < d_star else "dimension"), D
+    # vb K <= ab E: number-wise always cheaper
+    assert boundary_v_dim(4, 8, ive=2, value_bytes=2, activation_bytes=4) == float("inf")
+    with pytest.raises(ValueError, match="activation_bytes must be a positive integer"):
+        comm_volume("number", 8, 2, 4, 2, activation_bytes=0)

@@ -59,7 +59,9 @@ def build_memory_layer(config, index: int, base=None) -> torch.nn.Module:
                         replica_index=replica_index, replica_group=replica_group, split_group=split_group,
                         plan={"tokens": config.train.micro_batch_size * m.seq_length,
                               "topm": spec.num_heads * spec.topk, "ive": spec.ive_blocks,
-                              "cores": spec.num_cores})
+                              "cores": spec.num_cores,
+                              # scores and pooled outputs are in the training precision
+                              "activation_bytes": 2 if config.train.precision == "bf16" else 4})
     return MemoryLayer(spec, spec.table(**sharding))
 
 

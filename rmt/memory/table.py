@@ -44,7 +44,8 @@ def resolve_partition(partition: str, num_slots: int, dim: int, group_size: int,
     """``auto`` -> the planner's choice (fewer bytes per training step, forward + backward)
     for ``plan = {"tokens": T, "topm": K, "ive": E, "cores": C}`` (``T`` = the tokens this
     rank looks up: its tensor-parallel chunk; the all-gather of the chunks costs both
-    partitions the same); other names unchanged. Plain number-wise requests each distinct
+    partitions the same; an optional ``"activation_bytes"``: the scores' element size, default
+    ``value_bytes``, the table's); other names unchanged. Plain number-wise requests each distinct
     row once, so its volume is the planner's dedup estimate for uniform access over
     ``num_slots`` (the conservative case)."""
     if partition != "auto":
@@ -55,7 +56,8 @@ def resolve_partition(partition: str, num_slots: int, dim: int, group_size: int,
 
     return choose_partition(plan["tokens"], plan["topm"], dim, group_size, phase="forward_backward",
                             owner_reduce=owner_reduce, ive=plan["ive"], cores=plan["cores"],
-                            index_bytes=4, value_bytes=value_bytes, dedup=not owner_reduce,
+                            index_bytes=4, value_bytes=value_bytes,
+                            activation_bytes=plan.get("activation_bytes"), dedup=not owner_reduce,
                             slots=None if owner_reduce else num_slots)
 
 

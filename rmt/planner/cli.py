@@ -148,7 +148,12 @@ def _add_comm_arguments(p: argparse.ArgumentParser) -> None:
                    help="bytes per index (default 4, int32; 8 for tables over 2^31 "
                         "addresses)")
     p.add_argument("--value-bytes", type=positive_int, default=2, metavar="B",
-                   help="bytes per value, score and gradient element (default 2, bf16)")
+                   help="bytes per element of the table: looked-up rows and their gradients "
+                        "(default 2, bf16)")
+    p.add_argument("--activation-bytes", type=positive_int, metavar="B",
+                   help="bytes per score, pooled output, partial sum and their gradients: "
+                        "the training precision, 4 for fp32 (default: --value-bytes, Appendix D's "
+                        "single dtype)")
     p.add_argument("--phase", choices=comm.PHASES, default="forward",
                    help="which totals are the headline and decide the choice: forward "
                         "(default, Appendix D) or forward_backward (a training step)")
@@ -168,7 +173,8 @@ def _comm_table(args, doc: dict) -> str:
         "bytes sent per rank per step to other ranks (received equals sent; see --help)",
         f"T={args.tokens} tokens/rank, top-m={args.topm}, v_dim={args.v_dim}, "
         f"P={args.group_size}, IVE E={args.ive}, cores C={args.cores}, "
-        f"{args.index_bytes} B/index, {args.value_bytes} B/value",
+        f"{args.index_bytes} B/index, {args.value_bytes} B/value, "
+        f"{args.activation_bytes or args.value_bytes} B/score and pooled element",
     ]
     names = {"number": "number-wise" + (" (owner-reduce)" if args.owner_reduce else "")
              + (" (dedup)" if args.dedup and not args.owner_reduce else ""),
@@ -193,7 +199,8 @@ def _run_comm(args: argparse.Namespace) -> int:
     options = dict(dedup=args.dedup, slots=args.slots,
                    unique_fraction=args.unique_fraction, owner_reduce=args.owner_reduce,
                    ive=args.ive, cores=args.cores, index_bytes=args.index_bytes,
-                   value_bytes=args.value_bytes, block_id_bytes=args.block_id_bytes,
+                   value_bytes=args.value_bytes, activation_bytes=args.activation_bytes,
+                   block_id_bytes=args.block_id_bytes,
                    tensor_parallel=args.tensor_parallel)
     doc = comm.plan_comm(args.tokens, args.topm, args.v_dim, args.group_size,
                          phase=args.phase, **options)

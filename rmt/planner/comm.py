@@ -41,9 +41,9 @@ Conventions (binding for the implementation that must send exactly these bytes):
 Tensor parallelism (``tensor_parallel = t > 1``): the ``t`` tensor-parallel ranks of a
 memory-parallel group hold the same ``T`` tokens, so each looks up only its ``T / t`` of
 them (every formula above with ``T / t``) and the pooled outputs are all-gathered over the
-``t`` ranks (``tp_all_gather_pooled`` = ``value_bytes T/t E v_dim (t-1)``); the backward
+``t`` ranks (``tp_all_gather_pooled`` = ``activation_bytes T/t E v_dim (t-1)``); the backward
 all-gathers the score gradients of the chunks (``tp_all_gather_score_grads`` =
-``value_bytes T/t K C (t-1)``). ``T`` must be divisible by ``t`` here (the tables take
+``activation_bytes T/t K C (t-1)``). ``T`` must be divisible by ``t`` here (the tables take
 ragged chunks; the planner counts the even split).
 
 Options beyond Appendix D:
@@ -93,13 +93,15 @@ def _positive_int(name: str, value) -> None:
 
 def validate(tokens, topm, v_dim, P, *, dedup=False, slots=None, unique_fraction=None,
              ive=1, cores=1, index_bytes=4, value_bytes=2, block_id_bytes=0,
-             tensor_parallel=1) -> None:
+             tensor_parallel=1, activation_bytes=None) -> None:
     """Raise ``ValueError`` with one sentence if the shape or options are impossible."""
     for name, value in (("tokens", tokens), ("topm", topm), ("v_dim", v_dim),
                         ("group size P", P), ("ive", ive), ("cores", cores),
                         ("index_bytes", index_bytes), ("value_bytes", value_bytes),
                         ("tensor_parallel", tensor_parallel)):
         _positive_int(name, value)
+    if activation_bytes is not None:
+        _positive_int("activation_bytes", activation_bytes)
     if tokens % tensor_parallel:
         raise ValueError(f"tokens ({tokens}) must be divisible by tensor_parallel ({tensor_parallel}): "
                          f"each tensor-parallel rank looks up tokens / tensor_parallel of them.")
@@ -148,14 +150,19 @@ def comm_volume(partition: str, tokens: int, topm: int, v_dim: int, P: int, *,
                 dedup: bool = False, slots: int | None = None,
                 unique_fraction: float | None = None, owner_reduce: bool = False,
                 ive: int = 1, cores: int = 1, index_bytes: int = 4, value_bytes: int = 2,
-                block_id_bytes: int = 0, tensor_parallel: int = 1) -> dict:
+                block_id_bytes: int = 0, tensor_parallel: int = 1,
+                activation_bytes: int | None = None) -> dict:
     """Bytes one rank sends per step, per collective, for one partition (Appendix D).
 
     ``partition`` is ``"number"`` or ``"dimension"``; ``tokens`` = T tokens on this rank,
     ``topm`` = K, ``v_dim`` = D, ``P`` = memory-parallel group size. ``owner_reduce``
     and ``dedup`` affect only the number partition (dedup only without owner_reduce),
-    see the module docstring for every convention (and for ``tensor_parallel``). Scores
-    and all gradients use ``value_bytes``.
+    see the module docstring for every convention (and for ``tensor_parallel``).
+    ``value_bytes`` is the table's element size: the looked-up rows and their gradients;
+    ``activation_bytes`` (default ``value_bytes``, Appendix D's single dtype) that of the
+    scores, the pooled outputs and partial sums and their gradients: the lookup accumulates
+    in the scores' dtype, so a bf16 table under fp32 training sends 2-byte rows but 4-byte
+    scores and pooled slices.
 
     Returns ``{"forward": {collective: bytes}, "backward": {collective: bytes},
     "forward_total": int, "backward_total": int, "forward_backward_total": int}``.
@@ -169,8 +176,10 @@ def comm_volume(partition: str, tokens: int, topm: int, v_dim: int, P: int, *,
     validate(tokens, topm, v_dim, P, dedup=dedup, slots=slots,
              unique_fraction=unique_fraction, ive=ive, cores=cores,
              index_bytes=index_bytes, value_bytes=value_bytes,
-             block_id_bytes=block_id_bytes, tensor_parallel=tensor_parallel)
+             block_id_bytes=block_id_bytes, tensor_parallel=tensor_parallel,
+             activation_bytes=activation_bytes)
     tp = tensor_parallel
+    ab = value_bytes if activation_bytes is None else activation_bytes
     T, K, D, E, C = tokens // tp, topm, v_dim, ive, cores
     remote = Fraction(P - 1, P)
     send_block_ids = block_id_bytes > 0 and E > 1
@@ -183,23 +192,23 @@ def comm_volume(partition: str, tokens: int, topm: int, v_dim: int, P: int, *,
         bwd["all_to_all_value_grads"] = value_bytes * rows * D * remote
     elif partition == "number":
         fwd["all_to_all_indices"] = index_bytes * T * K * remote
-        fwd["all_to_all_scores"] = value_bytes * T * K * C * remote
+        fwd["all_to_all_scores"] = ab * T * K * C * remote
         if send_block_ids:
             fwd["all_to_all_block_ids"] = block_id_bytes * T * K * remote
-        fwd["all_to_all_partial_sums"] = Fraction(value_bytes * T * E * D * (P - 1))
-        bwd["all_to_all_partial_sum_grads"] = Fraction(value_bytes * T * E * D * (P - 1))
-        bwd["all_to_all_score_grads"] = value_bytes * T * K * C * remote
+        fwd["all_to_all_partial_sums"] = Fraction(ab * T * E * D * (P - 1))
+        bwd["all_to_all_partial_sum_grads"] = Fraction(ab * T * E * D * (P - 1))
+        bwd["all_to_all_score_grads"] = ab * T * K * C * remote
     else:
         fwd["all_gather_indices"] = Fraction(index_bytes * T * K * (P - 1))
-        fwd["all_gather_scores"] = Fraction(value_bytes * T * K * C * (P - 1))
+        fwd["all_gather_scores"] = Fraction(ab * T * K * C * (P - 1))
         if send_block_ids:
             fwd["all_gather_block_ids"] = Fraction(block_id_bytes * T * K * (P - 1))
-        fwd["all_to_all_pooled"] = value_bytes * T * E * D * remote
-        bwd["all_to_all_pooled_grads"] = value_bytes * T * E * D * remote
-        bwd["reduce_scatter_score_grads"] = Fraction(value_bytes * T * K * C * (P - 1))
+        fwd["all_to_all_pooled"] = ab * T * E * D * remote
+        bwd["all_to_all_pooled_grads"] = ab * T * E * D * remote
+        bwd["reduce_scatter_score_grads"] = Fraction(ab * T * K * C * (P - 1))
     if tp > 1:
-        fwd["tp_all_gather_pooled"] = Fraction(value_bytes * T * E * D * (tp - 1))
-        bwd["tp_all_gather_score_grads"] = Fraction(value_bytes * T * K * C * (tp - 1))
+        fwd["tp_all_gather_pooled"] = Fraction(ab * T * E * D * (tp - 1))
+        bwd["tp_all_gather_score_grads"] = Fraction(ab * T * K * C * (tp - 1))
     forward = {name: _round(v) for name, v in fwd.items()}
     backward = {name: _round(v) for name, v in bwd.items()}
     f, b = sum(forward.values()), sum(backward.values())
@@ -236,19 +245,21 @@ def choose_partition(tokens: int, topm: int, v_dim: int, P: int, *,
 
 
 def boundary_v_dim(topm: int, P: int, *, ive: int = 1, cores: int = 1,
-                   index_bytes: int = 4, value_bytes: int = 2) -> float:
+                   index_bytes: int = 4, value_bytes: int = 2,
+                   activation_bytes: int | None = None) -> float:
     """The v_dim where plain number-wise and dimension-wise forward volumes are equal.
 
-    Setting Appendix D's totals equal, ``(ib K + vb K D)(P-1)/P = (P-1)(ib K + vb K C)
-    + vb E D (P-1)/P``, gives ``D* = K (P (ib + vb C) - ib) / (vb (K - E))``; with int32,
-    bf16, C = E = 1 that is ``K (3P - 2) / (K - 1)``. Number-wise is cheaper exactly when
-    ``v_dim < D*``. Independent of T. Returns ``math.inf`` when ``K <= E`` (number-wise
-    is then always cheaper).
+    Setting Appendix D's totals equal, ``(ib K + vb K D)(P-1)/P = (P-1)(ib K + ab K C)
+    + ab E D (P-1)/P`` (``ab``: ``activation_bytes``, default ``vb``), gives
+    ``D* = K (P (ib + ab C) - ib) / (vb K - ab E)``; with int32, bf16, C = E = 1 that is
+    ``K (3P - 2) / (K - 1)``. Number-wise is cheaper exactly when ``v_dim < D*``.
+    Independent of T. Returns ``math.inf`` when ``vb K <= ab E`` (number-wise is then
+    always cheaper).
     """
-    if topm <= ive:
+    ab = value_bytes if activation_bytes is None else activation_bytes
+    if value_bytes * topm <= ab * ive:
         return math.inf
-    return topm * (P * (index_bytes + value_bytes * cores) - index_bytes) / (
-        value_bytes * (topm - ive))
+    return topm * (P * (index_bytes + ab * cores) - index_bytes) / (value_bytes * topm - ab * ive)
 
 
 def plot_decision_boundary(path: str, tokens: int, topm: int, *, p_max: int = 64,

@@ -39,15 +39,18 @@ def inputs(P, counts, balanced, gen):
     return per_rank
 
 
-def check(partition, owner_reduce, counts, balanced, split=False):
+def check(partition, owner_reduce, counts, balanced, split=False, dtype=torch.float32):
     """One sharded table against the local one. ``counts``: tokens of each data-parallel
     requester. ``split``: tensor-parallel pairs of consecutive ranks hold the same tokens (one
-    requester per pair); each looks up its chunk and the pooled chunks are all-gathered."""
+    requester per pair); each looks up its chunk and the pooled chunks are all-gathered.
+    ``dtype``: the tables' (scores and outputs stay fp32, so a bf16 table sends 2-byte rows and
+    4-byte scores and pooled slices; its row gradients are rounded to bf16 at different points
+    of the two routes, so only the fp32 tables' are compared)."""
     P, rank = dist.get_world_size(), dist.get_rank()
     gen = torch.Generator().manual_seed(1234 + sum(counts) + split)
-    full = torch.randn(N, D, generator=gen)
+    full = torch.randn(N, D, generator=gen).to(dtype)
     data = inputs(P, counts, balanced, gen)
-    ref = MemoryTable(N, D, 0.02)
+    ref = MemoryTable(N, D, 0.02, dtype=dtype)
     ref.weight.data.copy_(full)
     ref_scores = [s.clone().requires_grad_() for _, s, _, _ in data]
     ref_out = [ref.lookup_reduce(i, s, b, E) for (i, _, b, _), s in zip(data, ref_scores)]
@@ -56,21 +59,23 @@ def check(partition, owner_reduce, counts, balanced, split=False):
     pairs = [dist.new_group([r, r + 1]) for r in range(0, P, 2)] if split else None
     me = rank // 2 if split else rank
     table = MemoryTable(N, D, 0.02, partition, dist.group.WORLD, owner_reduce=owner_reduce,
-                        split_group=pairs[me] if split else None)
+                        split_group=pairs[me] if split else None, dtype=dtype)
     table.weight.data.copy_(full[table.shard_index])
     table.train()  # training mode: lookups count slot hits at the rows' owners
     idx, scores, blocks, grad_out = data[me]
     scores = scores.clone().requires_grad_()
     out = table.lookup_reduce(idx, scores, blocks, E)
     (out * grad_out).sum().backward()
-    grad = torch.zeros(N, D)
+    grad = torch.zeros(N, D, dtype=dtype)
     grad[table.shard_index] = table.weight.grad
     dist.all_reduce(grad)
-    name = f"{partition}{'+owner_reduce' if owner_reduce else ''} P={P} counts={counts} split={split}"
+    bf16 = " bf16" if dtype == torch.bfloat16 else ""
+    name = f"{partition}{'+owner_reduce' if owner_reduce else ''}{bf16} P={P} counts={counts} split={split}"
     torch.testing.assert_close(out, ref_out[me], rtol=1e-5, atol=1e-5, msg=f"{name}: output")
     torch.testing.assert_close(scores.grad, ref_scores[me].grad, rtol=1e-5, atol=1e-5,
                                msg=f"{name}: score grads")
-    torch.testing.assert_close(grad, ref.weight.grad, rtol=1e-5, atol=1e-5, msg=f"{name}: table grads")
+    if not bf16:
+        torch.testing.assert_close(grad, ref.weight.grad, rtol=1e-5, atol=1e-5, msg=f"{name}: table grads")
     # the reference ran every requester's lookups: its hits are the union the owners counted
     assert table.pop_hit_fraction() == ref.pop_hit_fraction(), name
     assert table.hits.sum() == 0, name  # reset
@@ -80,7 +85,8 @@ def check(partition, owner_reduce, counts, balanced, split=False):
         dedup = partition == "number" and not owner_reduce
         unique = Fraction(looked_up.unique().numel(), looked_up.numel()) if dedup else None
         plan = comm_volume(partition, T, K, D, P, owner_reduce=owner_reduce, ive=E, cores=C, index_bytes=4,
-                           value_bytes=4, dedup=dedup, unique_fraction=unique, tensor_parallel=2 if split else 1)
+                           value_bytes=full.element_size(), activation_bytes=4, dedup=dedup,
+                           unique_fraction=unique, tensor_parallel=2 if split else 1)
         assert dict(table.counter.forward) == plan["forward"], (name, dict(table.counter.forward), plan)
         assert dict(table.counter.backward) == plan["backward"], (name, dict(table.counter.backward), plan)
     if rank == 0:
@@ -94,6 +100,7 @@ def main():
         check(partition, owner_reduce, [8] * P, balanced=True)
         check(partition, owner_reduce, [3 + 2 * r for r in range(P)], balanced=False)
         check(partition, owner_reduce, [8] * (P // 2), balanced=True, split=True)
+        check(partition, owner_reduce, [8] * P, balanced=True, dtype=torch.bfloat16)
     try:
         MemoryTable(N + 1, D, 0.02, "number", dist.group.WORLD)
     except ValueError as err:
