@@ -20,14 +20,14 @@ from rmt.config import load_config, validate
 from rmt.training.trainer import Trainer
 overrides = sys.argv[2:] + ["model.arch=rmt", "model.num_layers=2", "model.rank=4", "model.dv=32",
     "model.dk=16", "model.ffn_hidden_size=512", "model.seq_length=128", "train.micro_batch_size=8",
-    "train.steps=12", "train.warmup_steps=1", "train.eval_iters=0", "train.progress=false"]
+    "train.steps=24", "train.warmup_steps=1", "train.eval_iters=0", "train.progress=false"]
 config = validate(load_config(None, overrides), world_size=1)
 parallel.initialize(config)
 trainer = Trainer(config)
 for _ in range(4):
     trainer.train_step()
 faults = []
-for _ in range(8):
+for _ in range(16):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     trainer.train_step()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
@@ -51,8 +51,11 @@ def test_steps_reuse_freed_heap_memory(tmp_path, cache_dir):
     # in again every step (2,000-8,500 4-KiB pages in most steps, a few steps near 0); retained,
     # almost none are (0-7; a step that first raises the heap's high-water mark faults its growth,
     # 128-512 pages once). The median step is the steady state: the mean of 8 steps measured 818
-    # to 4,000 with the defaults and up to 193 retained, one spike making the difference.
-    assert default > 1000 and retained < default / 10, (default, retained)
+    # to 4,000 with the defaults and up to 193 retained, one spike making the difference. The
+    # defaults' steps vary widely (one run of 16: 480 to 5,824 pages, a quarter under 1,000; the
+    # medians of 16 were 1,460-3,568 in three runs), so the guard that the defaults do fault is
+    # 500 pages (2 MiB), and the claim is the ratio.
+    assert default > 500 and retained < default / 10, (default, retained)
 
 
 def test_negative_retention_is_refused():
