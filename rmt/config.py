@@ -431,8 +431,8 @@ class MemoryConfig:
     """Table 2 ablation switch: LayerNorm of queries and keys (§3.2 item 2; with
     ``improved_init``, Appendix A's gains). The paper adds it for stability at 151M-6.5B; on
     ``configs/ultramem_tiny.yaml`` (hidden 128, 2 layers) it costs 0.075 of validation loss at
-    2000 steps, on each of three seeds, and neither unit gains nor a 6x smaller query gain
-    recover it (docs/benchmarks.md, "Memory layers, quality")."""
+    2000 steps, on each of three seeds; neither unit gains nor a 6x smaller query gain recover
+    it, and the cost is the keys' norm alone (docs/benchmarks.md, "Memory layers, quality")."""
 
     query_batchnorm: bool = False
     """BatchNorm of the query projection's output (PKM as published: Lample et al. §3.2, XLM's
