@@ -341,8 +341,8 @@ void sort_lookups(const int64_t* __restrict idx, int64_t M, int64_t num_rows, So
 // Kaser and Kurz, "Faster remainder by direct computation", 2019: M = floor((2^64 - 1) / d) + 1,
 // q / d = floor(M q / 2^64)), d = 1 passed through. The backward finds the token of every sorted
 // lookup as position / K, twice per lookup (its output-gradient row and the prefetch's): a 64-bit
-// division there took ~9% of the fused row-wise Adagrad backward (1M x 64, T=4096, K=32: 10.1 ->
-// 9.2 ms on one core). Positions are < 2^31 (sort_lookups checks it).
+// division there took ~9% of the fused row-wise Adagrad backward (1M x 64, T=4096, K=32:
+// 10.0-10.9 -> 8.6-9.4 ms on one core). Positions are < 2^31 (sort_lookups checks it).
 class Divisor {
  public:
   explicit Divisor(int64_t d) : m_(d == 1 ? 0 : UINT64_MAX / static_cast<uint64_t>(d) + 1) {}
@@ -376,17 +376,17 @@ inline acc_t fixed_order_dot(const a_t* __restrict a, const b_t* __restrict b, i
 // gradient in acc[0:D] and writes the score gradients of the run's lookups at positions p in
 // [score_lo, score_hi), to grad_scores[(p - score_lo) * C + c] (all lookups but in the fused
 // update of several batches' lookups, whose other batches have theirs computed elsewhere). Lookup
-// p belongs to token token_of(p) = p / K. For the sorted lookup kPrefetchDistance ahead it prefetches the table row, the output-gradient row, the score and the score-gradient
-// slot (and the block id twice as far ahead), and calls ahead(row) (the optimizer state of the
-// fused update): the last ones are read in sorted-row order, i.e. at random, and after the other
-// layers' work they are not in cache.
+// p belongs to token token_of(p) = p / K. For the sorted lookup kPrefetchDistance ahead it
+// prefetches the table row, the output-gradient row, the score and the score-gradient slot (and
+// the block id twice as far ahead), and calls ahead(row) (the optimizer state of the fused
+// update): the last ones are read in sorted-row order, i.e. at random, and after the other layers'
+// work they are not in cache.
 template <typename table_t, typename scalar_t, typename acc_t, int64_t kD, int64_t kC, typename Ahead>
 inline void run_gradient(int64_t u, const SortedLookups& s, const scalar_t* __restrict grad_out,
                          const table_t* __restrict table, const scalar_t* __restrict scores,
                          const int64_t* __restrict blk, acc_t* __restrict acc, scalar_t* __restrict grad_scores,
-                         int64_t score_lo, int64_t score_hi, int64_t M, const Divisor& token_of, int64_t runtime_C,
-                         int64_t runtime_D,
-                         int64_t E, Ahead&& ahead) {
+                         int64_t score_lo, int64_t score_hi, int64_t M, const Divisor& token_of,
+                         int64_t runtime_C, int64_t runtime_D, int64_t E, Ahead&& ahead) {
   const int64_t C = kC ? kC : runtime_C, D = kD ? kD : runtime_D;
   const int64_t Dc = D / C;
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(table_t));
