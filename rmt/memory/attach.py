@@ -43,6 +43,7 @@ from rmt.memory.table import MemoryTable
 from rmt.memory.validate import parse_placement, stage_layers
 from rmt.models.documents import document_starts
 from rmt.parallel import compat
+from rmt.planner.memory import DTYPE_BYTES
 
 
 def build_memory_layer(config, index: int, base=None) -> torch.nn.Module:
@@ -61,7 +62,7 @@ def build_memory_layer(config, index: int, base=None) -> torch.nn.Module:
                               "topm": spec.num_heads * spec.topk, "ive": spec.ive_blocks,
                               "cores": spec.num_cores,
                               # scores and pooled outputs are in the training precision
-                              "activation_bytes": 2 if config.train.precision == "bf16" else 4})
+                              "activation_bytes": DTYPE_BYTES[config.train.precision]})
     return MemoryLayer(spec, spec.table(**sharding))
 
 
