@@ -43,9 +43,8 @@ from typing import Dict, List
 
 from rmt.config import RMTConfig, load_config
 from rmt.errors import UserError
+from rmt.planner.memory import DTYPE_BYTES
 from rmt.planner.recurrent_ops import recurrent_ops_per_sample, transformer_ops_per_sample
-
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
 
 def _pad(v: int, multiple: int) -> int:

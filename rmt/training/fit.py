@@ -56,7 +56,8 @@ def rank_memory() -> int:
 def memory_floor(config: RMTConfig) -> dict:
     """Bytes a rank of ``config`` certainly holds at once: ``{"state", "activations", "mask"}``."""
     from rmt.data.metadata import known_vocab_size
-    from rmt.planner.flops import DTYPE_BYTES, _pad, plan_model
+    from rmt.planner.flops import _pad, plan_model
+    from rmt.planner.memory import DTYPE_BYTES
 
     config = copy.deepcopy(config)
     m, t, p = config.model, config.train, config.parallel
