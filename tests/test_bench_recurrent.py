@@ -24,7 +24,20 @@ def test_quick_selective_copy_smoke(tmp_path):
     assert 0.0 <= summary["selective_copy_accuracy"] <= 1.0 and summary["max_noise_tokens"] in (8, 16)
 
 
+def test_lr_cooldown_falls_linearly_over_the_budgets_last_fraction(tmp_path):
+    """Over the last half of 8 steps the learning rate of 1e-3 falls linearly toward the floor:
+    the step that starts at 5/8 of the budget runs at 1e-3 x (3/8) / (1/2) = 7.5e-4, and so on."""
+    out = tmp_path / "bench.json"
+    run_python(["tools/bench_recurrent.py", "--quick", "--tasks", "selective_copy", "--no-decode",
+                "--max-steps", "8", "--eval-interval", "1", "--eval-samples", "4", "--lr-cooldown", "0.5",
+                "--json", str(out), "train.warmup_steps=0"])
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["part"] == "curriculum"]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert [r["lr"] for r in rows] == pytest.approx([1e-3] * 5 + [7.5e-4, 5e-4, 2.5e-4], rel=1e-12)
+
+
 @pytest.mark.parametrize("args, message", [
+    (["--lr-cooldown", "1"], "--lr-cooldown must lie in [0, 1), got 1.0"),
     (["--tasks", "copy,sort"], "--tasks must name copy and/or selective_copy, got 'copy,sort'"),
     (["--tasks", "copy", "model.recurrent_alpha=2"], "model.recurrent_alpha must lie in [0, 1], got 2.0"),
 ])

@@ -11,7 +11,8 @@ repeat mixers).
     every doubling and by ``--lr-plateau-decay`` (0.5) after ``--lr-plateau-patience`` (40)
     evaluations at the target without a new lowest validation loss, down to ``--min-lr-ratio`` x
     ``--lr`` (the paper's learning rate "decays as a function of the sequence length and the
-    validation loss", §6.2). The paper starts at 128 and reports 100% / 99.4% at 4096 noise
+    validation loss", §6.2); ``--lr-cooldown F`` also brings it linearly down to that floor
+    over the last fraction F of the budget. The paper starts at 128 and reports 100% / 99.4% at 4096 noise
     tokens with ~0.5M parameters; docs/recipes.md ("Recurrent transformer on copy tasks") lists
     what was measured here.
 (b) Decoding tokens/s and cache memory against position, up to 2048: the repeat mixer in its
@@ -71,6 +72,26 @@ def task_config(task: str, args):
     return validate(load_config(None, overrides), 1)
 
 
+def budget_spent(args, steps: int, wall_s: float, cpu_s: float) -> float:
+    """The fraction of the run's budget spent: of steps, wall seconds or CPU seconds, whichever
+    is furthest along (the run ends at 1)."""
+    return max(steps / args.max_steps, wall_s / args.time_budget, cpu_s / args.cpu_budget)
+
+
+def cool_down(trainer, args, spent: float) -> None:
+    """Over the last ``--lr-cooldown`` fraction of the budget, scale the learning rate the
+    validation rules have set (:mod:`rmt.training.lr_control`) linearly down to the floor
+    ``--min-lr-ratio``: a warmup-stable-decay ending (megatron-core's ``WSD`` decay style counts
+    steps; a CPU-second budget fixes no step count, so the factor is applied here)."""
+    if args.lr_cooldown <= 0 or spent <= 1.0 - args.lr_cooldown:
+        return
+    left = (1.0 - spent) / args.lr_cooldown
+    scale = max(trainer.lr_control.scale * left, args.min_lr_ratio)
+    if scale != trainer.scheduler.scale:
+        trainer.scheduler.scale = scale
+        trainer.scheduler.step(0)
+
+
 def train_task(task: str, args, rows: list) -> dict:
     """Curriculum training of the recurrent transformer; returns accuracy at the noise reached."""
     config = task_config(task, args)
@@ -80,8 +101,9 @@ def train_task(task: str, args, rows: list) -> dict:
         params = sum(p.numel() for p in trainer.params)
         start, cpu = time.perf_counter(), time.process_time()
         noise, val = args.noise_start, float("inf")
-        while (trainer.iteration < args.max_steps and time.perf_counter() - start < args.time_budget
-               and time.process_time() - cpu < args.cpu_budget):
+        while (spent := budget_spent(args, trainer.iteration, time.perf_counter() - start,
+                                     time.process_time() - cpu)) < 1.0:
+            cool_down(trainer, args, spent)
             m = trainer.train_step()
             if trainer.iteration % args.eval_interval == 0:
                 m["val_loss"] = val = trainer.evaluate()
@@ -179,6 +201,9 @@ def main(argv=None) -> int:
     ap.add_argument("--lr-plateau-smoothing", type=float, default=0.0,
                     help="the plateau rule judges a moving average of the validation loss with this weight on "
                          "the previous average, in [0, 1) (train.lr_plateau_smoothing)")
+    ap.add_argument("--lr-cooldown", type=float, default=0.0,
+                    help="over this last fraction of the budget (steps, wall or CPU seconds, whichever runs "
+                         "out first) the learning rate falls linearly to the floor --min-lr-ratio; 0 = none")
     ap.add_argument("--min-lr-ratio", type=float, default=0.02,
                     help="the lowest the learning rate falls to, as a fraction of --lr (train.min_lr_ratio)")
     ap.add_argument("--eval-interval", type=int, help="default 25 (quick 10)")
@@ -190,6 +215,9 @@ def main(argv=None) -> int:
     tasks = [t for t in args.tasks.split(",") if t]
     if not tasks or any(t not in ("copy", "selective_copy") for t in tasks):
         print(f"bench_recurrent: --tasks must name copy and/or selective_copy, got '{args.tasks}'", file=sys.stderr)
+        return 2
+    if not 0.0 <= args.lr_cooldown < 1.0:
+        print(f"bench_recurrent: --lr-cooldown must lie in [0, 1), got {args.lr_cooldown}", file=sys.stderr)
         return 2
     q = args.quick
     args.noise_start = args.noise_start or (8 if q else 16)
