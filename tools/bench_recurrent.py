@@ -12,9 +12,9 @@ repeat mixers).
     evaluations at the target without a new lowest validation loss, down to ``--min-lr-ratio`` x
     ``--lr`` (the paper's learning rate "decays as a function of the sequence length and the
     validation loss", §6.2); ``--lr-cooldown F`` also brings it linearly down to that floor
-    over the last fraction F of the budget. The paper starts at 128 and reports 100% / 99.4% at 4096 noise
-    tokens with ~0.5M parameters; docs/recipes.md ("Recurrent transformer on copy tasks") lists
-    what was measured here.
+    over the last fraction F of the budget. The paper starts at 128 and reports 100% / 99.4% at
+    4096 noise tokens with ~0.5M parameters; docs/recipes.md ("Recurrent transformer on copy
+    tasks") lists what was measured here.
 (b) Decoding tokens/s and cache memory against position, up to 2048: the repeat mixer in its
     recurrent form (one state vector per head per layer) and the recurrent transformer (last
     window per layer plus the current block) against the transformer with megatron-core's KV
