@@ -76,6 +76,12 @@ class ModelConfig:
     dropout: float = 0.0
     """Dropout probability, in [0, 1); must be 0 for the RMT."""
 
+    attention_kernel: str = "sdpa"
+    """Core attention of the architectures built on megatron-core layers (``transformer``,
+    ``recurrent``): ``sdpa`` (torch's fused ``scaled_dot_product_attention``) or ``megatron``
+    (megatron-core's unfused ``DotProductAttention``, the reference). The same function: fp32
+    outputs agree to rounding. The RMT always uses torch's; the mixer has no attention."""
+
     block_width: int = 32
     """Recurrent transformer (``arch: recurrent``): block width k; one layer slides over blocks
     of k tokens on windows of 2k tokens. At most ``seq_length``."""
@@ -717,6 +723,10 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
                           f"architecture's own), got '{m.activation}'")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout must lie in [0, 1), got {m.dropout}")
+    from rmt.models.attention import KERNELS
+
+    if m.attention_kernel not in KERNELS:
+        raise ConfigError(f"model.attention_kernel must be one of {', '.join(KERNELS)}, got '{m.attention_kernel}'")
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     if world_size % (tp * pp):
         raise ConfigError(

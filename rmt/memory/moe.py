@@ -50,6 +50,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from rmt.memory.validate import expert_hidden_size, memory_width
+from rmt.models.attention import with_attention_kernel
 
 
 class _UnknownMLPType(logging.Filter):
@@ -191,15 +192,20 @@ def moe_spec(config) -> ModuleSpec:
 
 def moe_block_spec(config, tcfg: TransformerConfig, vp_stage: Optional[int]):
     """megatron's decoder block spec (this pipeline chunk's layers) with :class:`MoE` as the
-    MLP of the layers of ``memory.placement`` (megatron's ``moe_layer_freq`` pattern)."""
+    MLP of the layers of ``memory.placement`` (megatron's ``moe_layer_freq`` pattern) and every
+    layer's core attention computed by ``model.attention_kernel``."""
     pattern = dataclasses.replace(tcfg, add_bias_linear=False, moe_layer_freq=moe_layer_pattern(config),
                                   **moe_fields(config))
     block = get_gpt_decoder_block_spec(pattern, use_transformer_engine=False,
                                        normalization=config.model.normalization, vp_stage=vp_stage)
     ours = moe_spec(config)
-    block.layer_specs = [
-        dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=ours))
-        if spec.submodules.mlp.module is MoELayer else spec for spec in block.layer_specs]
+
+    def layer(spec: ModuleSpec) -> ModuleSpec:
+        if spec.submodules.mlp.module is MoELayer:
+            spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=ours))
+        return with_attention_kernel(spec, config)
+
+    block.layer_specs = [layer(spec) for spec in block.layer_specs]
     return block
 
 

@@ -40,6 +40,7 @@ from megatron.core.transformer.spec_utils import build_module
 
 from rmt.config import RMTConfig
 from rmt.errors import ConfigError
+from rmt.models.attention import with_attention_kernel
 from rmt.models.build import register
 from rmt.models.documents import document_starts, per_document
 from rmt.models.megatron_config import padded_vocab_size, transformer_config, validate_attention_shapes
@@ -58,8 +59,9 @@ class RecurrentLayer(MegatronModule):
         tcfg = transformer_config(config)
         super().__init__(config=tcfg)
         self.block_width = config.model.block_width
-        self.layer = build_module(get_gpt_layer_local_spec(normalization=config.model.normalization),
-                                  config=tcfg, layer_number=layer_number)
+        self.layer = build_module(
+            with_attention_kernel(get_gpt_layer_local_spec(normalization=config.model.normalization), config),
+            config=tcfg, layer_number=layer_number)
         self.alpha = nn.Parameter(torch.tensor(float(config.model.recurrent_alpha)),
                                   requires_grad=config.model.recurrent_alpha_learned)
 

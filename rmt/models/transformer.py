@@ -1,4 +1,5 @@
-"""Transformer baseline: megatron-core's GPTModel with its local (torch-only) layer spec.
+"""Transformer baseline: megatron-core's GPTModel with its local (torch-only) layer spec, its core
+attention computed by ``model.attention_kernel`` (:mod:`rmt.models.attention`).
 
 Pre-norm, GELU MLP, learned absolute positions or RoPE, untied input/output embeddings. With
 ``memory.type: moe`` and ``memory.moe_placement: mlp`` the MLP of the listed layers is
@@ -12,6 +13,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
 from rmt.config import RMTConfig
 from rmt.errors import ConfigError
+from rmt.models.attention import with_attention_kernel
 from rmt.models.build import register
 from rmt.models.megatron_config import padded_vocab_size, transformer_config, validate_attention_shapes
 
@@ -39,7 +41,8 @@ def build_transformer(config: RMTConfig, pre_process: bool, post_process: bool, 
         tcfg = transformer_config(config, hetereogenous_dist_checkpoint=0 in moe_layer_pattern(config))
         with quiet_mlp_type_warning():
             return _gpt(config, tcfg, moe_block_spec(config, tcfg, vp_stage), pre_process, post_process, vp_stage)
-    return _gpt(config, transformer_config(config), get_gpt_layer_local_spec(normalization=m.normalization),
+    return _gpt(config, transformer_config(config),
+                with_attention_kernel(get_gpt_layer_local_spec(normalization=m.normalization), config),
                 pre_process, post_process, vp_stage)
 
 

@@ -1,0 +1,136 @@
+"""``model.attention_kernel: sdpa`` (torch's fused attention) against megatron-core's
+``DotProductAttention`` (``megatron``, the reference): the same weights give the same outputs and
+gradients in every architecture built on megatron layers, with causal and document masks, a
+single decoding query, dropout, and the validator's sentence."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+
+from rmt import parallel
+from rmt.config import load_config, validate
+from rmt.errors import ConfigError
+from rmt.models.attention import SDPAttention
+from rmt.models.build import build
+from rmt.models.megatron_config import transformer_config
+
+warnings.filterwarnings("ignore")
+
+BASE = ["model.hidden_size=32", "model.num_attention_heads=4", "model.num_layers=2", "model.seq_length=24",
+        "model.vocab_size=61"]
+ARCHS = {
+    "transformer": ["model.arch=transformer"],
+    "transformer_rope": ["model.arch=transformer", "model.position=rope"],
+    "recurrent": ["model.arch=recurrent", "model.block_width=8"],
+    "moe_mlp": ["model.arch=transformer", "memory.type=moe", "memory.moe_placement=mlp", "memory.placement=2",
+                "memory.num_experts=4", "memory.expert_hidden_size=16"],
+}
+# Both kernels compute the same fp32 sums in different orders (torch's kernel accumulates the
+# softmax online, block by block): a few fp32 ulps per element, relative to the largest entry.
+RTOL = 1e-5
+
+
+def config(kernel: str, overrides):
+    return validate(load_config(None, BASE + [f"model.attention_kernel={kernel}"] + list(overrides)), 1)
+
+
+def document_mask(batch: int, s: int) -> torch.Tensor:
+    """Per-sample ``[b, 1, s, s]`` masks (True = masked): causal within documents that start at
+    different places in each sample."""
+    doc = torch.zeros(batch, s, dtype=torch.long)
+    for i in range(batch):
+        doc[i, 5 + 3 * i:] += 1
+        doc[i, 15 + i:] += 1
+    causal = torch.ones(s, s, dtype=torch.bool).triu(1)
+    return (causal | (doc[:, :, None] != doc[:, None, :]))[:, None]
+
+
+def forward_backward(kernel: str, overrides, state, tokens, mask, train=False):
+    cfg = config(kernel, overrides)
+    parallel.initialize(cfg)
+    try:
+        model = build(cfg)[0].train(train)
+        if state is not None:
+            model.load_state_dict(state)
+        positions = torch.arange(tokens.shape[1])[None].expand_as(tokens)
+        out = model(tokens, positions, mask)
+        out.pow(2).mean().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return out.detach(), grads, copy.deepcopy(model.state_dict())
+    finally:
+        parallel.destroy()
+
+
+def assert_same(a, b):
+    torch.testing.assert_close(a, b, rtol=0, atol=RTOL * b.abs().max().item())
+
+
+@pytest.mark.parametrize("masks", ["causal", "documents"])
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_sdpa_equals_megatron_kernel(arch, masks):
+    if arch == "recurrent" and masks == "documents":
+        pytest.skip("the recurrent transformer runs each document as its own sequence (test_documents.py)")
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 61, (3, 24))
+    mask = torch.ones(24, 24, dtype=torch.bool).triu(1)[None, None] if masks == "causal" else document_mask(3, 24)
+    ref, ref_grads, state = forward_backward("megatron", ARCHS[arch], None, tokens, mask)
+    out, grads, _ = forward_backward("sdpa", ARCHS[arch], state, tokens, mask)
+    assert_same(out, ref)
+    assert ref_grads.keys() == grads.keys() and len(grads) > 10
+    for name in ref_grads:
+        assert_same(grads[name], ref_grads[name])
+
+
+def test_the_kernel_is_in_every_attention_layer():
+    for kernel, cls in (("sdpa", SDPAttention), ("megatron", DotProductAttention)):
+        for arch in ARCHS.values():
+            cfg = config(kernel, arch)
+            parallel.initialize(cfg)
+            try:
+                kinds = {type(m) for m in build(cfg)[0].modules() if isinstance(m, DotProductAttention)}
+            finally:
+                parallel.destroy()
+            assert kinds == {cls}
+
+
+@pytest.fixture
+def kernels():
+    """Both core attentions of one layer of a 4-head, head-dim-8 config."""
+    cfg = config("sdpa", ARCHS["transformer"])
+    parallel.initialize(cfg)
+    tcfg = transformer_config(cfg)
+    yield tuple(cls(tcfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+                for cls in (SDPAttention, DotProductAttention))
+    parallel.destroy()
+
+
+def test_no_mask_means_causal_and_a_single_query_sees_every_key(kernels):
+    sdpa, megatron = kernels
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(7, 2, 4, 8) for _ in range(3))
+    causal = torch.ones(7, 7, dtype=torch.bool).triu(1)[None, None]
+    assert_same(sdpa(q, k, v, None), megatron(q, k, v, causal))
+    # one decoding query against 7 cached keys: megatron builds no mask for it
+    assert_same(sdpa(q[-1:], k, v, None), megatron(q[-1:], k, v, None))
+    assert_same(sdpa(q[-1:], k, v, None), sdpa(q, k, v, None)[-1:])
+
+
+def test_attention_dropout_acts_in_training_only(kernels):
+    cfg = config("sdpa", ARCHS["transformer"] + ["model.dropout=0.5"])
+    sdpa = SDPAttention(transformer_config(cfg), layer_number=1, attn_mask_type=AttnMaskType.causal,
+                        attention_type="self")
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(7, 2, 4, 8) for _ in range(3))
+    reference = kernels[1]
+    assert_same(sdpa.eval()(q, k, v, None), reference(q, k, v, torch.ones(7, 7, dtype=torch.bool).triu(1)[None, None]))
+    dropped = sdpa.train()(q, k, v, None)
+    assert (dropped - sdpa.eval()(q, k, v, None)).abs().max() > 0.1
+
+
+def test_unknown_kernel_is_one_sentence():
+    with pytest.raises(ConfigError, match="^model.attention_kernel must be one of sdpa, megatron, got 'flash'$"):
+        config("flash", [])
