@@ -45,9 +45,17 @@ def test_bench_memory_parallel_smoke(tmp_path):
 
 def test_bench_rmt_smoke(tmp_path):
     out = tmp_path / "bench.json"
-    run_python(["tools/bench_rmt.py", "--sizes", "tiny", "--steps", "3", "--json", str(out)])
+    run_python(["tools/bench_rmt.py", "--sizes", "tiny", "--steps", "3", "--json", str(out),
+                "model.attention_kernel=megatron"])
     doc = _doc(out, "bench_rmt", ["step_time_ratio_rmt_over_transformer", "peak_mem_ratio"])
     (row,) = doc["rows"]
     assert row["size"] == "tiny" and len(row["rmt"]["step_s_all"]) == 3
+    assert row["overrides"] == ["model.attention_kernel=megatron"]
     for name in ("rmt", "transformer"):
         assert row[name]["peak_bytes"] > row[name]["persistent_bytes"] > 0 and row[name]["params"] > 0
+
+
+def test_bench_rmt_bad_override_is_one_sentence():
+    proc = run_python(["tools/bench_rmt.py", "model.attention_kernel=flash", "--sizes", "tiny"], check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == "bench_rmt: model.attention_kernel must be one of sdpa, megatron, got 'flash'"

@@ -7,13 +7,15 @@ machine load; the reported time is the median over the timed steps. Peak memory 
 the persistent state (weights, gradient buffers, AdamW moments) plus the highest extra
 allocation during one step (CUDA: the allocator's peak; CPU: the profiler's allocation trace).
 
-    python tools/bench_rmt.py [--quick] [--json FILE]     # step time and memory
+    python tools/bench_rmt.py [--quick] [--json FILE] [overrides]  # step time and memory
     python tools/bench_rmt.py --train [--quick]           # tiny twins: validation loss, LR sweep
 
 JSON: {"benchmark": "bench_rmt", "machine", "rows", "summary"}; summary keys
 ``step_time_ratio_rmt_over_transformer`` and ``peak_mem_ratio`` (largest size run); with
 ``--train`` instead ``val_loss_rmt`` and ``val_loss_transformer`` (each at its best LR of the
-sweep) and the LRs.
+sweep) and the LRs. Dotted config overrides apply to both twins of the step-time run, e.g.
+``model.attention_kernel=megatron`` times the transformer twin with megatron's unfused attention
+(the RMT always uses torch's fused kernel).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ sys.path.insert(0, ROOT)
 
 from rmt import parallel  # noqa: E402
 from rmt.config import load_config, validate  # noqa: E402
+from rmt.errors import ConfigError  # noqa: E402
 from rmt.training.trainer import Trainer  # noqa: E402
 
 # name: (L, R = heads, Dv = head size, Dk, D_FF, seq, micro batch)
@@ -44,7 +47,7 @@ SIZES = {
 QUICK_SIZES = ("tiny", "small")
 
 
-def twin_overrides(size: str, steps: int):
+def twin_overrides(size: str, steps: int, extra=()):
     L, R, Dv, Dk, Dff, seq, mbs = SIZES[size]
     common = [f"model.num_layers={L}", f"model.ffn_hidden_size={Dff}", f"model.seq_length={seq}",
               f"train.micro_batch_size={mbs}", f"train.steps={steps}", "train.warmup_steps=1",
@@ -54,7 +57,7 @@ def twin_overrides(size: str, steps: int):
                     "model.position=alibi"]
     transformer = common + ["model.arch=transformer", f"model.hidden_size={R * Dv}",
                             f"model.num_attention_heads={R}", "model.position=learned"]
-    return {"rmt": rmt, "transformer": transformer}
+    return {"rmt": rmt + list(extra), "transformer": transformer + list(extra)}
 
 
 def persistent_bytes(trainer: Trainer) -> int:
@@ -91,9 +94,9 @@ def step_peak_bytes(trainer: Trainer) -> int:
     return peak
 
 
-def bench_size(size: str, steps: int, warmup: int) -> dict:
+def bench_size(size: str, steps: int, warmup: int, extra=()) -> dict:
     trainers = {name: Trainer(validate(load_config(None, ov), world_size=1))
-                for name, ov in twin_overrides(size, steps + warmup + 2).items()}
+                for name, ov in twin_overrides(size, steps + warmup + 2, extra).items()}
     times = {name: [] for name in trainers}
     for i in range(warmup + steps):
         for name, trainer in trainers.items():
@@ -102,7 +105,7 @@ def bench_size(size: str, steps: int, warmup: int) -> dict:
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
     row = {"size": size, "dims": dict(zip(("L", "R", "Dv", "Dk", "D_FF", "seq", "micro_batch"),
-                                          SIZES[size]))}
+                                          SIZES[size])), "overrides": list(extra)}
     for name, trainer in trainers.items():
         persist = persistent_bytes(trainer)
         row[name] = {"step_s": statistics.median(times[name]), "step_s_all": times[name],
@@ -151,7 +154,19 @@ def main(argv=None) -> int:
                     help="instead: train the tiny twins for the same tokens at LRs 1e-3, 3e-3, "
                          "1e-2 and compare validation losses")
     ap.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    ap.add_argument("overrides", nargs="*", help="dotted config overrides for both twins of the step-time run")
     args = ap.parse_args(argv)
+    sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
+    if args.train and args.overrides:
+        print("bench_rmt: config overrides apply to the step-time run, not to --train", file=sys.stderr)
+        return 2
+    try:
+        for size in sizes:
+            for overrides in twin_overrides(size, 1, args.overrides).values():
+                validate(load_config(None, overrides), world_size=1)
+    except ConfigError as err:
+        print(f"bench_rmt: {err}", file=sys.stderr)
+        return 2
     parallel.initialize(validate(load_config(None, []), world_size=1))
     machine = {"platform": platform.platform(), "cpus": os.cpu_count(),
                "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -170,8 +185,8 @@ def main(argv=None) -> int:
             rows = []
             print(f"{'size':<10} {'rmt s/step':>10} {'tf s/step':>10} {'ratio':>6} "
                   f"{'rmt MiB':>8} {'tf MiB':>8} {'mem ratio':>9} {'rmt params':>11} {'tf params':>11}")
-            for size in args.sizes or (QUICK_SIZES if args.quick else SIZES):
-                r = bench_size(size, steps, warmup=2)
+            for size in sizes:
+                r = bench_size(size, steps, warmup=2, extra=args.overrides)
                 rows.append(r)
                 print(f"{size:<10} {r['rmt']['step_s']:>10.4f} {r['transformer']['step_s']:>10.4f} "
                       f"{r['step_time_ratio']:>6.2f} {r['rmt']['peak_bytes'] / 2**20:>8.1f} "
