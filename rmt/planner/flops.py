@@ -20,8 +20,9 @@ for the softmax, as Table 7. Exact counts treat embedding lookups as gathers (0 
 skip norms, biases and residual adds.
 
 Activation bytes per token: tensors kept for the backward pass of one training step without
-recomputation (inputs of every matmul and norm, GELU input and output, attention
-probabilities ``heads x N`` of an unfused softmax), in the model dtype, plus the fp32 logits
+recomputation (inputs of every matmul and norm, GELU input and output; of the attention, the
+fused kernel's fp32 log-sum-exp per head, or with ``model.attention_kernel: megatron`` the
+unfused softmax's probabilities ``heads x N``), in the model dtype, plus the fp32 logits
 (transformer and RMT; memory layers at skip placements not included).
 
 The recurrent transformer (:mod:`rmt.models.recurrent`) runs its layer on windows: per layer
@@ -62,8 +63,9 @@ def _layer_counts(D: int, H: int, Dh: int, Dff: int, w: int, norm: int) -> Dict[
 
 def transformer_counts(L: int, D: int, H: int, Dh: int, Dff: int, V: int, N: int,
                        Vp: int = None, position: str = "learned", normalization: str = "LayerNorm",
-                       dtype_bytes: int = 4) -> Dict:
-    """Exact and Table 7 counts of megatron's GPTModel (local spec, linear biases on)."""
+                       dtype_bytes: int = 4, fused_attention: bool = True) -> Dict:
+    """Exact and Table 7 counts of megatron's GPTModel (local spec, linear biases on);
+    ``fused_attention``: ``model.attention_kernel`` is ``sdpa``."""
     Vp = V if Vp is None else Vp
     A = H * Dh
     norm = 2 * D if normalization == "LayerNorm" else D
@@ -84,8 +86,8 @@ def transformer_counts(L: int, D: int, H: int, Dh: int, Dff: int, V: int, N: int
         ("embedding lookup is a gather; Chinchilla counts it as a one-hot matmul (2 D V)", -2 * D * V),
         ("logits over the padded vocabulary 2 D (Vp - V)", 2 * D * (Vp - V)),
     ]
-    layer_act = 4 * D + 4 * A + H * N + 2 * Dff
-    act = (L * layer_act + 2 * D) * dtype_bytes + 4 * Vp
+    layer_act = 4 * D + 4 * A + (0 if fused_attention else H * N) + 2 * Dff
+    act = (L * layer_act + 2 * D) * dtype_bytes + L * attention_lse_bytes(H, fused_attention) + 4 * Vp
     return _doc("transformer", params, paper_params, diff_params, flops, paper_flops, diff_flops, act)
 
 
@@ -119,9 +121,16 @@ def rmt_counts(L: int, Dk: int, Dv: int, R: int, Dff: int, V: int, N: int, Vp: i
     ]
     if not learned:
         diff_flops.append(("ALiBi: no position-key write (2 Dk Dv R)", -key))
-    layer_act = 4 * Dk * Dv + 5 * R * Dv + R * N + 2 * Dff
-    act = (L * layer_act + 2 * Dk * Dv + R * Dv) * dtype_bytes + 4 * Vp
+    layer_act = 4 * Dk * Dv + 5 * R * Dv + 2 * Dff
+    act = (L * layer_act + 2 * Dk * Dv + R * Dv) * dtype_bytes + L * attention_lse_bytes(R, True) + 4 * Vp
     return _doc("rmt", params, paper_params, diff_params, flops, paper_flops, diff_flops, act)
+
+
+def attention_lse_bytes(heads: int, fused: bool) -> int:
+    """Per token and layer, what a fused attention kernel keeps for its backward besides its
+    inputs and output: one fp32 log-sum-exp per head (none for the unfused kernel, whose
+    probabilities are counted in the model dtype)."""
+    return 4 * heads if fused else 0
 
 
 def _doc(arch, params, paper_params, diff_params, flops, paper_flops, diff_flops, act):
@@ -207,7 +216,8 @@ def plan_model(config: RMTConfig) -> Dict:
         doc = transformer_counts(m.num_layers, m.hidden_size, m.num_attention_heads,
                                  m.hidden_size // m.num_attention_heads,
                                  m.ffn_hidden_size or 4 * m.hidden_size, m.vocab_size,
-                                 m.seq_length, Vp, m.position, m.normalization, dtype)
+                                 m.seq_length, Vp, m.position, m.normalization, dtype,
+                                 fused_attention=m.attention_kernel == "sdpa")
         doc["embedding_params"] = 2 * Vp * m.hidden_size + (m.seq_length * m.hidden_size if learned else 0)
     elif m.arch == "rmt":
         doc = rmt_counts(m.num_layers, m.dk, m.dv, m.rank, m.ffn_hidden_size or 4 * m.rank * m.dv,
