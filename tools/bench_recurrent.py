@@ -11,8 +11,8 @@ repeat mixers).
     every doubling and by ``--lr-plateau-decay`` (0.5) after ``--lr-plateau-patience`` (40)
     evaluations at the target without a new lowest validation loss, down to ``--min-lr-ratio`` x
     ``--lr`` (the paper's learning rate "decays as a function of the sequence length and the
-    validation loss", §6.2); ``--lr-cooldown F`` also brings it linearly down to that floor
-    over the last fraction F of the budget. The paper starts at 128 and reports 100% / 99.4% at
+    validation loss", §6.2); ``--lr-cooldown F`` (0.25) also brings it linearly down to that
+    floor over the last fraction F of the budget. The paper starts at 128 and reports 100% / 99.4% at
     4096 noise tokens with ~0.5M parameters; docs/recipes.md ("Recurrent transformer on copy
     tasks") lists what was measured here.
 (b) Decoding tokens/s and cache memory against position, up to 2048: the repeat mixer in its
@@ -201,7 +201,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lr-plateau-smoothing", type=float, default=0.0,
                     help="the plateau rule judges a moving average of the validation loss with this weight on "
                          "the previous average, in [0, 1) (train.lr_plateau_smoothing)")
-    ap.add_argument("--lr-cooldown", type=float, default=0.0,
+    ap.add_argument("--lr-cooldown", type=float, default=0.25,
                     help="over this last fraction of the budget (steps, wall or CPU seconds, whichever runs "
                          "out first) the learning rate falls linearly to the floor --min-lr-ratio; 0 = none")
     ap.add_argument("--min-lr-ratio", type=float, default=0.02,
