@@ -50,8 +50,13 @@ def _free_port():
             return port
 
 
+# Rendezvous variables that an in-process test's parallel.initialize leaves in os.environ: a
+# subprocess starts from a user's shell, not from them (launchers' input checks read them).
+_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
 def _env():
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env["OMP_NUM_THREADS"] = "1"
     env.setdefault("PYTHONWARNINGS", "ignore")

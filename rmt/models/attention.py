@@ -32,10 +32,11 @@ class SDPAttention(DotProductAttention):
     Same constructor, parameters (none) and state dict; ``forward`` takes megatron's
     ``[s, b, heads, head_dim]`` query, key and value and its boolean mask (True = masked,
     ``[b or 1, 1, s, s]``; None with a causal mask type = causal over more than one query) and
-    returns ``[s, b, hidden]``.
-    Dropout on the attention probabilities draws from the same model-parallel RNG as megatron's
-    (``get_cuda_rng_tracker().fork()``), but in torch's kernel order, so a run with attention
-    dropout is not bit-equal across the two kernels."""
+    returns ``[s, b, hidden]``. Dropout on the attention probabilities draws from the same
+    model-parallel RNG as megatron's (``get_cuda_rng_tracker().fork()``), but in torch's kernel
+    order, so a run with attention dropout is not bit-equal across the two kernels. A query whose
+    keys are all masked gets NaN here and uniform weights from megatron (whose fill is -10000,
+    not -inf); rmt's causal and document masks always leave a query its own position."""
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
