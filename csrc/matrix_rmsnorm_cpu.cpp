@@ -11,9 +11,19 @@
 // transformer's residual vector. Sums are accumulated in float (double for double inputs).
 // dg's partial sums are kept per block of kBlock rows and added in block order, so results do not
 // depend on the number of threads.
+//
+// norm_read_* fuse the norm with the read that always follows it (Eq. 13: n key vectors read the
+// normalized matrix, out[t, v, h] = sum_k keys[h, k] y[t, v, k]): blocks of rows are normalized
+// into a scratch buffer that stays in cache and read from there with one GEMM per block, so y
+// never goes to memory; the backward recomputes y per block the same way. Forward reads x once
+// (norm then GEMM: read x, write y, read y); backward reads x and the small read gradient once
+// and writes dx once (unfused: write dy, read y, read dy and x, write dx). Only x and rstd are
+// saved, not y. dkeys is a GEMM per block (reduction length rows x Dv), so like any torch weight
+// gradient its last bits may depend on the thread count; dx and dgain do not.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -44,19 +54,42 @@ inline A dot(const scalar_t* a, const scalar_t* b, const scalar_t* c, int64_t n)
   return lane[0];
 }
 
+// y = x r g for one row.
+template <typename scalar_t>
+inline void scale_row(const scalar_t* xr, const scalar_t* g, acc_t<scalar_t> r, scalar_t* yr, int64_t n) {
+  using A = acc_t<scalar_t>;
+  for (int64_t j = 0; j < n; ++j) yr[j] = static_cast<scalar_t>(static_cast<A>(xr[j]) * r * static_cast<A>(g[j]));
+}
+
+// Normalizes one row: y = x r g; returns r.
+template <typename scalar_t>
+inline acc_t<scalar_t> normalize_row(const scalar_t* xr, const scalar_t* g, scalar_t* yr, int64_t n, double eps) {
+  using A = acc_t<scalar_t>;
+  const A ss = dot<A, false>(xr, xr, xr, n);
+  const A r = A(1) / std::sqrt(ss / static_cast<A>(n) + static_cast<A>(eps));
+  scale_row(xr, g, r, yr, n);
+  return r;
+}
+
+// One row's backward: dx = r (dy g - x c r^2 / n); dg += r dy x when dg is given.
+template <typename scalar_t>
+inline void backward_row(const scalar_t* dyr, const scalar_t* xr, const scalar_t* g, acc_t<scalar_t> r, scalar_t* dxr,
+                         acc_t<scalar_t>* dg, int64_t n) {
+  using A = acc_t<scalar_t>;
+  const A c = dot<A, true>(dyr, g, xr, n);
+  const A k = c * r * r / static_cast<A>(n);
+  for (int64_t j = 0; j < n; ++j) {  // -O3 unswitches the loop on dg
+    const A d = static_cast<A>(dyr[j]), v = static_cast<A>(xr[j]);
+    dxr[j] = static_cast<scalar_t>(r * (d * static_cast<A>(g[j]) - v * k));
+    if (dg) dg[j] += r * d * v;
+  }
+}
+
 template <typename scalar_t>
 void forward_rows(const scalar_t* x, const scalar_t* g, scalar_t* y, acc_t<scalar_t>* rstd, int64_t T, int64_t n,
                   double eps) {
-  using A = acc_t<scalar_t>;
   at::parallel_for(0, T, kBlock, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const scalar_t* xr = x + t * n;
-      const A ss = dot<A, false>(xr, xr, xr, n);
-      const A r = A(1) / std::sqrt(ss / static_cast<A>(n) + static_cast<A>(eps));
-      rstd[t] = r;
-      scalar_t* yr = y + t * n;
-      for (int64_t j = 0; j < n; ++j) yr[j] = static_cast<scalar_t>(static_cast<A>(xr[j]) * r * static_cast<A>(g[j]));
-    }
+    for (int64_t t = begin; t < end; ++t) rstd[t] = normalize_row(x + t * n, g, y + t * n, n, eps);
   });
 }
 
@@ -67,23 +100,24 @@ void backward_rows(const scalar_t* dy, const scalar_t* x, const scalar_t* g, con
   const int64_t blocks = (T + kBlock - 1) / kBlock;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      A* dg = partial + b * n;
-      if (want_dg)
-        for (int64_t j = 0; j < n; ++j) dg[j] = 0;
-      for (int64_t t = b * kBlock; t < std::min(T, (b + 1) * kBlock); ++t) {
-        const scalar_t *dyr = dy + t * n, *xr = x + t * n;
-        const A r = rstd[t];
-        const A c = dot<A, true>(dyr, g, xr, n);
-        const A k = c * r * r / static_cast<A>(n);
-        scalar_t* dxr = dx + t * n;
-        for (int64_t j = 0; j < n; ++j) {  // -O3 unswitches the loop on want_dg
-          const A d = static_cast<A>(dyr[j]), v = static_cast<A>(xr[j]);
-          dxr[j] = static_cast<scalar_t>(r * (d * static_cast<A>(g[j]) - v * k));
-          if (want_dg) dg[j] += r * d * v;
-        }
-      }
+      A* dg = want_dg ? partial + b * n : nullptr;
+      if (dg) std::fill(dg, dg + n, A(0));
+      for (int64_t t = b * kBlock; t < std::min(T, (b + 1) * kBlock); ++t)
+        backward_row(dy + t * n, x + t * n, g, rstd[t], dx + t * n, dg, n);
     }
   });
+}
+
+// Sums per-block partials [blocks, n] in block order (independent of the thread count).
+torch::Tensor sum_blocks(const torch::Tensor& partial) {
+  auto total = torch::zeros({partial.size(1)}, partial.options());
+  AT_DISPATCH_FLOATING_TYPES(partial.scalar_type(), "sum_blocks", [&] {
+    scalar_t* out = total.data_ptr<scalar_t>();
+    const scalar_t* p = partial.data_ptr<scalar_t>();
+    for (int64_t b = 0; b < partial.size(0); ++b)
+      for (int64_t j = 0; j < partial.size(1); ++j) out[j] += p[b * partial.size(1) + j];
+  });
+  return total;
 }
 
 void check(const torch::Tensor& x, const torch::Tensor& gain) {
@@ -119,22 +153,110 @@ std::vector<torch::Tensor> backward(const torch::Tensor& dy, const torch::Tensor
   TORCH_CHECK(rstd.scalar_type() == acc_dtype(x) && rstd.numel() == x.size(0), "rstd must be forward's [T] rstd");
   const int64_t T = x.size(0), n = x.size(1), blocks = (T + kBlock - 1) / kBlock;
   auto dx = torch::empty_like(x);
-  torch::Tensor dg;
+  auto partial = torch::empty({want_dg ? blocks : 0, n}, x.options().dtype(acc_dtype(x)));
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "matrix_rmsnorm_backward", [&] {
     using A = acc_t<scalar_t>;
-    auto partial = torch::empty({want_dg ? blocks : 0, n}, x.options().dtype(acc_dtype(x)));
     backward_rows<scalar_t>(dy.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), gain.data_ptr<scalar_t>(),
                             rstd.data_ptr<A>(), dx.data_ptr<scalar_t>(), partial.data_ptr<A>(), T, n, want_dg);
-    if (want_dg) {
-      auto total = torch::zeros({n}, partial.options());
-      A* out = total.data_ptr<A>();
-      const A* p = partial.data_ptr<A>();
-      for (int64_t b = 0; b < blocks; ++b)
-        for (int64_t j = 0; j < n; ++j) out[j] += p[b * n + j];
-      dg = total.to(gain.scalar_type());
-    }
   });
-  return {dx, want_dg ? dg : torch::Tensor()};
+  return {dx, want_dg ? sum_blocks(partial).to(gain.scalar_type()) : torch::Tensor()};
+}
+
+// Rows per block of the fused norm + read: a block's y (and dy) stay in L2 between the norm and
+// the GEMM.
+constexpr int64_t kReadBlockEntries = 1 << 15;
+
+int64_t read_block_rows(int64_t n) { return std::max<int64_t>(1, kReadBlockEntries / n); }
+
+void check_read(const torch::Tensor& x, const torch::Tensor& gain, const torch::Tensor& keys) {
+  check(x, gain);
+  TORCH_CHECK(keys.dim() == 2 && keys.scalar_type() == x.scalar_type() && keys.size(1) > 0 &&
+                  x.size(1) % keys.size(1) == 0,
+              "keys must be a [n, Dk] tensor of x's dtype with Dk dividing x's row length");
+}
+
+// The block [t0, t1) of the read's output (or its gradient): rows t0*Dv.. of [T*Dv, n], or
+// columns t0*Dv.. of the key-major [n, T*Dv] layout.
+torch::Tensor read_block(const torch::Tensor& out, int64_t t0, int64_t t1, int64_t dv, bool key_major) {
+  return key_major ? out.narrow(1, t0 * dv, (t1 - t0) * dv) : out.narrow(0, t0 * dv, (t1 - t0) * dv);
+}
+
+// -> (out: [n, T*Dv] if key_major else [T*Dv, n], with out[t*Dv + v, h] = sum_k keys[h, k] y[t, v*Dk + k];
+//     rstd [T] in the accumulation dtype)
+std::vector<torch::Tensor> norm_read_forward(const torch::Tensor& x, const torch::Tensor& gain,
+                                             const torch::Tensor& keys, double eps, bool key_major) {
+  check_read(x, gain, keys);
+  const int64_t T = x.size(0), n = x.size(1), dk = keys.size(1), dv = n / dk, heads = keys.size(0);
+  const int64_t rows = read_block_rows(n), blocks = (T + rows - 1) / rows;
+  auto out = key_major ? torch::empty({heads, T * dv}, x.options()) : torch::empty({T * dv, heads}, x.options());
+  auto rstd = torch::empty({T}, x.options().dtype(acc_dtype(x)));
+  const auto keys_c = keys.detach().contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "matrix_rmsnorm_read_forward", [&] {
+    using A = acc_t<scalar_t>;
+    const scalar_t *xp = x.data_ptr<scalar_t>(), *g = gain.data_ptr<scalar_t>();
+    A* r = rstd.data_ptr<A>();
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      const at::AutoDispatchBelowADInplaceOrView no_autograd;  // grad mode is per thread: workers have it on
+      auto y = torch::empty({rows * dv, dk}, x.options());
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t t0 = b * rows, t1 = std::min(T, t0 + rows);
+        for (int64_t t = t0; t < t1; ++t) r[t] = normalize_row(xp + t * n, g, y.data_ptr<scalar_t>() + (t - t0) * n, n, eps);
+        auto yb = y.narrow(0, 0, (t1 - t0) * dv);
+        auto ob = read_block(out, t0, t1, dv, key_major);
+        if (key_major)
+          at::mm_out(ob, keys_c, yb.t());
+        else
+          at::mm_out(ob, yb, keys_c.t());
+      }
+    });
+  });
+  return {out, rstd};
+}
+
+// -> (dx [T, n], dgain [n] or empty, dkeys [n_keys, Dk] or empty)
+std::vector<torch::Tensor> norm_read_backward(const torch::Tensor& grad, const torch::Tensor& x, const torch::Tensor& gain,
+                                              const torch::Tensor& keys, const torch::Tensor& rstd, bool key_major,
+                                              bool want_dg, bool want_dkeys) {
+  check_read(x, gain, keys);
+  const int64_t T = x.size(0), n = x.size(1), dk = keys.size(1), dv = n / dk, heads = keys.size(0);
+  TORCH_CHECK(grad.scalar_type() == x.scalar_type() && grad.dim() == 2 && grad.is_contiguous() &&
+                  grad.sizes() == (key_major ? at::IntArrayRef{heads, T * dv} : at::IntArrayRef{T * dv, heads}),
+              "grad must be a contiguous tensor of the forward output's shape and x's dtype");
+  TORCH_CHECK(rstd.scalar_type() == acc_dtype(x) && rstd.numel() == T, "rstd must be forward's [T] rstd");
+  const int64_t rows = read_block_rows(n), blocks = (T + rows - 1) / rows;
+  auto dx = torch::empty_like(x);
+  auto partial_dg = torch::empty({want_dg ? blocks : 0, n}, x.options().dtype(acc_dtype(x)));
+  auto partial_dkeys = torch::empty({want_dkeys ? blocks : 0, heads * dk}, x.options().dtype(acc_dtype(x)));
+  const auto keys_c = keys.detach().contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "matrix_rmsnorm_read_backward", [&] {
+    using A = acc_t<scalar_t>;
+    const scalar_t *xp = x.data_ptr<scalar_t>(), *g = gain.data_ptr<scalar_t>();
+    const A* r = rstd.data_ptr<A>();
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      const at::AutoDispatchBelowADInplaceOrView no_autograd;
+      auto y = torch::empty({rows * dv, dk}, x.options());
+      auto dy = torch::empty({rows * dv, dk}, x.options());
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t t0 = b * rows, t1 = std::min(T, t0 + rows), m = (t1 - t0) * dv;
+        auto gb = read_block(grad, t0, t1, dv, key_major);
+        auto dyb = dy.narrow(0, 0, m);
+        at::mm_out(dyb, key_major ? gb.t() : gb, keys_c);
+        A* dg = want_dg ? partial_dg.data_ptr<A>() + b * n : nullptr;
+        if (dg) std::fill(dg, dg + n, A(0));
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t i = (t - t0) * n;
+          backward_row(dyb.data_ptr<scalar_t>() + i, xp + t * n, g, r[t], dx.data_ptr<scalar_t>() + t * n, dg, n);
+          if (want_dkeys) scale_row(xp + t * n, g, r[t], y.data_ptr<scalar_t>() + i, n);
+        }
+        if (want_dkeys) {
+          auto yb = y.narrow(0, 0, m);
+          partial_dkeys[b].copy_((key_major ? at::mm(gb, yb) : at::mm(gb.t(), yb)).view(-1));
+        }
+      }
+    });
+  });
+  return {dx, want_dg ? sum_blocks(partial_dg).to(gain.scalar_type()) : torch::Tensor(),
+          want_dkeys ? sum_blocks(partial_dkeys).view({heads, dk}).to(keys.scalar_type()) : torch::Tensor()};
 }
 
 }  // namespace
@@ -142,4 +264,6 @@ std::vector<torch::Tensor> backward(const torch::Tensor& dy, const torch::Tensor
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "matrix RMSNorm forward -> (y, rstd)");
   m.def("backward", &backward, "matrix RMSNorm backward -> (dx, dgain)");
+  m.def("norm_read_forward", &norm_read_forward, "matrix RMSNorm + read forward -> (out, rstd)");
+  m.def("norm_read_backward", &norm_read_backward, "matrix RMSNorm + read backward -> (dx, dgain, dkeys)");
 }

@@ -1,10 +1,10 @@
-"""The fused CPU matrix RMSNorm (csrc/matrix_rmsnorm_cpu.cpp) against its torch reference
-(rmt.ops.matrix_rmsnorm.TorchMatrixRMSNorm) and the float64 truth, forward and backward."""
+"""The fused CPU matrix RMSNorm, alone and fused with the read after it (csrc/matrix_rmsnorm_cpu.cpp),
+against its torch reference (rmt.ops.matrix_rmsnorm) and the float64 truth, forward and backward."""
 
 import pytest
 import torch
 
-from rmt.ops.matrix_rmsnorm import FusedMatrixRMSNorm, TorchMatrixRMSNorm, _ext, matrix_rms_norm
+from rmt.ops.matrix_rmsnorm import FusedMatrixRMSNorm, TorchMatrixRMSNorm, _ext, matrix_rms_norm, matrix_rms_norm_read
 
 pytestmark = pytest.mark.skipif(_ext() is None, reason="the C++ extension did not build")
 
@@ -98,3 +98,93 @@ def test_dispatch_and_a_gain_without_gradient():
     assert gain.grad is None and torch.equal(x.grad, want)
     with pytest.raises(ValueError, match="backend must be one of"):
         matrix_rms_norm(x, gain, EPS, backend="cuda")
+
+
+def _read_case(T=150, dv=12, dk=20, heads=6, dtype=torch.float32, key_major=False, seed=1):
+    """x [T, dv*dk] with rows of different scales (T over two of the kernel's blocks), keys [heads, dk],
+    and the read's output gradient in the chosen layout."""
+    gen = torch.Generator().manual_seed(seed)
+    x, gain, _ = _case(T=T, n=dv * dk, dtype=torch.float64, seed=seed)
+    keys = torch.randn(heads, dk, generator=gen, dtype=torch.float64)
+    go = torch.randn(*((heads, T * dv) if key_major else (T * dv, heads)), generator=gen, dtype=torch.float64)
+    return x.to(dtype), gain.to(dtype), keys.to(dtype), go.to(dtype)
+
+
+def _run_read(backend, x, gain, keys, go, key_major):
+    x, gain, keys = (t.clone().requires_grad_() for t in (x, gain, keys))
+    out = matrix_rms_norm_read(x, gain, keys, EPS, key_major, backend=backend)
+    out.backward(go)
+    return out.detach(), x.grad, gain.grad, keys.grad
+
+
+def _read_bounds(x, gain, keys, go, key_major, u):
+    """First-order bounds of the norm + read: the norm's (:func:`_bounds`, with the read's gradient
+    bounded by |go| |keys|), the read's and its gradients' GEMMs (gamma_K on sum |terms|), and the
+    norm's error carried through them."""
+    x, gain, keys, go = x.double(), gain.double(), keys.double(), go.double()
+    T, n = x.shape
+    dk, heads = keys.shape[1], keys.shape[0]
+    go = (go if not key_major else go.t()).abs()  # [T*dv, heads]
+    r = (x.square().mean(1, keepdim=True) + EPS).rsqrt()
+    y = (x * r * gain).abs().reshape(-1, dk)
+    dy = (go @ keys.abs()).reshape(T, n)  # bounds |dy|
+    by, bdx, bdg = _bounds(x, gain, dy, u)
+    by = by.reshape(-1, dk)
+    e_dy = heads * u * dy  # the GEMM dy = go keys
+    out = by @ keys.abs().t() + dk * u * (y @ keys.abs().t())
+    dx = bdx + r * (e_dy * gain.abs()) + r ** 3 / n * x.abs() * (e_dy * (gain * x).abs()).sum(1, keepdim=True)
+    dg = bdg + (r * e_dy * x.abs()).sum(0)
+    dkeys = go.t() @ by + (T * n // dk + 2) * u * (go.t() @ y)
+    return (out.t() if key_major else out), dx, dg, dkeys
+
+
+@pytest.mark.parametrize("key_major", [False, True], ids=["token_major", "key_major"])
+def test_fused_norm_read_float32_is_within_rounding_of_the_float64_truth(key_major):
+    x, gain, keys, go = _read_case(key_major=key_major)
+    truth = _run_read("torch", x.double(), gain.double(), keys.double(), go.double(), key_major)
+    fused = _run_read("cpu", x, gain, keys, go, key_major)
+    for name, got, want, bound in zip(("out", "dx", "dgain", "dkeys"), fused, truth,
+                                      _read_bounds(x, gain, keys, go, key_major, U)):
+        assert got.dtype == torch.float32 and got.shape == want.shape, name
+        excess = ((got.double() - want).abs() - bound * 1.01).max().item()  # 1.01: second-order terms
+        assert excess <= 0, (name, excess)
+
+
+@pytest.mark.parametrize("key_major", [False, True], ids=["token_major", "key_major"])
+def test_fused_norm_read_float64_gradients_are_the_derivative(key_major):
+    x, gain, keys, _ = _read_case(T=5, dv=3, dk=4, heads=2, dtype=torch.float64, key_major=key_major)
+    assert torch.autograd.gradcheck(
+        lambda a, b, c: matrix_rms_norm_read(a, b, c, EPS, key_major, backend="cpu"),
+        (x.requires_grad_(), gain.requires_grad_(), keys.requires_grad_()))
+
+
+def test_fused_norm_read_does_not_depend_on_the_thread_count():
+    """Bitwise for the output, dx and dgain; dkeys is a GEMM per block (MKL's reduction order
+    depends on its thread count, as for every torch weight gradient): within its rounding bound."""
+    x, gain, keys, go = _read_case(T=300, dv=32, dk=16, heads=12, key_major=True)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run_read("cpu", x, gain, keys, go, True)
+        torch.set_num_threads(3)
+        three = _run_read("cpu", x, gain, keys, go, True)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one[:3], three[:3]):
+        assert torch.equal(a, b)
+    bound = _read_bounds(x, gain, keys, go, True, U)[3]
+    assert ((one[3] - three[3]).abs().double() - 2 * bound).max().item() <= 0
+
+
+def test_norm_read_dispatch_and_inputs_without_gradient():
+    x, gain, keys, go = _read_case(T=10, dv=4, dk=8, heads=3)
+    xt = x.t().contiguous().t()  # not contiguous: the reference runs
+    assert torch.equal(matrix_rms_norm_read(xt, gain, keys, EPS),
+                       matrix_rms_norm_read(xt, gain, keys, EPS, backend="torch"))
+    x.requires_grad_()
+    matrix_rms_norm_read(x, gain, keys, EPS).backward(go)
+    want = torch.autograd.grad(matrix_rms_norm_read(x, gain.clone().requires_grad_(), keys.clone().requires_grad_(),
+                                                    EPS, backend="cpu"), x, go)[0]
+    assert gain.grad is None and keys.grad is None and torch.equal(x.grad, want)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        matrix_rms_norm_read(x, gain, keys, EPS, backend="cuda")

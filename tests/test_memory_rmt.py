@@ -55,7 +55,7 @@ def test_rmt_skip_placement_equals_hand_run(megatron, kind):
     update0 = model.memory[0](h1.reshape(s, b, width)).reshape(h1.shape)
     assert update0.abs().amax() > 1e-4 and update1.abs().amax() > 1e-4
     h3 = layers[2](h2 + update1, bias) + update0
-    expected = model.output_layer(model.final_norm(h3)).transpose(0, 1)
+    expected = model.output_layer(h3, model.final_norm).transpose(0, 1)
     torch.testing.assert_close(logits, expected)
     aux = pop_aux_loss(model)
     if kind == "ultramem":

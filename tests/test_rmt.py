@@ -11,7 +11,7 @@ from rmt import parallel
 from rmt.config import load_config, validate
 from rmt.errors import ConfigError
 from rmt.models.build import build
-from rmt.models.rmt import RMTModel, alibi_slopes, read, write
+from rmt.models.rmt import MatrixRMSNorm, RMTModel, alibi_slopes, write
 
 TINY = ["model.arch=rmt", "model.num_layers=2", "model.dk=6", "model.dv=4", "model.rank=3",
         "model.ffn_hidden_size=20", "model.seq_length=12", "model.vocab_size=50",
@@ -35,9 +35,13 @@ def test_read_write_by_hand():
     keys = torch.tensor([[1.0, 0.0], [0.0, 1.0]])  # [Dk, n]: column h is q_h
     X = write(data, keys)  # stored transposed: X[v, k] = sum_h q_h[k] x_h[v]
     assert torch.equal(X, torch.tensor([[1.0, 4.0], [2.0, 5.0], [3.0, 6.0]]))
-    # Eq. 13 retrieves x_h with q_h; key r = (2, -1) retrieves 2 x1 - x2.
-    out = read(X, torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, -1.0]]))
-    assert torch.equal(out, torch.tensor([[1.0, 4.0, -2.0], [2.0, 5.0, -1.0], [3.0, 6.0, 0.0]]))
+    # Eq. 13 retrieves x_h with q_h; key r = (2, -1) retrieves 2 x1 - x2. The model reads the
+    # normalized matrix (unit gain here): X / rms(X), rms^2 = 91 / 6.
+    norm = MatrixRMSNorm(dv=3, dk=2, eps=0.0)
+    out = norm.read(X[None], torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, -1.0]]))
+    want = torch.tensor([[1.0, 4.0, -2.0], [2.0, 5.0, -1.0], [3.0, 6.0, 0.0]]) / math.sqrt(91 / 6)
+    # float32: entries up to 2.1, two products and a sum each after the norm's rounding
+    torch.testing.assert_close(out, want, rtol=0, atol=16 * 2.0 ** -24 * 2.1)
     # A non-orthogonal pair of keys mixes the stored vectors: q1 = (1, 1), q2 = (0, 1).
     X = write(data, torch.tensor([[1.0, 0.0], [1.0, 1.0]]))
     assert torch.equal(X, torch.tensor([[1.0, 5.0], [2.0, 7.0], [3.0, 9.0]]))
@@ -150,8 +154,6 @@ def test_rmt_positions_and_dropout_are_checked():
 
 
 def test_matrix_rmsnorm_matches_torch_and_gradcheck():
-    from rmt.models.rmt import MatrixRMSNorm
-
     norm = MatrixRMSNorm(3, 5, 1e-6).double()
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
@@ -162,8 +164,6 @@ def test_matrix_rmsnorm_matches_torch_and_gradcheck():
 
 
 def test_matrix_rmsnorm_bf16_input_keeps_fp32_gain_grad():
-    from rmt.models.rmt import MatrixRMSNorm
-
     norm = MatrixRMSNorm(4, 8, 1e-6)
     x = torch.randn(6, 4, 8)
     ref = norm(x)

@@ -59,7 +59,7 @@ from rmt.config import RMTConfig
 from rmt.errors import ConfigError
 from rmt.models.build import register
 from rmt.models.megatron_config import padded_vocab_size, transformer_config
-from rmt.ops.matrix_rmsnorm import matrix_rms_norm
+from rmt.ops.matrix_rmsnorm import matrix_rms_norm, matrix_rms_norm_read
 
 POSITIONS = ("alibi", "learned")
 # The embedding's and unembedding's key matrices (parameter name suffixes): the authors decay
@@ -71,12 +71,6 @@ def ffn_hidden_size(config: RMTConfig) -> int:
     """W1's output size; default 4 R Dv (the transformer twin's 4 D with D = R Dv)."""
     m = config.model
     return m.ffn_hidden_size or 4 * m.rank * m.dv
-
-
-def read(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Retrieve n data vectors (Eq. 13): ``x [..., Dv, Dk]``, ``keys [n, Dk]`` ->
-    ``[..., Dv, n]`` with ``out[..., v, h] = sum_k keys[h, k] X[k, v]``."""
-    return F.linear(x, keys)
 
 
 def write(data: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -104,6 +98,13 @@ class MatrixRMSNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.weight.numel())
         return matrix_rms_norm(flat, self.weight, self.eps).view(x.shape)
+
+    def read(self, x: torch.Tensor, keys: torch.Tensor, key_major: bool = False) -> torch.Tensor:
+        """The norm followed by a read with ``keys [n, Dk]``, fused
+        (:func:`rmt.ops.matrix_rmsnorm.matrix_rms_norm_read`): ``[tokens*Dv, n]``, or
+        ``[n, tokens*Dv]`` with ``key_major``."""
+        flat = x.reshape(-1, self.weight.numel())
+        return matrix_rms_norm_read(flat, self.weight, keys, self.eps, key_major)
 
 
 class RMTEmbedding(MegatronModule):
@@ -159,11 +160,18 @@ class RMTLayer(MegatronModule):
         self.activation = config.activation_func
 
     def attention(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """Eq. 20-22. The read is key-major, ``[3*heads, s*b*Dv]``, so q, k and v are strided
+        views with Dv innermost in the ``[b, heads, s, Dv]`` shape the fused attention kernel
+        takes, and its output, laid out like q, is a free view of the ``[s, b*Dv, heads]``
+        input of the write (no permutation copy either way). Under TP each rank reads its own
+        heads: x and the gain enter through megatron's copy-to-TP region, which sums their
+        gradients (linear in the read's gradient) over the heads of all ranks."""
         s, b = x.shape[:2]
         heads = self.local_heads
-        qkv, _ = self.attn_read(self.attn_norm(x).view(s, b * self.dv, self.dk))
-        # [3, b, heads, s, Dv] with Dv contiguous: the layout fused SDPA kernels take.
-        q, k, v = qkv.view(s, b, self.dv, heads, 3).permute(4, 1, 3, 0, 2).float().contiguous()
+        x_tp, gain_tp = (tensor_parallel.copy_to_tensor_model_parallel_region(t) for t in (x, self.attn_norm.weight))
+        qkv = matrix_rms_norm_read(x_tp.reshape(s * b, -1), gain_tp, self.attn_read.weight, self.attn_norm.eps,
+                                   key_major=True).view(heads, 3, s, b, self.dv)
+        q, k, v = (t.permute(2, 0, 1, 3).float() for t in qkv.unbind(1))
         with torch.autocast(device_type=x.device.type, enabled=False):
             ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scale)
         ctx = ctx.to(qkv.dtype).permute(2, 0, 3, 1).reshape(s, b * self.dv, heads)
@@ -172,7 +180,7 @@ class RMTLayer(MegatronModule):
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         s, b = x.shape[:2]
-        h = read(self.ff_norm(x), self.ff_read.weight).reshape(s, b, self.dv * self.rank)
+        h = self.ff_norm.read(x, self.ff_read.weight).view(s, b, self.dv * self.rank)
         h, _ = self.fc1(h)
         h, _ = self.fc2(self.activation(h))
         return write(h.view(s, b, self.dv, self.rank), self.ff_write.weight)
@@ -193,9 +201,11 @@ class RMTUnembedding(MegatronModule):
             m.dv * m.rank, vocab, config=config, init_method=torch.nn.init.zeros_, bias=False,
             gather_output=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: MatrixRMSNorm) -> torch.Tensor:
+        """``x`` the residual matrix ``[s, b, Dv, Dk]``, ``norm`` the final norm (its own module
+        for checkpoint compatibility), fused with the reads."""
         s, b = x.shape[:2]
-        logits, _ = self.linear(read(x, self.read.weight).reshape(s, b, self.dv * self.rank))
+        logits, _ = self.linear(norm.read(x, self.read.weight).view(s, b, self.dv * self.rank))
         return logits
 
 
@@ -264,7 +274,7 @@ class RMTModel(MegatronModule):
                 x = layer(x, bias)
         if not self.post_process:
             return x.reshape(*x.shape[:2], self.dv * self.dk)
-        return self.output_layer(self.final_norm(x)).transpose(0, 1).contiguous()
+        return self.output_layer(x, self.final_norm).transpose(0, 1).contiguous()
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """Global keys: layers by their global number (``layers.{l-1}.``), TP shards by offset

@@ -12,6 +12,12 @@ passes of the autograd composite), and the fused CPU kernel of ``csrc/matrix_rms
 (one pass each way: the residual matrix is Dk/R times wider than the transformer's residual
 vector, so the passes over it decide the norm's cost). torch's own ``F.rms_norm`` was 2.5x slower
 than the reference on CPU (composite backward).
+
+In the RMT the norm is always followed by a read (Eq. 13) with n key vectors,
+``out[t, v, h] = sum_k keys[h, k] y_t[v, k]`` (``y_t`` the row as a ``Dv x Dk`` matrix):
+:func:`matrix_rms_norm_read` computes both, the reference as the norm followed by one GEMM and
+the fused CPU kernel blockwise so that the normalized matrix never goes to memory
+(``norm_read_*`` in the same C++ file).
 """
 
 from __future__ import annotations
@@ -62,6 +68,26 @@ class FusedMatrixRMSNorm(torch.autograd.Function):
         return grad_x, (grad_gain if ctx.needs_input_grad[1] else None), None
 
 
+class FusedMatrixRMSNormRead(torch.autograd.Function):
+    """The fused CPU norm + read: ``apply(x [T, Dv*Dk] contiguous, gain [Dv*Dk], keys [n, Dk], eps,
+    key_major)``, all of x's dtype. Saves x and rstd only."""
+
+    @staticmethod
+    def forward(ctx, x, gain, keys, eps, key_major):
+        out, rstd = _ext().norm_read_forward(x, gain, keys, eps, key_major)
+        ctx.save_for_backward(x, gain, keys, rstd)
+        ctx.key_major = key_major
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, gain, keys, rstd = ctx.saved_tensors
+        want = ctx.needs_input_grad
+        grad_x, grad_gain, grad_keys = _ext().norm_read_backward(
+            grad.to(x.dtype).contiguous(), x, gain, keys, rstd, ctx.key_major, want[1], want[2])
+        return grad_x, (grad_gain if want[1] else None), (grad_keys if want[2] else None), None, None
+
+
 def _ext():
     from rmt.ops.extensions import load_extension
 
@@ -81,3 +107,22 @@ def matrix_rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float, backend: st
     if backend != "torch":
         raise ValueError(f"matrix_rms_norm: backend must be one of {BACKENDS}; got {backend!r}")
     return TorchMatrixRMSNorm.apply(x, gain, eps)
+
+
+def matrix_rms_norm_read(x: torch.Tensor, gain: torch.Tensor, keys: torch.Tensor, eps: float,
+                         key_major: bool = False, backend: str = None) -> torch.Tensor:
+    """Normalize ``x [T, Dv*Dk]`` (gain ``[Dv*Dk]``) and read it with ``keys [n, Dk]`` (Eq. 13):
+    ``[T*Dv, n]`` with row ``t*Dv + v``, or with ``key_major`` its transpose ``[n, T*Dv]`` (then
+    each key's reads of a token's Dv entries are contiguous). ``backend``: ``"cpu"`` (the fused
+    kernel, the default where :func:`matrix_rms_norm` would use it and keys have x's dtype) or
+    ``"torch"`` (:func:`matrix_rms_norm` then one GEMM)."""
+    if backend is None:
+        fits = (x.device.type == "cpu" and x.dim() == 2 and x.dtype in _FUSED_DTYPES and gain.dtype == x.dtype
+                and keys.dtype == x.dtype and x.is_contiguous())
+        backend = "cpu" if fits and _ext() is not None else "torch"
+    if backend == "cpu":
+        return FusedMatrixRMSNormRead.apply(x, gain, keys, eps, key_major)
+    if backend != "torch":
+        raise ValueError(f"matrix_rms_norm_read: backend must be one of {BACKENDS}; got {backend!r}")
+    y = matrix_rms_norm(x, gain, eps, backend).reshape(-1, keys.shape[1])
+    return torch.mm(keys, y.t()) if key_major else torch.mm(y, keys.t())

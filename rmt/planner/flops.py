@@ -20,7 +20,8 @@ for the softmax, as Table 7. Exact counts treat embedding lookups as gathers (0 
 skip norms, biases and residual adds.
 
 Activation bytes per token: tensors kept for the backward pass of one training step without
-recomputation (inputs of every matmul and norm, GELU input and output; of the attention, the
+recomputation (inputs of every matmul and norm, GELU input and output; the RMT's norms are
+fused with the reads after them, which keep the norm's input only; of the attention, the
 fused kernel's fp32 log-sum-exp per head, or with ``model.attention_kernel: megatron`` the
 unfused softmax's probabilities ``heads x N``), in the model dtype, plus the fp32 logits
 (transformer and RMT; memory layers at skip placements not included).
@@ -121,8 +122,9 @@ def rmt_counts(L: int, Dk: int, Dv: int, R: int, Dff: int, V: int, N: int, Vp: i
     ]
     if not learned:
         diff_flops.append(("ALiBi: no position-key write (2 Dk Dv R)", -key))
-    layer_act = 4 * Dk * Dv + 5 * R * Dv + 2 * Dff
-    act = (L * layer_act + 2 * Dk * Dv + R * Dv) * dtype_bytes + L * attention_lse_bytes(R, True) + 4 * Vp
+    # The RMT's norms are fused with the reads that follow them: only their input is kept.
+    layer_act = 2 * Dk * Dv + 5 * R * Dv + 2 * Dff
+    act = (L * layer_act + Dk * Dv + R * Dv) * dtype_bytes + L * attention_lse_bytes(R, True) + 4 * Vp
     return _doc("rmt", params, paper_params, diff_params, flops, paper_flops, diff_flops, act)
 
 
