@@ -52,7 +52,11 @@ def test_bench_rmt_smoke(tmp_path):
     assert row["size"] == "tiny" and len(row["rmt"]["step_s_all"]) == 3
     assert row["overrides"] == ["model.attention_kernel=megatron"]
     for name in ("rmt", "transformer"):
-        assert row[name]["peak_bytes"] > row[name]["persistent_bytes"] > 0 and row[name]["params"] > 0
+        assert row[name]["persistent_bytes"] > 0 and row[name]["params"] > 0
+        # the step's activations are all alive at the end of its forward; the planner's figure is
+        # within 10% of what autograd saves (test_flops)
+        step = row[name]["peak_bytes"] - row[name]["persistent_bytes"]
+        assert step >= 0.9 * row[name]["planned_activation_bytes"] > 0
 
 
 def test_bench_rmt_bad_override_is_one_sentence():

@@ -5,7 +5,8 @@ residual matrix is Dk x Dv. Both run through the same trainer (megatron-core sch
 AdamW, clipping) on the default corpus. Steps of the two models alternate, so both see the same
 machine load; the reported time is the median over the timed steps. Peak memory per step is
 the persistent state (weights, gradient buffers, AdamW moments) plus the highest extra
-allocation during one step (CUDA: the allocator's peak; CPU: the profiler's allocation trace).
+allocation during one step (CUDA: the allocator's peak; CPU: the profiler's allocation trace),
+printed beside the planner's activation bytes for the step (``rmt-plan model``).
 
     python tools/bench_rmt.py [--quick] [--json FILE] [overrides]  # step time and memory
     python tools/bench_rmt.py --train [--quick]           # tiny twins: validation loss, LR sweep
@@ -36,6 +37,7 @@ sys.path.insert(0, ROOT)
 from rmt import parallel  # noqa: E402
 from rmt.config import load_config, validate  # noqa: E402
 from rmt.errors import ConfigError  # noqa: E402
+from rmt.planner.flops import plan_model  # noqa: E402
 from rmt.training.trainer import Trainer  # noqa: E402
 
 # name: (L, R = heads, Dv = head size, Dk, D_FF, seq, micro batch)
@@ -85,8 +87,10 @@ def step_peak_bytes(trainer: Trainer) -> int:
 
     with profiler_lines_dropped(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         trainer.train_step()
-    events = sorted((e.time_range.start, e.cpu_memory_usage) for e in prof.events()
-                    if e.cpu_memory_usage != 0 and e.name == "[memory]")
+    # The profiler attributes an allocation to the op that made it (its self memory: net of what
+    # its children allocate) and records the rest, mostly frees outside any op, as "[memory]".
+    events = sorted((e.time_range.start, e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
+                    for e in prof.events())
     level = peak = 0
     for _, delta in events:
         level += delta
@@ -108,10 +112,13 @@ def bench_size(size: str, steps: int, warmup: int, extra=()) -> dict:
                                           SIZES[size])), "overrides": list(extra)}
     for name, trainer in trainers.items():
         persist = persistent_bytes(trainer)
+        m, t = trainer.config.model, trainer.config.train
         row[name] = {"step_s": statistics.median(times[name]), "step_s_all": times[name],
                      "params": sum(p.numel() for p in trainer.params),
                      "peak_bytes": persist + step_peak_bytes(trainer),
-                     "persistent_bytes": persist}
+                     "persistent_bytes": persist,
+                     "planned_activation_bytes": plan_model(trainer.config)["activation_bytes_per_token"]
+                     * m.seq_length * t.micro_batch_size}
     row["step_time_ratio"] = row["rmt"]["step_s"] / row["transformer"]["step_s"]
     row["peak_mem_ratio"] = row["rmt"]["peak_bytes"] / row["transformer"]["peak_bytes"]
     return row
@@ -184,13 +191,15 @@ def main(argv=None) -> int:
             steps = args.steps or (5 if args.quick else 10)
             rows = []
             print(f"{'size':<10} {'rmt s/step':>10} {'tf s/step':>10} {'ratio':>6} "
-                  f"{'rmt MiB':>8} {'tf MiB':>8} {'mem ratio':>9} {'rmt params':>11} {'tf params':>11}")
+                  f"{'rmt MiB':>8} {'tf MiB':>8} {'mem ratio':>9} {'planned act MiB':>15} "
+                  f"{'rmt params':>11} {'tf params':>11}")
             for size in sizes:
                 r = bench_size(size, steps, warmup=2, extra=args.overrides)
                 rows.append(r)
                 print(f"{size:<10} {r['rmt']['step_s']:>10.4f} {r['transformer']['step_s']:>10.4f} "
                       f"{r['step_time_ratio']:>6.2f} {r['rmt']['peak_bytes'] / 2**20:>8.1f} "
                       f"{r['transformer']['peak_bytes'] / 2**20:>8.1f} {r['peak_mem_ratio']:>9.2f} "
+                      f"{r['rmt']['planned_activation_bytes'] / 2**20:>7.1f} /{r['transformer']['planned_activation_bytes'] / 2**20:>6.1f} "
                       f"{r['rmt']['params']:>11,} {r['transformer']['params']:>11,}", flush=True)
             summary = {"step_time_ratio_rmt_over_transformer": rows[-1]["step_time_ratio"],
                        "peak_mem_ratio": rows[-1]["peak_mem_ratio"], "largest_size": rows[-1]["size"]}
