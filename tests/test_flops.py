@@ -195,7 +195,7 @@ def saved_bytes_per_token(overrides, batch=4):
 def test_activation_bytes_match_what_autograd_saves(overrides):
     """The per-token model counts tensors by shape (inputs of every matmul and norm, GELU in and
     out, the attention kernel's own state); autograd's storages differ by views and shared inputs:
-    within 10% (measured 5-6% here). Counting the softmax probabilities of the unfused kernel under
+    within 10% (measured 4-6% here). Counting the softmax probabilities of the unfused kernel under
     the fused one would be 51% over for this transformer."""
     measured, planned = saved_bytes_per_token(["model.hidden_size=128", "model.num_attention_heads=4",
                                                "model.num_layers=2", "model.seq_length=256",
