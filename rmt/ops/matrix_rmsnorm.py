@@ -94,18 +94,24 @@ def _ext():
     return load_extension("rmt_matrix_rmsnorm_cpu")
 
 
+def _backend(op: str, backend, x: torch.Tensor, *params: torch.Tensor) -> str:
+    """``backend`` checked, or when None ``"cpu"`` for a contiguous 2-D CPU ``x`` of a fused dtype
+    whose ``params`` share its dtype (where the kernel builds), else ``"torch"``."""
+    if backend is None:
+        fits = (x.device.type == "cpu" and x.dim() == 2 and x.dtype in _FUSED_DTYPES and x.is_contiguous()
+                and all(p.dtype == x.dtype for p in params))
+        return "cpu" if fits and _ext() is not None else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"{op}: backend must be one of {BACKENDS}; got {backend!r}")
+    return backend
+
+
 def matrix_rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float, backend: str = None) -> torch.Tensor:
     """``x [T, n]`` normalized per row with gain ``[n]``. ``backend``: ``"cpu"`` (the fused kernel,
     the default for contiguous CPU float32/float64/bfloat16 inputs with a gain of the same dtype,
     where it builds) or ``"torch"`` (:class:`TorchMatrixRMSNorm`)."""
-    if backend is None:
-        fits = (x.device.type == "cpu" and x.dim() == 2 and x.dtype in _FUSED_DTYPES and gain.dtype == x.dtype
-                and x.is_contiguous())
-        backend = "cpu" if fits and _ext() is not None else "torch"
-    if backend == "cpu":
+    if _backend("matrix_rms_norm", backend, x, gain) == "cpu":
         return FusedMatrixRMSNorm.apply(x, gain, eps)
-    if backend != "torch":
-        raise ValueError(f"matrix_rms_norm: backend must be one of {BACKENDS}; got {backend!r}")
     return TorchMatrixRMSNorm.apply(x, gain, eps)
 
 
@@ -116,13 +122,7 @@ def matrix_rms_norm_read(x: torch.Tensor, gain: torch.Tensor, keys: torch.Tensor
     each key's reads of a token's Dv entries are contiguous). ``backend``: ``"cpu"`` (the fused
     kernel, the default where :func:`matrix_rms_norm` would use it and keys have x's dtype) or
     ``"torch"`` (:func:`matrix_rms_norm` then one GEMM)."""
-    if backend is None:
-        fits = (x.device.type == "cpu" and x.dim() == 2 and x.dtype in _FUSED_DTYPES and gain.dtype == x.dtype
-                and keys.dtype == x.dtype and x.is_contiguous())
-        backend = "cpu" if fits and _ext() is not None else "torch"
-    if backend == "cpu":
+    if _backend("matrix_rms_norm_read", backend, x, gain, keys) == "cpu":
         return FusedMatrixRMSNormRead.apply(x, gain, keys, eps, key_major)
-    if backend != "torch":
-        raise ValueError(f"matrix_rms_norm_read: backend must be one of {BACKENDS}; got {backend!r}")
     y = matrix_rms_norm(x, gain, eps, backend).reshape(-1, keys.shape[1])
     return torch.mm(keys, y.t()) if key_major else torch.mm(y, keys.t())
