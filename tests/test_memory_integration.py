@@ -62,7 +62,7 @@ def megatron():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {k: os.environ.get(k) for k in ("MASTER_PORT", "WORLD_SIZE", "RANK")}
+    env = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")}
     os.environ.update(MASTER_PORT=str(port), WORLD_SIZE="1", RANK="0")
     cfg = validate(_cfg(), world_size=1)
     initialize(cfg)
