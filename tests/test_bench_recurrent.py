@@ -1,7 +1,9 @@
 """tools/bench_recurrent.py: a seconds-long selective-copy run end to end (curriculum rows with
-wall and CPU seconds, the summary of the task that ran) and the rejection of bad input (exit status 2, one sentence)."""
+wall and CPU seconds, the summary of the task that ran), several seeds in processes of their own,
+and the rejection of bad input (exit status 2, one sentence)."""
 
 import json
+import os
 
 import pytest
 
@@ -36,7 +38,34 @@ def test_lr_cooldown_falls_linearly_over_the_budgets_last_fraction(tmp_path):
     assert [r["lr"] for r in rows] == pytest.approx([1e-3] * 5 + [7.5e-4, 5e-4, 2.5e-4], rel=1e-12)
 
 
+def test_seeds_run_in_processes_of_their_own_and_are_summarized(tmp_path):
+    """Three seeds, two at a time: each seed's run is the single run of that seed (the same
+    rows), and the summary's accuracies are theirs."""
+    out = tmp_path / "bench.json"
+    quick = ["tools/bench_recurrent.py", "--quick", "--tasks", "selective_copy", "--no-decode", "--max-steps", "4",
+             "--eval-interval", "2", "--eval-samples", "4", "--threads", "1"]
+    run_python(quick + ["--seeds", "1,2,3", "--jobs", "2", "--json", str(out)])
+    doc = json.loads(out.read_text())
+    single = tmp_path / "seed2.json"
+    run_python(quick + ["--json", str(single), "train.seed=2"])
+    one = json.loads(single.read_text())
+    curriculum = [r for r in doc["rows"] if r["part"] == "curriculum"]
+    assert sorted((r["seed"], r["step"]) for r in curriculum) == [(s, i) for s in (1, 2, 3) for i in (2, 4)]
+    losses = {s: [r["val_loss"] for r in curriculum if r["seed"] == s] for s in (1, 2, 3)}
+    assert len({tuple(v) for v in losses.values()}) == 3  # the seeds differ
+    assert losses[2] == [r["val_loss"] for r in one["rows"] if r["part"] == "curriculum"]
+    results = {r["seed"]: r["accuracy"] for r in doc["rows"] if r["part"] == "result"}
+    summary = doc["summary"]
+    assert summary["seeds"] == [1, 2, 3] and doc["machine"]["jobs"] == 2
+    assert summary["selective_copy_accuracy_per_seed"] == [results[1], results[2], results[3]]
+    assert results[2] == one["summary"]["selective_copy_accuracy"]
+    assert summary["selective_copy_accuracy"] == pytest.approx(sum(results.values()) / 3, rel=1e-12)
+    assert summary["selective_copy_accuracy_min"] == min(results.values())
+
+
 @pytest.mark.parametrize("args, message", [
+    (["--seeds", "1,x"], "--seeds must be distinct comma-separated integers, got '1,x'"),
+    (["--seeds", "1,1"], "--seeds must be distinct comma-separated integers, got '1,1'"),
     (["--lr-cooldown", "1"], "--lr-cooldown must lie in [0, 1), got 1.0"),
     (["--tasks", "copy,sort"], "--tasks must name copy and/or selective_copy, got 'copy,sort'"),
     (["--tasks", "copy", "model.recurrent_alpha=2"], "model.recurrent_alpha must lie in [0, 1], got 2.0"),
@@ -45,3 +74,13 @@ def test_bad_input_is_rejected(args, message):
     proc = run_python(["tools/bench_recurrent.py"] + args, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == f"bench_recurrent: {message}"
+
+
+def test_more_jobs_than_cores_is_rejected():
+    cores = len(os.sched_getaffinity(0))
+    proc = run_python(["tools/bench_recurrent.py", "--seeds", "1,2", "--jobs", str(cores + 1), "--threads", "1"],
+                      check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"bench_recurrent: --jobs x --threads must lie in [1, {cores}] (the cores this process may use), "
+        f"got {cores + 1} x 1")

@@ -22,11 +22,18 @@ repeat mixers).
 
     python tools/bench_recurrent.py [--quick] [--json out.json]
     python tools/bench_recurrent.py --tasks selective_copy --no-decode --cpu-budget 4800 --json out.json
+    python tools/bench_recurrent.py --tasks selective_copy --no-decode --cpu-budget 4800 --seeds 1,2,3 --jobs 2
 
-Summary keys: ``copy_accuracy``, ``selective_copy_accuracy``, ``max_noise_tokens`` (largest
-noise length reached by both tasks), ``mixer_decode_mem_growth`` and
-``recurrent_decode_mem_growth`` (state bytes at position 2048 over those at 128), plus
-``transformer_decode_mem_growth`` for comparison.
+How far a curriculum run gets in its budget varies several-fold with the seed (docs/recipes.md),
+so a recipe is judged on several: ``--seeds`` runs the tasks once per seed (``train.seed``), each
+seed in a process of its own, ``--jobs`` of them at a time, each pinned to a core of its own
+(their CPU-second budgets then do not compete), and summarizes the accuracies over the seeds.
+
+Summary keys: ``copy_accuracy``, ``selective_copy_accuracy`` (with ``--seeds``: the mean over the
+seeds, and ``<task>_accuracy_per_seed``, ``<task>_accuracy_min`` and ``seeds`` beside it),
+``max_noise_tokens`` (largest noise length reached by both tasks, on every seed),
+``mixer_decode_mem_growth`` and ``recurrent_decode_mem_growth`` (state bytes at position 2048
+over those at 128), plus ``transformer_decode_mem_growth`` for comparison.
 """
 
 from __future__ import annotations
@@ -35,7 +42,10 @@ import argparse
 import json
 import os
 import platform
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -108,7 +118,7 @@ def train_task(task: str, args, rows: list) -> dict:
             if trainer.iteration % args.eval_interval == 0:
                 m["val_loss"] = val = trainer.evaluate()
                 trainer.after_evaluation(m)
-                rows.append({"part": "curriculum", "task": task, "step": trainer.iteration,
+                rows.append({"part": "curriculum", "task": task, "seed": config.train.seed, "step": trainer.iteration,
                              "noise_length": noise, "val_loss": val, "lr": m["lr"], "alpha": trainer.chunks[0].module.layers[0].alpha.item(),
                              "elapsed_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu})
                 print(json.dumps(rows[-1]), flush=True)
@@ -122,7 +132,7 @@ def train_task(task: str, args, rows: list) -> dict:
         with torch.no_grad():
             logits = model(stacked["tokens"], stacked["position_ids"], None)
         acc = recall_accuracy(logits, stacked["labels"], stacked["loss_mask"], 16)
-        return {"accuracy": acc, "noise_length": ds.noise_length, "steps": trainer.iteration,
+        return {"accuracy": acc, "seed": config.train.seed, "noise_length": ds.noise_length, "steps": trainer.iteration,
                 "parameters": params, "final_val_loss": val, "train_s": time.perf_counter() - start,
                 "train_cpu_s": time.process_time() - cpu}
     finally:
@@ -170,8 +180,51 @@ def decode_profile(arch: str, args, rows: list) -> dict:
         parallel.destroy()
 
 
+def without_options(argv: list, names: tuple) -> list:
+    """``argv`` without the options ``names`` and their values (``--name value`` or ``--name=value``)."""
+    out, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+        elif token in names:
+            skip = True
+        elif not token.startswith(tuple(f"{n}=" for n in names)):
+            out.append(token)
+    return out
+
+
+def run_seeds(argv: list, seeds: list, slots: list) -> tuple:
+    """Runs this benchmark once per seed, each in a process of its own (``--seeds S``), one per
+    slot at a time, pinned to that slot's cores; returns (rows, results by task and seed)."""
+    base = without_options(argv, ("--seeds", "--jobs", "--json"))
+    rows, results = [], {}
+    with tempfile.TemporaryDirectory(prefix="bench_recurrent_") as tmp:
+        pending, running, free = list(seeds), [], list(slots)
+        while pending or running:
+            while pending and free:
+                seed, cores = pending.pop(0), free.pop(0)
+                path = os.path.join(tmp, f"seed{seed}.json")
+                proc = subprocess.Popen([sys.executable, os.path.abspath(__file__)] + base + [
+                    "--seeds", str(seed), "--json", path], preexec_fn=lambda c=cores: os.sched_setaffinity(0, c))
+                print(f"bench_recurrent: seed {seed} started on cores {cores} (pid {proc.pid})", flush=True)
+                running.append((seed, proc, cores, path))
+            seed, proc, cores, path = running.pop(0)
+            if proc.wait() != 0:
+                for other in running:
+                    other[1].kill()
+                raise RuntimeError(f"the run of seed {seed} failed (exit status {proc.returncode})")
+            free.append(cores)
+            with open(path) as f:
+                rows += [r for r in json.load(f)["rows"] if r["part"] != "decode"]
+    results = {}
+    for r in rows:
+        if r["part"] == "result":
+            results.setdefault(r["task"], {})[r["seed"]] = r
+    return rows, results
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--quick", action="store_true", help="small curriculum target, short budget (~3 min)")
     ap.add_argument("--json", metavar="FILE", help="write the benchmark JSON")
     ap.add_argument("--noise-start", type=int, default=None)
@@ -210,7 +263,12 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-samples", type=int, default=64)
     ap.add_argument("--stop-loss", type=float, default=0.01)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seeds", help="comma-separated seeds (train.seed): one run per seed, each in a process "
+                                    "of its own, and the accuracies summarized over them")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="with --seeds: seed runs at a time, each pinned to --threads cores of its own")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides for the task runs")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
     tasks = [t for t in args.tasks.split(",") if t]
     if not tasks or any(t not in ("copy", "selective_copy") for t in tasks):
@@ -219,6 +277,21 @@ def main(argv=None) -> int:
     if not 0.0 <= args.lr_cooldown < 1.0:
         print(f"bench_recurrent: --lr-cooldown must lie in [0, 1), got {args.lr_cooldown}", file=sys.stderr)
         return 2
+    try:
+        seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else []
+    except ValueError:
+        seeds = None
+    if seeds is None or (args.seeds and (not seeds or len(set(seeds)) != len(seeds))):
+        print(f"bench_recurrent: --seeds must be distinct comma-separated integers, got '{args.seeds}'",
+              file=sys.stderr)
+        return 2
+    cores = sorted(os.sched_getaffinity(0))
+    if args.jobs < 1 or (len(seeds) > 1 and args.jobs * args.threads > len(cores)):
+        print(f"bench_recurrent: --jobs x --threads must lie in [1, {len(cores)}] (the cores this process may use), "
+              f"got {args.jobs} x {args.threads}", file=sys.stderr)
+        return 2
+    if len(seeds) == 1:
+        args.overrides = args.overrides + [f"train.seed={seeds[0]}"]
     q = args.quick
     args.noise_start = args.noise_start or (8 if q else 16)
     args.noise_target = args.noise_target or (16 if q else 512)
@@ -235,19 +308,35 @@ def main(argv=None) -> int:
         print(f"bench_recurrent: {err}", file=sys.stderr)
         return 2
     rows: list = []
-    results = {task: train_task(task, args, rows) for task in tasks}
-    for task, r in results.items():
-        rows.append({"part": "result", "task": task, **r})
-        print(json.dumps(rows[-1]), flush=True)
-    summary = {f"{task}_accuracy": r["accuracy"] for task, r in results.items()}
-    summary["max_noise_tokens"] = min(r["noise_length"] for r in results.values())
+    if len(seeds) > 1:
+        slots = [set(cores[i * args.threads:(i + 1) * args.threads]) for i in range(args.jobs)]
+        try:
+            rows, per_seed = run_seeds(argv, seeds, slots)
+        except RuntimeError as err:
+            print(f"bench_recurrent: {err}", file=sys.stderr)
+            return 1
+        summary = {"seeds": seeds}
+        for task in tasks:
+            accuracies = [per_seed[task][s]["accuracy"] for s in seeds]
+            summary.update({f"{task}_accuracy": statistics.mean(accuracies), f"{task}_accuracy_min": min(accuracies),
+                            f"{task}_accuracy_per_seed": accuracies})
+            print(f"{task}: accuracy per seed {', '.join(f'{s}: {a:.3f}' for s, a in zip(seeds, accuracies))}; "
+                  f"mean {statistics.mean(accuracies):.3f}, min {min(accuracies):.3f}", flush=True)
+        summary["max_noise_tokens"] = min(r["noise_length"] for task in tasks for r in per_seed[task].values())
+    else:
+        results = {task: train_task(task, args, rows) for task in tasks}
+        for task, r in results.items():
+            rows.append({"part": "result", "task": task, **r})
+            print(json.dumps(rows[-1]), flush=True)
+        summary = {f"{task}_accuracy": r["accuracy"] for task, r in results.items()}
+        summary["max_noise_tokens"] = min(r["noise_length"] for r in results.values())
     if not args.no_decode:
         mem = {arch: decode_profile(arch, args, rows) for arch in ("mixer", "recurrent", "transformer")}
         summary.update({f"{arch}_decode_mem_growth": mem[arch][2048] / mem[arch][128] for arch in mem})
     print(json.dumps(summary, indent=1))
     if args.json:
         machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                   "threads": args.threads, "quick": q}
+                   "threads": args.threads, "jobs": args.jobs, "quick": q}
         with open(args.json, "w") as f:
             json.dump({"benchmark": "bench_recurrent", "machine": machine, "rows": rows, "summary": summary}, f, indent=1)
     return 0
