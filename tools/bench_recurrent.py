@@ -26,8 +26,9 @@ repeat mixers).
 
 How far a curriculum run gets in its budget varies several-fold with the seed (docs/recipes.md),
 so a recipe is judged on several: ``--seeds`` runs the tasks once per seed (``train.seed``), each
-seed in a process of its own, ``--jobs`` of them at a time, each pinned to a core of its own
-(their CPU-second budgets then do not compete), and summarizes the accuracies over the seeds.
+seed in a process of its own, ``--jobs`` of them at a time, each pinned to ``--threads`` cores of
+its own (their CPU-second budgets then do not compete), and summarizes the accuracies over the
+seeds.
 
 Summary keys: ``copy_accuracy``, ``selective_copy_accuracy`` (with ``--seeds``: the mean over the
 seeds, and ``<task>_accuracy_per_seed``, ``<task>_accuracy_min`` and ``seeds`` beside it),
@@ -197,7 +198,7 @@ def run_seeds(argv: list, seeds: list, slots: list) -> tuple:
     """Runs this benchmark once per seed, each in a process of its own (``--seeds S``), one per
     slot at a time, pinned to that slot's cores; returns (rows, results by task and seed)."""
     base = without_options(argv, ("--seeds", "--jobs", "--json"))
-    rows, results = [], {}
+    rows = []
     with tempfile.TemporaryDirectory(prefix="bench_recurrent_") as tmp:
         pending, running, free = list(seeds), [], list(slots)
         while pending or running:
