@@ -282,7 +282,7 @@ def main(argv=None) -> int:
         seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else []
     except ValueError:
         seeds = None
-    if seeds is None or (args.seeds and (not seeds or len(set(seeds)) != len(seeds))):
+    if seeds is None or len(set(seeds)) != len(seeds):
         print(f"bench_recurrent: --seeds must be distinct comma-separated integers, got '{args.seeds}'",
               file=sys.stderr)
         return 2
@@ -319,10 +319,11 @@ def main(argv=None) -> int:
         summary = {"seeds": seeds}
         for task in tasks:
             accuracies = [per_seed[task][s]["accuracy"] for s in seeds]
-            summary.update({f"{task}_accuracy": statistics.mean(accuracies), f"{task}_accuracy_min": min(accuracies),
+            mean, low = statistics.mean(accuracies), min(accuracies)
+            summary.update({f"{task}_accuracy": mean, f"{task}_accuracy_min": low,
                             f"{task}_accuracy_per_seed": accuracies})
             print(f"{task}: accuracy per seed {', '.join(f'{s}: {a:.3f}' for s, a in zip(seeds, accuracies))}; "
-                  f"mean {statistics.mean(accuracies):.3f}, min {min(accuracies):.3f}", flush=True)
+                  f"mean {mean:.3f}, min {low:.3f}", flush=True)
         summary["max_noise_tokens"] = min(r["noise_length"] for task in tasks for r in per_seed[task].values())
     else:
         results = {task: train_task(task, args, rows) for task in tasks}
