@@ -38,6 +38,19 @@ def test_lr_cooldown_falls_linearly_over_the_budgets_last_fraction(tmp_path):
     assert [r["lr"] for r in rows] == pytest.approx([1e-3] * 5 + [7.5e-4, 5e-4, 2.5e-4], rel=1e-12)
 
 
+def test_lr_cooldown_from_target_falls_linearly_from_the_arrival(tmp_path):
+    """With ``--lr-cooldown-from target`` the decay starts where the curriculum reaches the target:
+    a threshold of 100 doubles 8 -> 16 at the first evaluation, so step 2 (1/8 of the budget
+    spent) runs at 1e-3 x 0.8 (the doubling's factor) and step i after it at 8e-4 x (8 - (i-1)) / 7."""
+    out = tmp_path / "bench.json"
+    run_python(["tools/bench_recurrent.py", "--quick", "--tasks", "selective_copy", "--no-decode",
+                "--max-steps", "8", "--eval-interval", "1", "--eval-samples", "4", "--lr-cooldown-from", "target",
+                "--json", str(out), "train.warmup_steps=0", "data.curriculum_threshold=100"])
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["part"] == "curriculum"]
+    assert [r["noise_length"] for r in rows] == [8] + [16] * 7
+    assert [r["lr"] for r in rows] == pytest.approx([1e-3] + [8e-4 * (9 - i) / 7 for i in range(2, 9)], rel=1e-12)
+
+
 def test_seeds_run_in_processes_of_their_own_and_are_summarized(tmp_path):
     """Three seeds, two at a time: each seed's run is the single run of that seed (the same
     rows), and the summary's accuracies are theirs."""

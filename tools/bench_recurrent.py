@@ -12,7 +12,8 @@ repeat mixers).
     evaluations at the target without a new lowest validation loss, down to ``--min-lr-ratio`` x
     ``--lr`` (the paper's learning rate "decays as a function of the sequence length and the
     validation loss", §6.2); ``--lr-cooldown F`` (0.25) also brings it linearly down to that
-    floor over the last fraction F of the budget. The paper starts at 128 and reports 100% / 99.4% at
+    floor over the last fraction F of the budget, or, with ``--lr-cooldown-from target``, over
+    the whole stage at ``--noise-target`` (from the arrival to the end of the budget). The paper starts at 128 and reports 100% / 99.4% at
     4096 noise tokens with ~0.5M parameters; docs/recipes.md ("Recurrent transformer on copy
     tasks") lists what was measured here.
 (b) Decoding tokens/s and cache memory against position, up to 2048: the repeat mixer in its
@@ -89,14 +90,22 @@ def budget_spent(args, steps: int, wall_s: float, cpu_s: float) -> float:
     return max(steps / args.max_steps, wall_s / args.time_budget, cpu_s / args.cpu_budget)
 
 
-def cool_down(trainer, args, spent: float) -> None:
-    """Over the last ``--lr-cooldown`` fraction of the budget, scale the learning rate the
-    validation rules have set (:mod:`rmt.training.lr_control`) linearly down to the floor
-    ``--min-lr-ratio``: a warmup-stable-decay ending (megatron-core's ``WSD`` decay style counts
-    steps; a CPU-second budget fixes no step count, so the factor is applied here)."""
-    if args.lr_cooldown <= 0 or spent <= 1.0 - args.lr_cooldown:
+def cool_down(trainer, args, spent: float, arrived) -> None:
+    """Scale the learning rate the validation rules have set (:mod:`rmt.training.lr_control`)
+    linearly down to the floor ``--min-lr-ratio`` over the last ``--lr-cooldown`` fraction of the
+    budget (``--lr-cooldown-from budget``: a warmup-stable-decay ending), or from ``arrived``, the
+    fraction of the budget spent when the curriculum reached ``--noise-target``, to the end
+    (``--lr-cooldown-from target``: a decay to the floor over the whole last stage). megatron-core's
+    decay styles count steps; a CPU-second budget fixes no step count, so the factor is applied
+    here."""
+    if args.lr_cooldown_from == "target":
+        if arrived is None:
+            return
+        left = (1.0 - spent) / (1.0 - arrived)
+    elif args.lr_cooldown <= 0 or spent <= 1.0 - args.lr_cooldown:
         return
-    left = (1.0 - spent) / args.lr_cooldown
+    else:
+        left = (1.0 - spent) / args.lr_cooldown
     scale = max(trainer.lr_control.scale * left, args.min_lr_ratio)
     if scale != trainer.scheduler.scale:
         trainer.scheduler.scale = scale
@@ -111,10 +120,12 @@ def train_task(task: str, args, rows: list) -> dict:
         trainer = Trainer(config)
         params = sum(p.numel() for p in trainer.params)
         start, cpu = time.perf_counter(), time.process_time()
-        noise, val = args.noise_start, float("inf")
+        noise, val, arrived = args.noise_start, float("inf"), None
         while (spent := budget_spent(args, trainer.iteration, time.perf_counter() - start,
                                      time.process_time() - cpu)) < 1.0:
-            cool_down(trainer, args, spent)
+            if arrived is None and noise == args.noise_target:
+                arrived = spent
+            cool_down(trainer, args, spent, arrived)
             m = trainer.train_step()
             if trainer.iteration % args.eval_interval == 0:
                 m["val_loss"] = val = trainer.evaluate()
@@ -258,6 +269,9 @@ def main(argv=None) -> int:
     ap.add_argument("--lr-cooldown", type=float, default=0.25,
                     help="over this last fraction of the budget (steps, wall or CPU seconds, whichever runs "
                          "out first) the learning rate falls linearly to the floor --min-lr-ratio; 0 = none")
+    ap.add_argument("--lr-cooldown-from", choices=("budget", "target"), default="budget",
+                    help="budget: the cooldown is the last --lr-cooldown fraction of the budget; target: it "
+                         "runs from the arrival at --noise-target to the end of the budget")
     ap.add_argument("--min-lr-ratio", type=float, default=0.02,
                     help="the lowest the learning rate falls to, as a fraction of --lr (train.min_lr_ratio)")
     ap.add_argument("--eval-interval", type=int, help="default 25 (quick 10)")
