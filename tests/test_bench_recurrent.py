@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from conftest import run_python
 
@@ -24,6 +25,29 @@ def test_quick_selective_copy_smoke(tmp_path):
     summary = doc["summary"]
     assert sorted(summary) == ["max_noise_tokens", "selective_copy_accuracy"]
     assert 0.0 <= summary["selective_copy_accuracy"] <= 1.0 and summary["max_noise_tokens"] in (8, 16)
+
+
+def test_accuracy_by_block_and_the_saved_model(tmp_path):
+    """Copy puts the 16 data tokens at positions 0-15, blocks 0 and 1 of width 8: 8 recall tokens
+    of each of the 4 samples per block, and the task's accuracy is their mean. Selective copy
+    scatters them, but the counts still add up to 16 per sample. The saved state dict is the
+    trained model's (its alpha is the last evaluation's)."""
+    out = tmp_path / "bench.json"
+    run_python(["tools/bench_recurrent.py", "--quick", "--tasks", "copy,selective_copy", "--no-decode",
+                "--max-steps", "4", "--eval-interval", "2", "--eval-samples", "4", "--save-model", str(tmp_path / "m"),
+                "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    result = {r["task"]: r for r in rows if r["part"] == "result"}
+    by_block = result["copy"]["accuracy_by_block"]
+    assert [(b, n) for b, _, n in by_block] == [(0, 32), (1, 32)]
+    assert result["copy"]["accuracy"] == pytest.approx((by_block[0][1] + by_block[1][1]) / 2, rel=1e-6)
+    scattered = result["selective_copy"]["accuracy_by_block"]
+    assert sum(n for _, _, n in scattered) == 64 and all(0 <= b < 3 for b, _, _ in scattered)
+    assert result["selective_copy"]["accuracy"] == pytest.approx(sum(a * n for _, a, n in scattered) / 64, rel=1e-6)
+    for task in ("copy", "selective_copy"):
+        state = torch.load(tmp_path / "m" / f"{task}_seed1234.pt")
+        last = [r for r in rows if r["part"] == "curriculum" and r["task"] == task][-1]
+        assert state["layers.0.alpha"].item() == last["alpha"]
 
 
 def test_lr_cooldown_falls_linearly_over_the_budgets_last_fraction(tmp_path):

@@ -31,6 +31,9 @@ seed in a process of its own, ``--jobs`` of them at a time, each pinned to ``--t
 its own (their CPU-second budgets then do not compete), and summarizes the accuracies over the
 seeds.
 
+Each task's result row also gives ``accuracy_by_block``, the recall accuracy grouped by the block
+that held the recalled token, and ``--save-model DIR`` keeps the trained models.
+
 Summary keys: ``copy_accuracy``, ``selective_copy_accuracy`` (with ``--seeds``: the mean over the
 seeds, and ``<task>_accuracy_per_seed``, ``<task>_accuracy_min`` and ``seeds`` beside it),
 ``max_noise_tokens`` (largest noise length reached by both tasks, on every seed),
@@ -56,7 +59,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rmt import parallel  # noqa: E402
 from rmt.config import load_config, validate  # noqa: E402
-from rmt.data.tasks import recall_accuracy  # noqa: E402
+from rmt.data.tasks import noise_token, recall_accuracy  # noqa: E402
 from rmt.decoding import decoder_for  # noqa: E402
 from rmt.errors import ConfigError  # noqa: E402
 from rmt.models.build import build  # noqa: E402
@@ -112,6 +115,16 @@ def cool_down(trainer, args, spent: float, arrived) -> None:
         trainer.scheduler.step(0)
 
 
+def accuracy_by_block(logits: torch.Tensor, batch: dict, block: int) -> list:
+    """Recall accuracy grouped by the block (``position // block``) that held the recalled data
+    token: ``[block, accuracy, recall tokens]`` for every block that held one. Where the errors
+    sit tells a failing relay across many blocks from errors spread evenly."""
+    tokens, n = batch["tokens"], 16
+    hits = logits[:, -n:, :16].argmax(-1) == batch["labels"][:, -n:]
+    where = (tokens[:, :-n] != noise_token(16)).nonzero()[:, 1].view(-1, n) // block
+    return [[b, float(hits[where == b].float().mean()), int((where == b).sum())] for b in where.unique().tolist()]
+
+
 def train_task(task: str, args, rows: list) -> dict:
     """Curriculum training of the recurrent transformer; returns accuracy at the noise reached."""
     config = task_config(task, args)
@@ -144,7 +157,11 @@ def train_task(task: str, args, rows: list) -> dict:
         with torch.no_grad():
             logits = model(stacked["tokens"], stacked["position_ids"], None)
         acc = recall_accuracy(logits, stacked["labels"], stacked["loss_mask"], 16)
-        return {"accuracy": acc, "seed": config.train.seed, "noise_length": ds.noise_length, "steps": trainer.iteration,
+        if args.save_model:
+            os.makedirs(args.save_model, exist_ok=True)
+            torch.save(model.state_dict(), os.path.join(args.save_model, f"{task}_seed{config.train.seed}.pt"))
+        return {"accuracy": acc, "accuracy_by_block": accuracy_by_block(logits, stacked, args.block),
+                "seed": config.train.seed, "noise_length": ds.noise_length, "steps": trainer.iteration,
                 "parameters": params, "final_val_loss": val, "train_s": time.perf_counter() - start,
                 "train_cpu_s": time.process_time() - cpu}
     finally:
@@ -278,6 +295,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-samples", type=int, default=64)
     ap.add_argument("--stop-loss", type=float, default=0.01)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--save-model", metavar="DIR",
+                    help="keep each task's trained model's state dict as DIR/<task>_seed<seed>.pt")
     ap.add_argument("--seeds", help="comma-separated seeds (train.seed): one run per seed, each in a process "
                                     "of its own, and the accuracies summarized over them")
     ap.add_argument("--jobs", type=int, default=1,
