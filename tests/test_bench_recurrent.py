@@ -31,11 +31,12 @@ def test_accuracy_by_block_and_the_saved_model(tmp_path):
     """Copy puts the 16 data tokens at positions 0-15, blocks 0 and 1 of width 8: 8 recall tokens
     of each of the 4 samples per block, and the task's accuracy is their mean. Selective copy
     scatters them, but the counts still add up to 16 per sample. The saved state dict is the
-    trained model's (its alpha is the last evaluation's)."""
+    trained model's (its alpha is the last evaluation's). ``--eval-noise`` measures the same
+    samples again at the noise length trained (the curriculum held at 8), and at a longer one."""
     out = tmp_path / "bench.json"
     run_python(["tools/bench_recurrent.py", "--quick", "--tasks", "copy,selective_copy", "--no-decode",
                 "--max-steps", "4", "--eval-interval", "2", "--eval-samples", "4", "--save-model", str(tmp_path / "m"),
-                "--json", str(out)])
+                "--eval-noise", "8,40", "--json", str(out), "data.curriculum_threshold=0"])
     rows = json.loads(out.read_text())["rows"]
     result = {r["task"]: r for r in rows if r["part"] == "result"}
     by_block = result["copy"]["accuracy_by_block"]
@@ -45,6 +46,9 @@ def test_accuracy_by_block_and_the_saved_model(tmp_path):
     assert sum(n for _, _, n in scattered) == 64 and all(0 <= b < 3 for b, _, _ in scattered)
     assert result["selective_copy"]["accuracy"] == pytest.approx(sum(a * n for _, a, n in scattered) / 64, rel=1e-6)
     for task in ("copy", "selective_copy"):
+        assert result[task]["noise_length"] == 8 and sorted(result[task]["accuracy_at_noise"]) == ["40", "8"]
+        assert result[task]["accuracy_at_noise"]["8"] == result[task]["accuracy"]
+        assert 0.0 <= result[task]["accuracy_at_noise"]["40"] <= 1.0
         state = torch.load(tmp_path / "m" / f"{task}_seed1234.pt")
         last = [r for r in rows if r["part"] == "curriculum" and r["task"] == task][-1]
         assert state["layers.0.alpha"].item() == last["alpha"]
@@ -104,6 +108,9 @@ def test_seeds_run_in_processes_of_their_own_and_are_summarized(tmp_path):
     (["--seeds", "1,x"], "--seeds must be distinct comma-separated integers, got '1,x'"),
     (["--seeds", "1,1"], "--seeds must be distinct comma-separated integers, got '1,1'"),
     (["--lr-cooldown", "1"], "--lr-cooldown must lie in [0, 1), got 1.0"),
+    (["--eval-noise", "64,x"], "--eval-noise must list non-negative noise lengths, got '64,x'"),
+    (["--quick", "--eval-noise", "64", "model.position=learned"], "--eval-noise above --noise-target (16) needs "
+     "model.position=block (a learned position table has no rows past the longest training sample)"),
     (["--tasks", "copy,sort"], "--tasks must name copy and/or selective_copy, got 'copy,sort'"),
     (["--tasks", "copy", "model.recurrent_alpha=2"], "model.recurrent_alpha must lie in [0, 1], got 2.0"),
 ])

@@ -32,7 +32,8 @@ its own (their CPU-second budgets then do not compete), and summarizes the accur
 seeds.
 
 Each task's result row also gives ``accuracy_by_block``, the recall accuracy grouped by the block
-that held the recalled token, and ``--save-model DIR`` keeps the trained models.
+that held the recalled token, and with ``--eval-noise 256,1024`` ``accuracy_at_noise``, the trained
+model's accuracy at other noise lengths; ``--save-model DIR`` keeps the trained models.
 
 Summary keys: ``copy_accuracy``, ``selective_copy_accuracy`` (with ``--seeds``: the mean over the
 seeds, and ``<task>_accuracy_per_seed``, ``<task>_accuracy_min`` and ``seeds`` beside it),
@@ -125,6 +126,18 @@ def accuracy_by_block(logits: torch.Tensor, batch: dict, block: int) -> list:
     return [[b, float(hits[where == b].float().mean()), int((where == b).sum())] for b in where.unique().tolist()]
 
 
+def recall_eval(model, ds, noise: int, args) -> tuple:
+    """Recall accuracy and :func:`accuracy_by_block` of ``model`` on ``--eval-samples`` validation
+    samples with ``noise`` noise tokens."""
+    ds.noise_length = noise
+    batch = [ds[10_000 + i] for i in range(args.eval_samples)]
+    stacked = {k: torch.stack([s[k] for s in batch]) for k in batch[0]}
+    with torch.no_grad():
+        logits = model(stacked["tokens"], stacked["position_ids"], None)
+    return (recall_accuracy(logits, stacked["labels"], stacked["loss_mask"], 16),
+            accuracy_by_block(logits, stacked, args.block))
+
+
 def train_task(task: str, args, rows: list) -> dict:
     """Curriculum training of the recurrent transformer; returns accuracy at the noise reached."""
     config = task_config(task, args)
@@ -152,16 +165,14 @@ def train_task(task: str, args, rows: list) -> dict:
                     break
         model = trainer.chunks[0].module.eval()
         ds = trainer.valid_ds
-        batch = [ds[10_000 + i] for i in range(args.eval_samples)]
-        stacked = {k: torch.stack([s[k] for s in batch]) for k in batch[0]}
-        with torch.no_grad():
-            logits = model(stacked["tokens"], stacked["position_ids"], None)
-        acc = recall_accuracy(logits, stacked["labels"], stacked["loss_mask"], 16)
+        reached = ds.noise_length
+        acc, by_block = recall_eval(model, ds, reached, args)
+        at_noise = {str(n): recall_eval(model, ds, n, args)[0] for n in args.eval_noise}
         if args.save_model:
             os.makedirs(args.save_model, exist_ok=True)
             torch.save(model.state_dict(), os.path.join(args.save_model, f"{task}_seed{config.train.seed}.pt"))
-        return {"accuracy": acc, "accuracy_by_block": accuracy_by_block(logits, stacked, args.block),
-                "seed": config.train.seed, "noise_length": ds.noise_length, "steps": trainer.iteration,
+        return {"accuracy": acc, "accuracy_by_block": by_block, "accuracy_at_noise": at_noise,
+                "seed": config.train.seed, "noise_length": reached, "steps": trainer.iteration,
                 "parameters": params, "final_val_loss": val, "train_s": time.perf_counter() - start,
                 "train_cpu_s": time.process_time() - cpu}
     finally:
@@ -295,6 +306,9 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-samples", type=int, default=64)
     ap.add_argument("--stop-loss", type=float, default=0.01)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--eval-noise", default="",
+                    help="comma-separated noise lengths at which the trained model's recall accuracy is also "
+                         "measured (result: accuracy_at_noise); above --noise-target only with block positions")
     ap.add_argument("--save-model", metavar="DIR",
                     help="keep each task's trained model's state dict as DIR/<task>_seed<seed>.pt")
     ap.add_argument("--seeds", help="comma-separated seeds (train.seed): one run per seed, each in a process "
@@ -319,6 +333,14 @@ def main(argv=None) -> int:
         print(f"bench_recurrent: --seeds must be distinct comma-separated integers, got '{args.seeds}'",
               file=sys.stderr)
         return 2
+    raw_noise = args.eval_noise
+    try:
+        args.eval_noise = [int(x) for x in raw_noise.split(",") if x]
+    except ValueError:
+        args.eval_noise = None
+    if args.eval_noise is None or any(n < 0 for n in args.eval_noise):
+        print(f"bench_recurrent: --eval-noise must list non-negative noise lengths, got '{raw_noise}'", file=sys.stderr)
+        return 2
     cores = sorted(os.sched_getaffinity(0))
     if args.jobs < 1 or (len(seeds) > 1 and args.jobs * args.threads > len(cores)):
         print(f"bench_recurrent: --jobs x --threads must lie in [1, {len(cores)}] (the cores this process may use), "
@@ -337,7 +359,9 @@ def main(argv=None) -> int:
             setattr(args, name, quick if q else full)
     try:
         for task in tasks:
-            task_config(task, args)
+            if task_config(task, args).model.position != "block" and max(args.eval_noise, default=0) > args.noise_target:
+                raise ConfigError(f"--eval-noise above --noise-target ({args.noise_target}) needs model.position=block "
+                                  f"(a learned position table has no rows past the longest training sample)")
     except ConfigError as err:
         print(f"bench_recurrent: {err}", file=sys.stderr)
         return 2
