@@ -202,6 +202,13 @@ class DataConfig:
     """Synthetic tasks: noise tokens between the data and the recall tokens (the curriculum's
     start)."""
 
+    noise_min_fraction: float = 1.0
+    """Synthetic tasks: each training step draws its noise length uniformly from
+    ``ceil(noise_min_fraction x N) .. N``, ``N`` the current noise length (the curriculum's), one
+    length for all the step's samples (so every parallel layout trains on the same batches);
+    validation stays at ``N``. In [0, 1]; 1 = every sample at ``N``. A mix of lengths asks for a
+    recall that does not depend on how many blocks the noise spans (docs/recipes.md)."""
+
     curriculum_threshold: Optional[float] = None
     """Curriculum: double the noise length after each evaluation whose validation loss is below
     this; set together with ``curriculum_target`` (``null``: no curriculum). The noise length is

@@ -49,6 +49,27 @@ def test_dataset_is_deterministic_and_follows_noise_length():
     assert ds[5]["tokens"].shape == (48,)
 
 
+def test_noise_min_fraction_draws_one_length_per_step_in_every_layout():
+    """Each global batch of 4 gets one noise length from 32..64; validation stays at 64; the
+    microbatches of 2 data-parallel ranks x 2 samples and of one rank x 4 see the same lengths."""
+    from rmt.data.gpt_data import microbatches
+
+    config = load_config(None, ["data.task=selective_copy", "data.noise_length=64", "model.seq_length=96",
+                                "data.noise_min_fraction=0.5"])
+    ds = TaskDataset(config, "train", 400, global_batch=4)
+    lengths = [{ds[4 * step + i]["tokens"].numel() - 32 for i in range(4)} for step in range(100)]
+    assert all(len(one) == 1 for one in lengths)
+    drawn = [one.pop() for one in lengths]
+    assert min(drawn) >= 32 and max(drawn) <= 64 and len(set(drawn)) > 10
+    assert {TaskDataset(config, "valid", 400, global_batch=4)[i]["tokens"].numel() for i in range(8)} == {96}
+    for first in (0, 8, 396):
+        whole = microbatches(ds, first, 4, 1, 0, 1)[0]["tokens"]
+        split = torch.cat([microbatches(ds, first, 2, 1, rank, 2)[0]["tokens"] for rank in (0, 1)])
+        assert torch.equal(whole, split)
+    config.data.noise_min_fraction = 1.0
+    assert {TaskDataset(config, "train", 400, global_batch=4)[i]["tokens"].numel() for i in range(40)} == {96}
+
+
 def test_recall_accuracy():
     labels = torch.tensor([[0, 3, 5]])
     mask = torch.tensor([[0.0, 1.0, 1.0]])
@@ -64,6 +85,8 @@ def test_recall_accuracy():
     (["data.task=copy", "data.curriculum_target=512", "model.seq_length=1024"], "set both"),
     (["data.task=copy", "data.noise_length=64", "data.curriculum_target=32",
       "data.curriculum_threshold=0.3", "model.seq_length=1024"], "is below data.noise_length"),
+    (["data.task=copy", "data.noise_min_fraction=1.5", "model.seq_length=1024"],
+     r"data.noise_min_fraction must lie in \[0, 1\], got 1.5"),
 ])
 def test_validate_task(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -12,6 +12,9 @@ token, ``A-1`` the recall token. With ``n = data.task_tokens`` and ``N`` noise t
 The target at the ``j``-th recall token is the ``j``-th data token; only the recall positions
 carry loss (``loss_mask``). Samples are a pure function of (seed, split, index, N).
 
+With ``data.noise_min_fraction < 1`` each training step (global batch) draws its noise length
+from ``ceil(f N) .. N``, a pure function of (seed, N, step's first sample).
+
 Curriculum (§6.2): start with ``data.noise_length`` noise tokens; after an evaluation whose
 validation loss is below ``data.curriculum_threshold`` double ``N`` (capped at
 ``data.curriculum_target``). ``model.seq_length`` must hold the longest sample.
@@ -19,6 +22,7 @@ validation loss is below ``data.curriculum_threshold`` double ``N`` (capped at
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Callable, Dict, Optional, Tuple
 
@@ -62,10 +66,12 @@ def make_sample(task: str, generator: torch.Generator, tokens: int, alphabet: in
 class TaskDataset:
     """Map-style dataset of ``size`` samples; ``noise_length`` may change between batches."""
 
-    def __init__(self, config: RMTConfig, split: str, size: int):
+    def __init__(self, config: RMTConfig, split: str, size: int, global_batch: int = 1):
         d = config.data
         self.task, self.tokens, self.alphabet = d.task, d.task_tokens, d.task_alphabet
         self.noise_length = d.noise_length
+        self.min_fraction = d.noise_min_fraction if split == "train" else 1.0
+        self.global_batch = global_batch
         self.seed = config.train.seed * 4 + _SPLITS[split]
         self.size = size
 
@@ -79,10 +85,19 @@ class TaskDataset:
     def load_state_dict(self, state: Dict[str, int]) -> None:
         self.noise_length = int(state["noise_length"])
 
+    def step_noise_length(self, index: int) -> int:
+        """The noise length of the step (global batch) that holds sample ``index``."""
+        low = math.ceil(self.min_fraction * self.noise_length)
+        if low >= self.noise_length:
+            return self.noise_length
+        step = index // self.global_batch
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{self.noise_length}:mix:{step}".encode()))
+        return low + int(torch.randint(self.noise_length - low + 1, (1,), generator=gen))
+
     def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
         key = f"{self.seed}:{self.noise_length}:{index}".encode()
         gen = torch.Generator().manual_seed(zlib.crc32(key) * 65_537 + index)
-        return make_sample(self.task, gen, self.tokens, self.alphabet, self.noise_length)
+        return make_sample(self.task, gen, self.tokens, self.alphabet, self.step_noise_length(index))
 
 
 def validate_task(config: RMTConfig) -> None:
@@ -96,6 +111,8 @@ def validate_task(config: RMTConfig) -> None:
     target = d.curriculum_target if d.curriculum_target is not None else d.noise_length
     if target < d.noise_length:
         raise ConfigError(f"data.curriculum_target ({target}) is below data.noise_length ({d.noise_length})")
+    if not 0.0 <= d.noise_min_fraction <= 1.0:
+        raise ConfigError(f"data.noise_min_fraction must lie in [0, 1], got {d.noise_min_fraction}")
     if (d.curriculum_threshold is None) != (d.curriculum_target is None):
         raise ConfigError("set both data.curriculum_threshold and data.curriculum_target, or neither")
     longest = 2 * d.task_tokens + target
@@ -108,9 +125,13 @@ def validate_task(config: RMTConfig) -> None:
         raise ConfigError(f"model.vocab_size ({m.vocab_size}) is smaller than data.task_alphabet ({d.task_alphabet})")
 
 
-def build_task_datasets(config: RMTConfig, num_train: int, num_valid: int) -> Tuple[TaskDataset, TaskDataset]:
+def build_task_datasets(config: RMTConfig, num_train: int, num_valid: int,
+                        global_batch: int) -> Tuple[TaskDataset, TaskDataset]:
+    """Training and validation datasets; ``global_batch`` samples make one step (the unit that
+    shares a noise length under ``data.noise_min_fraction``)."""
     validate_task(config)
-    return TaskDataset(config, "train", num_train), TaskDataset(config, "valid", max(num_valid, 1))
+    return (TaskDataset(config, "train", num_train, global_batch),
+            TaskDataset(config, "valid", max(num_valid, 1), global_batch))
 
 
 def curriculum_hook(config: RMTConfig) -> Optional[Callable]:

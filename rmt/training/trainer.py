@@ -68,7 +68,7 @@ class Trainer:
         # Synthetic tasks (rmt.data.tasks) replace the corpus and may run a curriculum hook.
         if config.data.task != "none":
             self.train_ds, self.valid_ds = build_task_datasets(
-                config, t.steps * self.global_batch, t.eval_iters * self.global_batch)
+                config, t.steps * self.global_batch, t.eval_iters * self.global_batch, self.global_batch)
         else:
             self.data = resolve_data(config)
             self.train_ds, self.valid_ds = build_datasets(
