@@ -36,16 +36,17 @@ def make_table(shape, dtype=torch.float32, seed=1):
     return torch.randn(N, D, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def run(table, kind, steps, E, fused, backend="cpu", micro=1):
-    """Train ``table`` over ``steps`` (lists of ``micro`` batches); returns the parameter, the
-    optimizer, the score gradients of every batch and the fused update (or None)."""
-    p = torch.nn.Parameter(table.clone())
+def run(table, kind, steps, E, fused, backend="cpu", micro=1, device="cpu"):
+    """Train ``table`` over ``steps`` (lists of ``micro`` batches) on ``device``; returns the
+    parameter, the optimizer, the score gradients of every batch and the fused update (or None)."""
+    p = torch.nn.Parameter(table.to(device, copy=True))
     opt = OPTIMIZERS[kind](p)
     update = FusedValueUpdate(p, opt) if fused else None
     score_grads = []
     for step in steps:
         opt.zero_grad(set_to_none=True)
-        for i, (indices, scores, blocks, grad_out) in enumerate(step):
+        for i, batch in enumerate(step):
+            indices, scores, blocks, grad_out = (None if t is None else t.to(device) for t in batch)
             if update is not None:
                 update.final = i == len(step) - 1
             s = scores.clone().requires_grad_(True)
@@ -129,38 +130,47 @@ def test_squared_norm_is_the_unfused_gradients(kind):
     assert update.pop_sq_norm() == 0.0
 
 
+def gradient_bound(shape, steps):
+    """(bound, g_max): a row's gradient is an n-term fp32 sum; summed in two orders, the results
+    are within 2 gamma_n of the sum of its terms' magnitudes (Higham Eq. 3.5), n <= all lookups of
+    the step; g_max bounds any gradient element."""
+    bound = 0.0
+    for step in steps:
+        p = torch.nn.Parameter(make_table(shape).abs())
+        for indices, scores, blocks, grad_out in step:
+            lookup_reduce(p, indices, scores.abs(), blocks, shape[5], backend="reference").backward(grad_out.abs())
+        n = sum(b[0].numel() for b in step)
+        bound = max(bound, 2 * n * 2.0 ** -24 / (1 - n * 2.0 ** -24) * float(p.grad.max()))
+    g_max = max(float(x[3].abs().max() * x[1].abs().max()) * x[0].numel() for step in steps for x in step)
+    return bound, g_max
+
+
+def assert_steps_agree(kind, p_a, opt_a, p_b, opt_b, bound, g_max):
+    """Two trainings of one table whose gradients were summed in different orders (``bound``,
+    ``g_max``: :func:`gradient_bound`) agree to what that reordering allows. m moves by
+    (1 - beta1) times the gradient's error, v and the Adagrad sum by up to 2 |g| times it; Adam's
+    step is lr m / sqrt(v): where the gradient is within its rounding bound of zero the sign, so
+    the step, may flip; elsewhere the rows agree to the rounding relative to the step."""
+    state_a, state_b = state_tensors(opt_a, p_a), state_tensors(opt_b, p_b)
+    for a, b, tol in zip(state_a, state_b, (bound, 2 * g_max * bound) if kind == "sparse_adam" else (2 * g_max * bound,)):
+        torch.testing.assert_close(a.cpu(), b.cpu(), rtol=2.0 ** -20, atol=tol)
+    keep = state_b[0].cpu().abs() > 10 * bound if kind == "sparse_adam" else slice(None)
+    torch.testing.assert_close(p_a.detach().cpu()[keep], p_b.detach().cpu()[keep], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("kind", list(OPTIMIZERS))
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
 def test_micro_batches_accumulate_into_one_step(kind, backend):
     """Three micro-batches (``final`` only on the last): one step with their summed gradient, as
     the unfused path accumulates ``.grad`` and steps once. The sums run in another order (one
-    sorted pass against per-batch sums added), so equal to fp32 rounding of the gradient; Adam
-    normalizes by the gradient, so the rows agree to that relative to their update."""
+    sorted pass against per-batch sums added), so equal to fp32 rounding of the gradient."""
     shape = SHAPES[1]
     steps = [batches(shape, 3, seed=s) for s in range(2)]
     table = make_table(shape)
     p_u, opt_u, sg_u, _ = run(table, kind, steps, shape[5], fused=False)
     p_f, opt_f, sg_f, update = run(table, kind, steps, shape[5], fused=True, backend=backend)
     assert update.updates == 2
-    # a row's gradient is an n-term fp32 sum in both paths, in two orders: within 2 gamma_n of the
-    # sum of its terms' magnitudes (Higham Eq. 3.5); n <= all lookups of the step
-    bound_g = 0.0
-    for step in steps:
-        p = torch.nn.Parameter(make_table(shape).abs())
-        for indices, scores, blocks, grad_out in step:
-            lookup_reduce(p, indices, scores.abs(), blocks, shape[5], backend="reference").backward(grad_out.abs())
-        n = sum(b[0].numel() for b in step)
-        bound_g = max(bound_g, 2 * n * 2.0 ** -24 / (1 - n * 2.0 ** -24) * float(p.grad.max()))
-    g_max = max(float(x[3].abs().max() * x[1].abs().max()) * x[0].numel() for step in steps for x in step)
-    # moments / sums: m moves by (1 - beta1) times the gradient's error, v and the Adagrad sum by
-    # up to 2 |g| times it; rows: Adam normalizes by sqrt(v), so relative to the step
-    for a, b, tol in zip(state_tensors(opt_f, p_f), state_tensors(opt_u, p_u),
-                         (bound_g, 2 * g_max * bound_g) if kind == "sparse_adam" else (2 * g_max * bound_g,)):
-        torch.testing.assert_close(a, b, rtol=2.0 ** -20, atol=tol)
-    # Adam's step is lr m / sqrt(v): where the gradient is within its rounding bound of zero the
-    # sign, so the step, may flip; elsewhere the rows agree to the rounding relative to the step
-    keep = opt_u.state[p_u]["exp_avg"].abs() > 10 * bound_g if kind == "sparse_adam" else slice(None)
-    torch.testing.assert_close(p_f.data[keep], p_u.data[keep], rtol=1e-5, atol=1e-6)
+    assert_steps_agree(kind, p_f, opt_f, p_u, opt_u, *gradient_bound(shape, steps))
     # the first step's score gradients read the same table (bit for bit on the CPU backend: the same
     # dot products); the second's read the stepped rows, equal to the rounding above
     for i, (a, b) in enumerate(zip(sg_f, sg_u)):

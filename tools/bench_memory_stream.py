@@ -1,0 +1,155 @@
+"""The async memory stream in a real training step on one device: the dense twin, the memory
+layers run synchronously and on the async stream (``memory.async_stream``), side by side.
+
+    python tools/bench_memory_stream.py --json out.json       # the UltraMem-151M-x12 shape
+    python tools/bench_memory_stream.py --quick               # ultramem_tiny, CPU-sized
+
+Each variant trains ``--steps`` steps (the first ``--warmup`` untimed) of one micro-batch in a
+process of its own (a 2-billion-parameter model and its optimizer state fill most of a GPU, so
+two must not be alive at once), on ``rmt.parallel.compat.device()``: CUDA where present, else
+the CPU. Step time is the wall time between device synchronizations, so on a GPU it is device
+time. Variants: ``dense`` (``memory.type=none``: the same backbone without its memory layers),
+``sync`` and ``async`` with the config's value optimizer, and with ``--fused`` also
+``sync_fused`` / ``async_fused`` (``memory.value_optimizer=sparse_adam`` applied inside the
+lookups' backward, ``memory.fused_value_optimizer``).
+
+Summary per pair: ``memory_s`` = sync - dense step time (all the memory layers add to the step:
+forward, backward, their share of the optimizer step), ``hidden_fraction`` = (sync - async) /
+memory_s (the part the stream took off the step; the optimizer step cannot be hidden, so this
+is a lower bound on the hidden share of the layers' forward and backward), and
+``async_over_sync_step_time``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+FUSED = ["memory.value_optimizer=sparse_adam", "memory.fused_value_optimizer=true"]
+VARIANTS = {"dense": ["memory.type=none"], "sync": ["memory.async_stream=false"], "async": ["memory.async_stream=true"],
+            "sync_fused": ["memory.async_stream=false"] + FUSED, "async_fused": ["memory.async_stream=true"] + FUSED}
+PAIRS = [("sync", "async"), ("sync_fused", "async_fused")]
+
+
+def base_overrides(args):
+    steps = [f"model.seq_length={args.seq}", f"train.micro_batch_size={args.batch}",
+             f"train.global_batch_size={args.batch}", f"train.steps={args.steps}", "train.warmup_steps=1",
+             "train.eval_iters=0", "train.progress=false", "model.dropout=0.0", f"data.max_documents={args.documents}"]
+    return steps + list(args.override)
+
+
+def worker(args):
+    import torch
+
+    from rmt import parallel
+    from rmt.config import load_config, validate
+    from rmt.parallel import compat
+    from rmt.training.trainer import Trainer
+
+    config = validate(load_config(args.config, base_overrides(args) + VARIANTS[args.variant]))
+    parallel.initialize(config)
+    cuda = compat.cuda_available()
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    trainer = Trainer(config)
+    for _ in range(args.warmup):
+        trainer.train_step()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.steps - args.warmup):
+        sync()
+        start = time.perf_counter()
+        loss = trainer.train_step()["lm loss"]
+        sync()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    row = {"variant": args.variant, "step_s": sum(times) / len(times), "median_step_s": times[len(times) // 2],
+           "loss": float(loss), "device": str(compat.device()),
+           "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None}
+    print(json.dumps(row), flush=True)
+    with open(args.worker_out, "w") as f:
+        json.dump(row, f)
+    parallel.destroy()
+
+
+def summarize(rows):
+    by = {r["variant"]: r for r in rows}
+    summary = {}
+    for sync_name, async_name in PAIRS:
+        if sync_name not in by or async_name not in by:
+            continue
+        s, a = by[sync_name]["median_step_s"], by[async_name]["median_step_s"]
+        memory = s - by["dense"]["median_step_s"]
+        key = "" if sync_name == "sync" else "_fused"
+        summary[f"memory_s{key}"] = memory
+        summary[f"hidden_fraction{key}"] = (s - a) / memory if memory > 0 else None
+        summary[f"async_over_sync_step_time{key}"] = a / s
+    return summary
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="configs/ultramem_tiny.yaml at sequence 128 (CPU, seconds)")
+    ap.add_argument("--config", default=None, help="default: configs/ultramem_151m_x12.yaml (--quick: ultramem_tiny)")
+    ap.add_argument("--seq", type=int, default=None, help="sequence length (default: 2048; --quick 128)")
+    ap.add_argument("--batch", type=int, default=1, help="micro-batch size (one micro-batch per step)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per variant (default 30; --quick 4)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 10; --quick 2)")
+    ap.add_argument("--documents", type=int, default=200, help="data.max_documents of the default corpus")
+    ap.add_argument("--fused", action="store_true", help="also the pair with the value optimizer fused into the backward")
+    ap.add_argument("--json", help="write {benchmark, machine, rows, summary} here")
+    ap.add_argument("override", nargs="*", help="config overrides for every variant (key=value)")
+    ap.add_argument("--variant", choices=list(VARIANTS), help=argparse.SUPPRESS)
+    ap.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.config = args.config or os.path.join(ROOT, "configs", "ultramem_tiny.yaml" if args.quick else "ultramem_151m_x12.yaml")
+    args.seq = args.seq or (128 if args.quick else 2048)
+    args.steps = args.steps or (4 if args.quick else 30)
+    args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 10)
+    if not 0 <= args.warmup < args.steps:
+        ap.error("--warmup must be at least 0 and less than --steps")
+    if args.worker_out:
+        return worker(args)
+    names = ["dense", "sync", "async"] + (["sync_fused", "async_fused"] if args.fused else [])
+    out = os.path.abspath((args.json or "bench_memory_stream") + ".row.tmp")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    rows = []
+    for name in names:
+        cmd = [sys.executable, os.path.abspath(__file__), f"--variant={name}", f"--worker-out={out}",
+               f"--config={args.config}", f"--seq={args.seq}", f"--batch={args.batch}", f"--steps={args.steps}",
+               f"--warmup={args.warmup}", f"--documents={args.documents}", *args.override]
+        print(f"bench_memory_stream: {name} ({args.steps} steps)", flush=True)
+        subprocess.run(cmd, check=True, env=env)
+        with open(out) as f:
+            rows.append(json.load(f))
+        os.remove(out)
+    summary = summarize(rows)
+    print(f"{'variant':<12} {'step ms':>9} {'median ms':>10} {'peak GiB':>9} {'loss':>8}")
+    for r in rows:
+        peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
+        print(f"{r['variant']:<12} {1e3 * r['step_s']:9.2f} {1e3 * r['median_step_s']:10.2f} {peak:>9} {r['loss']:8.4f}")
+    print(json.dumps(summary))
+    if args.json:
+        import torch
+
+        machine = {"platform": platform.platform(), "torch": torch.__version__, "cpus": os.cpu_count(),
+                   "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "bench_memory_stream", "machine": machine, "config": args.config, "seq": args.seq,
+                       "batch": args.batch, "steps": args.steps, "warmup": args.warmup, "rows": rows,
+                       "summary": summary}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
