@@ -77,10 +77,47 @@ def worker(args):
     row = {"variant": args.variant, "step_s": sum(times) / len(times), "median_step_s": times[len(times) // 2],
            "loss": float(loss), "device": str(compat.device()),
            "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None}
+    if args.profile:
+        row.update(profile(trainer, args.profile, cuda, sync))
     print(json.dumps(row), flush=True)
     with open(args.worker_out, "w") as f:
         json.dump(row, f)
     parallel.destroy()
+
+
+def busy_union(intervals):
+    """Total length of the union of ``(start, end)`` intervals: the time the device ran at least
+    one kernel (kernels of two streams that overlap count once)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def profile(trainer, steps, cuda, sync):
+    """``steps`` more steps under torch.profiler: per step, the device kernels' summed time, the
+    time the device was busy (their union over all streams), the kernel launches, and the top
+    kernels printed. Where the step's wall time is far above the busy time, the host (Python,
+    launches, waits) sets the pace, which no second stream can hide."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync()
+    with torch_profile(activities=activities) as prof:
+        for _ in range(steps):
+            trainer.train_step()
+        sync()
+    kernels = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=15), flush=True)
+    if not kernels:
+        return {}
+    return {"kernel_s": sum(b - a for a, b in kernels) * 1e-6 / steps,
+            "device_busy_s": busy_union(kernels) * 1e-6 / steps, "launches": len(kernels) / steps}
 
 
 def summarize(rows):
@@ -108,6 +145,8 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 10; --quick 2)")
     ap.add_argument("--documents", type=int, default=200, help="data.max_documents of the default corpus")
     ap.add_argument("--fused", action="store_true", help="also the pair with the value optimizer fused into the backward")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="profile STEPS more steps per variant: kernel time, device busy time, launches, top kernels")
     ap.add_argument("--json", help="write {benchmark, machine, rows, summary} here")
     ap.add_argument("override", nargs="*", help="config overrides for every variant (key=value)")
     ap.add_argument("--variant", choices=list(VARIANTS), help=argparse.SUPPRESS)
@@ -128,17 +167,21 @@ def main(argv=None):
     for name in names:
         cmd = [sys.executable, os.path.abspath(__file__), f"--variant={name}", f"--worker-out={out}",
                f"--config={args.config}", f"--seq={args.seq}", f"--batch={args.batch}", f"--steps={args.steps}",
-               f"--warmup={args.warmup}", f"--documents={args.documents}", *args.override]
+               f"--warmup={args.warmup}", f"--documents={args.documents}", f"--profile={args.profile}", *args.override]
         print(f"bench_memory_stream: {name} ({args.steps} steps)", flush=True)
         subprocess.run(cmd, check=True, env=env)
         with open(out) as f:
             rows.append(json.load(f))
         os.remove(out)
     summary = summarize(rows)
-    print(f"{'variant':<12} {'step ms':>9} {'median ms':>10} {'peak GiB':>9} {'loss':>8}")
+    print(f"{'variant':<12} {'step ms':>9} {'median ms':>10} {'peak GiB':>9} {'loss':>8} {'kernel ms':>10} "
+          f"{'busy ms':>8} {'launches':>9}")
     for r in rows:
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
-        print(f"{r['variant']:<12} {1e3 * r['step_s']:9.2f} {1e3 * r['median_step_s']:10.2f} {peak:>9} {r['loss']:8.4f}")
+        prof = "".join(f"{'-' if r.get(k) is None else format(scale * r[k], fmt):>{w}}" for k, scale, fmt, w in (
+            ("kernel_s", 1e3, ".2f", 11), ("device_busy_s", 1e3, ".2f", 9), ("launches", 1, ".0f", 10)))
+        print(f"{r['variant']:<12} {1e3 * r['step_s']:9.2f} {1e3 * r['median_step_s']:10.2f} {peak:>9} {r['loss']:8.4f}"
+              f"{prof}")
     print(json.dumps(summary))
     if args.json:
         import torch
