@@ -353,32 +353,28 @@ namespace {
 // sums). Every operation rounded on its own (__f*_rn intrinsics: no contraction into fused
 // multiply-adds, IEEE division and square root), as in the unfused step. row_sq[u] receives the
 // row's squared gradient norm (a fixed shuffle tree).
-template <typename table_t, typename scalar_t, int LANES, int COLS, bool ADAM>
-__global__ void __launch_bounds__(kThreads)
-backward_update_kernel(const scalar_t* __restrict__ grad_out, table_t* __restrict__ table,
-                       const scalar_t* __restrict__ scores, const int64_t* __restrict__ block_ids,
-                       const int64_t* __restrict__ sorted_positions, const int64_t* __restrict__ seg_start,
-                       const int64_t* __restrict__ unique_rows, const int64_t* __restrict__ num_unique,
-                       scalar_t* __restrict__ grad_scores, int64_t score_lo, int64_t score_hi,
-                       float* __restrict__ state1, float* __restrict__ state2, float* __restrict__ row_sq,
-                       int64_t K, int C, int D, int64_t E, float grad_scale, float lr, float one_minus_beta1,
-                       float one_minus_beta2, float eps, float weight_decay) {
-  constexpr int kGroups = kWarp / LANES;
-  const int lane = threadIdx.x % kWarp, group = lane / LANES, l = lane % LANES;
-  const unsigned mask = LANES == kWarp ? kFullMask : ((1u << LANES) - 1) << (group * LANES);
-  const int64_t u = warp_id() * kGroups + group;
-  if (u >= *num_unique) return;
-  const int64_t start = seg_start[u], end = seg_start[u + 1], row = unique_rows[u];
-  const int Dc = D / C;
-  table_t* trow = table + row * D;
-  float tv[COLS], acc[COLS] = {};
-  int col[COLS];
-#pragma unroll
-  for (int v = 0; v < COLS; ++v) {
-    const int d = v * LANES + l;
-    tv[v] = d < D ? to_float(trow[d]) : 0.f;
-    col[v] = d < D ? d / Dc : -1;
-  }
+//
+// A row of at most kLongRow lookups is summed by one group of lanes (backward_update_kernel);
+// a longer one (a hot row: UltraMem's retrieval at initialization sends 2,000 of a batch's
+// 65,536 lookups to one row, which a single warp walks in ~3.5 ms) by a block of kLongWarps
+// warps (long_rows_update_kernel), each summing a contiguous slice of the row's sorted lookups,
+// the slices' sums added in slice order: deterministic, the same bits on every run.
+constexpr int64_t kLongRow = 32;
+constexpr int kLongWarps = 16;
+
+struct UpdateArgs {
+  float grad_scale, lr, one_minus_beta1, one_minus_beta2, eps, weight_decay;
+};
+
+// Sorted lookups [start, end) of a row into acc (lane l holds columns v * LANES + l), and the
+// score gradients of those in [score_lo, score_hi) against the row's values tv.
+template <typename scalar_t, int LANES, int COLS>
+__device__ __forceinline__ void sum_lookups(int64_t start, int64_t end, const float (&tv)[COLS], const int (&col)[COLS],
+                                            float (&acc)[COLS], const scalar_t* __restrict__ grad_out,
+                                            const scalar_t* __restrict__ scores, const int64_t* __restrict__ block_ids,
+                                            const int64_t* __restrict__ sorted_positions,
+                                            scalar_t* __restrict__ grad_scores, int64_t score_lo, int64_t score_hi,
+                                            int64_t K, int C, int D, int64_t E, int l, unsigned mask) {
   for (int64_t j = start; j < end; ++j) {
     const int64_t p = sorted_positions[j];
     const int64_t b = block_ids != nullptr ? block_ids[p] : 0;
@@ -400,10 +396,30 @@ backward_update_kernel(const scalar_t* __restrict__ grad_out, table_t* __restric
       }
     }
   }
+}
+
+// The row's values (tv) and column slices (col) held by lane l.
+template <typename table_t, int LANES, int COLS>
+__device__ __forceinline__ void load_row(const table_t* trow, int D, int C, int l, float (&tv)[COLS], int (&col)[COLS]) {
+  const int Dc = D / C;
+#pragma unroll
+  for (int v = 0; v < COLS; ++v) {
+    const int d = v * LANES + l;
+    tv[v] = d < D ? to_float(trow[d]) : 0.f;
+    col[v] = d < D ? d / Dc : -1;
+  }
+}
+
+// Steps row u (table row trow, values tv) with its summed gradient acc.
+template <typename table_t, int LANES, int COLS, bool ADAM>
+__device__ __forceinline__ void step_row(table_t* trow, int64_t row, int64_t u, const float (&tv)[COLS],
+                                         const float (&acc)[COLS], float* __restrict__ state1,
+                                         float* __restrict__ state2, float* __restrict__ row_sq, int D,
+                                         const UpdateArgs& a, int l, unsigned mask) {
   float g[COLS], sq = 0.f;
 #pragma unroll
   for (int v = 0; v < COLS; ++v) {
-    g[v] = __fmul_rn(acc[v], grad_scale);
+    g[v] = __fmul_rn(acc[v], a.grad_scale);
     sq = __fadd_rn(sq, __fmul_rn(g[v], g[v]));
   }
   sq = group_sum<LANES>(sq, mask);
@@ -414,30 +430,113 @@ backward_update_kernel(const scalar_t* __restrict__ grad_out, table_t* __restric
       const int d = v * LANES + l;
       if (d >= D) continue;
       const int64_t off = row * D + d;
-      const float m = __fadd_rn(state1[off], __fmul_rn(__fsub_rn(g[v], state1[off]), one_minus_beta1));
-      const float s = __fadd_rn(state2[off], __fmul_rn(__fsub_rn(__fmul_rn(g[v], g[v]), state2[off]), one_minus_beta2));
+      const float m = __fadd_rn(state1[off], __fmul_rn(__fsub_rn(g[v], state1[off]), a.one_minus_beta1));
+      const float s = __fadd_rn(state2[off], __fmul_rn(__fsub_rn(__fmul_rn(g[v], g[v]), state2[off]), a.one_minus_beta2));
       state1[off] = m;
       state2[off] = s;
-      trow[d] = from_float<table_t>(__fsub_rn(tv[v], __fmul_rn(lr, __fdiv_rn(m, __fadd_rn(__fsqrt_rn(s), eps)))));
+      trow[d] = from_float<table_t>(__fsub_rn(tv[v], __fmul_rn(a.lr, __fdiv_rn(m, __fadd_rn(__fsqrt_rn(s), a.eps)))));
     }
   } else {
     float gw[COLS], sq_w = 0.f;
 #pragma unroll
     for (int v = 0; v < COLS; ++v) {
-      gw[v] = __fadd_rn(g[v], __fmul_rn(weight_decay, tv[v]));
+      gw[v] = __fadd_rn(g[v], __fmul_rn(a.weight_decay, tv[v]));
       sq_w = __fadd_rn(sq_w, __fmul_rn(gw[v], gw[v]));
     }
     sq_w = group_sum<LANES>(sq_w, mask);
     const float total = __fadd_rn(state1[row], __fdiv_rn(sq_w, static_cast<float>(D)));
     __syncwarp(mask);
     if (l == 0) state1[row] = total;
-    const float scale = __fdiv_rn(lr, __fadd_rn(__fsqrt_rn(total), eps));
+    const float scale = __fdiv_rn(a.lr, __fadd_rn(__fsqrt_rn(total), a.eps));
 #pragma unroll
     for (int v = 0; v < COLS; ++v) {
       const int d = v * LANES + l;
       if (d < D) trow[d] = from_float<table_t>(__fsub_rn(tv[v], __fmul_rn(scale, gw[v])));
     }
   }
+}
+
+template <typename table_t, typename scalar_t, int LANES, int COLS, bool ADAM>
+__global__ void __launch_bounds__(kThreads)
+backward_update_kernel(const scalar_t* __restrict__ grad_out, table_t* __restrict__ table,
+                       const scalar_t* __restrict__ scores, const int64_t* __restrict__ block_ids,
+                       const int64_t* __restrict__ sorted_positions, const int64_t* __restrict__ seg_start,
+                       const int64_t* __restrict__ unique_rows, const int64_t* __restrict__ num_unique,
+                       scalar_t* __restrict__ grad_scores, int64_t score_lo, int64_t score_hi,
+                       float* __restrict__ state1, float* __restrict__ state2, float* __restrict__ row_sq,
+                       int64_t K, int C, int D, int64_t E, UpdateArgs a) {
+  constexpr int kGroups = kWarp / LANES;
+  const int lane = threadIdx.x % kWarp, group = lane / LANES, l = lane % LANES;
+  const unsigned mask = LANES == kWarp ? kFullMask : ((1u << LANES) - 1) << (group * LANES);
+  const int64_t u = warp_id() * kGroups + group;
+  if (u >= *num_unique) return;
+  const int64_t start = seg_start[u], end = seg_start[u + 1], row = unique_rows[u];
+  if (end - start > kLongRow) return;  // long_rows_update_kernel's
+  table_t* trow = table + row * D;
+  float tv[COLS], acc[COLS] = {};
+  int col[COLS];
+  load_row<table_t, LANES, COLS>(trow, D, C, l, tv, col);
+  sum_lookups<scalar_t, LANES, COLS>(start, end, tv, col, acc, grad_out, scores, block_ids, sorted_positions,
+                                     grad_scores, score_lo, score_hi, K, C, D, E, l, mask);
+  step_row<table_t, LANES, COLS, ADAM>(trow, row, u, tv, acc, state1, state2, row_sq, D, a, l, mask);
+}
+
+// The rows of more than kLongRow lookups, a block of kLongWarps warps each. Block b takes the
+// unique rows u = b + i * gridDim.x, checking a block's worth of them at once, so the long rows
+// (wherever they fall in row order) spread over all blocks. Every warp loads the row and sums
+// its slice of the lookups (with their score gradients, before the row changes); warp 0 adds
+// the slices' sums in slice order and steps the row.
+template <typename table_t, typename scalar_t, int COLS, bool ADAM>
+__global__ void __launch_bounds__(kLongWarps * kWarp)
+long_rows_update_kernel(const scalar_t* __restrict__ grad_out, table_t* __restrict__ table,
+                        const scalar_t* __restrict__ scores, const int64_t* __restrict__ block_ids,
+                        const int64_t* __restrict__ sorted_positions, const int64_t* __restrict__ seg_start,
+                        const int64_t* __restrict__ unique_rows, const int64_t* __restrict__ num_unique,
+                        scalar_t* __restrict__ grad_scores, int64_t score_lo, int64_t score_hi,
+                        float* __restrict__ state1, float* __restrict__ state2, float* __restrict__ row_sq,
+                        int64_t K, int C, int D, int64_t E, UpdateArgs a) {
+  __shared__ float partial[kLongWarps][kWarp * COLS];
+  __shared__ int64_t found[kLongWarps * kWarp];
+  __shared__ int num_found;
+  const int w = threadIdx.x / kWarp, l = threadIdx.x % kWarp;
+  const int64_t U = *num_unique;
+  for (int64_t base = 0; blockIdx.x + base * gridDim.x < U; base += blockDim.x) {
+    if (threadIdx.x == 0) num_found = 0;
+    __syncthreads();
+    const int64_t u = blockIdx.x + (base + threadIdx.x) * gridDim.x;
+    if (u < U && seg_start[u + 1] - seg_start[u] > kLongRow) found[atomicAdd(&num_found, 1)] = u;
+    __syncthreads();
+    for (int i = 0; i < num_found; ++i) {
+      const int64_t v_u = found[i], start = seg_start[v_u], end = seg_start[v_u + 1], row = unique_rows[v_u];
+      const int64_t per = (end - start + kLongWarps - 1) / kLongWarps;
+      const int64_t lo = min(end, start + w * per), hi = min(end, lo + per);
+      table_t* trow = table + row * D;
+      float tv[COLS], acc[COLS] = {};
+      int col[COLS];
+      load_row<table_t, kWarp, COLS>(trow, D, C, l, tv, col);
+      sum_lookups<scalar_t, kWarp, COLS>(lo, hi, tv, col, acc, grad_out, scores, block_ids, sorted_positions,
+                                         grad_scores, score_lo, score_hi, K, C, D, E, l, kFullMask);
+#pragma unroll
+      for (int v = 0; v < COLS; ++v) partial[w][v * kWarp + l] = acc[v];
+      __syncthreads();
+      if (w == 0) {
+#pragma unroll
+        for (int v = 0; v < COLS; ++v) {
+          acc[v] = partial[0][v * kWarp + l];
+          for (int s = 1; s < kLongWarps; ++s) acc[v] = __fadd_rn(acc[v], partial[s][v * kWarp + l]);
+        }
+        step_row<table_t, kWarp, COLS, ADAM>(trow, row, v_u, tv, acc, state1, state2, row_sq, D, a, l, kFullMask);
+      }
+      __syncthreads();
+    }
+  }
+}
+
+int long_row_blocks() {
+  int device = 0, sms = 1;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  return 2 * sms;
 }
 
 }  // namespace
@@ -456,16 +555,33 @@ int rmt_lookup_reduce_backward_update_cuda(int table_dtype, int score_dtype, con
   return dispatch_dtypes(table_dtype, score_dtype, [&](auto table_tag, auto score_tag) {
     using table_t = decltype(table_tag);
     using scalar_t = decltype(score_tag);
+    const UpdateArgs args{grad_scale, lr, one_minus_beta1, one_minus_beta2, eps, weight_decay};
     auto launch = [&](auto lanes, auto cols, auto is_adam) {
       constexpr int LANES = decltype(lanes)::value;
-      backward_update_kernel<table_t, scalar_t, LANES, decltype(cols)::value, decltype(is_adam)::value>
+      constexpr bool ADAM = decltype(is_adam)::value;
+      backward_update_kernel<table_t, scalar_t, LANES, decltype(cols)::value, ADAM>
           <<<blocks_for_warps((max_unique + kWarp / LANES - 1) / (kWarp / LANES)), kThreads, 0, stream>>>(
               static_cast<const scalar_t*>(grad_out), static_cast<table_t*>(table),
               static_cast<const scalar_t*>(scores), block_ids, sorted_positions, seg_start, unique_rows, num_unique,
               static_cast<scalar_t*>(grad_scores), score_lo, score_hi, state1, state2, row_sq, K,
-              static_cast<int>(C), static_cast<int>(D), E, grad_scale, lr, one_minus_beta1, one_minus_beta2, eps,
-              weight_decay);
-      return static_cast<int>(cudaGetLastError());
+              static_cast<int>(C), static_cast<int>(D), E, args);
+      cudaError_t err = cudaGetLastError();
+      if (err != cudaSuccess) return static_cast<int>(err);
+      // whole-warp columns per lane for the long rows: D <= 32 * LONG_COLS
+      auto long_rows = [&](auto long_cols) {
+        long_rows_update_kernel<table_t, scalar_t, decltype(long_cols)::value, ADAM>
+            <<<long_row_blocks(), kLongWarps * kWarp, 0, stream>>>(
+                static_cast<const scalar_t*>(grad_out), static_cast<table_t*>(table),
+                static_cast<const scalar_t*>(scores), block_ids, sorted_positions, seg_start, unique_rows,
+                num_unique, static_cast<scalar_t*>(grad_scores), score_lo, score_hi, state1, state2, row_sq, K,
+                static_cast<int>(C), static_cast<int>(D), E, args);
+        return static_cast<int>(cudaGetLastError());
+      };
+      if (D <= kWarp) return long_rows(Int<1>{});
+      if (D <= 2 * kWarp) return long_rows(Int<2>{});
+      if (D <= 4 * kWarp) return long_rows(Int<4>{});
+      if (D <= 8 * kWarp) return long_rows(Int<8>{});
+      return long_rows(Int<16>{});
     };
     auto by_optimizer = [&](auto lanes, auto cols) {
       return adam ? launch(lanes, cols, std::true_type{}) : launch(lanes, cols, std::false_type{});

@@ -195,14 +195,17 @@ def test_gpu_narrow_table_training_step(cls):
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("kind", ["sparse_adam", "rowwise_adagrad"])
-@pytest.mark.parametrize("shape", [(300, 12, 10, 6, 3, 1), (500, 64, 16, 8, 2, 4), (5000, 200, 64, 16, 1, 1)])
+@pytest.mark.parametrize("shape", [(300, 12, 10, 6, 3, 1), (500, 64, 16, 8, 2, 4), (5000, 200, 64, 16, 1, 1),
+                                   (40, 96, 256, 16, 2, 4), (7, 512, 128, 16, 1, 1)])
 def test_gpu_fused_update_equals_the_cpu_step(backend, kind, shape):
     """The optimizer step fused into the GPU backward (CUDA kernel; Triton kernel), two steps of
     three micro-batches, against the fused CPU step (bit for bit the unfused CPU step, tested in
     test_ops_fused_update.py): equal up to the summation order of each row's gradient (the
-    kernels may contract or order the sums differently), as the CPU's micro-batches are; the
-    score gradients' dot products to fp32 rounding of D-term sums."""
-    from test_ops_fused_update import assert_steps_agree, batches, gradient_bound, make_table, run
+    kernels may contract or order the sums differently; the CUDA kernel splits a row of more
+    than 32 lookups into 16 slices, as the last two shapes' ~300 and ~900 lookups per row), as
+    the CPU's micro-batches are; the score gradients' dot products to fp32 rounding of D-term
+    sums. Two runs give the same bits."""
+    from test_ops_fused_update import assert_steps_agree, batches, gradient_bound, make_table, run, state_tensors
 
     steps = [batches(shape, 3, seed=s) for s in range(2)]
     table = make_table(shape)
@@ -212,3 +215,6 @@ def test_gpu_fused_update_equals_the_cpu_step(backend, kind, shape):
     assert_steps_agree(kind, p_g, opt_g, p_c, opt_c, *gradient_bound(shape, steps))
     for a, b in zip(sg_g, sg_c):
         torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-5)
+    again, opt_again, sg_again, _ = run(table, kind, steps, shape[5], fused=True, backend=backend, device="cuda")
+    assert torch.equal(again, p_g) and all(torch.equal(a, b) for a, b in zip(sg_again, sg_g))
+    assert all(torch.equal(a, b) for a, b in zip(state_tensors(opt_again, again), state_tensors(opt_g, p_g)))

@@ -145,6 +145,8 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 10; --quick 2)")
     ap.add_argument("--documents", type=int, default=200, help="data.max_documents of the default corpus")
     ap.add_argument("--fused", action="store_true", help="also the pair with the value optimizer fused into the backward")
+    ap.add_argument("--variants", help=f"comma-separated subset of {','.join(VARIANTS)} (default: dense,sync,async "
+                                       "and with --fused the fused pair)")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="profile STEPS more steps per variant: kernel time, device busy time, launches, top kernels")
     ap.add_argument("--json", help="write {benchmark, machine, rows, summary} here")
@@ -161,6 +163,10 @@ def main(argv=None):
     if args.worker_out:
         return worker(args)
     names = ["dense", "sync", "async"] + (["sync_fused", "async_fused"] if args.fused else [])
+    if args.variants:
+        names = args.variants.split(",")
+        if not set(names) <= set(VARIANTS):
+            ap.error(f"--variants: choose from {', '.join(VARIANTS)}")
     out = os.path.abspath((args.json or "bench_memory_stream") + ".row.tmp")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     rows = []
