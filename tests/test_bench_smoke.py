@@ -63,3 +63,40 @@ def test_bench_rmt_bad_override_is_one_sentence():
     proc = run_python(["tools/bench_rmt.py", "model.attention_kernel=flash", "--sizes", "tiny"], check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == "bench_rmt: model.attention_kernel must be one of sdpa, megatron, got 'flash'"
+
+
+def test_bench_memory_stream_smoke(tmp_path):
+    """Every variant trains in its own process; the async stream computes the synchronous
+    layers' numbers, so each pair ends at the same loss, bit for bit."""
+    out = tmp_path / "bench.json"
+    run_python(["tools/bench_memory_stream.py", "--quick", "--fused", "--steps", "2", "--warmup", "1",
+                "--documents", "20", "--json", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "bench_memory_stream" and doc["machine"]
+    rows = {r["variant"]: r for r in doc["rows"]}
+    assert list(rows) == ["dense", "sync", "async", "sync_fused", "async_fused"]
+    assert rows["sync"]["loss"] == rows["async"]["loss"] != rows["dense"]["loss"]
+    assert rows["sync_fused"]["loss"] == rows["async_fused"]["loss"]
+    assert all(r["step_s"] > 0 for r in rows.values())
+    summary = doc["summary"]
+    assert summary["async_over_sync_step_time"] == rows["async"]["median_step_s"] / rows["sync"]["median_step_s"]
+    assert math.isfinite(summary["memory_s_fused"]) and "hidden_fraction_fused" in summary
+
+
+def test_bench_memory_stream_bad_input_is_one_sentence():
+    proc = run_python(["tools/bench_memory_stream.py", "--quick", "--variants", "sync,fast"], check=False)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == ("bench_memory_stream: --variants takes names from dense, sync, async, sync_fused, "
+                                   "async_fused, got 'sync,fast'")
+
+
+def test_device_busy_time_counts_overlapping_kernels_once():
+    import importlib.util
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("bench_memory_stream", f"{ROOT}/tools/bench_memory_stream.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.busy_union([(5, 6), (0, 2), (1, 3), (2.5, 2.75)]) == 4
+    assert bench.busy_union([]) == 0

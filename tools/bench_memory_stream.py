@@ -38,6 +38,11 @@ VARIANTS = {"dense": ["memory.type=none"], "sync": ["memory.async_stream=false"]
 PAIRS = [("sync", "async"), ("sync_fused", "async_fused")]
 
 
+def fail(sentence: str) -> int:
+    print(f"bench_memory_stream: {sentence}", file=sys.stderr)
+    return 2
+
+
 def base_overrides(args):
     steps = [f"model.seq_length={args.seq}", f"train.micro_batch_size={args.batch}",
              f"train.global_batch_size={args.batch}", f"train.steps={args.steps}", "train.warmup_steps=1",
@@ -158,15 +163,22 @@ def main(argv=None):
     args.seq = args.seq or (128 if args.quick else 2048)
     args.steps = args.steps or (4 if args.quick else 30)
     args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 10)
-    if not 0 <= args.warmup < args.steps:
-        ap.error("--warmup must be at least 0 and less than --steps")
     if args.worker_out:
         return worker(args)
-    names = ["dense", "sync", "async"] + (["sync_fused", "async_fused"] if args.fused else [])
-    if args.variants:
-        names = args.variants.split(",")
-        if not set(names) <= set(VARIANTS):
-            ap.error(f"--variants: choose from {', '.join(VARIANTS)}")
+    names = args.variants.split(",") if args.variants else (
+        ["dense", "sync", "async"] + (["sync_fused", "async_fused"] if args.fused else []))
+    if not 0 <= args.warmup < args.steps:
+        return fail("--warmup must be at least 0 and less than --steps")
+    if not set(names) <= set(VARIANTS):
+        return fail(f"--variants takes names from {', '.join(VARIANTS)}, got '{args.variants}'")
+    from rmt.config import load_config, validate
+    from rmt.errors import ConfigError
+
+    try:
+        for name in names:
+            validate(load_config(args.config, base_overrides(args) + VARIANTS[name]), world_size=1)
+    except (ConfigError, FileNotFoundError) as err:
+        return fail(str(err))
     out = os.path.abspath((args.json or "bench_memory_stream") + ".row.tmp")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     rows = []
@@ -201,4 +213,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
