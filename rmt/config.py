@@ -209,6 +209,17 @@ class DataConfig:
     validation stays at ``N``. In [0, 1]; 1 = every sample at ``N``. A mix of lengths asks for a
     recall that does not depend on how many blocks the noise spans (docs/recipes.md)."""
 
+    noise_mix_step: int = 1
+    """Synthetic tasks, with ``noise_min_fraction < 1``: the mixed lengths are ``N, N - s,
+    N - 2s, ..`` down to ``ceil(noise_min_fraction x N)``, ``s`` this step. The recurrent
+    transformer's block width keeps every recall token at its place in its block and varies only
+    the number of blocks the noise spans; 1 = every length of the range."""
+
+    noise_mix_from: int = 0
+    """Synthetic tasks, with ``noise_min_fraction < 1``: mix lengths only once the curriculum's
+    noise length ``N`` is at least this (earlier stages train at ``N`` alone); 0 = from the
+    start."""
+
     curriculum_threshold: Optional[float] = None
     """Curriculum: double the noise length after each evaluation whose validation loss is below
     this; set together with ``curriculum_target`` (``null``: no curriculum). The noise length is

@@ -70,6 +70,26 @@ def test_noise_min_fraction_draws_one_length_per_step_in_every_layout():
     assert {TaskDataset(config, "train", 400, global_batch=4)[i]["tokens"].numel() for i in range(40)} == {96}
 
 
+def test_noise_mix_step_varies_only_the_block_count_from_a_stage_on():
+    """noise_mix_step=32: the lengths of a step are N, N - 32, .. >= N/2, so the recall tokens keep
+    their places in a block of 32; below noise_mix_from every step trains at N. Step 1 is the
+    whole range, the draws of the plain mix unchanged."""
+    config = load_config(None, ["data.task=selective_copy", "data.noise_length=256", "model.seq_length=288",
+                                "data.noise_min_fraction=0.5", "data.noise_mix_step=32", "data.noise_mix_from=256"])
+    ds = TaskDataset(config, "train", 400, global_batch=2)
+    drawn = [ds.step_noise_length(2 * step) for step in range(200)]
+    assert set(drawn) == {128, 160, 192, 224, 256}
+    assert all(ds[2 * step + 1]["tokens"].numel() == 32 + n for step, n in enumerate(drawn))
+    ds.noise_length = 128  # an earlier stage, below noise_mix_from
+    assert {ds.step_noise_length(i) for i in range(0, 400, 2)} == {128}
+    plain = TaskDataset(load_config(None, ["data.task=selective_copy", "data.noise_length=256", "model.seq_length=288",
+                                           "data.noise_min_fraction=0.5"]), "train", 400, global_batch=2)
+    config.data.noise_mix_step, config.data.noise_mix_from = 1, 0
+    assert [TaskDataset(config, "train", 400, 2).step_noise_length(i) for i in range(0, 400, 2)] == [
+        plain.step_noise_length(i) for i in range(0, 400, 2)]
+    assert len({plain.step_noise_length(i) for i in range(0, 400, 2)}) > 50
+
+
 def test_recall_accuracy():
     labels = torch.tensor([[0, 3, 5]])
     mask = torch.tensor([[0.0, 1.0, 1.0]])
@@ -87,6 +107,8 @@ def test_recall_accuracy():
       "data.curriculum_threshold=0.3", "model.seq_length=1024"], "is below data.noise_length"),
     (["data.task=copy", "data.noise_min_fraction=1.5", "model.seq_length=1024"],
      r"data.noise_min_fraction must lie in \[0, 1\], got 1.5"),
+    (["data.task=copy", "data.noise_mix_step=0", "model.seq_length=1024"],
+     "data.noise_mix_step must be at least 1 and data.noise_mix_from at least 0, got 0 and 0"),
 ])
 def test_validate_task(overrides, message):
     with pytest.raises(ConfigError, match=message):

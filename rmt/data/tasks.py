@@ -13,7 +13,8 @@ The target at the ``j``-th recall token is the ``j``-th data token; only the rec
 carry loss (``loss_mask``). Samples are a pure function of (seed, split, index, N).
 
 With ``data.noise_min_fraction < 1`` each training step (global batch) draws its noise length
-from ``ceil(f N) .. N``, a pure function of (seed, N, step's first sample).
+from ``ceil(f N) .. N`` in steps of ``data.noise_mix_step`` below ``N`` (once ``N`` reaches
+``data.noise_mix_from``), a pure function of (seed, N, step's first sample).
 
 Curriculum (§6.2): start with ``data.noise_length`` noise tokens; after an evaluation whose
 validation loss is below ``data.curriculum_threshold`` double ``N`` (capped at
@@ -71,6 +72,7 @@ class TaskDataset:
         self.task, self.tokens, self.alphabet = d.task, d.task_tokens, d.task_alphabet
         self.noise_length = d.noise_length
         self.min_fraction = d.noise_min_fraction if split == "train" else 1.0
+        self.mix_step, self.mix_from = d.noise_mix_step, d.noise_mix_from
         self.global_batch = global_batch
         self.seed = config.train.seed * 4 + _SPLITS[split]
         self.size = size
@@ -88,11 +90,13 @@ class TaskDataset:
     def step_noise_length(self, index: int) -> int:
         """The noise length of the step (global batch) that holds sample ``index``."""
         low = math.ceil(self.min_fraction * self.noise_length)
-        if low >= self.noise_length:
+        if low >= self.noise_length or self.noise_length < self.mix_from:
             return self.noise_length
+        choices = (self.noise_length - low) // self.mix_step + 1
         step = index // self.global_batch
         gen = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{self.noise_length}:mix:{step}".encode()))
-        return low + int(torch.randint(self.noise_length - low + 1, (1,), generator=gen))
+        below = choices - 1 - int(torch.randint(choices, (1,), generator=gen))
+        return self.noise_length - self.mix_step * below
 
     def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
         key = f"{self.seed}:{self.noise_length}:{index}".encode()
@@ -113,6 +117,9 @@ def validate_task(config: RMTConfig) -> None:
         raise ConfigError(f"data.curriculum_target ({target}) is below data.noise_length ({d.noise_length})")
     if not 0.0 <= d.noise_min_fraction <= 1.0:
         raise ConfigError(f"data.noise_min_fraction must lie in [0, 1], got {d.noise_min_fraction}")
+    if d.noise_mix_step < 1 or d.noise_mix_from < 0:
+        raise ConfigError(f"data.noise_mix_step must be at least 1 and data.noise_mix_from at least 0, got "
+                          f"{d.noise_mix_step} and {d.noise_mix_from}")
     if (d.curriculum_threshold is None) != (d.curriculum_target is None):
         raise ConfigError("set both data.curriculum_threshold and data.curriculum_target, or neither")
     longest = 2 * d.task_tokens + target
