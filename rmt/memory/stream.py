@@ -38,6 +38,11 @@ class MemoryStream:
         self.device = torch.device(device)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rmt-memory")
         self.side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        if self.side is not None:
+            # The memory layers' parameter gradients are made on the side stream and accumulated
+            # by nodes created on the default stream; autograd makes the one wait for the other,
+            # as the join needs, and would warn about it at every step (seen on an H100)
+            torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(False)
         self.busy_s = 0.0
         self.exposed_s = 0.0
         self.busy_backward_s = 0.0

@@ -28,8 +28,12 @@ def initialize(config: RMTConfig) -> None:
             torch.cuda.set_device(launch.local_rank)
         os.environ.setdefault("MASTER_ADDR", launch.master_addr)
         os.environ.setdefault("MASTER_PORT", str(launch.master_port))
+        # NCCL bound to this rank's GPU: otherwise it guesses the device from the global rank and
+        # warns at every barrier (seen on an H100)
+        device = {"device_id": torch.device("cuda", launch.local_rank)} if backend == "nccl" else {}
         dist.init_process_group(
             backend=backend,
+            **device,
             store=process_group_store(launch, datetime.timedelta(minutes=config.parallel.join_timeout_minutes)),
             rank=launch.rank,
             world_size=launch.world_size,
