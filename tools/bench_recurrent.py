@@ -7,15 +7,18 @@ repeat mixers).
     Positions are learned per place in the block (``model.position=block``): with absolute
     positions the recall tokens move to untrained rows at every doubling. Batch 32 (the paper's
     Table 4 has 64, which reaches 512 sooner but then learns slower per CPU second;
-    docs/recipes.md). The learning rate ``--lr`` falls by ``--lr-curriculum-decay`` (0.8) at
-    every doubling and by ``--lr-plateau-decay`` (0.5) after ``--lr-plateau-patience`` (40)
-    evaluations at the target without a new lowest validation loss, down to ``--min-lr-ratio`` x
-    ``--lr`` (the paper's learning rate "decays as a function of the sequence length and the
-    validation loss", §6.2); ``--lr-cooldown F`` (0.25) also brings it linearly down to that
-    floor over the last fraction F of the budget, or, with ``--lr-cooldown-from target``, over
-    the whole stage at ``--noise-target`` (from the arrival to the end of the budget). The paper starts at 128 and reports 100% / 99.4% at
-    4096 noise tokens with ~0.5M parameters; docs/recipes.md ("Recurrent transformer on copy
-    tasks") lists what was measured here.
+    docs/recipes.md). Weights start from N(0, ``--init-std``), 0.06 (megatron's default of 0.02
+    passes the curriculum's stages 2-3x slower and ends below 0.99; docs/recipes.md). The
+    learning rate ``--lr`` falls by ``--lr-curriculum-decay`` (0.8) at every doubling and by
+    ``--lr-plateau-decay`` (0.5) after ``--lr-plateau-patience`` (40) evaluations at the target
+    without a new lowest validation loss, down to ``--min-lr-ratio`` x ``--lr`` (the paper's
+    learning rate "decays as a function of the sequence length and the validation loss", §6.2);
+    ``--lr-cooldown F`` (0.25) also brings it linearly down to that floor over the last fraction F
+    of the budget, or, with ``--lr-cooldown-from target``, over the whole stage at
+    ``--noise-target`` (from the arrival to the end of the budget). A run ends early once the
+    validation loss at the target falls below ``--stop-loss`` (0.01). The paper starts at 128 and
+    reports 100% / 99.4% at 4096 noise tokens with ~0.5M parameters; docs/recipes.md ("Recurrent
+    transformer on copy tasks") lists what was measured here.
 (b) Decoding tokens/s and cache memory against position, up to 2048: the repeat mixer in its
     recurrent form (one state vector per head per layer) and the recurrent transformer (last
     window per layer plus the current block) against the transformer with megatron-core's KV
@@ -74,7 +77,8 @@ def task_config(task: str, args):
     overrides = [
         "model.arch=recurrent", f"model.hidden_size={args.hidden}", f"model.num_attention_heads={args.heads}",
         "model.num_layers=1", f"model.block_width={args.block}", f"model.seq_length={32 + args.noise_target}",
-        "model.recurrent_alpha=0.5", "model.position=block", f"data.task={task}", "data.task_tokens=16", "data.task_alphabet=16",
+        "model.recurrent_alpha=0.5", "model.position=block", f"model.init_std={args.init_std}", f"data.task={task}",
+        "data.task_tokens=16", "data.task_alphabet=16",
         f"data.noise_length={args.noise_start}", "data.curriculum_threshold=0.3",
         f"data.curriculum_target={args.noise_target}", f"train.steps={args.max_steps}",
         f"train.warmup_steps={min(20, args.max_steps - 1)}",
@@ -281,6 +285,9 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=int, help="block width, default 32 (quick 8)")
     ap.add_argument("--batch", type=int, help="samples per step, default 32 (the paper: 64; quick 16)")
     ap.add_argument("--lr", type=float, default=1e-3, help="learning rate at the first noise length")
+    ap.add_argument("--init-std", type=float, default=0.06,
+                    help="standard deviation of the weight init (model.init_std); megatron's 0.02 passes the "
+                         "curriculum's stages 2-3x slower (docs/recipes.md)")
     ap.add_argument("--lr-curriculum-decay", type=float, default=0.8,
                     help="factor on the learning rate at each doubling of the noise length (train.lr_curriculum_decay)")
     ap.add_argument("--lr-target-decay", type=float, default=1.0,
