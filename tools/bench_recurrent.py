@@ -311,7 +311,9 @@ def main(argv=None) -> int:
                     help="the lowest the learning rate falls to, as a fraction of --lr (train.min_lr_ratio)")
     ap.add_argument("--eval-interval", type=int, help="default 25 (quick 10)")
     ap.add_argument("--eval-samples", type=int, default=64)
-    ap.add_argument("--stop-loss", type=float, default=0.01)
+    ap.add_argument("--stop-loss", type=float, default=0.01,
+                    help="end a task's run at the first evaluation at --noise-target whose validation loss is "
+                         "below this (the paper trains \"down to the desired minimal level for completion\")")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--eval-noise", default="",
                     help="comma-separated noise lengths at which the trained model's recall accuracy is also "
