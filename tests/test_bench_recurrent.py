@@ -54,6 +54,20 @@ def test_accuracy_by_block_and_the_saved_model(tmp_path):
         assert state["layers.0.alpha"].item() == last["alpha"]
 
 
+@pytest.mark.parametrize("flags, learned", [(["--alpha", "0.07", "--no-learn-alpha"], False),
+                                             (["--alpha", "0.07", "--learn-alpha"], True)])
+def test_alpha_is_fixed_unless_learned(tmp_path, flags, learned):
+    """``--alpha`` sets the accumulation scalar's start; with ``--no-learn-alpha`` every evaluation
+    reports exactly that value (float32), with ``--learn-alpha`` the optimizer has moved it."""
+    out = tmp_path / "bench.json"
+    run_python(["tools/bench_recurrent.py", "--quick", "--tasks", "selective_copy", "--no-decode",
+                "--max-steps", "4", "--eval-interval", "2", "--eval-samples", "4", "--json", str(out)] + flags)
+    alphas = [r["alpha"] for r in json.loads(out.read_text())["rows"] if r["part"] == "curriculum"]
+    start = torch.tensor(0.07, dtype=torch.float32).item()
+    assert len(alphas) == 2
+    assert all(a != start for a in alphas) if learned else alphas == [start, start]
+
+
 def test_lr_cooldown_falls_linearly_over_the_budgets_last_fraction(tmp_path):
     """Over the last half of 8 steps the learning rate of 1e-3 falls linearly toward the floor:
     the step that starts at 5/8 of the budget runs at 1e-3 x (3/8) / (1/2) = 7.5e-4, and so on."""
@@ -132,6 +146,7 @@ def test_init_std_sets_the_weights_scale(tmp_path, init_std):
      "model.position=block (a learned position table has no rows past the longest training sample)"),
     (["--tasks", "copy,sort"], "--tasks must name copy and/or selective_copy, got 'copy,sort'"),
     (["--tasks", "copy", "model.recurrent_alpha=2"], "model.recurrent_alpha must lie in [0, 1], got 2.0"),
+    (["--tasks", "copy", "--alpha", "-0.1"], "model.recurrent_alpha must lie in [0, 1], got -0.1"),
     (["--tasks", "copy", "--init-std", "0"], "model.init_std must be positive, got 0.0"),
 ])
 def test_bad_input_is_rejected(args, message):

@@ -9,7 +9,8 @@ repeat mixers).
     Table 4 has 64, which reaches 512 sooner but then learns slower per CPU second;
     docs/recipes.md). Weights start from N(0, ``--init-std``), 0.06 (megatron's default of 0.02
     passes the curriculum's stages 2-3x slower and ends below 0.99; docs/recipes.md). The
-    learning rate ``--lr`` falls by ``--lr-curriculum-decay`` (0.8) at every doubling and by
+    accumulation scalar α of eq. 7 starts at ``--alpha`` (0.5) and is learned
+    (``--no-learn-alpha`` holds it there). The learning rate ``--lr`` falls by ``--lr-curriculum-decay`` (0.8) at every doubling and by
     ``--lr-plateau-decay`` (0.5) after ``--lr-plateau-patience`` (40) evaluations at the target
     without a new lowest validation loss, down to ``--min-lr-ratio`` x ``--lr`` (the paper's
     learning rate "decays as a function of the sequence length and the validation loss", §6.2);
@@ -77,7 +78,8 @@ def task_config(task: str, args):
     overrides = [
         "model.arch=recurrent", f"model.hidden_size={args.hidden}", f"model.num_attention_heads={args.heads}",
         "model.num_layers=1", f"model.block_width={args.block}", f"model.seq_length={32 + args.noise_target}",
-        "model.recurrent_alpha=0.5", "model.position=block", f"model.init_std={args.init_std}", f"data.task={task}",
+        f"model.recurrent_alpha={args.alpha}", f"model.recurrent_alpha_learned={str(args.learn_alpha).lower()}",
+        "model.position=block", f"model.init_std={args.init_std}", f"data.task={task}",
         "data.task_tokens=16", "data.task_alphabet=16",
         f"data.noise_length={args.noise_start}", "data.curriculum_threshold=0.3",
         f"data.curriculum_target={args.noise_target}", f"train.steps={args.max_steps}",
@@ -288,6 +290,10 @@ def main(argv=None) -> int:
     ap.add_argument("--init-std", type=float, default=0.06,
                     help="standard deviation of the weight init (model.init_std); megatron's 0.02 passes the "
                          "curriculum's stages 2-3x slower (docs/recipes.md)")
+    ap.add_argument("--alpha", type=float, default=0.5,
+                    help="the accumulation scalar α of eq. 7 at the start (model.recurrent_alpha)")
+    ap.add_argument("--learn-alpha", action=argparse.BooleanOptionalAction, default=True,
+                    help="learn α from --alpha (--no-learn-alpha: keep it fixed; model.recurrent_alpha_learned)")
     ap.add_argument("--lr-curriculum-decay", type=float, default=0.8,
                     help="factor on the learning rate at each doubling of the noise length (train.lr_curriculum_decay)")
     ap.add_argument("--lr-target-decay", type=float, default=1.0,
