@@ -181,6 +181,14 @@ torch::Tensor read_block(const torch::Tensor& out, int64_t t0, int64_t t1, int64
   return key_major ? out.narrow(1, t0 * dv, (t1 - t0) * dv) : out.narrow(0, t0 * dv, (t1 - t0) * dv);
 }
 
+// dst [cols, rows] = src [rows, cols] transposed: the row-major read's output or gradient to and
+// from the key-major layout (one side is the read's key count, a few to a few dozen).
+template <typename scalar_t>
+void transpose(const scalar_t* src, scalar_t* dst, int64_t rows, int64_t cols) {
+  for (int64_t c = 0; c < cols; ++c)
+    for (int64_t r = 0; r < rows; ++r) dst[c * rows + r] = src[r * cols + c];
+}
+
 // -> (out: [n, T*Dv] if key_major else [T*Dv, n], with out[t*Dv + v, h] = sum_k keys[h, k] y[t, v*Dk + k];
 //     rstd [T] in the accumulation dtype)
 std::vector<torch::Tensor> norm_read_forward(const torch::Tensor& x, const torch::Tensor& gain,
@@ -198,15 +206,23 @@ std::vector<torch::Tensor> norm_read_forward(const torch::Tensor& x, const torch
     at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
       const at::AutoDispatchBelowADInplaceOrView no_autograd;  // grad mode is per thread: workers have it on
       auto y = torch::empty({rows * dv, dk}, x.options());
+      // The row-major output is computed key-major and transposed into place (the backward
+      // likewise transposes its gradient): MKL's GEMMs with an n-wide side (n = R = 4 in the tiny
+      // RMT's feed-forward and unembedding reads) ran 3-5x slower than the same products laid out
+      // key-major (docs/benchmarks.md).
+      auto scratch = key_major ? torch::Tensor() : torch::empty({heads * rows * dv}, x.options());
       for (int64_t b = b0; b < b1; ++b) {
-        const int64_t t0 = b * rows, t1 = std::min(T, t0 + rows);
+        const int64_t t0 = b * rows, t1 = std::min(T, t0 + rows), m = (t1 - t0) * dv;
         for (int64_t t = t0; t < t1; ++t) r[t] = normalize_row(xp + t * n, g, y.data_ptr<scalar_t>() + (t - t0) * n, n, eps);
-        auto yb = y.narrow(0, 0, (t1 - t0) * dv);
-        auto ob = read_block(out, t0, t1, dv, key_major);
-        if (key_major)
+        auto yb = y.narrow(0, 0, m);
+        if (key_major) {
+          auto ob = read_block(out, t0, t1, dv, true);
           at::mm_out(ob, keys_c, yb.t());
-        else
-          at::mm_out(ob, yb, keys_c.t());
+        } else {
+          auto sb = scratch.narrow(0, 0, heads * m).view({heads, m});
+          at::mm_out(sb, keys_c, yb.t());
+          transpose(sb.data_ptr<scalar_t>(), out.data_ptr<scalar_t>() + t0 * dv * heads, heads, m);
+        }
       }
     });
   });
@@ -236,11 +252,13 @@ std::vector<torch::Tensor> norm_read_backward(const torch::Tensor& grad, const t
       const at::AutoDispatchBelowADInplaceOrView no_autograd;
       auto y = torch::empty({rows * dv, dk}, x.options());
       auto dy = torch::empty({rows * dv, dk}, x.options());
+      auto scratch = key_major ? torch::Tensor() : torch::empty({heads * rows * dv}, x.options());
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t t0 = b * rows, t1 = std::min(T, t0 + rows), m = (t1 - t0) * dv;
-        auto gb = read_block(grad, t0, t1, dv, key_major);
+        auto gb = key_major ? read_block(grad, t0, t1, dv, true) : scratch.narrow(0, 0, heads * m).view({heads, m});
+        if (!key_major) transpose(grad.data_ptr<scalar_t>() + t0 * dv * heads, gb.data_ptr<scalar_t>(), m, heads);
         auto dyb = dy.narrow(0, 0, m);
-        at::mm_out(dyb, key_major ? gb.t() : gb, keys_c);
+        at::mm_out(dyb, gb.t(), keys_c);
         A* dg = want_dg ? partial_dg.data_ptr<A>() + b * n : nullptr;
         if (dg) std::fill(dg, dg + n, A(0));
         for (int64_t t = t0; t < t1; ++t) {
@@ -250,7 +268,7 @@ std::vector<torch::Tensor> norm_read_backward(const torch::Tensor& grad, const t
         }
         if (want_dkeys) {
           auto yb = y.narrow(0, 0, m);
-          partial_dkeys[b].copy_((key_major ? at::mm(gb, yb) : at::mm(gb.t(), yb)).view(-1));
+          partial_dkeys[b].copy_(at::mm(gb, yb).view(-1));
         }
       }
     });

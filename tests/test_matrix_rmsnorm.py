@@ -158,21 +158,24 @@ def test_fused_norm_read_float64_gradients_are_the_derivative(key_major):
         (x.requires_grad_(), gain.requires_grad_(), keys.requires_grad_()))
 
 
-def test_fused_norm_read_does_not_depend_on_the_thread_count():
+@pytest.mark.parametrize("key_major, heads", [(False, 4), (True, 12)], ids=["token_major", "key_major"])
+def test_fused_norm_read_does_not_depend_on_the_thread_count(key_major, heads):
     """Bitwise for the output, dx and dgain; dkeys is a GEMM per block (MKL's reduction order
-    depends on its thread count, as for every torch weight gradient): within its rounding bound."""
-    x, gain, keys, go = _read_case(T=300, dv=32, dk=16, heads=12, key_major=True)
+    depends on its thread count, as for every torch weight gradient): within its rounding bound.
+    The tiny RMT's shapes: its attention reads key-major with 3R = 12 keys, its feed-forward
+    token-major with R = 4 (computed key-major and transposed)."""
+    x, gain, keys, go = _read_case(T=300, dv=32, dk=16, heads=heads, key_major=key_major)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = _run_read("cpu", x, gain, keys, go, True)
+        one = _run_read("cpu", x, gain, keys, go, key_major)
         torch.set_num_threads(3)
-        three = _run_read("cpu", x, gain, keys, go, True)
+        three = _run_read("cpu", x, gain, keys, go, key_major)
     finally:
         torch.set_num_threads(threads)
     for a, b in zip(one[:3], three[:3]):
         assert torch.equal(a, b)
-    bound = _read_bounds(x, gain, keys, go, True, U)[3]
+    bound = _read_bounds(x, gain, keys, go, key_major, U)[3]
     assert ((one[3] - three[3]).abs().double() - 2 * bound).max().item() <= 0
 
 
