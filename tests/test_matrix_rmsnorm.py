@@ -139,8 +139,13 @@ def _read_bounds(x, gain, keys, go, key_major, u):
 
 
 @pytest.mark.parametrize("key_major", [False, True], ids=["token_major", "key_major"])
-def test_fused_norm_read_float32_is_within_rounding_of_the_float64_truth(key_major):
-    x, gain, keys, go = _read_case(key_major=key_major)
+@pytest.mark.parametrize("shape", [dict(), dict(dv=7, dk=16), dict(T=151, dv=7, dk=32, heads=5)],
+                         ids=["mm", "tiles_dk16", "tiles_dk32"])
+def test_fused_norm_read_float32_is_within_rounding_of_the_float64_truth(key_major, shape):
+    """Dk 20 takes at::mm for the backward's GEMMs; Dk 16 and 32 the register tiles, with a
+    remainder of read rows (m = 1050 and 1057 against tiles of 4 and 2) and of keys (6 and 5
+    against tiles of 4 and 2)."""
+    x, gain, keys, go = _read_case(key_major=key_major, **shape)
     truth = _run_read("torch", x.double(), gain.double(), keys.double(), go.double(), key_major)
     fused = _run_read("cpu", x, gain, keys, go, key_major)
     for name, got, want, bound in zip(("out", "dx", "dgain", "dkeys"), fused, truth,
