@@ -18,16 +18,19 @@
 // never goes to memory; the backward recomputes y per block the same way. Forward reads x once
 // (norm then GEMM: read x, write y, read y); backward reads x and the small read gradient once
 // and writes dx once (unfused: write dy, read y, read dy and x, write dx). Only x and rstd are
-// saved, not y. dkeys is a GEMM per block (reduction length rows x Dv), so like any torch weight
-// gradient its last bits may depend on the thread count; dx and dgain do not.
+// saved, not y. The read's GEMMs are MKL's, except the backward's token-major dy and its dkeys for
+// float32 with Dk 16 or 32, which take the register tiles of key_tiles.h. dkeys is a GEMM per
+// block (reduction length rows x Dv), so on MKL's path, like any torch weight gradient, its last
+// bits may depend on the thread count; dx and dgain do not.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
+
+#include "key_tiles.h"
 
 namespace {
 
@@ -190,70 +193,6 @@ void transpose(const scalar_t* src, scalar_t* dst, int64_t rows, int64_t cols) {
     for (int64_t r = 0; r < rows; ++r) dst[c * rows + r] = src[r * cols + c];
 }
 
-// The read's two backward GEMMs for one block of m = rows*Dv read rows, float32 with Dk 16 or 32
-// (every RMT config's Dk), with the read's gradient at go[h*sh + j*sj] (key-major: sh = T*Dv,
-// sj = 1; token-major: sh = 1, sj = n_keys):
-//   dy[j, k] = sum_h go[h, j] keys[h, k]      dkeys[h, k] = sum_j go[h, j] y[j, k]
-// Written by hand because these GEMMs have a reduction or output side of only n_keys (4-36) or Dk,
-// shapes for which MKL's sgemm ran at a fraction of its speed on larger ones: register tiles of
-// 64 / Dk rows of dy (or keys of dkeys) by Dk lanes, 8 accumulators of 8 floats. Each sum
-// runs in a fixed order (h, respectively j, ascending), so the result does not depend on the
-// thread count. The general path (other dtypes and Dk) is at::mm, the same products; so is the
-// key-major dy, where MKL's sgemm measured as fast as the tile (docs/benchmarks.md).
-typedef float v8 __attribute__((vector_size(32)));  // GCC's vector extension: AVX registers, or pairs of SSE
-inline v8 load8(const float* p) { v8 v; std::memcpy(&v, p, sizeof v); return v; }
-inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
-
-// dy rows [j, j + J): J x Dk/8 accumulators, one pass over the keys.
-template <int DK, int J>
-inline void read_dy_tile(const float* go, int64_t sh, int64_t sj, const float* keys, float* dy, int64_t heads, int64_t j) {
-  constexpr int NV = DK / 8;
-  v8 acc[J][NV] = {};
-  for (int64_t h = 0; h < heads; ++h) {
-    v8 kv[NV];
-    for (int q = 0; q < NV; ++q) kv[q] = load8(keys + h * DK + 8 * q);
-    for (int jj = 0; jj < J; ++jj) {
-      const float s = go[h * sh + (j + jj) * sj];
-      for (int q = 0; q < NV; ++q) acc[jj][q] += s * kv[q];
-    }
-  }
-  for (int jj = 0; jj < J; ++jj)
-    for (int q = 0; q < NV; ++q) store8(dy + (j + jj) * DK + 8 * q, acc[jj][q]);
-}
-
-// dkeys rows [h, h + H): H x Dk/8 accumulators, one pass over the block's y.
-template <int DK, int H>
-inline void read_dkeys_tile(const float* go, int64_t sh, int64_t sj, const float* y, float* dkeys, int64_t m, int64_t h) {
-  constexpr int NV = DK / 8;
-  v8 acc[H][NV] = {};
-  for (int64_t j = 0; j < m; ++j) {
-    v8 yv[NV];
-    for (int q = 0; q < NV; ++q) yv[q] = load8(y + j * DK + 8 * q);
-    for (int hh = 0; hh < H; ++hh) {
-      const float s = go[(h + hh) * sh + j * sj];
-      for (int q = 0; q < NV; ++q) acc[hh][q] += s * yv[q];
-    }
-  }
-  for (int hh = 0; hh < H; ++hh)
-    for (int q = 0; q < NV; ++q) store8(dkeys + (h + hh) * DK + 8 * q, acc[hh][q]);
-}
-
-template <int DK>
-void read_dy(const float* go, int64_t sh, int64_t sj, const float* keys, float* dy, int64_t heads, int64_t m) {
-  constexpr int J = 64 / DK;
-  int64_t j = 0;
-  for (; j + J <= m; j += J) read_dy_tile<DK, J>(go, sh, sj, keys, dy, heads, j);
-  for (; j < m; ++j) read_dy_tile<DK, 1>(go, sh, sj, keys, dy, heads, j);
-}
-
-template <int DK>
-void read_dkeys(const float* go, int64_t sh, int64_t sj, const float* y, float* dkeys, int64_t heads, int64_t m) {
-  constexpr int H = 64 / DK;
-  int64_t h = 0;
-  for (; h + H <= heads; h += H) read_dkeys_tile<DK, H>(go, sh, sj, y, dkeys, m, h);
-  for (; h < heads; ++h) read_dkeys_tile<DK, 1>(go, sh, sj, y, dkeys, m, h);
-}
-
 // -> (out: [n, T*Dv] if key_major else [T*Dv, n], with out[t*Dv + v, h] = sum_k keys[h, k] y[t, v*Dk + k];
 //     rstd [T] in the accumulation dtype)
 std::vector<torch::Tensor> norm_read_forward(const torch::Tensor& x, const torch::Tensor& gain,
@@ -309,7 +248,7 @@ std::vector<torch::Tensor> norm_read_backward(const torch::Tensor& grad, const t
   auto partial_dg = torch::empty({want_dg ? blocks : 0, n}, x.options().dtype(acc_dtype(x)));
   auto partial_dkeys = torch::empty({want_dkeys ? blocks : 0, heads * dk}, x.options().dtype(acc_dtype(x)));
   const auto keys_c = keys.detach().contiguous();
-  const bool hand = x.scalar_type() == torch::kFloat32 && (dk == 16 || dk == 32);
+  const bool hand = x.scalar_type() == torch::kFloat32 && rmt_cpu::tiled_width(dk);
   const float* keys_f = hand ? keys_c.data_ptr<float>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "matrix_rmsnorm_read_backward", [&] {
     using A = acc_t<scalar_t>;
@@ -325,12 +264,12 @@ std::vector<torch::Tensor> norm_read_backward(const torch::Tensor& grad, const t
         auto dyb = dy.narrow(0, 0, m);
         const float* go = hand ? reinterpret_cast<const float*>(gb.data_ptr<scalar_t>()) : nullptr;
         const int64_t sh = key_major ? T * dv : 1, sj = key_major ? 1 : heads;
+        // The token-major dy by the register tile (key_tiles.h); key-major, MKL's sgemm measured
+        // as fast as the tile.
         if (!hand || key_major)
           at::mm_out(dyb, key_major ? gb.t() : gb, keys_c);
-        else if (dk == 16)
-          read_dy<16>(go, sh, sj, keys_f, reinterpret_cast<float*>(dyb.data_ptr<scalar_t>()), heads, m);
         else
-          read_dy<32>(go, sh, sj, keys_f, reinterpret_cast<float*>(dyb.data_ptr<scalar_t>()), heads, m);
+          rmt_cpu::rows_by_keys(dk, go, sh, sj, keys_f, reinterpret_cast<float*>(dyb.data_ptr<scalar_t>()), heads, m);
         A* dg = want_dg ? partial_dg.data_ptr<A>() + b * n : nullptr;
         if (dg) std::fill(dg, dg + n, A(0));
         for (int64_t t = t0; t < t1; ++t) {
@@ -342,12 +281,9 @@ std::vector<torch::Tensor> norm_read_backward(const torch::Tensor& grad, const t
           auto yb = y.narrow(0, 0, m);
           if (!hand)
             partial_dkeys[b].copy_((key_major ? at::mm(gb, yb) : at::mm(gb.t(), yb)).view(-1));
-          else if (dk == 16)
-            read_dkeys<16>(go, sh, sj, reinterpret_cast<const float*>(yb.data_ptr<scalar_t>()),
-                           partial_dkeys.data_ptr<float>() + b * heads * dk, heads, m);
           else
-            read_dkeys<32>(go, sh, sj, reinterpret_cast<const float*>(yb.data_ptr<scalar_t>()),
-                           partial_dkeys.data_ptr<float>() + b * heads * dk, heads, m);
+            rmt_cpu::keys_by_rows(dk, go, sh, sj, reinterpret_cast<const float*>(yb.data_ptr<scalar_t>()),
+                                  partial_dkeys.data_ptr<float>() + b * heads * dk, heads, m);
         }
       }
     });

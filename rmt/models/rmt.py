@@ -60,6 +60,7 @@ from rmt.errors import ConfigError
 from rmt.models.build import register
 from rmt.models.megatron_config import padded_vocab_size, transformer_config
 from rmt.ops.matrix_rmsnorm import matrix_rms_norm, matrix_rms_norm_read
+from rmt.ops.matrix_write import matrix_write
 
 POSITIONS = ("alibi", "learned")
 # The embedding's and unembedding's key matrices (parameter name suffixes): the authors decay
@@ -77,7 +78,7 @@ def write(data: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Store n data vectors (Eq. 12 without the norm): ``data [..., Dv, n]``, ``keys [Dk, n]``
     -> ``[..., Dv, Dk]`` with ``out[..., v, k] = sum_h keys[k, h] data[..., v, h]``, i.e.
     ``sum_h w^(h) (x) x^(h)`` transposed."""
-    return F.linear(data, keys)
+    return matrix_write(data, keys)
 
 
 def alibi_slopes(rank: int) -> torch.Tensor:
@@ -175,7 +176,9 @@ class RMTLayer(MegatronModule):
         with torch.autocast(device_type=x.device.type, enabled=False):
             ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scale)
         ctx = ctx.to(qkv.dtype).permute(2, 0, 3, 1).reshape(s, b * self.dv, heads)
-        out, _ = self.attn_write(ctx)
+        # attn_write is a RowParallelLinear for its weight's TP sharding: its forward (a linear
+        # layer, then the sum over TP ranks) computed by the write kernel.
+        out = tensor_parallel.reduce_from_tensor_model_parallel_region(write(ctx, self.attn_write.weight))
         return out.view(s, b, self.dv, self.dk)
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:

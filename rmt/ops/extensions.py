@@ -57,6 +57,8 @@ EXTENSIONS: Dict[str, dict] = {
                                   extra_ldflags=["-fopenmp"]),
     "rmt_matrix_rmsnorm_cpu": dict(sources=["matrix_rmsnorm_cpu.cpp"], extra_cflags=_NATIVE_CPU,
                                    extra_ldflags=["-fopenmp"]),
+    "rmt_matrix_write_cpu": dict(sources=["matrix_write_cpu.cpp"], extra_cflags=_NATIVE_CPU,
+                                 extra_ldflags=["-fopenmp"]),
     "rmt_lookup_reduce_cuda": dict(sources=["lookup_reduce_cuda.cpp", "lookup_reduce_cuda_kernels.cu"],
                                    extra_cflags=["-O3"], extra_cuda_cflags=["-O3"]),
 }

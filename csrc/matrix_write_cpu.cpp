@@ -1,0 +1,107 @@
+// The RMT's write (Mak & Flanigan Eq. 12 without the norm; rmt.ops.matrix_write holds the formula
+// and the torch reference), CPU, float32, Dk 16 or 32:
+//
+//   forward   out[j, k] = sum_h data[j, h] keys[k, h]           data [M, n], keys [Dk, n], out [M, Dk]
+//   backward  ddata[j, h] = sum_k grad[j, k] keys[k, h],   dkeys[k, h] = sum_j grad[j, k] data[j, h]
+//
+// with M = tokens x Dv rows and n (R, or R + position keys) of a few data vectors per row. As a
+// GEMM this has a reduction side of n (forward), an output side of n (ddata) or an output of
+// Dk x n (dkeys), shapes on which MKL's sgemm ran 5-10x below its speed on the transformer's
+// linear layers (docs/benchmarks.md); the forward and dkeys take the register tiles of
+// key_tiles.h, ddata MKL's sgemm laid out key-major (fast), transposed in place for token-major
+// data. data comes token-major ([M, n] contiguous) or key-major (the transpose of a contiguous
+// [n, M]: the attention's output, a view of the read's layout), and ddata is returned in the same
+// layout. dkeys' partial sums are kept per block of kRows rows and added in block order, so no
+// result depends on the thread count.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "key_tiles.h"
+
+namespace {
+
+constexpr int64_t kRows = 2048;
+
+// True for key-major data (the transpose of a contiguous [n, M]); throws unless data is one of
+// the two layouts.
+bool check(const torch::Tensor& data, const torch::Tensor& keys) {
+  TORCH_CHECK(data.device().is_cpu() && data.dim() == 2 && data.scalar_type() == torch::kFloat32,
+              "data must be a CPU float32 [M, n] tensor");
+  TORCH_CHECK(keys.dim() == 2 && keys.scalar_type() == torch::kFloat32 && keys.size(1) == data.size(1) &&
+                  rmt_cpu::tiled_width(keys.size(0)),
+              "keys must be a float32 [Dk, n] tensor with Dk 16 or 32 and data's n");
+  const bool key_major = !data.is_contiguous();
+  TORCH_CHECK(!key_major || data.t().is_contiguous(), "data must be contiguous or the transpose of a contiguous tensor");
+  return key_major;
+}
+
+torch::Tensor forward(const torch::Tensor& data, const torch::Tensor& keys) {
+  const bool key_major = check(data, keys);
+  const int64_t M = data.size(0), n = data.size(1), dk = keys.size(0);
+  const int64_t sh = key_major ? M : 1, sj = key_major ? 1 : n;
+  const auto keys_t = keys.t().contiguous();  // [n, Dk]
+  auto out = torch::empty({M, dk}, data.options().memory_format(at::MemoryFormat::Contiguous));
+  const float *a = data.data_ptr<float>(), *b = keys_t.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, (M + kRows - 1) / kRows, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t j0 = blk * kRows, m = std::min(kRows, M - j0);
+      rmt_cpu::rows_by_keys(dk, a + j0 * sj, sh, sj, b, o + j0 * dk, n, m);
+    }
+  });
+  return out;
+}
+
+// -> (ddata in data's layout or empty, dkeys [Dk, n] or empty)
+std::vector<torch::Tensor> backward(const torch::Tensor& grad, const torch::Tensor& data, const torch::Tensor& keys,
+                                    bool want_data, bool want_keys) {
+  const bool key_major = check(data, keys);
+  const int64_t M = data.size(0), n = data.size(1), dk = keys.size(0), blocks = (M + kRows - 1) / kRows;
+  TORCH_CHECK(grad.scalar_type() == torch::kFloat32 && grad.is_contiguous() && grad.dim() == 2 && grad.size(0) == M &&
+                  grad.size(1) == dk,
+              "grad must be a contiguous float32 [M, Dk] tensor");
+  const int64_t sh = key_major ? M : 1, sj = key_major ? 1 : n;
+  const auto keys_t = keys.t().contiguous();  // [n, Dk]
+  auto ddata_km = want_data ? torch::empty({n, M}, data.options()) : torch::Tensor();  // key-major
+  auto ddata_tm = want_data && !key_major ? torch::empty({M, n}, data.options()) : torch::Tensor();
+  auto partial = torch::empty({want_keys ? blocks : 0, n * dk}, data.options());
+  const float *a = data.data_ptr<float>(), *g = grad.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    const at::AutoDispatchBelowADInplaceOrView no_autograd;  // grad mode is per thread: workers have it on
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t j0 = blk * kRows, m = std::min(kRows, M - j0);
+      if (want_data) {
+        auto block = ddata_km.narrow(1, j0, m);
+        at::mm_out(block, keys_t, grad.narrow(0, j0, m).t());
+        if (!key_major) {
+          const float* src = block.data_ptr<float>();
+          float* dst = ddata_tm.data_ptr<float>() + j0 * n;
+          for (int64_t j = 0; j < m; ++j)
+            for (int64_t h = 0; h < n; ++h) dst[j * n + h] = src[h * M + j];
+        }
+      }
+      if (want_keys)
+        rmt_cpu::keys_by_rows(dk, a + j0 * sj, sh, sj, g + j0 * dk, partial.data_ptr<float>() + blk * n * dk, n, m);
+    }
+  });
+  torch::Tensor dkeys;
+  if (want_keys) {
+    auto total = torch::zeros({n * dk}, data.options());
+    float* t = total.data_ptr<float>();
+    const float* p = partial.data_ptr<float>();
+    for (int64_t blk = 0; blk < blocks; ++blk)
+      for (int64_t i = 0; i < n * dk; ++i) t[i] += p[blk * n * dk + i];
+    dkeys = total.view({n, dk}).t().contiguous();
+  }
+  return {want_data ? (key_major ? ddata_km.t() : ddata_tm) : torch::Tensor(), dkeys};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &forward, "RMT write forward: data [M, n] (token- or key-major), keys [Dk, n] -> [M, Dk]");
+  m.def("backward", &backward, "RMT write backward -> (ddata in data's layout, dkeys)");
+}

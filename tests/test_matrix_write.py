@@ -1,0 +1,84 @@
+"""The RMT's write kernel (csrc/matrix_write_cpu.cpp, rmt.ops.matrix_write) against the float64
+truth of its reference (F.linear), forward and backward, in both data layouts, with the register
+tiles' remainders and several row blocks; its independence of the thread count; the dispatch."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rmt.ops.matrix_write import _ext, matrix_write
+
+pytestmark = pytest.mark.skipif(_ext() is None, reason="the C++ extension did not build")
+
+U = 2.0 ** -24  # float32 unit roundoff
+
+
+def _case(M, n, dk, key_major, seed=0):
+    """data [M, n] (key-major: the transpose of a contiguous [n, M], as the attention's output),
+    keys [Dk, n] and the output gradient, float64."""
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.randn(n, M, generator=gen, dtype=torch.float64)
+    data = data.t() if key_major else data.t().contiguous()
+    keys = torch.randn(dk, n, generator=gen, dtype=torch.float64)
+    grad = torch.randn(M, dk, generator=gen, dtype=torch.float64)
+    return data, keys, grad
+
+
+def _run(data, keys, grad, dtype, backend):
+    d = data.t().to(dtype).contiguous().t() if not data.is_contiguous() else data.to(dtype)
+    d, k = d.detach().requires_grad_(), keys.to(dtype).detach().requires_grad_()
+    out = matrix_write(d, k, backend=backend)
+    out.backward(grad.to(dtype))
+    return out.detach(), d.grad, k.grad
+
+
+def _bounds(data, keys, grad, u):
+    """First-order bounds of sums of k terms in any order, gamma_k = k u on sum |terms|, plus the
+    float32 rounding of the inputs (u relative each)."""
+    M, n = data.shape
+    dk = keys.shape[0]
+    a, k, g = data.abs(), keys.abs(), grad.abs()
+    return (n + 2) * u * (a @ k.t()), (dk + 2) * u * (g @ k), (M + 2) * u * (g.t() @ a)
+
+
+@pytest.mark.parametrize("key_major", [False, True], ids=["token_major", "key_major"])
+@pytest.mark.parametrize("M, n, dk", [(1050, 6, 16), (4099, 5, 32), (4097, 3, 16)],
+                         ids=["one_block_dk16", "three_blocks_dk32", "three_blocks_dk16"])
+def test_float32_is_within_rounding_of_the_float64_truth(key_major, M, n, dk):
+    """Rows not a multiple of the tiles' 4 (Dk 16) or 2 (Dk 32), keys not a multiple of theirs,
+    and more rows than one block of 2048; the data gradient comes back in data's layout."""
+    data, keys, grad = _case(M, n, dk, key_major)
+    truth = _run(data, keys, grad, torch.float64, "torch")
+    got = _run(data, keys, grad, torch.float32, "cpu")
+    for name, g, want, bound in zip(("out", "ddata", "dkeys"), got, truth, _bounds(data, keys, grad, U)):
+        assert g.dtype == torch.float32 and g.shape == want.shape, name
+        excess = ((g.double() - want).abs() - bound * 1.01).max().item()  # 1.01: second-order terms
+        assert excess <= 0, (name, excess)
+    assert got[1].is_contiguous() != key_major and got[1].t().is_contiguous() == key_major
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    data, keys, grad = _case(5000, 4, 16, True)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run(data, keys, grad, torch.float32, "cpu")
+        torch.set_num_threads(3)
+        three = _run(data, keys, grad, torch.float32, "cpu")
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, three):
+        assert torch.equal(a, b)
+
+
+def test_dispatch():
+    """The kernel by default for float32 with Dk 16 or 32; F.linear for other dtypes, other Dk
+    and data in neither layout, and with backend="torch"."""
+    data, keys, _ = _case(64, 4, 16, False)
+    d32, k32 = data.float(), keys.float()
+    assert torch.equal(matrix_write(d32, k32), matrix_write(d32, k32, backend="cpu"))
+    for d, k in ((data, keys), (d32[:, :3].contiguous(), torch.randn(20, 3)), (d32[::2], k32)):
+        assert torch.equal(matrix_write(d, k), F.linear(d, k))
+    assert torch.equal(matrix_write(d32, k32, backend="torch"), F.linear(d32, k32))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        matrix_write(d32, k32, backend="cuda")
