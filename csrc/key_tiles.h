@@ -23,75 +23,54 @@ typedef float v8 __attribute__((vector_size(32)));
 inline v8 load8(const float* p) { v8 v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
 
-// out rows [j, j + J): J x Dk/8 accumulators, one pass over b.
-template <int DK, int J>
-inline void rows_by_keys_tile(const float* a, int64_t sh, int64_t sj, const float* b, float* out, int64_t n,
-                              int64_t j) {
+// out[t, :] = sum_i a[i*si + t*st] v[i, :] for t < T (v [steps, Dk]): T x Dk/8 accumulators, one
+// pass over v. Both products are this tile: rows_by_keys steps over the keys (v = b) for T rows,
+// keys_by_rows over the rows (v = y) for T keys. T = 64 / Dk: 8 accumulators.
+template <int DK, int T>
+inline void outer_product_tile(const float* a, int64_t si, int64_t st, const float* v, float* out, int64_t steps) {
   constexpr int NV = DK / 8;
-  v8 acc[J][NV] = {};
-  for (int64_t h = 0; h < n; ++h) {
-    v8 bv[NV];
-    for (int q = 0; q < NV; ++q) bv[q] = load8(b + h * DK + 8 * q);
-    for (int jj = 0; jj < J; ++jj) {
-      const float s = a[h * sh + (j + jj) * sj];
-      for (int q = 0; q < NV; ++q) acc[jj][q] += s * bv[q];
+  v8 acc[T][NV] = {};
+  for (int64_t i = 0; i < steps; ++i) {
+    v8 vv[NV];
+    for (int q = 0; q < NV; ++q) vv[q] = load8(v + i * DK + 8 * q);
+    for (int t = 0; t < T; ++t) {
+      const float s = a[i * si + t * st];
+      for (int q = 0; q < NV; ++q) acc[t][q] += s * vv[q];
     }
   }
-  for (int jj = 0; jj < J; ++jj)
-    for (int q = 0; q < NV; ++q) store8(out + (j + jj) * DK + 8 * q, acc[jj][q]);
+  for (int t = 0; t < T; ++t)
+    for (int q = 0; q < NV; ++q) store8(out + t * DK + 8 * q, acc[t][q]);
 }
 
-// out rows [h, h + H): H x Dk/8 accumulators, one pass over y.
-template <int DK, int H>
-inline void keys_by_rows_tile(const float* a, int64_t sh, int64_t sj, const float* y, float* out, int64_t m,
-                              int64_t h) {
-  constexpr int NV = DK / 8;
-  v8 acc[H][NV] = {};
-  for (int64_t j = 0; j < m; ++j) {
-    v8 yv[NV];
-    for (int q = 0; q < NV; ++q) yv[q] = load8(y + j * DK + 8 * q);
-    for (int hh = 0; hh < H; ++hh) {
-      const float s = a[(h + hh) * sh + j * sj];
-      for (int q = 0; q < NV; ++q) acc[hh][q] += s * yv[q];
-    }
-  }
-  for (int hh = 0; hh < H; ++hh)
-    for (int q = 0; q < NV; ++q) store8(out + (h + hh) * DK + 8 * q, acc[hh][q]);
-}
-
+// The tiles over count outputs: out[t, :] = sum_i a[i*si + t*st] v[i, :] for t < count.
 template <int DK>
-void rows_by_keys(const float* a, int64_t sh, int64_t sj, const float* b, float* out, int64_t n, int64_t m) {
-  constexpr int J = 64 / DK;
-  int64_t j = 0;
-  for (; j + J <= m; j += J) rows_by_keys_tile<DK, J>(a, sh, sj, b, out, n, j);
-  for (; j < m; ++j) rows_by_keys_tile<DK, 1>(a, sh, sj, b, out, n, j);
+void outer_products(const float* a, int64_t si, int64_t st, const float* v, float* out, int64_t steps, int64_t count) {
+  constexpr int T = 64 / DK;
+  int64_t t = 0;
+  for (; t + T <= count; t += T) outer_product_tile<DK, T>(a + t * st, si, st, v, out + t * DK, steps);
+  for (; t < count; ++t) outer_product_tile<DK, 1>(a + t * st, si, st, v, out + t * DK, steps);
 }
 
-template <int DK>
-void keys_by_rows(const float* a, int64_t sh, int64_t sj, const float* y, float* out, int64_t n, int64_t m) {
-  constexpr int H = 64 / DK;
-  int64_t h = 0;
-  for (; h + H <= n; h += H) keys_by_rows_tile<DK, H>(a, sh, sj, y, out, m, h);
-  for (; h < n; ++h) keys_by_rows_tile<DK, 1>(a, sh, sj, y, out, m, h);
-}
-
-// rows_by_keys / keys_by_rows for a runtime Dk of 16 or 32 (the caller checks tiled_width).
 inline bool tiled_width(int64_t dk) { return dk == 16 || dk == 32; }
 
+inline void outer_products(int64_t dk, const float* a, int64_t si, int64_t st, const float* v, float* out,
+                           int64_t steps, int64_t count) {
+  if (dk == 16)
+    outer_products<16>(a, si, st, v, out, steps, count);
+  else
+    outer_products<32>(a, si, st, v, out, steps, count);
+}
+
+// The two products of the header comment, for a runtime Dk of 16 or 32 (the caller checks
+// tiled_width).
 inline void rows_by_keys(int64_t dk, const float* a, int64_t sh, int64_t sj, const float* b, float* out, int64_t n,
                          int64_t m) {
-  if (dk == 16)
-    rows_by_keys<16>(a, sh, sj, b, out, n, m);
-  else
-    rows_by_keys<32>(a, sh, sj, b, out, n, m);
+  outer_products(dk, a, sh, sj, b, out, n, m);
 }
 
 inline void keys_by_rows(int64_t dk, const float* a, int64_t sh, int64_t sj, const float* y, float* out, int64_t n,
                          int64_t m) {
-  if (dk == 16)
-    keys_by_rows<16>(a, sh, sj, y, out, n, m);
-  else
-    keys_by_rows<32>(a, sh, sj, y, out, n, m);
+  outer_products(dk, a, sj, sh, y, out, m, n);
 }
 
 }  // namespace rmt_cpu
