@@ -72,13 +72,16 @@ def test_results_do_not_depend_on_the_thread_count():
 
 
 def test_dispatch():
-    """The kernel by default for float32 with Dk 16 or 32; F.linear for other dtypes, other Dk
-    and data in neither layout, and with backend="torch"."""
+    """The kernel by default for float32 with Dk 16 or 32; F.linear for other dtypes, other Dk,
+    data in neither layout, under autocast, and with backend="torch"."""
     data, keys, _ = _case(64, 4, 16, False)
     d32, k32 = data.float(), keys.float()
     assert torch.equal(matrix_write(d32, k32), matrix_write(d32, k32, backend="cpu"))
     for d, k in ((data, keys), (d32[:, :3].contiguous(), torch.randn(20, 3)), (d32[::2], k32)):
         assert torch.equal(matrix_write(d, k), F.linear(d, k))
     assert torch.equal(matrix_write(d32, k32, backend="torch"), F.linear(d32, k32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 training: the write follows autocast
+        got, want = matrix_write(d32, k32), F.linear(d32, k32)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
     with pytest.raises(ValueError, match="backend must be one of"):
         matrix_write(d32, k32, backend="cuda")

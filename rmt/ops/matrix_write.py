@@ -42,14 +42,16 @@ def _ext():
 
 
 def _fits(flat: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Where the kernel applies. Not under autocast, whose bf16 linear layers the write follows."""
     return (flat.device.type == "cpu" and flat.dtype == torch.float32 and keys.dtype == torch.float32
-            and keys.shape[0] in (16, 32) and (flat.is_contiguous() or flat.t().is_contiguous()))
+            and keys.shape[0] in (16, 32) and (flat.is_contiguous() or flat.t().is_contiguous())
+            and not torch.is_autocast_enabled("cpu"))
 
 
 def matrix_write(data: torch.Tensor, keys: torch.Tensor, backend: str = None) -> torch.Tensor:
     """``data [..., n]`` written with ``keys [Dk, n]``: ``[..., Dk]``. ``backend``: ``"cpu"`` (the
-    kernel; by default wherever it applies: CPU float32, Dk 16 or 32, data rows token- or
-    key-major, the extension built) or ``"torch"`` (``F.linear``)."""
+    kernel; by default wherever it applies: CPU float32 outside autocast, Dk 16 or 32, data rows
+    token- or key-major, the extension built) or ``"torch"`` (``F.linear``)."""
     if backend not in (None,) + BACKENDS:
         raise ValueError(f"matrix_write: backend must be one of {BACKENDS}; got {backend!r}")
     flat = data.reshape(-1, data.shape[-1])
