@@ -95,14 +95,17 @@ def test_forward_flops_within_one_percent_of_deepspeed_profiler(single_process, 
     """DeepSpeed's FLOPs profiler counts the torch functions one forward calls (linear, matmul,
     bmm, baddbmm, einsum, conv, SDPA, ...); ``rmt-plan model``'s exact count (every matmul-like
     product, 2 FLOPs per MAC; MoE: the router and the k experts each token is routed to) must
-    agree within 1%, and its parameters must equal the built model's. The RMT's norm + read runs
-    its torch reference here (a norm, then the read's GEMM): the profiler cannot see inside the
-    fused C++ kernel, which test_matrix_rmsnorm checks against that reference."""
+    agree within 1%, and its parameters must equal the built model's. The RMT's norm + read and
+    its write run their torch references here (a norm, then the read's GEMM; F.linear): the
+    profiler cannot see inside the C++ kernels, which test_matrix_rmsnorm and test_matrix_write
+    check against those references."""
     from deepspeed.profiling.flops_profiler import get_model_profile
 
     import rmt.ops.matrix_rmsnorm
+    import rmt.ops.matrix_write
 
     monkeypatch.setattr(rmt.ops.matrix_rmsnorm, "_ext", lambda: None)
+    monkeypatch.setattr(rmt.ops.matrix_write, "_ext", lambda: None)
 
     config = validate(load_config(None, ORACLE + ORACLE_CASES[case]), world_size=1)
     (model,) = build(config)
