@@ -6,10 +6,11 @@
 //
 // with M = tokens x Dv rows and n (R, or R + position keys) of a few data vectors per row. As a
 // GEMM this has a reduction side of n (forward), an output side of n (ddata) or an output of
-// Dk x n (dkeys), shapes on which MKL's sgemm ran 5-10x below its speed on the transformer's
-// linear layers (docs/benchmarks.md); the forward and dkeys take the register tiles of
-// key_tiles.h, ddata MKL's sgemm laid out key-major (fast), transposed in place for token-major
-// data. data comes token-major ([M, n] contiguous) or key-major (the transpose of a contiguous
+// Dk x n (dkeys); through F.linear the backward of these shapes ran ~3x slower than this kernel's
+// and the step's writes ~10x below the transformer's linear layers (docs/benchmarks.md). The
+// forward and dkeys take the register tiles of key_tiles.h (the forward measured as fast as
+// MKL's in the step), ddata MKL's sgemm laid out key-major (fast), transposed in place for
+// token-major data. data comes token-major ([M, n] contiguous) or key-major (the transpose of a contiguous
 // [n, M]: the attention's output, a view of the read's layout), and ddata is returned in the same
 // layout. dkeys' partial sums are kept per block of kRows rows and added in block order, so no
 // result depends on the thread count.
