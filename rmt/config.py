@@ -88,10 +88,14 @@ class ModelConfig:
 
     recurrent_alpha: float = 0.5
     """Recurrent transformer: initial (or frozen) accumulation scalar α (Eq. 6–8 of "Efficient
-    LLM Architectures"), in [0, 1]; α is clamped to [0, 1]."""
+    LLM Architectures"), in [0, 1]; α is clamped to [``recurrent_alpha_min``, 1]."""
 
     recurrent_alpha_learned: bool = True
     """Recurrent transformer: learn α (false: keep ``recurrent_alpha`` fixed)."""
+
+    recurrent_alpha_min: float = 0.0
+    """Recurrent transformer: the floor of the learned α, which is clamped to
+    [``recurrent_alpha_min``, 1]; at most ``recurrent_alpha``."""
 
     mixer_kind: str = "mixed"
     """Masked / repeat mixer (``arch: mixer``) token mixing: ``masked`` (full upper-triangular

@@ -147,6 +147,7 @@ def test_init_std_sets_the_weights_scale(tmp_path, init_std):
     (["--tasks", "copy,sort"], "--tasks must name copy and/or selective_copy, got 'copy,sort'"),
     (["--tasks", "copy", "model.recurrent_alpha=2"], "model.recurrent_alpha must lie in [0, 1], got 2.0"),
     (["--tasks", "copy", "--alpha", "-0.1"], "model.recurrent_alpha must lie in [0, 1], got -0.1"),
+    (["--tasks", "copy", "--alpha-min", "0.6"], "model.recurrent_alpha_min must lie in [0, model.recurrent_alpha = 0.5], got 0.6"),
     (["--tasks", "copy", "--init-std", "0"], "model.init_std must be positive, got 0.0"),
 ])
 def test_bad_input_is_rejected(args, message):

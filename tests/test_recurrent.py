@@ -65,8 +65,10 @@ def test_causal_and_length_not_divisible_by_block_width(built):
     assert (other[:, 9] - full[:, 9]).abs().max() > 1e-4
 
 
-def test_alpha_stays_in_unit_interval_under_training(built):
-    model = built("model.recurrent_alpha=0.9")
+@pytest.mark.parametrize("floor", [0.0, 0.25])
+def test_alpha_stays_in_its_interval_under_training(built, floor):
+    """Steps far past either end leave α clamped to [model.recurrent_alpha_min, 1]."""
+    model = built("model.recurrent_alpha=0.9", f"model.recurrent_alpha_min={floor}")
     layer = model.layers[0]
     assert layer.alpha.requires_grad
     tokens = torch.randint(0, 16, (2, 16))
@@ -78,8 +80,11 @@ def test_alpha_stays_in_unit_interval_under_training(built):
         with torch.no_grad():
             layer.alpha -= 0.7 * layer.alpha.grad.sign()  # steps far past the interval's ends
         seen.append(float(layer.accumulation()))
-    assert all(0.0 <= a <= 1.0 for a in seen)
-    assert 0.0 in seen or 1.0 in seen
+    assert all(floor <= a <= 1.0 for a in seen)
+    assert floor in seen or 1.0 in seen
+    for pushed, clamped in ((-5.0, floor), (5.0, 1.0)):
+        layer.alpha.data.fill_(pushed)
+        assert float(layer.accumulation()) == clamped
 
 
 def test_frozen_alpha_and_every_parameter_sharded(built):
@@ -111,6 +116,8 @@ def test_block_positions_make_every_block_alike(built):
 @pytest.mark.parametrize("overrides,message", [
     (["model.block_width=32"], "must not exceed model.seq_length"),
     (["model.recurrent_alpha=1.5"], "recurrent_alpha must lie in"),
+    (["model.recurrent_alpha=0.3", "model.recurrent_alpha_min=0.4"],
+     r"model.recurrent_alpha_min must lie in \[0, model.recurrent_alpha = 0.3\], got 0.4"),
     (["parallel.pipeline_model_parallel_size=2", "model.num_layers=2"], "supports data parallelism only"),
     (["model.position=rope"], "must be 'learned' or 'block'"),
 ])

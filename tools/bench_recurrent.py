@@ -79,6 +79,7 @@ def task_config(task: str, args):
         "model.arch=recurrent", f"model.hidden_size={args.hidden}", f"model.num_attention_heads={args.heads}",
         "model.num_layers=1", f"model.block_width={args.block}", f"model.seq_length={32 + args.noise_target}",
         f"model.recurrent_alpha={args.alpha}", f"model.recurrent_alpha_learned={str(args.learn_alpha).lower()}",
+        f"model.recurrent_alpha_min={args.alpha_min}",
         "model.position=block", f"model.init_std={args.init_std}", f"data.task={task}",
         "data.task_tokens=16", "data.task_alphabet=16",
         f"data.noise_length={args.noise_start}", "data.curriculum_threshold=0.3",
@@ -294,6 +295,8 @@ def main(argv=None) -> int:
                     help="the accumulation scalar α of eq. 7 at the start (model.recurrent_alpha)")
     ap.add_argument("--learn-alpha", action=argparse.BooleanOptionalAction, default=True,
                     help="learn α from --alpha (--no-learn-alpha: keep it fixed; model.recurrent_alpha_learned)")
+    ap.add_argument("--alpha-min", type=float, default=0.0,
+                    help="the floor the learned α is clamped to (model.recurrent_alpha_min)")
     ap.add_argument("--lr-curriculum-decay", type=float, default=0.8,
                     help="factor on the learning rate at each doubling of the noise length (train.lr_curriculum_decay)")
     ap.add_argument("--lr-target-decay", type=float, default=1.0,

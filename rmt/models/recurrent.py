@@ -11,7 +11,7 @@ sequence in blocks of width ``k = model.block_width``, always on a window of ``2
 where, as in the authors' code, ``A_i`` is the first half of the previous window (``x_1`` for
 the first step, then ``y_{i-1}``). ``a`` is the trainable accumulation parameter
 (``model.recurrent_alpha`` initial value, learned unless ``model.recurrent_alpha_learned`` is
-false), kept in [0, 1]. The cost is linear in the sequence length (§5.1: ``r(4dlk + 2ld^2)``
+false), kept in [``model.recurrent_alpha_min``, 1] (default [0, 1]). The cost is linear in the sequence length (§5.1: ``r(4dlk + 2ld^2)``
 against ``r(l^2 d + l d^2)``, see :mod:`rmt.planner.recurrent_ops`). ``model.num_layers``
 recurrent layers (each with its own ``tau`` and ``a``) are stacked.
 
@@ -64,13 +64,14 @@ class RecurrentLayer(MegatronModule):
             config=tcfg, layer_number=layer_number)
         self.alpha = nn.Parameter(torch.tensor(float(config.model.recurrent_alpha)),
                                   requires_grad=config.model.recurrent_alpha_learned)
+        self.alpha_min = float(config.model.recurrent_alpha_min)
 
     def accumulation(self) -> torch.Tensor:
-        """The accumulation parameter ``a`` of eq. 7, clamped into [0, 1] in place first. The
+        """The accumulation parameter ``a`` of eq. 7, clamped into [``alpha_min``, 1] in place first. The
         clamp goes through ``.data``: it changes the value only before the first use after an
         optimizer step, and a forward that runs several passes (documents batched by length)
         must not bump the version autograd checks of the earlier passes."""
-        self.alpha.data.clamp_(0.0, 1.0)
+        self.alpha.data.clamp_(self.alpha_min, 1.0)
         return self.alpha
 
     def tau(self, x: torch.Tensor) -> torch.Tensor:
@@ -172,6 +173,9 @@ def validate_recurrent(config: RMTConfig) -> None:
         raise ConfigError(f"model.block_width ({m.block_width}) must not exceed model.seq_length ({m.seq_length})")
     if not 0.0 <= m.recurrent_alpha <= 1.0:
         raise ConfigError(f"model.recurrent_alpha must lie in [0, 1], got {m.recurrent_alpha}")
+    if not 0.0 <= m.recurrent_alpha_min <= m.recurrent_alpha:
+        raise ConfigError(f"model.recurrent_alpha_min must lie in [0, model.recurrent_alpha = {m.recurrent_alpha}], "
+                          f"got {m.recurrent_alpha_min}")
     if m.position not in ("learned", "block"):
         raise ConfigError(f"model.position must be 'learned' or 'block' for the recurrent transformer, "
                           f"got '{m.position}'")
