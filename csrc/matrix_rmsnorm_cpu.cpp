@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "block_ops.h"
 #include "key_tiles.h"
 
 namespace {
@@ -112,18 +113,6 @@ void backward_rows(const scalar_t* dy, const scalar_t* x, const scalar_t* g, con
   });
 }
 
-// Sums per-block partials [blocks, n] in block order (independent of the thread count).
-torch::Tensor sum_blocks(const torch::Tensor& partial) {
-  auto total = torch::zeros({partial.size(1)}, partial.options());
-  AT_DISPATCH_FLOATING_TYPES(partial.scalar_type(), "sum_blocks", [&] {
-    scalar_t* out = total.data_ptr<scalar_t>();
-    const scalar_t* p = partial.data_ptr<scalar_t>();
-    for (int64_t b = 0; b < partial.size(0); ++b)
-      for (int64_t j = 0; j < partial.size(1); ++j) out[j] += p[b * partial.size(1) + j];
-  });
-  return total;
-}
-
 void check(const torch::Tensor& x, const torch::Tensor& gain) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous CPU [T, n] tensor");
   TORCH_CHECK(gain.dim() == 1 && gain.size(0) == x.size(1) && gain.is_contiguous() &&
@@ -163,7 +152,7 @@ std::vector<torch::Tensor> backward(const torch::Tensor& dy, const torch::Tensor
     backward_rows<scalar_t>(dy.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), gain.data_ptr<scalar_t>(),
                             rstd.data_ptr<A>(), dx.data_ptr<scalar_t>(), partial.data_ptr<A>(), T, n, want_dg);
   });
-  return {dx, want_dg ? sum_blocks(partial).to(gain.scalar_type()) : torch::Tensor()};
+  return {dx, want_dg ? rmt_cpu::sum_blocks(partial).to(gain.scalar_type()) : torch::Tensor()};
 }
 
 // Rows per block of the fused norm + read: a block's y (and dy) stay in L2 between the norm and
@@ -183,14 +172,6 @@ void check_read(const torch::Tensor& x, const torch::Tensor& gain, const torch::
 // columns t0*Dv.. of the key-major [n, T*Dv] layout.
 torch::Tensor read_block(const torch::Tensor& out, int64_t t0, int64_t t1, int64_t dv, bool key_major) {
   return key_major ? out.narrow(1, t0 * dv, (t1 - t0) * dv) : out.narrow(0, t0 * dv, (t1 - t0) * dv);
-}
-
-// dst [cols, rows] = src [rows, cols] transposed: the token-major read's output from the key-major
-// layout (rows = the read's key count, a few to a few dozen).
-template <typename scalar_t>
-void transpose(const scalar_t* src, scalar_t* dst, int64_t rows, int64_t cols) {
-  for (int64_t c = 0; c < cols; ++c)
-    for (int64_t r = 0; r < rows; ++r) dst[c * rows + r] = src[r * cols + c];
 }
 
 // -> (out: [n, T*Dv] if key_major else [T*Dv, n], with out[t*Dv + v, h] = sum_k keys[h, k] y[t, v*Dk + k];
@@ -225,7 +206,7 @@ std::vector<torch::Tensor> norm_read_forward(const torch::Tensor& x, const torch
         } else {
           auto sb = scratch.narrow(0, 0, heads * m).view({heads, m});
           at::mm_out(sb, keys_c, yb.t());
-          transpose(sb.data_ptr<scalar_t>(), out.data_ptr<scalar_t>() + t0 * dv * heads, heads, m);
+          rmt_cpu::transpose(sb.data_ptr<scalar_t>(), m, out.data_ptr<scalar_t>() + t0 * dv * heads, heads, m);
         }
       }
     });
@@ -288,8 +269,8 @@ std::vector<torch::Tensor> norm_read_backward(const torch::Tensor& grad, const t
       }
     });
   });
-  return {dx, want_dg ? sum_blocks(partial_dg).to(gain.scalar_type()) : torch::Tensor(),
-          want_dkeys ? sum_blocks(partial_dkeys).view({heads, dk}).to(keys.scalar_type()) : torch::Tensor()};
+  return {dx, want_dg ? rmt_cpu::sum_blocks(partial_dg).to(gain.scalar_type()) : torch::Tensor(),
+          want_dkeys ? rmt_cpu::sum_blocks(partial_dkeys).view({heads, dk}).to(keys.scalar_type()) : torch::Tensor()};
 }
 
 }  // namespace

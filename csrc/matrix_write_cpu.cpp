@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "block_ops.h"
 #include "key_tiles.h"
 
 namespace {
@@ -77,27 +78,14 @@ std::vector<torch::Tensor> backward(const torch::Tensor& grad, const torch::Tens
       if (want_data) {
         auto block = ddata_km.narrow(1, j0, m);
         at::mm_out(block, keys_t, grad.narrow(0, j0, m).t());
-        if (!key_major) {
-          const float* src = block.data_ptr<float>();
-          float* dst = ddata_tm.data_ptr<float>() + j0 * n;
-          for (int64_t j = 0; j < m; ++j)
-            for (int64_t h = 0; h < n; ++h) dst[j * n + h] = src[h * M + j];
-        }
+        if (!key_major) rmt_cpu::transpose(block.data_ptr<float>(), M, ddata_tm.data_ptr<float>() + j0 * n, n, m);
       }
       if (want_keys)
         rmt_cpu::keys_by_rows(dk, a + j0 * sj, sh, sj, g + j0 * dk, partial.data_ptr<float>() + blk * n * dk, n, m);
     }
   });
-  torch::Tensor dkeys;
-  if (want_keys) {
-    auto total = torch::zeros({n * dk}, data.options());
-    float* t = total.data_ptr<float>();
-    const float* p = partial.data_ptr<float>();
-    for (int64_t blk = 0; blk < blocks; ++blk)
-      for (int64_t i = 0; i < n * dk; ++i) t[i] += p[blk * n * dk + i];
-    dkeys = total.view({n, dk}).t().contiguous();
-  }
-  return {want_data ? (key_major ? ddata_km.t() : ddata_tm) : torch::Tensor(), dkeys};
+  return {want_data ? (key_major ? ddata_km.t() : ddata_tm) : torch::Tensor(),
+          want_keys ? rmt_cpu::sum_blocks(partial).view({n, dk}).t().contiguous() : torch::Tensor()};
 }
 
 }  // namespace
