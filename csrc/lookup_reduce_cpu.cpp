@@ -75,15 +75,20 @@ struct Acc<double> {
 constexpr int64_t kPrefetchDistance = 24;
 // Output columns accumulated in registers per pass (4 AVX-512 registers of fp32).
 constexpr int64_t kTile = 64;
-// Radix sort digit width: at most 128 buckets per pass (3 passes up to 2^21 rows, 4 up to 2^28).
-// Every bucket is a stream of stores into a destination the other layers' work evicted from the
-// cache; with few streams the hardware prefetchers fetch their lines ahead, with many they do not
-// and every line's read-for-ownership stalls: on a 2-core Xeon, sorting 131k lookups of a
-// 2^20-row table cold took 1.36 ms in 4 passes of 32 buckets against 2.59 ms in 2 of 1024. On a
-// 2-core AVX2 EPYC, 128 buckets beat 32 (one core, cold, median of 30): 131k lookups of 2^20 rows
-// 2.36 against 3.08 ms (3 passes against 4), 524k of 2^20 10.3 against 15.2, 131k of 2^24 3.2
-// against 3.8.
-constexpr int kMaxDigitBits = 7;
+// Radix sort digit width (at most 2^bits buckets per pass), by CPU vendor, as measured. Every
+// bucket is a stream of stores into a destination the other layers' work evicted from the cache.
+// On a 2-core Xeon, 32 buckets keep the hardware prefetchers ahead of every stream and 1024 do not
+// (every line's read-for-ownership stalls): 131k lookups of a 2^20-row table sorted cold in 1.36
+// ms in 4 passes of 32 buckets against 2.59 ms in 2 of 1024. On a 2-core AVX2 EPYC the fewer
+// passes win (one core, cold, medians of 30; 5 / 7 / 10 bits): 131k lookups of 2^20 rows 3.0 /
+// 2.3 / 1.5 ms, 524k of 2^20 12.7 / 9.4 / 5.9, 131k of 2^24 3.5 / 3.0 / 1.9.
+int max_digit_bits() {
+  static const int bits = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") ? 10 : 5;
+  }();
+  return bits;
+}
 // Per-thread digit counts are padded to separate cache lines: they are incremented for every
 // element, and a line shared by two threads' counts would move between their caches each time.
 constexpr int64_t kCountPad = 64 / sizeof(int64_t);
@@ -287,15 +292,16 @@ void find_runs(SortedLookups& s, int64_t M, int threads) {
 }
 
 // Stable LSD radix sort of the packed (row, position) pairs by row < num_rows, digits of at
-// most kMaxDigitBits bits; then the run boundaries. Sorting the packed pairs reads every pass's
+// most max_bits bits; then the run boundaries. Sorting the packed pairs reads every pass's
 // input sequentially (a position-only sort would look the rows up at random). Each pass splits
 // the pairs into contiguous per-thread slices with their own digit counts; slots are handed out
 // by digit, then by thread, so the order is the one stable order whatever the thread count.
-void sort_lookups(const int64_t* __restrict idx, int64_t M, int64_t num_rows, SortedLookups& s) {
+void sort_lookups(const int64_t* __restrict idx, int64_t M, int64_t num_rows, SortedLookups& s,
+                  int max_bits = max_digit_bits()) {
   TORCH_CHECK(M <= std::numeric_limits<int32_t>::max(), "lookup_reduce CPU: at most 2^31-1 lookups; got ", M);
   TORCH_CHECK(num_rows <= (int64_t(1) << 32), "lookup_reduce CPU: at most 2^32 table rows; got ", num_rows);
   const int bits = std::max(ceil_log2(num_rows), 1);
-  const int passes = (bits + kMaxDigitBits - 1) / kMaxDigitBits;
+  const int passes = (bits + max_bits - 1) / max_bits;
   const int digit = (bits + passes - 1) / passes;
   const int64_t R = int64_t(1) << digit, mask = R - 1;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), M / kSortSliceMin)));
@@ -818,6 +824,21 @@ std::tuple<at::Tensor, double> lookup_reduce_backward_update(
   return {grad_scores, sq};
 }
 
+// The backward's sort on its own: the packed (row << 32 | position) pairs of indices ordered by
+// row, positions ascending within a row, sorted in digits of at most digit_bits bits (0: the
+// CPU's default, max_digit_bits()); for tests and inspection.
+at::Tensor sorted_lookups(const at::Tensor& indices, int64_t num_rows, int64_t digit_bits) {
+  TORCH_CHECK(indices.scalar_type() == at::kLong && indices.is_contiguous() && digit_bits >= 0 && digit_bits <= 16,
+              "sorted_lookups: contiguous int64 indices and 0 <= digit_bits <= 16");
+  SortScope scope;
+  SortedLookups& s = scope.sorted();
+  const int64_t M = indices.numel();
+  sort_lookups(indices.data_ptr<int64_t>(), M, num_rows, s, digit_bits ? static_cast<int>(digit_bits) : max_digit_bits());
+  auto out = at::empty({M}, indices.options());
+  std::memcpy(out.data_ptr<int64_t>(), s.packed.data(), M * sizeof(uint64_t));
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "rmt fused lookup-reduce, CPU (OpenMP) kernels";
   m.def("forward", &lookup_reduce_forward, "lookup-reduce forward -> [T, num_blocks, D]");
@@ -829,4 +850,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "lookup-reduce score gradients alone -> [T, K, C] (no table gradient)");
   m.def("backward_update", &lookup_reduce_backward_update,
         "lookup-reduce backward with the optimizer step fused in -> (score gradients, squared gradient norm)");
+  m.def("sorted_lookups", &sorted_lookups, "the backward's sort alone -> packed (row << 32 | position), by row");
+  m.def("sort_digit_bits", &max_digit_bits, "the sort's digit width on this CPU");
 }

@@ -141,6 +141,28 @@ def test_cpu_parallel_radix_sort_is_thread_count_independent(N):
     torch.testing.assert_close(g_scores.double(), want[2], rtol=1e-6, atol=5e-6)
 
 
+@pytest.mark.parametrize("N", [1000, 1 << 17, (1 << 23) + 3])
+def test_cpu_radix_sort_is_the_stable_sort_at_every_digit_width(N):
+    """The backward's sort (digits of 5 bits on Intel, 10 on AMD CPUs: csrc/lookup_reduce_cpu.cpp,
+    max_digit_bits) at widths 1, 5, 7, 10 and 16 and 1 or 3 threads: the packed (row << 32 |
+    position) pairs equal torch's stable sort of the rows. 65536 lookups; 1000 rows: long runs,
+    2^23 + 3: up to 24 passes."""
+    gen = torch.Generator().manual_seed(N)
+    indices = torch.randint(0, N, (65536,), generator=gen)
+    rows, positions = torch.sort(indices, stable=True)
+    want = (rows << 32) | positions
+    ext = cpu_backend._ext()
+    assert ext.sort_digit_bits() in (5, 10)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            for bits in (0, 1, 5, 7, 10, 16):
+                assert torch.equal(ext.sorted_lookups(indices, N, bits), want), (n, bits)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _bad_inputs():
     table, indices, scores, block_ids, _ = make_case(10, 8, 3, 4, 2, 3)
     yield "indices must lie in \\[0, 10\\); got max 10", (table, indices.clone().fill_(10), scores, block_ids, 3)
