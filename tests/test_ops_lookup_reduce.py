@@ -161,6 +161,8 @@ def test_cpu_radix_sort_is_the_stable_sort_at_every_digit_width(N):
                 assert torch.equal(ext.sorted_lookups(indices, N, bits), want), (n, bits)
     finally:
         torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match=r"sorted_lookups: indices must lie in \[0, num_rows\)"):
+        ext.sorted_lookups(indices, indices.max().item(), 0)
 
 
 def _bad_inputs():
