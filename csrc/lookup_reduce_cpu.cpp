@@ -830,8 +830,11 @@ std::tuple<at::Tensor, double> lookup_reduce_backward_update(
 at::Tensor sorted_lookups(const at::Tensor& indices, int64_t num_rows, int64_t digit_bits) {
   TORCH_CHECK(indices.scalar_type() == at::kLong && indices.is_contiguous() && digit_bits >= 0 && digit_bits <= 16,
               "sorted_lookups: contiguous int64 indices and 0 <= digit_bits <= 16");
-  TORCH_CHECK(indices.numel() == 0 || (indices.min().item<int64_t>() >= 0 && indices.max().item<int64_t>() < num_rows),
-              "sorted_lookups: indices must lie in [0, num_rows)");
+  if (indices.numel()) {
+    const auto range = at::aminmax(indices);  // one pass for both ends
+    TORCH_CHECK(std::get<0>(range).item<int64_t>() >= 0 && std::get<1>(range).item<int64_t>() < num_rows,
+                "sorted_lookups: indices must lie in [0, num_rows)");
+  }
   SortScope scope;
   SortedLookups& s = scope.sorted();
   const int64_t M = indices.numel();
