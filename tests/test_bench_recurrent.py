@@ -2,13 +2,21 @@
 wall and CPU seconds, the summary of the task that ran), several seeds in processes of their own,
 and the rejection of bad input (exit status 2, one sentence)."""
 
+import importlib.util
 import json
 import os
 
 import pytest
 import torch
 
-from conftest import run_python
+from conftest import ROOT, run_python
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_recurrent", os.path.join(ROOT, "tools", "bench_recurrent.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_quick_selective_copy_smoke(tmp_path):
@@ -137,6 +145,62 @@ def test_init_std_sets_the_weights_scale(tmp_path, init_std):
     assert proj.std().item() == pytest.approx(std / 2 ** 0.5, rel=0.11)
 
 
+QUICK_STOP = ["--quick", "--tasks", "selective_copy", "--no-decode", "--noise-target", "8", "--max-steps", "6",
+              "--eval-interval", "2", "--eval-samples", "4", "--stop-loss", "100", "--threads", "1"]
+
+
+@pytest.mark.parametrize("confirm", [8, 0])
+def test_the_stop_rule_is_confirmed_on_heldout_samples(tmp_path, confirm):
+    """At the target (8 noise tokens from the start) an evaluation below --stop-loss 100 ends the
+    run at step 2 once the held-out check agrees (--stop-accuracy 0: any accuracy does; logged as a
+    ``stop_check`` row over --stop-confirm samples, the saved model's accuracy on them); with
+    --stop-confirm 0 the evaluation alone ends it."""
+    out = tmp_path / "bench.json"
+    run_python(["tools/bench_recurrent.py"] + QUICK_STOP + ["--stop-confirm", str(confirm), "--stop-accuracy", "0",
+                                                            "--save-model", str(tmp_path / "m"), "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["step"] for r in rows if r["part"] == "curriculum"] == [2]
+    assert next(r for r in rows if r["part"] == "result")["steps"] == 2
+    checks = [r for r in rows if r["part"] == "stop_check"]
+    if not confirm:
+        assert checks == []
+        return
+    assert [(c["step"], c["samples"], c["stop"]) for c in checks] == [(2, 8, True)]
+    # the same accuracy from the saved model on validation samples 30,000..30,007
+    bench = _bench()
+    args = bench.argparse.Namespace(hidden=32, heads=4, block=8, noise_target=8, alpha=0.5, learn_alpha=True,
+                                    alpha_min=0.0, init_std=0.06, noise_start=8, max_steps=6, lr=1e-3,
+                                    lr_curriculum_decay=0.8, lr_target_decay=1.0, min_lr_ratio=0.02,
+                                    lr_plateau_decay=0.5, lr_plateau_patience=40, lr_plateau_smoothing=0.0, batch=16,
+                                    eval_interval=2, threads=1, overrides=[])
+    from rmt import parallel
+    from rmt.data.tasks import recall_accuracy
+    from rmt.training.trainer import Trainer
+    config = bench.task_config("selective_copy", args)
+    parallel.initialize(config)
+    try:
+        trainer = Trainer(config)
+        model = trainer.chunks[0].module
+        model.load_state_dict(torch.load(tmp_path / "m" / "selective_copy_seed1234.pt"))
+        logits, batch = bench.validation_logits(model.eval(), trainer.valid_ds, 8, 30_000, 8)
+        assert checks[0]["heldout_accuracy"] == recall_accuracy(logits, batch["labels"], batch["loss_mask"], 16)
+    finally:
+        parallel.destroy()
+
+
+def test_a_failed_check_keeps_the_run_going(tmp_path):
+    """Six steps do not take the quick model to a perfect recall: with --stop-accuracy 1 every
+    evaluation below --stop-loss is checked, fails, and the run goes on to its step budget."""
+    out = tmp_path / "bench.json"
+    run_python(["tools/bench_recurrent.py"] + QUICK_STOP + ["--stop-accuracy", "1", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["step"] for r in rows if r["part"] == "curriculum"] == [2, 4, 6]
+    checks = [r for r in rows if r["part"] == "stop_check"]
+    assert [(c["step"], c["samples"], c["stop"]) for c in checks] == [(2, 256, False), (4, 256, False), (6, 256, False)]
+    assert all(0 <= c["heldout_accuracy"] < 1 for c in checks)
+    assert next(r for r in rows if r["part"] == "result")["steps"] == 6
+
+
 @pytest.mark.parametrize("args, message", [
     (["--seeds", "1,x"], "--seeds must be distinct comma-separated integers, got '1,x'"),
     (["--seeds", "1,1"], "--seeds must be distinct comma-separated integers, got '1,1'"),
@@ -145,6 +209,8 @@ def test_init_std_sets_the_weights_scale(tmp_path, init_std):
     (["--quick", "--eval-noise", "64", "model.position=learned"], "--eval-noise above --noise-target (16) needs "
      "model.position=block (a learned position table has no rows past the longest training sample)"),
     (["--tasks", "copy,sort"], "--tasks must name copy and/or selective_copy, got 'copy,sort'"),
+    (["--stop-confirm", "-1"], "--stop-confirm must be a non-negative sample count, got -1"),
+    (["--stop-accuracy", "1.5"], "--stop-accuracy must lie in [0, 1], got 1.5"),
     (["--tasks", "copy", "model.recurrent_alpha=2"], "model.recurrent_alpha must lie in [0, 1], got 2.0"),
     (["--tasks", "copy", "--alpha", "-0.1"], "model.recurrent_alpha must lie in [0, 1], got -0.1"),
     (["--tasks", "copy", "--alpha-min", "0.6"], "model.recurrent_alpha_min must lie in [0, model.recurrent_alpha = 0.5], got 0.6"),
