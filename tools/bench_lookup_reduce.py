@@ -87,7 +87,7 @@ import rmt  # noqa: F401  (before torch: rmt's OpenMP wait policy, as in trainin
 import torch
 import torch.nn.functional as F
 
-from rmt.ops import available_backends, lookup_reduce, select_backend
+from rmt.ops import available_backends, cpu_backend, lookup_reduce, select_backend
 from rmt.ops.fused_update import FusedValueUpdate
 from rmt.ops.sparse_optim import RowWiseAdagrad, SparseAdam
 
@@ -666,6 +666,7 @@ def main(argv=None):
                        copy_bandwidth_gbps=bandwidth, huge_pages=args.huge_pages, clock=args.clock,
                        cache=args.cache, table_dtype=args.table_dtype, load=args.load, peer_threads=threads,
                        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
+                       sort_digit_bits=cpu_backend._ext().sort_digit_bits() if "cpu" in backends else None,
                        fbgemm=fbgemm_note or "fbgemm-gpu-cpu")
         with open(args.json, "w") as f:
             json.dump(dict(benchmark="bench_lookup_reduce", machine=machine, rows=rows, step_rows=step_rows,
