@@ -44,14 +44,11 @@
 #endif
 
 #include <algorithm>
-#include <chrono>
 #include <cstdlib>
-#include <fstream>
 #include <cstring>
 #include <cstdint>
 #include <limits>
 #include <mutex>
-#include <string>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -79,14 +76,17 @@ struct Acc<double> {
 constexpr int64_t kPrefetchDistance = 24;
 // Output columns accumulated in registers per pass (4 AVX-512 registers of fp32).
 constexpr int64_t kTile = 64;
-// Radix sort digit width (at most 2^bits buckets per pass): RMT_SORT_DIGIT_BITS where set, else
-// measured once per process (calibrated_digit_bits, below). Every bucket is a stream of stores into
-// a destination the other layers' work evicted from the cache, and which width is fastest depends on
-// the machine: on a 2-core Xeon 32 buckets keep the hardware prefetchers ahead of every stream and
-// 1024 do not (every line's read-for-ownership stalls): 131k lookups of a 2^20-row table sorted
-// cold in 1.36 ms in 4 passes of 32 buckets against 2.59 ms in 2 of 1024. On a 2-core AVX2 EPYC the
-// fewer passes win (one core, cold, medians of 30; 5 / 7 / 10 bits): 131k lookups of 2^20 rows 3.0
-// / 2.3 / 1.5 ms, 524k of 2^20 12.7 / 9.4 / 5.9, 131k of 2^24 3.5 / 3.0 / 1.9.
+// Radix sort digit width (at most 2^bits buckets per pass): RMT_SORT_DIGIT_BITS where set, else by
+// CPU vendor, as measured. Every bucket is a stream of stores into a destination the other layers'
+// work evicted from the cache. On a 2-core Xeon 32 buckets keep the hardware prefetchers ahead of
+// every stream and 1024 do not (every line's read-for-ownership stalls): 131k lookups of a
+// 2^20-row table sorted cold in 1.36 ms in 4 passes of 32 buckets against 2.59 ms in 2 of 1024. On
+// a 2-core AVX2 EPYC the fewer passes win (one core, cold, medians of 30; 5 / 7 / 10 bits): 131k
+// lookups of 2^20 rows 3.0 / 2.3 / 1.5 ms, 524k of 2^20 12.7 / 9.4 / 5.9, 131k of 2^24 3.5 / 3.0 /
+// 1.9. Timing the widths once per process picked 10 on the EPYC in 0.1 s, but its multi-MB scratch,
+// malloc'd and freed, raised glibc's dynamic mmap threshold, so that the process's later
+// allocations up to that size stayed in the heap (tests/test_bench_memory_scale.py measured 4-5
+// MB of growth for 12 predicted): a side effect on the user's process, so not kept.
 int max_digit_bits();
 // Per-thread digit counts are padded to separate cache lines: they are incremented for every
 // element, and a line shared by two threads' counts would move between their caches each time.
@@ -345,62 +345,13 @@ void sort_lookups(const int64_t* __restrict idx, int64_t M, int64_t num_rows, So
   find_runs(s, M, threads);
 }
 
-// The digit widths the calibration times: 4, 3 or 2 passes over a 2^20-row table.
-constexpr int kDigitCandidates[] = {5, 7, 10};
-
-// The largest cache one core sees, from Linux sysfs (glibc's sysconf may report a whole socket's
-// L3: 256 MB on a 2-core EPYC VM whose cores see 32 MB), else 64 MB.
-size_t last_level_cache_bytes() {
-  size_t most = 0;
-  for (int i = 0; i < 8; ++i) {
-    std::ifstream f("/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/size");
-    size_t size = 0;
-    char unit = 0;
-    if (f >> size) {
-      f >> unit;
-      most = std::max(most, size << (unit == 'K' ? 10 : unit == 'M' ? 20 : unit == 'G' ? 30 : 0));
-    }
-  }
-  return most ? most : size_t(64) << 20;
-}
-
-// The fastest of kDigitCandidates on this machine, with the current thread count: 2^17 lookups of
-// a 2^20-row table (the benchmark's headline batch) sorted with each width in 3 rounds, every sort
-// after the caches are evicted (a buffer of twice the last-level cache written), as in training,
-// where the other layers run between two backwards; the least time of each width decides. About
-// 0.1 s, once per process (a measured choice, as FFTW's plans or cuDNN's benchmark mode: the
-// result does not depend on the width, the sort being the one stable order at every width).
-int calibrated_digit_bits() {
-  constexpr int64_t M = int64_t(1) << 17, rows = int64_t(1) << 20;
-  std::vector<int64_t> idx(M);
-  uint64_t x = 0x9E3779B97F4A7C15ull;
-  for (auto& v : idx) {
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    v = static_cast<int64_t>(x % rows);
-  }
-  std::vector<unsigned char> evict(2 * last_level_cache_bytes());
-  SortedLookups s;
-  constexpr int n = sizeof(kDigitCandidates) / sizeof(int);
-  sort_lookups(idx.data(), M, rows, s, kDigitCandidates[0]);  // grows the scratch, untimed
-  double best[n];
-  std::fill(best, best + n, std::numeric_limits<double>::infinity());
-  for (int round = 0; round < 3; ++round) {
-    for (int c = 0; c < n; ++c) {
-      std::memset(evict.data(), round * n + c, evict.size());
-      const auto start = std::chrono::steady_clock::now();
-      sort_lookups(idx.data(), M, rows, s, kDigitCandidates[c]);
-      best[c] = std::min(best[c], std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-    }
-  }
-  return kDigitCandidates[std::min_element(best, best + n) - best];
-}
-
 int max_digit_bits() {
   static const int bits = [] {
     const char* env = std::getenv("RMT_SORT_DIGIT_BITS");
-    if (env == nullptr || *env == '\0') return calibrated_digit_bits();
+    if (env == nullptr || *env == '\0') {
+      __builtin_cpu_init();
+      return __builtin_cpu_is("amd") ? 10 : 5;
+    }
     char* end = nullptr;
     const long v = std::strtol(env, &end, 10);
     TORCH_CHECK(*end == '\0' && v >= 1 && v <= 16, "RMT_SORT_DIGIT_BITS must be an integer in [1, 16], got '", env,
@@ -920,5 +871,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("backward_update", &lookup_reduce_backward_update,
         "lookup-reduce backward with the optimizer step fused in -> (score gradients, squared gradient norm)");
   m.def("sorted_lookups", &sorted_lookups, "the backward's sort alone -> packed (row << 32 | position), by row");
-  m.def("sort_digit_bits", &max_digit_bits, "the sort's digit width: RMT_SORT_DIGIT_BITS, or measured once on this machine");
+  m.def("sort_digit_bits", &max_digit_bits, "the sort's digit width: RMT_SORT_DIGIT_BITS, or by CPU vendor");
 }
