@@ -87,7 +87,21 @@ constexpr int64_t kTile = 64;
 // malloc'd and freed, raised glibc's dynamic mmap threshold, so that the process's later
 // allocations up to that size stayed in the heap (tests/test_bench_memory_scale.py measured 4-5
 // MB of growth for 12 predicted): a side effect on the user's process, so not kept.
-int max_digit_bits();
+int max_digit_bits() {
+  static const int bits = [] {
+    const char* env = std::getenv("RMT_SORT_DIGIT_BITS");
+    if (env == nullptr || *env == '\0') {
+      __builtin_cpu_init();
+      return __builtin_cpu_is("amd") ? 10 : 5;
+    }
+    char* end = nullptr;
+    const long v = std::strtol(env, &end, 10);
+    TORCH_CHECK(*end == '\0' && v >= 1 && v <= 16, "RMT_SORT_DIGIT_BITS must be an integer in [1, 16], got '", env,
+                "'");
+    return static_cast<int>(v);
+  }();
+  return bits;
+}
 // Per-thread digit counts are padded to separate cache lines: they are incremented for every
 // element, and a line shared by two threads' counts would move between their caches each time.
 constexpr int64_t kCountPad = 64 / sizeof(int64_t);
@@ -345,21 +359,6 @@ void sort_lookups(const int64_t* __restrict idx, int64_t M, int64_t num_rows, So
   find_runs(s, M, threads);
 }
 
-int max_digit_bits() {
-  static const int bits = [] {
-    const char* env = std::getenv("RMT_SORT_DIGIT_BITS");
-    if (env == nullptr || *env == '\0') {
-      __builtin_cpu_init();
-      return __builtin_cpu_is("amd") ? 10 : 5;
-    }
-    char* end = nullptr;
-    const long v = std::strtol(env, &end, 10);
-    TORCH_CHECK(*end == '\0' && v >= 1 && v <= 16, "RMT_SORT_DIGIT_BITS must be an integer in [1, 16], got '", env,
-                "'");
-    return static_cast<int>(v);
-  }();
-  return bits;
-}
 
 // Exact q / d for 0 <= q < 2^32 and 1 <= d < 2^32 by one 64 x 64 -> 128-bit multiply (Lemire,
 // Kaser and Kurz, "Faster remainder by direct computation", 2019: M = floor((2^64 - 1) / d) + 1,
