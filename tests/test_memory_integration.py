@@ -208,9 +208,36 @@ def test_sparse_value_optimizer_wiring(megatron, kind):
     build_scheduler(opt, cfg).step(1)
     assert rows.param_groups[0]["lr"] == pytest.approx(0.001 * 9.1)
     table = chunks[0].memory[0].values
-    table.lookup_reduce(torch.tensor([[0, 3], [3, 5]]), torch.ones(2, 2, 1), None, 1).sum().backward()
+    on = table.weight.device
+    table.lookup_reduce(torch.tensor([[0, 3], [3, 5]], device=on), torch.ones(2, 2, 1, device=on), None,
+                        1).sum().backward()
     assert table.weight.grad.is_sparse
     assert table.weight.grad.coalesce().indices().tolist() == [[0, 3, 5]]
+
+
+@pytest.mark.parametrize("value_optimizer", ["adamw", "sparse_adam"])
+def test_optimizer_state_made_for_a_resume_is_torchs_own(megatron, value_optimizer):
+    """A resume creates the optimizer states to load into before any step; each tensor must have
+    the device, dtype and shape that the optimizer's own first step gives it (on a GPU the fused
+    AdamW keeps its step count on the device and refuses a CPU one: seen on an H100)."""
+    from rmt.models.build import build
+    from rmt.training.checkpoint import _ensure_optimizer_state
+    from rmt.training.optimizer import build_optimizer
+
+    cfg = validate(_cfg(f"memory.value_optimizer={value_optimizer}"), world_size=1)
+    made = build_optimizer(build(cfg), cfg)
+    _ensure_optimizer_state(made)
+    chunks = build(cfg)
+    stepped = build_optimizer(chunks, cfg)
+    sparse = {chunks[0].memory[k].values.weight for k in (0, 1)} if value_optimizer == "sparse_adam" else set()
+    params = [p for g in stepped.param_groups for p in g["params"]]
+    for p in params:
+        p.grad = torch.zeros_like(p).to_sparse() if p in sparse else torch.zeros_like(p)
+    stepped.step()
+    layout = [[(k, t.device, t.dtype, tuple(t.shape)) for k, t in sorted(opt.state[p].items()) if torch.is_tensor(t)]
+              for opt in (made, stepped) for p in [p for g in opt.param_groups for p in g["params"]]]
+    half = len(layout) // 2
+    assert half == len(params) and layout[:half] == layout[half:]
 
 
 @pytest.mark.parametrize("kind", ["ultramem", "moe"])

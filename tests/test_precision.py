@@ -1,5 +1,6 @@
 """bf16 (autocast) training runs on CPU and tracks fp32 closely, for the transformer, the RMT and
-megatron's MoE (router in fp32)."""
+megatron's MoE (router in fp32), and the UltraMem and PKM memory layers (their scores come out of
+autocast in bf16 and meet a float32 value table)."""
 
 import json
 
@@ -9,7 +10,9 @@ from conftest import rmt_train, tiny_overrides
 
 ARCHS = {"transformer": [], "rmt": ["model.arch=rmt", "model.position=alibi", "model.dk=8",
                                     "model.dv=8", "model.rank=4"],
-         "moe_mlp": ["memory.type=moe", "memory.moe_placement=mlp", "memory.placement=1-2", "memory.num_experts=4"]}
+         "moe_mlp": ["memory.type=moe", "memory.moe_placement=mlp", "memory.placement=1-2", "memory.num_experts=4"],
+         **{kind: [f"memory.type={kind}", "memory.placement='1:2'", "memory.key_dim=8", "memory.num_keys=8",
+                   "memory.topk=4"] for kind in ("ultramem", "pkm")}}
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

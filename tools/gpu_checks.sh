@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one call on a GPU machine (docs/testing.md): build the
 # C++/CUDA extensions, the async memory stream in a real training step
-# (tools/bench_memory_stream.py at the UltraMem-151M-x12 shape, with the fused value optimizer),
-# the GPU tests (tests/test_ops_gpu.py) and the lookup-reduce benchmark. Logs and JSON go to
-# $OUT (default ./gpu_checks); python is $PYTHON (default python3).
+# (tools/bench_memory_stream.py at the UltraMem-151M-x12 shape, with the fused value optimizer;
+# $STREAM_ARGS replaces its arguments), the GPU tests (tests/test_ops_gpu.py, the memory layers
+# and the sparse optimizers on the device), a one-GPU torchrun (NCCL) training run saved and
+# resumed, and the lookup-reduce benchmark. Logs and JSON go to $OUT (default ./gpu_checks);
+# python is $PYTHON (default python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_checks}
@@ -16,8 +18,19 @@ step() { echo "== $(date +%T) $*"; }
 step "environment"; $PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'
 step "build the extensions"; $PY -m rmt.ops.extensions 2>&1 | tee "$OUT/build.log"
 step "async memory stream in a training step"
-$PY tools/bench_memory_stream.py --fused --json "$OUT/bench_memory_stream.json" 2>&1 | tee "$OUT/bench_memory_stream.log"
-step "GPU tests"; $PY -m pytest -q -p no:cacheprovider tests/test_ops_gpu.py 2>&1 | tee "$OUT/test_ops_gpu.log"
+$PY tools/bench_memory_stream.py ${STREAM_ARGS:---fused} --json "$OUT/bench_memory_stream.json" 2>&1 | tee "$OUT/bench_memory_stream.log"
+step "GPU tests"
+$PY -m pytest -q -p no:cacheprovider tests/test_ops_gpu.py tests/test_memory_integration.py \
+    tests/test_ops_sparse_optim.py 2>&1 | tee "$OUT/test_ops_gpu.log"
+step "one-GPU torchrun (NCCL): UltraMem on the async stream with the fused value optimizer, saved, then resumed"
+CKPT=$(mktemp -d)
+for steps in 20 30; do
+    $PY -m torch.distributed.run --standalone --nproc_per_node=1 -m rmt.training.cli \
+        --config configs/ultramem_tiny.yaml train.steps=$steps train.save="$CKPT" \
+        train.log_interval=10 train.eval_interval=10 memory.async_stream=true \
+        memory.value_optimizer=sparse_adam memory.fused_value_optimizer=true 2>&1 | tee -a "$OUT/torchrun.log"
+done
+rm -rf "$CKPT"
 step "lookup-reduce benchmark"
 $PY tools/bench_lookup_reduce.py --quick --json "$OUT/bench_lookup_reduce.json" 2>&1 | tee "$OUT/bench_lookup_reduce.log"
 step "done"

@@ -20,6 +20,7 @@ from rmt.memory.comm_counter import CommCounter
 from rmt.ops import lookup_reduce
 from rmt.ops.counter_normal import fill_normal_
 from rmt.ops.sparse_optim import coalesced
+from rmt.ops.validate import dtypes_supported
 
 PARTITIONS = ("local", "number", "dimension", "auto")
 
@@ -180,7 +181,13 @@ class MemoryTable(torch.nn.Module):
 
         ``validate=False`` skips the op's index range checks on a local table, a min/max each and,
         on a GPU, a host sync that drains the device queue: for slots in range by construction,
-        like the memory layer's retrieval. The sharded paths index with slots they derive."""
+        like the memory layer's retrieval. The sharded paths index with slots they derive.
+
+        Scores of a type the op does not pair with this table (bf16 scores of a float32 table: the
+        retrieval's products under autocast) are widened to the type both promote to, exactly, as
+        autocast's "promote" ops do."""
+        if not dtypes_supported(self.weight.dtype, scores.dtype):
+            scores = scores.to(torch.promote_types(scores.dtype, self.weight.dtype))
         if self.partition == "local":
             if self.training:
                 self.record_hits(indices)

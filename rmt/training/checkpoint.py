@@ -68,7 +68,10 @@ def _ensure_optimizer_state(optimizer, device: Optional[str] = None) -> list:
             if hasattr(owner, "initial_state"):  # rmt's SparseAdam and RowWiseAdagrad
                 state.update(owner.initial_state(like))
             else:
-                state["step"] = torch.tensor(0.0)
+                # as torch's own lazy init: a fused or capturable Adam keeps its step count on the
+                # parameter's device (its CUDA kernel refuses a CPU one), the others on the CPU
+                on_device = group.get("fused") or group.get("capturable")
+                state["step"] = torch.zeros((), dtype=torch.float32, device=like.device if on_device else "cpu")
                 for name in _MOMENTS:
                     state[name] = torch.zeros_like(like, memory_format=torch.preserve_format)
             created.append(state)
