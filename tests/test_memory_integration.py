@@ -215,7 +215,7 @@ def test_sparse_value_optimizer_wiring(megatron, kind):
     assert table.weight.grad.coalesce().indices().tolist() == [[0, 3, 5]]
 
 
-@pytest.mark.parametrize("value_optimizer", ["adamw", "sparse_adam"])
+@pytest.mark.parametrize("value_optimizer", ["adamw", "sparse_adam", "rowwise_adagrad"])
 def test_optimizer_state_made_for_a_resume_is_torchs_own(megatron, value_optimizer):
     """A resume creates the optimizer states to load into before any step; each tensor must have
     the device, dtype and shape that the optimizer's own first step gives it (on a GPU the fused
@@ -229,7 +229,7 @@ def test_optimizer_state_made_for_a_resume_is_torchs_own(megatron, value_optimiz
     _ensure_optimizer_state(made)
     chunks = build(cfg)
     stepped = build_optimizer(chunks, cfg)
-    sparse = {chunks[0].memory[k].values.weight for k in (0, 1)} if value_optimizer == "sparse_adam" else set()
+    sparse = {chunks[0].memory[k].values.weight for k in (0, 1)} if value_optimizer != "adamw" else set()
     params = [p for g in stepped.param_groups for p in g["params"]]
     for p in params:
         p.grad = torch.zeros_like(p).to_sparse() if p in sparse else torch.zeros_like(p)

@@ -166,7 +166,8 @@ class MoE(MoELayer):
         load of the busiest expert relative to a balanced one (1 = balanced) since the last
         call, summed over the tensor-parallel sequence shares and averaged over ``group``;
         resets the counters."""
-        sums = torch.cat([self.router.balance_loss.cpu().view(1), self.load.cpu(), self.calls.cpu().view(1)])
+        # on the counters' device: an NCCL process group takes no CPU tensors
+        sums = torch.cat([self.router.balance_loss.view(1), self.load, self.calls.view(1)])
         if _sequence_split():
             dist.all_reduce(sums, group=parallel_state.get_tensor_model_parallel_group())
             sums[-1] /= parallel_state.get_tensor_model_parallel_world_size()

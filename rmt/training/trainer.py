@@ -201,7 +201,8 @@ class Trainer:
     def _reduce_losses(self, losses) -> Dict[str, float]:
         """Mean over microbatches and data-parallel ranks, made known to every rank."""
         names = ("lm loss", "loss")
-        vals = torch.zeros(len(names), dtype=torch.float64)
+        # on the compute device: an NCCL process group takes no CPU tensors
+        vals = torch.zeros(len(names), dtype=torch.float64, device=compat.device())
         owner = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
                  and parallel_state.get_tensor_model_parallel_rank() == 0)
         if owner and losses:
