@@ -4,8 +4,8 @@
 # (tools/bench_memory_stream.py at the UltraMem-151M-x12 shape, with the fused value optimizer;
 # $STREAM_ARGS replaces its arguments), the GPU tests (tests/test_ops_gpu.py, the memory layers
 # and the sparse optimizers on the device), a one-GPU torchrun (NCCL) training run saved and
-# resumed, and the lookup-reduce benchmark. Logs and JSON go to $OUT (default ./gpu_checks);
-# python is $PYTHON (default python3).
+# resumed, every architecture for a few bf16 steps, and the lookup-reduce benchmark. Logs and
+# JSON go to $OUT (default ./gpu_checks); python is $PYTHON (default python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_checks}
@@ -31,6 +31,12 @@ for steps in 20 30; do
         memory.value_optimizer=sparse_adam memory.fused_value_optimizer=true 2>&1 | tee -a "$OUT/torchrun.log"
 done
 rm -rf "$CKPT"
+step "every architecture trains on the GPU in bf16 (a few steps each)"
+for config in tiny rmt_tiny recurrent_tiny mixer_tiny moe_tiny pkm_tiny ultramem_tiny; do
+    echo "-- $config"
+    $PY -m rmt.training.cli --config configs/$config.yaml train.steps=10 train.precision=bf16 \
+        train.eval_interval=10 train.progress=false 2>&1 | tee -a "$OUT/architectures.log" | grep -E "final|rror"
+done
 step "lookup-reduce benchmark"
 $PY tools/bench_lookup_reduce.py --quick --json "$OUT/bench_lookup_reduce.json" 2>&1 | tee "$OUT/bench_lookup_reduce.log"
 step "done"
