@@ -169,11 +169,7 @@ def test_the_stop_rule_is_confirmed_on_heldout_samples(tmp_path, confirm):
     assert [(c["step"], c["samples"], c["stop"]) for c in checks] == [(2, 300, True)]
     # the same accuracy from the saved model on validation samples 30,000..30,299
     bench = _bench()
-    args = bench.argparse.Namespace(hidden=32, heads=4, block=8, noise_target=8, alpha=0.5, learn_alpha=True,
-                                    alpha_min=0.0, init_std=0.06, noise_start=8, max_steps=6, lr=1e-3,
-                                    lr_curriculum_decay=0.8, lr_target_decay=1.0, min_lr_ratio=0.02,
-                                    lr_plateau_decay=0.5, lr_plateau_patience=40, lr_plateau_smoothing=0.0, batch=16,
-                                    eval_interval=2, threads=1, overrides=[])
+    args, _, _ = bench.parse_args(QUICK_STOP + ["--stop-confirm", str(confirm)])
     from rmt import parallel
     from rmt.data.tasks import recall_accuracy
     from rmt.training.trainer import Trainer

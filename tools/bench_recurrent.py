@@ -306,7 +306,13 @@ def run_seeds(argv: list, seeds: list, slots: list) -> tuple:
     return rows, results
 
 
-def main(argv=None) -> int:
+class UsageError(ValueError):
+    """A bad command line: one sentence on stderr and exit status 2, before any training."""
+
+
+def parse_args(argv):
+    """The command line -> ``(args, tasks, seeds)``, every default filled in as the run uses it
+    (tests rebuild a run's config from it); :class:`UsageError` on bad input."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--quick", action="store_true", help="small curriculum target, short budget (~3 min)")
     ap.add_argument("--json", metavar="FILE", help="write the benchmark JSON")
@@ -375,43 +381,33 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=1,
                     help="with --seeds: seed runs at a time, each pinned to --threads cores of its own")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides for the task runs")
-    argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
     tasks = [t for t in args.tasks.split(",") if t]
     if not tasks or any(t not in ("copy", "selective_copy") for t in tasks):
-        print(f"bench_recurrent: --tasks must name copy and/or selective_copy, got '{args.tasks}'", file=sys.stderr)
-        return 2
+        raise UsageError(f"--tasks must name copy and/or selective_copy, got '{args.tasks}'")
     if args.stop_confirm < 0:
-        print(f"bench_recurrent: --stop-confirm must be a non-negative sample count, got {args.stop_confirm}",
-              file=sys.stderr)
-        return 2
+        raise UsageError(f"--stop-confirm must be a non-negative sample count, got {args.stop_confirm}")
     if not 0.0 <= args.stop_accuracy <= 1.0:
-        print(f"bench_recurrent: --stop-accuracy must lie in [0, 1], got {args.stop_accuracy}", file=sys.stderr)
-        return 2
+        raise UsageError(f"--stop-accuracy must lie in [0, 1], got {args.stop_accuracy}")
     if not 0.0 <= args.lr_cooldown < 1.0:
-        print(f"bench_recurrent: --lr-cooldown must lie in [0, 1), got {args.lr_cooldown}", file=sys.stderr)
-        return 2
+        raise UsageError(f"--lr-cooldown must lie in [0, 1), got {args.lr_cooldown}")
     try:
         seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else []
     except ValueError:
         seeds = None
     if seeds is None or len(set(seeds)) != len(seeds):
-        print(f"bench_recurrent: --seeds must be distinct comma-separated integers, got '{args.seeds}'",
-              file=sys.stderr)
-        return 2
+        raise UsageError(f"--seeds must be distinct comma-separated integers, got '{args.seeds}'")
     raw_noise = args.eval_noise
     try:
         args.eval_noise = [int(x) for x in raw_noise.split(",") if x]
     except ValueError:
         args.eval_noise = None
     if args.eval_noise is None or any(n < 0 for n in args.eval_noise):
-        print(f"bench_recurrent: --eval-noise must list non-negative noise lengths, got '{raw_noise}'", file=sys.stderr)
-        return 2
+        raise UsageError(f"--eval-noise must list non-negative noise lengths, got '{raw_noise}'")
     cores = sorted(os.sched_getaffinity(0))
     if args.jobs < 1 or (len(seeds) > 1 and args.jobs * args.threads > len(cores)):
-        print(f"bench_recurrent: --jobs x --threads must lie in [1, {len(cores)}] (the cores this process may use), "
-              f"got {args.jobs} x {args.threads}", file=sys.stderr)
-        return 2
+        raise UsageError(f"--jobs x --threads must lie in [1, {len(cores)}] (the cores this process may use), "
+                         f"got {args.jobs} x {args.threads}")
     if len(seeds) == 1:
         args.overrides = args.overrides + [f"train.seed={seeds[0]}"]
     q = args.quick
@@ -429,8 +425,18 @@ def main(argv=None) -> int:
                 raise ConfigError(f"--eval-noise above --noise-target ({args.noise_target}) needs model.position=block "
                                   f"(a learned position table has no rows past the longest training sample)")
     except ConfigError as err:
+        raise UsageError(str(err)) from None
+    return args, tasks, seeds
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args, tasks, seeds = parse_args(argv)
+    except UsageError as err:
         print(f"bench_recurrent: {err}", file=sys.stderr)
         return 2
+    q, cores = args.quick, sorted(os.sched_getaffinity(0))
     rows: list = []
     if len(seeds) > 1:
         slots = [set(cores[i * args.threads:(i + 1) * args.threads]) for i in range(args.jobs)]
