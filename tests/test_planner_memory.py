@@ -144,8 +144,13 @@ def test_fused_value_optimizer_holds_no_gradient_but_the_kept_lookups():
     # dimension-wise: every requester's lookups on the 2 columns (one core each side), 4 blocks
     dim = TablePlan(**dict(plan, value_optimizer="sparse_adam", partition="dimension"), fused=True)
     assert fused_kept_bytes(dim) == 4 * 10 * (4 * 2 * 4 + 6 * (8 + 1 * 4 + 8))
-    bf16 = TablePlan(**dict(plan, group_size=1, precision="bf16"), fused=True)
+    # bf16 training: 2-byte scores and output gradients with a bf16 table; a float32 table widens
+    # them to 4 (rmt.memory.table), as in fp32 training
+    bf16 = TablePlan(**dict(plan, group_size=1, precision="bf16", value_dtype="bf16"), fused=True)
     assert fused_kept_bytes(bf16) == 10 * (4 * 8 * 2 + 6 * (8 + 2 * 2 + 8))
+    wide = TablePlan(**dict(plan, group_size=1, precision="bf16"), fused=True)
+    assert fused_kept_bytes(wide) == fused_kept_bytes(TablePlan(**dict(plan, group_size=1), fused=True)) \
+        == 10 * (4 * 8 * 4 + 6 * (8 + 2 * 4 + 8))
     with pytest.raises(ValueError, match="fused value optimizer"):
         phases(TablePlan(**SMALL, fused=True))
 

@@ -43,7 +43,7 @@ from rmt.memory.table import MemoryTable
 from rmt.memory.validate import parse_placement, stage_layers
 from rmt.models.documents import document_starts
 from rmt.parallel import compat
-from rmt.planner.memory import DTYPE_BYTES
+from rmt.planner.memory import lookup_bytes
 
 
 def build_memory_layer(config, index: int, base=None) -> torch.nn.Module:
@@ -61,8 +61,7 @@ def build_memory_layer(config, index: int, base=None) -> torch.nn.Module:
                         plan={"tokens": config.train.micro_batch_size * m.seq_length,
                               "topm": spec.num_heads * spec.topk, "ive": spec.ive_blocks,
                               "cores": spec.num_cores,
-                              # scores and pooled outputs are in the training precision
-                              "activation_bytes": DTYPE_BYTES[config.train.precision]})
+                              "activation_bytes": lookup_bytes(config.train.precision, mem.value_dtype)})
     return MemoryLayer(spec, spec.table(**sharding))
 
 

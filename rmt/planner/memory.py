@@ -25,7 +25,8 @@ of ``D``, a dimension-wise one ``N`` rows of ``D/P``; ``n = num_keys * sqrt(E)``
     indices, scores and block ids, :mod:`rmt.ops.fused_update`) and the last one concatenates
     all ``m``, so ``(2m - 1) x kept`` for ``m > 1`` micro-batches and nothing for one (the kernel
     reads the backward's own tensors). ``kept`` per micro-batch, with ``s`` = 4 bytes (2 under
-    ``precision: bf16``) per score and output gradient element: a local table (``P = 1``)
+    ``precision: bf16`` with a bf16 table, :func:`lookup_bytes`) per score and output gradient
+    element: a local table (``P = 1``)
     ``T x (E x D x s + topm x (8 + C x s + 8 [E > 1]))``; number-wise, the owner's unit-score
     lookup of the served rows in the table's dtype, ``served x (cols x b + 8 + b)``;
     dimension-wise, the lookups of all ``P`` requesters on the shard's columns,
@@ -68,6 +69,13 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+
+
+def lookup_bytes(precision: str, value_dtype: str) -> int:
+    """Bytes per score and pooled-output element of a lookup: the training precision's, widened
+    to the table's when the table is wider (bf16 scores of a float32 table are widened to
+    float32, :meth:`rmt.memory.table.MemoryTable.lookup_reduce`)."""
+    return max(DTYPE_BYTES[precision], DTYPE_BYTES[value_dtype])
 VALUE_OPTIMIZERS = ("adamw", "sparse_adam", "rowwise_adagrad")
 PARTITIONS = ("number", "dimension")
 PRECISIONS = ("fp32", "bf16")
@@ -173,7 +181,7 @@ def validate_plan(plan: TablePlan) -> None:
 def fused_kept_bytes(plan: TablePlan) -> int:
     """Bytes one micro-batch's lookups keep for the fused optimizer step (module docstring)."""
     rows, cols = plan.shard_shape
-    s = 2 if plan.precision == "bf16" else 4
+    s = lookup_bytes(plan.precision, plan.value_dtype)
     E, T, block = plan.ive_blocks, plan.tokens, 8 if plan.ive_blocks > 1 else 0
     if plan.group_size == 1:
         return T * (E * cols * s + plan.topm * (8 + plan.cores * s + block))
