@@ -70,12 +70,6 @@ from dataclasses import asdict, dataclass, replace
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
-
-def lookup_bytes(precision: str, value_dtype: str) -> int:
-    """Bytes per score and pooled-output element of a lookup: the training precision's, widened
-    to the table's when the table is wider (bf16 scores of a float32 table are widened to
-    float32, :meth:`rmt.memory.table.MemoryTable.lookup_reduce`)."""
-    return max(DTYPE_BYTES[precision], DTYPE_BYTES[value_dtype])
 VALUE_OPTIMIZERS = ("adamw", "sparse_adam", "rowwise_adagrad")
 PARTITIONS = ("number", "dimension")
 PRECISIONS = ("fp32", "bf16")
@@ -84,6 +78,13 @@ CHECKPOINT_CHUNK_BYTES = 64 << 20  # rmt.training.table_checkpoint's read and st
 RETRIEVAL_ACTIVATION_FACTOR = 2  # score tensors alive in the retrieval backward (see above)
 SPARSE_INDEX_BYTES = 8
 GIB = 1 << 30
+
+
+def lookup_bytes(precision: str, value_dtype: str) -> int:
+    """Bytes per score and pooled-output element of a lookup: the training precision's, widened
+    to the table's when the table is wider (bf16 scores of a float32 table are widened to
+    float32, :meth:`rmt.memory.table.MemoryTable.lookup_reduce`)."""
+    return max(DTYPE_BYTES[precision], DTYPE_BYTES[value_dtype])
 
 
 @dataclass(frozen=True)
