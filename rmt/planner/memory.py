@@ -69,7 +69,6 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
-
 VALUE_OPTIMIZERS = ("adamw", "sparse_adam", "rowwise_adagrad")
 PARTITIONS = ("number", "dimension")
 PRECISIONS = ("fp32", "bf16")
