@@ -232,7 +232,7 @@ def test_optimizer_state_made_for_a_resume_is_torchs_own(megatron, value_optimiz
     sparse = {chunks[0].memory[k].values.weight for k in (0, 1)} if value_optimizer != "adamw" else set()
     params = [p for g in stepped.param_groups for p in g["params"]]
     for p in params:
-        p.grad = torch.zeros_like(p).to_sparse() if p in sparse else torch.zeros_like(p)
+        p.grad = torch.zeros_like(p).to_sparse(1) if p in sparse else torch.zeros_like(p)
     stepped.step()
     layout = [[(k, t.device, t.dtype, tuple(t.shape)) for k, t in sorted(opt.state[p].items()) if torch.is_tensor(t)]
               for opt in (made, stepped) for p in [p for g in opt.param_groups for p in g["params"]]]
