@@ -359,7 +359,6 @@ void sort_lookups(const int64_t* __restrict idx, int64_t M, int64_t num_rows, So
   find_runs(s, M, threads);
 }
 
-
 // Exact q / d for 0 <= q < 2^32 and 1 <= d < 2^32 by one 64 x 64 -> 128-bit multiply (Lemire,
 // Kaser and Kurz, "Faster remainder by direct computation", 2019: M = floor((2^64 - 1) / d) + 1,
 // q / d = floor(M q / 2^64)), d = 1 passed through. The backward finds the token of every sorted
