@@ -5,7 +5,9 @@
 # $STREAM_ARGS replaces its arguments), the GPU tests (tests/test_ops_gpu.py, the memory layers
 # and the sparse optimizers on the device), a one-GPU torchrun (NCCL) training run saved and
 # resumed, every architecture for a few bf16 steps, and the lookup-reduce benchmark. Logs and
-# JSON go to $OUT (default ./gpu_checks); python is $PYTHON (default python3).
+# JSON go to $OUT (default ./gpu_checks); python is $PYTHON (default python3). $CHECKS picks the
+# checks by name (default: all of stream tests torchrun architectures lookup); the
+# extensions are built whenever any check runs, since the rest use them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_checks}
@@ -14,14 +16,21 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # the card's own architecture only: a quarter of the CUDA build's time
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$($PY -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')}
+CHECKS=${CHECKS:-stream tests torchrun architectures lookup}
+wanted() { [[ " $CHECKS " == *" $1 "* ]]; }
 step() { echo "== $(date +%T) $*"; }
 step "environment"; $PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'
 step "build the extensions"; $PY -m rmt.ops.extensions 2>&1 | tee "$OUT/build.log"
+if wanted stream; then
 step "async memory stream in a training step"
 $PY tools/bench_memory_stream.py ${STREAM_ARGS:---fused} --json "$OUT/bench_memory_stream.json" 2>&1 | tee "$OUT/bench_memory_stream.log"
+fi
+if wanted tests; then
 step "GPU tests"
 $PY -m pytest -q -p no:cacheprovider tests/test_ops_gpu.py tests/test_memory_integration.py \
     tests/test_ops_sparse_optim.py 2>&1 | tee "$OUT/test_ops_gpu.log"
+fi
+if wanted torchrun; then
 step "one-GPU torchrun (NCCL): UltraMem on the async stream with the fused value optimizer, saved, then resumed"
 CKPT=$(mktemp -d)
 for steps in 20 30; do
@@ -31,12 +40,17 @@ for steps in 20 30; do
         memory.value_optimizer=sparse_adam memory.fused_value_optimizer=true 2>&1 | tee -a "$OUT/torchrun.log"
 done
 rm -rf "$CKPT"
+fi
+if wanted architectures; then
 step "every architecture trains on the GPU in bf16 (a few steps each)"
 for config in tiny rmt_tiny recurrent_tiny mixer_tiny moe_tiny pkm_tiny ultramem_tiny; do
     echo "-- $config"
     $PY -m rmt.training.cli --config configs/$config.yaml train.steps=10 train.precision=bf16 \
         train.eval_interval=10 train.progress=false 2>&1 | tee -a "$OUT/architectures.log" | grep -E "final|rror"
 done
+fi
+if wanted lookup; then
 step "lookup-reduce benchmark"
 $PY tools/bench_lookup_reduce.py --quick --json "$OUT/bench_lookup_reduce.json" 2>&1 | tee "$OUT/bench_lookup_reduce.log"
+fi
 step "done"
