@@ -14,6 +14,7 @@ def test_sharded_table_equals_local_and_sends_planned_bytes(nproc):
     for name in ("number", "number+owner_reduce", "dimension"):
         assert out.count(f"OK {name} P={nproc} ") == 3, out  # balanced, ragged, tensor_parallel=2
         assert out.count(f"OK {name} bf16 P={nproc} ") == 1, out  # 2-byte rows, 4-byte scores
+        assert out.count(f"OK {name} bf16-scores P={nproc} ") == 1, out  # autocast's scores, widened
 
 
 TRAIN = "tests/dist/train_steps.py"

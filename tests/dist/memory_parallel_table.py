@@ -39,20 +39,24 @@ def inputs(P, counts, balanced, gen):
     return per_rank
 
 
-def check(partition, owner_reduce, counts, balanced, split=False, dtype=torch.float32):
+def check(partition, owner_reduce, counts, balanced, split=False, dtype=torch.float32, score_dtype=torch.float32):
     """One sharded table against the local one. ``counts``: tokens of each data-parallel
     requester. ``split``: tensor-parallel pairs of consecutive ranks hold the same tokens (one
     requester per pair); each looks up its chunk and the pooled chunks are all-gathered.
     ``dtype``: the tables' (scores and outputs stay fp32, so a bf16 table sends 2-byte rows and
     4-byte scores and pooled slices; its row gradients are rounded to bf16 at different points
-    of the two routes, so only the fp32 tables' are compared)."""
+    of the two routes, so only the fp32 tables' are compared). ``score_dtype`` bf16: the scores
+    as autocast's retrieval makes them, widened by the table to fp32 before any route (so 4-byte
+    scores on the wire); their gradients come back rounded to bf16, where the two routes' fp32
+    score gradients (equal to ~1e-6) can round to neighbouring values: one bf16 step, 2^-7
+    relative, apart."""
     P, rank = dist.get_world_size(), dist.get_rank()
     gen = torch.Generator().manual_seed(1234 + sum(counts) + split)
     full = torch.randn(N, D, generator=gen).to(dtype)
     data = inputs(P, counts, balanced, gen)
     ref = MemoryTable(N, D, 0.02, dtype=dtype)
     ref.weight.data.copy_(full)
-    ref_scores = [s.clone().requires_grad_() for _, s, _, _ in data]
+    ref_scores = [s.to(score_dtype, copy=True).requires_grad_() for _, s, _, _ in data]
     ref_out = [ref.lookup_reduce(i, s, b, E) for (i, _, b, _), s in zip(data, ref_scores)]
     sum((o * g).sum() for o, (_, _, _, g) in zip(ref_out, data)).backward()
 
@@ -63,16 +67,19 @@ def check(partition, owner_reduce, counts, balanced, split=False, dtype=torch.fl
     table.weight.data.copy_(full[table.shard_index])
     table.train()  # training mode: lookups count slot hits at the rows' owners
     idx, scores, blocks, grad_out = data[me]
-    scores = scores.clone().requires_grad_()
+    scores = scores.to(score_dtype, copy=True).requires_grad_()
     out = table.lookup_reduce(idx, scores, blocks, E)
     (out * grad_out).sum().backward()
     grad = torch.zeros(N, D, dtype=dtype)
     grad[table.shard_index] = table.weight.grad
     dist.all_reduce(grad)
     bf16 = " bf16" if dtype == torch.bfloat16 else ""
+    bf16 += " bf16-scores" if score_dtype == torch.bfloat16 else ""
     name = f"{partition}{'+owner_reduce' if owner_reduce else ''}{bf16} P={P} counts={counts} split={split}"
+    assert out.dtype == torch.float32 and scores.grad.dtype == score_dtype, name
     torch.testing.assert_close(out, ref_out[me], rtol=1e-5, atol=1e-5, msg=f"{name}: output")
-    torch.testing.assert_close(scores.grad, ref_scores[me].grad, rtol=1e-5, atol=1e-5,
+    score_tol = 2.0 ** -7 if score_dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(scores.grad, ref_scores[me].grad, rtol=score_tol, atol=1e-5,
                                msg=f"{name}: score grads")
     if not bf16:
         torch.testing.assert_close(grad, ref.weight.grad, rtol=1e-5, atol=1e-5, msg=f"{name}: table grads")
@@ -101,6 +108,7 @@ def main():
         check(partition, owner_reduce, [3 + 2 * r for r in range(P)], balanced=False)
         check(partition, owner_reduce, [8] * (P // 2), balanced=True, split=True)
         check(partition, owner_reduce, [8] * P, balanced=True, dtype=torch.bfloat16)
+        check(partition, owner_reduce, [8] * P, balanced=True, score_dtype=torch.bfloat16)
     try:
         MemoryTable(N + 1, D, 0.02, "number", dist.group.WORLD)
     except ValueError as err:
