@@ -23,6 +23,7 @@ is a lower bound on the hidden share of the layers' forward and backward), and
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import platform
@@ -101,11 +102,17 @@ def busy_union(intervals):
     return total
 
 
+#: CUDA runtime calls in which the host waits for the device (``.item()``, ``.cpu()``, events).
+HOST_WAITS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize")
+
+
 def profile(trainer, steps, cuda, sync):
     """``steps`` more steps under torch.profiler: per step, the device kernels' summed time, the
-    time the device was busy (their union over all streams), the kernel launches, and the top
-    kernels printed. Where the step's wall time is far above the busy time, the host (Python,
-    launches, waits) sets the pace, which no second stream can hide."""
+    time the device was busy (their union over all streams), the kernel launches, the host's
+    waits for the device and their time, and the top kernels printed. Where the step's wall time
+    is far above the busy time, the host sets the pace, which no second stream can hide: by
+    issuing launches (few waits) or by waiting (each wait drains the queue, and the device
+    idles while the host issues the next launches)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -116,13 +123,32 @@ def profile(trainer, steps, cuda, sync):
         for _ in range(steps):
             trainer.train_step()
         sync()
-    kernels = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    events = prof.events()
+    kernels = [(e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA]
+    # the profile's own closing synchronization is not the step's
+    waits = sorted((e.time_range.start, e.time_range.end, id(e), e) for e in events if e.name in HOST_WAITS)[:-1]
     sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=sort_by, row_limit=15), flush=True)
+    if waits:
+        print("host waits per step, by the outermost op that made them:", flush=True)
+        for op, n in collections.Counter(outermost_op(e) for *_, e in waits).most_common(12):
+            print(f"  {n / steps:8.1f}  {op}", flush=True)
     if not kernels:
         return {}
     return {"kernel_s": sum(b - a for a, b in kernels) * 1e-6 / steps,
-            "device_busy_s": busy_union(kernels) * 1e-6 / steps, "launches": len(kernels) / steps}
+            "device_busy_s": busy_union(kernels) * 1e-6 / steps, "launches": len(kernels) / steps,
+            "host_waits": len(waits) / steps, "host_wait_s": sum(b - a for a, b, *_ in waits) * 1e-6 / steps}
+
+
+def outermost_op(event) -> str:
+    """The outermost operator above a profiler event, with the innermost one below it
+    (``outer > inner``), e.g. the autograd function or module call that waited and the aten op
+    that did."""
+    chain = []
+    while event.cpu_parent is not None:
+        event = event.cpu_parent
+        chain.append(event.name)
+    return f"{chain[-1]} > {chain[0]}" if chain else "(top level)"
 
 
 def summarize(rows):
@@ -132,10 +158,11 @@ def summarize(rows):
         if sync_name not in by or async_name not in by:
             continue
         s, a = by[sync_name]["median_step_s"], by[async_name]["median_step_s"]
-        memory = s - by["dense"]["median_step_s"]
         key = "" if sync_name == "sync" else "_fused"
-        summary[f"memory_s{key}"] = memory
-        summary[f"hidden_fraction{key}"] = (s - a) / memory if memory > 0 else None
+        if "dense" in by:  # the memory layers' time needs the dense twin's step
+            memory = s - by["dense"]["median_step_s"]
+            summary[f"memory_s{key}"] = memory
+            summary[f"hidden_fraction{key}"] = (s - a) / memory if memory > 0 else None
         summary[f"async_over_sync_step_time{key}"] = a / s
     return summary
 
@@ -193,11 +220,12 @@ def main(argv=None):
         os.remove(out)
     summary = summarize(rows)
     print(f"{'variant':<12} {'step ms':>9} {'median ms':>10} {'peak GiB':>9} {'loss':>8} {'kernel ms':>10} "
-          f"{'busy ms':>8} {'launches':>9}")
+          f"{'busy ms':>8} {'launches':>9} {'waits':>6} {'wait ms':>8}")
     for r in rows:
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         prof = "".join(f"{'-' if r.get(k) is None else format(scale * r[k], fmt):>{w}}" for k, scale, fmt, w in (
-            ("kernel_s", 1e3, ".2f", 11), ("device_busy_s", 1e3, ".2f", 9), ("launches", 1, ".0f", 10)))
+            ("kernel_s", 1e3, ".2f", 11), ("device_busy_s", 1e3, ".2f", 9), ("launches", 1, ".0f", 10),
+            ("host_waits", 1, ".0f", 7), ("host_wait_s", 1e3, ".2f", 9)))
         print(f"{r['variant']:<12} {1e3 * r['step_s']:9.2f} {1e3 * r['median_step_s']:10.2f} {peak:>9} {r['loss']:8.4f}"
               f"{prof}")
     print(json.dumps(summary))

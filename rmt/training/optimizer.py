@@ -29,7 +29,6 @@ from typing import Dict, List
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import param_is_not_shared
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
@@ -39,6 +38,7 @@ from rmt.memory.groups import attach_fused_updates, memory_grad_sq_norm, self_re
 from rmt.memory.optim import ValueLRScheduler, split_value_group
 from rmt.models.rmt import RMT_KEY_MATRICES
 from rmt.ops.sparse_optim import RowWiseAdagrad, SparseAdam
+from rmt.parallel import compat
 
 
 def _no_decay(name: str, param: torch.Tensor, decay_rmt_keys: bool = False) -> bool:
@@ -172,6 +172,22 @@ def build_scheduler(optimizer, config: RMTConfig) -> OptimizerParamScheduler:
         wd_incr_style="constant")
 
 
+def grad_sq_norm(grads: List[torch.Tensor], group) -> torch.Tensor:
+    """Sum of the squares of ``grads``' elements (fp32) over ``group``, a 1-element tensor left on
+    the device. megatron's ``get_grad_norm_fp32`` computes this with apex's fused
+    ``multi_tensor_l2norm`` where apex is installed; its fallback without apex turns every
+    parameter's norm into a Python float, a host wait for the device per parameter (188 a step at
+    the UltraMem-151M-x12 shape on an H100, ``tools/bench_memory_stream.py --profile``). torch's
+    fused ``_foreach_norm`` needs neither."""
+    if grads:
+        sq = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))).square()
+    else:
+        sq = torch.zeros((), device=compat.device())
+    sq = sq.reshape(1)
+    torch.distributed.all_reduce(sq, group=group)
+    return sq
+
+
 def clip_gradients(params: List[torch.nn.Parameter], max_norm: float) -> float:
     """Global L2 norm (each TP-duplicated parameter counted once): replicated parameters over
     the model-parallel group, expert-parallel MoE experts (megatron's ``allreduce = False``)
@@ -184,11 +200,10 @@ def clip_gradients(params: List[torch.nn.Parameter], max_norm: float) -> float:
         if p.grad is not None and not self_reduced(p) and param_is_not_shared(p) \
                 and param_is_not_tensor_parallel_duplicate(p):
             grads[getattr(p, "allreduce", True)].append(p.grad)
-    norm_sq = get_grad_norm_fp32(grads[True], grad_stats_parallel_group=parallel_state.get_model_parallel_group()) ** 2
+    norm_sq = grad_sq_norm(grads[True], parallel_state.get_model_parallel_group())
     if parallel_state.get_expert_model_parallel_world_size() > 1:
-        norm_sq += get_grad_norm_fp32(
-            grads[False], grad_stats_parallel_group=parallel_state.get_expert_tensor_model_pipeline_parallel_group()) ** 2
-    norm = (norm_sq + memory_grad_sq_norm(params)) ** 0.5
+        norm_sq += grad_sq_norm(grads[False], parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+    norm = (float(norm_sq) + memory_grad_sq_norm(params)) ** 0.5
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
         torch._foreach_mul_([p.grad for p in params if p.grad is not None and not p.grad.is_sparse], scale)
