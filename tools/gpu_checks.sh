@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one call on a GPU machine (docs/testing.md): build the
 # C++/CUDA extensions, the async memory stream in a real training step
-# (tools/bench_memory_stream.py at the UltraMem-151M-x12 shape, with the fused value optimizer;
+# (tools/bench_memory_stream.py at the UltraMem-151M-x12 shape, with the fused value optimizer,
+# profiled: device busy time and the host's waits;
 # $STREAM_ARGS replaces its arguments), the GPU tests (tests/test_ops_gpu.py, the memory layers
 # and the sparse optimizers on the device), a one-GPU torchrun (NCCL) training run saved and
 # resumed, every architecture for a few bf16 steps, and the lookup-reduce benchmark. Logs and
@@ -23,7 +24,7 @@ step "environment"; $PY -c 'import torch, triton; print(torch.__version__, trito
 step "build the extensions"; $PY -m rmt.ops.extensions 2>&1 | tee "$OUT/build.log"
 if wanted stream; then
 step "async memory stream in a training step"
-$PY tools/bench_memory_stream.py ${STREAM_ARGS:---fused} --json "$OUT/bench_memory_stream.json" 2>&1 | tee "$OUT/bench_memory_stream.log"
+$PY tools/bench_memory_stream.py ${STREAM_ARGS:---fused --variants dense,sync_fused,async_fused --steps 16 --warmup 6 --profile 1} --json "$OUT/bench_memory_stream.json" 2>&1 | tee "$OUT/bench_memory_stream.log"
 fi
 if wanted tests; then
 step "GPU tests"
