@@ -81,7 +81,7 @@ def check(partition, owner_reduce, counts, balanced, split=False, dtype=torch.fl
     score_tol = 2.0 ** -7 if score_dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(scores.grad, ref_scores[me].grad, rtol=score_tol, atol=1e-5,
                                msg=f"{name}: score grads")
-    if not bf16:
+    if dtype == torch.float32:  # a bf16 table's row gradients round at different points
         torch.testing.assert_close(grad, ref.weight.grad, rtol=1e-5, atol=1e-5, msg=f"{name}: table grads")
     # the reference ran every requester's lookups: its hits are the union the owners counted
     assert table.pop_hit_fraction() == ref.pop_hit_fraction(), name
