@@ -10,8 +10,9 @@ import os
 # OMP_WAIT_POLICY wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from rmt import quiet  # noqa: E402
+from rmt import deferred_compile, quiet  # noqa: E402
 
 __version__ = "0.1.0"
 
 quiet.install()
+deferred_compile.install()
