@@ -5,13 +5,15 @@ element-wise functions with it when they are imported (bias-GELU, SwiGLU, the Mo
 helpers, ...). Decorating already imports torch's whole compiler stack (dynamo, inductor, sympy):
 2.1 of the 6.8 CPU seconds that ``import rmt.training.trainer`` took on a 2-core AMD EPYC VM, paid
 by every rank of every launch. rmt's configs turn those fusions off
-(:mod:`rmt.models.megatron_config`), so the functions are never called on its paths.
+(:mod:`rmt.models.megatron_config`); the one such function called on its paths is the MoE router's
+``_apply_expert_bias`` (every forward; it does nothing unless expert bias is on), so MoE runs
+still import the compiler stack, at their first step.
 
 :func:`install` (run when :mod:`rmt` is imported, before megatron-core) wraps ``jit_fuser`` as
 megatron defines it: a function decorated with it is handed to ``torch.compile`` on its first
 call, with the same arguments, and the compiled function is used from then on. ``torch.compile``
 itself compiles nothing before the first call either, so what runs is unchanged; only the compiler
-stack's import moves to the first call, which rmt never makes. Written here because megatron-core
+stack's import moves to the first call, which only MoE runs make. Written here because megatron-core
 has no switch for it (``megatron.core.jit.disable_jit_fuser`` acts only after the decorators
 have run). Where ``jit_fuser`` is not ``torch.compile`` (``torch.jit.script`` on older torch) it
 is left as it is."""
