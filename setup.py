@@ -35,7 +35,7 @@ setup(
     install_requires=INSTALL_REQUIRES,
     # bench: FBGEMM's table-batched embeddings, the peer tools/bench_lookup_reduce.py times beside
     # lookup_reduce (its CPU build for torch 2.13; 1.9.0 is built for torch 2.14)
-    extras_require={"dev": ["pytest==9.2.0", "pytest-xdist==3.8.0"], "bench": ["fbgemm-gpu-cpu==1.8.0"]},
+    extras_require={"dev": ["pytest==9.2.0", "pytest-xdist==3.8.0", "filelock==4.3.1"], "bench": ["fbgemm-gpu-cpu==1.8.0"]},
     entry_points={
         "console_scripts": [
             "rmt-train=rmt.training.cli:main",

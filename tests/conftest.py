@@ -88,12 +88,71 @@ def rmt_train(args, nproc=1, check=True):
     return run_python(["-m", "rmt.training.cli"] + args, nproc=nproc, check=check)
 
 
-def train_steps(out, overrides, nproc):
-    """``tests/dist/train_steps.py``'s record (losses, full gradients and weights) of a run."""
-    run_python(["tests/dist/train_steps.py", str(out)] + overrides, nproc=nproc)
+def train_runs(runs, nproc=1):
+    """``tests/dist/train_steps.py``'s records (losses, full gradients and weights) of the runs
+    ``{path: overrides}``, in one launch of ``nproc`` processes, each also saved to its path. One
+    process runs in this one: torch and megatron-core are imported here already, where a
+    subprocess would spend seconds importing them again; it runs on one thread, as each rank of a
+    launch does (``OMP_NUM_THREADS=1``)."""
     import torch
 
-    return torch.load(out)
+    if nproc > 1:
+        args = []
+        for path, overrides in runs.items():
+            args += ["--", str(path)] + list(overrides)
+        run_python(["tests/dist/train_steps.py"] + args[1:], nproc=nproc)
+        return {path: torch.load(path) for path in runs}
+    import importlib.util
+    import warnings
+
+    from rmt import parallel
+
+    spec = importlib.util.spec_from_file_location("train_steps", os.path.join(ROOT, "tests", "dist", "train_steps.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    records = {}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for path, overrides in runs.items():
+                records[path] = script.record(list(overrides))
+                torch.save(records[path], path)
+    finally:
+        parallel.destroy()
+        torch.set_num_threads(threads)
+    return records
+
+
+def train_steps(out, overrides, nproc=1):
+    """:func:`train_runs` of one run."""
+    return train_runs({out: overrides}, nproc)[out]
+
+
+def train_cases(tmp_path_factory, name, cases):
+    """The records of ``{case: (overrides, nproc)}``: one launch for all the cases of a process
+    count (each launch spends seconds per process importing torch and megatron-core before its
+    first run), and once per test session: the first pytest-xdist worker to need them runs them
+    under a file lock, the others wait for it and load them (xdist's recipe for a session-wide
+    fixture; its ``xdist_group`` mark, which would send such tests to one worker, has no effect
+    with pytest 9.2's node ids)."""
+    import torch
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        root = root.parent  # shared by the workers of this session
+    directory = root / name
+    with FileLock(str(directory) + ".lock"):
+        done = directory / "done"
+        if not done.exists():
+            directory.mkdir(exist_ok=True)
+            for nproc in sorted({n for _, n in cases.values()}):
+                train_runs({directory / f"{case}.pt": overrides for case, (overrides, n) in cases.items()
+                            if n == nproc}, nproc)
+            done.touch()
+    return {case: torch.load(directory / f"{case}.pt") for case in cases}
 
 
 def json_history(path):

@@ -8,6 +8,7 @@ import pytest
 import torch
 from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 
+from conftest import tiny_overrides, train_cases
 from rmt import parallel
 from rmt.config import load_config, validate
 from rmt.errors import ConfigError
@@ -153,20 +154,22 @@ LAYOUT_CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def layout_runs(short_documents, cache_dir, tmp_path_factory):
+    """Every case's single-process run in this process, its layout in one launch of 2 processes."""
+    cases = {}
+    for case, (arch, layout) in LAYOUT_CASES.items():
+        base = tiny_overrides(cache_dir) + arch + DOCUMENT_KEYS + [f"data.path={short_documents}"]
+        cases.update({f"{case}-single": (base, 1), case: (base + layout, 2)})
+    return train_cases(tmp_path_factory, "document_layouts", cases)
+
+
 @pytest.mark.parametrize("case", sorted(LAYOUT_CASES))
-def test_document_keys_under_parallel_layouts(case, short_documents, cache_dir, tmp_path):
+def test_document_keys_under_parallel_layouts(case, layout_runs):
     """3 training steps with the document keys on data of short documents: TP=2 (masked
     attention and the memory convolution), PP=2 (the mask and document starts reach the second
     stage and its memory layer), DP=2 (documents run as their own sequences) == one process."""
-    from conftest import run_python, tiny_overrides
-
-    arch, layout = LAYOUT_CASES[case]
-    base = tiny_overrides(cache_dir) + arch + DOCUMENT_KEYS + [f"data.path={short_documents}"]
-    runs = {}
-    for name, extra, nproc in (("single", [], 1), ("layout", layout, 2)):
-        run_python(["tests/dist/train_steps.py", str(tmp_path / f"{name}.pt")] + base + extra, nproc=nproc)
-        runs[name] = torch.load(tmp_path / f"{name}.pt")
-    ref, got = runs["single"], runs["layout"]
+    ref, got = layout_runs[f"{case}-single"], layout_runs[case]
     assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
     for key in ref["grads"]:
         torch.testing.assert_close(got["grads"][key], ref["grads"][key], atol=1e-5, rtol=0, msg=key)

@@ -6,7 +6,7 @@ the memory values restored, and the same validation loss (``Trainer(load) + eval
 import pytest
 import torch
 
-from conftest import run_python, tiny_overrides
+from conftest import tiny_overrides, train_steps
 from rmt import parallel
 from rmt.config import load_config, validate
 from rmt.parallel.sharding import gather_full
@@ -20,8 +20,7 @@ def test_memory_checkpoint_round_trip(cache_dir, tmp_path, monkeypatch):
     ckpt, out = tmp_path / "ckpt", tmp_path / "trained.pt"
     common = tiny_overrides(cache_dir) + MEMORY + ["train.eval_iters=2", "train.eval_interval=3",
                                                    "data.split=80,20,0"]
-    run_python(["tests/dist/train_steps.py", str(out)] + common + [f"train.save={ckpt}"])
-    trained = torch.load(out)
+    trained = train_steps(out, common + [f"train.save={ckpt}"])
     monkeypatch.delenv("MASTER_PORT", raising=False)
     config = validate(load_config(None, common + [f"train.load={ckpt}"]), world_size=1)
     parallel.initialize(config)

@@ -7,17 +7,12 @@ rmt/ops/fused_update.py: the value rows step unclipped, everything else is the u
 import pytest
 import torch
 
-from conftest import run_python
+from conftest import train_steps
 from rmt.config import load_config, validate
 from rmt.errors import ConfigError
-from test_memory_sparse_optim import TRAIN, overrides
+from test_memory_sparse_optim import overrides
 
 VALUES = "memory.0.values.weight"
-
-
-def train(path, args, nproc=1):
-    run_python([TRAIN, str(path)] + args, nproc=nproc)
-    return torch.load(path)
 
 
 def assert_same(ref, got, tol=1e-5, skip=()):
@@ -40,7 +35,7 @@ def unfused(cache_dir, tmp_path_factory):
     def get(optimizer, extra=(), steps=3):
         key = (optimizer, tuple(extra), steps)
         if key not in runs:
-            runs[key] = train(tmp / f"{len(runs)}.pt", fused_args(cache_dir, optimizer, extra, steps))
+            runs[key] = train_steps(tmp / f"{len(runs)}.pt", fused_args(cache_dir, optimizer, extra, steps))
         return runs[key]
 
     return get
@@ -53,7 +48,8 @@ def test_fused_training_equals_unfused_without_clipping(unfused, cache_dir, tmp_
     fused tables end with no gradient."""
     extra = ["train.clip_grad=0"]
     ref = unfused(optimizer, extra)
-    got = train(tmp_path / "fused.pt", fused_args(cache_dir, optimizer, extra + ["memory.fused_value_optimizer=true"]))
+    got = train_steps(tmp_path / "fused.pt",
+                      fused_args(cache_dir, optimizer, extra + ["memory.fused_value_optimizer=true"]))
     assert_same(ref, got)
     assert not torch.equal(got["params"][VALUES], unfused(optimizer, extra, steps=1)["params"][VALUES])
     assert float(got["grads"][VALUES].abs().sum()) == 0.0 and float(ref["grads"][VALUES].abs().sum()) > 0
@@ -65,8 +61,8 @@ def test_clipping_with_fused_values(unfused, cache_dir, tmp_path):
     clip = ["train.clip_grad=0.01"]
     clipped, unclipped = unfused("sparse_adam", clip, steps=1), unfused("sparse_adam", ["train.clip_grad=0"], steps=1)
     assert clipped["grad_norms"][0] > 0.01  # clipping acts
-    got = train(tmp_path / "fused.pt", fused_args(cache_dir, "sparse_adam", clip + ["memory.fused_value_optimizer=true"],
-                                                  steps=1))
+    got = train_steps(tmp_path / "fused.pt",
+                      fused_args(cache_dir, "sparse_adam", clip + ["memory.fused_value_optimizer=true"], steps=1))
     assert_same(clipped, got, skip=(VALUES,))
     torch.testing.assert_close(got["params"][VALUES], unclipped["params"][VALUES], rtol=1e-5, atol=1e-5)
 
@@ -84,10 +80,11 @@ def test_parallel_fused_training_equals_single_unfused(unfused, cache_dir, tmp_p
     base = ["train.clip_grad=0"]
     ref = unfused(optimizer, base)
     ckpt = tmp_path / "ckpt"
-    got = train(tmp_path / "got.pt", fused_args(cache_dir, optimizer, base + extra + [
+    got = train_steps(tmp_path / "got.pt", fused_args(cache_dir, optimizer, base + extra + [
         "memory.fused_value_optimizer=true", f"train.save={ckpt}", "train.save_interval=2"]), nproc)
     assert_same(ref, got)
-    resumed = train(tmp_path / "resumed.pt", fused_args(cache_dir, optimizer, base + [f"train.load={ckpt}/iter_0000002"]))
+    resumed = train_steps(tmp_path / "resumed.pt",
+                          fused_args(cache_dir, optimizer, base + [f"train.load={ckpt}/iter_0000002"]))
     assert resumed["losses"] == pytest.approx(ref["losses"][2:], rel=1e-5)
     for key, value in ref["params"].items():
         torch.testing.assert_close(resumed["params"][key], value, rtol=1e-5, atol=1e-5, msg=key)

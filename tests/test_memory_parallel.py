@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import run_python, tiny_overrides
+from conftest import run_python, tiny_overrides, train_steps
 from rmt.config import load_config, validate
 from rmt.errors import ConfigError
 
@@ -17,9 +17,6 @@ def test_sharded_table_equals_local_and_sends_planned_bytes(nproc):
         assert out.count(f"OK {name} bf16-scores P={nproc} ") == 1, out  # autocast's scores, widened
 
 
-TRAIN = "tests/dist/train_steps.py"
-
-
 def memory_overrides(cache_dir):
     return tiny_overrides(cache_dir) + [
         "model.seq_length=16", "memory.type=ultramem", "memory.placement='1:2'", "memory.num_keys=8",
@@ -28,9 +25,7 @@ def memory_overrides(cache_dir):
 
 @pytest.fixture(scope="module")
 def local_run(cache_dir, tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("memory_parallel") / "local.pt")
-    run_python([TRAIN, out] + memory_overrides(cache_dir))
-    return torch.load(out)
+    return train_steps(tmp_path_factory.mktemp("memory_parallel") / "local.pt", memory_overrides(cache_dir))
 
 
 def assert_same_training(ref, got):
@@ -56,15 +51,12 @@ def test_sharded_training_equals_single_process(cache_dir, tmp_path, local_run, 
     single-process local synchronous table. The step-2 checkpoint (table and AdamW moments
     as shards of the global table) loads under another group size (P=2 -> 1, P=4 -> 2) or as
     the local table, and its third step lands on the same weights."""
-    out, ckpt = str(tmp_path / "sharded.pt"), str(tmp_path / "ckpt")
-    run_python([TRAIN, out] + memory_overrides(cache_dir) + extra
-               + [f"train.save={ckpt}", "train.save_interval=2"], nproc=nproc)
-    sharded = torch.load(out)
+    ckpt = tmp_path / "ckpt"
+    sharded = train_steps(tmp_path / "sharded.pt", memory_overrides(cache_dir) + extra
+                          + [f"train.save={ckpt}", "train.save_interval=2"], nproc)
     assert_same_training(local_run, sharded)
-    resumed_out = str(tmp_path / "resumed.pt")
-    run_python([TRAIN, resumed_out] + memory_overrides(cache_dir) + reload
-               + [f"train.load={ckpt}/iter_0000002"], nproc=reload_nproc)
-    resumed = torch.load(resumed_out)
+    resumed = train_steps(tmp_path / "resumed.pt", memory_overrides(cache_dir) + reload
+                          + [f"train.load={ckpt}/iter_0000002"], reload_nproc)
     assert resumed["losses"] == pytest.approx(sharded["losses"][2:], rel=1e-5)
     for key, value in sharded["params"].items():
         torch.testing.assert_close(resumed["params"][key], value, rtol=1e-5, atol=1e-5, msg=key)

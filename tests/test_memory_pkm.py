@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import run_python, tiny_overrides
+from conftest import tiny_overrides, train_cases
 from rmt.memory.batchnorm import QueryBatchNorm, sync_running_stats
 from rmt.memory.layer import MemoryLayer, MemorySpec
 
@@ -107,42 +107,33 @@ def test_query_batchnorm_statistics_are_per_microbatch():
     torch.testing.assert_close(alone, ref, atol=1e-5, rtol=0)
 
 
-def _train(path, overrides, nproc):
-    run_python(["tests/dist/train_steps.py", str(path)] + overrides, nproc=nproc)
-    return torch.load(path)
-
-
 EVAL = ["train.eval_iters=1", "train.eval_interval=3", "data.split=80,20,0"]
 PP = ["model.num_layers=4", "memory.placement='3:4'"]
 
 
+REFERENCES = {"one_stage": ["memory.placement='1:2'"], "two_stages": PP}
+LAYOUTS = {  # name: (overrides, the reference's name)
+    "dp2": (REFERENCES["one_stage"], "one_stage"),
+    "tp2": (REFERENCES["one_stage"] + ["parallel.tensor_model_parallel_size=2"], "one_stage"),
+    "pp2": (PP + ["parallel.pipeline_model_parallel_size=2"], "two_stages"),
+}
+
+
 @pytest.fixture(scope="module")
-def single(cache_dir, tmp_path_factory):
-    tmp, runs = tmp_path_factory.mktemp("pkm_single"), {}
-
-    def get(extra):
-        key = tuple(extra)
-        if key not in runs:
-            runs[key] = _train(tmp / f"ref{len(runs)}.pt", tiny_overrides(cache_dir) + PKM + PUBLISHED + EVAL + extra, 1)
-        return runs[key]
-
-    return get
+def runs(cache_dir, tmp_path_factory):
+    """The references in this process, the layouts in one launch of 2 processes."""
+    base = tiny_overrides(cache_dir) + PKM + PUBLISHED + EVAL
+    cases = {name: (base + extra, 1) for name, extra in REFERENCES.items()}
+    cases.update({layout: (base + extra, 2) for layout, (extra, _) in LAYOUTS.items()})
+    return train_cases(tmp_path_factory, "pkm_layouts", cases)
 
 
-ONE_STAGE = ["memory.placement='1:2'"]
-
-
-@pytest.mark.parametrize("layout,extra,ref_extra", [
-    ("dp2", ONE_STAGE, ONE_STAGE),
-    ("tp2", ONE_STAGE + ["parallel.tensor_model_parallel_size=2"], ONE_STAGE),
-    ("pp2", PP + ["parallel.pipeline_model_parallel_size=2"], PP),
-])
-def test_pkm_query_layout_matches_single_process(layout, extra, ref_extra, single, cache_dir, tmp_path):
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_pkm_query_layout_matches_single_process(layout, runs):
     """Global batch 4 of microbatches of 2: one process runs two microbatches, DP=2 one per
     rank; TP=2 ranks share theirs; PP=2 holds the memory layer on the second stage. With the
     BatchNorm the query bias stays frozen at zero."""
-    ref = single(ref_extra)
-    got = _train(tmp_path / "got.pt", tiny_overrides(cache_dir) + PKM + PUBLISHED + EVAL + extra, 2)
+    ref, got = runs[LAYOUTS[layout][1]], runs[layout]
     assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
     assert got["val"][-1] == pytest.approx(ref["val"][-1], abs=1e-5)
     for key in ref["grads"]:

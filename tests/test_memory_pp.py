@@ -9,7 +9,7 @@ a stage boundary are rejected."""
 import pytest
 import torch
 
-from conftest import run_python, tiny_overrides
+from conftest import tiny_overrides, train_cases
 from rmt.config import load_config, validate
 from rmt.errors import ConfigError
 
@@ -17,41 +17,36 @@ MEMORY = ["model.num_layers=4", "memory.type=ultramem", "memory.placement='1:2/3
           "memory.num_keys=4", "memory.topk=3", "memory.init_samples=2", "memory.aux_loss_weight=0.05"]
 
 
-def _train(path, overrides, nproc):
-    run_python(["tests/dist/train_steps.py", str(path)] + overrides, nproc=nproc)
-    return torch.load(path)
-
-
 VPP = ["model.num_layers=8", "memory.placement='1:2/3:3/7:8'", "parallel.virtual_pipeline_model_parallel_size=2"]
 
 
+LAYOUTS = {  # name: (overrides besides PP=2, processes, the reference's overrides)
+    "pp2-local-tables": ([], 2, []),
+    "pp2xtp2-number-wise-tables-async": (["parallel.tensor_model_parallel_size=2", "memory.partition=number",
+                                          "memory.async_stream=true"], 4, []),
+    "pp2xvpp2-async": (VPP + ["memory.async_stream=true"], 2, VPP[:2]),
+}
+
+
 @pytest.fixture(scope="module")
-def reference(cache_dir, tmp_path_factory):
-    tmp, runs = tmp_path_factory.mktemp("memory_pp_ref"), {}
-
-    def get(extra):
-        key = tuple(extra)
-        if key not in runs:
-            runs[key] = _train(tmp / f"ref{len(runs)}.pt", tiny_overrides(cache_dir) + MEMORY + extra, 1)
-        return runs[key]
-
-    return get
+def runs(cache_dir, tmp_path_factory):
+    """The references in this process, the layouts in one launch per process count."""
+    base = tiny_overrides(cache_dir) + MEMORY
+    cases = {"ref": (base, 1), "ref-vpp": (base + VPP[:2], 1)}
+    cases.update({name: (base + ["parallel.pipeline_model_parallel_size=2"] + extra, nproc)
+                  for name, (extra, nproc, _) in LAYOUTS.items()})
+    return train_cases(tmp_path_factory, "memory_pp", cases)
 
 
-@pytest.mark.parametrize("extra,nproc,ref_extra", [
-    ([], 2, []),
-    (["parallel.tensor_model_parallel_size=2", "memory.partition=number", "memory.async_stream=true"], 4, []),
-    (VPP + ["memory.async_stream=true"], 2, VPP[:2]),
-], ids=["pp2-local-tables", "pp2xtp2-number-wise-tables-async", "pp2xvpp2-async"])
-def test_memory_pipeline_matches_single_process(reference, cache_dir, tmp_path, extra, nproc, ref_extra):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_memory_pipeline_matches_single_process(layout, runs):
     """Second case: each stage shards its tables number-wise over its two TP ranks, which
     split the shared tokens between them, and runs its memory layer forward and backward on
     the async stream (the first stage's aux loss then reaches backward through the stream).
     Third: the interleaved schedule, 8 layers in 4 model chunks of 2, memory layers in chunks
     0 and 3 (rank 0's first, rank 1's second) and 1 (rank 1's first), one async stream per rank."""
-    ref = reference(ref_extra)
-    got = _train(tmp_path / "got.pt", tiny_overrides(cache_dir) + MEMORY
-                 + ["parallel.pipeline_model_parallel_size=2"] + extra, nproc)
+    extra, _, ref_extra = LAYOUTS[layout]
+    ref, got = runs["ref-vpp" if ref_extra else "ref"], runs[layout]
     assert len(got["losses"]) == 3
     assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
     assert sorted(got["grads"]) == sorted(ref["grads"])

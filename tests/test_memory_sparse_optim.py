@@ -6,22 +6,14 @@ single process (fp32, 1e-5)."""
 import pytest
 import torch
 
-from conftest import run_python, tiny_overrides
+from conftest import tiny_overrides, train_steps
 from rmt.config import load_config, validate
 from rmt.errors import ConfigError
-
-TRAIN = "tests/dist/train_steps.py"
-
 
 def overrides(cache_dir, extra=(), steps=3):
     return tiny_overrides(cache_dir, steps) + [
         "model.seq_length=16", "memory.type=ultramem", "memory.placement='1:2'", "memory.num_keys=8",
         "memory.topk=4", "memory.key_dim=16", "memory.ive_blocks=4", "memory.num_cores=2"] + list(extra)
-
-
-def train(path, args, nproc=1):
-    run_python([TRAIN, str(path)] + args, nproc=nproc)
-    return torch.load(path)
 
 
 def assert_same(ref, got, tol=1e-5):
@@ -38,9 +30,9 @@ def test_first_sparse_adam_step_equals_adamw(cache_dir, tmp_path):
     elsewhere, lazy or not (SparseAdam adds eps before the bias correction, AdamW after it, so
     eps is made negligible): SparseAdam on the touched rows must land where AdamW does."""
     one_step = ["train.warmup_steps=0", "train.adam_eps=1e-30"]
-    dense = train(tmp_path / "dense.pt", overrides(cache_dir, one_step, steps=1))
-    sparse = train(tmp_path / "sparse.pt", overrides(cache_dir, one_step + ["memory.value_optimizer=sparse_adam"],
-                                                     steps=1))
+    dense = train_steps(tmp_path / "dense.pt", overrides(cache_dir, one_step, steps=1))
+    sparse = train_steps(tmp_path / "sparse.pt",
+                         overrides(cache_dir, one_step + ["memory.value_optimizer=sparse_adam"], steps=1))
     grad = sparse["grads"]["memory.0.values.weight"]
     touched = grad.abs().sum(1) > 0
     assert 0 < int(touched.sum()) < grad.shape[0]  # some rows untouched: the sparse path matters
@@ -53,8 +45,8 @@ def single(cache_dir, tmp_path_factory):
 
     def get(optimizer):
         if optimizer not in runs:
-            runs[optimizer] = train(tmp / f"{optimizer}.pt",
-                                    overrides(cache_dir, [f"memory.value_optimizer={optimizer}"]))
+            runs[optimizer] = train_steps(tmp / f"{optimizer}.pt",
+                                          overrides(cache_dir, [f"memory.value_optimizer={optimizer}"]))
         return runs[optimizer]
 
     return get
@@ -75,12 +67,12 @@ def test_parallel_sparse_value_training_equals_single_process(single, cache_dir,
     ref = single(optimizer)
     opt = [f"memory.value_optimizer={optimizer}"]
     ckpt = tmp_path / "ckpt"
-    got = train(tmp_path / "got.pt", overrides(cache_dir, opt + extra + [f"train.save={ckpt}", "train.save_interval=2"]),
-                nproc)
+    got = train_steps(tmp_path / "got.pt",
+                      overrides(cache_dir, opt + extra + [f"train.save={ckpt}", "train.save_interval=2"]), nproc)
     assert_same(ref, got)
     assert ref["losses"][2] < ref["losses"][0]
-    resumed = train(tmp_path / "resumed.pt", overrides(cache_dir, opt + reload + [f"train.load={ckpt}/iter_0000002"]),
-                    reload_nproc)
+    resumed = train_steps(tmp_path / "resumed.pt",
+                          overrides(cache_dir, opt + reload + [f"train.load={ckpt}/iter_0000002"]), reload_nproc)
     assert resumed["losses"] == pytest.approx(got["losses"][2:], rel=1e-5)
     for key, value in got["params"].items():
         torch.testing.assert_close(resumed["params"][key], value, rtol=1e-5, atol=1e-5, msg=key)

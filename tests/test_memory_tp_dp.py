@@ -6,7 +6,7 @@ weights afterwards, memory parameters included."""
 import pytest
 import torch
 
-from conftest import run_python, tiny_overrides
+from conftest import tiny_overrides, train_cases
 
 MEMORY = ["memory.type=ultramem", "memory.placement='1:2'", "memory.key_dim=8", "memory.num_keys=4",
           "memory.topk=3", "memory.init_samples=2"]
@@ -16,27 +16,21 @@ ARCHS = {"transformer": [],
 LAYOUTS = {"tp2": ["parallel.tensor_model_parallel_size=2"], "dp2": []}
 
 
-def _train(path, overrides, nproc):
-    run_python(["tests/dist/train_steps.py", str(path)] + overrides, nproc=nproc)
-    return torch.load(path)
+CASES = [("transformer", "tp2"), ("transformer", "dp2"), ("rmt", "tp2")]
 
 
 @pytest.fixture(scope="module")
-def single(cache_dir, tmp_path_factory):
-    tmp, runs = tmp_path_factory.mktemp("memory_single"), {}
-
-    def get(arch):
-        if arch not in runs:
-            runs[arch] = _train(tmp / f"{arch}.pt", tiny_overrides(cache_dir) + ARCHS[arch] + MEMORY, 1)
-        return runs[arch]
-
-    return get
+def runs(cache_dir, tmp_path_factory):
+    """The references in this process, the layouts in one launch of 2 processes."""
+    cases = {arch: (tiny_overrides(cache_dir) + ARCHS[arch] + MEMORY, 1) for arch in ARCHS}
+    cases.update({f"{arch}-{layout}": (tiny_overrides(cache_dir) + ARCHS[arch] + MEMORY + LAYOUTS[layout], 2)
+                  for arch, layout in CASES})
+    return train_cases(tmp_path_factory, "memory_layouts", cases)
 
 
-@pytest.mark.parametrize("arch,layout", [("transformer", "tp2"), ("transformer", "dp2"), ("rmt", "tp2")])
-def test_memory_layout_matches_single_process(arch, layout, single, cache_dir, tmp_path):
-    ref = single(arch)
-    got = _train(tmp_path / "got.pt", tiny_overrides(cache_dir) + ARCHS[arch] + MEMORY + LAYOUTS[layout], 2)
+@pytest.mark.parametrize("arch,layout", CASES)
+def test_memory_layout_matches_single_process(arch, layout, runs):
+    ref, got = runs[arch], runs[f"{arch}-{layout}"]
     assert len(got["losses"]) == 3
     assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
     assert sorted(got["grads"]) == sorted(ref["grads"])

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import json_history, rmt_train, tiny_overrides, train_steps
+from conftest import json_history, rmt_train, tiny_overrides, train_cases
 from rmt.config import load_config, validate
 from rmt.errors import ConfigError
 
@@ -155,20 +155,20 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def single(cache_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("moe_single")
-    return {name: train_steps(tmp / f"{name}.pt", tiny_overrides(cache_dir) + moe, 1)
-            for name, moe in (("mlp", MLP), ("skip", SKIP))}
+def runs(cache_dir, tmp_path_factory):
+    """The references in this process, the layouts in one launch per process count."""
+    cases = {"mlp": (tiny_overrides(cache_dir) + MLP, 1), "skip": (tiny_overrides(cache_dir) + SKIP, 1)}
+    cases.update({name: (tiny_overrides(cache_dir) + moe + parallel, nproc)
+                  for name, (moe, parallel, nproc) in LAYOUTS.items()})
+    return train_cases(tmp_path_factory, "moe_layouts", cases)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_expert_parallel_layout_matches_single_process(layout, single, cache_dir, tmp_path):
+def test_expert_parallel_layout_matches_single_process(layout, runs):
     """Losses, every gradient (experts reassembled at their global indices) and the weights
     after three AdamW steps with gradient clipping, to 1e-5: top-k routing is discontinuous, but
     no router logit of these runs lies within float rounding of a tie."""
-    moe, parallel, nproc = LAYOUTS[layout]
-    ref = single["mlp" if moe is MLP else "skip"]
-    got = train_steps(tmp_path / f"{layout}.pt", tiny_overrides(cache_dir) + moe + parallel, nproc)
+    ref, got = runs["mlp" if LAYOUTS[layout][0] is MLP else "skip"], runs[layout]
     assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
     assert got["grad_norms"] == pytest.approx(ref["grad_norms"], abs=1e-5)
     assert sorted(got["grads"]) == sorted(ref["grads"])

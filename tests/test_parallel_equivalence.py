@@ -4,7 +4,7 @@ under TP=2, PP=2, DP=2 and interleaved PP=2 x VPP=2 gives equal losses, gradient
 import pytest
 import torch
 
-from conftest import run_python, tiny_overrides
+from conftest import tiny_overrides, train_cases
 
 LAYOUTS = {
     "tp2": ["parallel.tensor_model_parallel_size=2"],
@@ -15,24 +15,18 @@ LAYOUTS = {
 }
 
 
-def _train(tmp_path, name, overrides, nproc):
-    out = tmp_path / f"{name}.pt"
-    run_python(["tests/dist/train_steps.py", str(out)] + overrides, nproc=nproc)
-    return torch.load(out)
-
-
 @pytest.fixture(scope="module")
-def single(cache_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("single")
-    return {layers: _train(tmp, f"single{layers}", tiny_overrides(cache_dir) + [f"model.num_layers={layers}"], 1)
-            for layers in (2, 4)}
+def runs(cache_dir, tmp_path_factory):
+    """Every layout in one launch of 2 processes; the references in this process."""
+    cases = {f"single{layers}": (tiny_overrides(cache_dir) + [f"model.num_layers={layers}"], 1) for layers in (2, 4)}
+    cases.update({name: (tiny_overrides(cache_dir) + extra, 2) for name, extra in LAYOUTS.items()})
+    return train_cases(tmp_path_factory, "layouts", cases)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_layout_matches_single_process(layout, single, cache_dir, tmp_path):
-    overrides = tiny_overrides(cache_dir) + LAYOUTS[layout]
-    ref = single[4 if "model.num_layers=4" in overrides else 2]
-    got = _train(tmp_path, layout, overrides, 2)
+def test_layout_matches_single_process(layout, runs):
+    ref = runs["single4" if "model.num_layers=4" in LAYOUTS[layout] else "single2"]
+    got = runs[layout]
     assert len(got["losses"]) == 3
     assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
     assert sorted(got["grads"]) == sorted(ref["grads"])

@@ -4,18 +4,26 @@ the trainer points at megatron DDP's ``main_grad`` and which sharded or sparse-g
 tables, outside DDP, fill directly; sparse ones are saved dense, tables stepped in their backward
 as zeros) and every rank's running statistics.
 
-    python -m torch.distributed.run --nproc_per_node=2 tests/dist/train_steps.py OUT.pt key=value...
+    python -m torch.distributed.run --nproc_per_node=2 tests/dist/train_steps.py OUT.pt key=value... [-- OUT2.pt key=value...]
+
+Runs separated by ``--`` train one after the other in the same processes (one launch's start-up
+for all of them), each with megatron-core's groups built for its own layout. The tests'
+single-process runs call :func:`record` in their own process instead (``conftest.train_runs``).
 """
 
+import os
 import sys
 import warnings
 
 import torch
 
 
-def main():
-    warnings.filterwarnings("ignore")
-    out, overrides = sys.argv[1], sys.argv[2:]
+def record(overrides):
+    """Train the run ``overrides`` describe on this launch's processes; rank 0 gets the record
+    (the others None). Megatron-core's groups are torn down again, whatever happens; the default
+    process group stays for the next run (``rmt.parallel.destroy`` ends it)."""
+    from megatron.core import parallel_state
+
     from rmt import parallel
     from rmt.config import load_config, validate
     from rmt.parallel.sharding import gather_full
@@ -23,22 +31,53 @@ def main():
 
     config = validate(load_config(None, overrides))
     parallel.initialize(config)
-    trainer = Trainer(config)
-    history = trainer.train()
-    # a table stepped in its backward (memory.fused_value_optimizer) has no gradient: zeros
-    grads = gather_full(trainer.chunks, lambda p: torch.zeros_like(p) if p.grad is None
-                        else p.grad.to_dense() if p.grad.is_sparse else p.grad)
-    params = gather_full(trainer.chunks)
-    # running statistics (query BatchNorm) of every rank, by global name
-    stats = {n: b.clone() for c in trainer.chunks for n, b in c.module.named_buffers() if "running_" in n}
-    every_rank = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(every_rank, stats)
-    if torch.distributed.get_rank() == 0:
-        torch.save({"losses": [m["lm loss"] for m in history], "running_stats": every_rank,
-                    "grad_norms": [m["grad_norm"] for m in history],
-                    "val": [m.get("val_loss") for m in history],
-                    "grads": grads, "params": params}, out)
-    parallel.destroy()
+    try:
+        trainer = Trainer(config)
+        history = trainer.train()
+        # a table stepped in its backward (memory.fused_value_optimizer) has no gradient: zeros
+        grads = gather_full(trainer.chunks, lambda p: torch.zeros_like(p) if p.grad is None
+                            else p.grad.to_dense() if p.grad.is_sparse else p.grad)
+        params = gather_full(trainer.chunks)
+        # running statistics (query BatchNorm) of every rank, by global name
+        stats = {n: b.clone() for c in trainer.chunks for n, b in c.module.named_buffers() if "running_" in n}
+        every_rank = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(every_rank, stats)
+        if torch.distributed.get_rank() != 0:
+            return None
+        return {"losses": [m["lm loss"] for m in history], "running_stats": every_rank,
+                "grad_norms": [m["grad_norm"] for m in history],
+                "val": [m.get("val_loss") for m in history],
+                "grads": grads, "params": params}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def runs(argv):
+    """``OUT.pt key=value... -- OUT2.pt key=value...`` as [(OUT.pt, [key=value, ...]), ...]."""
+    out, run = [], []
+    for arg in argv + ["--"]:
+        if arg != "--":
+            run.append(arg)
+        elif run:
+            out.append((run[0], run[1:]))
+            run = []
+    return out
+
+
+def main():
+    warnings.filterwarnings("ignore")
+    from rmt import parallel
+
+    todo = runs(sys.argv[1:])
+    try:
+        for i, (path, overrides) in enumerate(todo):
+            if int(os.environ.get("RANK", "0")) == 0:  # which run a failure belongs to
+                print(f"train_steps: run {i + 1} of {len(todo)}: {path}", file=sys.stderr, flush=True)
+            result = record(overrides)
+            if result is not None:
+                torch.save(result, path)
+    finally:
+        parallel.destroy()
 
 
 if __name__ == "__main__":
