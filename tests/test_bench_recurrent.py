@@ -19,10 +19,21 @@ def _bench():
     return module
 
 
+def run_bench(args):
+    """``tools/bench_recurrent.py ARGS`` in this process (a subprocess would spend seconds importing
+    torch and megatron-core); the thread count its runs set is put back. The command line itself
+    is tested below."""
+    threads = torch.get_num_threads()
+    try:
+        assert _bench().main(args) == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_quick_selective_copy_smoke(tmp_path):
     out = tmp_path / "bench.json"
-    run_python(["tools/bench_recurrent.py", "--quick", "--tasks", "selective_copy", "--no-decode",
-                "--max-steps", "4", "--eval-interval", "2", "--eval-samples", "4", "--json", str(out)])
+    run_bench(["--quick", "--tasks", "selective_copy", "--no-decode",
+               "--max-steps", "4", "--eval-interval", "2", "--eval-samples", "4", "--json", str(out)])
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "bench_recurrent" and doc["machine"]["quick"] is True
     curriculum = [r for r in doc["rows"] if r["part"] == "curriculum"]
@@ -42,9 +53,9 @@ def test_accuracy_by_block_and_the_saved_model(tmp_path):
     trained model's (its alpha is the last evaluation's). ``--eval-noise`` measures the same
     samples again at the noise length trained (the curriculum held at 8), and at a longer one."""
     out = tmp_path / "bench.json"
-    run_python(["tools/bench_recurrent.py", "--quick", "--tasks", "copy,selective_copy", "--no-decode",
-                "--max-steps", "4", "--eval-interval", "2", "--eval-samples", "4", "--save-model", str(tmp_path / "m"),
-                "--eval-noise", "8,40", "--json", str(out), "data.curriculum_threshold=0"])
+    run_bench(["--quick", "--tasks", "copy,selective_copy", "--no-decode",
+               "--max-steps", "4", "--eval-interval", "2", "--eval-samples", "4", "--save-model", str(tmp_path / "m"),
+               "--eval-noise", "8,40", "--json", str(out), "data.curriculum_threshold=0"])
     rows = json.loads(out.read_text())["rows"]
     result = {r["task"]: r for r in rows if r["part"] == "result"}
     by_block = result["copy"]["accuracy_by_block"]
@@ -68,8 +79,8 @@ def test_alpha_is_fixed_unless_learned(tmp_path, flags, learned):
     """``--alpha`` sets the accumulation scalar's start; with ``--no-learn-alpha`` every evaluation
     reports exactly that value (float32), with ``--learn-alpha`` the optimizer has moved it."""
     out = tmp_path / "bench.json"
-    run_python(["tools/bench_recurrent.py", "--quick", "--tasks", "selective_copy", "--no-decode",
-                "--max-steps", "4", "--eval-interval", "2", "--eval-samples", "4", "--json", str(out)] + flags)
+    run_bench(["--quick", "--tasks", "selective_copy", "--no-decode",
+               "--max-steps", "4", "--eval-interval", "2", "--eval-samples", "4", "--json", str(out)] + flags)
     alphas = [r["alpha"] for r in json.loads(out.read_text())["rows"] if r["part"] == "curriculum"]
     start = torch.tensor(0.07, dtype=torch.float32).item()
     assert len(alphas) == 2
@@ -80,9 +91,9 @@ def test_lr_cooldown_falls_linearly_over_the_budgets_last_fraction(tmp_path):
     """Over the last half of 8 steps the learning rate of 1e-3 falls linearly toward the floor:
     the step that starts at 5/8 of the budget runs at 1e-3 x (3/8) / (1/2) = 7.5e-4, and so on."""
     out = tmp_path / "bench.json"
-    run_python(["tools/bench_recurrent.py", "--quick", "--tasks", "selective_copy", "--no-decode",
-                "--max-steps", "8", "--eval-interval", "1", "--eval-samples", "4", "--lr-cooldown", "0.5",
-                "--json", str(out), "train.warmup_steps=0"])
+    run_bench(["--quick", "--tasks", "selective_copy", "--no-decode",
+               "--max-steps", "8", "--eval-interval", "1", "--eval-samples", "4", "--lr-cooldown", "0.5",
+               "--json", str(out), "train.warmup_steps=0"])
     rows = [r for r in json.loads(out.read_text())["rows"] if r["part"] == "curriculum"]
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert [r["lr"] for r in rows] == pytest.approx([1e-3] * 5 + [7.5e-4, 5e-4, 2.5e-4], rel=1e-12)
@@ -93,9 +104,9 @@ def test_lr_cooldown_from_target_falls_linearly_from_the_arrival(tmp_path):
     a threshold of 100 doubles 8 -> 16 at the first evaluation, so step 2 (1/8 of the budget
     spent) runs at 1e-3 x 0.8 (the doubling's factor) and step i after it at 8e-4 x (8 - (i-1)) / 7."""
     out = tmp_path / "bench.json"
-    run_python(["tools/bench_recurrent.py", "--quick", "--tasks", "selective_copy", "--no-decode",
-                "--max-steps", "8", "--eval-interval", "1", "--eval-samples", "4", "--lr-cooldown-from", "target",
-                "--json", str(out), "train.warmup_steps=0", "data.curriculum_threshold=100"])
+    run_bench(["--quick", "--tasks", "selective_copy", "--no-decode",
+               "--max-steps", "8", "--eval-interval", "1", "--eval-samples", "4", "--lr-cooldown-from", "target",
+               "--json", str(out), "train.warmup_steps=0", "data.curriculum_threshold=100"])
     rows = [r for r in json.loads(out.read_text())["rows"] if r["part"] == "curriculum"]
     assert [r["noise_length"] for r in rows] == [8] + [16] * 7
     assert [r["lr"] for r in rows] == pytest.approx([1e-3] + [8e-4 * (9 - i) / 7 for i in range(2, 9)], rel=1e-12)
@@ -110,7 +121,7 @@ def test_seeds_run_in_processes_of_their_own_and_are_summarized(tmp_path):
     run_python(quick + ["--seeds", "1,2,3", "--jobs", "2", "--json", str(out)])
     doc = json.loads(out.read_text())
     single = tmp_path / "seed2.json"
-    run_python(quick + ["--json", str(single), "train.seed=2"])
+    run_bench(quick[1:] + ["--json", str(single), "train.seed=2"])
     one = json.loads(single.read_text())
     curriculum = [r for r in doc["rows"] if r["part"] == "curriculum"]
     assert sorted((r["seed"], r["step"]) for r in curriculum) == [(s, i) for s in (1, 2, 3) for i in (2, 4)]
@@ -134,9 +145,9 @@ def test_init_std_sets_the_weights_scale(tmp_path, init_std):
     standard error of 1 / sqrt(2n): 1.1% for the embedding's 4,096, 2.2% for the projection's
     1,024; the bounds are five of those."""
     extra = [] if init_std is None else ["--init-std", str(init_std)]
-    run_python(["tools/bench_recurrent.py", "--quick", "--tasks", "copy", "--no-decode", "--max-steps", "1",
-                "--eval-interval", "1", "--eval-samples", "4", "--lr", "1e-9", "--save-model", str(tmp_path / "m"),
-                "--json", str(tmp_path / "bench.json")] + extra)
+    run_bench(["--quick", "--tasks", "copy", "--no-decode", "--max-steps", "1",
+               "--eval-interval", "1", "--eval-samples", "4", "--lr", "1e-9", "--save-model", str(tmp_path / "m"),
+               "--json", str(tmp_path / "bench.json")] + extra)
     state = torch.load(tmp_path / "m" / "copy_seed1234.pt")
     std = init_std or 0.06
     assert state["embedding.weight"].shape == (128, 32)
@@ -157,8 +168,8 @@ def test_the_stop_rule_is_confirmed_on_heldout_samples(tmp_path, confirm):
     accuracy on all 300, up to the rounding of the batches' fp32 fractions); with --stop-confirm 0
     the evaluation alone ends it."""
     out = tmp_path / "bench.json"
-    run_python(["tools/bench_recurrent.py"] + QUICK_STOP + ["--stop-confirm", str(confirm), "--stop-accuracy", "0",
-                                                            "--save-model", str(tmp_path / "m"), "--json", str(out)])
+    run_bench(QUICK_STOP + ["--stop-confirm", str(confirm), "--stop-accuracy", "0", "--save-model", str(tmp_path / "m"),
+                            "--json", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [r["step"] for r in rows if r["part"] == "curriculum"] == [2]
     assert next(r for r in rows if r["part"] == "result")["steps"] == 2
@@ -190,7 +201,7 @@ def test_a_failed_check_keeps_the_run_going(tmp_path):
     """Six steps do not take the quick model to a perfect recall: with --stop-accuracy 1 every
     evaluation below --stop-loss is checked, fails, and the run goes on to its step budget."""
     out = tmp_path / "bench.json"
-    run_python(["tools/bench_recurrent.py"] + QUICK_STOP + ["--stop-accuracy", "1", "--json", str(out)])
+    run_bench(QUICK_STOP + ["--stop-accuracy", "1", "--json", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [r["step"] for r in rows if r["part"] == "curriculum"] == [2, 4, 6]
     checks = [r for r in rows if r["part"] == "stop_check"]

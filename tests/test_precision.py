@@ -2,11 +2,9 @@
 megatron's MoE (router in fp32), and the UltraMem and PKM memory layers (their scores come out of
 autocast in bf16 and meet a float32 value table)."""
 
-import json
-
 import pytest
 
-from conftest import rmt_train, tiny_overrides
+from conftest import tiny_overrides, train_steps
 
 # The RMT's logits start uniform and move slowly at the tiny default rate (3 steps: fp32 and bf16
 # losses equal to 6 digits); at its configs' rate 1e-2 and 8 steps its loss falls by 0.2
@@ -19,11 +17,9 @@ ARCHS = {"transformer": [], "rmt": ["model.arch=rmt", "model.position=alibi", "m
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_bf16_tracks_fp32(arch, cache_dir, tmp_path):
-    losses = {}
-    for precision in ("fp32", "bf16"):
-        out = tmp_path / f"{precision}.json"
-        rmt_train(tiny_overrides(cache_dir) + ARCHS[arch] + [f"train.precision={precision}", "--json", str(out)])
-        losses[precision] = [m["lm loss"] for m in json.load(open(out))["history"]]
+    losses = {precision: train_steps(tmp_path / f"{precision}.pt",
+                                     tiny_overrides(cache_dir) + ARCHS[arch] + [f"train.precision={precision}"])["losses"]
+              for precision in ("fp32", "bf16")}
     assert losses["bf16"] != losses["fp32"]
     assert losses["bf16"] == pytest.approx(losses["fp32"], abs=0.05)
     if arch == "rmt":
