@@ -105,6 +105,8 @@ def train_runs(runs, nproc=1):
     import importlib.util
     import warnings
 
+    import torch.distributed as dist
+
     from rmt import parallel
 
     spec = importlib.util.spec_from_file_location("train_steps", os.path.join(ROOT, "tests", "dist", "train_steps.py"))
@@ -112,6 +114,7 @@ def train_runs(runs, nproc=1):
     spec.loader.exec_module(script)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    owned = not dist.is_initialized()  # else a module fixture's process group: left to it
     records = {}
     try:
         with warnings.catch_warnings():
@@ -120,7 +123,8 @@ def train_runs(runs, nproc=1):
                 records[path] = script.record(list(overrides))
                 torch.save(records[path], path)
     finally:
-        parallel.destroy()
+        if owned:
+            parallel.destroy()
         torch.set_num_threads(threads)
     return records
 

@@ -3,7 +3,6 @@ Transformer Engine notices, its "full scope is deprecated", torch's deprecations
 loading, CUDA_DEVICE_MAX_CONNECTIONS advice on CPU, the profiler's USDT lines."""
 
 import json
-import os
 import re
 import subprocess
 import sys

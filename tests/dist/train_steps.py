@@ -20,8 +20,9 @@ import torch
 
 def record(overrides):
     """Train the run ``overrides`` describe on this launch's processes; rank 0 gets the record
-    (the others None). Megatron-core's groups are torn down again, whatever happens; the default
-    process group stays for the next run (``rmt.parallel.destroy`` ends it)."""
+    (the others None). Megatron-core's groups are torn down again, whatever happens, unless they
+    were there before (a single-process fixture of the calling test module: the run uses them);
+    the default process group stays for the next run (``rmt.parallel.destroy`` ends it)."""
     from megatron.core import parallel_state
 
     from rmt import parallel
@@ -30,6 +31,7 @@ def record(overrides):
     from rmt.training.trainer import Trainer
 
     config = validate(load_config(None, overrides))
+    owned = not parallel_state.model_parallel_is_initialized()
     parallel.initialize(config)
     try:
         trainer = Trainer(config)
@@ -49,7 +51,8 @@ def record(overrides):
                 "val": [m.get("val_loss") for m in history],
                 "grads": grads, "params": params}
     finally:
-        parallel_state.destroy_model_parallel()
+        if owned:
+            parallel_state.destroy_model_parallel()
 
 
 def runs(argv):
