@@ -84,6 +84,17 @@ def run_python(args, nproc=1, timeout=600, check=True):
     return proc
 
 
+def load_script(path):
+    """The script at ``path`` (relative to the repository) as a module, for tests that call its
+    functions; its ``__main__`` block does not run."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], os.path.join(ROOT, path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def rmt_train(args, nproc=1, check=True):
     return run_python(["-m", "rmt.training.cli"] + args, nproc=nproc, check=check)
 
@@ -102,16 +113,13 @@ def train_runs(runs, nproc=1):
             args += ["--", str(path)] + list(overrides)
         run_python(["tests/dist/train_steps.py"] + args[1:], nproc=nproc)
         return {path: torch.load(path) for path in runs}
-    import importlib.util
     import warnings
 
     import torch.distributed as dist
 
     from rmt import parallel
 
-    spec = importlib.util.spec_from_file_location("train_steps", os.path.join(ROOT, "tests", "dist", "train_steps.py"))
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("tests/dist/train_steps.py")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     owned = not dist.is_initialized()  # else a module fixture's process group: left to it
@@ -148,15 +156,18 @@ def train_cases(tmp_path_factory, name, cases):
     if "PYTEST_XDIST_WORKER" in os.environ:
         root = root.parent  # shared by the workers of this session
     directory = root / name
+    paths = {case: directory / f"{case}.pt" for case in cases}
     with FileLock(str(directory) + ".lock"):
         done = directory / "done"
-        if not done.exists():
-            directory.mkdir(exist_ok=True)
-            for nproc in sorted({n for _, n in cases.values()}):
-                train_runs({directory / f"{case}.pt": overrides for case, (overrides, n) in cases.items()
-                            if n == nproc}, nproc)
-            done.touch()
-    return {case: torch.load(directory / f"{case}.pt") for case in cases}
+        if done.exists():
+            return {case: torch.load(path) for case, path in paths.items()}
+        directory.mkdir(exist_ok=True)
+        records = {}
+        for nproc in sorted({n for _, n in cases.values()}):
+            records.update(train_runs({paths[case]: overrides for case, (overrides, n) in cases.items()
+                                       if n == nproc}, nproc))
+        done.touch()
+    return {case: records[path] for case, path in paths.items()}
 
 
 def json_history(path):

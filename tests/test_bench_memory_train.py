@@ -2,21 +2,15 @@
 the sparse modules have matched parameters and activated FLOPs, one seed claims no ordering), the
 ordering rule, and the backbone check."""
 
-import importlib.util
 import json
-import os
 
 import pytest
 
-from conftest import ROOT, run_python
+from conftest import load_script, run_python
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_memory_train", os.path.join(ROOT, "tools",
-                                                                                       "bench_memory_train.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools/bench_memory_train.py")
 
 
 def test_quick_run_matches_sizes_and_claims_nothing(tmp_path, cache_dir):

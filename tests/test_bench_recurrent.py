@@ -2,21 +2,17 @@
 wall and CPU seconds, the summary of the task that ran), several seeds in processes of their own,
 and the rejection of bad input (exit status 2, one sentence)."""
 
-import importlib.util
 import json
 import os
 
 import pytest
 import torch
 
-from conftest import ROOT, run_python
+from conftest import load_script, run_python
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_recurrent", os.path.join(ROOT, "tools", "bench_recurrent.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools/bench_recurrent.py")
 
 
 def run_bench(args):

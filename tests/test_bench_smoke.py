@@ -6,7 +6,7 @@ document every benchmark writes, with finite headline figures."""
 import json
 import math
 
-from conftest import run_python
+from conftest import load_script, run_python
 
 
 def _doc(path, name, summary_keys):
@@ -91,12 +91,6 @@ def test_bench_memory_stream_bad_input_is_one_sentence():
 
 
 def test_device_busy_time_counts_overlapping_kernels_once():
-    import importlib.util
-
-    from conftest import ROOT
-
-    spec = importlib.util.spec_from_file_location("bench_memory_stream", f"{ROOT}/tools/bench_memory_stream.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("tools/bench_memory_stream.py")
     assert bench.busy_union([(5, 6), (0, 2), (1, 3), (2.5, 2.75)]) == 4
     assert bench.busy_union([]) == 0

@@ -2,22 +2,18 @@
 every relative link in README.md and docs/*.md points at a file (and heading) that exists."""
 
 import glob
-import importlib.util
 import os
 import re
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, load_script
 
 REGENERATE = "python tools/gen_config_docs.py"
 
 
 def _generator():
-    spec = importlib.util.spec_from_file_location("gen_config_docs", os.path.join(ROOT, "tools", "gen_config_docs.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools/gen_config_docs.py")
 
 
 def test_every_config_field_has_a_docstring():

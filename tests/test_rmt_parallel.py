@@ -3,13 +3,13 @@ train steps through the trainer (megatron-core schedules, DDP, clipping, AdamW),
 gradient and weight afterwards. One torchrun launch with 2 gloo ranks runs all three layouts;
 the TP=2 run's checkpoint then loads into TP=1 with the reference's weights."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 
 import torch
 
+from conftest import load_script
 from rmt import parallel
 from rmt.config import load_config, validate
 from rmt.parallel.sharding import gather_full
@@ -17,9 +17,7 @@ from rmt.training.trainer import Trainer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-_spec = importlib.util.spec_from_file_location("rmt_parallel", os.path.join(HERE, "dist", "rmt_parallel.py"))
-rmt_parallel = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(rmt_parallel)
+rmt_parallel = load_script("tests/dist/rmt_parallel.py")
 
 
 def test_tp_pp_dp_equal_single_process(tmp_path):
