@@ -73,6 +73,10 @@ class ModelConfig:
     """Standard deviation of the weight init. The RMT uses N(0, ``init_std``/sqrt(fan_in)), layer
     writes further divided by sqrt(2L), embedding tables ``init_std``."""
 
+    embedding_init_std: Optional[float] = None
+    """Standard deviation of the token and position embedding tables' init (every architecture);
+    ``null`` = ``init_std``. torch's own ``nn.Embedding`` default is 1."""
+
     dropout: float = 0.0
     """Dropout probability, in [0, 1); must be 0 for the RMT."""
 
@@ -725,7 +729,7 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
     _positive(config, [
         "model.num_layers", "model.hidden_size", "model.num_attention_heads",
         "model.ffn_hidden_size", "model.seq_length", "model.vocab_size",
-        "model.make_vocab_size_divisible_by", "model.init_std", "model.layernorm_epsilon",
+        "model.make_vocab_size_divisible_by", "model.init_std", "model.embedding_init_std", "model.layernorm_epsilon",
         "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
         "parallel.virtual_pipeline_model_parallel_size", "parallel.data_parallel_size",
         "parallel.timeout_minutes", "parallel.join_timeout_minutes",

@@ -27,6 +27,7 @@ def test_yaml_and_overrides_merge(tmp_path):
     (["parallel.data_parallel_size=4"], 2, "parallel.data_parallel_size=4 but world size 2"),
     (["model.num_layers=3", "parallel.pipeline_model_parallel_size=2"], 2, "model.num_layers (3) must be divisible by the number of pipeline stages"),
     (["model.hidden_size=0"], 1, "model.hidden_size must be positive, got 0"),
+    (["model.embedding_init_std=0"], 1, "model.embedding_init_std must be positive, got 0"),
     (["train.micro_batch_size=-1"], 1, "train.micro_batch_size must be positive, got -1"),
     (["train.global_batch_size=6", "train.micro_batch_size=4"], 1, "train.global_batch_size (6) must be a multiple"),
     (["data.path=/nonexistent/ds"], 1, "data.path '/nonexistent/ds' has no '/nonexistent/ds.bin'"),

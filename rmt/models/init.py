@@ -26,13 +26,28 @@ from rmt.parallel.sharding import shards
 _RESIDUAL_OUTPUTS = ("linear_proj.weight", "linear_fc2.weight")
 
 
+# The token and position embedding tables: megatron-core's GPT and the RMT name them
+# word_/position_embeddings, the recurrent transformer and the mixer embedding /
+# position_embedding.
+EMBEDDING_TABLES = ("word_embeddings.weight", "position_embeddings.weight", "embedding.weight")
+
+
+def embedding_std(config: RMTConfig) -> float:
+    """The embedding tables' init std: ``model.embedding_init_std``, else ``model.init_std``."""
+    m = config.model
+    return m.init_std if m.embedding_init_std is None else m.embedding_init_std
+
+
 def default_std_rule(config: RMTConfig) -> Callable[[str, torch.Tensor], Optional[float]]:
     std = config.model.init_std
     scaled = std / math.sqrt(2.0 * config.model.num_layers)
+    embeddings = embedding_std(config)
 
     def rule(key: str, param: torch.Tensor) -> Optional[float]:
         if param.dim() < 2:
             return None
+        if key.endswith(EMBEDDING_TABLES):
+            return embeddings
         return scaled if key.endswith(_RESIDUAL_OUTPUTS) else std
 
     return rule

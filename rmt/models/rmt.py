@@ -58,6 +58,7 @@ from megatron.core.transformer.utils import sharded_state_dict_default
 from rmt.config import RMTConfig
 from rmt.errors import ConfigError
 from rmt.models.build import register
+from rmt.models.init import EMBEDDING_TABLES, embedding_std
 from rmt.models.megatron_config import padded_vocab_size, transformer_config
 from rmt.ops.matrix_rmsnorm import matrix_rms_norm, matrix_rms_norm_read
 from rmt.ops.matrix_write import matrix_write
@@ -318,16 +319,16 @@ _WRITES = ("attn_write.weight", "ff_write.weight")
 
 
 def rmt_std_rule(config: RMTConfig) -> Callable[[str, torch.Tensor], Optional[float]]:
-    """Init std per global key: embedding tables ``init_std``; every other matrix
+    """Init std per global key: embedding tables ``init_std`` (``embedding_init_std`` where set); every other matrix
     ``init_std / sqrt(fan_in)``, layer writes additionally ``/ sqrt(2L)``; norms (ones) and
     the unembedding projection (zeros) keep the module's constant init (None)."""
-    std = config.model.init_std
+    std, embeddings = config.model.init_std, embedding_std(config)
     fan_in = _fan_in(config)
     depth = math.sqrt(2.0 * config.model.num_layers)
 
     def rule(key: str, param: torch.Tensor) -> Optional[float]:
-        if key.endswith(("word_embeddings.weight", "position_embeddings.weight")):
-            return std
+        if key.endswith(EMBEDDING_TABLES):
+            return embeddings
         for suffix, fan in fan_in.items():
             if key.endswith(suffix):
                 return std / math.sqrt(fan) / (depth if key.endswith(_WRITES) else 1.0)
