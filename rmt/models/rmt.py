@@ -319,8 +319,8 @@ _WRITES = ("attn_write.weight", "ff_write.weight")
 
 
 def rmt_std_rule(config: RMTConfig) -> Callable[[str, torch.Tensor], Optional[float]]:
-    """Init std per global key: embedding tables ``init_std`` (``embedding_init_std`` where set); every other matrix
-    ``init_std / sqrt(fan_in)``, layer writes additionally ``/ sqrt(2L)``; norms (ones) and
+    """Init std per global key: embedding tables ``init_std`` (``embedding_init_std`` where
+    set); every other matrix ``init_std / sqrt(fan_in)``, layer writes additionally ``/ sqrt(2L)``; norms (ones) and
     the unembedding projection (zeros) keep the module's constant init (None)."""
     std, embeddings = config.model.init_std, embedding_std(config)
     fan_in = _fan_in(config)
