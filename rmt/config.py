@@ -315,6 +315,14 @@ class TrainConfig:
     loss that swings from one evaluation to the next, a lone low value resets the patience
     count and postpones the reduction however long the trend has been level."""
 
+    ema_decay: Optional[float] = None
+    """Also keep an exponential moving average of the weights, ``ema = ema_decay * ema + (1 -
+    ema_decay) * w`` after every step, in (0, 1) (0.99 averages over about 100 steps); ``null`` =
+    none (:mod:`rmt.training.weight_average`; memory value tables are not averaged). Each evaluation then also measures the average (``val_loss_ema``); the trained
+    weights' loss still drives the curriculum and the learning-rate rules. Checkpoints keep the
+    average (one made without it starts it at the loaded weights); a task curriculum restarts it
+    at every doubling of the noise length."""
+
     weight_decay: float = 0.1
     """AdamW weight decay wd; never on norms, biases, embedding and unembedding tables, memory
     values (:mod:`rmt.training.optimizer` lists what each recipe decays)."""
@@ -799,6 +807,8 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
             raise ConfigError(f"train.{key} must lie in (0, 1], got {getattr(t, key)}")
     if t.lr_plateau_patience <= 0:
         raise ConfigError(f"train.lr_plateau_patience must be positive, got {t.lr_plateau_patience}")
+    if t.ema_decay is not None and not 0.0 < t.ema_decay < 1.0:
+        raise ConfigError(f"train.ema_decay must lie in (0, 1) or be null, got {t.ema_decay}")
     if not 0.0 <= t.lr_plateau_smoothing < 1.0:
         raise ConfigError(f"train.lr_plateau_smoothing must lie in [0, 1), got {t.lr_plateau_smoothing}")
     for key in ("lr_curriculum_decay", "lr_target_decay"):

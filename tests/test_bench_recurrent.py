@@ -45,13 +45,13 @@ def test_quick_selective_copy_smoke(tmp_path):
 def test_accuracy_by_block_and_the_saved_model(tmp_path):
     """Copy puts the 16 data tokens at positions 0-15, blocks 0 and 1 of width 8: 8 recall tokens
     of each of the 4 samples per block, and the task's accuracy is their mean. Selective copy
-    scatters them, but the counts still add up to 16 per sample. The saved state dict is the
-    trained model's (its alpha is the last evaluation's). ``--eval-noise`` measures the same
+    scatters them, but the counts still add up to 16 per sample. With --ema-decay 0 the saved state
+    dict is the trained model's (its alpha is the last evaluation's). ``--eval-noise`` measures the same
     samples again at the noise length trained (the curriculum held at 8), and at a longer one."""
     out = tmp_path / "bench.json"
     run_bench(["--quick", "--tasks", "copy,selective_copy", "--no-decode",
                "--max-steps", "4", "--eval-interval", "2", "--eval-samples", "4", "--save-model", str(tmp_path / "m"),
-               "--eval-noise", "8,40", "--json", str(out), "data.curriculum_threshold=0"])
+               "--eval-noise", "8,40", "--ema-decay", "0", "--json", str(out), "data.curriculum_threshold=0"])
     rows = json.loads(out.read_text())["rows"]
     result = {r["task"]: r for r in rows if r["part"] == "result"}
     by_block = result["copy"]["accuracy_by_block"]
@@ -193,6 +193,40 @@ def test_the_stop_rule_is_confirmed_on_heldout_samples(tmp_path, confirm):
         parallel.destroy()
 
 
+@pytest.mark.parametrize("decay", [0.5, 0])
+def test_the_run_delivers_the_weight_average(tmp_path, decay):
+    """With --ema-decay the curriculum rows carry the average's validation loss beside the trained
+    weights', and the saved model is the average: evaluated again it gives the last row's
+    ``val_loss_ema`` (the validation batch is the same fixed samples); with 0 it is the trained
+    weights and gives ``val_loss``."""
+    out = tmp_path / "bench.json"
+    run_bench(QUICK_STOP + ["--stop-loss", "0", "--max-steps", "4", "--ema-decay", str(decay),
+                            "--save-model", str(tmp_path / "m"), "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    last = [r for r in rows if r["part"] == "curriculum"][-1]
+    result = next(r for r in rows if r["part"] == "result")
+    bench = _bench()
+    args, _, _ = bench.parse_args(QUICK_STOP + ["--ema-decay", str(decay)])
+    from rmt import parallel
+    from rmt.training.trainer import Trainer
+    config = bench.task_config("selective_copy", args)
+    assert config.train.ema_decay == (decay or None)
+    parallel.initialize(config)
+    try:
+        trainer = Trainer(config)
+        trainer.chunks[0].module.load_state_dict(torch.load(tmp_path / "m" / "selective_copy_seed1234.pt"))
+        reloaded = trainer.evaluate()
+    finally:
+        parallel.destroy()
+    if decay:
+        assert last["val_loss_ema"] != last["val_loss"]
+        assert reloaded == pytest.approx(last["val_loss_ema"], rel=1e-6)
+    else:
+        assert last["val_loss_ema"] is None
+        assert reloaded == pytest.approx(last["val_loss"], rel=1e-6)
+        assert result["accuracy"] == result["accuracy_trained_weights"]
+
+
 def test_a_failed_check_keeps_the_run_going(tmp_path):
     """Six steps do not take the quick model to a perfect recall: with --stop-accuracy 1 every
     evaluation below --stop-loss is checked, fails, and the run goes on to its step budget."""
@@ -217,6 +251,7 @@ def test_a_failed_check_keeps_the_run_going(tmp_path):
     (["--tasks", "copy,sort"], "--tasks must name copy and/or selective_copy, got 'copy,sort'"),
     (["--stop-confirm", "-1"], "--stop-confirm must be a non-negative sample count, got -1"),
     (["--stop-accuracy", "1.5"], "--stop-accuracy must lie in [0, 1], got 1.5"),
+    (["--ema-decay", "1"], "--ema-decay must lie in [0, 1), got 1.0"),
     (["--tasks", "copy", "model.recurrent_alpha=2"], "model.recurrent_alpha must lie in [0, 1], got 2.0"),
     (["--tasks", "copy", "--alpha", "-0.1"], "model.recurrent_alpha must lie in [0, 1], got -0.1"),
     (["--tasks", "copy", "--alpha-min", "0.6"], "model.recurrent_alpha_min must lie in [0, model.recurrent_alpha = 0.5], got 0.6"),

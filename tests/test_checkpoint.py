@@ -1,5 +1,6 @@
 """Checkpoints: exact resume (by default, from the newest complete checkpoint, with logs that
-hold every step once), resume under a different data-parallel size, resharding TP=2 -> TP=1,
+hold every step once), resume under a different data-parallel size, resharding TP=2 -> TP=1
+(weights and weight average),
 manifests, fallback past corrupt checkpoints, rotation, saves that cannot complete, and clear
 errors for missing or corrupt checkpoints."""
 
@@ -64,16 +65,19 @@ def test_save_tp2_load_tp1_same_validation_loss(cache_dir, tmp_path):
     ckpt = tmp_path / "ckpt"
     trained, evaluated = tmp_path / "a.json", tmp_path / "b.json"
     common = tiny_overrides(cache_dir, steps=2) + ["train.eval_iters=2", "train.eval_interval=2",
-                                                   "data.split=80,20,0"]
+                                                   "data.split=80,20,0", "train.ema_decay=0.5"]
     rmt_train(common + ["parallel.tensor_model_parallel_size=2", f"train.save={ckpt}",
                         "--json", str(trained)], nproc=2)
     rmt_train(common + [f"train.load={ckpt}", "--eval-only", "--json", str(evaluated)])
     with open(trained) as f:
-        at_save = json.load(f)["history"][-1]["val_loss"]
+        at_save = json.load(f)["history"][-1]
     with open(evaluated) as f:
         reloaded = json.load(f)
     assert reloaded["iteration"] == 2
-    assert reloaded["val_loss"] == pytest.approx(at_save, abs=1e-5)
+    assert reloaded["val_loss"] == pytest.approx(at_save["val_loss"], abs=1e-5)
+    # the weight average (train.ema_decay) is resharded as the weights are
+    assert reloaded["val_loss_ema"] == pytest.approx(at_save["val_loss_ema"], abs=1e-5)
+    assert at_save["val_loss_ema"] != pytest.approx(at_save["val_loss"], abs=1e-3)
 
 
 def test_missing_and_corrupt_checkpoints_exit_2(cache_dir, tmp_path):

@@ -37,6 +37,7 @@ def test_yaml_and_overrides_merge(tmp_path):
     (["model.position=alibi"], 1, "model.position must be 'learned' or 'rope' for the transformer"),
     (["train.precision=fp8"], 1, "train.precision must be 'fp32' or 'bf16'"),
     (["train.warmup_steps=-1"], 1, "train.warmup_steps must not be negative, got -1"),
+    (["train.ema_decay=1"], 1, "train.ema_decay must lie in (0, 1) or be null, got 1.0"),
     (["data.split=1,2"], 1, "data.split must be three non-negative weights"),
     (["train.save_interval=5"], 1, "train.save_interval is set but train.save"),
     (["parallel.virtual_pipeline_model_parallel_size=2"], 1, "needs pipeline_model_parallel_size >= 2"),

@@ -1,5 +1,6 @@
 """Distributed == single process: the same tiny model trained 3 steps in one process and
-under TP=2, PP=2, DP=2 and interleaved PP=2 x VPP=2 gives equal losses, gradients and weights."""
+under TP=2, PP=2, DP=2 and interleaved PP=2 x VPP=2 gives equal losses, gradients, weights and
+weight averages (``train.ema_decay``, kept in every run: it does not change the training)."""
 
 import pytest
 import torch
@@ -18,8 +19,9 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def runs(cache_dir, tmp_path_factory):
     """Every layout in one launch of 2 processes; the references in this process."""
-    cases = {f"single{layers}": (tiny_overrides(cache_dir) + [f"model.num_layers={layers}"], 1) for layers in (2, 4)}
-    cases.update({name: (tiny_overrides(cache_dir) + extra, 2) for name, extra in LAYOUTS.items()})
+    common = tiny_overrides(cache_dir) + ["train.ema_decay=0.5"]
+    cases = {f"single{layers}": (common + [f"model.num_layers={layers}"], 1) for layers in (2, 4)}
+    cases.update({name: (common + extra, 2) for name, extra in LAYOUTS.items()})
     return train_cases(tmp_path_factory, "layouts", cases)
 
 
@@ -33,4 +35,7 @@ def test_layout_matches_single_process(layout, runs):
     for key in ref["grads"]:
         torch.testing.assert_close(got["grads"][key], ref["grads"][key], atol=1e-5, rtol=0, msg=key)
         torch.testing.assert_close(got["params"][key], ref["params"][key], atol=1e-5, rtol=0, msg=key)
+        torch.testing.assert_close(got["averages"][key], ref["averages"][key], atol=1e-5, rtol=0, msg=key)
     assert ref["losses"][2] < ref["losses"][0]
+    # the average trails the weights: after 3 steps at decay 0.5 it is not the last weights
+    assert any(not torch.equal(ref["averages"][k], ref["params"][k]) for k in ref["params"])

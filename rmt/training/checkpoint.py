@@ -21,7 +21,7 @@ import logging
 import os
 import queue
 import shutil
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -78,11 +78,17 @@ def _ensure_optimizer_state(optimizer, device: Optional[str] = None) -> list:
     return created
 
 
-def sharded_state(chunks: List[torch.nn.Module], optimizer, common: dict) -> dict:
-    """megatron's part of a checkpoint: everything but the memory value tables and their states."""
+def sharded_state(chunks: List[torch.nn.Module], optimizer, common: dict,
+                  averages: Optional[Dict[torch.nn.Parameter, torch.Tensor]] = None) -> dict:
+    """megatron's part of a checkpoint: everything but the memory value tables and their states.
+    ``averages`` (:meth:`rmt.training.weight_average.WeightAverage.by_param`) are sharded as their
+    parameters are, under the prefix ``ema``."""
     tables = {s.key for s in table_shards(chunks)}
     state = {f"model{i}": {k: v for k, v in getattr(c, "module", c).sharded_state_dict().items() if k not in tables}
              for i, c in enumerate(chunks)}
+    for i, shard in enumerate(shards(chunks) if averages else []):
+        if shard.param in averages:
+            state[f"ema.{i}"] = make_sharded_optimizer_tensor(shard.sharded, averages[shard.param], prefix="ema")
     if optimizer is not None:
         _ensure_optimizer_state(optimizer)
         # Dict keys only need to be unique locally (layers stacked under one global key share
@@ -208,26 +214,27 @@ def _prepare(root: str, need: int, tmp: Optional[str] = None) -> None:
         raise CheckpointSaveError(problem)
 
 
-def check_space(root: str, chunks, optimizer) -> None:
+def check_space(root: str, chunks, optimizer, averages=None) -> None:
     """Before training: raise :class:`CheckpointSaveError` now, not after the first steps, when
     ``root`` cannot be written or has no room for one checkpoint of this model (collective). The optimizer states
     that do not exist yet are sized on the meta device: creating them here would hold
     table-sized moments from start-up on, before the first step needs them."""
     created = _ensure_optimizer_state(optimizer, device="meta")
     try:
-        need = _bytes_needed(sharded_state(chunks, optimizer, {}), chunks, optimizer)
+        need = _bytes_needed(sharded_state(chunks, optimizer, {}, averages), chunks, optimizer)
     finally:
         for state in created:
             state.clear()
     _prepare(root, need)
 
 
-def save_checkpoint(root: str, iteration: int, chunks, optimizer, common: dict, keep: int = 0) -> str:
-    """Write ``root/iter_NNNNNNN`` (collective). Returns its path; raises
-    :class:`CheckpointSaveError` on every rank when the save cannot complete."""
+def save_checkpoint(root: str, iteration: int, chunks, optimizer, common: dict, keep: int = 0,
+                    averages=None) -> str:
+    """Write ``root/iter_NNNNNNN`` (collective), with the weight ``averages`` if given. Returns its
+    path; raises :class:`CheckpointSaveError` on every rank when the save cannot complete."""
     final = iteration_dir(root, iteration)
     tmp = final + ".tmp"
-    state = sharded_state(chunks, optimizer, dict(common, table_format=TABLE_FORMAT))
+    state = sharded_state(chunks, optimizer, dict(common, table_format=TABLE_FORMAT, ema=bool(averages)), averages)
     need = _bytes_needed(state, chunks, optimizer)
     _prepare(root, need, tmp)
     _without_writer_server()
@@ -280,10 +287,14 @@ def load_common(path: str) -> dict:
         raise UserError(f"checkpoint '{path}' is corrupt ({_root_cause(err)})") from None
 
 
-def load_checkpoint(path: str, chunks, optimizer) -> dict:
-    """Load model (and optimizer moments, if ``optimizer``) in place; returns the common part."""
+def load_checkpoint(path: str, chunks, optimizer, averages=None) -> dict:
+    """Load model (and optimizer moments, if ``optimizer``; and the weight ``averages``, if given
+    and saved: ``common["ema"]``) in place; returns the common part."""
     path = find_checkpoint(path)
-    template = sharded_state(chunks, optimizer, {})
+    common = load_common(path)
+    if not common.get("ema"):
+        averages = None
+    template = sharded_state(chunks, optimizer, {}, averages)
     template.pop("common")
     try:
         loaded = dist_checkpointing.load(template, path)
@@ -293,7 +304,6 @@ def load_checkpoint(path: str, chunks, optimizer) -> dict:
         if isinstance(_innermost(err), (CheckpointingException, KeyError)):
             raise CheckpointMismatch(f"checkpoint '{path}' does not fit this model ({_root_cause(err)})") from None
         raise UserError(f"checkpoint '{path}' is corrupt or unreadable ({_root_cause(err)})") from None
-    common = load_common(path)
     tables = table_shards(chunks)
     if tables and common.get("table_format") != TABLE_FORMAT:
         raise UserError(f"checkpoint '{path}' stores its memory tables in an older format "
@@ -306,6 +316,9 @@ def load_checkpoint(path: str, chunks, optimizer) -> dict:
         if unexpected or set(missing) - names:  # the tables were filled in place above
             raise CheckpointMismatch(f"checkpoint '{path}' does not fit this model (missing {sorted(set(missing) - names)}, "
                             f"unexpected {sorted(unexpected)})")
+    for key, loaded_average in loaded.items():
+        if key.startswith("ema."):
+            template[key].data.copy_(loaded_average.view_as(template[key].data))
     if optimizer is not None:
         for i, shard in enumerate(shards(chunks)):
             if shard.key in names:
@@ -332,7 +345,8 @@ def will_resume(save: Optional[str], load: Optional[str]) -> bool:
 
 def resume(save: Optional[str], load: Optional[str], chunks, optimizer,
            say: Callable[[str], None],
-           model_problem: Optional[Callable[[dict, str], Optional[str]]] = None) -> Optional[Tuple[str, dict]]:
+           model_problem: Optional[Callable[[dict, str], Optional[str]]] = None,
+           averages=None) -> Optional[Tuple[str, dict]]:
     """Load the checkpoint a run continues from (collective; see
     ``checkpoint_dirs.resume_plan``) and return its path and common part, or None for a fresh
     start. A complete-looking checkpoint that cannot be read is reported and the next older one
@@ -363,7 +377,7 @@ def resume(save: Optional[str], load: Optional[str], chunks, optimizer,
                 problem = model_problem(load_common(path)["config"], path)
                 if problem is not None:
                     raise CheckpointMismatch(problem)
-            common = load_checkpoint(path, chunks, optimizer)
+            common = load_checkpoint(path, chunks, optimizer, averages)
         except UserError as err:
             problem = (str(err), isinstance(err, CheckpointMismatch))
         problem = _first_problem(problem)

@@ -85,7 +85,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         trainer = Trainer(config)
         if args.eval_only:
             result = {"val_loss": trainer.evaluate(), "iteration": trainer.iteration}
-            print(f"validation loss {result['val_loss']:.6f} at iteration {trainer.iteration}")
+            line = f"validation loss {result['val_loss']:.6f} at iteration {trainer.iteration}"
+            if trainer.average is not None:  # train.ema_decay: the checkpoint's weight average too
+                result["val_loss_ema"] = trainer.evaluate_average()
+                line += f"; its weight average {result['val_loss_ema']:.6f}"
+            print(line)
         else:
             history = trainer.train()
             result = {"history": history, "final": history[-1] if history else None}

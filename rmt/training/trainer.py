@@ -37,6 +37,7 @@ from rmt.training.lr_control import ValidationLR
 from rmt.training.optimizer import build_optimizer, build_scheduler, clip_gradients, warmup_steps
 from rmt.training.same_model import model_difference
 from rmt.training.step_log import new_run_name, open_jsonl, open_tensorboard, run_log_dir
+from rmt.training.weight_average import WeightAverage
 
 
 def causal_mask(seq_length: int, device) -> torch.Tensor:
@@ -84,6 +85,8 @@ class Trainer:
         self.forwards = [0] * len(self.chunks)
         self.scheduler = build_scheduler(self.optimizer, config)
         self.lr_control = ValidationLR(config)
+        self.average = WeightAverage(self.chunks, t.ema_decay) if t.ema_decay is not None else None
+        averages = self.average.by_param() if self.average is not None else None
         self.mask = causal_mask(config.model.seq_length, self.device)
         self.iteration = 0
         self.consumed_samples = 0
@@ -94,15 +97,18 @@ class Trainer:
         self.stopped_by: Optional[str] = None  # the signal that ended the run early
         self.last_save: Optional[str] = None
         if t.save:
-            checkpoint.check_space(t.save, self.chunks, self.optimizer)
+            checkpoint.check_space(t.save, self.chunks, self.optimizer, averages)
         resumed = checkpoint.resume(t.save, t.load, self.chunks, self.optimizer, self.say,
-                                    partial(model_difference, config))
+                                    partial(model_difference, config), averages)
         self.run_name = new_run_name()
         if resumed is not None:
             self.last_save, common = resumed
             self._restore(common)
             self.run_name = common.get("run_name", self.run_name)
             self.say(f"resumed from iteration {self.iteration} of {t.steps}: '{self.last_save}'")
+            if self.average is not None and not common.get("ema"):
+                self.average.restart()
+                self.say("the checkpoint has no weight average (train.ema_decay): it starts at the loaded weights")
         else:
             self.say("starting from step 0" + (f": no checkpoint in '{t.save}' yet" if t.save else
                                               " (train.save is not set: no checkpoints are kept)"))
@@ -229,6 +235,8 @@ class Trainer:
         metrics["grad_norm"] = clip_gradients(self.params, self.config.train.clip_grad)
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
+        if self.average is not None:
+            self.average.update()
         self.scheduler.step(1)
         self.iteration += 1
         self.consumed_samples += self.global_batch
@@ -237,6 +245,11 @@ class Trainer:
         metrics["tokens_per_s"] = self.batch_tokens / elapsed
         metrics["step"] = self.iteration
         return metrics
+
+    def evaluate_average(self) -> float:
+        """:meth:`evaluate` of the weight average (``train.ema_decay``)."""
+        with self.average.swapped_in():
+            return self.evaluate()
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -264,6 +277,8 @@ class Trainer:
             self.after_eval_hook(self, metrics)
         noise = getattr(self.train_ds, "noise_length", None)
         at_target = self.after_eval_hook is None or noise >= d.curriculum_target
+        if noise != before and self.average is not None:
+            self.average.restart()  # the shorter stage's weights are not what the longer one averages
         scale = self.lr_control.update(metrics["val_loss"], noise != before, at_target)
         if scale != self.scheduler.scale:
             self.scheduler.scale = scale
@@ -277,8 +292,9 @@ class Trainer:
                   "lr_control": self.lr_control.state_dict()}
         if hasattr(self.train_ds, "state_dict"):  # e.g. a task curriculum's noise length
             common["data_state"] = self.train_ds.state_dict()
-        self.last_save = checkpoint.save_checkpoint(self.config.train.save, self.iteration, self.chunks,
-                                                    self.optimizer, common, self.config.train.keep_checkpoints)
+        self.last_save = checkpoint.save_checkpoint(
+            self.config.train.save, self.iteration, self.chunks, self.optimizer, common, self.config.train.keep_checkpoints,
+            self.average.by_param() if self.average is not None else None)
         self.say(f"checkpoint saved to '{self.last_save}'")
         return self.last_save
 
@@ -305,6 +321,8 @@ class Trainer:
                 m = self.train_step()
                 if t.eval_iters and (self.iteration % t.eval_interval == 0 or self.iteration == t.steps):
                     m["val_loss"] = self.evaluate()
+                    if self.average is not None:
+                        m["val_loss_ema"] = self.evaluate_average()
                     self.after_evaluation(m)
                 if self.iteration % t.log_interval == 0:
                     m.update(pop_memory_stats(self.chunks, parallel_state.get_data_parallel_group()))
@@ -340,7 +358,8 @@ class Trainer:
         self.say(f"  this run: {steps} steps, {self.tokens_this_run:,} tokens in {seconds:.1f} s "
                  f"({self.tokens_this_run / max(seconds, 1e-9):,.0f} tokens/s)")
         vals = [m for m in self.history if "val_loss" in m]
-        self.say(f"  final validation loss {vals[-1]['val_loss']:.4f} at step {vals[-1]['step']}" if vals else
+        ema = f" (weight average {vals[-1]['val_loss_ema']:.4f})" if vals and "val_loss_ema" in vals[-1] else ""
+        self.say(f"  final validation loss {vals[-1]['val_loss']:.4f}{ema} at step {vals[-1]['step']}" if vals else
                  "  no validation loss (train.eval_iters is 0)" if not t.eval_iters else
                  "  no validation loss this run")
         if writer is not None:
@@ -352,9 +371,10 @@ class Trainer:
 def _emit(m: Dict, writer, log, bar, verbose: bool) -> None:
     step = m["step"]
     if writer is not None:
-        for k in ("loss", "lm loss", "lr", "grad_norm", "tokens_per_s", "val_loss"):
+        for k in ("loss", "lm loss", "lr", "grad_norm", "tokens_per_s", "val_loss", "val_loss_ema"):
             if k in m and math.isfinite(m[k]):
-                writer.add_scalar(f"train/{k.replace(' ', '_')}" if k != "val_loss" else "valid/loss", m[k], step)
+                name = {"val_loss": "valid/loss", "val_loss_ema": "valid/loss_ema"}.get(k, f"train/{k.replace(' ', '_')}")
+                writer.add_scalar(name, m[k], step)
         for k in m:
             if k.startswith("memory/"):
                 writer.add_scalar(k, m[k], step)
@@ -364,6 +384,7 @@ def _emit(m: Dict, writer, log, bar, verbose: bool) -> None:
     line = None
     if verbose:
         val = f" val_loss {m['val_loss']:.4f}" if "val_loss" in m else ""
+        val += f" val_loss_ema {m['val_loss_ema']:.4f}" if "val_loss_ema" in m else ""
         line = (f"step {step:5d} loss {m['lm loss']:.4f}{val} lr {m['lr']:.3e} "
                 f"grad_norm {m['grad_norm']:.3f} tok/s {m['tokens_per_s']:.0f}")
     if bar is not None:

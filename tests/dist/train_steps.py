@@ -2,7 +2,7 @@
 rank 0, the loss history, the full (reassembled) parameters and gradients (``.grad``, which
 the trainer points at megatron DDP's ``main_grad`` and which sharded or sparse-gradient memory
 tables, outside DDP, fill directly; sparse ones are saved dense, tables stepped in their backward
-as zeros) and every rank's running statistics.
+as zeros), the weight average (``train.ema_decay``) and every rank's running statistics.
 
     python -m torch.distributed.run --nproc_per_node=2 tests/dist/train_steps.py OUT.pt key=value... [-- OUT2.pt key=value...]
 
@@ -40,6 +40,9 @@ def record(overrides):
         grads = gather_full(trainer.chunks, lambda p: torch.zeros_like(p) if p.grad is None
                             else p.grad.to_dense() if p.grad.is_sparse else p.grad)
         params = gather_full(trainer.chunks)
+        # the weight average (train.ema_decay), each parameter's own weights where none is kept
+        averages = trainer.average.by_param() if trainer.average is not None else {}
+        averaged = gather_full(trainer.chunks, lambda p: averages.get(p, p.data))
         # running statistics (query BatchNorm) of every rank, by global name
         stats = {n: b.clone() for c in trainer.chunks for n, b in c.module.named_buffers() if "running_" in n}
         every_rank = [None] * torch.distributed.get_world_size()
@@ -49,7 +52,7 @@ def record(overrides):
         return {"losses": [m["lm loss"] for m in history], "running_stats": every_rank,
                 "grad_norms": [m["grad_norm"] for m in history],
                 "val": [m.get("val_loss") for m in history],
-                "grads": grads, "params": params}
+                "grads": grads, "params": params, "averages": averaged}
     finally:
         if owned:
             parallel_state.destroy_model_parallel()
