@@ -21,10 +21,12 @@ from typing import List, Optional
 from rmt.errors import UserError, cli_entry
 
 
-def load_model(path: str, overrides: List[str]):
+def load_model(path: str, overrides: List[str], average: bool = False):
     """``(model, config, tokenizer_json)`` rebuilt from a checkpoint's saved config on one process
-    (process groups initialised; the caller runs ``rmt.parallel.destroy()``); ``tokenizer_json``
-    is the tokenizer file the checkpoint carries (None for byte tokens and older checkpoints)."""
+    (process groups initialised; the caller runs ``rmt.parallel.destroy()``), holding the trained
+    weights or, with ``average``, the checkpoint's weight average (``train.ema_decay``);
+    ``tokenizer_json`` is the tokenizer file the checkpoint carries (None for byte tokens and
+    older checkpoints)."""
     from omegaconf import OmegaConf
 
     from rmt import parallel
@@ -32,8 +34,12 @@ def load_model(path: str, overrides: List[str]):
     from rmt.models.build import build
     from rmt.training.checkpoint import find_checkpoint, load_checkpoint, load_common
     from rmt.training.same_model import model_difference
+    from rmt.training.weight_average import WeightAverage
 
     common = load_common(path)
+    if average and not common.get("ema"):
+        raise UserError(f"checkpoint '{find_checkpoint(path)}' has no weight average (it was trained without "
+                        f"train.ema_decay); leave out --average")
     saved, tokenizer_json = common["config"], common.get("tokenizer_json")
     if tokenizer_json is not None and not os.path.isfile(saved["data"]["tokenizer"]):
         saved["data"]["tokenizer"] = None  # moved or deleted since training: the carried copy serves
@@ -51,7 +57,10 @@ def load_model(path: str, overrides: List[str]):
     validate(config, 1)
     parallel.initialize(config)
     chunks = build(config)
-    load_checkpoint(path, chunks, None)
+    weights = WeightAverage(chunks, config.train.ema_decay) if average else None
+    load_checkpoint(path, chunks, None, weights.by_param() if weights else None)
+    if weights:
+        weights.put_in()
     return chunks[0].eval(), config, tokenizer_json
 
 
@@ -80,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
     ap.add_argument("--no-cache", action="store_true",
                     help="recompute the full forward pass per token instead of the KV cache / recurrent state")
+    ap.add_argument("--average", action="store_true",
+                    help="generate with the checkpoint's weight average (train.ema_decay) instead of the trained weights")
     ap.add_argument("--json", metavar="FILE", help="write prompt, token ids and text as JSON")
     ap.add_argument("overrides", nargs="*", metavar="section.key=value",
                     help="overrides of the saved config (e.g. train.precision=fp32)")
@@ -99,7 +110,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from rmt.decoding import generate
 
     try:
-        model, config, tokenizer_json = load_model(args.checkpoint, args.overrides)
+        model, config, tokenizer_json = load_model(args.checkpoint, args.overrides, args.average)
         tokenizer = None
         if args.prompt_ids is not None:
             try:

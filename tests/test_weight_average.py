@@ -1,7 +1,7 @@
 """The weight average (``train.ema_decay``, :mod:`rmt.training.weight_average`): the EMA formula
 step by step in the trainer, memory value tables left out, the swap that evaluates it, its restart
 at a curriculum's doubling, and its way through checkpoints (exact resume; a checkpoint made
-without it). Layouts: test_parallel_equivalence and test_memory_tp_dp compare the averages of
+without it) and into ``rmt-generate --average``. Layouts: test_parallel_equivalence and test_memory_tp_dp compare the averages of
 TP / PP / DP runs with the single process; test_checkpoint reloads one saved under TP=2 at TP=1."""
 
 import warnings
@@ -110,3 +110,31 @@ def test_a_checkpoint_without_average_starts_it_at_the_loaded_weights(tmp_path, 
         assert all(torch.equal(a, p) for a, p in zip(trainer.average.averages, trainer.average.params))
     finally:
         parallel.destroy()
+
+
+def test_generate_loads_the_average_on_request(tmp_path, capsys):
+    from rmt.generate import load_model, main
+
+    trainer = trainer_for(["train.steps=3", "train.ema_decay=0.5", f"train.save={tmp_path}/ema"])
+    try:
+        trainer.train()
+        averages = {n: a.clone() for (n, p) in trainer.chunks[0].module.named_parameters()
+                    for q, a in trainer.average.by_param().items() if q is p}
+        trained = {n: p.detach().clone() for n, p in trainer.chunks[0].module.named_parameters()}
+    finally:
+        parallel.destroy()
+    assert averages and any(not torch.equal(averages[n], trained[n]) for n in averages)
+    for average, expected in ((True, averages), (False, trained)):
+        try:
+            model = load_model(str(tmp_path / "ema"), [], average=average)[0]
+            got = dict(model.named_parameters())
+            assert all(torch.equal(got[n], expected[n]) for n in expected)
+        finally:
+            parallel.destroy()
+    run(["train.steps=1", f"train.save={tmp_path}/plain"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as err:
+        main(["--checkpoint", str(tmp_path / "plain"), "--average"])
+    assert err.value.code == 2
+    assert f"'{tmp_path}/plain/iter_0000001' has no weight average (it was trained without train.ema_decay); " \
+           "leave out --average" in capsys.readouterr().err

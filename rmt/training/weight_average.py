@@ -46,13 +46,17 @@ class WeightAverage:
         """The average of each averaged parameter (what checkpoints save and load)."""
         return dict(zip(self.params, self.averages))
 
+    def put_in(self) -> None:
+        """From now on the model holds the averaged weights (e.g. to generate with them)."""
+        with torch.no_grad():
+            torch._foreach_copy_(self.params, self.averages)
+
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
         """Within the block the model holds the averaged weights; the trained ones are put back
         after it (also on an exception)."""
         trained = [p.detach().clone() for p in self.params]
-        with torch.no_grad():
-            torch._foreach_copy_(self.params, self.averages)
+        self.put_in()
         try:
             yield
         finally:
