@@ -1,7 +1,8 @@
 """The training loop on megatron-core: DDP-wrapped model chunks, the forward-backward schedule
 (microbatches, gradient accumulation, 1F1B or interleaved pipelining), AdamW, the LR schedule,
-gradient clipping, validation, checkpoints (resumed by default, saved on preemption signals),
-TensorBoard scalars and a progress bar."""
+gradient clipping, a moving average of the weights (``train.ema_decay``), validation,
+checkpoints (resumed by default, saved on preemption signals), TensorBoard scalars and a progress
+bar."""
 
 from __future__ import annotations
 
