@@ -228,13 +228,14 @@ def train_task(task: str, args, rows: list) -> dict:
         model = trainer.chunks[0].module.eval()
         ds = trainer.valid_ds
         reached = ds.noise_length
-        trained_acc = recall_eval(model, ds, reached, args)[0]
         with delivered(trainer):
             acc, by_block = recall_eval(model, ds, reached, args)
             at_noise = {str(n): recall_eval(model, ds, n, args)[0] for n in args.eval_noise}
             if args.save_model:
                 os.makedirs(args.save_model, exist_ok=True)
                 torch.save(model.state_dict(), os.path.join(args.save_model, f"{task}_seed{config.train.seed}.pt"))
+        # without an average the delivered model is the trained one: no second evaluation
+        trained_acc = recall_eval(model, ds, reached, args)[0] if trainer.average is not None else acc
         return {"accuracy": acc, "accuracy_trained_weights": trained_acc, "accuracy_by_block": by_block,
                 "accuracy_at_noise": at_noise,
                 "seed": config.train.seed, "noise_length": reached, "steps": trainer.iteration,
