@@ -65,9 +65,10 @@ def test_save_tp2_load_tp1_same_validation_loss(cache_dir, tmp_path):
     ckpt = tmp_path / "ckpt"
     trained, evaluated = tmp_path / "a.json", tmp_path / "b.json"
     common = tiny_overrides(cache_dir, steps=2) + ["train.eval_iters=2", "train.eval_interval=2",
-                                                   "data.split=80,20,0", "train.ema_decay=0.5"]
-    rmt_train(common + ["parallel.tensor_model_parallel_size=2", f"train.save={ckpt}",
+                                                   "data.split=80,20,0"]
+    rmt_train(common + ["parallel.tensor_model_parallel_size=2", f"train.save={ckpt}", "train.ema_decay=0.5",
                         "--json", str(trained)], nproc=2)
+    # --eval-only reports the checkpoint's weight average without being told train.ema_decay
     rmt_train(common + [f"train.load={ckpt}", "--eval-only", "--json", str(evaluated)])
     with open(trained) as f:
         at_save = json.load(f)["history"][-1]

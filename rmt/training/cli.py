@@ -80,6 +80,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     from rmt import parallel
     from rmt.training.trainer import Trainer
 
+    if args.eval_only:
+        config = with_saved_average(config)
+
     parallel.initialize(config)
     try:
         trainer = Trainer(config)
@@ -100,6 +103,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         parallel.destroy()
     return 0
+
+
+def with_saved_average(config):
+    """``config`` with the ``train.ema_decay`` of the checkpoint it evaluates, when the command line
+    leaves it out and the checkpoint holds a weight average, so ``--eval-only`` reports both."""
+    from rmt.training.checkpoint import load_common
+
+    if config.train.ema_decay is not None:
+        return config
+    saved = load_common(config.train.load)
+    if not saved.get("ema"):
+        return config
+    config.train = dataclasses.replace(config.train, ema_decay=saved["config"]["train"]["ema_decay"])
+    return config
 
 
 def _rank() -> int:
