@@ -37,13 +37,17 @@ constexpr int64_t kSquareLanes = 8;
 
 // Row-wise Adagrad (DLRM / FBGEMM), in fp32 with one fp32 accumulator *sum per row:
 //   g' = g + wd p;  sum += mean(g'^2);  p <- rn(p - lr g' / (sqrt(sum) + eps))
-// The squares are summed in kSquareLanes partial sums combined in a fixed order: vectorized for
-// every dtype (GCC keeps a single in-order sum of converted bf16 values scalar) and independent
-// of the threading.
+// in three steps, so that the fused backward can take a group of rows through each in turn (see
+// fused_backward_runs in lookup_reduce_cpu.cpp): rowwise_adagrad_squares sums the squares of g'
+// in kSquareLanes partial sums, rowwise_adagrad_scale combines them in a fixed order, updates
+// *sum and returns lr / (sqrt(sum) + eps), and rowwise_adagrad_apply steps the row by it. The
+// partial sums vectorize for every dtype (GCC keeps a single in-order sum of converted bf16 values
+// scalar) and do not depend on the threading.
 template <typename param_t, typename grad_t>
-inline void rowwise_adagrad_row(param_t* __restrict p, float* __restrict sum, const grad_t* __restrict g, int64_t D,
-                                float lr, float eps, float weight_decay) {
-  float part[kSquareLanes] = {};
+inline void rowwise_adagrad_squares(const param_t* __restrict p, const grad_t* __restrict g, int64_t D,
+                                    float weight_decay, float* __restrict part) {
+#pragma omp simd
+  for (int64_t j = 0; j < kSquareLanes; ++j) part[j] = 0.f;
   int64_t d0 = 0;
   for (; d0 + kSquareLanes <= D; d0 += kSquareLanes)
 #pragma omp simd
@@ -55,16 +59,33 @@ inline void rowwise_adagrad_row(param_t* __restrict p, float* __restrict sum, co
     const float gd = static_cast<float>(g[d]) + weight_decay * static_cast<float>(p[d]);
     part[0] += gd * gd;
   }
+}
+
+inline float rowwise_adagrad_scale(float* __restrict sum, const float* __restrict part, int64_t D, float lr,
+                                   float eps) {
   float sq = 0.f;
   for (int64_t j = 0; j < kSquareLanes; ++j) sq += part[j];
   const float s = *sum + sq / static_cast<float>(D);
   *sum = s;
-  const float scale = lr / (std::sqrt(s) + eps);
+  return lr / (std::sqrt(s) + eps);
+}
+
+template <typename param_t, typename grad_t>
+inline void rowwise_adagrad_apply(param_t* __restrict p, const grad_t* __restrict g, int64_t D, float scale,
+                                  float weight_decay) {
 #pragma omp simd
   for (int64_t d = 0; d < D; ++d) {
     const float old = static_cast<float>(p[d]);
     p[d] = round_to<param_t>(old - scale * (static_cast<float>(g[d]) + weight_decay * old));
   }
+}
+
+template <typename param_t, typename grad_t>
+inline void rowwise_adagrad_row(param_t* __restrict p, float* __restrict sum, const grad_t* __restrict g, int64_t D,
+                                float lr, float eps, float weight_decay) {
+  float part[kSquareLanes];
+  rowwise_adagrad_squares(p, g, D, weight_decay, part);
+  rowwise_adagrad_apply(p, g, D, rowwise_adagrad_scale(sum, part, D, lr, eps), weight_decay);
 }
 
 }  // namespace rmt_cpu
