@@ -1,6 +1,6 @@
 // The per-row update rules of the row-wise optimizers (rmt/ops/sparse_optim.py), shared by the
 // optimizer steps on a stored gradient (sparse_optim_cpu.cpp) and the backward that applies the
-// step to each row as soon as its gradient is summed (lookup_reduce_cpu.cpp), so the two compute
+// step to each row once its gradient is summed (lookup_reduce_cpu.cpp), so the two compute
 // the same operations in the same order. Both translation units are built with
 // -ffp-contract=off: every product and sum is rounded on its own, as in torch's formulation.
 //

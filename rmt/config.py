@@ -541,7 +541,7 @@ class MemoryConfig:
 
     fused_value_optimizer: bool = False
     """Apply ``value_optimizer`` (``sparse_adam`` or ``rowwise_adagrad``) inside the lookups'
-    backward, FBGEMM-style: each touched row is stepped as soon as its gradient is summed, and no
+    backward, FBGEMM-style: each touched row is stepped once its gradient is summed, and no
     table gradient (``[U, D]`` touched rows) exists. Same optimizer, state, LR schedule and
     checkpoints; micro-batches accumulate and replicas sum their lookups exactly as gradients do
     (the last micro-batch's backward steps). What changes: the value rows step with their
