@@ -143,6 +143,32 @@ def test_cpu_parallel_radix_sort_is_thread_count_independent(N):
     torch.testing.assert_close(g_scores.double(), want[2], rtol=1e-6, atol=5e-6)
 
 
+@pytest.mark.parametrize("N", [1, 2])
+def test_cpu_runs_when_a_thread_slice_holds_no_run_start(N):
+    """65536 lookups of 1 or 2 rows: with 3 threads the run finder's second and third slices (2
+    rows: the third) lie inside one run and start none. The runs (rows and gradients of the sparse
+    backward) are those of 1 thread and of the reference. fp64, so that a run of 32768-65536
+    lookups sums to within about n * 2^-53 of the reference, relatively: far inside the default
+    fp64 tolerance."""
+    table, indices, scores, grad_out = _edge_case(N, 2048, 32, None, D=3)
+    table, scores, grad_out = table.double(), scores.double(), grad_out.double()
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            results.append(cpu_backend.backward(grad_out, table, indices, scores, None, 1))
+    finally:
+        torch.set_num_threads(threads)
+    for g, want in zip(results[1], results[0]):
+        assert torch.equal(g, want)
+    rows, values, g_scores = results[0]
+    assert torch.equal(rows, torch.arange(N))
+    want = run_op(reference_forward, table, indices, scores, None, 1, grad_out)
+    torch.testing.assert_close(values, want[1])
+    torch.testing.assert_close(g_scores, want[2])
+
+
 @pytest.mark.parametrize("N", [1000, 1 << 17, (1 << 23) + 3])
 def test_cpu_radix_sort_is_the_stable_sort_at_every_digit_width(N):
     """The backward's sort (digits of 5 bits, 10 on AMD CPUs: csrc/lookup_reduce_cpu.cpp,
