@@ -115,9 +115,19 @@ constexpr int64_t kChunksPerThread = 32;
 // Gradient buffers kept for reuse (one per memory layer whose gradient is alive at once).
 constexpr size_t kPoolSlots = 8;
 
+// Prefetches the 64-byte line at p into L2 (prefetcht1), not into L1. A prefetch into L1 holds one
+// of the core's few L1 miss slots until its line arrives, and the kernels keep dozens of lines in
+// flight (24 lookups ahead). On a 2-core AMD EPYC (one core, 1M x 64 fp32, T=4096, cold cache):
+// - the forward with its rows prefetched into L1 took 4.0 instead of 2.7 ms (K=32);
+// - the fused row-wise Adagrad backward with the scores, score-gradient slots and block ids
+//   prefetched into L1 (the score-gradient slots for writing) took 7.6 instead of 7.3 ms at K=32,
+//   and 27.1 instead of 24.1 ms at K=128;
+// - the sparse backward at K=128, C=2, E=4 took 45.5 instead of 33.5 ms.
+inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
+
 inline void prefetch_row(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 2);
+  for (int64_t off = 0; off < bytes; off += 64) prefetch_l2(c + off);
 }
 
 // Calls f(kD, kC) with the row width D and score-column count C as compile-time constants
@@ -441,14 +451,14 @@ inline void run_gradient(int64_t u, const SortedLookups& s, const scalar_t* __re
   std::fill(acc, acc + D, acc_t(0));
   for (int64_t j = s.run_start[u]; j < s.run_start[u + 1]; ++j) {
     // the block id is read to find the prefetched gradient row, so it is fetched first, further ahead
-    if (blk && j + 2 * kPrefetchDistance < M) __builtin_prefetch(blk + sorted_pos(sorted[j + 2 * kPrefetchDistance]), 0, 3);
+    if (blk && j + 2 * kPrefetchDistance < M) prefetch_l2(blk + sorted_pos(sorted[j + 2 * kPrefetchDistance]));
     if (j + kPrefetchDistance < M) {
       const uint64_t far = sorted[j + kPrefetchDistance];
       const int64_t q = sorted_pos(far);
       prefetch_row(table + sorted_row(far) * D, row_bytes);
       prefetch_row(grad_out + (token_of(q) * E + (blk ? blk[q] : 0)) * D, grad_row_bytes);
-      __builtin_prefetch(scores + q * C, 0, 3);
-      if (q >= score_lo && q < score_hi) __builtin_prefetch(grad_scores + (q - score_lo) * C, 1, 3);
+      prefetch_l2(scores + q * C);
+      if (q >= score_lo && q < score_hi) prefetch_l2(grad_scores + (q - score_lo) * C);
       ahead(sorted_row(far));
     }
     const int64_t p = sorted_pos(sorted[j]);
