@@ -51,6 +51,19 @@ def test_key_is_stable_within_an_environment_and_differs_across_them(tmp_path, m
     assert cache_key("probe", probe) == base
 
 
+def test_building_leaves_the_spec_and_its_key_unchanged(tmp_path, monkeypatch):
+    """torch's load() appends its link flags to the extra_ldflags list it is given: a build must
+    not change the spec it was asked for, or a later process looks for the binary under another
+    key (built again) and the same process names another folder for it."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(extensions, "_cache", {})
+    spec = dict(_spec(tmp_path), extra_ldflags=["-lm"])
+    key = cache_key("rmt_probe_ldflags", spec)
+    assert extensions.load_extension("rmt_probe_ldflags", spec).twice(21) == 42
+    assert spec["extra_ldflags"] == ["-lm"]
+    assert cache_key("rmt_probe_ldflags", spec) == key
+
+
 def test_second_process_loads_without_rebuilding(tmp_path):
     spec = _spec(tmp_path)
     env = dict(os.environ, PYTHONPATH=ROOT, TORCH_EXTENSIONS_DIR=str(tmp_path / "cache"))

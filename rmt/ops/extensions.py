@@ -20,6 +20,7 @@ interpreters and launch environments, and rebuilt whenever two of them alternate
 from __future__ import annotations
 
 import contextlib
+import copy
 import fcntl
 import hashlib
 import importlib.util
@@ -153,9 +154,11 @@ def _build(name: str, spec: dict, folder: Path):
             return _import(name, binary)
         _say(f"building C++ extension {name} (once per environment; cached in {folder}) ...")
         start = time.perf_counter()
+        # a copy of the flags: torch's load() appends its own link flags to the extra_ldflags list
+        # it is given, which changed the spec, and so its cache key, for the rest of the process
+        options = copy.deepcopy({k: v for k, v in spec.items() if k != "sources"})
         module = cpp_extension.load(name=name, sources=[str(CSRC / s) for s in spec["sources"]],
-                                    build_directory=str(folder), verbose=False,
-                                    **{k: v for k, v in spec.items() if k != "sources"})
+                                    build_directory=str(folder), verbose=False, **options)
         (folder / "complete").touch()
         _say(f"built {name} in {time.perf_counter() - start:.0f} s")
         return module
