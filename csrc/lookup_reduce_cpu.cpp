@@ -54,11 +54,14 @@
 #include <vector>
 
 #include "cpu_numerics.h"
+#include "cpu_prefetch.h"
 #include "row_optim.h"
 
 namespace {
 
 using rmt_cpu::madd;
+using rmt_cpu::prefetch_l2;
+using rmt_cpu::prefetch_row;
 using rmt_cpu::round_to;
 
 // The accumulation type of a kernel whose scores have type T.
@@ -71,8 +74,8 @@ struct Acc<double> {
   using type = double;
 };
 
-// Rows prefetched 24 lookups ahead of use, into L2 (locality 2): an L2 prefetch holds one of the
-// core's many L2 miss slots rather than one of its few L1 ones, so more rows are in flight.
+// Rows (and their lookups' output-gradient rows, scores and block ids) prefetched 24 lookups ahead
+// of use, into L2 (cpu_prefetch.h).
 constexpr int64_t kPrefetchDistance = 24;
 // Output columns accumulated in registers per pass (4 AVX-512 registers of fp32).
 constexpr int64_t kTile = 64;
@@ -115,20 +118,6 @@ constexpr int64_t kChunksPerThread = 32;
 // Gradient buffers kept for reuse (one per memory layer whose gradient is alive at once).
 constexpr size_t kPoolSlots = 8;
 
-// Prefetches the 64-byte line at p into L2 (prefetcht1), not into L1. A prefetch into L1 holds one
-// of the core's few L1 miss slots until its line arrives, and the kernels keep dozens of lines in
-// flight (24 lookups ahead). On a 2-core AMD EPYC (one core, 1M x 64 fp32, T=4096, cold cache):
-// - the forward with its rows prefetched into L1 took 4.0 instead of 2.7 ms (K=32);
-// - the fused row-wise Adagrad backward with the scores, score-gradient slots and block ids
-//   prefetched into L1 (the score-gradient slots for writing) took 7.6 instead of 7.3 ms at K=32,
-//   and 27.1 instead of 24.1 ms at K=128;
-// - the sparse backward at K=128, C=2, E=4 took 45.5 instead of 33.5 ms.
-inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
-
-inline void prefetch_row(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) prefetch_l2(c + off);
-}
 
 // Calls f(kD, kC) with the row width D and score-column count C as compile-time constants
 // (std::integral_constant) for the common small shapes, and as 0 (read them at run time)
@@ -674,17 +663,17 @@ double fused_backward_kernel(const scalar_t* __restrict grad_out, const table_t*
   return total;
 }
 
-// Prefetches the n elements at a and at b for writing (a row of both Adam moments), one prefetch
-// per 64-byte line of each, in one loop. Two such loops, one per moment (a helper called twice, or
-// written out), compiled (GCC 12, -O3) to no moment prefetch at all in the fused backward: the
-// moments were read cold, and the fused SparseAdam step took 26.4 ms against 9.9 ms in this form
-// (1M x 64 fp32, T=4096, K=32, one thread).
+// Prefetches the n elements at a and at b into L2 (a row of both Adam moments; see cpu_prefetch.h),
+// one prefetch per 64-byte line of each, in one loop. Two such loops, one per moment (a helper
+// called twice, or written out), compiled (GCC 12, -O3) to no moment prefetch at all in the fused
+// backward: the moments were read cold, and the fused SparseAdam step took 26.4 ms against 9.9 ms
+// in this form (1M x 64 fp32, T=4096, K=32, one thread).
 template <typename T>
-inline void prefetch_pair_for_write(const T* a, const T* b, int64_t n) {
+inline void prefetch_pair(const T* a, const T* b, int64_t n) {
   constexpr int64_t kPerLine = 64 / static_cast<int64_t>(sizeof(T));
   for (int64_t i = 0; i < n; i += kPerLine) {
-    __builtin_prefetch(a + i, 1, 2);
-    __builtin_prefetch(b + i, 1, 2);
+    prefetch_l2(a + i);
+    prefetch_l2(b + i);
   }
 }
 
@@ -899,7 +888,7 @@ std::tuple<at::Tensor, double> lookup_reduce_backward_update(
             const int64_t w = row_width(kD, D);
             rmt_cpu::adam_row(p + row * w, m + row * w, v + row * w, g, w, omb1, omb2, eps_s, step_s);
           },
-          [&](int64_t row) { prefetch_pair_for_write(m + row * D, v + row * D, D); });
+          [&](int64_t row) { prefetch_pair(m + row * D, v + row * D, D); });
     } else {
       TORCH_CHECK(state1.dim() == 1 && state1.size(0) == N && state1.scalar_type() == at::kFloat &&
                       state1.is_contiguous(),
@@ -916,6 +905,8 @@ std::tuple<at::Tensor, double> lookup_reduce_backward_update(
             const int64_t w = row_width(kD, D);
             rmt_cpu::rowwise_adagrad_apply(p + row * w, g, w, scale, wd);
           },
+          // the one prefetch for writing (into L1, see cpu_prefetch.h): into L2 it measured the
+          // same (7.5 against 7.3 ms at K=32, 23.8 against 24.1 at K=128)
           [&](int64_t row) { __builtin_prefetch(sum + row, 1, 2); });
     }
   });

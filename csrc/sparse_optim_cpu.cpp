@@ -22,6 +22,7 @@
 
 #include <cmath>
 
+#include "cpu_prefetch.h"
 #include "row_optim.h"
 
 namespace {
@@ -29,12 +30,6 @@ namespace {
 // Rows prefetched ahead of use: the touched rows are ascending but far apart, so the hardware
 // prefetchers do not see them coming.
 constexpr int64_t kPrefetchDistance = 8;
-
-template <typename T>
-inline void prefetch_row(const T* p, int64_t D) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off, 1, 3);
-}
 
 void check_rows(const at::Tensor& param, const at::Tensor& rows, const at::Tensor& values) {
   TORCH_CHECK(param.dim() == 2 && param.is_contiguous() && param.device().is_cpu(),
@@ -55,9 +50,9 @@ void sparse_adam_kernel(param_t* __restrict p, state_t* __restrict m, state_t* _
   for (int64_t u = 0; u < U; ++u) {
     if (u + kPrefetchDistance < U) {
       const int64_t ahead = rows[u + kPrefetchDistance] * D;
-      prefetch_row(p + ahead, D);
-      prefetch_row(m + ahead, D);
-      prefetch_row(v + ahead, D);
+      rmt_cpu::prefetch_row(p + ahead, D * static_cast<int64_t>(sizeof(*p)));
+      rmt_cpu::prefetch_row(m + ahead, D * static_cast<int64_t>(sizeof(*m)));
+      rmt_cpu::prefetch_row(v + ahead, D * static_cast<int64_t>(sizeof(*v)));
     }
     const int64_t off = rows[u] * D;
     rmt_cpu::adam_row(p + off, m + off, v + off, g + u * D, D, one_minus_beta1, one_minus_beta2, eps, step_size);
@@ -71,8 +66,8 @@ void rowwise_adagrad_kernel(scalar_t* __restrict p, float* __restrict sum, const
 #pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
   for (int64_t u = 0; u < U; ++u) {
     if (u + kPrefetchDistance < U) {
-      prefetch_row(p + rows[u + kPrefetchDistance] * D, D);
-      __builtin_prefetch(sum + rows[u + kPrefetchDistance], 1, 3);
+      rmt_cpu::prefetch_row(p + rows[u + kPrefetchDistance] * D, D * static_cast<int64_t>(sizeof(*p)));
+      rmt_cpu::prefetch_l2(sum + rows[u + kPrefetchDistance]);
     }
     rmt_cpu::rowwise_adagrad_row(p + rows[u] * D, sum + rows[u], g + u * D, D, lr, eps, weight_decay);
   }
