@@ -118,7 +118,6 @@ constexpr int64_t kChunksPerThread = 32;
 // Gradient buffers kept for reuse (one per memory layer whose gradient is alive at once).
 constexpr size_t kPoolSlots = 8;
 
-
 // Calls f(kD, kC) with the row width D and score-column count C as compile-time constants
 // (std::integral_constant) for the common small shapes, and as 0 (read them at run time)
 // otherwise: loops over 32 or 64 columns of runtime length cost a fifth of the forward at
@@ -297,11 +296,12 @@ void find_runs(SortedLookups& s, int64_t M, int threads) {
     int64_t first = lo, last = hi - 1;
     while (first < hi && first > 0 && row(first) == row(first - 1)) ++first;
     while (last > first && row(last) == row(last - 1)) --last;
+    int64_t n = 0;  // the slice's run starts: counted only for the slices after it
     if (nth > 1) {
-      int64_t n = first < hi;
+      n = first < hi;
       for (int64_t j = first + 1; j <= last; ++j) n += row(j) != row(j - 1);
-      before[t * kCountPad] = n;
     }
+    before[t * kCountPad] = n;
 #pragma omp barrier
 #pragma omp single
     {
