@@ -5,12 +5,11 @@ where ``fbgemm-gpu-cpu`` is installed; bad options are one clear error, exit 2."
 
 import importlib.util
 import json
-import os
 import math
 
 import pytest
 
-from conftest import ROOT, run_python
+from conftest import load_script, run_python
 
 SUMMARY_KEYS = {"speedup_vs_embedding_bag_sparse", "speedup_vs_embedding_bag_dense", "fraction_of_bandwidth",
                 "step_speedup_sparse_adam_vs_embedding_bag_sparse_adam", "step_speedup_sparse_adam_vs_dense_adamw",
@@ -122,9 +121,7 @@ def test_bench_bad_options_are_rejected(args, message):
 def test_interleaved_methods_start_one_later_each_repeat():
     """The side-by-side steps rotate their order by one method per repeat, so no method always
     runs right after the same other one."""
-    spec = importlib.util.spec_from_file_location("bench_lookup_reduce", os.path.join(ROOT, "tools", "bench_lookup_reduce.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("tools/bench_lookup_reduce.py")
     items = [("a", 1), ("b", 2), ("c", 3)]
     assert [[name for name, _ in bench.rotated(items, rep)] for rep in range(4)] == [
         list("abc"), list("bca"), list("cab"), list("abc")]
