@@ -270,6 +270,45 @@ def test_dispatch(monkeypatch):
         select_backend(cpu, "triton", torch.float64)
 
 
+def test_forward_prepared_sort_reaches_the_backward_and_is_freed_by_it(monkeypatch):
+    """A backend's ``forward_for_backward`` (CUDA: the sort by row, on a side stream) hands its
+    result to the backward as ``prep``, only when a gradient is needed; the backward then drops it,
+    so it does not live as long as the output's graph (a training loop holds the loss until the
+    next step)."""
+    import weakref
+
+    from rmt.ops import reference
+
+    class Prep:
+        pass
+
+    preps, received = [], []
+
+    def forward_for_backward(*args):
+        preps.append(Prep())
+        return reference.reference_forward(*args), preps[-1]
+
+    def backward(*args, prep=None):
+        received.append(prep)
+        return reference.reference_backward(*args)
+
+    monkeypatch.setattr(reference, "forward_for_backward", forward_for_backward, raising=False)
+    monkeypatch.setattr(reference, "backward", backward)
+    table, indices, scores, block_ids, grad_out = make_case(20, 8, 6, 4, 2, 3)
+    lookup_reduce(table, indices, scores, block_ids, 3, backend="reference")
+    assert not preps
+    table.requires_grad_(True)
+    out = lookup_reduce(table, indices, scores, block_ids, 3, backend="reference", sparse_grad=True)
+    alive = weakref.ref(preps[0])
+    del preps[0]
+    out.backward(grad_out)
+    assert len(received) == 1 and received[0] is alive()
+    received.clear()
+    assert alive() is None and out.grad_fn is not None
+    want = run_op(reference_forward, table, indices, scores, block_ids, 3, grad_out)
+    torch.testing.assert_close(table.grad.to_dense(), want[1])
+
+
 def test_failed_build_falls_back_to_reference(monkeypatch):
     monkeypatch.delenv("RMT_LOOKUP_BACKEND", raising=False)
     monkeypatch.setitem(extensions._cache, cpu_backend.NAME, None)

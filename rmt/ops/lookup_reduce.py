@@ -125,13 +125,14 @@ class LookupReduceFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         table, scores, indices, block_ids = ctx.saved_tensors
+        prep, ctx.prep = ctx.prep, {}  # freed with the saved tensors, not with the output's graph
         grad_out = grad_out.to(scores.dtype).contiguous()
         args = (grad_out, table, indices, scores, block_ids, ctx.num_blocks)
         dense_kernel = getattr(ctx.impl, "backward_dense", None)
         if ctx.needs_input_grad[0] and not ctx.sparse_grad and dense_kernel is not None:
-            grad_table, grad_scores = dense_kernel(*args, **ctx.prep)
+            grad_table, grad_scores = dense_kernel(*args, **prep)
         else:
-            rows, values, grad_scores = ctx.impl.backward(*args, **ctx.prep)
+            rows, values, grad_scores = ctx.impl.backward(*args, **prep)
             grad_table = None
             if ctx.needs_input_grad[0]:
                 if ctx.sparse_grad:
