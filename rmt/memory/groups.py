@@ -185,12 +185,13 @@ def square_sum(values: torch.Tensor, chunk_elements: int = 1 << 18) -> torch.Ten
     return total
 
 
-def memory_grad_sq_norm(params: Iterable[torch.nn.Parameter]) -> float:
+def memory_grad_sq_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
     """Squared L2 norm of the full gradients of the self-reduced tables among ``params``:
     each shard counted once (summed over its memory-parallel group), replicated tables once
     (their reduced gradient is the same on every tensor-parallel rank), then summed over the
     pipeline stages, whose tables differ. Collective over the pipeline group. A table stepped in
-    its backward (:func:`fused_update`) counts the squared norm of the gradient it stepped with."""
+    its backward (:func:`fused_update`) counts the squared norm of the gradient it stepped with.
+    A one-element fp64 tensor on the compute device: nothing here waits for the device."""
     device = compat.device()
     sharded, local = torch.zeros(1, dtype=torch.float64, device=device), torch.zeros(1, dtype=torch.float64, device=device)
     group = None
@@ -198,7 +199,7 @@ def memory_grad_sq_norm(params: Iterable[torch.nn.Parameter]) -> float:
         if not self_reduced(p) or (p.grad is None and fused_update(p) is None):
             continue
         if fused_update(p) is not None:
-            sq = torch.tensor(fused_update(p).pop_sq_norm(), dtype=torch.float64, device=device)
+            sq = torch.as_tensor(fused_update(p).pop_sq_norm(host=False), dtype=torch.float64, device=device)
         else:
             sq = square_sum(grad_values(p.grad.detach()))
         if getattr(p, "memory_sharded", False):
@@ -211,4 +212,4 @@ def memory_grad_sq_norm(params: Iterable[torch.nn.Parameter]) -> float:
     total = sharded + local
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
-    return float(total)
+    return total

@@ -57,10 +57,40 @@ def _candidates(a: torch.Tensor, b: torch.Tensor, m: int) -> Tuple[torch.Tensor,
 
 def leading_singular_vectors(core: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``u, t`` of the rank-1 SVD approximation ``C ~ lambda_1 u t^T`` (Eq. 6-7) of ``[H, r, r]``
-    cores; no gradient (they only select candidates)."""
+    cores; no gradient (they only select candidates). Rank 2 (UltraMem's) in closed form: ``u``
+    the leading eigenvector of the symmetric ``C C^T``, at half the angle ``atan2(2 g_01, g_00 -
+    g_11)``, and ``t = C^T u / |C^T u|``. Element-wise tensor ops with no host wait on a GPU, where
+    ``torch.linalg.svd`` checks its solver's status on the host (a wait that drains the device's
+    queue in the middle of the forward). Equal to the SVD's vectors up to their sign, which the
+    selection does not depend on (:func:`tucker_select`), and to rounding."""
     with torch.no_grad():
-        U, _, Vh = torch.linalg.svd(core.float())
-    return U[..., :, 0].to(core.dtype), Vh[..., 0, :].to(core.dtype)
+        c = core.float()
+        if c.shape[-1] == 2:
+            g = c @ c.transpose(-1, -2)
+            angle = 0.5 * torch.atan2(2 * g[..., 0, 1], g[..., 0, 0] - g[..., 1, 1])
+            u = torch.stack([angle.cos(), angle.sin()], -1)
+            t = (c.transpose(-1, -2) @ u.unsqueeze(-1)).squeeze(-1)
+            t = t / t.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(t.dtype).tiny)
+        else:
+            U, _, Vh = torch.linalg.svd(c)
+            u, t = U[..., :, 0], Vh[..., 0, :]
+    return u.to(core.dtype), t.to(core.dtype)
+
+
+def singular_values(c: torch.Tensor) -> torch.Tensor:
+    """Singular values ``[..., r]`` of ``[..., r, r]`` matrices, descending, differentiable, as
+    ``torch.linalg.svdvals``; for ``r = 2`` in closed form (no host wait on a GPU, see
+    :func:`leading_singular_vectors`): with ``q = |(a + d, c - b)| / 2`` and ``p = |(a - d, b +
+    c)| / 2`` of ``[[a, b], [c, d]]``, the values are ``q + p`` and ``|q - p|``. The squared
+    norms are clamped at the dtype's smallest normal number, so the gradient is finite where one
+    of them vanishes (a value grows by at most that number's square root, 1e-19 in fp32)."""
+    if c.shape[-1] != 2:
+        return torch.linalg.svdvals(c)
+    a, b, cc, d = c[..., 0, 0], c[..., 0, 1], c[..., 1, 0], c[..., 1, 1]
+    tiny = torch.finfo(c.dtype).tiny
+    q = ((a + d).square() + (cc - b).square()).clamp_min(tiny).sqrt() / 2
+    p = ((a - d).square() + (b + cc).square()).clamp_min(tiny).sqrt() / 2
+    return torch.stack([q + p, (q - p).abs()], -1)
 
 
 def rank1_selector(cores: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -138,7 +168,7 @@ def tucker_aux_loss(cores: torch.Tensor, weight: float, margin: float) -> torch.
     r = cores.shape[-1]
     if r < 2 or weight == 0:
         return cores.new_zeros(())
-    lam = torch.linalg.svdvals(cores.sum(1))
+    lam = singular_values(cores.sum(1))
     return weight / (r - 1) * torch.relu(lam[:, 1:] - margin).pow(2).sum(-1).mean()
 
 

@@ -133,10 +133,12 @@ class FusedValueUpdate:
             self.pending += 1
         return self.final
 
-    def pop_sq_norm(self) -> float:
-        """Squared norm of the gradients stepped since the last call (see the module docstring)."""
+    def pop_sq_norm(self, host: bool = True):
+        """Squared norm of the gradients stepped since the last call (see the module docstring): a
+        float, or with ``host=False`` as the kernels left it, which on a GPU is a device scalar, so
+        that reading it does not wait for the device (a float on the CPU)."""
         sq, self.sq_norm = self.sq_norm, 0.0
-        return float(sq)
+        return float(sq) if host else sq
 
     def backward(self, final: bool, backend: str, grad_out, table, indices, scores, block_ids, num_blocks,
                  need_scores: bool = True):

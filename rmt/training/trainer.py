@@ -213,8 +213,9 @@ class Trainer:
         owner = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
                  and parallel_state.get_tensor_model_parallel_rank() == 0)
         if owner and losses:
-            for i, n in enumerate(names):
-                vals[i] = sum(float(d[n]) for d in losses) / len(losses) / self.dp_size
+            # summed on the device: reading each micro-batch's loss would wait for the device each time
+            vals.copy_(torch.stack([torch.stack([d[n].reshape(()).double() for n in names]) for d in losses]).sum(0)
+                       / len(losses) / self.dp_size)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(vals)
         return dict(zip(names, vals.tolist()))
