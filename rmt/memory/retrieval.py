@@ -82,15 +82,17 @@ def singular_values(c: torch.Tensor) -> torch.Tensor:
     ``torch.linalg.svdvals``; for ``r = 2`` in closed form (no host wait on a GPU, see
     :func:`leading_singular_vectors`): with ``q = |(a + d, c - b)| / 2`` and ``p = |(a - d, b +
     c)| / 2`` of ``[[a, b], [c, d]]``, the values are ``q + p`` and ``|q - p|``. The squared
-    norms are clamped at the dtype's smallest normal number, so the gradient is finite where one
-    of them vanishes (a value grows by at most that number's square root, 1e-19 in fp32)."""
+    norms are clamped at the smallest normal number of fp32 (fp64 for fp64 input, which alone is
+    computed in its own dtype), so the gradient is finite where one of them vanishes (a value grows
+    by at most that number's square root, 1e-19 in fp32)."""
     if c.shape[-1] != 2:
         return torch.linalg.svdvals(c)
-    a, b, cc, d = c[..., 0, 0], c[..., 0, 1], c[..., 1, 0], c[..., 1, 1]
-    tiny = torch.finfo(c.dtype).tiny
+    work = c if c.dtype == torch.float64 else c.float()  # fp16's smallest normal would show
+    a, b, cc, d = work[..., 0, 0], work[..., 0, 1], work[..., 1, 0], work[..., 1, 1]
+    tiny = torch.finfo(work.dtype).tiny
     q = ((a + d).square() + (cc - b).square()).clamp_min(tiny).sqrt() / 2
     p = ((a - d).square() + (b + cc).square()).clamp_min(tiny).sqrt() / 2
-    return torch.stack([q + p, (q - p).abs()], -1)
+    return torch.stack([q + p, (q - p).abs()], -1).to(c.dtype)
 
 
 def rank1_selector(cores: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
