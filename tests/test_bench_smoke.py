@@ -70,7 +70,7 @@ def test_bench_memory_stream_smoke(tmp_path):
     layers' numbers, so each pair ends at the same loss, bit for bit."""
     out = tmp_path / "bench.json"
     run_python(["tools/bench_memory_stream.py", "--quick", "--fused", "--steps", "2", "--warmup", "1",
-                "--documents", "20", "--json", str(out)])
+                "--documents", "20", "--profile", "1", "--json", str(out)])
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "bench_memory_stream" and doc["machine"]
     rows = {r["variant"]: r for r in doc["rows"]}
@@ -81,6 +81,10 @@ def test_bench_memory_stream_smoke(tmp_path):
     summary = doc["summary"]
     assert summary["async_over_sync_step_time"] == rows["async"]["median_step_s"] / rows["sync"]["median_step_s"]
     assert math.isfinite(summary["memory_s_fused"]) and "hidden_fraction_fused" in summary
+    # the CPU's audit of what would wait on a GPU: the gradient norm, never the memory layers
+    callers = rows["sync_fused"]["host_wait_callers_on_gpu"]
+    assert any(c.endswith(" clip_gradients") for c in callers)
+    assert not [c for c in callers if c.startswith(("rmt/memory/", "rmt/ops/"))]
 
 
 def test_bench_memory_stream_bad_input_is_one_sentence():

@@ -133,11 +133,27 @@ def profile(trainer, steps, cuda, sync):
         print("host waits per step, by the outermost op that made them:", flush=True)
         for op, n in collections.Counter(outermost_op(e) for *_, e in waits).most_common(12):
             print(f"  {n / steps:8.1f}  {op}", flush=True)
-    if not kernels:
-        return {}
+    if not cuda:
+        return audit_host_waits(trainer)
     return {"kernel_s": sum(b - a for a, b in kernels) * 1e-6 / steps,
             "device_busy_s": busy_union(kernels) * 1e-6 / steps, "launches": len(kernels) / steps,
             "host_waits": len(waits) / steps, "host_wait_s": sum(b - a for a, b, *_ in waits) * 1e-6 / steps}
+
+
+def audit_host_waits(trainer):
+    """On the CPU: one more step under :class:`~rmt.training.host_syncs.HostSyncAudit`, the
+    operations that would make the host wait on a GPU printed by caller (data loading left out;
+    with the async stream the memory layers run on a worker thread, outside the audit)."""
+    from rmt.training.host_syncs import HostSyncAudit
+
+    with HostSyncAudit(depth=1) as audit:
+        trainer.train_step()
+    waits = audit.device_waits()
+    print("operations that would wait for a GPU, per step, by caller:", flush=True)
+    for (op, where), n in waits.most_common(12):
+        print(f"  {n:4d}  {op:22s} {where}", flush=True)
+    return {"host_waits_on_gpu": sum(waits.values()),
+            "host_wait_callers_on_gpu": sorted({where for _, where in waits})}
 
 
 def outermost_op(event) -> str:
@@ -180,7 +196,9 @@ def main(argv=None):
     ap.add_argument("--variants", help=f"comma-separated subset of {','.join(VARIANTS)} (default: dense,sync,async "
                                        "and with --fused the fused pair)")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                    help="profile STEPS more steps per variant: kernel time, device busy time, launches, top kernels")
+                    help="profile STEPS more steps per variant: kernel time, device busy time, launches, host waits, "
+                         "top kernels (on the CPU: top operators, and one more step's operations that would wait "
+                         "for a GPU)")
     ap.add_argument("--json", help="write {benchmark, machine, rows, summary} here")
     ap.add_argument("override", nargs="*", help="config overrides for every variant (key=value)")
     ap.add_argument("--variant", choices=list(VARIANTS), help=argparse.SUPPRESS)

@@ -66,6 +66,8 @@ def caller(depth: int = 2) -> str:
     return " < ".join(out)
 
 
+#: Callers that work on the host's own tensors on a GPU machine too (data loading).
+HOST_SIDE = ("rmt/data/", "megatron/core/datasets/")
 #: Tensor methods that copy to the host (a wait on a GPU), which on the CPU return the tensor's
 #: own data without an aten operation: recorded by wrapping them while an audit is open.
 HOST_COPIES = ("tolist", "numpy", "cpu")
@@ -87,6 +89,11 @@ class HostSyncAudit(TorchDispatchMode):
         if _waits(name, args):
             self.waits[(name, caller(self.depth))] += 1
         return func(*args, **(kwargs or {}))
+
+    def device_waits(self) -> Counter[Tuple[str, str]]:
+        """``waits`` without those of data loading (:data:`HOST_SIDE`), whose tensors stay on the
+        host on a GPU machine too."""
+        return collections.Counter({k: n for k, n in self.waits.items() if not k[1].startswith(HOST_SIDE)})
 
     def _recording(self, name, method):
         def wrapper(tensor, *args, **kwargs):
