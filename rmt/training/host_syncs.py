@@ -36,18 +36,29 @@ WAITING_OPS = frozenset({
     "_linalg_svd", "_linalg_eigh", "_linalg_check_errors",  # solver status read on the host
 })
 #: aten operations that wait when one of their indices is a boolean mask (turned into
-#: ``nonzero``, whose size the host must know).
+#: ``nonzero``, whose size the host must know), but for :func:`_masked_fill`'s case.
 MASK_INDEX_OPS = frozenset({"index", "index_put", "index_put_", "_index_put_impl_"})
 #: The packages whose frames are reported as callers: rmt and megatron (not this module).
 CALLER_ROOTS = (os.path.dirname(os.path.abspath(rmt.__file__)),
                 os.path.dirname(os.path.dirname(os.path.abspath(megatron.core.__file__))))
 
 
+def _masked_fill(name: str, args) -> bool:
+    """Whether torch runs an indexed assignment as ``masked_fill_`` (no wait): one boolean-mask
+    index, a one-element value on the host (``x[mask] = 0.0`` puts its number there on a GPU too),
+    no accumulation."""
+    indices = [i for i in args[1] if i is not None]
+    value = args[2] if len(args) > 2 else None
+    return (name != "index" and len(indices) == 1 and isinstance(value, torch.Tensor) and value.numel() == 1
+            and value.device.type == "cpu" and not (len(args) > 3 and args[3]))
+
+
 def _waits(name: str, args) -> bool:
     if name in WAITING_OPS:
         return True
     if name in MASK_INDEX_OPS and len(args) > 1:
-        return any(i is not None and i.dtype == torch.bool for i in args[1])
+        masks = any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+        return masks and not _masked_fill(name, args)
     return False
 
 
