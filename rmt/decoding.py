@@ -18,10 +18,7 @@ from __future__ import annotations
 import torch
 
 from rmt.errors import UserError
-
-
-def causal_mask(length: int, device) -> torch.Tensor:
-    return torch.ones(length, length, dtype=torch.bool, device=device).triu(1)[None, None]
+from rmt.models.documents import causal_mask
 
 
 def positions(start: int, length: int, batch: int, device) -> torch.Tensor:

@@ -14,7 +14,7 @@ from rmt.config import load_config, validate
 from rmt.errors import ConfigError
 from rmt.models.build import build
 from rmt.models.documents import Documents, document_starts
-from rmt.training.trainer import causal_mask
+from rmt.models.documents import causal_mask
 
 warnings.filterwarnings("ignore")
 
@@ -88,6 +88,7 @@ def test_document_starts_and_unpack_roundtrip():
     assert starts[0].tolist() == [0] * 5 + [5] * 11 + [16] * 8
     assert starts[1].tolist() == [0] * 3 + [3] * 7 + [10] + [11] * 13
     assert document_starts(causal_mask(24, tokens.device)) is None
+    assert document_starts(torch.ones(24, 24, dtype=torch.bool).triu(1)[None, None]) is None  # read: no boundary
     docs = Documents(starts)
     assert (docs.num, docs.length) == (7, 13)
     rows = docs.unpack(tokens, fill=-1)

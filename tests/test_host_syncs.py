@@ -52,9 +52,8 @@ def test_memory_training_step_waits_only_for_the_gradient_norm(memory):
     micro-batches): no operation of the memory layers, the lookup kernels or the fused value step
     waits for the device. Before: the rank-1 selector's and the auxiliary loss's SVDs (a solver
     status read on the host, one wait each per layer), the fused step's squared norm read per
-    table and each micro-batch's loss read apart. What waits: each micro-batch's check for
-    document boundaries at the start of its forward, the gradient norm that clipping compares,
-    and, at the end, the step's losses."""
+    table, each micro-batch's loss read apart, and its causal mask read for document boundaries.
+    What waits: the gradient norm that clipping compares and, at the end, the step's losses."""
     from rmt.training.trainer import Trainer
 
     config = validate(load_config("configs/ultramem_tiny.yaml", STEP + memory), 1)
@@ -70,4 +69,20 @@ def test_memory_training_step_waits_only_for_the_gradient_norm(memory):
     waits = {where: n for (_, where), n in audit.device_waits().items()}
     assert not [w for w in waits if w.startswith(("rmt/memory/", "rmt/ops/"))], waits
     assert sorted((where.split(" ")[-1], n) for where, n in waits.items()) == [
-        ("_reduce_losses", 1), ("clip_gradients", 1), ("document_starts", 2)], waits
+        ("_reduce_losses", 1), ("clip_gradients", 1)], waits
+
+
+def test_document_starts_reads_only_masks_that_may_hold_boundaries():
+    """The trainer's causal mask (no ``data.reset_attention_mask``) is known to hold one document
+    per row; a per-document mask is read (one wait on a GPU)."""
+    from rmt.models.documents import causal_mask, document_starts
+
+    mask = causal_mask(16, "cpu")
+    with HostSyncAudit() as audit:
+        assert document_starts(mask) is None
+    assert not audit.waits
+    blocks = mask.expand(2, 1, 16, 16).clone()
+    blocks[1, :, 8:, :8] = True  # a second document from position 8 in row 1
+    with HostSyncAudit() as audit:
+        assert document_starts(blocks).tolist() == [[0] * 16, [0] * 8 + [8] * 8]
+    assert [name for name, _ in audit.waits] == ["_local_scalar_dense", "Tensor.tolist"]

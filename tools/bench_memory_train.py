@@ -81,7 +81,7 @@ def activated_flops_per_token(chunk: torch.nn.Module, config) -> float:
     from torch.utils.flop_counter import FlopCounterMode
 
     from rmt.memory.layer import MemoryLayer
-    from rmt.training.trainer import causal_mask
+    from rmt.models.documents import causal_mask
 
     b, s = config.train.micro_batch_size, config.model.seq_length
     ids = torch.randint(0, config.model.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))

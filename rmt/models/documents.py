@@ -17,10 +17,25 @@ import torch
 import torch.nn.functional as F
 
 
+#: Attribute that marks a mask made by :func:`causal_mask`: one document per row.
+SINGLE_DOCUMENT = "rmt_single_document"
+
+
+def causal_mask(length: int, device) -> torch.Tensor:
+    """``[1, 1, s, s]`` boolean mask, True above the diagonal (megatron-core's convention): every
+    row one document. Marked (:data:`SINGLE_DOCUMENT`) so that :func:`document_starts` knows it
+    without reading it, a wait for the device on a GPU. Always passed explicitly: megatron
+    builds an implicit one on CUDA."""
+    mask = torch.ones(length, length, dtype=torch.bool, device=device).triu(1)[None, None]
+    setattr(mask, SINGLE_DOCUMENT, True)
+    return mask
+
+
 def document_starts(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """``[b, s]``: the position where each token's document starts (its row's first unmasked
-    column), or None when every row is one document (a plain causal mask, or none)."""
-    if attention_mask is None:
+    column), or None when every row is one document (a plain causal mask, or none). Reading
+    another mask waits for the device on a GPU; one made by :func:`causal_mask` is not read."""
+    if attention_mask is None or getattr(attention_mask, SINGLE_DOCUMENT, False):
         return None
     s = attention_mask.shape[-1]
     rows = attention_mask.reshape(-1, s, s)

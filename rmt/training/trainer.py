@@ -30,6 +30,7 @@ from rmt.memory.batchnorm import sync_running_stats
 from rmt.memory.groups import excluded_from_ddp, finish_memory_grads, fused_update, self_reduced
 from rmt.memory.table import values_from_checkpoint
 from rmt.models.build import build
+from rmt.models.documents import causal_mask
 from rmt.parallel import compat
 from rmt.training import checkpoint, preemption
 from rmt.training.host_heap import retain_freed_memory
@@ -39,12 +40,6 @@ from rmt.training.optimizer import build_optimizer, build_scheduler, clip_gradie
 from rmt.training.same_model import model_difference
 from rmt.training.step_log import new_run_name, open_jsonl, open_tensorboard, run_log_dir
 from rmt.training.weight_average import WeightAverage
-
-
-def causal_mask(seq_length: int, device) -> torch.Tensor:
-    """``[1, 1, s, s]`` boolean mask, True above the diagonal (megatron-core's convention).
-    Always passed explicitly: megatron builds an implicit one on CUDA."""
-    return torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool, device=device), 1)[None, None]
 
 
 class Trainer:
