@@ -2,6 +2,9 @@
 memory layers make none; the step waits for the gradient norm that clipping compares and for
 the losses it reports."""
 
+import os
+import warnings
+
 import pytest
 import torch
 
@@ -43,6 +46,15 @@ def test_audit_records_the_operations_that_wait_and_their_callers():
     assert not audit.waits
 
 
+def _trainer(memory):
+    from rmt.training.trainer import Trainer
+
+    config = validate(load_config("configs/ultramem_tiny.yaml", STEP + memory), 1)
+    assert config.memory.retrieval == "tucker" and config.memory.tucker_rank == 2
+    parallel.initialize(config)
+    return Trainer(config)
+
+
 @pytest.mark.parametrize("memory", [
     ["memory.value_optimizer=sparse_adam", "memory.fused_value_optimizer=true"],
     ["memory.value_optimizer=adamw"],
@@ -54,13 +66,8 @@ def test_memory_training_step_waits_only_for_the_gradient_norm(memory):
     status read on the host, one wait each per layer), the fused step's squared norm read per
     table, each micro-batch's loss read apart, and its causal mask read for document boundaries.
     What waits: the gradient norm that clipping compares and, at the end, the step's losses."""
-    from rmt.training.trainer import Trainer
-
-    config = validate(load_config("configs/ultramem_tiny.yaml", STEP + memory), 1)
-    assert config.memory.retrieval == "tucker" and config.memory.tucker_rank == 2
-    parallel.initialize(config)
     try:
-        trainer = Trainer(config)
+        trainer = _trainer(memory)
         trainer.train_step()
         with HostSyncAudit(depth=1) as audit:
             trainer.train_step()
@@ -86,3 +93,28 @@ def test_document_starts_reads_only_masks_that_may_hold_boundaries():
     with HostSyncAudit() as audit:
         assert document_starts(blocks).tolist() == [[0] * 16, [0] * 8 + [8] * 8]
     assert [name for name, _ in audit.waits] == ["_local_scalar_dense", "Tensor.tolist"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+def test_on_a_gpu_torchs_detector_finds_no_wait_in_the_memory_layers():
+    """torch's own detector (``torch.cuda.set_sync_debug_mode``, a warning at each synchronizing
+    CUDA call, attributed to the Python line that made it) over a training step of the tiny
+    UltraMem model with the fused value optimizer on the GPU: none from the memory layers or the
+    lookup kernels; the gradient norm's, from clipping."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        trainer = _trainer(["memory.value_optimizer=sparse_adam", "memory.fused_value_optimizer=true"])
+        trainer.train_step()
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                trainer.train_step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        parallel.destroy()
+    files = [os.path.relpath(w.filename, root) for w in caught if "synchroniz" in str(w.message)]
+    assert not [f for f in files if f.startswith(("rmt/memory/", "rmt/ops/"))], files
+    assert "rmt/training/optimizer.py" in files, files

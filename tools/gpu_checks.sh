@@ -4,11 +4,12 @@
 # (tools/bench_memory_stream.py at the UltraMem-151M-x12 shape, with the fused value optimizer,
 # profiled: device busy time and the host's waits;
 # $STREAM_ARGS replaces its arguments), the GPU tests (tests/test_ops_gpu.py, the memory layers
-# and the sparse optimizers on the device), a one-GPU torchrun (NCCL) training run saved and
-# resumed, every architecture for a few bf16 steps, and the lookup-reduce benchmark. Logs and
-# JSON go to $OUT (default ./gpu_checks); python is $PYTHON (default python3). $CHECKS picks the
-# checks by name (default: all of stream tests torchrun architectures lookup); the
-# extensions are built whenever any check runs, since the rest use them.
+# and the sparse optimizers on the device, the memory layers' host waits under torch's
+# detector), a one-GPU torchrun (NCCL) training run saved and resumed, every architecture for
+# a few bf16 steps, and the lookup-reduce benchmark. Logs and JSON go to $OUT (default
+# ./gpu_checks); python is $PYTHON (default python3). $CHECKS picks the checks by name
+# (default: all of stream tests torchrun architectures lookup); the extensions are built
+# whenever any check runs, since the rest use them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_checks}
@@ -29,7 +30,7 @@ fi
 if wanted tests; then
 step "GPU tests"
 $PY -m pytest -q -p no:cacheprovider tests/test_ops_gpu.py tests/test_memory_integration.py \
-    tests/test_ops_sparse_optim.py 2>&1 | tee "$OUT/test_ops_gpu.log"
+    tests/test_ops_sparse_optim.py tests/test_host_syncs.py 2>&1 | tee "$OUT/test_ops_gpu.log"
 fi
 if wanted torchrun; then
 step "one-GPU torchrun (NCCL): UltraMem on the async stream with the fused value optimizer, saved, then resumed"
