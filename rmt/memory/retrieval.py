@@ -8,6 +8,7 @@ All functions take per-side scores of shape ``[T, H, r, n]`` (T tokens, H heads,
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Tuple
 
@@ -77,22 +78,32 @@ def leading_singular_vectors(core: torch.Tensor) -> Tuple[torch.Tensor, torch.Te
     return u.to(core.dtype), t.to(core.dtype)
 
 
+@functools.lru_cache(maxsize=None)
+def _rank2_maps(dtype: torch.dtype, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The constant maps of :func:`singular_values`, made once per dtype and device (a tensor
+    made from host numbers is copied to a GPU, a wait): (a, b, c, d) -> (a + d, c - b, a - d,
+    b + c) / 2, and (q, p) -> (q + p, q - p)."""
+    half = torch.tensor(((0.5, 0.0, 0.0, 0.5), (0.0, -0.5, 0.5, 0.0), (0.5, 0.0, 0.0, -0.5), (0.0, 0.5, 0.5, 0.0)),
+                        dtype=dtype, device=device)
+    return half, torch.tensor(((1.0, 1.0), (1.0, -1.0)), dtype=dtype, device=device)
+
+
 def singular_values(c: torch.Tensor) -> torch.Tensor:
     """Singular values ``[..., r]`` of ``[..., r, r]`` matrices, descending, differentiable, as
     ``torch.linalg.svdvals``; for ``r = 2`` in closed form (no host wait on a GPU, see
     :func:`leading_singular_vectors`): with ``q = |(a + d, c - b)| / 2`` and ``p = |(a - d, b +
-    c)| / 2`` of ``[[a, b], [c, d]]``, the values are ``q + p`` and ``|q - p|``. The squared
-    norms are clamped at the smallest normal number of fp32 (fp64 for fp64 input, which alone is
-    computed in its own dtype), so the gradient is finite where one of them vanishes (a value grows
-    by at most that number's square root, 1e-19 in fp32)."""
+    c)| / 2`` of ``[[a, b], [c, d]]``, the values are ``q + p`` and ``|q - p|``, in a few
+    batched operations (a matrix product for the four half sums). The squared norms are clamped
+    at the smallest normal number of fp32 (fp64 for fp64 input, which alone is computed in its own
+    dtype), so the gradient is finite where one of them vanishes (a value grows by at most twice
+    that number's square root, 2e-19 in fp32)."""
     if c.shape[-1] != 2:
         return torch.linalg.svdvals(c)
     work = c if c.dtype == torch.float64 else c.float()  # fp16's smallest normal would show
-    a, b, cc, d = work[..., 0, 0], work[..., 0, 1], work[..., 1, 0], work[..., 1, 1]
-    tiny = torch.finfo(work.dtype).tiny
-    q = ((a + d).square() + (cc - b).square()).clamp_min(tiny).sqrt() / 2
-    p = ((a - d).square() + (b + cc).square()).clamp_min(tiny).sqrt() / 2
-    return torch.stack([q + p, (q - p).abs()], -1).to(c.dtype)
+    half, both = _rank2_maps(work.dtype, work.device)
+    pairs = (work.flatten(-2) @ half.T).unflatten(-1, (2, 2))  # [..., (q, p), 2]
+    qp = pairs.square().sum(-1).clamp_min(torch.finfo(work.dtype).tiny).sqrt()
+    return (qp @ both.T).abs().to(c.dtype)
 
 
 def rank1_selector(cores: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
