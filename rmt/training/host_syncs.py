@@ -11,7 +11,9 @@ and megatron that called them, so that a CPU test can hold the step to the waits
 Written here because torch has no device-independent detector.
 
 The mode is thread-local: work run by another thread (the async memory stream's worker on the
-CPU) is not seen.
+CPU) is not seen. Nor are copies from the host to the device (``torch.tensor(numbers,
+device=...)``, ``.to(device)`` of a tensor in pageable memory), which on a GPU wait for the
+stream before they start and on the CPU copy nothing.
 """
 
 from __future__ import annotations
