@@ -65,7 +65,8 @@ def test_memory_training_step_waits_only_for_the_gradient_norm(memory):
     waits for the device. Before: the rank-1 selector's and the auxiliary loss's SVDs (a solver
     status read on the host, one wait each per layer), the fused step's squared norm read per
     table, each micro-batch's loss read apart, and its causal mask read for document boundaries.
-    What waits: the gradient norm that clipping compares and, at the end, the step's losses."""
+    What waits: the step's losses, read after the backward, and the gradient norm that clipping
+    compares."""
     try:
         trainer = _trainer(memory)
         trainer.train_step()

@@ -203,7 +203,7 @@ def clip_gradients(params: List[torch.nn.Parameter], max_norm: float) -> float:
     norm_sq = grad_sq_norm(grads[True], parallel_state.get_model_parallel_group())
     if parallel_state.get_expert_model_parallel_world_size() > 1:
         norm_sq += grad_sq_norm(grads[False], parallel_state.get_expert_tensor_model_pipeline_parallel_group())
-    norm = float(norm_sq + memory_grad_sq_norm(params)) ** 0.5  # the step's one wait for the device
+    norm = float(norm_sq + memory_grad_sq_norm(params)) ** 0.5  # one wait for the device: clipping decides here
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
         torch._foreach_mul_([p.grad for p in params if p.grad is not None and not p.grad.is_sparse], scale)
