@@ -25,7 +25,7 @@ coefficient: ``schedule`` is AdamW with coefficient ``wd / lr``.
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 from megatron.core import parallel_state
@@ -188,13 +188,13 @@ def grad_sq_norm(grads: List[torch.Tensor], group) -> torch.Tensor:
     return sq
 
 
-def clip_gradients(params: List[torch.nn.Parameter], max_norm: float) -> float:
-    """Global L2 norm (each TP-duplicated parameter counted once): replicated parameters over
-    the model-parallel group, expert-parallel MoE experts (megatron's ``allreduce = False``)
-    over the expert-tensor x expert-model x pipeline group that holds each expert once,
-    self-reduced memory tables (sharded or with sparse gradients) by
-    :func:`~rmt.memory.groups.memory_grad_sq_norm`; scales gradients in place when above
-    ``max_norm``. Returns the norm."""
+def global_grad_sq_norm(params: List[torch.nn.Parameter]) -> torch.Tensor:
+    """Squared global L2 norm of the gradients of ``params`` (each TP-duplicated parameter
+    counted once): replicated parameters over the model-parallel group, expert-parallel MoE
+    experts (megatron's ``allreduce = False``) over the expert-tensor x expert-model x pipeline
+    group that holds each expert once, self-reduced memory tables (sharded or with sparse
+    gradients) by :func:`~rmt.memory.groups.memory_grad_sq_norm`. A one-element fp64 tensor on
+    the compute device: nothing here waits for it."""
     grads = {True: [], False: []}
     for p in params:
         if p.grad is not None and not self_reduced(p) and param_is_not_shared(p) \
@@ -203,7 +203,16 @@ def clip_gradients(params: List[torch.nn.Parameter], max_norm: float) -> float:
     norm_sq = grad_sq_norm(grads[True], parallel_state.get_model_parallel_group())
     if parallel_state.get_expert_model_parallel_world_size() > 1:
         norm_sq += grad_sq_norm(grads[False], parallel_state.get_expert_tensor_model_pipeline_parallel_group())
-    norm = float(norm_sq + memory_grad_sq_norm(params)) ** 0.5  # one wait for the device: clipping decides here
+    return norm_sq + memory_grad_sq_norm(params)
+
+
+def clip_gradients(params: List[torch.nn.Parameter], max_norm: float, norm: Optional[float] = None) -> float:
+    """Scales the gradients of ``params`` in place when their global L2 norm is above ``max_norm``;
+    returns the norm. ``norm``: that norm where the caller read it already (the trainer reads it
+    with the step's losses, one wait for the device), else :func:`global_grad_sq_norm` is read
+    here."""
+    if norm is None:
+        norm = float(global_grad_sq_norm(params)) ** 0.5
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
         torch._foreach_mul_([p.grad for p in params if p.grad is not None and not p.grad.is_sparse], scale)

@@ -36,10 +36,15 @@ from rmt.training import checkpoint, preemption
 from rmt.training.host_heap import retain_freed_memory
 from rmt.training.loss import lm_loss
 from rmt.training.lr_control import ValidationLR
-from rmt.training.optimizer import build_optimizer, build_scheduler, clip_gradients, warmup_steps
+from rmt.training.optimizer import (build_optimizer, build_scheduler, clip_gradients, global_grad_sq_norm,
+                                    warmup_steps)
 from rmt.training.same_model import model_difference
 from rmt.training.step_log import new_run_name, open_jsonl, open_tensorboard, run_log_dir
 from rmt.training.weight_average import WeightAverage
+
+
+#: The losses a step reports, in the order of :meth:`Trainer._reduce_losses`' tensor.
+LOSSES = ("lm loss", "loss")
 
 
 class Trainer:
@@ -182,7 +187,8 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _run_schedule(self, dataset, first_sample: int, forward_only: bool) -> Dict[str, float]:
+    def _run_schedule(self, dataset, first_sample: int, forward_only: bool) -> torch.Tensor:
+        """The schedule over one global batch; its losses (:meth:`_reduce_losses`)."""
         t = self.config.train
         batches = microbatches(dataset, first_sample, t.micro_batch_size, self.num_microbatches,
                                self.dp_rank, self.dp_size)
@@ -200,9 +206,11 @@ class Trainer:
         )
         return self._reduce_losses(losses)
 
-    def _reduce_losses(self, losses) -> Dict[str, float]:
-        """Mean over microbatches and data-parallel ranks, made known to every rank."""
-        names = ("lm loss", "loss")
+    def _reduce_losses(self, losses) -> torch.Tensor:
+        """Mean over microbatches and data-parallel ranks of each of :data:`LOSSES`, made known to
+        every rank: an fp64 tensor on the compute device, read by the caller (a wait for the
+        device, which the training step shares with the gradient norm's)."""
+        names = LOSSES
         # on the compute device: an NCCL process group takes no CPU tensors
         vals = torch.zeros(len(names), dtype=torch.float64, device=compat.device())
         owner = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
@@ -213,7 +221,7 @@ class Trainer:
                        / len(losses) / self.dp_size)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(vals)
-        return dict(zip(names, vals.tolist()))
+        return vals
 
     def train_step(self) -> Dict[str, float]:
         start = time.perf_counter()
@@ -221,7 +229,7 @@ class Trainer:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad(set_to_none=True)
         self.forwards = [0] * len(self.chunks)
-        metrics = self._run_schedule(self.train_ds, self.consumed_samples, forward_only=False)
+        losses = self._run_schedule(self.train_ds, self.consumed_samples, forward_only=False)
         finish_memory_grads(self.chunks)
         sync_running_stats(self.chunks, parallel_state.get_data_parallel_group())
         for p in self.params:
@@ -229,7 +237,10 @@ class Trainer:
                 # DDP reduces in fp32; a bf16 parameter (a local bf16 memory table under AdamW,
                 # memory.value_dtype) steps on that gradient rounded once to its dtype
                 p.grad = p.main_grad if p.main_grad.dtype == p.dtype else p.main_grad.to(p.dtype)
-        metrics["grad_norm"] = clip_gradients(self.params, self.config.train.clip_grad)
+        # the step's one wait for the device: its losses and gradient norm, read together
+        *values, norm_sq = torch.cat([losses, global_grad_sq_norm(self.params).reshape(1)]).tolist()
+        metrics = dict(zip(LOSSES, values))
+        metrics["grad_norm"] = clip_gradients(self.params, self.config.train.clip_grad, norm_sq ** 0.5)
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         if self.average is not None:
@@ -258,7 +269,7 @@ class Trainer:
             chunk.eval()
         try:
             for i in range(t.eval_iters):
-                total += self._run_schedule(self.valid_ds, i * self.global_batch, forward_only=True)["lm loss"]
+                total += float(self._run_schedule(self.valid_ds, i * self.global_batch, forward_only=True)[0])
         finally:
             for chunk in self.chunks:
                 chunk.train()
