@@ -1,7 +1,8 @@
 """Decoding-speed paths of the retrieval: the grouped top-m equals ``topk``, TDQKR through it
 equals the exact top-m of a rank-1 core on a grid large enough to take that path, the closed-form
-rank-2 singular vectors and values equal the SVD's, the fused CPU selection equals the torch one, and a memory layer without autograd (cached weight terms) equals
-the layer with autograd, also after its weights change."""
+rank-2 singular vectors and values equal the SVD's, the fused CPU selection equals the torch one,
+and a memory layer without autograd (cached weight terms) equals the layer with autograd, also
+after its weights change."""
 
 import pytest
 import torch

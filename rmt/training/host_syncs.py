@@ -40,6 +40,11 @@ WAITING_OPS = frozenset({
 #: aten operations that wait when one of their indices is a boolean mask (turned into
 #: ``nonzero``, whose size the host must know), but for :func:`_masked_fill`'s case.
 MASK_INDEX_OPS = frozenset({"index", "index_put", "index_put_", "_index_put_impl_"})
+#: Callers that work on the host's own tensors on a GPU machine too (data loading).
+HOST_SIDE = ("rmt/data/", "megatron/core/datasets/")
+#: Tensor methods that copy to the host (a wait on a GPU), which on the CPU return the tensor's
+#: own data without an aten operation: recorded by wrapping them while an audit is open.
+HOST_COPIES = ("tolist", "numpy", "cpu")
 #: The packages whose frames are reported as callers: rmt and megatron (not this module).
 CALLER_ROOTS = (os.path.dirname(os.path.abspath(rmt.__file__)),
                 os.path.dirname(os.path.dirname(os.path.abspath(megatron.core.__file__))))
@@ -77,13 +82,6 @@ def caller(depth: int = 2) -> str:
         if len(out) == depth:
             break
     return " < ".join(out)
-
-
-#: Callers that work on the host's own tensors on a GPU machine too (data loading).
-HOST_SIDE = ("rmt/data/", "megatron/core/datasets/")
-#: Tensor methods that copy to the host (a wait on a GPU), which on the CPU return the tensor's
-#: own data without an aten operation: recorded by wrapping them while an audit is open.
-HOST_COPIES = ("tolist", "numpy", "cpu")
 
 
 class HostSyncAudit(TorchDispatchMode):

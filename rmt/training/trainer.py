@@ -210,14 +210,13 @@ class Trainer:
         """Mean over microbatches and data-parallel ranks of each of :data:`LOSSES`, made known to
         every rank: an fp64 tensor on the compute device, read by the caller (a wait for the
         device, which the training step shares with the gradient norm's)."""
-        names = LOSSES
         # on the compute device: an NCCL process group takes no CPU tensors
-        vals = torch.zeros(len(names), dtype=torch.float64, device=compat.device())
+        vals = torch.zeros(len(LOSSES), dtype=torch.float64, device=compat.device())
         owner = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
                  and parallel_state.get_tensor_model_parallel_rank() == 0)
         if owner and losses:
             # summed on the device: reading each micro-batch's loss would wait for the device each time
-            vals.copy_(torch.stack([torch.stack([d[n].reshape(()).double() for n in names]) for d in losses]).sum(0)
+            vals.copy_(torch.stack([torch.stack([d[n].reshape(()).double() for n in LOSSES]) for d in losses]).sum(0)
                        / len(losses) / self.dp_size)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(vals)
