@@ -410,6 +410,14 @@ class TrainConfig:
     step, instead of returning it to the OS and faulting it in again (glibc only; 20% of the tiny
     RMT's CPU step time, :mod:`rmt.training.host_heap`); ``0`` = the C library's defaults."""
 
+    flush_denormal: bool = True
+    """Flush denormal floats to zero in CPU arithmetic (``torch.set_flush_denormal``: x86's FTZ and
+    DAZ), as TensorFlow's and XLA's CPU runtimes do by default. The attention probabilities of
+    far keys under ALiBi underflow into the denormal range, which Intel cores compute by microcode
+    assist: the RMT's attention backward took 1.4x as long at 256 tokens (docs/benchmarks.md).
+    Results change only where a value falls below 1.2e-38, which becomes 0. ``false`` = IEEE
+    gradual underflow, torch's default."""
+
 
 @dataclass
 class MemoryConfig:

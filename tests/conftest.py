@@ -178,6 +178,18 @@ def json_history(path):
         return json.load(f)["history"]
 
 
+@pytest.fixture(autouse=True)
+def ieee_underflow():
+    """Every test starts and ends with the CPU's IEEE gradual underflow, torch's default: a
+    trainer built in this process turns on flushing denormals to zero (``train.flush_denormal``),
+    which would otherwise carry into the tests after it."""
+    import torch
+
+    torch.set_flush_denormal(False)
+    yield
+    torch.set_flush_denormal(False)
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
     """One tokenized default-corpus slice for the whole session."""

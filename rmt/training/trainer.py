@@ -61,6 +61,7 @@ class Trainer:
         if t.threads:
             torch.set_num_threads(t.threads)
         retain_freed_memory(t.host_heap_retain_mib)
+        torch.set_flush_denormal(t.flush_denormal)
         self.device = compat.device()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
