@@ -4,6 +4,7 @@
 // 3 to 36):
 //
 //   rows_by_keys   out[j, k] = sum_h a[h, j] b[h, k]     b [n, Dk]   (the write; the read's dy)
+//                  (+ add[j, k] after the sum, where add is given: the write's residual)
 //   keys_by_rows   out[h, k] = sum_j a[h, j] y[j, k]     y [m, Dk]   (the read's and the write's dkeys)
 //
 // Written by hand because these GEMMs have a reduction or output side of only n or Dk, shapes for
@@ -25,9 +26,11 @@ inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
 
 // out[t, :] = sum_i a[i*si + t*st] v[i, :] for t < T (v [steps, Dk]): T x Dk/8 accumulators, one
 // pass over v. Both products are this tile: rows_by_keys steps over the keys (v = b) for T rows,
-// keys_by_rows over the rows (v = y) for T keys. T = 64 / Dk: 8 accumulators.
+// keys_by_rows over the rows (v = y) for T keys. T = 64 / Dk: 8 accumulators. Where add is given,
+// out[t, :] = (the sum) + add[t, :], one rounding, as adding the two tensors afterwards rounds.
 template <int DK, int T>
-inline void outer_product_tile(const float* a, int64_t si, int64_t st, const float* v, float* out, int64_t steps) {
+inline void outer_product_tile(const float* a, int64_t si, int64_t st, const float* v, float* out, int64_t steps,
+                               const float* add) {
   constexpr int NV = DK / 8;
   v8 acc[T][NV] = {};
   for (int64_t i = 0; i < steps; ++i) {
@@ -39,33 +42,37 @@ inline void outer_product_tile(const float* a, int64_t si, int64_t st, const flo
     }
   }
   for (int t = 0; t < T; ++t)
-    for (int q = 0; q < NV; ++q) store8(out + t * DK + 8 * q, acc[t][q]);
+    for (int q = 0; q < NV; ++q)
+      store8(out + t * DK + 8 * q, add ? acc[t][q] + load8(add + t * DK + 8 * q) : acc[t][q]);
 }
 
-// The tiles over count outputs: out[t, :] = sum_i a[i*si + t*st] v[i, :] for t < count.
+// The tiles over count outputs: out[t, :] = sum_i a[i*si + t*st] v[i, :] (+ add[t, :]) for t < count.
 template <int DK>
-void outer_products(const float* a, int64_t si, int64_t st, const float* v, float* out, int64_t steps, int64_t count) {
+void outer_products(const float* a, int64_t si, int64_t st, const float* v, float* out, int64_t steps, int64_t count,
+                    const float* add) {
   constexpr int T = 64 / DK;
   int64_t t = 0;
-  for (; t + T <= count; t += T) outer_product_tile<DK, T>(a + t * st, si, st, v, out + t * DK, steps);
-  for (; t < count; ++t) outer_product_tile<DK, 1>(a + t * st, si, st, v, out + t * DK, steps);
+  for (; t + T <= count; t += T)
+    outer_product_tile<DK, T>(a + t * st, si, st, v, out + t * DK, steps, add ? add + t * DK : nullptr);
+  for (; t < count; ++t)
+    outer_product_tile<DK, 1>(a + t * st, si, st, v, out + t * DK, steps, add ? add + t * DK : nullptr);
 }
 
 inline bool tiled_width(int64_t dk) { return dk == 16 || dk == 32; }
 
 inline void outer_products(int64_t dk, const float* a, int64_t si, int64_t st, const float* v, float* out,
-                           int64_t steps, int64_t count) {
+                           int64_t steps, int64_t count, const float* add = nullptr) {
   if (dk == 16)
-    outer_products<16>(a, si, st, v, out, steps, count);
+    outer_products<16>(a, si, st, v, out, steps, count, add);
   else
-    outer_products<32>(a, si, st, v, out, steps, count);
+    outer_products<32>(a, si, st, v, out, steps, count, add);
 }
 
 // The two products of the header comment, for a runtime Dk of 16 or 32 (the caller checks
 // tiled_width).
 inline void rows_by_keys(int64_t dk, const float* a, int64_t sh, int64_t sj, const float* b, float* out, int64_t n,
-                         int64_t m) {
-  outer_products(dk, a, sh, sj, b, out, n, m);
+                         int64_t m, const float* add = nullptr) {
+  outer_products(dk, a, sh, sj, b, out, n, m, add);
 }
 
 inline void keys_by_rows(int64_t dk, const float* a, int64_t sh, int64_t sj, const float* y, float* out, int64_t n,

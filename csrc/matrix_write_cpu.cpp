@@ -2,6 +2,7 @@
 // and the torch reference), CPU, float32, Dk 16 or 32:
 //
 //   forward   out[j, k] = sum_h data[j, h] keys[k, h]           data [M, n], keys [Dk, n], out [M, Dk]
+//             (+ residual[j, k], where given: the layer's residual add, in the same pass)
 //   backward  ddata[j, h] = sum_k grad[j, k] keys[k, h],   dkeys[k, h] = sum_j grad[j, k] data[j, h]
 //
 // with M = tokens x Dv rows and n (R, or R + position keys) of a few data vectors per row. As a
@@ -40,18 +41,26 @@ bool check(const torch::Tensor& data, const torch::Tensor& keys) {
   return key_major;
 }
 
-torch::Tensor forward(const torch::Tensor& data, const torch::Tensor& keys) {
+// residual: an undefined tensor, or a contiguous float32 [M, Dk] added to the product (each sum
+// rounded, then the addition: the bits of adding the two tensors afterwards, without the product
+// going to memory and being read back).
+torch::Tensor forward(const torch::Tensor& data, const torch::Tensor& keys, const c10::optional<torch::Tensor>& residual) {
   const bool key_major = check(data, keys);
   const int64_t M = data.size(0), n = data.size(1), dk = keys.size(0);
   const int64_t sh = key_major ? M : 1, sj = key_major ? 1 : n;
   const auto keys_t = keys.t().contiguous();  // [n, Dk]
+  const bool add = residual.has_value() && residual->defined();
+  TORCH_CHECK(!add || (residual->scalar_type() == torch::kFloat32 && residual->is_contiguous() &&
+                       residual->sizes() == at::IntArrayRef{M, dk}),
+              "residual must be a contiguous float32 [M, Dk] tensor");
   auto out = torch::empty({M, dk}, data.options().memory_format(at::MemoryFormat::Contiguous));
   const float *a = data.data_ptr<float>(), *b = keys_t.data_ptr<float>();
+  const float* r = add ? residual->data_ptr<float>() : nullptr;
   float* o = out.data_ptr<float>();
   at::parallel_for(0, (M + kRows - 1) / kRows, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t j0 = blk * kRows, m = std::min(kRows, M - j0);
-      rmt_cpu::rows_by_keys(dk, a + j0 * sj, sh, sj, b, o + j0 * dk, n, m);
+      rmt_cpu::rows_by_keys(dk, a + j0 * sj, sh, sj, b, o + j0 * dk, n, m, r ? r + j0 * dk : nullptr);
     }
   });
   return out;
@@ -91,6 +100,7 @@ std::vector<torch::Tensor> backward(const torch::Tensor& grad, const torch::Tens
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward", &forward, "RMT write forward: data [M, n] (token- or key-major), keys [Dk, n] -> [M, Dk]");
+  m.def("forward", &forward, "RMT write forward: data [M, n] (token- or key-major), keys [Dk, n], residual [M, Dk] or "
+        "None -> [M, Dk]", py::arg("data"), py::arg("keys"), py::arg("residual") = py::none());
   m.def("backward", &backward, "RMT write backward -> (ddata in data's layout, dkeys)");
 }

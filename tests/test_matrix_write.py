@@ -120,3 +120,37 @@ def test_bf16_autocast_runs_the_kernel_on_bf16_rounded_inputs(key_major, monkeyp
         assert got.dtype == torch.float32 and torch.equal(got, got.to(torch.bfloat16).float())
         assert ((got.double() - want).abs() <= (2 ** -8 * want.abs() + bound) * 1.01).all()
     assert d.grad.t().is_contiguous() == key_major
+
+
+@pytest.mark.parametrize("key_major", [False, True], ids=["token_major", "key_major"])
+@pytest.mark.parametrize("M, n, dk", [(1050, 6, 16), (4099, 5, 32)], ids=["one_block_dk16", "three_blocks_dk32"])
+def test_residual_added_in_the_kernel_is_the_separate_addition(key_major, M, n, dk, monkeypatch):
+    """``matrix_write(..., residual=r)`` (the RMT layer's residual add, done as the kernel stores each
+    row) equals ``r + matrix_write(...)`` bit for bit, forward and backward: every sum is rounded
+    before the addition, as the separate addition rounds it, and the residual's gradient is the
+    output's. One kernel call, no separate addition; a residual in a layout the kernel does not
+    take (not contiguous) or of another dtype is added after it, as before."""
+    import rmt.ops.matrix_write as mw
+
+    data, keys, grad = _case(M, n, dk, key_major)
+    d = (data.t().float().contiguous().t() if key_major else data.float()).requires_grad_()
+    k = keys.float().requires_grad_()
+    r = torch.randn(M, dk, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    g = grad.float()
+    calls = []
+    apply = mw.FusedMatrixWrite.apply
+    monkeypatch.setattr(mw.FusedMatrixWrite, "apply", lambda *a: calls.append(len(a)) or apply(*a))
+    fused = matrix_write(d, k, residual=r)
+    fused.backward(g)
+    got = [fused.detach(), d.grad, k.grad, r.grad]
+    assert calls == [3]
+    d.grad = k.grad = r.grad = None
+    separate = r + matrix_write(d, k)
+    separate.backward(g)
+    assert calls == [3, 2]
+    for name, a, b in zip(("out", "ddata", "dkeys", "dresidual"), got, (separate.detach(), d.grad, k.grad, r.grad)):
+        assert torch.equal(a, b), name
+    r_t = r.detach().t().contiguous().t()
+    assert torch.equal(matrix_write(d, k, residual=r_t), r_t + matrix_write(d, k)) and calls[-2:] == [2, 2]
+    with pytest.raises(RuntimeError, match=r"residual must be a contiguous float32 \[M, Dk\] tensor"):
+        _ext().forward(d.detach(), k.detach(), r.detach()[:-1])

@@ -75,11 +75,12 @@ def ffn_hidden_size(config: RMTConfig) -> int:
     return m.ffn_hidden_size or 4 * m.rank * m.dv
 
 
-def write(data: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+def write(data: torch.Tensor, keys: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Store n data vectors (Eq. 12 without the norm): ``data [..., Dv, n]``, ``keys [Dk, n]``
     -> ``[..., Dv, Dk]`` with ``out[..., v, k] = sum_h keys[k, h] data[..., v, h]``, i.e.
-    ``sum_h w^(h) (x) x^(h)`` transposed."""
-    return matrix_write(data, keys)
+    ``sum_h w^(h) (x) x^(h)`` transposed; into ``residual`` (``[..., Dv, Dk]``: ``residual +
+    out``, Eq. 15-16) where given, added as the write stores its rows."""
+    return matrix_write(data, keys, residual=residual)
 
 
 def alibi_slopes(rank: int) -> torch.Tensor:
@@ -162,7 +163,7 @@ class RMTLayer(MegatronModule):
         self.activation = config.activation_func
 
     def attention(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """Eq. 20-22. The read is key-major, ``[3*heads, s*b*Dv]``, so q, k and v are strided
+        """Eq. 15, 20-22: ``x`` plus the attention's write. The read is key-major, ``[3*heads, s*b*Dv]``, so q, k and v are strided
         views with Dv innermost in the ``[b, heads, s, Dv]`` shape the fused attention kernel
         takes, and its output, laid out like q, is a free view of the ``[s, b*Dv, heads]``
         input of the write (no permutation copy either way). Under TP each rank reads its own
@@ -178,20 +179,23 @@ class RMTLayer(MegatronModule):
             ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scale)
         ctx = ctx.to(qkv.dtype).permute(2, 0, 3, 1).reshape(s, b * self.dv, heads)
         # attn_write is a RowParallelLinear for its weight's TP sharding: its forward (a linear
-        # layer, then the sum over TP ranks) computed by the write kernel.
+        # layer, then the sum over TP ranks) computed by the write kernel, which adds the residual
+        # itself where there is no sum over ranks after it.
+        if parallel_state.get_tensor_model_parallel_world_size() == 1:
+            return write(ctx.view(s, b, self.dv, heads), self.attn_write.weight, residual=x)
         out = tensor_parallel.reduce_from_tensor_model_parallel_region(write(ctx, self.attn_write.weight))
-        return out.view(s, b, self.dv, self.dk)
+        return x + out.view(s, b, self.dv, self.dk)
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Eq. 16, 23-25: ``x`` plus the feed-forward's write."""
         s, b = x.shape[:2]
         h = self.ff_norm.read(x, self.ff_read.weight).view(s, b, self.dv * self.rank)
         h, _ = self.fc1(h)
         h, _ = self.fc2(self.activation(h))
-        return write(h.view(s, b, self.dv, self.rank), self.ff_write.weight)
+        return write(h.view(s, b, self.dv, self.rank), self.ff_write.weight, residual=x)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(x, bias)
-        return x + self.feed_forward(x)
+        return self.feed_forward(self.attention(x, bias))
 
 
 class RMTUnembedding(MegatronModule):

@@ -4,7 +4,9 @@ Dv x Dk residual matrix with n key vectors,
     out[j, k] = sum_h data[j, h] keys[k, h]
 
 for ``data [..., n]`` (rows j = a token's Dv entries), ``keys [Dk, n]``, ``out [..., Dk]``: a linear
-layer with n inputs. The reference is ``F.linear``; the CPU kernel of ``csrc/matrix_write_cpu.cpp``
+layer with n inputs. With a ``residual`` of out's shape, ``residual + out`` (Eq. 15-16's residual
+add): the kernel adds it as it stores each row, so the written matrix does not go to memory and
+come back for a separate addition (the same bits: every sum rounded, then the addition rounded). The reference is ``F.linear``; the CPU kernel of ``csrc/matrix_write_cpu.cpp``
 computes the same products with register tiles and a key-major GEMM, where MKL's sgemm is slow on
 the backward of these shapes (n = R, 4 in the tiny RMT), for float32 with Dk 16 or 32, data
 token-major (contiguous) or key-major (the transpose of a contiguous tensor: the attention's
@@ -20,20 +22,23 @@ BACKENDS = ("cpu", "torch")
 
 
 class FusedMatrixWrite(torch.autograd.Function):
-    """The CPU kernel: ``apply(data [M, n], keys [Dk, n])``, float32, data contiguous or the
-    transpose of a contiguous tensor; the data gradient comes in data's layout."""
+    """The CPU kernel: ``apply(data [M, n], keys [Dk, n], residual [M, Dk] or None)``, float32, data
+    contiguous or the transpose of a contiguous tensor, the residual contiguous; the data gradient
+    comes in data's layout, the residual's is the output's."""
 
     @staticmethod
-    def forward(ctx, data, keys):
+    def forward(ctx, data, keys, residual=None):
         ctx.save_for_backward(data, keys)
-        return _ext().forward(data, keys.detach())
+        return _ext().forward(data, keys.detach(), None if residual is None else residual.detach())
 
     @staticmethod
     def backward(ctx, grad):
         data, keys = ctx.saved_tensors
         want = ctx.needs_input_grad
-        grad_data, grad_keys = _ext().backward(grad.contiguous(), data, keys.detach(), want[0], want[1])
-        return (grad_data if want[0] else None), (grad_keys if want[1] else None)
+        grad_data, grad_keys = (_ext().backward(grad.contiguous(), data, keys.detach(), want[0], want[1])
+                                if want[0] or want[1] else (None, None))
+        grad_residual = grad if len(want) == 3 and want[2] else None  # apply(data, keys): two inputs
+        return (grad_data if want[0] else None), (grad_keys if want[1] else None), grad_residual
 
 
 def _ext():
@@ -44,7 +49,8 @@ def _ext():
 
 def _fits(flat: torch.Tensor, keys: torch.Tensor) -> bool:
     """Where the kernel applies: CPU, Dk 16 or 32, data rows token- or key-major, and float32
-    inputs, or float32 / bf16 inputs under CPU autocast to bf16 (:func:`_bf16_write`)."""
+    inputs, or float32 / bf16 inputs under CPU autocast to bf16 (:func:`_bf16_write`, which adds a
+    residual afterwards)."""
     if torch.is_autocast_enabled("cpu"):
         dtypes = (torch.get_autocast_dtype("cpu") == torch.bfloat16
                   and {flat.dtype, keys.dtype} <= {torch.float32, torch.bfloat16})
@@ -67,14 +73,22 @@ def _bf16_write(flat: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return out.to(torch.bfloat16)
 
 
-def matrix_write(data: torch.Tensor, keys: torch.Tensor, backend: str = None) -> torch.Tensor:
-    """``data [..., n]`` written with ``keys [Dk, n]``: ``[..., Dk]``. ``backend``: ``"cpu"`` (the
-    kernel; by default wherever it applies: CPU float32, or under CPU autocast to bf16, Dk 16 or
-    32, data rows token- or key-major, the extension built) or ``"torch"`` (``F.linear``)."""
+def matrix_write(data: torch.Tensor, keys: torch.Tensor, backend: str = None,
+                 residual: torch.Tensor = None) -> torch.Tensor:
+    """``data [..., n]`` written with ``keys [Dk, n]``: ``[..., Dk]``, plus ``residual`` (that shape)
+    where given. ``backend``: ``"cpu"`` (the kernel; by default wherever it applies: CPU float32,
+    or under CPU autocast to bf16, Dk 16 or 32, data rows token- or key-major, the extension
+    built; a contiguous float32 residual is added in the kernel) or ``"torch"`` (``F.linear``, then
+    the addition)."""
     if backend not in (None,) + BACKENDS:
         raise ValueError(f"matrix_write: backend must be one of {BACKENDS}; got {backend!r}")
     flat = data.reshape(-1, data.shape[-1])
     if backend == "torch" or (backend is None and not (_fits(flat, keys) and _ext() is not None)):
-        return F.linear(data, keys)
-    write = _bf16_write if torch.is_autocast_enabled("cpu") else FusedMatrixWrite.apply
-    return write(flat, keys).view(*data.shape[:-1], keys.shape[0])
+        out = F.linear(data, keys)
+    elif torch.is_autocast_enabled("cpu"):
+        out = _bf16_write(flat, keys).view(*data.shape[:-1], keys.shape[0])
+    elif residual is not None and residual.dtype == torch.float32 and residual.is_contiguous():
+        return FusedMatrixWrite.apply(flat, keys, residual.view(flat.shape[0], -1)).view(residual.shape)
+    else:
+        out = FusedMatrixWrite.apply(flat, keys).view(*data.shape[:-1], keys.shape[0])
+    return out if residual is None else residual + out
