@@ -76,10 +76,14 @@ inline acc_t<scalar_t> normalize_row(const scalar_t* xr, const scalar_t* g, scal
   return r;
 }
 
-// One row's backward: dx = r (dy g - x c r^2 / n); dg += r dy x when dg is given.
+// One row's backward: dx = r (dy g - x c r^2 / n); dg += r dy x when dg is given. Where add is
+// given, add's row is then added to the stored dx (one more rounding): the bits of adding the two
+// gradients afterwards, as autograd does for a residual that is also read. A second loop over the
+// row (in L1): in the first, GCC contracts r * (...) + add into one fused multiply-add, which
+// skips dx's rounding.
 template <typename scalar_t>
 inline void backward_row(const scalar_t* dyr, const scalar_t* xr, const scalar_t* g, acc_t<scalar_t> r, scalar_t* dxr,
-                         acc_t<scalar_t>* dg, int64_t n) {
+                         acc_t<scalar_t>* dg, int64_t n, const scalar_t* add = nullptr) {
   using A = acc_t<scalar_t>;
   const A c = dot<A, true>(dyr, g, xr, n);
   const A k = c * r * r / static_cast<A>(n);
@@ -88,6 +92,8 @@ inline void backward_row(const scalar_t* dyr, const scalar_t* xr, const scalar_t
     dxr[j] = static_cast<scalar_t>(r * (d * static_cast<A>(g[j]) - v * k));
     if (dg) dg[j] += r * d * v;
   }
+  if (add)
+    for (int64_t j = 0; j < n; ++j) dxr[j] = static_cast<scalar_t>(static_cast<A>(dxr[j]) + static_cast<A>(add[j]));
 }
 
 template <typename scalar_t>
@@ -214,11 +220,17 @@ std::vector<torch::Tensor> norm_read_forward(const torch::Tensor& x, const torch
   return {out, rstd};
 }
 
-// -> (dx [T, n], dgain [n] or empty, dkeys [n_keys, Dk] or empty)
+// -> (dx [T, n] (+ grad_residual, a contiguous [T, n] of x's dtype, where given: the gradient that
+// reaches x past the norm, added in the same pass), dgain [n] or empty, dkeys [n_keys, Dk] or empty)
 std::vector<torch::Tensor> norm_read_backward(const torch::Tensor& grad, const torch::Tensor& x, const torch::Tensor& gain,
                                               const torch::Tensor& keys, const torch::Tensor& rstd, bool key_major,
-                                              bool want_dg, bool want_dkeys) {
+                                              bool want_dg, bool want_dkeys,
+                                              const c10::optional<torch::Tensor>& grad_residual) {
   check_read(x, gain, keys);
+  const bool add = grad_residual.has_value() && grad_residual->defined();
+  TORCH_CHECK(!add || (grad_residual->scalar_type() == x.scalar_type() && grad_residual->is_contiguous() &&
+                       grad_residual->sizes() == x.sizes()),
+              "grad_residual must be a contiguous tensor of x's shape and dtype");
   const int64_t T = x.size(0), n = x.size(1), dk = keys.size(1), dv = n / dk, heads = keys.size(0);
   TORCH_CHECK(grad.scalar_type() == x.scalar_type() && grad.dim() == 2 && grad.is_contiguous() &&
                   grad.sizes() == (key_major ? at::IntArrayRef{heads, T * dv} : at::IntArrayRef{T * dv, heads}),
@@ -255,7 +267,8 @@ std::vector<torch::Tensor> norm_read_backward(const torch::Tensor& grad, const t
         if (dg) std::fill(dg, dg + n, A(0));
         for (int64_t t = t0; t < t1; ++t) {
           const int64_t i = (t - t0) * n;
-          backward_row(dyb.data_ptr<scalar_t>() + i, xp + t * n, g, r[t], dx.data_ptr<scalar_t>() + t * n, dg, n);
+          backward_row(dyb.data_ptr<scalar_t>() + i, xp + t * n, g, r[t], dx.data_ptr<scalar_t>() + t * n, dg, n,
+                       add ? grad_residual->data_ptr<scalar_t>() + t * n : nullptr);
           if (want_dkeys) scale_row(xp + t * n, g, r[t], y.data_ptr<scalar_t>() + i, n);
         }
         if (want_dkeys) {
@@ -279,5 +292,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "matrix RMSNorm forward -> (y, rstd)");
   m.def("backward", &backward, "matrix RMSNorm backward -> (dx, dgain)");
   m.def("norm_read_forward", &norm_read_forward, "matrix RMSNorm + read forward -> (out, rstd)");
-  m.def("norm_read_backward", &norm_read_backward, "matrix RMSNorm + read backward -> (dx, dgain, dkeys)");
+  m.def("norm_read_backward", &norm_read_backward, "matrix RMSNorm + read backward -> (dx (+ grad_residual), dgain, dkeys)",
+        py::arg("grad"), py::arg("x"), py::arg("gain"), py::arg("keys"), py::arg("rstd"), py::arg("key_major"),
+        py::arg("want_dg"), py::arg("want_dkeys"), py::arg("grad_residual") = py::none());
 }

@@ -196,3 +196,37 @@ def test_norm_read_dispatch_and_inputs_without_gradient():
     assert gain.grad is None and keys.grad is None and torch.equal(x.grad, want)
     with pytest.raises(ValueError, match="backend must be one of"):
         matrix_rms_norm_read(x, gain, keys, EPS, backend="cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("key_major", [False, True], ids=["token_major", "key_major"])
+def test_norm_read_passing_the_residual_adds_its_gradient_in_the_kernel(key_major, dtype):
+    """``pass_residual=True`` returns ``(read, x)``; x's gradient, the norm's plus the one that reached
+    x through the residual, is what autograd's separate addition gives, bit for bit (the kernel
+    rounds the norm's gradient, then adds), as are the read, the gain's and the keys' gradients.
+    The torch backend returns the same pair. A residual gradient of another shape is refused."""
+    x0, gain0, _ = _case(T=130, n=512, dtype=dtype)
+    keys0 = torch.randn(12, 16, generator=torch.Generator().manual_seed(3)).to(dtype)
+    read_shape = (12, 130 * 32) if key_major else (130 * 32, 12)
+    gen = torch.Generator().manual_seed(4)
+    g_read, g_res = torch.randn(read_shape, generator=gen).to(dtype), torch.randn(130, 512, generator=gen).to(dtype)
+
+    def run(passed, backend=None):
+        x, gain, keys = (t.clone().requires_grad_() for t in (x0, gain0, keys0))
+        if passed:
+            out, res = matrix_rms_norm_read(x, gain, keys, EPS, key_major, backend, pass_residual=True)
+        else:
+            out, res = matrix_rms_norm_read(x, gain, keys, EPS, key_major, backend), x
+        torch.autograd.backward((out, res), (g_read, g_res))
+        return out.detach(), res.detach(), x.grad, gain.grad, keys.grad
+
+    fused, separate = run(True), run(False)
+    for name, a, b in zip(("read", "residual", "dx", "dgain", "dkeys"), fused, separate):
+        assert a.dtype == dtype and torch.equal(a, b), name
+    assert torch.equal(fused[1], x0)
+    if dtype == torch.float32:
+        for a, b in zip(run(True, "torch"), run(False, "torch")):
+            assert torch.equal(a, b)
+    args = (g_read, x0, gain0, keys0, torch.ones(130), key_major, False, False)
+    with pytest.raises(RuntimeError, match="grad_residual must be a contiguous tensor of x's shape and dtype"):
+        _ext().norm_read_backward(*[a.float() if torch.is_tensor(a) else a for a in args], g_res.float()[:-1])

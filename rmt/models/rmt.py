@@ -102,12 +102,16 @@ class MatrixRMSNorm(torch.nn.Module):
         flat = x.reshape(-1, self.weight.numel())
         return matrix_rms_norm(flat, self.weight, self.eps).view(x.shape)
 
-    def read(self, x: torch.Tensor, keys: torch.Tensor, key_major: bool = False) -> torch.Tensor:
+    def read(self, x: torch.Tensor, keys: torch.Tensor, key_major: bool = False, pass_residual: bool = False):
         """The norm followed by a read with ``keys [n, Dk]``, fused
         (:func:`rmt.ops.matrix_rmsnorm.matrix_rms_norm_read`): ``[tokens*Dv, n]``, or
-        ``[n, tokens*Dv]`` with ``key_major``."""
+        ``[n, tokens*Dv]`` with ``key_major``; with ``pass_residual``, ``(read, x)`` (x as given),
+        x's later gradient added in the norm's backward."""
         flat = x.reshape(-1, self.weight.numel())
-        return matrix_rms_norm_read(flat, self.weight, keys, self.eps, key_major)
+        if not pass_residual:
+            return matrix_rms_norm_read(flat, self.weight, keys, self.eps, key_major)
+        out, flat = matrix_rms_norm_read(flat, self.weight, keys, self.eps, key_major, pass_residual=True)
+        return out, flat.view(x.shape)
 
 
 class RMTEmbedding(MegatronModule):
@@ -163,17 +167,25 @@ class RMTLayer(MegatronModule):
         self.activation = config.activation_func
 
     def attention(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """Eq. 15, 20-22: ``x`` plus the attention's write. The read is key-major, ``[3*heads, s*b*Dv]``, so q, k and v are strided
-        views with Dv innermost in the ``[b, heads, s, Dv]`` shape the fused attention kernel
-        takes, and its output, laid out like q, is a free view of the ``[s, b*Dv, heads]``
-        input of the write (no permutation copy either way). Under TP each rank reads its own
-        heads: x and the gain enter through megatron's copy-to-TP region, which sums their
-        gradients (linear in the read's gradient) over the heads of all ranks."""
+        """Eq. 15, 20-22: ``x`` plus the attention's write. The read is key-major, ``[3*heads,
+        s*b*Dv]``, so q, k and v are strided views with Dv innermost in the ``[b, heads, s, Dv]``
+        shape the fused attention kernel takes, and its output, laid out like q, is a free view of
+        the ``[s, b*Dv, heads]`` input of the write (no permutation copy either way). Without TP
+        the norm passes x on as the residual and the write adds it (one pass each way). Under TP
+        each rank reads its own heads: x and the gain enter through megatron's copy-to-TP region,
+        which sums their gradients (linear in the read's gradient) over the heads of all ranks,
+        and the residual is added after the sum over ranks."""
         s, b = x.shape[:2]
         heads = self.local_heads
-        x_tp, gain_tp = (tensor_parallel.copy_to_tensor_model_parallel_region(t) for t in (x, self.attn_norm.weight))
-        qkv = matrix_rms_norm_read(x_tp.reshape(s * b, -1), gain_tp, self.attn_read.weight, self.attn_norm.eps,
-                                   key_major=True).view(heads, 3, s, b, self.dv)
+        single = parallel_state.get_tensor_model_parallel_world_size() == 1
+        if single:  # the residual continues from the read's x: its two gradients added in one pass
+            qkv, x = self.attn_norm.read(x, self.attn_read.weight, key_major=True, pass_residual=True)
+        else:
+            x_tp, gain_tp = (tensor_parallel.copy_to_tensor_model_parallel_region(t)
+                             for t in (x, self.attn_norm.weight))
+            qkv = matrix_rms_norm_read(x_tp.reshape(s * b, -1), gain_tp, self.attn_read.weight, self.attn_norm.eps,
+                                       key_major=True)
+        qkv = qkv.view(heads, 3, s, b, self.dv)
         q, k, v = (t.permute(2, 0, 1, 3).float() for t in qkv.unbind(1))
         with torch.autocast(device_type=x.device.type, enabled=False):
             ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scale)
@@ -181,7 +193,7 @@ class RMTLayer(MegatronModule):
         # attn_write is a RowParallelLinear for its weight's TP sharding: its forward (a linear
         # layer, then the sum over TP ranks) computed by the write kernel, which adds the residual
         # itself where there is no sum over ranks after it.
-        if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        if single:
             return write(ctx.view(s, b, self.dv, heads), self.attn_write.weight, residual=x)
         out = tensor_parallel.reduce_from_tensor_model_parallel_region(write(ctx, self.attn_write.weight))
         return x + out.view(s, b, self.dv, self.dk)
@@ -189,7 +201,8 @@ class RMTLayer(MegatronModule):
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Eq. 16, 23-25: ``x`` plus the feed-forward's write."""
         s, b = x.shape[:2]
-        h = self.ff_norm.read(x, self.ff_read.weight).view(s, b, self.dv * self.rank)
+        h, x = self.ff_norm.read(x, self.ff_read.weight, pass_residual=True)
+        h = h.view(s, b, self.dv * self.rank)
         h, _ = self.fc1(h)
         h, _ = self.fc2(self.activation(h))
         return write(h.view(s, b, self.dv, self.rank), self.ff_write.weight, residual=x)

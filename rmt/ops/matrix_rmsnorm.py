@@ -70,22 +70,25 @@ class FusedMatrixRMSNorm(torch.autograd.Function):
 
 class FusedMatrixRMSNormRead(torch.autograd.Function):
     """The fused CPU norm + read: ``apply(x [T, Dv*Dk] contiguous, gain [Dv*Dk], keys [n, Dk], eps,
-    key_major)``, all of x's dtype. Saves x and rstd only."""
+    key_major, pass_residual)``, all of x's dtype. Saves x and rstd only. With ``pass_residual``
+    it also returns x (a view), whose gradient the kernel adds to the norm's as it writes it."""
 
     @staticmethod
-    def forward(ctx, x, gain, keys, eps, key_major):
+    def forward(ctx, x, gain, keys, eps, key_major, pass_residual=False):
         out, rstd = _ext().norm_read_forward(x, gain, keys, eps, key_major)
         ctx.save_for_backward(x, gain, keys, rstd)
         ctx.key_major = key_major
-        return out
+        return (out, x.view_as(x)) if pass_residual else out
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, grad_residual=None):
         x, gain, keys, rstd = ctx.saved_tensors
         want = ctx.needs_input_grad
+        if grad_residual is not None:
+            grad_residual = grad_residual.to(x.dtype).contiguous()
         grad_x, grad_gain, grad_keys = _ext().norm_read_backward(
-            grad.to(x.dtype).contiguous(), x, gain, keys, rstd, ctx.key_major, want[1], want[2])
-        return grad_x, (grad_gain if want[1] else None), (grad_keys if want[2] else None), None, None
+            grad.to(x.dtype).contiguous(), x, gain, keys, rstd, ctx.key_major, want[1], want[2], grad_residual)
+        return grad_x, (grad_gain if want[1] else None), (grad_keys if want[2] else None), None, None, None
 
 
 def _ext():
@@ -116,13 +119,17 @@ def matrix_rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float, backend: st
 
 
 def matrix_rms_norm_read(x: torch.Tensor, gain: torch.Tensor, keys: torch.Tensor, eps: float,
-                         key_major: bool = False, backend: str = None) -> torch.Tensor:
+                         key_major: bool = False, backend: str = None, pass_residual: bool = False):
     """Normalize ``x [T, Dv*Dk]`` (gain ``[Dv*Dk]``) and read it with ``keys [n, Dk]`` (Eq. 13):
     ``[T*Dv, n]`` with row ``t*Dv + v``, or with ``key_major`` its transpose ``[n, T*Dv]`` (then
     each key's reads of a token's Dv entries are contiguous). ``backend``: ``"cpu"`` (the fused
     kernel, the default where :func:`matrix_rms_norm` would use it and keys have x's dtype) or
-    ``"torch"`` (:func:`matrix_rms_norm` then one GEMM)."""
+    ``"torch"`` (:func:`matrix_rms_norm` then one GEMM). ``pass_residual``: return ``(read, x)``,
+    for a residual stream that continues from x: the kernel then adds the gradient that reaches x
+    through that stream to the norm's as it writes x's gradient, the bits of autograd's separate
+    addition without its pass over memory."""
     if _backend("matrix_rms_norm_read", backend, x, gain, keys) == "cpu":
-        return FusedMatrixRMSNormRead.apply(x, gain, keys, eps, key_major)
+        return FusedMatrixRMSNormRead.apply(x, gain, keys, eps, key_major, pass_residual)
     y = matrix_rms_norm(x, gain, eps, backend).reshape(-1, keys.shape[1])
-    return torch.mm(keys, y.t()) if key_major else torch.mm(y, keys.t())
+    out = torch.mm(keys, y.t()) if key_major else torch.mm(y, keys.t())
+    return (out, x) if pass_residual else out
