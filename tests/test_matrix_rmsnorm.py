@@ -155,6 +155,17 @@ def test_fused_norm_read_float32_is_within_rounding_of_the_float64_truth(key_maj
         assert excess <= 0, (name, excess)
 
 
+@pytest.mark.parametrize("heads", [2, 3, 4, 5, 6, 8, 12, 16])
+def test_fused_norm_read_token_major_is_the_key_major_read_transposed(heads):
+    """The token-major forward computes the key-major product and transposes it (block_ops.h,
+    with the key count as a compile-time constant for 2, 3, 4, 6, 8, 12 and 16, and read at run
+    time otherwise): the same bits as the key-major output's transpose."""
+    x, gain, keys, _ = _read_case(T=150, dv=32, dk=16, heads=heads)
+    token = matrix_rms_norm_read(x, gain, keys, EPS, key_major=False, backend="cpu")
+    key = matrix_rms_norm_read(x, gain, keys, EPS, key_major=True, backend="cpu")
+    assert token.shape == (150 * 32, heads) and torch.equal(token, key.t())
+
+
 @pytest.mark.parametrize("key_major", [False, True], ids=["token_major", "key_major"])
 def test_fused_norm_read_float64_gradients_are_the_derivative(key_major):
     x, gain, keys, _ = _read_case(T=5, dv=3, dk=4, heads=2, dtype=torch.float64, key_major=key_major)
