@@ -6,11 +6,11 @@ Dv x Dk residual matrix with n key vectors,
 for ``data [..., n]`` (rows j = a token's Dv entries), ``keys [Dk, n]``, ``out [..., Dk]``: a linear
 layer with n inputs. With a ``residual`` of out's shape, ``residual + out`` (Eq. 15-16's residual
 add): the kernel adds it as it stores each row, so the written matrix does not go to memory and
-come back for a separate addition (the same bits: every sum rounded, then the addition rounded). The reference is ``F.linear``; the CPU kernel of ``csrc/matrix_write_cpu.cpp``
-computes the same products with register tiles and a key-major GEMM, where MKL's sgemm is slow on
-the backward of these shapes (n = R, 4 in the tiny RMT), for float32 with Dk 16 or 32, data
-token-major (contiguous) or key-major (the transpose of a contiguous tensor: the attention's
-output).
+come back for a separate addition (the same bits: every sum rounded, then the addition rounded).
+The reference is ``F.linear``; the CPU kernel of ``csrc/matrix_write_cpu.cpp`` computes the same
+products with register tiles and a key-major GEMM, where MKL's sgemm is slow on the backward of
+these shapes (n = R, 4 in the tiny RMT), for float32 with Dk 16 or 32, data token-major
+(contiguous) or key-major (the transpose of a contiguous tensor: the attention's output).
 """
 
 from __future__ import annotations

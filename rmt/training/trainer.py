@@ -269,7 +269,8 @@ class Trainer:
             chunk.eval()
         try:
             for i in range(t.eval_iters):
-                total += float(self._run_schedule(self.valid_ds, i * self.global_batch, forward_only=True)[0])
+                losses = self._run_schedule(self.valid_ds, i * self.global_batch, forward_only=True)
+                total += float(losses[LOSSES.index("lm loss")])
         finally:
             for chunk in self.chunks:
                 chunk.train()
