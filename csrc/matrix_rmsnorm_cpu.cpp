@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "blas_gemm.h"
 #include "block_ops.h"
 #include "key_tiles.h"
 
@@ -193,10 +194,13 @@ std::vector<torch::Tensor> norm_read_forward(const torch::Tensor& x, const torch
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "matrix_rmsnorm_read_forward", [&] {
     using A = acc_t<scalar_t>;
     const scalar_t *xp = x.data_ptr<scalar_t>(), *g = gain.data_ptr<scalar_t>();
+    const scalar_t* kp = keys_c.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
     A* r = rstd.data_ptr<A>();
     at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
       const at::AutoDispatchBelowADInplaceOrView no_autograd;  // grad mode is per thread: workers have it on
       auto y = torch::empty({rows * dv, dk}, x.options());
+      scalar_t* yp = y.data_ptr<scalar_t>();
       // The token-major output is computed key-major and transposed into place: MKL's GEMM with
       // an n-wide output (n = R = 4 in the tiny RMT's feed-forward and unembedding reads) ran 3-5x
       // slower than the same product laid out key-major (docs/benchmarks.md). The backward's
@@ -204,15 +208,14 @@ std::vector<torch::Tensor> norm_read_forward(const torch::Tensor& x, const torch
       auto scratch = key_major ? torch::Tensor() : torch::empty({heads * rows * dv}, x.options());
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t t0 = b * rows, t1 = std::min(T, t0 + rows), m = (t1 - t0) * dv;
-        for (int64_t t = t0; t < t1; ++t) r[t] = normalize_row(xp + t * n, g, y.data_ptr<scalar_t>() + (t - t0) * n, n, eps);
-        auto yb = y.narrow(0, 0, m);
+        for (int64_t t = t0; t < t1; ++t) r[t] = normalize_row(xp + t * n, g, yp + (t - t0) * n, n, eps);
+        // the block's [heads, m] = keys [heads, Dk] times its y [m, Dk] transposed
         if (key_major) {
-          auto ob = read_block(out, t0, t1, dv, true);
-          at::mm_out(ob, keys_c, yb.t());
+          rmt_cpu::gemm(false, true, heads, m, dk, kp, dk, yp, dk, op + t0 * dv, T * dv);
         } else {
-          auto sb = scratch.narrow(0, 0, heads * m).view({heads, m});
-          at::mm_out(sb, keys_c, yb.t());
-          rmt_cpu::transpose(sb.data_ptr<scalar_t>(), m, out.data_ptr<scalar_t>() + t0 * dv * heads, heads, m);
+          scalar_t* sp = scratch.data_ptr<scalar_t>();
+          rmt_cpu::gemm(false, true, heads, m, dk, kp, dk, yp, dk, sp, m);
+          rmt_cpu::transpose(sp, m, op + t0 * dv * heads, heads, m);
         }
       }
     });
@@ -246,38 +249,44 @@ std::vector<torch::Tensor> norm_read_backward(const torch::Tensor& grad, const t
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "matrix_rmsnorm_read_backward", [&] {
     using A = acc_t<scalar_t>;
     const scalar_t *xp = x.data_ptr<scalar_t>(), *g = gain.data_ptr<scalar_t>();
+    const scalar_t *kp = keys_c.data_ptr<scalar_t>(), *gp = grad.data_ptr<scalar_t>();
+    const scalar_t* res = add ? grad_residual->data_ptr<scalar_t>() : nullptr;
+    scalar_t* dxp = dx.data_ptr<scalar_t>();
     const A* r = rstd.data_ptr<A>();
     at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
       const at::AutoDispatchBelowADInplaceOrView no_autograd;
       auto y = torch::empty({rows * dv, dk}, x.options());
       auto dy = torch::empty({rows * dv, dk}, x.options());
+      scalar_t *yp = y.data_ptr<scalar_t>(), *dyp = dy.data_ptr<scalar_t>();
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t t0 = b * rows, t1 = std::min(T, t0 + rows), m = (t1 - t0) * dv;
-        auto gb = read_block(grad, t0, t1, dv, key_major);
-        auto dyb = dy.narrow(0, 0, m);
-        const float* go = hand ? reinterpret_cast<const float*>(gb.data_ptr<scalar_t>()) : nullptr;
+        // The block's gradient: columns t0*Dv.. of the key-major [heads, T*Dv], rows of the
+        // token-major [T*Dv, heads]; a[h, j] = gb[h*sh + j*sj].
+        const scalar_t* gb = gp + t0 * dv * (key_major ? 1 : heads);
+        const float* go = hand ? reinterpret_cast<const float*>(gb) : nullptr;
         const int64_t sh = key_major ? T * dv : 1, sj = key_major ? 1 : heads;
-        // The token-major dy by the register tile (key_tiles.h); key-major, MKL's sgemm measured
-        // as fast as the tile.
+        // dy [m, Dk] = the block's gradient as [m, heads] times keys [heads, Dk]. Token-major by
+        // the register tile (key_tiles.h); key-major, MKL's sgemm measured as fast as the tile.
         if (!hand || key_major)
-          at::mm_out(dyb, key_major ? gb.t() : gb, keys_c);
+          rmt_cpu::gemm(key_major, false, m, dk, heads, gb, key_major ? T * dv : heads, kp, dk, dyp, dk);
         else
-          rmt_cpu::rows_by_keys(dk, go, sh, sj, keys_f, reinterpret_cast<float*>(dyb.data_ptr<scalar_t>()), heads, m);
+          rmt_cpu::rows_by_keys(dk, go, sh, sj, keys_f, reinterpret_cast<float*>(dyp), heads, m);
         A* dg = want_dg ? partial_dg.data_ptr<A>() + b * n : nullptr;
         if (dg) std::fill(dg, dg + n, A(0));
         for (int64_t t = t0; t < t1; ++t) {
           const int64_t i = (t - t0) * n;
-          backward_row(dyb.data_ptr<scalar_t>() + i, xp + t * n, g, r[t], dx.data_ptr<scalar_t>() + t * n, dg, n,
-                       add ? grad_residual->data_ptr<scalar_t>() + t * n : nullptr);
-          if (want_dkeys) scale_row(xp + t * n, g, r[t], y.data_ptr<scalar_t>() + i, n);
+          backward_row(dyp + i, xp + t * n, g, r[t], dxp + t * n, dg, n, res ? res + t * n : nullptr);
+          if (want_dkeys) scale_row(xp + t * n, g, r[t], yp + i, n);
         }
         if (want_dkeys) {
-          auto yb = y.narrow(0, 0, m);
-          if (!hand)
-            partial_dkeys[b].copy_((key_major ? at::mm(gb, yb) : at::mm(gb.t(), yb)).view(-1));
-          else
-            rmt_cpu::keys_by_rows(dk, go, sh, sj, reinterpret_cast<const float*>(yb.data_ptr<scalar_t>()),
+          if (!hand) {  // [heads, Dk] = the block's gradient as [heads, m] times its y [m, Dk]
+            const auto g_blk = read_block(grad, t0, t1, dv, key_major);
+            const auto yb = y.narrow(0, 0, m);
+            partial_dkeys[b].copy_((key_major ? at::mm(g_blk, yb) : at::mm(g_blk.t(), yb)).view(-1));
+          } else {
+            rmt_cpu::keys_by_rows(dk, go, sh, sj, reinterpret_cast<const float*>(yp),
                                   partial_dkeys.data_ptr<float>() + b * heads * dk, heads, m);
+          }
         }
       }
     });

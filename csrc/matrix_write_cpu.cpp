@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "blas_gemm.h"
 #include "block_ops.h"
 #include "key_tiles.h"
 
@@ -79,15 +80,15 @@ std::vector<torch::Tensor> backward(const torch::Tensor& grad, const torch::Tens
   auto ddata_km = want_data ? torch::empty({n, M}, data.options()) : torch::Tensor();  // key-major
   auto ddata_tm = want_data && !key_major ? torch::empty({M, n}, data.options()) : torch::Tensor();
   auto partial = torch::empty({want_keys ? blocks : 0, n * dk}, data.options());
-  const float *a = data.data_ptr<float>(), *g = grad.data_ptr<float>();
+  const float *a = data.data_ptr<float>(), *g = grad.data_ptr<float>(), *kt = keys_t.data_ptr<float>();
+  float* km = want_data ? ddata_km.data_ptr<float>() : nullptr;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     const at::AutoDispatchBelowADInplaceOrView no_autograd;  // grad mode is per thread: workers have it on
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t j0 = blk * kRows, m = std::min(kRows, M - j0);
-      if (want_data) {
-        auto block = ddata_km.narrow(1, j0, m);
-        at::mm_out(block, keys_t, grad.narrow(0, j0, m).t());
-        if (!key_major) rmt_cpu::transpose(block.data_ptr<float>(), M, ddata_tm.data_ptr<float>() + j0 * n, n, m);
+      if (want_data) {  // ddata's columns j0.. [n, m] = keys_t [n, Dk] times grad's rows j0.. [m, Dk] transposed
+        rmt_cpu::gemm(false, true, n, m, dk, kt, dk, g + j0 * dk, dk, km + j0, M);
+        if (!key_major) rmt_cpu::transpose(km + j0, M, ddata_tm.data_ptr<float>() + j0 * n, n, m);
       }
       if (want_keys)
         rmt_cpu::keys_by_rows(dk, a + j0 * sj, sh, sj, g + j0 * dk, partial.data_ptr<float>() + blk * n * dk, n, m);
