@@ -143,8 +143,8 @@ def _read_bounds(x, gain, keys, go, key_major, u):
                          ids=["mm", "tiles_dk16", "tiles_dk32"])
 def test_fused_norm_read_float32_is_within_rounding_of_the_float64_truth(key_major, shape):
     """Dk 20 takes at::mm for the backward's GEMMs; Dk 16 and 32 the register tiles, with a
-    remainder of read rows (m = 1050 and 1057 against tiles of 4 and 2) and of keys (6 and 5
-    against tiles of 4 and 2)."""
+    remainder of read rows (m = 1050 and 1057) and of keys (6 and 5) against the tiles (4 and 2
+    rows or keys with 8 lanes; 8 and 4, then half tiles, with AVX-512's 16)."""
     x, gain, keys, go = _read_case(key_major=key_major, **shape)
     truth = _run_read("torch", x.double(), gain.double(), keys.double(), go.double(), key_major)
     fused = _run_read("cpu", x, gain, keys, go, key_major)
