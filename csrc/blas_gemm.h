@@ -59,7 +59,8 @@ bool blas_gemm(Blas* fn, bool trans_a, bool trans_b, int64_t M, int64_t N, int64
                int64_t lda, const scalar_t* B, int64_t ldb, scalar_t* C, int64_t ldc) {
   for (int64_t d : {M, N, K, lda, ldb, ldc})
     if (d > INT_MAX) return false;
-  if (fn == nullptr || M == 0 || N == 0) return fn != nullptr;
+  if (fn == nullptr) return false;
+  if (M == 0 || N == 0) return true;  // nothing to write
   const int m = static_cast<int>(N), n = static_cast<int>(M), k = static_cast<int>(K);
   const int la = static_cast<int>(ldb), lb = static_cast<int>(lda), lc = static_cast<int>(ldc);
   const char ta = trans_b ? 'T' : 'N', tb = trans_a ? 'T' : 'N';
