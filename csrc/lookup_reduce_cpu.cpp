@@ -23,7 +23,13 @@
 // the sorted runs are cut into chunks at run boundaries and the threads take whole chunks. One
 // thread reduces each run in sorted order, so every row's gradient is the same sum in the same
 // order whatever the thread count; the same pass computes the score gradients, reading each
-// touched table row once, in ascending address order.
+// touched table row once, in ascending address order. Where few lookups share their row with
+// another (plan_token_order), the backward with the optimizer fused in takes the token order
+// instead: two bitmaps over the rows find the rows looked up once and more than once; a lookup of
+// a row looked up once is its row's whole gradient and steps the row in position order (its
+// output-gradient row, scores and score-gradient slot read in order, no sort), and only the
+// others are sorted and reduced run by run as above. Both orders give the same table, state and
+// score gradients, bit for bit.
 //
 // Table gradient outputs:
 //   sparse: the touched rows [U] and their gradients [U, D];
@@ -327,12 +333,13 @@ void find_runs(SortedLookups& s, int64_t M, int threads) {
 }
 
 // Stable LSD radix sort of the packed (row, position) pairs by row < num_rows, digits of at
-// most max_bits bits; then the run boundaries. Sorting the packed pairs reads every pass's
+// most max_bits bits; then the run boundaries. Lookup j has row idx[j] and position pos[j] (j
+// itself where pos is null; positions must ascend with j). Sorting the packed pairs reads every pass's
 // input sequentially (a position-only sort would look the rows up at random). Each pass splits
 // the pairs into contiguous per-thread slices with their own digit counts; slots are handed out
 // by digit, then by thread, so the order is the one stable order whatever the thread count.
-void sort_lookups(const int64_t* __restrict idx, int64_t M, int64_t num_rows, SortedLookups& s,
-                  int max_bits = max_digit_bits()) {
+void sort_lookups(const int64_t* __restrict idx, const int64_t* __restrict pos, int64_t M, int64_t num_rows,
+                  SortedLookups& s, int max_bits = max_digit_bits()) {
   TORCH_CHECK(M <= std::numeric_limits<int32_t>::max(), "lookup_reduce CPU: at most 2^31-1 lookups; got ", M);
   TORCH_CHECK(num_rows <= (int64_t(1) << 32), "lookup_reduce CPU: at most 2^32 table rows; got ", num_rows);
   const int bits = std::max(ceil_log2(num_rows), 1);
@@ -370,7 +377,7 @@ void sort_lookups(const int64_t* __restrict idx, int64_t M, int64_t num_rows, So
       }
       if (p == 0) {
         for (int64_t j = lo; j < hi; ++j)
-          dst[next[idx[j] & mask]++] = (static_cast<uint64_t>(idx[j]) << 32) | static_cast<uint64_t>(j);
+          dst[next[idx[j] & mask]++] = (static_cast<uint64_t>(idx[j]) << 32) | static_cast<uint64_t>(pos ? pos[j] : j);
       } else {
         for (int64_t j = lo; j < hi; ++j) dst[next[(src[j] >> shift) & mask]++] = src[j];
       }
@@ -398,6 +405,109 @@ class Divisor {
   uint64_t m_;
 };
 
+// The backward in token order (see the header comment): the lookups whose row no other lookup
+// shares ("single" lookups) are taken in position order, and only the others ("repeated") are
+// sorted by row. Bit r of `seen` is set where some lookup has row r, of `repeated` where two or
+// more do. Built anew for every call, the vectors kept (grown, never shrunk) like SortedLookups'.
+struct TokenPlan {
+  std::vector<uint64_t> seen, repeated;
+  std::vector<int64_t> rep_rows, rep_pos;  // the repeated lookups' rows and positions, in order
+  std::vector<int64_t> count;              // per-thread counts (padded like the sort's)
+  SortedLookups repeats;                   // the repeated lookups sorted by row
+  int64_t num_repeated = 0;
+
+  bool is_repeated(int64_t row) const { return (repeated[row >> 6] >> (row & 63)) & 1; }
+};
+
+// Most repeated lookups, as a fraction 1/kMaxRepeatedShare of all, for which the token order is
+// used. Where few rows repeat, the sorted order buys little locality and costs the sort and the
+// random reads of the output-gradient rows, scores and score-gradient slots in row order; where
+// many do, ascending rows stream and the sorted order wins. Measured (1M x 64 fp32, T=4096,
+// uniform rows, fused row-wise Adagrad backward, one core of a 2-core Xeon, cold cache): K=32
+// (12% of the lookups repeated) 11.8 -> 8.6 ms, K=48 (21%) 15.1 -> 13.6, K=64 (22%) 20.5 -> 18.6,
+// K=96 (31%) 27.1 -> 29.2, K=128 (39%) 35.4 -> 42.1.
+constexpr int64_t kMaxRepeatedShare = 4;
+
+// How the backward orders the lookups: RMT_BACKWARD_ORDER = "sorted" or "token" forces one (for
+// tests and measurements), unset or "auto" picks by the share of repeated lookups.
+enum class Order { kAuto, kSorted, kToken };
+Order forced_order() {
+  const char* env = std::getenv("RMT_BACKWARD_ORDER");
+  if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return Order::kAuto;
+  if (std::strcmp(env, "sorted") == 0) return Order::kSorted;
+  TORCH_CHECK(std::strcmp(env, "token") == 0, "RMT_BACKWARD_ORDER must be auto, sorted or token, got '", env, "'");
+  return Order::kToken;
+}
+
+// Fills tp for the M lookups idx[0:M] of rows < N and returns true where the token order is to be
+// used (then tp.repeats holds the repeated lookups sorted by row), false where the plain sort is:
+// unforced, where the table has more 64-row words than there are lookups or more than
+// 1/kMaxRepeatedShare of the lookups are repeated. The bitmaps are written by row range: thread t
+// reads every index and sets only the bits of its own words, so no two threads write one word;
+// the repeated lookups are then listed by slices of positions, in position order.
+bool plan_token_order(const int64_t* __restrict idx, int64_t M, int64_t N, TokenPlan& tp) {
+  const Order order = forced_order();
+  const int64_t W = (N + 63) / 64;
+  // bitmaps of more words than lookups (a table far larger than the batch) would make the
+  // backward's cost, and its scratch, grow with the table rather than with the batch
+  if (order == Order::kSorted || (order == Order::kAuto && W > M)) return false;
+  uint64_t* __restrict seen = grown(tp.seen, W);
+  uint64_t* __restrict rep = grown(tp.repeated, W);
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), M / kSortSliceMin)));
+  int64_t* __restrict before = grown(tp.count, threads * kCountPad);
+  bool use = true;
+#pragma omp parallel num_threads(threads)
+  {
+    const int nth = omp_get_num_threads(), t = omp_get_thread_num();
+    const uint64_t wlo = W * t / nth, whi = W * (t + 1) / nth;
+    std::fill(seen + wlo, seen + whi, uint64_t(0));
+    std::fill(rep + wlo, rep + whi, uint64_t(0));
+    for (int64_t i = 0; i < M; ++i) {
+      const uint64_t w = static_cast<uint64_t>(idx[i]) >> 6, bit = uint64_t(1) << (idx[i] & 63);
+      if (w - wlo < whi - wlo) {  // wlo <= w < whi
+        rep[w] |= seen[w] & bit;
+        seen[w] |= bit;
+      }
+    }
+#pragma omp barrier
+    // the repeated lookups of the thread's slice of positions: counted, then listed after the
+    // slices before it
+    const int64_t lo = M * t / nth, hi = M * (t + 1) / nth;
+    int64_t n = 0;
+    for (int64_t i = lo; i < hi; ++i) n += tp.is_repeated(idx[i]);
+    before[t * kCountPad] = n;
+#pragma omp barrier
+#pragma omp single
+    {
+      int64_t total = 0;
+      for (int u = 0; u < nth; ++u) {
+        const int64_t c = before[u * kCountPad];
+        before[u * kCountPad] = total;
+        total += c;
+      }
+      tp.num_repeated = total;
+      use = order == Order::kToken || total * kMaxRepeatedShare <= M;
+      if (use) {
+        grown(tp.rep_rows, total);
+        grown(tp.rep_pos, total);
+      }
+    }
+    if (use) {
+      int64_t* __restrict rows = tp.rep_rows.data();
+      int64_t* __restrict pos = tp.rep_pos.data();
+      for (int64_t i = lo, j = before[t * kCountPad]; i < hi; ++i) {
+        if (!tp.is_repeated(idx[i])) continue;
+        rows[j] = idx[i];
+        pos[j++] = i;
+      }
+    }
+  }
+  if (!use) return false;
+  if (tp.num_repeated) sort_lookups(tp.rep_rows.data(), tp.rep_pos.data(), tp.num_repeated, N, tp.repeats);
+  else tp.repeats.num_runs = 0;
+  return true;
+}
+
 // Dot product of a[0:n] and b[0:n] with kLanes independent partial sums (vectorizable without
 // -ffast-math), combined in a fixed order so the result does not depend on threading.
 constexpr int64_t kLanes = 8;
@@ -414,6 +524,50 @@ inline acc_t fixed_order_dot(const a_t* __restrict a, const b_t* __restrict b, i
   acc_t sum = acc_t(0);
   for (int64_t j = 0; j < kLanes; ++j) sum += part[j];
   return sum;
+}
+
+// Adds lookup p's share to its row's gradient acc[0:D] (each column slice c of its output-gradient
+// row g times its score c) and, where score_lo <= p < score_hi, writes its score gradients, the
+// dot products of the slices of its table row tr and of g.
+template <typename table_t, typename scalar_t, typename acc_t>
+inline void add_lookup(int64_t p, const table_t* __restrict tr, const scalar_t* __restrict g,
+                       const scalar_t* __restrict scores, acc_t* __restrict acc, scalar_t* __restrict grad_scores,
+                       int64_t score_lo, int64_t score_hi, int64_t C, int64_t Dc) {
+  for (int64_t c = 0; c < C; ++c) {
+    const acc_t w = static_cast<acc_t>(scores[p * C + c]);
+    acc_t* __restrict a = acc + c * Dc;
+    const scalar_t* __restrict gc = g + c * Dc;
+#pragma omp simd
+    for (int64_t d = 0; d < Dc; ++d) a[d] = madd(w, static_cast<acc_t>(gc[d]), a[d]);
+    if (p >= score_lo && p < score_hi)
+      grad_scores[(p - score_lo) * C + c] = round_to<scalar_t>(fixed_order_dot<acc_t>(tr + c * Dc, gc, Dc));
+  }
+}
+
+// Gradient of a single lookup p in the token order (its row's only lookup): acc[0:D] set to its
+// share, the score gradients written as by add_lookup. The table row kPrefetchDistance positions
+// ahead, and whatever ahead(row) fetches for it (the optimizer state), are prefetched; the
+// output-gradient rows, scores and block ids are read in order. Returns the row, or -1 (acc
+// untouched) where p's row is repeated: those lookups are summed in row order afterwards.
+template <typename table_t, typename scalar_t, typename acc_t, int64_t kD, int64_t kC, typename Ahead>
+inline int64_t single_gradient(int64_t p, const TokenPlan& tp, const int64_t* __restrict idx,
+                               const scalar_t* __restrict grad_out, const table_t* __restrict table,
+                               const scalar_t* __restrict scores, const int64_t* __restrict blk,
+                               acc_t* __restrict acc, scalar_t* __restrict grad_scores, int64_t score_lo,
+                               int64_t score_hi, int64_t M, const Divisor& token_of, int64_t runtime_C,
+                               int64_t runtime_D, int64_t E, Ahead&& ahead) {
+  const int64_t C = kC ? kC : runtime_C, D = kD ? kD : runtime_D;
+  if (p + kPrefetchDistance < M) {
+    const int64_t far = idx[p + kPrefetchDistance];
+    prefetch_row(table + far * D, D * static_cast<int64_t>(sizeof(table_t)));
+    ahead(far);
+  }
+  const int64_t row = idx[p];
+  if (tp.is_repeated(row)) return -1;
+  std::fill(acc, acc + D, acc_t(0));
+  add_lookup(p, table + row * D, grad_out + (token_of(p) * E + (blk ? blk[p] : 0)) * D, scores, acc, grad_scores,
+             score_lo, score_hi, C, D / C);
+  return row;
 }
 
 // Gradient of run u (row s.rows[u]), kD and kC as in forward_token_blocks: accumulates the row
@@ -451,16 +605,8 @@ inline void run_gradient(int64_t u, const SortedLookups& s, const scalar_t* __re
       ahead(sorted_row(far));
     }
     const int64_t p = sorted_pos(sorted[j]);
-    const scalar_t* __restrict g = grad_out + (token_of(p) * E + (blk ? blk[p] : 0)) * D;
-    for (int64_t c = 0; c < C; ++c) {
-      const acc_t w = static_cast<acc_t>(scores[p * C + c]);
-      acc_t* __restrict a = acc + c * Dc;
-      const scalar_t* __restrict gc = g + c * Dc;
-#pragma omp simd
-      for (int64_t d = 0; d < Dc; ++d) a[d] = madd(w, static_cast<acc_t>(gc[d]), a[d]);
-      if (p >= score_lo && p < score_hi)
-        grad_scores[(p - score_lo) * C + c] = round_to<scalar_t>(fixed_order_dot<acc_t>(tr + c * Dc, g + c * Dc, Dc));
-    }
+    add_lookup(p, tr, grad_out + (token_of(p) * E + (blk ? blk[p] : 0)) * D, scores, acc, grad_scores, score_lo,
+               score_hi, C, Dc);
   }
 }
 
@@ -572,89 +718,116 @@ inline void add_squares(const acc_t* __restrict acc, int64_t D, double* __restri
   for (int64_t j = 0; j < kLanes; ++j) sq[j] += static_cast<double>(part[j]);
 }
 
-// Sorted lookups per chunk of the fused backward (at least 256 chunks for 2^17 lookups).
+// Lookups per chunk of the fused backward (at least 256 chunks for 2^17 lookups).
 constexpr int64_t kLookupsPerNormChunk = 512;
 
-// Floats of per-row optimizer scratch the fused backward keeps for each run of a group.
+// Floats of per-row optimizer scratch the fused backward keeps for each row of a group.
 constexpr int64_t kRowScratch = rmt_cpu::kSquareLanes;
 
-// Runs [lo, hi) of the fused backward (one chunk; see fused_backward_kernel), in groups of kGroup
-// runs. For each run of a group: its row gradient is summed in acc_b =
-// acc[b * D:(b + 1) * D] (no gradient row is stored), multiplied by grad_scale (the data-parallel
-// mean; negative for a maximizing Adam), its squares added to the fp64 lanes sq, and
-// prepare(row, acc_b, scratch_b, kD) reads it (row-wise Adagrad: the partial sums of its squares);
-// then f_b = factor(row, scratch_b) for the group's runs in turn (row-wise Adagrad: the row's
-// scale, its state updated); then apply(row, acc_b, f_b, kD) steps each table row (kD as in
-// dispatch_row_shape: the row rule runs at a compile-time width). Each row's score gradients
-// read it before it changes. Stepping each row as soon as its gradient was summed put the rule's
-// dependent chain (sum of squares, square root, division) between one run's loads and the next's;
-// in groups of 8 the chains run side by side, and the fused row-wise Adagrad backward took 8.1
-// instead of 8.8 ms (1M x 64 fp32, T=4096, K=32; 29 instead of 36 at K=128; one core of an AVX-512
-// EPYC). SparseAdam's update, a pass over two moment rows with no such chain, was 5-9% slower in
-// groups of 8, so it steps each row at once (kGroup = 1). The row width is a template constant
-// here: a trial build that read it from a variable shared by the parallel region took 2.4 ms more.
-template <int64_t kGroup, typename table_t, typename scalar_t, typename acc_t, int64_t kD, int64_t kC,
-          typename Prepare, typename Factor, typename Apply, typename Ahead>
-void fused_backward_runs(int64_t lo, int64_t hi, const scalar_t* __restrict grad_out, const table_t* __restrict table,
-                         const scalar_t* __restrict scores, const int64_t* __restrict blk, const SortedLookups& s,
-                         scalar_t* __restrict grad_scores, int64_t score_lo, int64_t score_hi, int64_t M,
-                         const Divisor& token_of, int64_t C, int64_t runtime_D, int64_t E, acc_t grad_scale,
-                         acc_t* __restrict acc, double* __restrict sq, Prepare& prepare, Factor& factor, Apply& apply,
-                         Ahead& ahead) {
+// Units [lo, hi) of the fused backward (one chunk; see fused_backward_kernel), a unit being a run
+// of the sorted lookups or a position of the token order, in groups of kGroup rows. For each unit,
+// row = gradient(unit, acc_b) sums its row's gradient in acc_b = acc[b * D:(b + 1) * D] (no
+// gradient row is stored) and returns the row, or -1 for a unit to skip. The gradient is then
+// multiplied by grad_scale (the data-parallel mean; negative for a maximizing Adam), its squares
+// added to the fp64 lanes sq, and prepare(row, acc_b, scratch_b, kD) reads it (row-wise Adagrad: the
+// partial sums of its squares); once the group is full, f_b = factor(row, scratch_b) for its rows
+// in turn (row-wise Adagrad: the row's scale, its state updated); then apply(row, acc_b, f_b, kD)
+// steps each table row (kD as in dispatch_row_shape: the row rule runs at a compile-time width).
+// Units have distinct rows, and each row's score gradients read it before it changes. Stepping
+// each row as soon as its gradient was summed put the rule's dependent chain (sum of squares,
+// square root, division) between one run's loads and the next's; in groups of 8 the chains run
+// side by side, and the fused row-wise Adagrad backward took 8.1 instead of 8.8 ms (1M x 64 fp32,
+// T=4096, K=32; 29 instead of 36 at K=128; one core of an AVX-512 EPYC). SparseAdam's update, a
+// pass over two moment rows with no such chain, was 5-9% slower in groups of 8, so it steps each
+// row at once (kGroup = 1). The row width is a template constant here: a trial build that read it
+// from a variable shared by the parallel region took 2.4 ms more.
+template <int64_t kGroup, typename acc_t, int64_t kD, typename Gradient, typename Prepare, typename Factor,
+          typename Apply>
+void fused_update_units(int64_t lo, int64_t hi, int64_t runtime_D, acc_t grad_scale, acc_t* __restrict acc,
+                        double* __restrict sq, Gradient&& gradient, Prepare& prepare, Factor& factor, Apply& apply) {
   const int64_t D = kD ? kD : runtime_D;
   constexpr std::integral_constant<int64_t, kD> width{};
   float scratch[kGroup * kRowScratch];
   float f[kGroup];
-  for (int64_t u0 = lo; u0 < hi; u0 += kGroup) {
-    const int64_t n = std::min(kGroup, hi - u0);
-    for (int64_t b = 0; b < n; ++b) {
-      acc_t* __restrict a = acc + b * D;
-      run_gradient<table_t, scalar_t, acc_t, kD, kC>(u0 + b, s, grad_out, table, scores, blk, a, grad_scores, score_lo,
-                                                      score_hi, M, token_of, C, D, E, ahead);
-      if (grad_scale != acc_t(1)) {
+  int64_t rows[kGroup];
+  int64_t n = 0;
+  auto step = [&] {
+    for (int64_t b = 0; b < n; ++b) f[b] = factor(rows[b], scratch + b * kRowScratch);
+    for (int64_t b = 0; b < n; ++b) apply(rows[b], acc + b * D, f[b], width);
+    n = 0;
+  };
+  for (int64_t unit = lo; unit < hi; ++unit) {
+    acc_t* __restrict a = acc + n * D;
+    const int64_t row = gradient(unit, a);
+    if (row < 0) continue;
+    if (grad_scale != acc_t(1)) {
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) a[d] *= grad_scale;
-      }
-      add_squares(a, D, sq);
-      prepare(s.rows[u0 + b], a, scratch + b * kRowScratch, width);
+      for (int64_t d = 0; d < D; ++d) a[d] *= grad_scale;
     }
-    for (int64_t b = 0; b < n; ++b) f[b] = factor(s.rows[u0 + b], scratch + b * kRowScratch);
-    for (int64_t b = 0; b < n; ++b) apply(s.rows[u0 + b], acc + b * D, f[b], width);
+    add_squares(a, D, sq);
+    prepare(row, a, scratch + n * kRowScratch, width);
+    rows[n] = row;
+    if (++n == kGroup) step();
   }
+  step();
 }
 
-// The backward with the optimizer fused in (fused_backward_runs), the sorted runs cut into chunks
-// of about kLookupsPerNormChunk lookups that the threads take in turn. Runs own distinct rows, so
-// the threads update disjoint rows and state. Returns the squared norm of the scaled gradient (the
-// chunks' partials summed in chunk order: the same bits whatever the thread count).
+// The backward with the optimizer fused in (fused_update_units). Sorted order (tp null; s sorts
+// all M lookups): the runs, cut into chunks of about kLookupsPerNormChunk lookups that the threads
+// take in turn. Token order (tp from plan_token_order; s = tp->repeats): the positions in chunks of
+// kLookupsPerNormChunk, their single lookups stepping their rows, then the runs of the repeated
+// lookups as in the sorted order. Units own distinct rows, so the threads update disjoint rows and
+// state. Returns the squared norm of the scaled gradient (the chunks' partials summed in chunk
+// order: the same bits whatever the thread count).
 template <int64_t kGroup, typename table_t, typename scalar_t, typename Prepare, typename Factor, typename Apply,
           typename Ahead>
 double fused_backward_kernel(const scalar_t* __restrict grad_out, const table_t* __restrict table,
                              const scalar_t* __restrict scores, const int64_t* __restrict blk,
-                             const SortedLookups& s, scalar_t* __restrict grad_scores, int64_t score_lo,
-                             int64_t score_hi, int64_t M, int64_t K, int64_t C, int64_t D, int64_t E,
-                             typename Acc<scalar_t>::type grad_scale, Prepare&& prepare, Factor&& factor,
-                             Apply&& apply, Ahead&& ahead) {
+                             const int64_t* __restrict idx, const SortedLookups& s, const TokenPlan* tp,
+                             scalar_t* __restrict grad_scores, int64_t score_lo, int64_t score_hi, int64_t M,
+                             int64_t K, int64_t C, int64_t D, int64_t E, typename Acc<scalar_t>::type grad_scale,
+                             Prepare&& prepare, Factor&& factor, Apply&& apply, Ahead&& ahead) {
   using acc_t = typename Acc<scalar_t>::type;
-  // chunks of about kLookupsPerNormChunk sorted lookups, whatever the thread count: the norm's
-  // partial sums, and so its bits, do not depend on it
-  const int64_t U = s.num_runs, chunks = std::max<int64_t>(1, std::min<int64_t>(U, M / kLookupsPerNormChunk));
+  // chunks of about kLookupsPerNormChunk lookups, whatever the thread count: the norm's partial
+  // sums, and so its bits, do not depend on it
+  const int64_t Ms = tp ? tp->num_repeated : M;  // lookups in s
+  const int64_t U = s.num_runs, chunks = std::max<int64_t>(1, std::min<int64_t>(U, Ms / kLookupsPerNormChunk));
+  const int64_t singles = tp ? std::max<int64_t>(1, M / kLookupsPerNormChunk) : 0;
   const int64_t* start = s.run_start.data();
-  std::vector<double> chunk_sq(chunks, 0.0);
+  std::vector<double> chunk_sq(singles + chunks, 0.0);
   const Divisor token_of(K);
   dispatch_row_shape(D, C, [&](auto kD, auto kC) {
+    constexpr int64_t kDv = decltype(kD)::value, kCv = decltype(kC)::value;
 #pragma omp parallel num_threads(at::get_num_threads())
     {
       std::vector<acc_t> acc(kGroup * D);
+#pragma omp for schedule(dynamic, 1) nowait
+      for (int64_t ch = 0; ch < singles; ++ch) {
+        double sq[kLanes] = {};
+        fused_update_units<kGroup, acc_t, kDv>(
+            ch * M / singles, (ch + 1) * M / singles, D, grad_scale, acc.data(), sq,
+            [&](int64_t p, acc_t* a) {
+              return single_gradient<table_t, scalar_t, acc_t, kDv, kCv>(p, *tp, idx, grad_out, table, scores, blk, a,
+                                                                         grad_scores, score_lo, score_hi, M, token_of,
+                                                                         C, D, E, ahead);
+            },
+            prepare, factor, apply);
+        for (int64_t j = 0; j < kLanes; ++j) chunk_sq[ch] += sq[j];
+      }
 #pragma omp for schedule(dynamic, 1)
       for (int64_t ch = 0; ch < chunks; ++ch) {
-        const int64_t lo = std::lower_bound(start, start + U, ch * M / chunks) - start;
-        const int64_t hi = std::lower_bound(start, start + U, (ch + 1) * M / chunks) - start;
+        const int64_t lo = std::lower_bound(start, start + U, ch * Ms / chunks) - start;
+        const int64_t hi = std::lower_bound(start, start + U, (ch + 1) * Ms / chunks) - start;
         double sq[kLanes] = {};
-        fused_backward_runs<kGroup, table_t, scalar_t, acc_t, decltype(kD)::value, decltype(kC)::value>(
-            lo, hi, grad_out, table, scores, blk, s, grad_scores, score_lo, score_hi, M, token_of, C, D, E, grad_scale,
-            acc.data(), sq, prepare, factor, apply, ahead);
-        for (int64_t j = 0; j < kLanes; ++j) chunk_sq[ch] += sq[j];
+        fused_update_units<kGroup, acc_t, kDv>(
+            lo, hi, D, grad_scale, acc.data(), sq,
+            [&](int64_t u, acc_t* a) {
+              run_gradient<table_t, scalar_t, acc_t, kDv, kCv>(u, s, grad_out, table, scores, blk, a, grad_scores,
+                                                               score_lo, score_hi, Ms, token_of, C, D, E, ahead);
+              return s.rows[u];
+            },
+            prepare, factor, apply);
+        for (int64_t j = 0; j < kLanes; ++j) chunk_sq[singles + ch] += sq[j];
       }
     }
   });
@@ -735,6 +908,19 @@ struct SortScope {
     static SortedLookups s;
     return s;
   }
+  TokenPlan& plan() {
+    static TokenPlan p;
+    return p;
+  }
+  // Orders the M lookups idx of rows < N for a backward: returns the token-order plan where
+  // plan_token_order picks it, else nullptr with all lookups sorted. runs(order) then holds the
+  // sorted lookups the kernels take run by run (the repeated ones, or all).
+  const TokenPlan* order(const int64_t* idx, int64_t M, int64_t N) {
+    if (plan_token_order(idx, M, N, plan())) return &plan();
+    sort_lookups(idx, nullptr, M, N, sorted());
+    return nullptr;
+  }
+  const SortedLookups& runs(const TokenPlan* tp) { return tp ? tp->repeats : sorted(); }
 };
 
 }  // namespace
@@ -761,7 +947,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lookup_reduce_backward(
   const int64_t T = indices.size(0), K = indices.size(1), C = scores.size(2), D = table.size(1);
   SortScope scope;
   SortedLookups& sorted = scope.sorted();
-  sort_lookups(indices.data_ptr<int64_t>(), T * K, table.size(0), sorted);
+  sort_lookups(indices.data_ptr<int64_t>(), nullptr, T * K, table.size(0), sorted);
   const int64_t U = sorted.num_runs;
   // 25% headroom: the next batch's unique-row count differs a little
   auto rows = pooled_buffer(row_pool, U, U + U / 4, indices.options());
@@ -786,7 +972,7 @@ std::tuple<at::Tensor, at::Tensor> lookup_reduce_backward_dense(
   const int64_t N = table.size(0), D = table.size(1);
   SortScope scope;
   SortedLookups& sorted = scope.sorted();
-  sort_lookups(indices.data_ptr<int64_t>(), T * K, N, sorted);
+  sort_lookups(indices.data_ptr<int64_t>(), nullptr, T * K, N, sorted);
   auto grad_table = pooled_buffer(pool, N * D, N * D, table.options()).view({N, D});
   auto grad_scores = score_gradient_buffer(scores);
   dispatch_dtypes(table, scores, "lookup_reduce_backward_dense", [&](auto table_tag, auto score_tag) {
@@ -854,8 +1040,9 @@ std::tuple<at::Tensor, double> lookup_reduce_backward_update(
   TORCH_CHECK(optimizer == kSparseAdam || optimizer == kRowwiseAdagrad,
               "lookup_reduce_backward_update: unknown optimizer ", optimizer);
   SortScope scope;
-  SortedLookups& sorted = scope.sorted();
-  sort_lookups(indices.data_ptr<int64_t>(), T * K, N, sorted);
+  const int64_t* idx = indices.data_ptr<int64_t>();
+  const TokenPlan* tp = scope.order(idx, T * K, N);
+  const SortedLookups& runs = scope.runs(tp);
   auto grad_scores = at::empty({score_tokens, K, C}, scores.options());
   double sq = 0.0;
   dispatch_dtypes(table, scores, "lookup_reduce_backward_update", [&](auto table_tag, auto score_tag) {
@@ -865,7 +1052,7 @@ std::tuple<at::Tensor, double> lookup_reduce_backward_update(
     table_t* __restrict p = table.data_ptr<table_t>();
     auto run = [&](auto group, auto&& prepare, auto&& factor, auto&& apply, auto&& ahead) {
       sq = fused_backward_kernel<decltype(group)::value, table_t, scalar_t>(
-          grad_out.data_ptr<scalar_t>(), p, scores.data_ptr<scalar_t>(), block_ptr(block_ids), sorted,
+          grad_out.data_ptr<scalar_t>(), p, scores.data_ptr<scalar_t>(), block_ptr(block_ids), idx, runs, tp,
           grad_scores.data_ptr<scalar_t>(), score_first * K, (score_first + score_tokens) * K, T * K, K, C, D,
           num_blocks, static_cast<acc_t>(grad_scale), prepare, factor, apply, ahead);
     };
@@ -927,10 +1114,18 @@ at::Tensor sorted_lookups(const at::Tensor& indices, int64_t num_rows, int64_t d
   SortScope scope;
   SortedLookups& s = scope.sorted();
   const int64_t M = indices.numel();
-  sort_lookups(indices.data_ptr<int64_t>(), M, num_rows, s, digit_bits ? static_cast<int>(digit_bits) : max_digit_bits());
+  sort_lookups(indices.data_ptr<int64_t>(), nullptr, M, num_rows, s, digit_bits ? static_cast<int>(digit_bits) : max_digit_bits());
   auto out = at::empty({M}, indices.options());
   std::memcpy(out.data_ptr<int64_t>(), s.packed.data(), M * sizeof(uint64_t));
   return out;
+}
+
+// The order the backward takes for these lookups: "token" or "sorted" (RMT_BACKWARD_ORDER, else
+// by the share of repeated lookups); for tests and inspection.
+std::string lookup_backward_order(const at::Tensor& indices, int64_t num_rows) {
+  TORCH_CHECK(indices.scalar_type() == at::kLong && indices.is_contiguous(), "backward_order: contiguous int64 indices");
+  SortScope scope;
+  return plan_token_order(indices.data_ptr<int64_t>(), indices.numel(), num_rows, scope.plan()) ? "token" : "sorted";
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -945,5 +1140,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("backward_update", &lookup_reduce_backward_update,
         "lookup-reduce backward with the optimizer step fused in -> (score gradients, squared gradient norm)");
   m.def("sorted_lookups", &sorted_lookups, "the backward's sort alone -> packed (row << 32 | position), by row");
+  m.def("backward_order", &lookup_backward_order, "the backward's order of the lookups: 'token' or 'sorted'");
   m.def("sort_digit_bits", &max_digit_bits, "the sort's digit width: RMT_SORT_DIGIT_BITS, or by CPU vendor");
 }
