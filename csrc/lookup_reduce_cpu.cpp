@@ -422,18 +422,26 @@ struct TokenPlan {
 // Most repeated lookups, as a fraction 1/kMaxRepeatedShare of all, for which the token order is
 // used. Where few rows repeat, the sorted order buys little locality and costs the sort and the
 // random reads of the output-gradient rows, scores and score-gradient slots in row order; where
-// many do, ascending rows stream and the sorted order wins. Measured (1M x 64 fp32, T=4096,
-// uniform rows, fused row-wise Adagrad backward, one core of a 2-core Xeon, cold cache): K=32
-// (12% of the lookups repeated) 11.8 -> 8.6 ms, K=48 (21%) 15.1 -> 13.6, K=64 (22%) 20.5 -> 18.6,
-// K=96 (31%) 27.1 -> 29.2, K=128 (39%) 35.4 -> 42.1.
+// many do, ascending rows stream and the sorted order wins. Measured (fused row-wise Adagrad
+// backward, 1M x 64 fp32, T=4096, uniform rows, one core of a 2-core Xeon, a 520 MB flush and
+// fresh indices before each call; sorted against token): K=32 (12% of the lookups repeated) 11.25
+// against 10.45 ms, K=64 (22%) 18.8 against 18.9, K=96 (31%) 27.5 against 28.5, K=128 (39%) 34.4
+// against 39.0.
 constexpr int64_t kMaxRepeatedShare = 4;
 
 // How the backward orders the lookups: RMT_BACKWARD_ORDER = "sorted" or "token" forces one (for
-// tests and measurements), unset or "auto" picks by the share of repeated lookups.
+// tests and measurements); unset or "auto", the token order is considered on Intel CPUs and
+// the lookups sorted on AMD ones, where a probe of random-order row updates on a 2-core EPYC
+// (every lookup stepping its row as if its only one, in position order) took 8.3-11.4 ms against
+// the sorted kernel's 7.3 (1M x 64 fp32, T=4096, K=32, one core).
 enum class Order { kAuto, kSorted, kToken };
-Order forced_order() {
+Order order_setting() {
+  static const bool amd = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd");
+  }();
   const char* env = std::getenv("RMT_BACKWARD_ORDER");
-  if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return Order::kAuto;
+  if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return amd ? Order::kSorted : Order::kAuto;
   if (std::strcmp(env, "sorted") == 0) return Order::kSorted;
   TORCH_CHECK(std::strcmp(env, "token") == 0, "RMT_BACKWARD_ORDER must be auto, sorted or token, got '", env, "'");
   return Order::kToken;
@@ -441,12 +449,14 @@ Order forced_order() {
 
 // Fills tp for the M lookups idx[0:M] of rows < N and returns true where the token order is to be
 // used (then tp.repeats holds the repeated lookups sorted by row), false where the plain sort is:
-// unforced, where the table has more 64-row words than there are lookups or more than
-// 1/kMaxRepeatedShare of the lookups are repeated. The bitmaps are written by row range: thread t
+// unforced, on AMD CPUs, and where the table has more 64-row words than there are lookups or more
+// than 1/kMaxRepeatedShare of the lookups are repeated. (A 2^24-row table, 131k lookups, 1%
+// repeated, one core of the Xeon with huge pages: 13.0 ms sorted against 15.4 in token order,
+// 19.4 against 25.4 without huge pages.) The bitmaps are written by row range: thread t
 // reads every index and sets only the bits of its own words, so no two threads write one word;
 // the repeated lookups are then listed by slices of positions, in position order.
 bool plan_token_order(const int64_t* __restrict idx, int64_t M, int64_t N, TokenPlan& tp) {
-  const Order order = forced_order();
+  const Order order = order_setting();
   const int64_t W = (N + 63) / 64;
   // bitmaps of more words than lookups (a table far larger than the batch) would make the
   // backward's cost, and its scratch, grow with the table rather than with the batch
