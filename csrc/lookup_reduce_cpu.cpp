@@ -454,7 +454,8 @@ Order order_setting() {
 // repeated, one core of the Xeon with huge pages: 13.0 ms sorted against 15.4 in token order,
 // 19.4 against 25.4 without huge pages.) The bitmaps are written by row range: thread t
 // reads every index and sets only the bits of its own words, so no two threads write one word;
-// the repeated lookups are then listed by slices of positions, in position order.
+// the repeated lookups are counted from the bitmaps and listed by slices of positions, in
+// position order.
 bool plan_token_order(const int64_t* __restrict idx, int64_t M, int64_t N, TokenPlan& tp) {
   const Order order = order_setting();
   const int64_t W = (N + 63) / 64;
@@ -480,35 +481,38 @@ bool plan_token_order(const int64_t* __restrict idx, int64_t M, int64_t N, Token
       }
     }
 #pragma omp barrier
-    // the repeated lookups of the thread's slice of positions: counted, then listed after the
-    // slices before it
-    const int64_t lo = M * t / nth, hi = M * (t + 1) / nth;
-    int64_t n = 0;
-    for (int64_t i = lo; i < hi; ++i) n += tp.is_repeated(idx[i]);
-    before[t * kCountPad] = n;
-#pragma omp barrier
 #pragma omp single
     {
-      int64_t total = 0;
-      for (int u = 0; u < nth; ++u) {
-        const int64_t c = before[u * kCountPad];
-        before[u * kCountPad] = total;
-        total += c;
-      }
-      tp.num_repeated = total;
-      use = order == Order::kToken || total * kMaxRepeatedShare <= M;
+      // a row looked up once has one lookup, so the repeated lookups are all the others
+      int64_t single = 0;
+      for (int64_t w = 0; w < W; ++w) single += __builtin_popcountll(seen[w] & ~rep[w]);
+      tp.num_repeated = M - single;
+      use = order == Order::kToken || tp.num_repeated * kMaxRepeatedShare <= M;
       if (use) {
-        grown(tp.rep_rows, total);
-        grown(tp.rep_pos, total);
+        grown(tp.rep_rows, M);
+        grown(tp.rep_pos, M);
       }
     }
     if (use) {
+      // the repeated lookups of the thread's slice of positions, listed from the slice's start,
+      // then moved down after those of the slices before it
       int64_t* __restrict rows = tp.rep_rows.data();
       int64_t* __restrict pos = tp.rep_pos.data();
-      for (int64_t i = lo, j = before[t * kCountPad]; i < hi; ++i) {
+      const int64_t lo = M * t / nth, hi = M * (t + 1) / nth;
+      int64_t j = lo;
+      for (int64_t i = lo; i < hi; ++i) {
         if (!tp.is_repeated(idx[i])) continue;
         rows[j] = idx[i];
         pos[j++] = i;
+      }
+      before[t * kCountPad] = j - lo;
+#pragma omp barrier
+#pragma omp single
+      for (int64_t u = 0, to = 0; u < nth; ++u) {
+        const int64_t from = M * u / nth, n = before[u * kCountPad];
+        std::memmove(rows + to, rows + from, n * sizeof(int64_t));
+        std::memmove(pos + to, pos + from, n * sizeof(int64_t));
+        to += n;
       }
     }
   }
