@@ -180,6 +180,27 @@ def test_backward_order_follows_the_repeated_lookups_and_the_table_size(monkeypa
     assert cpu_backend._ext().backward_order(indices, num_rows) == want
 
 
+def test_backward_order_skips_counting_after_a_batch_of_many_repeats(monkeypatch):
+    """A batch shape whose batch had too many repeated lookups is sorted without counting them for
+    the next 15 calls (csrc/lookup_reduce_cpu.cpp, kSkipCalls); then counted again. Another shape
+    is not affected."""
+    from rmt.ops import cpu_backend
+
+    with open("/proc/cpuinfo") as f:
+        if "AuthenticAMD" in f.read():
+            pytest.skip("AMD CPUs always sort")
+    ext = cpu_backend._ext()
+    monkeypatch.delenv("RMT_BACKWARD_ORDER", raising=False)
+    few, many = torch.arange(999, -1, -1).view(10, 100), torch.full((10, 100), 7)  # 0% and 100% repeated
+    assert ext.backward_order(few, 1009) == "token"
+    assert ext.backward_order(many, 1009) == "sorted"
+    assert [ext.backward_order(few, 1009) for _ in range(16)] == ["sorted"] * 15 + ["token"]
+    assert ext.backward_order(many, 1009) == "sorted"
+    assert ext.backward_order(few, 1010) == "token"
+    monkeypatch.setenv("RMT_BACKWARD_ORDER", "token")
+    assert ext.backward_order(few, 1009) == "token"
+
+
 def test_backward_order_from_the_environment(monkeypatch):
     """RMT_BACKWARD_ORDER forces either order, or is rejected with one sentence."""
     from rmt.ops import cpu_backend
