@@ -4,7 +4,7 @@ unfused path it replaces: the sparse touched-row gradient, then SparseAdam / Row
 import pytest
 import torch
 
-from rmt.ops import lookup_reduce
+from rmt.ops import cpu_backend, lookup_reduce
 from rmt.ops.fused_update import FusedValueUpdate
 from rmt.ops.sparse_optim import RowWiseAdagrad, SparseAdam
 from rmt.ops.testing import ADAM_REL, adagrad_rel, assert_rounded_within, round_fp32
@@ -13,6 +13,9 @@ OPTIMIZERS = {
     "sparse_adam": lambda p: SparseAdam([p], lr=2e-2, betas=(0.8, 0.95), eps=1e-6),
     "rowwise_adagrad": lambda p: RowWiseAdagrad([p], lr=0.1, eps=1e-10, weight_decay=0.01),
 }
+# the CPU backward sorts every lookup on AMD CPUs (csrc/lookup_reduce_cpu.cpp, order_setting)
+with open("/proc/cpuinfo") as _f:
+    AMD_CPU = "AuthenticAMD" in _f.read()
 # (N, D, T, K, C, E): compile-time row shapes (64 x 1, 64 x 2) and run-time ones (12 x 3)
 SHAPES = [(300, 12, 10, 6, 3, 1), (500, 64, 16, 8, 2, 4), (400, 64, 20, 7, 1, 1)]
 
@@ -123,8 +126,6 @@ def test_backward_orders_agree_bit_for_bit(monkeypatch, kind):
     sums the same squares in other chunks (equal to fp64 rounding of T K partial sums, and equal
     across thread counts). 65536 lookups of 2^17 rows, ~40k single and ~26k repeated; a
     compile-time row shape (D = 64, C = 2, 4 virtual blocks) and a run-time one (D = 12, C = 3)."""
-    from rmt.ops import cpu_backend
-
     threads = torch.get_num_threads()
     for shape in ((1 << 17, 64, 2048, 32, 2, 4), (1 << 17, 12, 2048, 32, 3, 1)):
         (indices, scores, blocks, grad_out), = batches(shape, 1)
@@ -169,26 +170,19 @@ def test_backward_order_follows_the_repeated_lookups_and_the_table_size(monkeypa
     share their row with another (csrc/lookup_reduce_cpu.cpp, kMaxRepeatedShare) and the table
     has at most as many 64-row words as there are lookups, else sorts them all; on AMD CPUs it
     always sorts them."""
-    from rmt.ops import cpu_backend
-
-    with open("/proc/cpuinfo") as f:
-        if "AuthenticAMD" in f.read():
-            want = "sorted"
+    if AMD_CPU:
+        want = "sorted"
     monkeypatch.delenv("RMT_BACKWARD_ORDER", raising=False)
     assert cpu_backend._ext().backward_order(indices, num_rows) == want
     monkeypatch.setenv("RMT_BACKWARD_ORDER", "auto")
     assert cpu_backend._ext().backward_order(indices, num_rows) == want
 
 
+@pytest.mark.skipif(AMD_CPU, reason="AMD CPUs always sort: nothing is counted or skipped")
 def test_backward_order_skips_counting_after_a_batch_of_many_repeats(monkeypatch):
     """A batch shape whose batch had too many repeated lookups is sorted without counting them for
     the next 15 calls (csrc/lookup_reduce_cpu.cpp, kSkipCalls); then counted again. Another shape
     is not affected."""
-    from rmt.ops import cpu_backend
-
-    with open("/proc/cpuinfo") as f:
-        if "AuthenticAMD" in f.read():
-            pytest.skip("AMD CPUs always sort")
     ext = cpu_backend._ext()
     monkeypatch.delenv("RMT_BACKWARD_ORDER", raising=False)
     few, many = torch.arange(999, -1, -1).view(10, 100), torch.full((10, 100), 7)  # 0% and 100% repeated
@@ -203,8 +197,6 @@ def test_backward_order_skips_counting_after_a_batch_of_many_repeats(monkeypatch
 
 def test_backward_order_from_the_environment(monkeypatch):
     """RMT_BACKWARD_ORDER forces either order, or is rejected with one sentence."""
-    from rmt.ops import cpu_backend
-
     ext = cpu_backend._ext()
     monkeypatch.setenv("RMT_BACKWARD_ORDER", "token")
     assert ext.backward_order(torch.full((10, 100), 3), 4) == "token"
@@ -350,8 +342,6 @@ def test_cpu_kernel_matches_torch_reference(kind, table_dtype):
 
 
 def test_score_gradients_alone_equal_the_backwards():
-    from rmt.ops import cpu_backend
-
     shape = SHAPES[1]
     (indices, scores, blocks, grad_out), = batches(shape, 1)
     table = make_table(shape)
