@@ -540,14 +540,17 @@ bool plan_token_order(const int64_t* __restrict idx, int64_t M, int64_t N, Token
     }
     if (use) {
       // the repeated lookups of the thread's slice of positions, listed from the slice's start,
-      // then moved down after those of the slices before it
+      // then moved down after those of the slices before it. Every lookup is written to the next
+      // free slot, which only a repeated one keeps (j <= i, so the slice's slots suffice): no
+      // branch, which mispredicted on the ~12% of repeated lookups (K=32) and took 0.14 ms more
+      // of the 8.8 ms fused backward on one core.
       int64_t* __restrict rows = tp.rep_rows.data();
       int64_t* __restrict pos = tp.rep_pos.data();
       int64_t j = lo;
       for (int64_t i = lo; i < hi; ++i) {
-        if (!tp.is_repeated(idx[i])) continue;
         rows[j] = idx[i];
-        pos[j++] = i;
+        pos[j] = i;
+        j += tp.is_repeated(idx[i]);
       }
       before[t * kCountPad] = j - lo;
 #pragma omp barrier
