@@ -408,8 +408,8 @@ class Divisor {
 // The backward in token order (see the header comment): the lookups whose row no other lookup
 // shares ("single" lookups) are taken in position order, and only the others ("repeated") are
 // sorted by row. Bit r of `seen` is set where some lookup has row r, of `repeated` where two or
-// more do (words [0, W); while plan_token_order builds them, thread u marks its slice of the
-// lookups in words [u W, (u + 1) W)). Built anew for every call, the vectors kept (grown, never
+// more do (words [0, W); while plan_token_order builds them, slice u of the lookups is marked in
+// words [u W, (u + 1) W)). Built anew for every call, the vectors kept (grown, never
 // shrunk) like SortedLookups'.
 struct TokenPlan {
   std::vector<uint64_t> seen, repeated;
@@ -470,10 +470,10 @@ Order order_setting() {
 // than 1/kMaxRepeatedShare of the lookups are repeated (then the next kSkipCalls batches of the
 // same shape are sorted without counting them). (A 2^24-row table, 131k lookups, 1%
 // repeated, one core of the Xeon with huge pages: 13.0 ms sorted against 15.4 in token order,
-// 19.4 against 25.4 without huge pages.) Each thread marks its slice of the lookups in bitmaps
-// of its own (tp.seen and tp.repeated hold one pair per thread), with no branch; then each merges
-// a range of words of all pairs into the first: a row is repeated where one slice repeats it or
-// two slices see it. Thread t reading every index and marking only its own range of words, as
+// 19.4 against 25.4 without huge pages.) Each thread marks a slice of the lookups in bitmaps of
+// its own (tp.seen and tp.repeated hold one pair per slice; fewer slices than threads where the
+// batch is small for the table), with no branch; then each thread merges a range of words of all
+// pairs into the first: a row is repeated where one slice repeats it or two slices see it. Thread t reading every index and marking only its own range of words, as
 // before, branched on every index and mispredicted half of the time on two threads: the bitmaps
 // took 0.79 ms there against 0.37 on one thread (2^17 lookups of 2^20 rows). The repeated
 // lookups are counted from the bitmaps and listed by slices of positions, in position order.
@@ -489,41 +489,46 @@ bool plan_token_order(const int64_t* __restrict idx, int64_t M, int64_t N, Token
     return false;
   }
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), M / kSortSliceMin)));
-  uint64_t* __restrict seen = grown(tp.seen, W * threads);
-  uint64_t* __restrict rep = grown(tp.repeated, W * threads);
+  // slices of at least W / 2 lookups each, so that all bitmaps together hold at most max(2 W, 4 M)
+  // words (one slice per thread held 2 W words per thread, a GB for 2^20 lookups of 2^26 rows on
+  // 64 threads). Clearing a slice's 2 W words is a memset, cheaper than marking its lookups: 2^17
+  // lookups of 2^22 rows on 2 threads took 0.22 ms longer in one slice than in two.
+  const int slices = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, 2 * M / std::max<int64_t>(W, 1))));
+  uint64_t* __restrict seen = grown(tp.seen, W * slices);
+  uint64_t* __restrict rep = grown(tp.repeated, W * slices);
   int64_t* __restrict before = grown(tp.count, threads * kCountPad);
   bool use = true;
 #pragma omp parallel num_threads(threads)
   {
     const int nth = omp_get_num_threads(), t = omp_get_thread_num();
+    const int parts = std::min(nth, slices);
     // the bounds held in locals: M and W are shared, so the bitmaps' stores could change them for
     // all the compiler knows, which put a division into every pass of the loop (0.15 ms more)
     const int64_t lo = M * t / nth, hi = M * (t + 1) / nth, wlo = W * t / nth, whi = W * (t + 1) / nth;
-    uint64_t* __restrict s = seen + t * W;
-    uint64_t* __restrict r = rep + t * W;
-    std::fill(s, s + W, uint64_t(0));
-    std::fill(r, r + W, uint64_t(0));
-    for (int64_t i = lo; i < hi; ++i) {
-      const uint64_t w = static_cast<uint64_t>(idx[i]) >> 6, bit = uint64_t(1) << (idx[i] & 63);
-      r[w] |= s[w] & bit;
-      s[w] |= bit;
+    if (t < parts) {
+      const int64_t first = M * t / parts, last = M * (t + 1) / parts;
+      uint64_t* __restrict s = seen + t * W;
+      uint64_t* __restrict r = rep + t * W;
+      std::fill(s, s + W, uint64_t(0));
+      std::fill(r, r + W, uint64_t(0));
+      for (int64_t i = first; i < last; ++i) {
+        const uint64_t w = static_cast<uint64_t>(idx[i]) >> 6, bit = uint64_t(1) << (idx[i] & 63);
+        r[w] |= s[w] & bit;
+        s[w] |= bit;
+      }
     }
+#pragma omp barrier
     // a row looked up once has one lookup, so the repeated lookups are all the others
     int64_t single = 0;
-    if (nth == 1) {
-      for (int64_t w = 0; w < W; ++w) single += __builtin_popcountll(s[w] & ~r[w]);
-    } else {
-#pragma omp barrier
-      for (int64_t w = wlo; w < whi; ++w) {
-        uint64_t sw = seen[w], rw = rep[w];
-        for (int u = 1; u < nth; ++u) {
-          rw |= rep[u * W + w] | (sw & seen[u * W + w]);
-          sw |= seen[u * W + w];
-        }
-        seen[w] = sw;
-        rep[w] = rw;
-        single += __builtin_popcountll(sw & ~rw);
+    for (int64_t w = wlo; w < whi; ++w) {
+      uint64_t sw = seen[w], rw = rep[w];
+      for (int u = 1; u < parts; ++u) {
+        rw |= rep[u * W + w] | (sw & seen[u * W + w]);
+        sw |= seen[u * W + w];
       }
+      seen[w] = sw;
+      rep[w] = rw;
+      single += __builtin_popcountll(sw & ~rw);
     }
     before[t * kCountPad] = single;
 #pragma omp barrier

@@ -155,6 +155,36 @@ def test_backward_orders_agree_bit_for_bit(monkeypatch, kind):
         assert results[1][3] == want[3] and results[3][3] == results[2][3]
 
 
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+def test_token_order_with_fewer_bitmap_slices_than_threads(monkeypatch, kind):
+    """Where the batch is small for the table, the token order's bitmaps are marked in fewer
+    slices of the lookups than there are threads (plan_token_order: at least W / 2 lookups a
+    slice, W the table's 64-row words) and merged by all of them: 65536 lookups in 2 slices of a
+    2^22-row table and in 1 of a 2^23-row one, on 3 threads. The results stay the sorted order's,
+    bit for bit."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        for rows in (1 << 22, 1 << 23):
+            shape = (rows, 2, 4096, 16, 1, 1)
+            (indices, scores, _, grad_out), = batches(shape, 1)
+            table = make_table(shape)
+            results = []
+            for order in ("sorted", "token"):
+                monkeypatch.setenv("RMT_BACKWARD_ORDER", order)
+                p = torch.nn.Parameter(table.clone())
+                update = FusedValueUpdate(p, OPTIMIZERS[kind](p))
+                s = scores.clone().requires_grad_(True)
+                lookup_reduce(p, indices, s, None, 1, backend="cpu", update=update).backward(grad_out)
+                results.append((p.data, state_tensors(update.optimizer, p), s.grad))
+            (want, want_state, want_scores), (got, got_state, got_scores) = results
+            assert not torch.equal(want, table)
+            assert torch.equal(got, want) and torch.equal(got_scores, want_scores)
+            assert all(torch.equal(a, b) for a, b in zip(got_state, want_state))
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("indices,num_rows,want", [
     (torch.randint(0, 1 << 20, (4096, 32), generator=torch.Generator().manual_seed(0)), 1 << 20, "token"),  # 12%
     (torch.randint(0, 1 << 20, (4096, 128), generator=torch.Generator().manual_seed(0)), 1 << 20, "sorted"),  # 39%
