@@ -409,8 +409,8 @@ class Divisor {
 // shares ("single" lookups) are taken in position order, and only the others ("repeated") are
 // sorted by row. Bit r of `seen` is set where some lookup has row r, of `repeated` where two or
 // more do (words [0, W); while plan_token_order builds them, slice u of the lookups is marked in
-// words [u W, (u + 1) W)). Built anew for every call, the vectors kept (grown, never
-// shrunk) like SortedLookups'.
+// words [u W, (u + 1) W)). Built anew for every call, the vectors kept (grown, never shrunk) like
+// SortedLookups'.
 struct TokenPlan {
   std::vector<uint64_t> seen, repeated;
   std::vector<int64_t> rep_rows, rep_pos;  // the repeated lookups' rows and positions, in order
@@ -473,10 +473,11 @@ Order order_setting() {
 // 19.4 against 25.4 without huge pages.) Each thread marks a slice of the lookups in bitmaps of
 // its own (tp.seen and tp.repeated hold one pair per slice; fewer slices than threads where the
 // batch is small for the table), with no branch; then each thread merges a range of words of all
-// pairs into the first: a row is repeated where one slice repeats it or two slices see it. Thread t reading every index and marking only its own range of words, as
-// before, branched on every index and mispredicted half of the time on two threads: the bitmaps
-// took 0.79 ms there against 0.37 on one thread (2^17 lookups of 2^20 rows). The repeated
-// lookups are counted from the bitmaps and listed by slices of positions, in position order.
+// pairs into the first: a row is repeated where one slice repeats it or two slices see it.
+// Thread t reading every index and marking only its own range of words, as before, branched on
+// every index and mispredicted half of the time on two threads: the bitmaps took 0.79 ms there
+// against 0.37 on one thread (2^17 lookups of 2^20 rows). The repeated lookups are counted from
+// the bitmaps and listed by slices of positions, in position order.
 bool plan_token_order(const int64_t* __restrict idx, int64_t M, int64_t N, TokenPlan& tp) {
   const Order order = order_setting();
   const int64_t W = (N + 63) / 64;
@@ -493,7 +494,8 @@ bool plan_token_order(const int64_t* __restrict idx, int64_t M, int64_t N, Token
   // words (one slice per thread held 2 W words per thread, a GB for 2^20 lookups of 2^26 rows on
   // 64 threads). Clearing a slice's 2 W words is a memset, cheaper than marking its lookups: 2^17
   // lookups of 2^22 rows on 2 threads took 0.22 ms longer in one slice than in two.
-  const int slices = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, 2 * M / std::max<int64_t>(W, 1))));
+  const int slices =
+      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, 2 * M / std::max<int64_t>(W, 1))));
   uint64_t* __restrict seen = grown(tp.seen, W * slices);
   uint64_t* __restrict rep = grown(tp.repeated, W * slices);
   int64_t* __restrict before = grown(tp.count, threads * kCountPad);
