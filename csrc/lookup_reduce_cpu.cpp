@@ -334,10 +334,11 @@ void find_runs(SortedLookups& s, int64_t M, int threads) {
 
 // Stable LSD radix sort of the packed (row, position) pairs by row < num_rows, digits of at
 // most max_bits bits; then the run boundaries. Lookup j has row idx[j] and position pos[j] (j
-// itself where pos is null; positions must ascend with j). Sorting the packed pairs reads every pass's
-// input sequentially (a position-only sort would look the rows up at random). Each pass splits
-// the pairs into contiguous per-thread slices with their own digit counts; slots are handed out
-// by digit, then by thread, so the order is the one stable order whatever the thread count.
+// itself where pos is null; positions must ascend with j). Sorting the packed pairs reads every
+// pass's input sequentially (a position-only sort would look the rows up at random). Each pass
+// splits the pairs into contiguous per-thread slices with their own digit counts; slots are
+// handed out by digit, then by thread, so the order is the one stable order whatever the thread
+// count.
 void sort_lookups(const int64_t* __restrict idx, const int64_t* __restrict pos, int64_t M, int64_t num_rows,
                   SortedLookups& s, int max_bits = max_digit_bits()) {
   TORCH_CHECK(M <= std::numeric_limits<int32_t>::max(), "lookup_reduce CPU: at most 2^31-1 lookups; got ", M);
@@ -465,7 +466,7 @@ Order order_setting() {
 }
 
 // Fills tp for the M lookups idx[0:M] of rows < N and returns true where the token order is to be
-// used (then tp.repeats holds the repeated lookups sorted by row), false where the plain sort is:
+// used (then tp.rep_rows and tp.rep_pos list the repeated lookups), false where the plain sort is:
 // unforced, on AMD CPUs, and where the table has more 64-row words than there are lookups or more
 // than 1/kMaxRepeatedShare of the lookups are repeated (then the next kSkipCalls batches of the
 // same shape are sorted without counting them). (A 2^24-row table, 131k lookups, 1%
@@ -575,10 +576,7 @@ bool plan_token_order(const int64_t* __restrict idx, int64_t M, int64_t N, Token
   } else if (!use && tp.skips.size() < kSkipShapes) {
     tp.skips.push_back({N, M, kSkipCalls});
   }
-  if (!use) return false;
-  if (tp.num_repeated) sort_lookups(tp.rep_rows.data(), tp.rep_pos.data(), tp.num_repeated, N, tp.repeats);
-  else tp.repeats.num_runs = 0;
-  return true;
+  return use;
 }
 
 // Dot product of a[0:n] and b[0:n] with kLanes independent partial sums (vectorizable without
@@ -989,7 +987,12 @@ struct SortScope {
   // plan_token_order picks it, else nullptr with all lookups sorted. runs(order) then holds the
   // sorted lookups the kernels take run by run (the repeated ones, or all).
   const TokenPlan* order(const int64_t* idx, int64_t M, int64_t N) {
-    if (plan_token_order(idx, M, N, plan())) return &plan();
+    TokenPlan& tp = plan();
+    if (plan_token_order(idx, M, N, tp)) {
+      if (tp.num_repeated) sort_lookups(tp.rep_rows.data(), tp.rep_pos.data(), tp.num_repeated, N, tp.repeats);
+      else tp.repeats.num_runs = 0;
+      return &tp;
+    }
     sort_lookups(idx, nullptr, M, N, sorted());
     return nullptr;
   }
