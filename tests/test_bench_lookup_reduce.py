@@ -13,7 +13,8 @@ from conftest import load_script, run_python
 
 SUMMARY_KEYS = {"speedup_vs_embedding_bag_sparse", "speedup_vs_embedding_bag_dense", "fraction_of_bandwidth",
                 "step_speedup_sparse_adam_vs_embedding_bag_sparse_adam", "step_speedup_sparse_adam_vs_dense_adamw",
-                "gather_gbps", "best_case_speedup_vs_embedding_bag_sparse", "best_case_speedup_vs_embedding_bag_dense"}
+                "gather_gbps", "best_case_speedup_vs_embedding_bag_sparse", "best_case_speedup_vs_embedding_bag_dense",
+                "fwd_bwd_fraction_of_best_case"}
 
 
 FBGEMM = importlib.util.find_spec("fbgemm_gpu") is not None
@@ -97,6 +98,8 @@ def test_bench_quick_writes_json(tmp_path, monkeypatch, table_dtype, table_elem,
             + touched / (doc["machine"]["copy_bandwidth_gbps"] * 1e9))
     bag = next(r for r in head if r["method"] == "embedding_bag sparse")
     assert math.isclose(doc["summary"]["best_case_speedup_vs_embedding_bag_sparse"], bag["fwd_bwd_s"] / best)
+    ours = next(r for r in head if r["method"] == "lookup_reduce[cpu] sparse grad")
+    assert math.isclose(doc["summary"]["fwd_bwd_fraction_of_best_case"], best / ours["fwd_bwd_s"])
     assert doc["summary"]["gather_gbps"] == fastest["fwd_gbps"]
     check_rowwise_peers(doc, table_dtype, proc)
 
