@@ -274,51 +274,99 @@ T* grown(std::vector<T>& v, int64_t n) {
 // multi-MB allocations page-fault on first touch.
 struct SortedLookups {
   std::vector<uint64_t> packed, tmp;
-  std::vector<int64_t> run_start, rows, count;
+  std::vector<int64_t> run_start, rows;
+  std::vector<int64_t> count, slots, slice_runs;  // sort_lookups' scratch: digit counts, next slots, run starts
   int64_t num_runs = 0;
 };
 
 inline int64_t sorted_row(uint64_t v) { return static_cast<int64_t>(v >> 32); }
 inline int64_t sorted_pos(uint64_t v) { return static_cast<int64_t>(v & 0xffffffffu); }
 
-// The runs of equal rows in the sorted pairs: s.run_start, s.rows, s.num_runs. Each thread takes a
-// slice from its first run start to its last; with several threads it counts the run starts in it
-// first, and writes them after the runs of the slices before it. The write loop has no branch:
-// every slot writes itself to the next free run entry, and only a run start moves past it (the
-// slots that continue a run are overwritten by the next start; none follow the slice's last
-// start, so a thread writes only its own entries). A loop that branched on each run start, after
-// a count pass also run by a single thread, took 0.26 ms of the 0.75 ms sort of 2^17 lookups of
-// 2^20 rows on one core (the ~6% of slots that continue a run mispredict); this one 0.09.
-void find_runs(SortedLookups& s, int64_t M, int threads) {
+// Stable LSD radix sort of the packed (row, position) pairs by row < num_rows, digits of at
+// most max_bits bits, then the runs of equal rows (s.run_start, s.rows, s.num_runs). Lookup j
+// has row idx[j] and position pos[j] (j itself where pos is null; positions must ascend with j).
+// Sorting the packed pairs reads every pass's input sequentially (a position-only sort would look
+// the rows up at random). Each pass splits the pairs into contiguous per-thread slices with their
+// own digit counts; slots are handed out by digit, then by thread, so the order is the one stable
+// order whatever the thread count.
+//
+// All passes and the runs run in one parallel region with two barriers per pass, and every
+// thread computes its own slots from all threads' counts (R x threads additions, the same work
+// a single thread did between two barriers while the others waited). Under the passive OpenMP
+// wait policy (rmt/__init__.py) a thread that waits sleeps, and waking it took 25-40 us on a
+// 2-core Xeon VM. A region per pass (each with a barrier and a single) and one more for the runs
+// made a thread wait about 20 times per sort, 11 times here: 2^17 lookups of 2^20 rows on 2
+// threads sorted in 2.3-2.4 ms that way, 1.8-1.9 ms this way (one thread: the same).
+//
+// The runs: each thread takes a slice from its first run start to its last; with several
+// threads it counts the run starts in it first, and writes them after the runs of the slices
+// before it. The write loop has no branch: every slot writes itself to the next free run entry,
+// and only a run start moves past it (the slots that continue a run are overwritten by the next
+// start; none follow the slice's last start, so a thread writes only its own entries). A loop
+// that branched on each run start, after a count pass also run by a single thread, took 0.26 ms
+// of the 0.75 ms sort of 2^17 lookups of 2^20 rows on one core (the ~6% of slots that continue a
+// run mispredict); this one 0.09.
+void sort_lookups(const int64_t* __restrict idx, const int64_t* __restrict pos, int64_t M, int64_t num_rows,
+                  SortedLookups& s, int max_bits = max_digit_bits()) {
+  TORCH_CHECK(M <= std::numeric_limits<int32_t>::max(), "lookup_reduce CPU: at most 2^31-1 lookups; got ", M);
+  TORCH_CHECK(num_rows <= (int64_t(1) << 32), "lookup_reduce CPU: at most 2^32 table rows; got ", num_rows);
+  const int bits = std::max(ceil_log2(num_rows), 1);
+  const int passes = (bits + max_bits - 1) / max_bits;
+  const int digit = (bits + passes - 1) / passes;
+  const int64_t R = int64_t(1) << digit, mask = R - 1;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), M / kSortSliceMin)));
+  uint64_t* __restrict packed = grown(s.packed, M);
+  uint64_t* __restrict tmp = grown(s.tmp, M);
+  const int64_t stride = R + kCountPad;
+  int64_t* __restrict count = grown(s.count, stride * threads);
+  int64_t* __restrict slots = grown(s.slots, stride * threads);
+  int64_t* __restrict before = grown(s.slice_runs, threads * kCountPad);
   int64_t* __restrict start = grown(s.run_start, M + 1);
   int64_t* __restrict rows = grown(s.rows, M);
-  int64_t* __restrict before = grown(s.count, threads * kCountPad);
-  const uint64_t* __restrict sorted = s.packed.data();
-  auto row = [&](int64_t j) { return sorted[j] >> 32; };
 #pragma omp parallel num_threads(threads)
   {
     const int nth = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t lo = M * t / nth, hi = M * (t + 1) / nth;
+    int64_t* __restrict mine = count + t * stride;
+    int64_t* __restrict next = slots + t * stride;
+    uint64_t* __restrict src = packed;
+    uint64_t* __restrict dst = tmp;
+    for (int p = 0; p < passes; ++p) {
+      const int shift = 32 + p * digit;
+      std::fill(mine, mine + R, int64_t(0));
+      if (p == 0) {
+        for (int64_t j = lo; j < hi; ++j) ++mine[idx[j] & mask];
+      } else {
+        for (int64_t j = lo; j < hi; ++j) ++mine[(src[j] >> shift) & mask];
+      }
+#pragma omp barrier
+      int64_t run = 0;
+      for (int64_t r = 0; r < R; ++r)
+        for (int u = 0; u < nth; ++u) {
+          if (u == t) next[r] = run;
+          run += count[u * stride + r];
+        }
+      if (p == 0) {
+        for (int64_t j = lo; j < hi; ++j)
+          dst[next[idx[j] & mask]++] = (static_cast<uint64_t>(idx[j]) << 32) | static_cast<uint64_t>(pos ? pos[j] : j);
+      } else {
+        for (int64_t j = lo; j < hi; ++j) dst[next[(src[j] >> shift) & mask]++] = src[j];
+      }
+#pragma omp barrier
+      std::swap(src, dst);
+    }
+    auto row = [&](int64_t j) { return src[j] >> 32; };
     int64_t first = lo, last = hi - 1;
     while (first < hi && first > 0 && row(first) == row(first - 1)) ++first;
     while (last > first && row(last) == row(last - 1)) --last;
-    int64_t n = 0;  // the slice's run starts: counted only for the slices after it
+    int64_t u = 0;  // the slice's next free run entry: the run starts of the slices before it
     if (nth > 1) {
-      n = first < hi;
+      int64_t n = first < hi;
       for (int64_t j = first + 1; j <= last; ++j) n += row(j) != row(j - 1);
-    }
-    before[t * kCountPad] = n;
+      before[t * kCountPad] = n;
 #pragma omp barrier
-#pragma omp single
-    {
-      int64_t runs = 0;
-      for (int u = 0; u < nth; ++u) {
-        const int64_t n = before[u * kCountPad];
-        before[u * kCountPad] = runs;
-        runs += n;
-      }
+      for (int v = 0; v < t; ++v) u += before[v * kCountPad];
     }
-    int64_t u = before[t * kCountPad];  // the slice's next free run entry
     uint64_t prev = first < hi ? ~row(first) : 0;  // any row but the first slot's: it starts a run
     for (int64_t j = first; j <= last; ++j) {
       const uint64_t r = row(j);
@@ -329,64 +377,8 @@ void find_runs(SortedLookups& s, int64_t M, int threads) {
     }
     if (t == nth - 1) s.num_runs = u;
   }
+  if (passes % 2) std::swap(s.packed, s.tmp);
   start[s.num_runs] = M;
-}
-
-// Stable LSD radix sort of the packed (row, position) pairs by row < num_rows, digits of at
-// most max_bits bits; then the run boundaries. Lookup j has row idx[j] and position pos[j] (j
-// itself where pos is null; positions must ascend with j). Sorting the packed pairs reads every
-// pass's input sequentially (a position-only sort would look the rows up at random). Each pass
-// splits the pairs into contiguous per-thread slices with their own digit counts; slots are
-// handed out by digit, then by thread, so the order is the one stable order whatever the thread
-// count.
-void sort_lookups(const int64_t* __restrict idx, const int64_t* __restrict pos, int64_t M, int64_t num_rows,
-                  SortedLookups& s, int max_bits = max_digit_bits()) {
-  TORCH_CHECK(M <= std::numeric_limits<int32_t>::max(), "lookup_reduce CPU: at most 2^31-1 lookups; got ", M);
-  TORCH_CHECK(num_rows <= (int64_t(1) << 32), "lookup_reduce CPU: at most 2^32 table rows; got ", num_rows);
-  const int bits = std::max(ceil_log2(num_rows), 1);
-  const int passes = (bits + max_bits - 1) / max_bits;
-  const int digit = (bits + passes - 1) / passes;
-  const int64_t R = int64_t(1) << digit, mask = R - 1;
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), M / kSortSliceMin)));
-  uint64_t* __restrict src = grown(s.packed, M);
-  uint64_t* __restrict dst = grown(s.tmp, M);
-  const int64_t stride = R + kCountPad;
-  int64_t* __restrict count = grown(s.count, stride * threads);
-  for (int p = 0; p < passes; ++p) {
-    const int shift = 32 + p * digit;
-#pragma omp parallel num_threads(threads)
-    {
-      const int nth = omp_get_num_threads(), t = omp_get_thread_num();
-      const int64_t lo = M * t / nth, hi = M * (t + 1) / nth;
-      int64_t* __restrict next = count + t * stride;
-      std::fill(next, next + R, int64_t(0));
-      if (p == 0) {
-        for (int64_t j = lo; j < hi; ++j) ++next[idx[j] & mask];
-      } else {
-        for (int64_t j = lo; j < hi; ++j) ++next[(src[j] >> shift) & mask];
-      }
-#pragma omp barrier
-#pragma omp single
-      {
-        int64_t run = 0;
-        for (int64_t r = 0; r < R; ++r)
-          for (int u = 0; u < nth; ++u) {
-            const int64_t c = count[u * stride + r];
-            count[u * stride + r] = run;
-            run += c;
-          }
-      }
-      if (p == 0) {
-        for (int64_t j = lo; j < hi; ++j)
-          dst[next[idx[j] & mask]++] = (static_cast<uint64_t>(idx[j]) << 32) | static_cast<uint64_t>(pos ? pos[j] : j);
-      } else {
-        for (int64_t j = lo; j < hi; ++j) dst[next[(src[j] >> shift) & mask]++] = src[j];
-      }
-    }
-    std::swap(src, dst);
-  }
-  if (src != s.packed.data()) std::swap(s.packed, s.tmp);
-  find_runs(s, M, threads);
 }
 
 // Exact q / d for 0 <= q < 2^32 and 1 <= d < 2^32 by one 64 x 64 -> 128-bit multiply (Lemire,
@@ -500,6 +492,9 @@ bool plan_token_order(const int64_t* __restrict idx, int64_t M, int64_t N, Token
   uint64_t* __restrict seen = grown(tp.seen, W * slices);
   uint64_t* __restrict rep = grown(tp.repeated, W * slices);
   int64_t* __restrict before = grown(tp.count, threads * kCountPad);
+  // grown here, even where the plan goes unused: a resize inside the region would need a barrier
+  int64_t* __restrict rows = grown(tp.rep_rows, M);
+  int64_t* __restrict pos = grown(tp.rep_pos, M);
   bool use = true;
 #pragma omp parallel num_threads(threads)
   {
@@ -535,36 +530,31 @@ bool plan_token_order(const int64_t* __restrict idx, int64_t M, int64_t N, Token
     }
     before[t * kCountPad] = single;
 #pragma omp barrier
-#pragma omp single
-    {
-      int64_t singles = 0;
-      for (int u = 0; u < nth; ++u) singles += before[u * kCountPad];
+    // every thread sums the counts (no single, whose barrier would put all but one to sleep)
+    int64_t singles = 0;
+    for (int u = 0; u < nth; ++u) singles += before[u * kCountPad];
+    const bool listed = order == Order::kToken || (M - singles) * kMaxRepeatedShare <= M;
+    if (t == 0) {
       tp.num_repeated = M - singles;
-      use = order == Order::kToken || tp.num_repeated * kMaxRepeatedShare <= M;
-      if (use) {
-        grown(tp.rep_rows, M);
-        grown(tp.rep_pos, M);
-      }
+      use = listed;
     }
-    if (use) {
+    if (listed) {
       // the repeated lookups of the thread's slice of positions, listed from the slice's start,
       // then moved down after those of the slices before it. Every lookup is written to the next
       // free slot, which only a repeated one keeps (j <= i, so the slice's slots suffice): no
       // branch, which mispredicted on the ~12% of repeated lookups (K=32) and took 0.14 ms more
       // of the 8.8 ms fused backward on one core.
-      int64_t* __restrict rows = tp.rep_rows.data();
-      int64_t* __restrict pos = tp.rep_pos.data();
       int64_t j = lo;
       for (int64_t i = lo; i < hi; ++i) {
         rows[j] = idx[i];
         pos[j] = i;
         j += tp.is_repeated(idx[i]);
       }
-      before[t * kCountPad] = j - lo;
+      before[t * kCountPad + 1] = j - lo;  // beside the singles count, which others may still read
 #pragma omp barrier
-#pragma omp single
+#pragma omp single nowait
       for (int64_t u = 0, to = 0; u < nth; ++u) {
-        const int64_t from = M * u / nth, n = before[u * kCountPad];
+        const int64_t from = M * u / nth, n = before[u * kCountPad + 1];
         std::memmove(rows + to, rows + from, n * sizeof(int64_t));
         std::memmove(pos + to, pos + from, n * sizeof(int64_t));
         to += n;
@@ -718,7 +708,7 @@ void sparse_backward_kernel(const scalar_t* __restrict grad_out, const table_t* 
     {
       std::vector<acc_t> acc(D);
       std::vector<table_t> stage(D);
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
       for (int64_t ch = 0; ch < chunks; ++ch) {
         // the runs whose first lookup lies in the chunk's share of the M sorted lookups
         const int64_t lo = std::lower_bound(start, start + U, ch * M / chunks) - start;
@@ -752,7 +742,7 @@ void dense_backward_kernel(const scalar_t* __restrict grad_out, const table_t* _
     {
       std::vector<acc_t> acc(D);
       std::vector<table_t> stage(D);
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
       for (int64_t ch = 0; ch < chunks; ++ch) {
         const int64_t row_lo = ch * N / chunks, row_hi = (ch + 1) * N / chunks;
         int64_t zero_from = row_lo;
@@ -885,7 +875,7 @@ double fused_backward_kernel(const scalar_t* __restrict grad_out, const table_t*
             prepare, factor, apply);
         for (int64_t j = 0; j < kLanes; ++j) chunk_sq[ch] += sq[j];
       }
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
       for (int64_t ch = 0; ch < chunks; ++ch) {
         const int64_t lo = std::lower_bound(start, start + U, ch * Ms / chunks) - start;
         const int64_t hi = std::lower_bound(start, start + U, (ch + 1) * Ms / chunks) - start;
