@@ -331,13 +331,19 @@ void sort_lookups(const int64_t* __restrict idx, const int64_t* __restrict pos, 
     int64_t* __restrict next = slots + t * stride;
     uint64_t* __restrict src = packed;
     uint64_t* __restrict dst = tmp;
+    // One thread takes the next pass's digit counts while it scatters this pass, a sweep less per
+    // pass (2^17 lookups of 2^20 rows, one core: 0.11-0.14 ms of a 1.8 ms sort). Several threads
+    // count their own slice of each pass's input first: the writer of a slot is not its reader.
+    const bool fold = nth == 1;
     for (int p = 0; p < passes; ++p) {
       const int shift = 32 + p * digit;
-      std::fill(mine, mine + R, int64_t(0));
-      if (p == 0) {
-        for (int64_t j = lo; j < hi; ++j) ++mine[idx[j] & mask];
-      } else {
-        for (int64_t j = lo; j < hi; ++j) ++mine[(src[j] >> shift) & mask];
+      if (p == 0 || !fold) {
+        std::fill(mine, mine + R, int64_t(0));
+        if (p == 0) {
+          for (int64_t j = lo; j < hi; ++j) ++mine[idx[j] & mask];
+        } else {
+          for (int64_t j = lo; j < hi; ++j) ++mine[(src[j] >> shift) & mask];
+        }
       }
 #pragma omp barrier
       int64_t run = 0;
@@ -346,11 +352,24 @@ void sort_lookups(const int64_t* __restrict idx, const int64_t* __restrict pos, 
           if (u == t) next[r] = run;
           run += count[u * stride + r];
         }
+      const bool count_next = fold && p + 1 < passes;
+      if (count_next) std::fill(mine, mine + R, int64_t(0));
+      auto scatter = [&](auto from_idx, auto counting) {
+        for (int64_t j = lo; j < hi; ++j) {
+          uint64_t v;
+          if constexpr (decltype(from_idx)::value) {
+            v = (static_cast<uint64_t>(idx[j]) << 32) | static_cast<uint64_t>(pos ? pos[j] : j);
+          } else {
+            v = src[j];
+          }
+          dst[next[(v >> shift) & mask]++] = v;
+          if constexpr (decltype(counting)::value) ++mine[(v >> (shift + digit)) & mask];
+        }
+      };
       if (p == 0) {
-        for (int64_t j = lo; j < hi; ++j)
-          dst[next[idx[j] & mask]++] = (static_cast<uint64_t>(idx[j]) << 32) | static_cast<uint64_t>(pos ? pos[j] : j);
+        count_next ? scatter(std::true_type(), std::true_type()) : scatter(std::true_type(), std::false_type());
       } else {
-        for (int64_t j = lo; j < hi; ++j) dst[next[(src[j] >> shift) & mask]++] = src[j];
+        count_next ? scatter(std::false_type(), std::true_type()) : scatter(std::false_type(), std::false_type());
       }
 #pragma omp barrier
       std::swap(src, dst);
@@ -701,7 +720,6 @@ void sparse_backward_kernel(const scalar_t* __restrict grad_out, const table_t* 
   using acc_t = typename Acc<scalar_t>::type;
   const int64_t U = s.num_runs, chunks = num_chunks(U);
   const int64_t* start = s.run_start.data();
-  std::copy(s.rows.data(), s.rows.data() + U, rows);
   const Divisor token_of(K);
   dispatch_row_shape(D, C, [&](auto kD, auto kC) {
 #pragma omp parallel num_threads(at::get_num_threads())
@@ -713,6 +731,7 @@ void sparse_backward_kernel(const scalar_t* __restrict grad_out, const table_t* 
         // the runs whose first lookup lies in the chunk's share of the M sorted lookups
         const int64_t lo = std::lower_bound(start, start + U, ch * M / chunks) - start;
         const int64_t hi = std::lower_bound(start, start + U, (ch + 1) * M / chunks) - start;
+        std::copy(s.rows.data() + lo, s.rows.data() + hi, rows + lo);  // each chunk its runs' rows
         for (int64_t u = lo; u < hi; ++u) {
           run_gradient<table_t, scalar_t, acc_t, decltype(kD)::value, decltype(kC)::value>(
               u, s, grad_out, table, scores, blk, acc.data(), grad_scores, 0, M, M, token_of, C, D, E, no_prefetch);
