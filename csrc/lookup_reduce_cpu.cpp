@@ -1166,20 +1166,22 @@ std::tuple<at::Tensor, double> lookup_reduce_backward_update(
                       state1.is_contiguous(),
                   "lookup_reduce_backward_update: the row-wise Adagrad sums must be a contiguous fp32 vector, one per row");
       float* __restrict sum = state1.data_ptr<float>();
-      const float lr_f = static_cast<float>(lr), eps_f = static_cast<float>(eps), wd = static_cast<float>(weight_decay);
-      run(std::integral_constant<int64_t, 8>(),
-          [&](int64_t row, const acc_t* g, float* part, auto kD) {
-            const int64_t w = row_width(kD, D);
-            rmt_cpu::rowwise_adagrad_squares(p + row * w, g, w, wd, part);
-          },
-          [&](int64_t row, const float* part) { return rmt_cpu::rowwise_adagrad_scale(sum + row, part, D, lr_f, eps_f); },
-          [&](int64_t row, const acc_t* g, float scale, auto kD) {
-            const int64_t w = row_width(kD, D);
-            rmt_cpu::rowwise_adagrad_apply(p + row * w, g, w, scale, wd);
-          },
-          // the one prefetch for writing (into L1, see cpu_prefetch.h): into L2 it measured the
-          // same (7.5 against 7.3 ms at K=32, 23.8 against 24.1 at K=128)
-          [&](int64_t row) { __builtin_prefetch(sum + row, 1, 2); });
+      const float lr_f = static_cast<float>(lr), eps_f = static_cast<float>(eps);
+      rmt_cpu::with_decay(static_cast<float>(weight_decay), [&](auto decay) {
+        run(std::integral_constant<int64_t, 8>(),
+            [&](int64_t row, const acc_t* g, float* part, auto kD) {
+              const int64_t w = row_width(kD, D);
+              rmt_cpu::rowwise_adagrad_squares(p + row * w, g, w, decay, part);
+            },
+            [&](int64_t row, const float* part) { return rmt_cpu::rowwise_adagrad_scale(sum + row, part, D, lr_f, eps_f); },
+            [&](int64_t row, const acc_t* g, float scale, auto kD) {
+              const int64_t w = row_width(kD, D);
+              rmt_cpu::rowwise_adagrad_apply(p + row * w, g, w, scale, decay);
+            },
+            // the one prefetch for writing (into L1, see cpu_prefetch.h): into L2 it measured the
+            // same (7.5 against 7.3 ms at K=32, 23.8 against 24.1 at K=128)
+            [&](int64_t row) { __builtin_prefetch(sum + row, 1, 2); });
+      });
     }
   });
   return {grad_scores, sq};

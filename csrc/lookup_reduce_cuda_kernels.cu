@@ -440,7 +440,8 @@ __device__ __forceinline__ void step_row(table_t* trow, int64_t row, int64_t u, 
     float gw[COLS], sq_w = 0.f;
 #pragma unroll
     for (int v = 0; v < COLS; ++v) {
-      gw[v] = __fadd_rn(g[v], __fmul_rn(a.weight_decay, tv[v]));
+      // no term at all for weight_decay 0 (row_optim.h, NoDecay): g + 0 * inf would be NaN
+      gw[v] = a.weight_decay == 0.f ? g[v] : __fadd_rn(g[v], __fmul_rn(a.weight_decay, tv[v]));
       sq_w = __fadd_rn(sq_w, __fmul_rn(gw[v], gw[v]));
     }
     sq_w = group_sum<LANES>(sq_w, mask);

@@ -35,28 +35,48 @@ inline void adam_row(param_t* __restrict p, state_t* __restrict m, state_t* __re
 // Partial sums of a row's squared gradient (row-wise Adagrad).
 constexpr int64_t kSquareLanes = 8;
 
+// Row-wise Adagrad's weight decay, added to the gradient: g + wd p (Decay), and no term at all
+// where wd is 0 (NoDecay), as in torch's Adagrad and the Python reference: g + 0 p would turn the
+// gradient of a row holding an infinite weight into NaN, and with it the row's sum. with_decay
+// calls f with the one that wd asks for.
+struct NoDecay {
+  float operator()(float g, float) const { return g; }
+};
+struct Decay {
+  float wd;
+  float operator()(float g, float p) const { return g + wd * p; }
+};
+template <typename F>
+inline void with_decay(float weight_decay, F&& f) {
+  if (weight_decay == 0.f) {
+    f(NoDecay{});
+  } else {
+    f(Decay{weight_decay});
+  }
+}
+
 // Row-wise Adagrad (DLRM / FBGEMM), in fp32 with one fp32 accumulator *sum per row:
-//   g' = g + wd p;  sum += mean(g'^2);  p <- rn(p - lr g' / (sqrt(sum) + eps))
+//   g' = decay(g, p);  sum += mean(g'^2);  p <- rn(p - lr g' / (sqrt(sum) + eps))
 // in three steps, so that the fused backward can take a group of rows through each in turn (see
 // fused_backward_runs in lookup_reduce_cpu.cpp): rowwise_adagrad_squares sums the squares of g'
 // in kSquareLanes partial sums, rowwise_adagrad_scale combines them in a fixed order, updates
 // *sum and returns lr / (sqrt(sum) + eps), and rowwise_adagrad_apply steps the row by it. The
 // partial sums vectorize for every dtype (GCC keeps a single in-order sum of converted bf16 values
 // scalar) and do not depend on the threading.
-template <typename param_t, typename grad_t>
+template <typename param_t, typename grad_t, typename decay_t>
 inline void rowwise_adagrad_squares(const param_t* __restrict p, const grad_t* __restrict g, int64_t D,
-                                    float weight_decay, float* __restrict part) {
+                                    decay_t decay, float* __restrict part) {
 #pragma omp simd
   for (int64_t j = 0; j < kSquareLanes; ++j) part[j] = 0.f;
   int64_t d0 = 0;
   for (; d0 + kSquareLanes <= D; d0 += kSquareLanes)
 #pragma omp simd
     for (int64_t j = 0; j < kSquareLanes; ++j) {
-      const float gd = static_cast<float>(g[d0 + j]) + weight_decay * static_cast<float>(p[d0 + j]);
+      const float gd = decay(static_cast<float>(g[d0 + j]), static_cast<float>(p[d0 + j]));
       part[j] += gd * gd;
     }
   for (int64_t d = d0; d < D; ++d) {
-    const float gd = static_cast<float>(g[d]) + weight_decay * static_cast<float>(p[d]);
+    const float gd = decay(static_cast<float>(g[d]), static_cast<float>(p[d]));
     part[0] += gd * gd;
   }
 }
@@ -70,22 +90,22 @@ inline float rowwise_adagrad_scale(float* __restrict sum, const float* __restric
   return lr / (std::sqrt(s) + eps);
 }
 
-template <typename param_t, typename grad_t>
+template <typename param_t, typename grad_t, typename decay_t>
 inline void rowwise_adagrad_apply(param_t* __restrict p, const grad_t* __restrict g, int64_t D, float scale,
-                                  float weight_decay) {
+                                  decay_t decay) {
 #pragma omp simd
   for (int64_t d = 0; d < D; ++d) {
     const float old = static_cast<float>(p[d]);
-    p[d] = round_to<param_t>(old - scale * (static_cast<float>(g[d]) + weight_decay * old));
+    p[d] = round_to<param_t>(old - scale * decay(static_cast<float>(g[d]), old));
   }
 }
 
-template <typename param_t, typename grad_t>
+template <typename param_t, typename grad_t, typename decay_t>
 inline void rowwise_adagrad_row(param_t* __restrict p, float* __restrict sum, const grad_t* __restrict g, int64_t D,
-                                float lr, float eps, float weight_decay) {
+                                float lr, float eps, decay_t decay) {
   float part[kSquareLanes];
-  rowwise_adagrad_squares(p, g, D, weight_decay, part);
-  rowwise_adagrad_apply(p, g, D, rowwise_adagrad_scale(sum, part, D, lr, eps), weight_decay);
+  rowwise_adagrad_squares(p, g, D, decay, part);
+  rowwise_adagrad_apply(p, g, D, rowwise_adagrad_scale(sum, part, D, lr, eps), decay);
 }
 
 }  // namespace rmt_cpu

@@ -59,17 +59,17 @@ void sparse_adam_kernel(param_t* __restrict p, state_t* __restrict m, state_t* _
   }
 }
 
-template <typename scalar_t>
+template <typename scalar_t, typename decay_t>
 void rowwise_adagrad_kernel(scalar_t* __restrict p, float* __restrict sum, const int64_t* __restrict rows,
                             const scalar_t* __restrict g, int64_t U, int64_t D, float lr, float eps,
-                            float weight_decay) {
+                            decay_t decay) {
 #pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
   for (int64_t u = 0; u < U; ++u) {
     if (u + kPrefetchDistance < U) {
       rmt_cpu::prefetch_row(p + rows[u + kPrefetchDistance] * D, D * static_cast<int64_t>(sizeof(*p)));
       rmt_cpu::prefetch_l2(sum + rows[u + kPrefetchDistance]);
     }
-    rmt_cpu::rowwise_adagrad_row(p + rows[u] * D, sum + rows[u], g + u * D, D, lr, eps, weight_decay);
+    rmt_cpu::rowwise_adagrad_row(p + rows[u] * D, sum + rows[u], g + u * D, D, lr, eps, decay);
   }
 }
 
@@ -101,10 +101,11 @@ void rowwise_adagrad_step(at::Tensor param, at::Tensor state_sum, const at::Tens
                   state_sum.is_contiguous(),
               "rowwise_adagrad_step: the accumulator must be a contiguous fp32 vector with one entry per row");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, param.scalar_type(), "rowwise_adagrad_step", [&] {
-    rowwise_adagrad_kernel<scalar_t>(param.data_ptr<scalar_t>(), state_sum.data_ptr<float>(),
-                                     rows.data_ptr<int64_t>(), values.data_ptr<scalar_t>(), rows.size(0),
-                                     param.size(1), static_cast<float>(lr), static_cast<float>(eps),
-                                     static_cast<float>(weight_decay));
+    rmt_cpu::with_decay(static_cast<float>(weight_decay), [&](auto decay) {
+      rowwise_adagrad_kernel<scalar_t>(param.data_ptr<scalar_t>(), state_sum.data_ptr<float>(),
+                                       rows.data_ptr<int64_t>(), values.data_ptr<scalar_t>(), rows.size(0),
+                                       param.size(1), static_cast<float>(lr), static_cast<float>(eps), decay);
+    });
   });
 }
 

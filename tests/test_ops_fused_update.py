@@ -7,7 +7,7 @@ import torch
 from rmt.ops import cpu_backend, lookup_reduce
 from rmt.ops.fused_update import FusedValueUpdate
 from rmt.ops.sparse_optim import RowWiseAdagrad, SparseAdam
-from rmt.ops.testing import ADAM_REL, adagrad_rel, assert_rounded_within, round_fp32
+from rmt.ops.testing import ADAM_REL, adagrad_rel, assert_rounded_within, check_fused_zero_decay, round_fp32
 
 OPTIMIZERS = {
     "sparse_adam": lambda p: SparseAdam([p], lr=2e-2, betas=(0.8, 0.95), eps=1e-6),
@@ -391,6 +391,13 @@ def test_flush_steps_lookups_left_without_their_final_backward():
     update.flush()
     q, _, _, _ = run(table, "rowwise_adagrad", [[(indices, scores, None, grad_out)]], 1, fused=False)
     assert torch.equal(p.data, q.data) and not update.stash
+
+
+def test_rowwise_adagrad_without_weight_decay_adds_no_term(backward_order):
+    """weight_decay 0 adds no decay term to the fused row-wise Adagrad step, as the reference and
+    torch's Adagrad: rows holding infinite weights keep finite gradients and sums
+    (rmt.ops.testing.check_fused_zero_decay), where g + 0 * p made them NaN."""
+    check_fused_zero_decay("cpu")
 
 
 def test_rejects_an_optimizer_it_cannot_fuse():

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from rmt.ops import cuda_backend, lookup_reduce, reference_backward, select_backend, triton_backend
-from rmt.ops.testing import (CASES, DTYPE_PAIRS, check_backend, check_narrow_table, check_row_optimizer_kernels,
-                             make_case, run_op)
+from rmt.ops.testing import (CASES, DTYPE_PAIRS, check_backend, check_fused_zero_decay, check_narrow_table,
+                             check_row_optimizer_kernels, make_case, run_op)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
 
@@ -218,3 +218,10 @@ def test_gpu_fused_update_equals_the_cpu_step(backend, kind, shape):
     again, opt_again, sg_again, _ = run(table, kind, steps, shape[5], fused=True, backend=backend, device="cuda")
     assert torch.equal(again, p_g) and all(torch.equal(a, b) for a, b in zip(sg_again, sg_g))
     assert all(torch.equal(a, b) for a, b in zip(state_tensors(opt_again, again), state_tensors(opt_g, p_g)))
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_fused_rowwise_adagrad_without_weight_decay_adds_no_term(backend):
+    """weight_decay 0 adds no decay term in the GPU kernels' fused row-wise Adagrad step: rows
+    holding infinite weights keep finite gradients and sums (rmt.ops.testing.check_fused_zero_decay)."""
+    check_fused_zero_decay(backend, device="cuda")

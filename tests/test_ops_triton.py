@@ -62,7 +62,7 @@ def check_fused_update():
     from rmt.ops import lookup_reduce
     from rmt.ops.fused_update import FusedValueUpdate
     from rmt.ops.sparse_optim import RowWiseAdagrad, SparseAdam
-    from rmt.ops.testing import ADAM_REL, adagrad_rel, assert_rounded_within
+    from rmt.ops.testing import ADAM_REL, adagrad_rel, assert_rounded_within, check_fused_zero_decay
 
     N, D, T, K, C, E = 60, 20, 6, 5, 2, 3
     gen = torch.Generator().manual_seed(3)
@@ -102,6 +102,7 @@ def check_fused_update():
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
             torch.testing.assert_close(g_t[0], got["reference"][2][0], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(u_t.pop_sq_norm(), u_r.pop_sq_norm(), rtol=1e-5, atol=0)
+    check_fused_zero_decay("triton")
 
 
 def check_sparse_optim():

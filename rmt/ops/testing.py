@@ -180,7 +180,9 @@ def check_row_optimizer_kernels(impl, table_dtype, device="cpu", rounding="rne",
         2 gamma_{D+1}; the new rows within the rounding of an fp32 value no further from the
         reference's fp32 row than ADAM_REL / adagrad_rel(D) of its update;
     (b) the narrow table's step is the fp32 step on the same (representable) row, gradient and
-        state, rounded once: for the kernel and for the reference, bit for bit, state included.
+        state, rounded once: for the kernel and for the reference, bit for bit, state included;
+    (c) with weight_decay 0 the row-wise Adagrad kernel adds no decay term, as the reference: a
+        touched row holding infinite weights keeps its finite gradient and sum (``check_zero_decay``).
     """
     from .sparse_optim import rowwise_adagrad_update_, sparse_adam_update_
 
@@ -221,3 +223,64 @@ def check_row_optimizer_kernels(impl, table_dtype, device="cpu", rounding="rne",
         bound = rel * (x - table.float()).abs() + 2.0 ** -21 * x.abs()
         assert_rounded_within(ker32[0], x, bound, "rne", f"{name} fp32 kernel vs reference")
         assert_rounded_within(ker_narrow[0], x, bound, rounding, f"{name} {table_dtype} kernel vs reference")
+    check_zero_decay(lambda param, state, u_rows, u_values: impl.rowwise_adagrad_step(
+        param, state, u_rows, u_values, *adagrad[:2], 0.0), table.float(), rows, values.float(), s0)
+
+
+def check_zero_decay(step, table, rows, values, state, lr=0.1, eps=1e-10):
+    """``step(param, state, rows, values)`` (one row-wise Adagrad step with weight_decay 0, in
+    place) against :func:`rmt.ops.sparse_optim.rowwise_adagrad_update_` on a copy of the fp32
+    ``table`` whose first two touched rows hold +inf and -inf weights. The reference adds no decay
+    term at weight_decay 0, so those rows' gradients, and their sums, stay finite; a kernel
+    computing g + 0 * p would make them NaN. Finite entries within the bounds of
+    check_row_optimizer_kernels (a), the sums within 2 gamma_{D+1}; the infinite ones equal."""
+    from .sparse_optim import rowwise_adagrad_update_
+
+    start = table.clone()
+    start[rows[0], 0], start[rows[1], -1] = float("inf"), float("-inf")
+    got, got_state = start.clone(), state.clone()
+    want, want_state = start.clone(), state.clone()
+    step(got, got_state, rows, values)
+    rowwise_adagrad_update_(want, want_state, rows, values, lr, eps, 0.0)
+    D = table.shape[1]
+    assert bool(want_state.isfinite().all()), "reference: a sum is not finite"
+    torch.testing.assert_close(got_state, want_state, rtol=2 * _gamma(D + 1, 2.0 ** -24), atol=0)
+    finite = start.isfinite()
+    assert torch.equal(got[~finite], start[~finite]) and torch.equal(want[~finite], start[~finite]), \
+        "an infinite weight did not stay as it was"
+    x = want[finite]
+    bound = adagrad_rel(D) * (x - start[finite]).abs() + 2.0 ** -21 * x.abs()
+    assert_rounded_within(got[finite], x, bound, "rne", "row-wise Adagrad at weight_decay 0 vs reference")
+
+
+def check_fused_zero_decay(backend, device="cpu", seed=0):
+    """The row-wise Adagrad step fused into ``backend``'s backward (:class:`FusedValueUpdate`)
+    with weight_decay 0, one step from non-zero sums, against the reference: ``check_zero_decay``,
+    the step being the fused backward's update of the touched rows (their gradients taken by the
+    reference backend for the reference step)."""
+    from .fused_update import FusedValueUpdate
+    from .sparse_optim import RowWiseAdagrad
+
+    gen = torch.Generator().manual_seed(seed)
+    N, D, T, K = 40, 24, 6, 4
+    table = torch.randn(N, D, generator=gen)
+    # distinct rows: each touched row's gradient is one product, the same bits in every backend
+    indices = torch.randperm(N, generator=gen)[:T * K].view(T, K)
+    scores = torch.randn(T, K, 1, generator=gen)
+    grad_out = torch.randn(T, 1, D, generator=gen)
+    ref = table.clone().requires_grad_(True)
+    lookup_reduce(ref, indices, scores, sparse_grad=True, backend="reference").backward(grad_out)
+    grad = ref.grad.coalesce()
+    rows, values = grad.indices()[0], grad.values()
+
+    def step(param, state, u_rows, u_values):
+        p = torch.nn.Parameter(param.to(device))
+        opt = RowWiseAdagrad([p], lr=0.1, eps=1e-10, weight_decay=0.0)
+        opt.state[p]["sum"] = state.to(device)
+        update = FusedValueUpdate(p, opt)
+        lookup_reduce(p, indices.to(device), scores.to(device), backend=backend, update=update).backward(
+            grad_out.to(device))
+        param.copy_(p.detach().cpu())
+        state.copy_(opt.state[p]["sum"].cpu())
+
+    check_zero_decay(step, table, rows, values, torch.rand(N, generator=gen))

@@ -134,7 +134,7 @@ def lookup_reduce_bwd_update_kernel(grad_out, table, scores, block_ids, sorted_p
         tl.store(state1 + off, m, mask=valid)
         tl.store(state2 + off, v, mask=valid)
     else:
-        gw = g + weight_decay * trow
+        gw = tl.where(weight_decay != 0.0, g + weight_decay * trow, g)  # no term at 0 (row_optim.h, NoDecay)
         sq = tl.sum(tl.where(valid, gw * gw, 0.0), axis=0)
         rv = row + tl.zeros([BLOCK_D], dtype=tl.int64)
         first = valid & (d == 0)

@@ -49,7 +49,8 @@ def rowwise_adagrad_kernel(param, state_sum, rows, values, D, lr, eps, weight_de
     mask = d < D
     row = tl.load(rows + u)
     p = tl.load(param + row * D + d, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(values + u * D + d, mask=mask, other=0.0).to(tl.float32) + weight_decay * p
+    g = tl.load(values + u * D + d, mask=mask, other=0.0).to(tl.float32)
+    g = tl.where(weight_decay != 0.0, g + weight_decay * p, g)  # no term at 0 (row_optim.h, NoDecay)
     s = tl.load(state_sum + row) + tl.div_rn(tl.sum(g * g, axis=0), D * 1.0)
     tl.store(state_sum + row, s)
     p = p - tl.div_rn(lr, tl.sqrt_rn(s) + eps) * g
