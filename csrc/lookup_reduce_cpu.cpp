@@ -55,6 +55,7 @@
 #include <cstdint>
 #include <limits>
 #include <mutex>
+#include <type_traits>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -781,14 +782,15 @@ void dense_backward_kernel(const scalar_t* __restrict grad_out, const table_t* _
 
 // Adds the squares of acc[0:D], a row's share of the gradient norm that clipping reads, to the
 // fp64 lanes sq[0:kLanes]: lane j gets the sum of the squares of elements j, j + kLanes, ... taken
-// in the accumulation dtype (fp32 but for fp64 scores). All terms are non-negative, so each lane's
-// share is within gamma_(2 D / kLanes) of exact, relatively (about 1e-6 at D = 64): the precision
-// of torch's and megatron's fp32 gradient norms. Squares summed in fp64 (every element converted,
-// lanes half as wide, combined per row) took 1.4 ms of the 14.3 ms fused row-wise Adagrad backward
-// (1M x 64 fp32, T=4096, K=32, one core of an AVX2 EPYC); fp32 lanes combined per row, 0.3 ms.
+// in the accumulation dtype (fp32 but for fp64 scores), which are left in part[0:kLanes] for the
+// row rule. All terms are non-negative, so each lane's share is within gamma_(2 D / kLanes) of
+// exact, relatively (about 1e-6 at D = 64): the precision of torch's and megatron's fp32 gradient
+// norms. Squares summed in fp64 (every element converted, lanes half as wide, combined per row)
+// took 1.4 ms of the 14.3 ms fused row-wise Adagrad backward (1M x 64 fp32, T=4096, K=32, one
+// core of an AVX2 EPYC); fp32 lanes combined per row, 0.3 ms.
 template <typename acc_t>
-inline void add_squares(const acc_t* __restrict acc, int64_t D, double* __restrict sq) {
-  acc_t part[kLanes] = {};
+inline void add_squares(const acc_t* __restrict acc, int64_t D, acc_t* __restrict part, double* __restrict sq) {
+  for (int64_t j = 0; j < kLanes; ++j) part[j] = acc_t(0);
   int64_t d = 0;
   for (; d + kLanes <= D; d += kLanes)
 #pragma omp simd
@@ -809,8 +811,9 @@ constexpr int64_t kRowScratch = rmt_cpu::kSquareLanes;
 // row = gradient(unit, acc_b) sums its row's gradient in acc_b = acc[b * D:(b + 1) * D] (no
 // gradient row is stored) and returns the row, or -1 for a unit to skip. The gradient is then
 // multiplied by grad_scale (the data-parallel mean; negative for a maximizing Adam), its squares
-// added to the fp64 lanes sq, and prepare(row, acc_b, scratch_b, kD) reads it (row-wise Adagrad: the
-// partial sums of its squares); once the group is full, f_b = factor(row, scratch_b) for its rows
+// added to the fp64 lanes sq, and prepare(row, acc_b, squares, scratch_b, kD) reads it and the
+// fp32 partial sums of its squares that add_squares left (row-wise Adagrad: the partial sums of
+// the squares of its decayed gradient, those same ones where it has no decay); once the group is full, f_b = factor(row, scratch_b) for its rows
 // in turn (row-wise Adagrad: the row's scale, its state updated); then apply(row, acc_b, f_b, kD)
 // steps each table row (kD as in dispatch_row_shape: the row rule runs at a compile-time width).
 // Units have distinct rows, and each row's score gradients read it before it changes. Stepping
@@ -844,8 +847,9 @@ void fused_update_units(int64_t lo, int64_t hi, int64_t runtime_D, acc_t grad_sc
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) a[d] *= grad_scale;
     }
-    add_squares(a, D, sq);
-    prepare(row, a, scratch + n * kRowScratch, width);
+    acc_t squares[kLanes];
+    add_squares(a, D, squares, sq);
+    prepare(row, a, squares, scratch + n * kRowScratch, width);
     rows[n] = row;
     if (++n == kGroup) step();
   }
@@ -1154,7 +1158,7 @@ std::tuple<at::Tensor, double> lookup_reduce_backward_update(
       const double step_size = lr * std::sqrt(1 - std::pow(beta2, step)) / (1 - std::pow(beta1, step));
       const auto omb1 = static_cast<state_t>(1 - beta1), omb2 = static_cast<state_t>(1 - beta2);
       const auto eps_s = static_cast<state_t>(eps), step_s = static_cast<state_t>(step_size);
-      run(std::integral_constant<int64_t, 1>(), [](int64_t, const acc_t*, float*, auto) {},
+      run(std::integral_constant<int64_t, 1>(), [](int64_t, const acc_t*, const acc_t*, float*, auto) {},
           [](int64_t, const float*) { return 0.f; },
           [&](int64_t row, const acc_t* g, float, auto kD) {
             const int64_t w = row_width(kD, D);
@@ -1169,9 +1173,16 @@ std::tuple<at::Tensor, double> lookup_reduce_backward_update(
       const float lr_f = static_cast<float>(lr), eps_f = static_cast<float>(eps);
       rmt_cpu::with_decay(static_cast<float>(weight_decay), [&](auto decay) {
         run(std::integral_constant<int64_t, 8>(),
-            [&](int64_t row, const acc_t* g, float* part, auto kD) {
-              const int64_t w = row_width(kD, D);
-              rmt_cpu::rowwise_adagrad_squares(p + row * w, g, w, decay, part);
+            [&](int64_t row, const acc_t* g, const acc_t* squares, float* part, auto kD) {
+              // without decay the rule's squares are the norm's, summed the same way (FMA into
+              // kLanes fp32 lanes): taken once, 0.07-0.19 ms of a 9.5 ms backward (one core)
+              if constexpr (std::is_same_v<decltype(decay), rmt_cpu::NoDecay> && std::is_same_v<acc_t, float>) {
+                static_assert(rmt_cpu::kSquareLanes == kLanes, "the norm's and the rule's lanes must match");
+                std::copy(squares, squares + kLanes, part);
+              } else {
+                const int64_t w = row_width(kD, D);
+                rmt_cpu::rowwise_adagrad_squares(p + row * w, g, w, decay, part);
+              }
             },
             [&](int64_t row, const float* part) { return rmt_cpu::rowwise_adagrad_scale(sum + row, part, D, lr_f, eps_f); },
             [&](int64_t row, const acc_t* g, float scale, auto kD) {

@@ -2,7 +2,9 @@
 // optimizer steps on a stored gradient (sparse_optim_cpu.cpp) and the backward that applies the
 // step to each row once its gradient is summed (lookup_reduce_cpu.cpp), so the two compute
 // the same operations in the same order. Both translation units are built with
-// -ffp-contract=off: every product and sum is rounded on its own, as in torch's formulation.
+// -ffp-contract=off: every product and sum is rounded on its own, as in torch's formulation, but
+// for the squares of row-wise Adagrad's gradient, summed with one rounding per term (madd) as the
+// fused backward sums the gradient norm's squares, so that without weight decay it sums them once.
 //
 // grad_t is the gradient row's element type: the table's (a stored gradient) or the fp32/fp64
 // accumulator of the fused backward, which is never rounded to a narrow table's dtype.
@@ -58,8 +60,8 @@ inline void with_decay(float weight_decay, F&& f) {
 // Row-wise Adagrad (DLRM / FBGEMM), in fp32 with one fp32 accumulator *sum per row:
 //   g' = decay(g, p);  sum += mean(g'^2);  p <- rn(p - lr g' / (sqrt(sum) + eps))
 // in three steps, so that the fused backward can take a group of rows through each in turn (see
-// fused_backward_runs in lookup_reduce_cpu.cpp): rowwise_adagrad_squares sums the squares of g'
-// in kSquareLanes partial sums, rowwise_adagrad_scale combines them in a fixed order, updates
+// fused_update_units in lookup_reduce_cpu.cpp): rowwise_adagrad_squares sums the squares of g'
+// in kSquareLanes partial sums (multiply-adds), rowwise_adagrad_scale combines them in a fixed order, updates
 // *sum and returns lr / (sqrt(sum) + eps), and rowwise_adagrad_apply steps the row by it. The
 // partial sums vectorize for every dtype (GCC keeps a single in-order sum of converted bf16 values
 // scalar) and do not depend on the threading.
@@ -73,11 +75,11 @@ inline void rowwise_adagrad_squares(const param_t* __restrict p, const grad_t* _
 #pragma omp simd
     for (int64_t j = 0; j < kSquareLanes; ++j) {
       const float gd = decay(static_cast<float>(g[d0 + j]), static_cast<float>(p[d0 + j]));
-      part[j] += gd * gd;
+      part[j] = madd(gd, gd, part[j]);
     }
   for (int64_t d = d0; d < D; ++d) {
     const float gd = decay(static_cast<float>(g[d]), static_cast<float>(p[d]));
-    part[0] += gd * gd;
+    part[0] = madd(gd, gd, part[0]);
   }
 }
 
