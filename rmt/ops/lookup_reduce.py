@@ -51,6 +51,13 @@ ENV_BACKEND = "RMT_LOOKUP_BACKEND"
 BACKENDS = ("cuda", "triton", "cpu", "reference")
 
 
+def dense(x, dtype):
+    """``x`` as a contiguous tensor of ``dtype``: ``x`` itself when it is one already. Checked
+    here because ``x.to(dtype).contiguous()`` costs two dispatches even when both are no-ops:
+    80 us against 33 on a cold cache (one core), once in the forward and once in the backward."""
+    return x if x.dtype == dtype and x.is_contiguous() else x.to(dtype).contiguous()
+
+
 def _backend_module(name):
     if name == "reference":
         return reference
@@ -126,7 +133,7 @@ class LookupReduceFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         table, scores, indices, block_ids = ctx.saved_tensors
         prep, ctx.prep = ctx.prep, {}  # freed with the saved tensors, not with the output's graph
-        grad_out = grad_out.to(scores.dtype).contiguous()
+        grad_out = dense(grad_out, scores.dtype)
         args = (grad_out, table, indices, scores, block_ids, ctx.num_blocks)
         dense_kernel = getattr(ctx.impl, "backward_dense", None)
         if ctx.needs_input_grad[0] and not ctx.sparse_grad and dense_kernel is not None:
@@ -173,9 +180,9 @@ def lookup_reduce(table, indices, scores, block_ids=None, num_blocks=1, *, backe
     """
     check_inputs(table, indices, scores, block_ids, num_blocks, check_range=validate)
     name = select_backend(table.device, backend, table.dtype)
-    indices = indices.to(torch.int64).contiguous()
+    indices = dense(indices, torch.int64)
     if block_ids is not None:
-        block_ids = block_ids.to(torch.int64).contiguous()
+        block_ids = dense(block_ids, torch.int64)
     if update is not None and table.requires_grad and torch.is_grad_enabled():
         from .fused_update import LookupReduceUpdateFunction
 
