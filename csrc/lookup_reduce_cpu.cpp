@@ -55,7 +55,6 @@
 #include <cstdint>
 #include <limits>
 #include <mutex>
-#include <type_traits>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -813,9 +812,10 @@ constexpr int64_t kRowScratch = rmt_cpu::kSquareLanes;
 // multiplied by grad_scale (the data-parallel mean; negative for a maximizing Adam), its squares
 // added to the fp64 lanes sq, and prepare(row, acc_b, squares, scratch_b, kD) reads it and the
 // fp32 partial sums of its squares that add_squares left (row-wise Adagrad: the partial sums of
-// the squares of its decayed gradient, those same ones where it has no decay); once the group is full, f_b = factor(row, scratch_b) for its rows
-// in turn (row-wise Adagrad: the row's scale, its state updated); then apply(row, acc_b, f_b, kD)
-// steps each table row (kD as in dispatch_row_shape: the row rule runs at a compile-time width).
+// the squares of its decayed gradient, those same ones where it has no decay); once the group is
+// full, f_b = factor(row, scratch_b) for its rows in turn (row-wise Adagrad: the row's scale, its
+// state updated); then apply(row, acc_b, f_b, kD) steps each table row (kD as in
+// dispatch_row_shape: the row rule runs at a compile-time width).
 // Units have distinct rows, and each row's score gradients read it before it changes. Stepping
 // each row as soon as its gradient was summed put the rule's dependent chain (sum of squares,
 // square root, division) between one run's loads and the next's; in groups of 8 the chains run
