@@ -223,10 +223,10 @@ class LookupReduceUpdateFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        from .lookup_reduce import dense
+        from .lookup_reduce import contiguous_as
 
         table, scores, indices, block_ids = ctx.saved_tensors
-        grad_out = dense(grad_out, scores.dtype)
+        grad_out = contiguous_as(grad_out, scores.dtype)
         grad_scores = ctx.update.backward(ctx.final, ctx.backend, grad_out, table, indices, scores, block_ids,
                                           ctx.num_blocks, ctx.needs_input_grad[1])
         return None, grad_scores, None, None, None, None, None

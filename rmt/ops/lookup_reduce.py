@@ -51,7 +51,7 @@ ENV_BACKEND = "RMT_LOOKUP_BACKEND"
 BACKENDS = ("cuda", "triton", "cpu", "reference")
 
 
-def dense(x, dtype):
+def contiguous_as(x, dtype):
     """``x`` as a contiguous tensor of ``dtype``: ``x`` itself when it is one already. Checked
     here because ``x.to(dtype).contiguous()`` costs two dispatches even when both are no-ops:
     80 us against 33 on a cold cache (one core), once in the forward and once in the backward."""
@@ -133,7 +133,7 @@ class LookupReduceFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         table, scores, indices, block_ids = ctx.saved_tensors
         prep, ctx.prep = ctx.prep, {}  # freed with the saved tensors, not with the output's graph
-        grad_out = dense(grad_out, scores.dtype)
+        grad_out = contiguous_as(grad_out, scores.dtype)
         args = (grad_out, table, indices, scores, block_ids, ctx.num_blocks)
         dense_kernel = getattr(ctx.impl, "backward_dense", None)
         if ctx.needs_input_grad[0] and not ctx.sparse_grad and dense_kernel is not None:
@@ -180,9 +180,9 @@ def lookup_reduce(table, indices, scores, block_ids=None, num_blocks=1, *, backe
     """
     check_inputs(table, indices, scores, block_ids, num_blocks, check_range=validate)
     name = select_backend(table.device, backend, table.dtype)
-    indices = dense(indices, torch.int64)
+    indices = contiguous_as(indices, torch.int64)
     if block_ids is not None:
-        block_ids = dense(block_ids, torch.int64)
+        block_ids = contiguous_as(block_ids, torch.int64)
     if update is not None and table.requires_grad and torch.is_grad_enabled():
         from .fused_update import LookupReduceUpdateFunction
 

@@ -224,10 +224,10 @@ def check_row_optimizer_kernels(impl, table_dtype, device="cpu", rounding="rne",
         assert_rounded_within(ker32[0], x, bound, "rne", f"{name} fp32 kernel vs reference")
         assert_rounded_within(ker_narrow[0], x, bound, rounding, f"{name} {table_dtype} kernel vs reference")
     check_zero_decay(lambda param, state, u_rows, u_values: impl.rowwise_adagrad_step(
-        param, state, u_rows, u_values, *adagrad[:2], 0.0), table.float(), rows, values.float(), s0)
+        param, state, u_rows, u_values, *adagrad[:2], 0.0), table.float(), rows, values.float(), s0, *adagrad[:2])
 
 
-def check_zero_decay(step, table, rows, values, state, lr=0.1, eps=1e-10):
+def check_zero_decay(step, table, rows, values, state, lr, eps):
     """``step(param, state, rows, values)`` (one row-wise Adagrad step with weight_decay 0, in
     place) against :func:`rmt.ops.sparse_optim.rowwise_adagrad_update_` on a copy of the fp32
     ``table`` whose first two touched rows hold +inf and -inf weights. The reference adds no decay
@@ -273,9 +273,11 @@ def check_fused_zero_decay(backend, device="cpu", seed=0):
     grad = ref.grad.coalesce()
     rows, values = grad.indices()[0], grad.values()
 
+    lr, eps = 0.1, 1e-10
+
     def step(param, state, u_rows, u_values):
         p = torch.nn.Parameter(param.to(device))
-        opt = RowWiseAdagrad([p], lr=0.1, eps=1e-10, weight_decay=0.0)
+        opt = RowWiseAdagrad([p], lr=lr, eps=eps, weight_decay=0.0)
         opt.state[p]["sum"] = state.to(device)
         update = FusedValueUpdate(p, opt)
         lookup_reduce(p, indices.to(device), scores.to(device), backend=backend, update=update).backward(
@@ -283,4 +285,4 @@ def check_fused_zero_decay(backend, device="cpu", seed=0):
         param.copy_(p.detach().cpu())
         state.copy_(opt.state[p]["sum"].cpu())
 
-    check_zero_decay(step, table, rows, values, torch.rand(N, generator=gen))
+    check_zero_decay(step, table, rows, values, torch.rand(N, generator=gen), lr, eps)
