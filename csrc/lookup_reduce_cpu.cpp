@@ -55,6 +55,7 @@
 #include <cstdint>
 #include <limits>
 #include <mutex>
+#include <new>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -85,35 +86,43 @@ struct Acc<double> {
 constexpr int64_t kPrefetchDistance = 24;
 // Output columns accumulated in registers per pass (4 AVX-512 registers of fp32).
 constexpr int64_t kTile = 64;
-// Radix sort digit width (at most 2^bits buckets per pass): RMT_SORT_DIGIT_BITS where set, else by
-// CPU vendor, as measured. Every bucket is a stream of stores into a destination the other layers'
-// work evicted from the cache. On a 2-core Xeon 32 buckets keep the hardware prefetchers ahead of
-// every stream and 1024 do not (every line's read-for-ownership stalls): 131k lookups of a
-// 2^20-row table sorted cold in 1.36 ms in 4 passes of 32 buckets against 2.59 ms in 2 of 1024. On
-// a 2-core AVX2 EPYC the fewer passes win (one core, cold, medians of 30; 5 / 7 / 10 bits): 131k
+// Radix sort digit width (at most 2^bits buckets per pass): RMT_SORT_DIGIT_BITS where set, else 10
+// bits on several threads and by CPU vendor on one, as measured. Every bucket is a stream of
+// stores into a destination the other layers' work evicted from the cache. One thread stores
+// straight into it: on a 2-core Xeon 32 buckets keep the hardware prefetchers ahead of every
+// stream and 1024 do not (every line's read-for-ownership stalls): 131k lookups of a 2^20-row
+// table sorted cold in 1.36 ms in 4 passes of 32 buckets against 2.59 ms in 2 of 1024. On a
+// 2-core AVX2 EPYC the fewer passes win (one core, cold, medians of 30; 5 / 7 / 10 bits): 131k
 // lookups of 2^20 rows 3.0 / 2.3 / 1.5 ms, 524k of 2^20 12.7 / 9.4 / 5.9, 131k of 2^24 3.5 / 3.0 /
-// 1.9. Timing the widths once per process picked 10 on the EPYC in 0.1 s, but its multi-MB scratch,
-// malloc'd and freed, raised glibc's dynamic mmap threshold, so that the process's later
-// allocations up to that size stayed in the heap (tests/test_bench_memory_scale.py measured 4-5
-// MB of growth for 12 predicted): a side effect on the user's process, so not kept.
-int max_digit_bits() {
-  static const int bits = [] {
+// 1.9. Several threads write through line buffers (sort_lookups), which need no prefetcher, and
+// every pass costs them two barriers: on the Xeon's 2 threads the same sort took 1.55-1.63 ms in 4
+// passes of 5 bits stored straight, 1.66 in 2 of 10 stored straight, 1.15-1.20 in 2 of 10
+// through line buffers (on one thread those took 1.67-1.70, and 5 bits through them 2.4). Timing
+// the widths once per process picked 10 on the EPYC in 0.1 s, but its multi-MB scratch, malloc'd
+// and freed, raised glibc's dynamic mmap threshold, so that the process's later allocations up
+// to that size stayed in the heap (tests/test_bench_memory_scale.py measured 4-5 MB of growth for
+// 12 predicted): a side effect on the user's process, so not kept.
+int max_digit_bits(int threads) {
+  static const int forced = [] {
     const char* env = std::getenv("RMT_SORT_DIGIT_BITS");
-    if (env == nullptr || *env == '\0') {
-      __builtin_cpu_init();
-      return __builtin_cpu_is("amd") ? 10 : 5;
-    }
+    if (env == nullptr || *env == '\0') return 0;
     char* end = nullptr;
     const long v = std::strtol(env, &end, 10);
     TORCH_CHECK(*end == '\0' && v >= 1 && v <= 16, "RMT_SORT_DIGIT_BITS must be an integer in [1, 16], got '", env,
                 "'");
     return static_cast<int>(v);
   }();
-  return bits;
+  static const bool amd = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") != 0;
+  }();
+  return forced ? forced : threads > 1 || amd ? 10 : 5;
 }
 // Per-thread digit counts are padded to separate cache lines: they are incremented for every
 // element, and a line shared by two threads' counts would move between their caches each time.
 constexpr int64_t kCountPad = 64 / sizeof(int64_t);
+// Sort slots per 64-byte line.
+constexpr int64_t kLine = 64 / sizeof(uint64_t);
 // Fewest lookups per thread for a parallel sort pass.
 constexpr int64_t kSortSliceMin = 16384;
 // Work is handed out in small chunks (dynamic schedule), so a thread that the OS preempts (a
@@ -250,6 +259,19 @@ inline void stream_store(void* dst, const void* src, int64_t bytes) {
   if (s) std::memcpy(d, s, bytes); else std::memset(d, 0, bytes);
 }
 
+// One 64-byte line from src to the line-aligned dst with a non-temporal store (a plain copy where
+// the CPU has no streaming stores).
+inline void stream_line(void* dst, const void* src) {
+#if defined(__AVX512F__)
+  _mm512_stream_si512(static_cast<__m512i*>(dst), _mm512_load_si512(src));
+#elif defined(__SSE2__)
+  for (int i = 0; i < 4; ++i)
+    _mm_stream_si128(static_cast<__m128i*>(dst) + i, _mm_load_si128(static_cast<const __m128i*>(src) + i));
+#else
+  std::memcpy(dst, src, 64);
+#endif
+}
+
 inline void stream_fence() {
 #if defined(__SSE2__)
   _mm_sfence();
@@ -262,20 +284,37 @@ int ceil_log2(int64_t n) {
   return bits;
 }
 
-template <typename T>
-T* grown(std::vector<T>& v, int64_t n) {
+template <typename Vector>
+typename Vector::value_type* grown(Vector& v, int64_t n) {
   if (static_cast<int64_t>(v.size()) < n) v.resize(n);
   return v.data();
 }
+
+// An allocator of cache-line-aligned storage: the sort's arrays are written a whole 64-byte line
+// at a time (stream_line).
+template <typename T>
+struct LineAligned {
+  using value_type = T;
+  LineAligned() = default;
+  template <typename U>
+  LineAligned(const LineAligned<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const LineAligned<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const LineAligned<U>&) const { return false; }
+};
 
 // Lookup positions grouped by row: run u covers sorted slots [run_start[u], run_start[u + 1]),
 // all with row rows[u] (ascending in u). Slot j holds (row << 32) | position, positions
 // ascending within a run. The vectors persist across calls (grown, never shrunk): fresh
 // multi-MB allocations page-fault on first touch.
 struct SortedLookups {
-  std::vector<uint64_t> packed, tmp;
+  std::vector<uint64_t, LineAligned<uint64_t>> packed, tmp, lines;  // lines: the scatter's line buffers
   std::vector<int64_t> run_start, rows;
-  std::vector<int64_t> count, slots, slice_runs;  // sort_lookups' scratch: digit counts, next slots, run starts
+  std::vector<int64_t> count, slots, firsts, slice_runs;  // sort_lookups' scratch: digit counts, next and first
+                                                         // slots, run starts
   int64_t num_runs = 0;
 };
 
@@ -283,7 +322,7 @@ inline int64_t sorted_row(uint64_t v) { return static_cast<int64_t>(v >> 32); }
 inline int64_t sorted_pos(uint64_t v) { return static_cast<int64_t>(v & 0xffffffffu); }
 
 // Stable LSD radix sort of the packed (row, position) pairs by row < num_rows, digits of at
-// most max_bits bits, then the runs of equal rows (s.run_start, s.rows, s.num_runs). Lookup j
+// most max_bits bits (0: max_digit_bits for the thread count), then the runs of equal rows (s.run_start, s.rows, s.num_runs). Lookup j
 // has row idx[j] and position pos[j] (j itself where pos is null; positions must ascend with j).
 // Sorting the packed pairs reads every pass's input sequentially (a position-only sort would look
 // the rows up at random). Each pass splits the pairs into contiguous per-thread slices with their
@@ -298,6 +337,17 @@ inline int64_t sorted_pos(uint64_t v) { return static_cast<int64_t>(v & 0xffffff
 // made a thread wait about 20 times per sort, 11 times here: 2^17 lookups of 2^20 rows on 2
 // threads sorted in 2.3-2.4 ms that way, 1.8-1.9 ms this way (one thread: the same).
 //
+// Several threads scatter through a 64-byte buffer line per bucket (software write-combining,
+// Polychroniou and Ross, SIGMOD 2014): a slot's pair goes to its bucket's line, and a completed
+// line is written with one non-temporal store, so the destination's lines are never read for
+// ownership, and 1024 buckets cost 64 KB of buffer instead of 1024 store streams. A bucket's
+// first and last lines, which it may share with other buckets or threads, are written pair by
+// pair. With 10-bit digits that halves the passes and their barriers: the sparse backward of 2^17
+// lookups of 2^20 rows on 2 threads took 4.98-5.01 ms against 5.34-5.40 with 4 passes of 5 bits
+// stored straight (cold cache, medians of 30 interleaved calls); on one thread the line buffers
+// gained nothing (their branch per pair costs what the passes save), so one thread stores
+// straight.
+//
 // The runs: each thread takes a slice from its first run start to its last; with several
 // threads it counts the run starts in it first, and writes them after the runs of the slices
 // before it. The write loop has no branch: every slot writes itself to the next free run entry,
@@ -307,19 +357,22 @@ inline int64_t sorted_pos(uint64_t v) { return static_cast<int64_t>(v & 0xffffff
 // of the 0.75 ms sort of 2^17 lookups of 2^20 rows on one core (the ~6% of slots that continue a
 // run mispredict); this one 0.09.
 void sort_lookups(const int64_t* __restrict idx, const int64_t* __restrict pos, int64_t M, int64_t num_rows,
-                  SortedLookups& s, int max_bits = max_digit_bits()) {
+                  SortedLookups& s, int max_bits = 0) {
   TORCH_CHECK(M <= std::numeric_limits<int32_t>::max(), "lookup_reduce CPU: at most 2^31-1 lookups; got ", M);
   TORCH_CHECK(num_rows <= (int64_t(1) << 32), "lookup_reduce CPU: at most 2^32 table rows; got ", num_rows);
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), M / kSortSliceMin)));
+  if (max_bits == 0) max_bits = max_digit_bits(threads);
   const int bits = std::max(ceil_log2(num_rows), 1);
   const int passes = (bits + max_bits - 1) / max_bits;
   const int digit = (bits + passes - 1) / passes;
   const int64_t R = int64_t(1) << digit, mask = R - 1;
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), M / kSortSliceMin)));
   uint64_t* __restrict packed = grown(s.packed, M);
   uint64_t* __restrict tmp = grown(s.tmp, M);
   const int64_t stride = R + kCountPad;
   int64_t* __restrict count = grown(s.count, stride * threads);
   int64_t* __restrict slots = grown(s.slots, stride * threads);
+  int64_t* __restrict firsts = grown(s.firsts, stride * threads);
+  uint64_t* __restrict lines = grown(s.lines, R * kLine * threads);
   int64_t* __restrict before = grown(s.slice_runs, threads * kCountPad);
   int64_t* __restrict start = grown(s.run_start, M + 1);
   int64_t* __restrict rows = grown(s.rows, M);
@@ -329,6 +382,8 @@ void sort_lookups(const int64_t* __restrict idx, const int64_t* __restrict pos, 
     const int64_t lo = M * t / nth, hi = M * (t + 1) / nth;
     int64_t* __restrict mine = count + t * stride;
     int64_t* __restrict next = slots + t * stride;
+    int64_t* __restrict bucket_first = firsts + t * stride;
+    uint64_t* __restrict buffer = lines + R * kLine * t;
     uint64_t* __restrict src = packed;
     uint64_t* __restrict dst = tmp;
     // One thread takes the next pass's digit counts while it scatters this pass, a sweep less per
@@ -349,24 +404,54 @@ void sort_lookups(const int64_t* __restrict idx, const int64_t* __restrict pos, 
       int64_t run = 0;
       for (int64_t r = 0; r < R; ++r)
         for (int u = 0; u < nth; ++u) {
-          if (u == t) next[r] = run;
+          if (u == t) next[r] = bucket_first[r] = run;
           run += count[u * stride + r];
         }
       const bool count_next = fold && p + 1 < passes;
       if (count_next) std::fill(mine, mine + R, int64_t(0));
+      auto value = [&](int64_t j, auto from_idx) -> uint64_t {
+        if constexpr (decltype(from_idx)::value) {
+          return (static_cast<uint64_t>(idx[j]) << 32) | static_cast<uint64_t>(pos ? pos[j] : j);
+        } else {
+          return src[j];
+        }
+      };
       auto scatter = [&](auto from_idx, auto counting) {
         for (int64_t j = lo; j < hi; ++j) {
-          uint64_t v;
-          if constexpr (decltype(from_idx)::value) {
-            v = (static_cast<uint64_t>(idx[j]) << 32) | static_cast<uint64_t>(pos ? pos[j] : j);
-          } else {
-            v = src[j];
-          }
+          const uint64_t v = value(j, from_idx);
           dst[next[(v >> shift) & mask]++] = v;
           if constexpr (decltype(counting)::value) ++mine[(v >> (shift + digit)) & mask];
         }
       };
-      if (p == 0) {
+      // Several threads: each bucket's slots are gathered in a cache-line buffer and written a
+      // whole line at a time with a non-temporal store (software write-combining), so no
+      // destination line is read for ownership and R buckets cost R buffer lines in L1/L2, not R
+      // streams into memory.
+      auto scatter_lines = [&](auto from_idx) {
+        for (int64_t j = lo; j < hi; ++j) {
+          const uint64_t v = value(j, from_idx);
+          const int64_t r = (v >> shift) & mask;
+          const int64_t n = next[r]++;
+          uint64_t* __restrict line = buffer + r * kLine;
+          if ((n & (kLine - 1)) == 0 && n > bucket_first[r]) {  // the line before slot n is complete
+            if (n - kLine >= bucket_first[r]) {
+              stream_line(dst + n - kLine, line);
+            } else {  // the bucket's first line, shared with the slots before it
+              for (int64_t k = bucket_first[r]; k < n; ++k) dst[k] = line[k & (kLine - 1)];
+            }
+          }
+          line[n & (kLine - 1)] = v;
+        }
+        for (int64_t r = 0; r < R; ++r) {  // each bucket's last line, complete or not
+          const int64_t end = next[r];
+          for (int64_t k = end > bucket_first[r] ? std::max((end - 1) & ~(kLine - 1), bucket_first[r]) : end; k < end; ++k)
+            dst[k] = buffer[r * kLine + (k & (kLine - 1))];
+        }
+        stream_fence();
+      };
+      if (!fold) {
+        p == 0 ? scatter_lines(std::true_type()) : scatter_lines(std::false_type());
+      } else if (p == 0) {
         count_next ? scatter(std::true_type(), std::true_type()) : scatter(std::true_type(), std::false_type());
       } else {
         count_next ? scatter(std::false_type(), std::true_type()) : scatter(std::false_type(), std::false_type());
@@ -1200,19 +1285,31 @@ std::tuple<at::Tensor, double> lookup_reduce_backward_update(
 
 // The backward's sort on its own: the packed (row << 32 | position) pairs of indices ordered by
 // row, positions ascending within a row, sorted in digits of at most digit_bits bits (0: the
-// CPU's default, max_digit_bits()); for tests and inspection.
-at::Tensor sorted_lookups(const at::Tensor& indices, int64_t num_rows, int64_t digit_bits) {
+// default for the thread count, max_digit_bits()). Positions are the lookups' own (0, 1, ...) or
+// the given ascending ones (as the token order's repeated lookups have); for tests and inspection.
+at::Tensor sorted_lookups(const at::Tensor& indices, int64_t num_rows, int64_t digit_bits,
+                          const c10::optional<at::Tensor>& positions) {
   TORCH_CHECK(indices.scalar_type() == at::kLong && indices.is_contiguous() && digit_bits >= 0 && digit_bits <= 16,
               "sorted_lookups: contiguous int64 indices and 0 <= digit_bits <= 16");
-  if (indices.numel()) {
+  const int64_t M = indices.numel();
+  if (M) {
     const auto range = at::aminmax(indices);  // one pass for both ends
     TORCH_CHECK(std::get<0>(range).item<int64_t>() >= 0 && std::get<1>(range).item<int64_t>() < num_rows,
                 "sorted_lookups: indices must lie in [0, num_rows)");
   }
+  const int64_t* pos = nullptr;
+  if (positions.has_value()) {
+    const at::Tensor& p = *positions;
+    TORCH_CHECK(p.scalar_type() == at::kLong && p.is_contiguous() && p.numel() == M,
+                "sorted_lookups: positions must be contiguous int64, one per lookup");
+    TORCH_CHECK(M < 2 || (at::diff(p) > 0).all().item<bool>(), "sorted_lookups: positions must ascend");
+    TORCH_CHECK(M == 0 || (p[0].item<int64_t>() >= 0 && p[M - 1].item<int64_t>() <= UINT32_MAX),
+                "sorted_lookups: positions must lie in [0, 2^32)");
+    pos = p.data_ptr<int64_t>();
+  }
   SortScope scope;
   SortedLookups& s = scope.sorted();
-  const int64_t M = indices.numel();
-  sort_lookups(indices.data_ptr<int64_t>(), nullptr, M, num_rows, s, digit_bits ? static_cast<int>(digit_bits) : max_digit_bits());
+  sort_lookups(indices.data_ptr<int64_t>(), pos, M, num_rows, s, static_cast<int>(digit_bits));
   auto out = at::empty({M}, indices.options());
   std::memcpy(out.data_ptr<int64_t>(), s.packed.data(), M * sizeof(uint64_t));
   return out;
@@ -1237,7 +1334,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "lookup-reduce score gradients alone -> [T, K, C] (no table gradient)");
   m.def("backward_update", &lookup_reduce_backward_update,
         "lookup-reduce backward with the optimizer step fused in -> (score gradients, squared gradient norm)");
-  m.def("sorted_lookups", &sorted_lookups, "the backward's sort alone -> packed (row << 32 | position), by row");
+  m.def("sorted_lookups", &sorted_lookups, "the backward's sort alone -> packed (row << 32 | position), by row",
+        py::arg("indices"), py::arg("num_rows"), py::arg("digit_bits"), py::arg("positions") = py::none());
   m.def("backward_order", &lookup_backward_order, "the backward's order of the lookups: 'token' or 'sorted'");
-  m.def("sort_digit_bits", &max_digit_bits, "the sort's digit width: RMT_SORT_DIGIT_BITS, or by CPU vendor");
+  m.def("sort_digit_bits", &max_digit_bits, "the sort's digit width on this many threads: RMT_SORT_DIGIT_BITS, else "
+        "10 bits on several threads, by CPU vendor on one", py::arg("threads") = 1);
 }

@@ -67,8 +67,8 @@ def check_rowwise_peers(doc, table_dtype, proc):
 
 @pytest.mark.parametrize("table_dtype,table_elem,load,digit_bits", [("fp32", 4, 0, None), ("bf16", 2, 1, "7")])
 def test_bench_quick_writes_json(tmp_path, monkeypatch, table_dtype, table_elem, load, digit_bits):
-    """A seconds-long run writes the JSON, with the sort's digit width: the CPU vendor's (5 or 10
-    bits), or RMT_SORT_DIGIT_BITS where set."""
+    """A seconds-long run writes the JSON, with the sort's digit width at the run's thread count (5
+    or 10 bits), or RMT_SORT_DIGIT_BITS where set."""
     if digit_bits:
         monkeypatch.setenv("RMT_SORT_DIGIT_BITS", digit_bits)
     out = tmp_path / "bench.json"

@@ -171,26 +171,31 @@ def test_cpu_runs_when_a_thread_slice_holds_no_run_start(N):
 
 @pytest.mark.parametrize("N", [1000, 1 << 17, (1 << 23) + 3])
 def test_cpu_radix_sort_is_the_stable_sort_at_every_digit_width(N):
-    """The backward's sort (digits of 5 bits, 10 on AMD CPUs: csrc/lookup_reduce_cpu.cpp,
-    max_digit_bits) at widths 1, 5, 7, 10 and 16 and 1 or 3 threads: the packed (row << 32 |
-    position) pairs equal torch's stable sort of the rows. 65536 lookups; 1000 rows: long runs,
-    2^23 + 3: up to 24 passes."""
+    """The backward's sort (csrc/lookup_reduce_cpu.cpp, sort_lookups; by default digits of 10
+    bits on several threads, written through line buffers, and of 5 bits, 10 on AMD CPUs, on one)
+    at widths 1, 5, 7, 10 and 16 and 1 or 3 threads: the packed (row << 32 | position) pairs equal
+    torch's stable sort of the rows, with the lookups' own positions and with given ascending ones
+    (the token order's repeated lookups). 65536 lookups; 1000 rows: long runs, 2^23 + 3: up to 24
+    passes; at 16 bits most buckets hold a line's part."""
     gen = torch.Generator().manual_seed(N)
     indices = torch.randint(0, N, (65536,), generator=gen)
-    rows, positions = torch.sort(indices, stable=True)
-    want = (rows << 32) | positions
+    given = torch.randperm(1 << 20, generator=gen)[:65536].sort().values * 4096  # up to 2^32 - 4096
+    rows, order = torch.sort(indices, stable=True)
     ext = cpu_backend._ext()
-    assert ext.sort_digit_bits() in (5, 10)
+    assert ext.sort_digit_bits() in (5, 10) and ext.sort_digit_bits(2) == 10
     threads = torch.get_num_threads()
     try:
         for n in (1, 3):
             torch.set_num_threads(n)
             for bits in (0, 1, 5, 7, 10, 16):
-                assert torch.equal(ext.sorted_lookups(indices, N, bits), want), (n, bits)
+                assert torch.equal(ext.sorted_lookups(indices, N, bits), (rows << 32) | order), (n, bits)
+                assert torch.equal(ext.sorted_lookups(indices, N, bits, given), (rows << 32) | given[order]), (n, bits)
     finally:
         torch.set_num_threads(threads)
     with pytest.raises(RuntimeError, match=r"sorted_lookups: indices must lie in \[0, num_rows\)"):
         ext.sorted_lookups(indices, indices.max().item(), 0)
+    with pytest.raises(RuntimeError, match="sorted_lookups: positions must ascend"):
+        ext.sorted_lookups(indices, N, 0, given.flip(0))
 
 
 @pytest.mark.parametrize("value, expected", [("7", "7"), ("16", "16"), ("17", "RMT_SORT_DIGIT_BITS must be an integer "

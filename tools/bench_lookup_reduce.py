@@ -680,7 +680,7 @@ def main(argv=None):
                        copy_bandwidth_gbps=bandwidth, huge_pages=args.huge_pages, clock=args.clock,
                        cache=args.cache, table_dtype=args.table_dtype, load=args.load, peer_threads=threads,
                        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
-                       sort_digit_bits=cpu_backend._ext().sort_digit_bits() if "cpu" in backends else None,
+                       sort_digit_bits=cpu_backend._ext().sort_digit_bits(torch.get_num_threads()) if "cpu" in backends else None,
                        fbgemm=fbgemm_note or "fbgemm-gpu-cpu")
         with open(args.json, "w") as f:
             json.dump(dict(benchmark="bench_lookup_reduce", machine=machine, rows=rows, step_rows=step_rows,
