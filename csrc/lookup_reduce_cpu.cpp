@@ -122,7 +122,7 @@ int max_digit_bits(int threads) {
 // element, and a line shared by two threads' counts would move between their caches each time.
 constexpr int64_t kCountPad = 64 / sizeof(int64_t);
 // Fewest sorted lookups whose runs (two 8-byte entries a run) are written around the cache: from
-// 2^16 lookups on (1 MB and more, the size of a core's L2 cache) the lines of those arrays, evicted
+// 2^16 lookups on (1 MB and more, about a core's L2 cache) the lines of those arrays, evicted
 // by the other layers' work, are not worth reading for ownership. 2^17 lookups of 2^20 rows (cold
 // cache, medians of 30-40 interleaved calls): the sparse backward about 0.1 ms faster on two
 // threads; on one the sort gained 0.08-0.11 ms and the kernel, which then reads those arrays from
@@ -338,8 +338,9 @@ inline int64_t sorted_row(uint64_t v) { return static_cast<int64_t>(v >> 32); }
 inline int64_t sorted_pos(uint64_t v) { return static_cast<int64_t>(v & 0xffffffffu); }
 
 // Stable LSD radix sort of the packed (row, position) pairs by row < num_rows, digits of at
-// most max_bits bits (0: max_digit_bits for the thread count), then the runs of equal rows (s.run_start, s.rows, s.num_runs). Lookup j
-// has row idx[j] and position pos[j] (j itself where pos is null; positions must ascend with j).
+// most max_bits bits (0: max_digit_bits for the thread count), then the runs of equal rows
+// (s.run_start, s.rows, s.num_runs). Lookup j has row idx[j] and position pos[j] (j itself where
+// pos is null; positions must ascend with j).
 // Sorting the packed pairs reads every pass's input sequentially (a position-only sort would look
 // the rows up at random). Each pass splits the pairs into contiguous per-thread slices with their
 // own digit counts; slots are handed out by digit, then by thread, so the order is the one stable
@@ -439,10 +440,7 @@ void sort_lookups(const int64_t* __restrict idx, const int64_t* __restrict pos, 
           if constexpr (decltype(counting)::value) ++mine[(v >> (shift + digit)) & mask];
         }
       };
-      // Several threads: each bucket's slots are gathered in a cache-line buffer and written a
-      // whole line at a time with a non-temporal store (software write-combining), so no
-      // destination line is read for ownership and R buckets cost R buffer lines in L1/L2, not R
-      // streams into memory.
+      // Several threads: through a buffer line per bucket (see above).
       auto scatter_lines = [&](auto from_idx) {
         for (int64_t j = lo; j < hi; ++j) {
           const uint64_t v = value(j, from_idx);
