@@ -45,15 +45,10 @@ import torch
 import torch.distributed as dist
 
 from . import reference
+from .lookup_reduce import _backend_module, contiguous_as, select_backend
 from .reference import acc_dtype
 
 SPARSE_ADAM, ROWWISE_ADAGRAD = 0, 1
-
-
-def _backend(name):
-    from .lookup_reduce import _backend_module
-
-    return _backend_module(name)
 
 
 def reference_backward_update(grad_out, table, indices, scores, block_ids, num_blocks, score_first, score_tokens,
@@ -151,7 +146,7 @@ class FusedValueUpdate:
             self.stash.append(entry)
             if not need_scores:
                 return None
-            score_fn = getattr(_backend(backend), "score_gradients", reference.score_gradients)
+            score_fn = getattr(_backend_module(backend), "score_gradients", reference.score_gradients)
             return score_fn(grad_out, table, indices, scores, block_ids, num_blocks)
         return self._step(backend, table, [*self.stash, entry], len(self.stash) if need_scores else None)
 
@@ -160,8 +155,6 @@ class FusedValueUpdate:
         (none when every backward went as announced); resets the count."""
         self.pending = 0
         if self.stash:
-            from .lookup_reduce import select_backend
-
             backend = backend or select_backend(self.param.device, dtype=self.param.dtype)
             self._step(backend, self.param.detach(), self.stash, None)
 
@@ -198,7 +191,7 @@ class FusedValueUpdate:
             if block_ids is not None:
                 block_ids = torch.cat(_all_gather_tokens(block_ids, self.group))
         state1, state2, lr, beta1, beta2, eps, wd, step, sign = self._hyper()
-        impl = _backend(backend)
+        impl = _backend_module(backend)
         kernel = getattr(impl, "backward_update", reference_backward_update)
         grad_scores, sq = kernel(grad_out.contiguous(), table, indices.contiguous(), scores.contiguous(),
                                  block_ids, num_blocks, first, count, self.kind, state1, state2, lr, beta1, beta2,
@@ -218,13 +211,11 @@ class LookupReduceUpdateFunction(torch.autograd.Function):
         ctx.save_for_backward(table, scores, indices, block_ids)
         ctx.num_blocks, ctx.backend, ctx.update = num_blocks, backend, update
         ctx.final = update.record_forward()
-        return _backend(backend).forward(table, indices, scores, block_ids, num_blocks)
+        return _backend_module(backend).forward(table, indices, scores, block_ids, num_blocks)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        from .lookup_reduce import contiguous_as
-
         table, scores, indices, block_ids = ctx.saved_tensors
         grad_out = contiguous_as(grad_out, scores.dtype)
         grad_scores = ctx.update.backward(ctx.final, ctx.backend, grad_out, table, indices, scores, block_ids,
