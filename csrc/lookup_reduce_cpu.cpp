@@ -389,7 +389,8 @@ void sort_lookups(const int64_t* __restrict idx, const int64_t* __restrict pos, 
   int64_t* __restrict count = grown(s.count, stride * threads);
   int64_t* __restrict slots = grown(s.slots, stride * threads);
   int64_t* __restrict firsts = grown(s.firsts, stride * threads);
-  uint64_t* __restrict lines = grown(s.lines, R * kLine * threads);
+  // The line buffers serve several threads only (one stores straight, below).
+  uint64_t* __restrict lines = threads > 1 ? grown(s.lines, R * kLine * threads) : nullptr;
   int64_t* __restrict before = grown(s.slice_runs, threads * kCountPad);
   int64_t* __restrict start = grown(s.run_start, M + 1);
   int64_t* __restrict rows = grown(s.rows, M);
@@ -400,7 +401,7 @@ void sort_lookups(const int64_t* __restrict idx, const int64_t* __restrict pos, 
     int64_t* __restrict mine = count + t * stride;
     int64_t* __restrict next = slots + t * stride;
     int64_t* __restrict bucket_first = firsts + t * stride;
-    uint64_t* __restrict buffer = lines + R * kLine * t;
+    uint64_t* __restrict buffer = lines ? lines + R * kLine * t : nullptr;
     uint64_t* __restrict src = packed;
     uint64_t* __restrict dst = tmp;
     // One thread takes the next pass's digit counts while it scatters this pass, a sweep less per
