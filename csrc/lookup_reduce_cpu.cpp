@@ -457,9 +457,9 @@ void sort_lookups(const int64_t* __restrict idx, const int64_t* __restrict pos, 
           }
           line[n & (kLine - 1)] = v;
         }
-        for (int64_t r = 0; r < R; ++r) {  // each bucket's last line, complete or not
+        for (int64_t r = 0; r < R; ++r) {  // each bucket's last line, complete or not (none if empty)
           const int64_t end = next[r];
-          for (int64_t k = end > bucket_first[r] ? std::max((end - 1) & ~(kLine - 1), bucket_first[r]) : end; k < end; ++k)
+          for (int64_t k = std::max((end - 1) & ~(kLine - 1), bucket_first[r]); k < end; ++k)
             dst[k] = buffer[r * kLine + (k & (kLine - 1))];
         }
         stream_fence();

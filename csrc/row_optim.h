@@ -63,9 +63,8 @@ inline void with_decay(float weight_decay, F&& f) {
 // fused_update_units in lookup_reduce_cpu.cpp): rowwise_adagrad_squares sums the squares of g'
 // in kSquareLanes partial sums (multiply-adds), rowwise_adagrad_scale combines them in a fixed
 // order, updates *sum and returns lr / (sqrt(sum) + eps), and rowwise_adagrad_apply steps the row
-// by it. The
-// partial sums vectorize for every dtype (GCC keeps a single in-order sum of converted bf16 values
-// scalar) and do not depend on the threading.
+// by it. The partial sums vectorize for every dtype (GCC keeps a single in-order sum of
+// converted bf16 values scalar) and do not depend on the threading.
 template <typename param_t, typename grad_t, typename decay_t>
 inline void rowwise_adagrad_squares(const param_t* __restrict p, const grad_t* __restrict g, int64_t D,
                                     decay_t decay, float* __restrict part) {
