@@ -354,7 +354,26 @@ class TrainConfig:
     """z-loss weight z: adds ``z * logZ^2``; ``1e-4`` is the RMT authors' value."""
 
     precision: str = "fp32"
-    """``fp32`` or ``bf16`` (autocast)."""
+    """``fp32``, or ``bf16`` as megatron-core trains it: bf16 dense parameters and activations with
+    fp32 main parameters, fp32 gradient accumulation and reduction, and the optimizer stepping the
+    fp32 copy (megatron's float16 or distributed optimizer). The memory value tables keep
+    ``memory.value_dtype``."""
+
+    distributed_optimizer: bool = False
+    """megatron-core's distributed optimizer (ZeRO-1): the dense parameters' main copies and Adam
+    moments are sharded over the data-parallel group, gradients reduce-scattered and parameters
+    all-gathered in megatron's buckets. Memory value tables keep their own optimizers
+    (docs/parallelism.md)."""
+
+    overlap_grad_reduce: bool = False
+    """Start each gradient bucket's all-reduce (reduce-scatter with ``distributed_optimizer``)
+    as soon as its gradients are complete in the backward (megatron DDP's
+    ``overlap_grad_reduce``)."""
+
+    overlap_param_gather: bool = False
+    """With ``distributed_optimizer``: all-gather the updated parameters bucket by bucket during
+    the next step's forward instead of at the end of the optimizer step (megatron's
+    ``overlap_param_gather``); needs ``overlap_grad_reduce``."""
 
     seed: int = 1234
     """Random seed. Each weight tensor is drawn from a generator seeded by (seed, its checkpoint
@@ -800,6 +819,10 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
             f"to be a multiple of pipeline_model_parallel_size ({pp})")
     if t.precision not in ("fp32", "bf16"):
         raise ConfigError(f"train.precision must be 'fp32' or 'bf16', got '{t.precision}'")
+    if t.overlap_param_gather and not (t.distributed_optimizer and t.overlap_grad_reduce):
+        raise ConfigError("train.overlap_param_gather needs train.distributed_optimizer and "
+                          "train.overlap_grad_reduce (megatron-core gathers the parameters only "
+                          "for its distributed optimizer, behind the gradient reduction)")
     if t.weight_decay_mode not in ("lr", "schedule"):
         raise ConfigError(f"train.weight_decay_mode must be 'lr' or 'schedule', got '{t.weight_decay_mode}'")
     if t.decay_rmt_keys and m.arch != "rmt":

@@ -6,7 +6,8 @@ module that emits it) so that every other warning still shows:
 * megatron-core's "full scope is deprecated" (its own ``TransformerConfig`` default
   ``cuda_graph_scope="full"`` rewrites itself; rmt never sets the field);
 * torch's deprecations inside megatron-core's checkpoint loader (``ShardedTensor``,
-  ``load_state_dict``), raised on every checkpoint load;
+  ``load_state_dict``), raised on every checkpoint load, and of the collectives its distributed
+  optimizer calls; that optimizer reading ``.grad`` of its shard views;
 * on a machine without CUDA, megatron-core's advice to set ``CUDA_DEVICE_MAX_CONNECTIONS``
   (:func:`on_cpu`, called by :func:`rmt.parallel.compat.apply`);
 * the profiler's ``USDT:``/``STAGE:`` lines, which Kineto writes straight to file descriptor 2
@@ -30,6 +31,11 @@ _FILTERS = [
     (UserWarning, r"full scope is deprecated", r"megatron\.core\.transformer\.transformer_config"),
     (FutureWarning, r".*(deprecating ShardedTensor|`load_state_dict` is deprecated)",
      r"(torch\.distributed\.checkpoint|megatron\.core\.dist_checkpointing)\."),
+    # megatron's distributed optimizer: its bucket collectives under torch's new names, and its
+    # zero_grad reading .grad of the main parameters' shards (views, hence not leaves)
+    (FutureWarning, r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+     r"torch\.distributed\.c10d_logger"),
+    (UserWarning, r"The \.grad attribute of a Tensor that is not a leaf Tensor", r"megatron\.core\.optimizer\."),
 ]
 
 _CPU_FILTERS = [

@@ -151,11 +151,12 @@ def test_memory_parameters_in_sharded_state_dict_and_initialised(megatron):
 
 def test_value_lr_schedule(megatron):
     from rmt.models.build import build
+    from rmt.training.ddp import wrap_chunks
     from rmt.training.optimizer import build_optimizer, build_scheduler
 
     assert [value_lr_multiplier(s, 100, 10.0) for s in (0, 50, 100, 150)] == [10.0, 5.5, 1.0, 1.0]
     cfg = validate(_cfg("train.lr_decay_style=constant", "train.lr=0.001"), world_size=1)
-    chunks = build(cfg)
+    chunks = wrap_chunks(build(cfg), cfg)
     opt = build_optimizer(chunks, cfg)
     sched = build_scheduler(opt, cfg)
     groups = [g for g in opt.param_groups if "value_lr_mult" in g]
@@ -189,25 +190,26 @@ def test_shipped_configs_validate(name):
 @pytest.mark.parametrize("kind", ["sparse_adam", "rowwise_adagrad"])
 def test_sparse_value_optimizer_wiring(megatron, kind):
     """``memory.value_optimizer``: the value tables get sparse gradients and their own optimizer,
-    chained after AdamW, with the value LR schedule; everything else stays in AdamW."""
+    chained after megatron's, with the value LR schedule; everything else is in megatron's."""
     from rmt.models.build import build
     from rmt.ops.sparse_optim import RowWiseAdagrad
-    from rmt.training.optimizer import ChainedOptimizer, build_optimizer, build_scheduler
+    from rmt.training.ddp import wrap_chunks
+    from rmt.training.optimizer import build_optimizer, build_scheduler
 
     cfg = validate(_cfg(f"memory.value_optimizer={kind}", "train.lr_decay_style=constant", "train.lr=0.001"),
                    world_size=1)
-    chunks = build(cfg)
-    values = [chunks[0].memory[k].values.weight for k in (0, 1)]
+    chunks = wrap_chunks(build(cfg), cfg)
+    model = chunks[0].module
+    values = [model.memory[k].values.weight for k in (0, 1)]
     opt = build_optimizer(chunks, cfg)
-    assert isinstance(opt, ChainedOptimizer)
-    adamw, rows = opt.optimizers
+    (rows,) = opt.tables
     assert isinstance(rows, RowWiseAdagrad if kind == "rowwise_adagrad" else torch.optim.SparseAdam)
     assert [p for g in rows.param_groups for p in g["params"]] == values
-    dense = {id(p) for g in adamw.param_groups for p in g["params"]}
-    assert dense == {id(p) for p in chunks[0].parameters()} - {id(p) for p in values}
+    dense = {id(p) for g in opt.dense.param_groups for p in g["params"]}
+    assert dense == {id(p) for p in model.parameters()} - {id(p) for p in values}
     build_scheduler(opt, cfg).step(1)
     assert rows.param_groups[0]["lr"] == pytest.approx(0.001 * 9.1)
-    table = chunks[0].memory[0].values
+    table = model.memory[0].values
     on = table.weight.device
     table.lookup_reduce(torch.tensor([[0, 3], [3, 5]], device=on), torch.ones(2, 2, 1, device=on), None,
                         1).sum().backward()
@@ -222,22 +224,26 @@ def test_optimizer_state_made_for_a_resume_is_torchs_own(megatron, value_optimiz
     AdamW keeps its step count on the device and refuses a CPU one: seen on an H100)."""
     from rmt.models.build import build
     from rmt.training.checkpoint import _ensure_optimizer_state
+    from rmt.training.ddp import wrap_chunks
+    from rmt.training.dense_state import inner_optimizers
     from rmt.training.optimizer import build_optimizer
 
     cfg = validate(_cfg(f"memory.value_optimizer={value_optimizer}"), world_size=1)
-    made = build_optimizer(build(cfg), cfg)
+    made = build_optimizer(wrap_chunks(build(cfg), cfg), cfg)
     _ensure_optimizer_state(made)
-    chunks = build(cfg)
+    chunks = wrap_chunks(build(cfg), cfg)
     stepped = build_optimizer(chunks, cfg)
-    sparse = {chunks[0].memory[k].values.weight for k in (0, 1)} if value_optimizer != "adamw" else set()
-    params = [p for g in stepped.param_groups for p in g["params"]]
-    for p in params:
-        p.grad = torch.zeros_like(p).to_sparse(1) if p in sparse else torch.zeros_like(p)
+    sparse = {chunks[0].module.memory[k].values.weight for k in (0, 1)} if value_optimizer != "adamw" else set()
+    for p in sparse:
+        p.grad = torch.zeros_like(p).to_sparse(1)
+    chunks[0].zero_grad_buffer()  # zero gradients for everything else
+    stepped.prepare_grads()
     stepped.step()
+    params = [p for o in inner_optimizers(stepped) for g in o.param_groups for p in g["params"]]
 
     def layout(opt):
-        return [[(k, t.device, t.dtype, tuple(t.shape)) for k, t in sorted(opt.state[p].items()) if torch.is_tensor(t)]
-                for g in opt.param_groups for p in g["params"]]
+        return [[(k, t.device, t.dtype, tuple(t.shape)) for k, t in sorted(o.state[p].items()) if torch.is_tensor(t)]
+                for o in inner_optimizers(opt) for g in o.param_groups for p in g["params"]]
 
     assert len(layout(stepped)) == len(params) and layout(made) == layout(stepped)
 

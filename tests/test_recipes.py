@@ -12,6 +12,7 @@ from rmt import parallel
 from rmt.config import load_config, validate
 from rmt.errors import ConfigError
 from rmt.models.build import build
+from rmt.training.ddp import wrap_chunks
 from rmt.training.optimizer import build_optimizer, build_scheduler, param_groups
 
 warnings.filterwarnings("ignore")
@@ -33,21 +34,30 @@ def tanh_gelu(x):
 
 @pytest.mark.parametrize("mode", ["lr", "schedule"])
 def test_weight_decay_shrink_per_step(single_process, mode):
-    """With zero gradients AdamW's step is the decay alone: ``lr_t * wd`` per step (torch's
-    AdamW) or ``wd * lr_t / lr`` (decoupled: the RMT authors' 1e-4, 100x more at lr 1e-2)."""
-    config = validate(load_config(None, SCHEDULE + [f"train.weight_decay_mode={mode}"]), 1)
-    layer = torch.nn.Linear(4, 4, bias=False)
-    torch.nn.init.ones_(layer.weight)
-    optimizer = build_optimizer([layer], config)
+    """With zero gradients AdamW's step is the decay alone: ``lr_t * wd`` per step (torch's and
+    megatron's AdamW) or ``wd * lr_t / lr`` (decoupled: the RMT authors' 1e-4, 100x more at lr
+    1e-2), on a decayed weight of a model trained through megatron's optimizer; an exempt one
+    (a norm gain) stays put."""
+    config = validate(load_config(None, SCHEDULE + [f"train.weight_decay_mode={mode}", "model.num_layers=1",
+                                                    "model.hidden_size=16", "model.num_attention_heads=2"]), 1)
+    (chunk,) = wrap_chunks(build(config), config)
+    named = dict(chunk.module.named_parameters())
+    weight, gain = named["decoder.layers.0.mlp.linear_fc1.weight"], named["decoder.final_layernorm.weight"]
+    with torch.no_grad():
+        weight.fill_(1.0)
+        gain.fill_(1.0)
+    optimizer = build_optimizer([chunk], config)
     scheduler = build_scheduler(optimizer, config)
     expected = 1.0
     for step in range(40):
         lr_t = optimizer.param_groups[0]["lr"]
         expected *= 1 - (lr_t * 1e-4 if mode == "lr" else 1e-4 * lr_t / 1e-2)
-        layer.weight.grad = torch.zeros_like(layer.weight)
+        chunk.zero_grad_buffer()  # zero gradients
+        optimizer.prepare_grads()
         optimizer.step()
         scheduler.step(1)
-        torch.testing.assert_close(layer.weight, torch.full((4, 4), expected), rtol=1e-6, atol=0)
+        torch.testing.assert_close(weight, torch.full_like(weight, expected), rtol=1e-6, atol=0)
+        torch.testing.assert_close(gain, torch.ones_like(gain), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("decay_keys", [False, True])

@@ -68,14 +68,20 @@ def test_warmup_then_cosine_schedule(config):
     assert lrs[55] == pytest.approx(mid) and lrs[100] == pytest.approx(1e-4)
 
 
-def test_clip_gradients_scales_to_max_norm(config):
-    from rmt.training.optimizer import clip_gradients
+def test_clip_scales_every_gradient_to_max_norm(config):
+    """:meth:`Optimizers.clip` scales dense, table and sparse table gradients by one factor."""
+    from rmt.training.optimizer import Optimizers
 
     params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4))]
     params[0].grad = torch.tensor([3.0, 0.0, 0.0])
-    params[1].grad = torch.tensor([0.0, 4.0, 0.0, 0.0])
-    assert clip_gradients(params, 1.0) == pytest.approx(5.0)
-    assert torch.linalg.vector_norm(torch.cat([p.grad for p in params])).item() == pytest.approx(1.0, abs=1e-5)
+    params[1].grad = torch.sparse_coo_tensor([[1]], [4.0], (4,))
+    dense = type("Dense", (), {"chained_optimizers": [], "param_groups": []})()
+    optimizers = Optimizers(dense, [torch.optim.SGD([params[0]], lr=1.0), torch.optim.SGD([params[1]], lr=1.0)])
+    optimizers.clip(1.0, 5.0)
+    assert torch.linalg.vector_norm(torch.cat([params[0].grad, params[1].grad.to_dense()])).item() == \
+        pytest.approx(1.0, abs=1e-5)
+    optimizers.clip(2.0, 1.0)  # below the bound: unchanged
+    assert params[0].grad.tolist() == pytest.approx([0.6, 0.0, 0.0], abs=1e-6)
 
 
 def test_step_lines_printed_without_progress_bar(capsys):

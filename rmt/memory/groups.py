@@ -90,8 +90,20 @@ def attach_fused_updates(params: Iterable[torch.nn.Parameter], optimizer) -> Lis
 
 def self_reduced(p: torch.nn.Parameter) -> bool:
     """Whether the memory code, not megatron DDP, reduces ``p``'s gradient: sharded tables
-    (gradients through the collectives) and tables with sparse touched-row gradients."""
-    return getattr(p, "memory_sharded", False) or getattr(p, "memory_sparse_grad", False)
+    (gradients through the collectives), tables with sparse touched-row gradients, and the
+    tables :func:`reduce_tables_outside_ddp` marked."""
+    return (getattr(p, "memory_sharded", False) or getattr(p, "memory_sparse_grad", False)
+            or getattr(p, "memory_self_reduced", False))
+
+
+def reduce_tables_outside_ddp(module: torch.nn.Module) -> None:
+    """Mark ``module``'s local dense-gradient value tables self-reduced (all-reduced by
+    :func:`finish_memory_grads`). For megatron's distributed optimizer: its DDP reduce-scatters
+    the gradient buffers, leaving each rank the gradient of its shard of the buffer only, while a
+    table is stepped whole by its own optimizer on every rank."""
+    for p in module.parameters():
+        if getattr(p, "memory_value", False) and not self_reduced(p):
+            p.memory_self_reduced = True
 
 
 def self_reduced_params(modules: Iterable[torch.nn.Module]) -> List[torch.nn.Parameter]:

@@ -306,7 +306,7 @@ class MemoryLayer(torch.nn.Module):
         # Eq. 12 only regularises training: not computed without autograd (decoding, evaluation).
         self.aux_loss = (tucker_aux_loss(self.cores, s.aux_loss_weight, s.aux_loss_margin)
                          if s.retrieval == "tucker" and torch.is_grad_enabled() else None)
-        return out.reshape(seq, b, s.hidden_size)
+        return out.reshape(seq, b, s.hidden_size).to(x.dtype)  # a table's dtype is its own (memory.value_dtype)
 
     # -- slot usage ------------------------------------------------------------------------
     @torch.no_grad()

@@ -47,8 +47,9 @@ def transformer_config(config: RMTConfig, **extra) -> TransformerConfig:
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
         pipeline_dtype=dtype,
+        # initialised in fp32 under every precision (the same draw); the trainer casts to bf16
         params_dtype=torch.float32,
-        autocast_dtype=dtype,
+        bf16=t.precision == "bf16",
         use_cpu_initialization=not compat.cuda_available(),
         init_method_std=m.init_std,
         hidden_dropout=m.dropout,

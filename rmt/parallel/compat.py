@@ -15,6 +15,7 @@ which gloo does not do.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import types
 
@@ -31,6 +32,7 @@ _CUDA_LITERAL_MODULES = (
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.tensor_parallel.data",
     "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.optimizer",
     "megatron.core.utils",
 )
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "empty_like")
@@ -129,6 +131,7 @@ def apply() -> None:
     for name in _CUDA_LITERAL_MODULES:
         importlib.import_module(name).torch = proxy
     _cpu_autocast_linears()
+    _cpu_mixed_precision_optimizers()
     _cpu_moe_dispatch()
     _gloo_uneven_gather()
     _APPLIED = True
@@ -142,6 +145,41 @@ def _moe_without_te() -> None:
 
     if not moe_utils.HAVE_TE:
         moe_utils.te_general_gemm = None
+
+
+@contextlib.contextmanager
+def _cuda_type_names():
+    """``Tensor.type()`` (no argument) answers with the CUDA type name for a CPU tensor, for as
+    long as the context lasts."""
+    original = torch.Tensor.type
+
+    def type_name(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs and not self.is_cuda:
+            return original(self).replace("torch.", "torch.cuda.", 1)
+        return original(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_name
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _cpu_mixed_precision_optimizers() -> None:
+    """megatron's distributed and float16 optimizers sort the parameters they wrap by
+    ``param.type()`` against the CUDA names (``'torch.cuda.BFloat16Tensor'``) in their
+    constructors, and refuse any other: construct them with CPU tensors answering those names.
+    (Their ``device='cuda'`` literals are covered by the torch proxy above.)"""
+    from megatron.core.optimizer import distrib_optimizer, optimizer
+
+    for cls in (distrib_optimizer.DistributedOptimizer, optimizer.Float16OptimizerWithFloat16Params):
+        init = cls.__init__
+
+        def cpu_init(self, *args, __init=init, **kwargs):
+            with _cuda_type_names():
+                __init(self, *args, **kwargs)
+
+        cls.__init__ = cpu_init
 
 
 def _cpu_moe_dispatch() -> None:

@@ -18,6 +18,7 @@ back to older ones past incomplete or corrupt ones. Directory logic lives in
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import shutil
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import is_main_replica
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
 from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -38,12 +39,9 @@ from rmt.parallel.lifetime import forked_children_die_with_this_process
 from rmt.parallel.sharding import shards
 from rmt.training import checkpoint_dirs
 from rmt.training.checkpoint_dirs import iteration_dir
-from rmt.training.optimizer import ChainedOptimizer
+from rmt.training.dense_state import MOMENTS, dense_states, inner_optimizers
 from rmt.training.table_checkpoint import FORMAT as TABLE_FORMAT
 from rmt.training.table_checkpoint import load_tables, save_tables, table_shards, table_tensors
-
-_MOMENTS = ("exp_avg", "exp_avg_sq")
-
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
@@ -58,24 +56,79 @@ def _ensure_optimizer_state(optimizer, device: Optional[str] = None) -> list:
     """The optimizers create their state lazily; create it (zeros) so it can be loaded into.
     ``device="meta"``: shapes and dtypes only, nothing allocated. Returns the states created."""
     created = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state[p]
-            if state:
-                continue
-            like = p if device is None else torch.empty_like(p, device=device)
-            owner = optimizer.owner(p) if isinstance(optimizer, ChainedOptimizer) else optimizer
-            if hasattr(owner, "initial_state"):  # rmt's SparseAdam and RowWiseAdagrad
-                state.update(owner.initial_state(like))
-            else:
-                # as torch's own lazy init: a fused or capturable Adam keeps its step count on the
-                # parameter's device (its CUDA kernel refuses a CPU one), the others on the CPU
-                on_device = group.get("fused") or group.get("capturable")
-                state["step"] = torch.zeros((), dtype=torch.float32, device=like.device if on_device else "cpu")
-                for name in _MOMENTS:
-                    state[name] = torch.zeros_like(like, memory_format=torch.preserve_format)
-            created.append(state)
+    for inner in inner_optimizers(optimizer):
+        for group in inner.param_groups:
+            for p in group["params"]:
+                state = inner.state[p]
+                if state:
+                    continue
+                like = p if device is None else torch.empty_like(p, device=device)
+                if hasattr(inner, "initial_state"):  # rmt's SparseAdam and RowWiseAdagrad
+                    state.update(inner.initial_state(like))
+                else:
+                    # as torch's own lazy init: a fused or capturable Adam keeps its step count on
+                    # the parameter's device (its CUDA kernel refuses a CPU one), the others on the CPU
+                    on_device = group.get("fused") or group.get("capturable")
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=like.device if on_device else "cpu")
+                    for name in MOMENTS:
+                        state[name] = torch.zeros_like(like, memory_format=torch.preserve_format)
+                created.append(state)
     return created
+
+
+def _dense_sharded(shard, state, name: str):
+    """The ShardedTensors of optimizer tensor ``name`` of ``shard``'s parameter: pieces of the
+    same global tensor as the parameter, under the key ``optimizer.<name>.<parameter key>``. The
+    whole local shard for a plain optimizer; for the distributed optimizer the boxes that tile the
+    flattened range this rank holds (:func:`flat_range_boxes`; megatron-core 0.16 no longer takes
+    flattened ranges and writes such pieces as uneven shards), each the main replica of its
+    elements (the data-parallel replica coordinate is 0)."""
+    tensor = state.tensors[name]
+    prefix = f"optimizer.{name}"
+    if state.flat_range is None:
+        return make_sharded_optimizer_tensor(shard.sharded, tensor, prefix=prefix)
+    sh = shard.sharded
+    replica = tuple(sh.replica_id[:-1]) + (0,) if isinstance(sh.replica_id, tuple) else 0
+    pre = sh.prepend_axis_num
+    pieces, pos = [], 0
+    for offset, size in flat_range_boxes(tuple(sh.local_shape), state.flat_range.start, state.flat_range.stop):
+        numel = math.prod(size)
+        size = (1,) * pre + size  # a layer of stacked layers as a box of the stack (uneven shards take no prepended axes)
+        pieces.append(ShardedTensor(
+            key=f"{prefix}.{sh.key}", data=tensor.reshape(-1)[pos:pos + numel].view(size), dtype=tensor.dtype,
+            local_shape=size, global_shape=tuple(sh.global_shape),
+            global_offset=tuple(sh.global_offset[:pre]) + tuple(o + g for o, g in zip(offset, sh.global_offset[pre:])),
+            axis_fragmentations=None, replica_id=replica))
+        pos += numel
+    return pieces
+
+
+def flat_range_boxes(shape: Tuple[int, ...], start: int, end: int) -> List[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
+    """``(offset, size)`` boxes of a C-order tensor of ``shape`` that together hold exactly its
+    flattened elements ``start:end``, in that order, each a run of consecutive elements (at most
+    ``2 * len(shape) - 1`` of them)."""
+    if start >= end:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (end - start,))] if shape else [((), ())]
+    inner = math.prod(shape[1:])
+    first, lead = divmod(start, inner)
+    last, tail = divmod(end, inner)
+
+    def rows(row, lo, hi):
+        return [((row,) + o, (1,) + s) for o, s in flat_range_boxes(shape[1:], lo, hi)]
+
+    if first == last:
+        return rows(first, lead, tail)
+    out = []
+    if lead:
+        out += rows(first, lead, inner)
+        first += 1
+    if last > first:
+        out.append(((first,) + (0,) * (len(shape) - 1), (last - first,) + tuple(shape[1:])))
+    if tail:
+        out += rows(last, 0, tail)
+    return out
 
 
 def sharded_state(chunks: List[torch.nn.Module], optimizer, common: dict,
@@ -91,16 +144,16 @@ def sharded_state(chunks: List[torch.nn.Module], optimizer, common: dict,
             state[f"ema.{i}"] = make_sharded_optimizer_tensor(shard.sharded, averages[shard.param], prefix="ema")
     if optimizer is not None:
         _ensure_optimizer_state(optimizer)
+        dense = dense_states(optimizer.dense_optimizers)
         # Dict keys only need to be unique locally (layers stacked under one global key share
         # it); the ShardedTensor keys are what checkpoints match on.
         for i, shard in enumerate(shards(chunks)):
-            if shard.key in tables:
+            if shard.key in tables or shard.param not in dense:
                 continue
-            st = optimizer.state[shard.param]
-            for name in _MOMENTS:
-                if name in st:
-                    state[f"optimizer.{name}.{i}"] = make_sharded_optimizer_tensor(
-                        shard.sharded, st[name], prefix=f"optimizer.{name}")
+            for name in dense[shard.param].tensors:
+                piece = _dense_sharded(shard, dense[shard.param], name)
+                if piece != []:  # a distributed optimizer's empty range of this parameter
+                    state[f"optimizer.{name}.{i}"] = piece
     state["common"] = common
     return state
 
@@ -297,6 +350,10 @@ def load_checkpoint(path: str, chunks, optimizer, averages=None) -> dict:
     template = sharded_state(chunks, optimizer, {}, averages)
     template.pop("common")
     try:
+        saved = dist_checkpointing.load_tensors_metadata(path)
+        for key in [k for k, v in template.items() if k.startswith("optimizer.main_param.")
+                    and (v[0] if isinstance(v, list) else v).key not in saved]:
+            del template[key]  # saved by a run with fp32 parameters: its weights are the main copy
         loaded = dist_checkpointing.load(template, path)
     except _CHECKPOINT_ERRORS as err:
         # megatron-core validates keys and global shapes before reading: a mismatch there is
@@ -320,14 +377,24 @@ def load_checkpoint(path: str, chunks, optimizer, averages=None) -> dict:
         if key.startswith("ema."):
             template[key].data.copy_(loaded_average.view_as(template[key].data))
     if optimizer is not None:
+        dense = dense_states(optimizer.dense_optimizers)
         for i, shard in enumerate(shards(chunks)):
-            if shard.key in names:
+            if shard.key in names or shard.param not in dense:
                 continue
-            st = optimizer.state[shard.param]
-            for name in _MOMENTS:
-                if name in st:
-                    st[name].copy_(loaded[f"optimizer.{name}.{i}"].view_as(st[name]))
+            for name, tensor in dense[shard.param].tensors.items():
+                key = f"optimizer.{name}.{i}"
+                if key not in loaded:  # a main copy that a checkpoint of fp32 parameters has no need of
+                    tensor.copy_(_flat(shard.param, dense[shard.param].flat_range).view_as(tensor))
+                elif isinstance(loaded[key], list):  # the pieces of a distributed optimizer's range
+                    tensor.copy_(torch.cat([t.reshape(-1) for t in loaded[key]]).view_as(tensor))
+                else:
+                    tensor.copy_(loaded[key].view_as(tensor))
     return common
+
+
+def _flat(param: torch.Tensor, flat_range: Optional[slice]) -> torch.Tensor:
+    flat = param.detach().reshape(-1)
+    return flat if flat_range is None else flat[flat_range]
 
 
 def will_resume(save: Optional[str], load: Optional[str]) -> bool:
@@ -397,11 +464,12 @@ def resume(save: Optional[str], load: Optional[str], chunks, optimizer,
 
 def set_optimizer_step(optimizer, step: int) -> None:
     """Adam's bias-correction step count (a tensor in AdamW, an int in SparseAdam)."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p in optimizer.state and "step" in optimizer.state[p]:
-                state = optimizer.state[p]
-                if torch.is_tensor(state["step"]):
-                    state["step"].fill_(float(step))
-                else:
-                    state["step"] = step
+    for inner in inner_optimizers(optimizer):
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if p in inner.state and "step" in inner.state[p]:
+                    state = inner.state[p]
+                    if torch.is_tensor(state["step"]):
+                        state["step"].fill_(float(step))
+                    else:
+                        state["step"] = step

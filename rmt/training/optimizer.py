@@ -1,16 +1,22 @@
-"""AdamW with parameter groups, the warmup + decay schedule, and model-parallel grad clipping.
+"""The optimizers of a run, the warmup + decay schedule, and model-parallel grad clipping.
 
-Apex's FusedAdam is used when importable on CUDA; otherwise torch's fused AdamW, on CPU too: one
-pass per tensor, 6.9x faster than the foreach AdamW on 2 CPU threads at 46M parameters (86 vs
-594 ms per step) with the same results, as fast as DeepSpeed's ``DeepSpeedCPUAdam``
-(``tools/bench_optimizer.py``), and no temporary the size of the largest tensor (for a
-dense-gradient memory table, its whole shard). With ``memory.value_optimizer`` sparse_adam or
-rowwise_adagrad the memory value tables, whose gradients are then sparse (touched rows), are
-stepped by that optimizer instead, chained
-after AdamW so the scheduler and checkpoints see one optimizer; with
-``memory.fused_value_optimizer`` that optimizer's step runs inside the lookups' backward
-(:mod:`rmt.ops.fused_update`), on its state and param groups, and its ``step()`` finds no
-gradient to apply.
+The dense parameters (everything but the memory value tables) are stepped by megatron-core's
+own optimizer (``get_megatron_optimizer``): its ``FP32Optimizer`` in fp32, its float16 optimizer
+(bf16 parameters, fp32 main parameters) with ``train.precision: bf16``, its
+``DistributedOptimizer`` (main parameters and Adam moments sharded over the data-parallel
+group) with ``train.distributed_optimizer``; MoE experts with expert parallelism in its second
+optimizer over the expert data-parallel group, as megatron chains them. Its AdamW is apex's or
+Transformer Engine's fused one where importable, else torch's, made fused on the CPU
+(:func:`_fused_on_cpu`).
+
+The memory value tables keep optimizers of their own (:class:`Optimizers`): torch's AdamW for
+tables with dense gradients, and with ``memory.value_optimizer`` sparse_adam or rowwise_adagrad
+that optimizer for their touched-row gradients (with ``memory.fused_value_optimizer`` its step
+runs inside the lookups' backward, :mod:`rmt.ops.fused_update`, and its ``step()`` finds no
+gradient). They stay outside megatron's optimizer because their states are checkpointed as table
+shards that reshard between partitions (:mod:`rmt.training.table_checkpoint`), and because a
+sharded table's gradient is not a DDP gradient; to shard a table's state, shard the table
+(``memory.partition``).
 
 Weight decay (``train.weight_decay`` wd) applies to every parameter of two or more dimensions
 (the layers' weight matrices; the memory layers' query, keys, cores, convolution and
@@ -29,6 +35,8 @@ from typing import Dict, List, Optional
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.optimizer import OptimizerConfig, ParamKey, get_megatron_optimizer
+from megatron.core.optimizer.optimizer_config import ParamWithNamePredicate
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import param_is_not_shared
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
@@ -56,11 +64,19 @@ def decay_coefficient(config: RMTConfig) -> float:
     return t.weight_decay / t.lr if t.weight_decay_mode == "schedule" else t.weight_decay
 
 
-def param_groups(chunks: List[torch.nn.Module], config: RMTConfig) -> List[dict]:
+def is_table(p: torch.nn.Parameter) -> bool:
+    """A memory value table (stepped by the tables' own optimizers)."""
+    return getattr(p, "memory_value", False)
+
+
+def param_groups(chunks: List[torch.nn.Module], config: RMTConfig, tables: Optional[bool] = None) -> List[dict]:
+    """Decayed and undecayed groups of the trainable parameters; ``tables`` True / False: only
+    the memory value tables (in a group of their own with ``memory.value_lr_mult``) / only the
+    others."""
     decay, no_decay = [], []
     for chunk in chunks:
         for name, p in chunk.named_parameters():
-            if p.requires_grad:
+            if p.requires_grad and (tables is None or is_table(p) == tables):
                 (no_decay if _no_decay(name, p, config.train.decay_rmt_keys) else decay).append(p)
     wd = decay_coefficient(config)
     groups = [g for g in ({"params": decay, "weight_decay": wd, "wd_mult": 1.0},
@@ -68,39 +84,176 @@ def param_groups(chunks: List[torch.nn.Module], config: RMTConfig) -> List[dict]
     return split_value_group(groups, config.memory.value_lr_mult)
 
 
-class ChainedOptimizer:
-    """Several torch optimizers over disjoint parameters, stepped as one: ``param_groups`` is
-    theirs concatenated (the LR scheduler sets each group's ``lr``), ``state[p]`` is the state
-    of the optimizer that owns ``p``. torch has no such wrapper (megatron-core's
-    ChainedOptimizer needs its own optimizer classes)."""
+def optimizer_config(config: RMTConfig) -> OptimizerConfig:
+    """megatron's ``OptimizerConfig`` of the dense parameters. Its own clipping is off: the
+    trainer clips by the global norm over dense parameters and tables together
+    (:meth:`Optimizers.grad_sq_norm`)."""
+    t = config.train
+    bf16 = t.precision == "bf16"
+    return OptimizerConfig(
+        optimizer="adam", lr=t.lr, min_lr=t.lr * t.min_lr_ratio, weight_decay=decay_coefficient(config),
+        adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=0.0,
+        bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=t.distributed_optimizer,
+        overlap_param_gather=t.overlap_param_gather)
 
-    def __init__(self, optimizers: List[torch.optim.Optimizer]):
-        self.optimizers = optimizers
+
+class _frozen:
+    """Context: ``params`` look frozen (so megatron's optimizer leaves them out)."""
+
+    def __init__(self, params):
+        self.params = [p for p in params if p.requires_grad]
+
+    def __enter__(self):
+        for p in self.params:
+            p.requires_grad_(False)
+
+    def __exit__(self, *exc):
+        for p in self.params:
+            p.requires_grad_(True)
+
+
+def build_dense_optimizer(chunks: List[torch.nn.Module], config: RMTConfig):
+    """megatron's optimizer (``get_megatron_optimizer``) over the DDP-wrapped ``chunks``'
+    parameters other than memory value tables, with rmt's weight-decay exemptions as its
+    parameter-group override."""
+    exempt = ParamWithNamePredicate(
+        name="rmt_no_decay", fn=lambda p, name: _no_decay(name, p, config.train.decay_rmt_keys))
+    with _frozen([p for c in chunks for p in c.parameters() if is_table(p)]):
+        dense = get_megatron_optimizer(optimizer_config(config), chunks,
+                                       config_overrides={ParamKey(with_name_predicate=exempt): {"wd_mult": 0.0}})
+    _fused_on_cpu(dense)
+    return dense
+
+
+def _fused_on_cpu(dense) -> None:
+    """Without apex and Transformer Engine megatron-core steps with torch's AdamW in its default
+    form, on the CPU a loop over tensors: 6.9x slower than torch's fused form at 46M parameters
+    (594 vs 86 ms a step on 2 threads, ``tools/bench_optimizer.py``), with the same arithmetic.
+    Switch its groups to the fused form before the state exists (torch reads ``fused`` per
+    group at each step)."""
+    if compat.cuda_available():
+        return
+    for inner in getattr(dense, "chained_optimizers", [dense]):
+        opt = inner.optimizer
+        if type(opt) is torch.optim.AdamW:
+            opt.defaults.update(fused=True, foreach=False)
+            for group in opt.param_groups:
+                group.update(fused=True, foreach=False)
+
+
+def build_table_optimizers(chunks: List[torch.nn.Module], config: RMTConfig) -> List[torch.optim.Optimizer]:
+    """The memory value tables' optimizers: torch's AdamW (fused) for dense gradients,
+    ``memory.value_optimizer``'s for sparse ones (attached to the lookups' backward with
+    ``memory.fused_value_optimizer``)."""
+    t = config.train
+    kwargs = dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+    groups = param_groups(chunks, config, tables=True)
+    is_sparse = [any(getattr(p, "memory_sparse_grad", False) for p in g["params"]) for g in groups]
+    optimizers = []
+    dense = [g for g, flag in zip(groups, is_sparse) if not flag]
+    if dense:
+        optimizers.append(torch.optim.AdamW(dense, fused=True, **kwargs))
+    sparse = [g for g, flag in zip(groups, is_sparse) if flag]
+    if sparse:
+        if config.memory.value_optimizer == "sparse_adam":
+            values = SparseAdam(sparse, **kwargs)
+        else:
+            values = RowWiseAdagrad(sparse, lr=t.lr, eps=t.adam_eps)
+        if config.memory.fused_value_optimizer:
+            attach_fused_updates([p for g in sparse for p in g["params"]], values)
+        optimizers.append(values)
+    return optimizers
+
+
+class Optimizers:
+    """megatron's optimizer of the dense parameters (``dense``) and the memory tables' own
+    (``tables``), stepped as one: ``param_groups`` is theirs concatenated (the LR scheduler sets
+    each group's ``lr``); ``state[p]`` is a table's state. megatron's ChainedOptimizer chains
+    only megatron optimizers, hence this class."""
+
+    def __init__(self, dense, tables: List[torch.optim.Optimizer]):
+        self.dense = dense
+        self.tables = tables
         self._owner: Dict[torch.nn.Parameter, torch.optim.Optimizer] = {
-            p: o for o in optimizers for g in o.param_groups for p in g["params"]}
+            p: o for o in tables for g in o.param_groups for p in g["params"]}
+
+    @property
+    def dense_optimizers(self) -> list:
+        """megatron's optimizers (dense, and expert-parallel experts where there are any)."""
+        return list(getattr(self.dense, "chained_optimizers", [self.dense]))
 
     @property
     def param_groups(self) -> List[dict]:
-        return [g for o in self.optimizers for g in o.param_groups]
+        return self.dense.param_groups + [g for o in self.tables for g in o.param_groups]
 
     def owner(self, p: torch.nn.Parameter) -> torch.optim.Optimizer:
-        """The optimizer that steps ``p``."""
+        """The tables' optimizer that steps table ``p``."""
         return self._owner[p]
 
     @property
-    def state(self) -> "_ChainedState":
-        return _ChainedState(self._owner)
+    def state(self) -> "_TableState":
+        return _TableState(self._owner)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for o in self.optimizers:
+        self.dense.zero_grad(set_to_none=set_to_none)
+        for o in self.tables:
             o.zero_grad(set_to_none=set_to_none)
 
+    def prepare_grads(self) -> None:
+        """megatron's gradients into its main parameters (their shards with the distributed
+        optimizer); a local table's DDP gradient into ``.grad``, rounded once to its dtype (a
+        bf16 table, ``memory.value_dtype``)."""
+        self.dense.prepare_grads()
+        for p in self._owner:
+            if not self_reduced(p) and getattr(p, "main_grad", None) is not None:
+                p.grad = p.main_grad if p.main_grad.dtype == p.dtype else p.main_grad.to(p.dtype)
+
+    def grads(self) -> List[torch.Tensor]:
+        """Every gradient the step applies (megatron's main gradients, the tables')."""
+        out = [g for o in self.dense_optimizers for g in _main_grads(o)]
+        return out + [p.grad for p in self._owner if p.grad is not None]
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        """Squared global L2 norm of the step's gradients, each TP-duplicated parameter counted
+        once: megatron's main gradients over each optimizer's gradient-statistics group (the
+        model-parallel group; the whole world with the distributed optimizer, whose shards are
+        distinct; for expert-parallel experts their expert group), local tables replicated over
+        the model-parallel group, self-reduced tables by
+        :func:`~rmt.memory.groups.memory_grad_sq_norm`. A one-element fp64 tensor on the compute
+        device: nothing here waits for it."""
+        norm_sq = torch.zeros(1, dtype=torch.float64, device=compat.device())
+        for o in self.dense_optimizers:
+            norm_sq += grad_sq_norm(o.get_main_grads_for_grad_norm(), o.get_grad_stats_parallel_group())
+        local = [p.grad for p in self._owner if p.grad is not None and not self_reduced(p)
+                 and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
+        if any(not self_reduced(p) for p in self._owner):
+            norm_sq += grad_sq_norm(local, parallel_state.get_model_parallel_group())
+        return norm_sq + memory_grad_sq_norm(list(self._owner))
+
+    def clip(self, max_norm: float, norm: float) -> None:
+        """Scale every gradient by ``max_norm / norm`` where ``norm`` exceeds ``max_norm``."""
+        if max_norm > 0 and norm > max_norm:
+            scale = max_norm / (norm + 1e-6)
+            grads = self.grads()
+            torch._foreach_mul_([g for g in grads if not g.is_sparse], scale)
+            for g in grads:
+                if g.is_sparse:
+                    g.mul_(scale)
+
     def step(self) -> None:
-        for o in self.optimizers:
+        """megatron's step (and its copy to, or all-gather of, the model parameters), then the
+        tables'."""
+        self.dense.step_with_ready_grads()
+        for o in self.tables:
             o.step()
 
 
-class _ChainedState:
+def _main_grads(optimizer) -> List[torch.Tensor]:
+    return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+
+class _TableState:
     def __init__(self, owner):
         self.owner = owner
 
@@ -110,34 +263,13 @@ class _ChainedState:
     def __contains__(self, p) -> bool:
         return p in self.owner and p in self.owner[p].state
 
-
-def build_optimizer(chunks: List[torch.nn.Module], config: RMTConfig):
-    t = config.train
-    groups = param_groups(chunks, config)
-    kwargs = dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
-    is_sparse = [any(getattr(p, "memory_sparse_grad", False) for p in g["params"]) for g in groups]
-    sparse = [g for g, flag in zip(groups, is_sparse) if flag]
-    dense = build_adamw([g for g, flag in zip(groups, is_sparse) if not flag], kwargs)
-    if not sparse:
-        return dense
-    if config.memory.value_optimizer == "sparse_adam":
-        values = SparseAdam(sparse, **kwargs)
-    else:
-        values = RowWiseAdagrad(sparse, lr=t.lr, eps=t.adam_eps)
-    if config.memory.fused_value_optimizer:
-        attach_fused_updates([p for g in sparse for p in g["params"]], values)
-    return ChainedOptimizer([dense, values])
+    def get(self, p, default=None):
+        return self[p] if p in self else default
 
 
-def build_adamw(groups: List[dict], kwargs: dict) -> torch.optim.Optimizer:
-    if torch.cuda.is_available():
-        try:
-            from apex.optimizers import FusedAdam
-
-            return FusedAdam(groups, adam_w_mode=True, **kwargs)
-        except ImportError:
-            pass
-    return torch.optim.AdamW(groups, fused=True, **kwargs)
+def build_optimizer(chunks: List[torch.nn.Module], config: RMTConfig) -> Optimizers:
+    """The run's :class:`Optimizers` over DDP-wrapped ``chunks``."""
+    return Optimizers(build_dense_optimizer(chunks, config), build_table_optimizers(chunks, config))
 
 
 def warmup_steps(config: RMTConfig) -> int:
@@ -186,37 +318,3 @@ def grad_sq_norm(grads: List[torch.Tensor], group) -> torch.Tensor:
     sq = sq.reshape(1)
     torch.distributed.all_reduce(sq, group=group)
     return sq
-
-
-def global_grad_sq_norm(params: List[torch.nn.Parameter]) -> torch.Tensor:
-    """Squared global L2 norm of the gradients of ``params`` (each TP-duplicated parameter
-    counted once): replicated parameters over the model-parallel group, expert-parallel MoE
-    experts (megatron's ``allreduce = False``) over the expert-tensor x expert-model x pipeline
-    group that holds each expert once, self-reduced memory tables (sharded or with sparse
-    gradients) by :func:`~rmt.memory.groups.memory_grad_sq_norm`. A one-element fp64 tensor on
-    the compute device: nothing here waits for it."""
-    grads = {True: [], False: []}
-    for p in params:
-        if p.grad is not None and not self_reduced(p) and param_is_not_shared(p) \
-                and param_is_not_tensor_parallel_duplicate(p):
-            grads[getattr(p, "allreduce", True)].append(p.grad)
-    norm_sq = grad_sq_norm(grads[True], parallel_state.get_model_parallel_group())
-    if parallel_state.get_expert_model_parallel_world_size() > 1:
-        norm_sq += grad_sq_norm(grads[False], parallel_state.get_expert_tensor_model_pipeline_parallel_group())
-    return norm_sq + memory_grad_sq_norm(params)
-
-
-def clip_gradients(params: List[torch.nn.Parameter], max_norm: float, norm: Optional[float] = None) -> float:
-    """Scales the gradients of ``params`` in place when their global L2 norm is above ``max_norm``;
-    returns the norm. ``norm``: that norm where the caller read it already (the trainer reads it
-    with the step's losses, one wait for the device), else :func:`global_grad_sq_norm` is read
-    here."""
-    if norm is None:
-        norm = float(global_grad_sq_norm(params)) ** 0.5
-    if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        torch._foreach_mul_([p.grad for p in params if p.grad is not None and not p.grad.is_sparse], scale)
-        for p in params:
-            if p.grad is not None and p.grad.is_sparse:
-                p.grad.mul_(scale)
-    return norm

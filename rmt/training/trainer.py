@@ -6,7 +6,6 @@ bar."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import time
@@ -16,8 +15,6 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rmt import config as rmt_config
@@ -27,17 +24,17 @@ from rmt.data.metadata import tokenizer_file_text
 from rmt.data.tasks import build_task_datasets, curriculum_hook
 from rmt.memory import pop_aux_loss, pop_memory_stats
 from rmt.memory.batchnorm import sync_running_stats
-from rmt.memory.groups import excluded_from_ddp, finish_memory_grads, fused_update, self_reduced
+from rmt.memory.groups import finish_memory_grads, fused_update
 from rmt.memory.table import values_from_checkpoint
 from rmt.models.build import build
 from rmt.models.documents import causal_mask
 from rmt.parallel import compat
 from rmt.training import checkpoint, preemption
+from rmt.training.ddp import wrap_chunks
 from rmt.training.host_heap import retain_freed_memory
 from rmt.training.loss import lm_loss
 from rmt.training.lr_control import ValidationLR
-from rmt.training.optimizer import (build_optimizer, build_scheduler, clip_gradients, global_grad_sq_norm,
-                                    warmup_steps)
+from rmt.training.optimizer import build_optimizer, build_scheduler, warmup_steps
 from rmt.training.same_model import model_difference
 from rmt.training.step_log import new_run_name, open_jsonl, open_tensorboard, run_log_dir
 from rmt.training.weight_average import WeightAverage
@@ -78,7 +75,7 @@ class Trainer:
                 config, self.data, t.steps * self.global_batch, evals * t.eval_iters * self.global_batch)
         self.after_eval_hook = curriculum_hook(config)
         with values_from_checkpoint(checkpoint.will_resume(t.save, t.load)):
-            self.chunks = self._wrap(build(config))
+            self.chunks = wrap_chunks(build(config), config)
         self.params = [p for c in self.chunks for p in c.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.chunks, config)
         # value tables stepped in their lookups' backward (memory.fused_value_optimizer), per chunk
@@ -119,20 +116,6 @@ class Trainer:
                      f"warming up over {warmup_steps(config)} steps instead")
 
     # -- setup ---------------------------------------------------------------------------
-    def _wrap(self, chunks):
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                   use_distributed_optimizer=False)
-        wrapped = []
-        for i, chunk in enumerate(chunks):
-            chunk.to(self.device)
-            with excluded_from_ddp(chunk):  # sharded or sparse-gradient memory tables
-                wrapped.append(DistributedDataParallel(config=chunk.config, ddp_config=ddp_config,
-                                                       module=chunk, disable_bucketing=i > 0))
-        mcfg = wrapped[0].config
-        mcfg.finalize_model_grads_func = finalize_model_grads
-        mcfg.no_sync_func = [c.no_sync for c in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
-        return wrapped
-
     def say(self, message: str) -> None:
         """Tell the user what happened (global rank 0; above the progress bar when there is one)."""
         if not self.is_logger:
@@ -173,8 +156,7 @@ class Trainer:
             mask = self.mask
         else:
             mask = causal_mask(tokens.shape[1], self.device)
-        with self._autocast():
-            output = model(tokens, positions, mask)
+        output = model(tokens, positions, mask)
         return output, partial(self._loss, labels, loss_mask, pop_aux_loss(model))
 
     def _loss(self, labels, loss_mask, aux_loss, output):
@@ -182,11 +164,6 @@ class Trainer:
         if aux_loss is not None:
             loss = loss + aux_loss
         return loss, {"lm loss": ce.clone(), "loss": loss.detach().clone()}
-
-    def _autocast(self):
-        if self.config.train.precision == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
 
     def _run_schedule(self, dataset, first_sample: int, forward_only: bool) -> torch.Tensor:
         """The schedule over one global batch; its losses (:meth:`_reduce_losses`)."""
@@ -232,15 +209,12 @@ class Trainer:
         losses = self._run_schedule(self.train_ds, self.consumed_samples, forward_only=False)
         finish_memory_grads(self.chunks)
         sync_running_stats(self.chunks, parallel_state.get_data_parallel_group())
-        for p in self.params:
-            if not self_reduced(p):
-                # DDP reduces in fp32; a bf16 parameter (a local bf16 memory table under AdamW,
-                # memory.value_dtype) steps on that gradient rounded once to its dtype
-                p.grad = p.main_grad if p.main_grad.dtype == p.dtype else p.main_grad.to(p.dtype)
+        self.optimizer.prepare_grads()
         # the step's one wait for the device: its losses and gradient norm, read together
-        *values, norm_sq = torch.cat([losses, global_grad_sq_norm(self.params).reshape(1)]).tolist()
+        *values, norm_sq = torch.cat([losses, self.optimizer.grad_sq_norm().reshape(1)]).tolist()
         metrics = dict(zip(LOSSES, values))
-        metrics["grad_norm"] = clip_gradients(self.params, self.config.train.clip_grad, norm_sq ** 0.5)
+        metrics["grad_norm"] = norm_sq ** 0.5
+        self.optimizer.clip(self.config.train.clip_grad, metrics["grad_norm"])
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         if self.average is not None:

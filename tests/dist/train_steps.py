@@ -36,9 +36,7 @@ def record(overrides):
     try:
         trainer = Trainer(config)
         history = trainer.train()
-        # a table stepped in its backward (memory.fused_value_optimizer) has no gradient: zeros
-        grads = gather_full(trainer.chunks, lambda p: torch.zeros_like(p) if p.grad is None
-                            else p.grad.to_dense() if p.grad.is_sparse else p.grad)
+        grads = gather_full(trainer.chunks, step_gradients(trainer))
         params = gather_full(trainer.chunks)
         # the weight average (train.ema_decay), each parameter's own weights where none is kept
         averages = trainer.average.by_param() if trainer.average is not None else {}
@@ -56,6 +54,36 @@ def record(overrides):
     finally:
         if owned:
             parallel_state.destroy_model_parallel()
+
+
+def step_gradients(trainer):
+    """``param -> gradient`` of the last step as applied: a dense parameter's is that of the
+    tensor megatron's optimizer steps (the parameter, or its fp32 main copy, or with the
+    distributed optimizer this rank's range of it, the ranges summed over the data-parallel
+    group); a table's is its ``.grad`` (sparse ones made dense; a table stepped in its
+    backward, memory.fused_value_optimizer, has none: zeros)."""
+    from megatron.core import parallel_state
+
+    from rmt.training.dense_state import dense_states
+
+    states = dense_states(trainer.optimizer.dense_optimizers)
+    distributed = trainer.config.train.distributed_optimizer
+    full = {}
+    for chunk in trainer.chunks:
+        for p in chunk.parameters():
+            if getattr(p, "memory_value", False):
+                full[p] = (torch.zeros_like(p) if p.grad is None
+                           else p.grad.to_dense() if p.grad.is_sparse else p.grad).float()
+                continue
+            grad = torch.zeros(p.numel(), dtype=torch.float32)
+            if p in states:
+                grad[states[p].flat_range or slice(None)] = states[p].main.grad.reshape(-1).float()
+            if distributed:  # every rank of the group calls it, with or without a range
+                group = (parallel_state.get_data_parallel_group() if getattr(p, "allreduce", True)
+                         else parallel_state.get_expert_data_parallel_group())
+                torch.distributed.all_reduce(grad, group=group)
+            full[p] = grad.view(p.shape)
+    return lambda p: full[p]
 
 
 def runs(argv):
