@@ -823,6 +823,10 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
         raise ConfigError("train.overlap_param_gather needs train.distributed_optimizer and "
                           "train.overlap_grad_reduce (megatron-core gathers the parameters only "
                           "for its distributed optimizer, behind the gradient reduction)")
+    if t.overlap_param_gather and t.ema_decay is not None:
+        raise ConfigError("train.overlap_param_gather leaves the updated weights to be gathered during the "
+                          "next step's forward, but train.ema_decay averages them right after each step: "
+                          "set one of them only")
     if t.weight_decay_mode not in ("lr", "schedule"):
         raise ConfigError(f"train.weight_decay_mode must be 'lr' or 'schedule', got '{t.weight_decay_mode}'")
     if t.decay_rmt_keys and m.arch != "rmt":

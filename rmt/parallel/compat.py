@@ -130,7 +130,6 @@ def apply() -> None:
     proxy = _CpuTorch()
     for name in _CUDA_LITERAL_MODULES:
         importlib.import_module(name).torch = proxy
-    _cpu_autocast_linears()
     _cpu_mixed_precision_optimizers()
     _cpu_moe_dispatch()
     _gloo_uneven_gather()
@@ -196,19 +195,6 @@ def _cpu_moe_dispatch() -> None:
         return tensor
 
     token_dispatcher.maybe_move_tensor_to_cpu = to_host
-
-
-def _cpu_autocast_linears() -> None:
-    """megatron's TP linear autograd functions carry ``custom_fwd/custom_bwd`` for CUDA only, so
-    under CPU autocast (bf16) their backward multiplies bf16 grads by fp32 weights. Re-wrap the
-    undecorated functions for the CPU autocast device."""
-    from megatron.core.tensor_parallel import layers
-
-    for cls in (layers.LinearWithGradAccumulationAndAsyncCommunication, layers.LinearWithFrozenWeight):
-        if hasattr(cls.forward, "__wrapped__"):
-            cls.forward = staticmethod(torch.amp.custom_fwd(cls.forward.__wrapped__, device_type="cpu"))
-        if hasattr(cls.backward, "__wrapped__"):
-            cls.backward = staticmethod(torch.amp.custom_bwd(cls.backward.__wrapped__, device_type="cpu"))
 
 
 def seed_model_parallel(seed: int) -> None:

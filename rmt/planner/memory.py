@@ -111,7 +111,7 @@ class TablePlan:
     tucker_rank: int = 2
     ive_blocks: int = 4
     precision: str = "fp32"
-    """Training precision (``bf16``: autocast, the score tensors are bf16)."""
+    """Training precision (``bf16``: bf16 dense parameters, the score tensors are bf16)."""
     device: str = "cpu"
     """``cpu`` or ``gpu``: where the tables live (a GPU save stages through host memory)."""
     fused: bool = False

@@ -228,6 +228,14 @@ class Trainer:
         metrics["step"] = self.iteration
         return metrics
 
+    def gather_weights(self) -> None:
+        """With ``train.overlap_param_gather`` the distributed optimizer's updated weights reach
+        the parameters bucket by bucket during the next step's forward: gather them all now
+        (before an evaluation, a checkpoint, the end of training)."""
+        if self.config.train.overlap_param_gather:
+            for chunk in self.chunks:
+                chunk.start_param_sync(force_sync=True)
+
     def evaluate_average(self) -> float:
         """:meth:`evaluate` of the weight average (``train.ema_decay``)."""
         with self.average.swapped_in():
@@ -239,6 +247,7 @@ class Trainer:
         mode (no dropout; BatchNorm on its running statistics)."""
         t = self.config.train
         total = 0.0
+        self.gather_weights()
         for chunk in self.chunks:
             chunk.eval()
         try:
@@ -269,6 +278,7 @@ class Trainer:
         metrics["lr_scale"] = scale
 
     def save(self) -> str:
+        self.gather_weights()
         common = {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
                   "global_batch_size": self.global_batch, "config": rmt_config.to_dict(self.config),
                   "run_name": self.run_name, "tokenizer_json": tokenizer_file_text(self.config.data.tokenizer),
@@ -324,6 +334,7 @@ class Trainer:
                 if h is not None:
                     h.close()
             self._bar = None
+        self.gather_weights()
         self._summary(self.iteration - first_step, time.perf_counter() - start, writer)
         return self.history
 

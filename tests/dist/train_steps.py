@@ -45,15 +45,35 @@ def record(overrides):
         stats = {n: b.clone() for c in trainer.chunks for n, b in c.module.named_buffers() if "running_" in n}
         every_rank = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(every_rank, stats)
+        held = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(held, optimizer_held(trainer))
         if torch.distributed.get_rank() != 0:
             return None
-        return {"losses": [m["lm loss"] for m in history], "running_stats": every_rank,
+        return {"losses": [m["lm loss"] for m in history], "running_stats": every_rank, "optimizer_held": held,
                 "grad_norms": [m["grad_norm"] for m in history],
                 "val": [m.get("val_loss") for m in history],
                 "grads": grads, "params": params, "averages": averaged}
     finally:
         if owned:
             parallel_state.destroy_model_parallel()
+
+
+def optimizer_held(trainer):
+    """What this rank holds for megatron's optimizer: elements and bytes of each state kind
+    (``exp_avg``, ``exp_avg_sq``, ``main_param``), and its DDP buffers' parameter elements before
+    and after megatron's padding (non-expert parameters)."""
+    from rmt.training.dense_state import dense_states
+
+    buffers = [b for c in trainer.chunks for b in c.buffers]
+    held = {"buffer_numel": sum(b.numel for b in buffers),
+            "buffer_numel_unpadded": sum(b.numel_unpadded for b in buffers),
+            "param_bytes": sum(p.numel() * p.element_size() for b in buffers for p in b.params),
+            "grad_bytes": sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers)}
+    for state in dense_states(trainer.optimizer.dense_optimizers).values():
+        for name, t in state.tensors.items():
+            held[name] = held.get(name, 0) + t.numel()
+            held[name + "_bytes"] = held.get(name + "_bytes", 0) + t.numel() * t.element_size()
+    return held
 
 
 def step_gradients(trainer):
