@@ -41,10 +41,16 @@ def _common(cache_dir):
     return tiny_overrides(cache_dir) + ["train.micro_batch_size=1", "train.global_batch_size=4", "train.ema_decay=0.5"]
 
 
+BF16 = ["train.precision=bf16"]
+
+
 @pytest.fixture(scope="module")
 def runs(cache_dir, tmp_path_factory):
     common = _common(cache_dir)
     cases = {f"single_{name}": (common + extra, 1) for name, extra in MODELS.items()}
+    cases["single_transformer_bf16"] = (common + BF16, 1)
+    cases["transformer_bf16_dp2"] = (common + BF16 + DIST, 2)
+    cases["transformer_bf16_dp2_plain"] = (common + BF16, 2)
     cases.update({case: (common + MODELS[name] + extra + DIST, 2) for case, (name, extra) in TWO.items()})
     cases.update({case: (common + MODELS[name] + extra + DIST, 4) for case, (name, extra) in FOUR.items()})
     return train_cases(tmp_path_factory, "distributed_optimizer", cases)
@@ -110,3 +116,43 @@ def test_checkpoints_reshard_across_dp_and_to_and_from_the_plain_optimizer(cache
     for resumed in (two[tmp_path / "dist2.pt"], two[tmp_path / "plain2.pt"], one[tmp_path / "plain1.pt"],
                     back[tmp_path / "dist4.pt"]):
         assert resumed["losses"] == pytest.approx(whole[2:], abs=1e-5)
+
+
+def test_bf16_bytes_per_parameter_as_planned(runs):
+    """``train.precision: bf16`` keeps bf16 parameters, fp32 gradients and an fp32 main copy with
+    fp32 moments: 18 bytes per parameter with the plain optimizer, 6 + 12 / DP with the
+    distributed one (:func:`rmt.planner.dense.dense_bytes_per_param`), the gradient buffer padded
+    as megatron pads it."""
+    from rmt.planner.dense import dense_bytes_per_param
+
+    plain = runs["single_transformer_bf16"]["optimizer_held"][0]
+    n = plain["exp_avg"]
+    per = dense_bytes_per_param("bf16", False, 1)
+    assert plain["buffer_numel"] == n and sum(per.values()) == 18
+    for kind in ("param", "grad", "main_param", "exp_avg", "exp_avg_sq"):
+        assert plain[f"{kind}_bytes"] == per[kind] * n, kind
+    held = runs["transformer_bf16_dp2"]["optimizer_held"]
+    per = dense_bytes_per_param("bf16", True, 2)
+    assert sum(per.values()) == 6 + 12 / 2
+    for kind in ("main_param", "exp_avg", "exp_avg_sq"):  # the shards: exactly the whole over the ranks
+        assert sum(r[f"{kind}_bytes"] for r in held) == 2 * per[kind] * n, kind
+    for r in held:
+        assert r["param_bytes"] == per["param"] * n
+        assert r["grad_bytes"] == per["grad"] * r["buffer_numel"]  # padded
+        assert r["main_param_bytes"] <= per["main_param"] * r["buffer_numel"]
+
+
+def test_bf16_distributed_equals_the_plain_optimizer(runs):
+    """bf16 parameters at DP = 2, distributed against plain optimizer: the same per-rank
+    gradients summed over two ranks (a sum of two is the same in either order), the same
+    element-wise AdamW on the fp32 main copies, whole or in shards; only the clipping factor
+    differs, by the fp32 rounding of the norm summed over shards in another order. So the main
+    copies agree to a few fp32 ulps and a bf16 weight, their rounding, by at most one bf16 ulp
+    (where the two straddle a rounding boundary); a loss by at most the sum of |dL/dw| x ulp(w),
+    under 1e-3 here (gradient norms below 2, weights below 0.2, ulp 2^-8 relative)."""
+    ref, got = runs["transformer_bf16_dp2_plain"], runs["transformer_bf16_dp2"]
+    assert got["losses"] == pytest.approx(ref["losses"], abs=1e-3)
+    for key, value in ref["params"].items():
+        assert torch.equal(value, value.bfloat16().float()), key  # bf16 weights (gathered as fp32)
+        ulp = torch.exp2(torch.floor(torch.log2(value.float().abs().clamp_min(2.0 ** -126))) - 7)
+        assert bool(((got["params"][key].float() - value.float()).abs() <= ulp).all()), key
