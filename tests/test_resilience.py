@@ -166,6 +166,41 @@ def test_sigusr1_stops_a_plain_run_with_a_checkpoint(cache_dir, tmp_path):
     assert (tmp_path / "ckpt" / f"iter_{stopped:07d}" / "manifest.json").is_file()
 
 
+CTRL_C = ("rmt: Ctrl-C: stopping after this step (with a checkpoint where train.save is set); "
+          "Ctrl-C again quits at once")
+
+
+def test_ctrl_c_stops_a_plain_run_with_a_checkpoint_in_one_line(cache_dir, tmp_path):
+    """A first Ctrl-C (SIGINT) is a stop like SIGTERM: one line, a checkpoint at the next step
+    boundary (not only at the save interval), exit 0, no traceback."""
+    job = _start([sys.executable, "-m", "rmt.training.cli"] + _config(cache_dir, tmp_path, 200))
+    _wait_for(_logged(tmp_path, 2), job, "two steps")
+    job.send_signal(signal.SIGINT)
+    code, out, err = _finish(job)
+    stopped = len(_log(tmp_path))
+    assert code == 0, err[-3000:]
+    assert err.count(CTRL_C) == 1 and "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert f"stopped on SIGINT after step {stopped} of 200" in out
+    assert (tmp_path / "ckpt" / f"iter_{stopped:07d}" / "manifest.json").is_file()
+
+
+def test_second_ctrl_c_quits_at_once_under_the_launcher(cache_dir, tmp_path):
+    """Under ``rmt-launch`` Ctrl-C reaches the launcher (its workers run in sessions of their
+    own): it passes it on, the workers stop at the next step; a second one passes on too and the
+    workers quit at once, each side saying so in one line; the job exits 130, no traceback."""
+    job = _single_node(_config(cache_dir, tmp_path, 200))
+    _wait_for(_logged(tmp_path, 2), job, "two steps")
+    job.send_signal(signal.SIGINT)
+    time.sleep(0.3)  # the workers are still finishing their step or saving
+    job.send_signal(signal.SIGINT)
+    code, out, err = _finish(job, timeout=120)
+    assert code == 130, err[-3000:]
+    assert "rmt-launch: received SIGINT: asking the workers to save and stop" in err
+    assert "rmt-launch: received SIGINT again: the workers quit now, without a checkpoint" in err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert _tagged(job.tag) == []
+
+
 def test_killed_trainer_leaves_no_process_behind(cache_dir, tmp_path):
     """megatron-core's checkpoint writer used to leave a ~300 MB server process per kill."""
     job = _start([sys.executable, "-m", "rmt.training.cli"] + _config(cache_dir, tmp_path, 200)

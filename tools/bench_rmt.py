@@ -34,10 +34,11 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from rmt import parallel  # noqa: E402
+from rmt import parallel, profiling  # noqa: E402
 from rmt.config import load_config, validate  # noqa: E402
 from rmt.errors import ConfigError  # noqa: E402
 from rmt.planner.flops import plan_model  # noqa: E402
+from rmt.training.dense_state import optimizer_bytes  # noqa: E402
 from rmt.training.trainer import Trainer  # noqa: E402
 
 # name: (L, R = heads, Dv = head size, Dk, D_FF, seq, micro batch)
@@ -63,39 +64,16 @@ def twin_overrides(size: str, steps: int, extra=()):
 
 
 def persistent_bytes(trainer: Trainer) -> int:
-    total = 0
+    total = optimizer_bytes(trainer.optimizer)
     for p in trainer.params:
         total += p.numel() * p.element_size()
         total += p.main_grad.numel() * p.main_grad.element_size()
-        for state in trainer.optimizer.state.get(p, {}).values():
-            if torch.is_tensor(state):
-                total += state.numel() * state.element_size()
     return total
 
 
 def step_peak_bytes(trainer: Trainer) -> int:
     """Highest memory in use during one train step, beyond what was allocated before it."""
-    if trainer.device.type == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        trainer.train_step()
-        return torch.cuda.max_memory_allocated() - base
-    from torch.profiler import ProfilerActivity, profile
-
-    from rmt.quiet import profiler_lines_dropped
-
-    with profiler_lines_dropped(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        trainer.train_step()
-    # The profiler attributes an allocation to the op that made it (its self memory: net of what
-    # its children allocate) and records the rest, mostly frees outside any op, as "[memory]".
-    events = sorted((e.time_range.start, e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
-                    for e in prof.events())
-    level = peak = 0
-    for _, delta in events:
-        level += delta
-        peak = max(peak, level)
-    return peak
+    return profiling.step_peak_bytes(trainer.train_step, trainer.device)
 
 
 def bench_size(size: str, steps: int, warmup: int, extra=()) -> dict:

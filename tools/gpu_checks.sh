@@ -6,9 +6,11 @@
 # $STREAM_ARGS replaces its arguments), the GPU tests (tests/test_ops_gpu.py, the memory layers
 # and the sparse optimizers on the device, the memory layers' host waits under torch's
 # detector), a one-GPU torchrun (NCCL) training run saved and resumed, every architecture for
-# a few bf16 steps, and the lookup-reduce benchmark. Logs and JSON go to $OUT (default
-# ./gpu_checks); python is $PYTHON (default python3). $CHECKS picks the checks by name
-# (default: all of stream tests torchrun architectures lookup); the extensions are built
+# a few bf16 steps, the dense model's megatron switches (bf16, distributed optimizer and full
+# recomputation together on the tiny configs, saved and resumed; tools/bench_dense_switches.py at
+# the UltraMem-151M-x12 shape, each switch on and off), and the lookup-reduce benchmark. Logs and
+# JSON go to $OUT (default ./gpu_checks); python is $PYTHON (default python3). $CHECKS picks the
+# checks by name (default: all of stream tests torchrun architectures dense lookup); the extensions are built
 # whenever any check runs, since the rest use them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +20,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # the card's own architecture only: a quarter of the CUDA build's time
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$($PY -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')}
-CHECKS=${CHECKS:-stream tests torchrun architectures lookup}
+CHECKS=${CHECKS:-stream tests torchrun architectures dense lookup}
 wanted() { [[ " $CHECKS " == *" $1 "* ]]; }
 step() { echo "== $(date +%T) $*"; }
 step "environment"; $PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'
@@ -50,6 +52,22 @@ for config in tiny rmt_tiny recurrent_tiny mixer_tiny moe_tiny pkm_tiny ultramem
     $PY -m rmt.training.cli --config configs/$config.yaml train.steps=10 train.precision=bf16 \
         train.eval_interval=10 train.progress=false 2>&1 | tee -a "$OUT/architectures.log" | grep -E "final|rror"
 done
+fi
+if wanted dense; then
+step "dense switches together on the GPU: bf16, distributed optimizer, full recomputation; saved, then resumed"
+for config in tiny rmt_tiny recurrent_tiny mixer_tiny ultramem_tiny; do
+    CKPT=$(mktemp -d)
+    for steps in 10 20; do
+        echo "-- $config to step $steps"
+        $PY -m rmt.training.cli --config configs/$config.yaml train.steps=$steps train.save="$CKPT" \
+            train.precision=bf16 train.distributed_optimizer=true train.recompute_granularity=full \
+            train.recompute_method=uniform train.recompute_num_layers=1 train.eval_interval=10 \
+            train.progress=false 2>&1 | tee -a "$OUT/dense.log" | grep -E "resumed|final|rror"
+    done
+    rm -rf "$CKPT"
+done
+step "dense switches at the UltraMem-151M-x12 shape: step time and max_memory_allocated"
+$PY tools/bench_dense_switches.py ${DENSE_ARGS:---steps 8 --warmup 3} --json "$OUT/bench_dense_switches.json" 2>&1 | tee "$OUT/bench_dense_switches.log"
 fi
 if wanted lookup; then
 step "lookup-reduce benchmark"

@@ -11,8 +11,9 @@ agent and rendezvous) and adds what an unattended job needs; ``launch/torchrun_*
   rank 0 (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): torch's shared store keeps the addresses of
   dead workers, and restarted gloo groups failed connecting to them. Workers that exit with
   status 2 (a user error, printed once by rank 0) are not restarted: the job exits 2.
-* **Preemption.** SIGTERM and SIGUSR1 are passed to the workers, which save at the next step
-  boundary and exit 0 (torch's agent would instead stop them and raise); the job then exits 0.
+* **Preemption.** SIGTERM, SIGUSR1 and SIGINT (Ctrl-C) are passed to the workers, which save at
+  the next step boundary and exit 0 (torch's agent would instead stop them and raise); the job
+  then exits 0. A second Ctrl-C is passed on too: the workers quit at once and the job exits 130.
 * **Several nodes.** Before torch's rendezvous, every node reports its ``--node-rank`` to a store
   node 0 serves at the rendezvous endpoint (torch's rendezvous then uses the same store); when
   ``--join-timeout`` expires the message names the node ranks that are missing.
@@ -44,8 +45,9 @@ from rmt.parallel.rendezvous import roll_call
 
 PROG = "rmt-launch"
 _TRAINER = "rmt.training.cli"
-_FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
+_FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 _stopping = False
+_quit_now = False  # a second SIGINT: the workers exit 130 at once
 
 
 def say(message: str) -> None:
@@ -104,9 +106,14 @@ class _Agent(LocalElasticAgent):
 
 def _forward(signum, _frame) -> None:
     """Pass a stop signal to the workers (they save at the next step boundary and exit 0)."""
-    global _stopping
+    global _stopping, _quit_now
+    again = _stopping
     _stopping = True
-    say(f"received {signal.Signals(signum).name}: asking the workers to save and stop")
+    if signum == signal.SIGINT and again:
+        _quit_now = True
+        say("received SIGINT again: the workers quit now, without a checkpoint")
+    else:
+        say(f"received {signal.Signals(signum).name}: asking the workers to save and stop")
     for child in psutil.Process().children():
         try:
             os.kill(child.pid, signum)
@@ -163,7 +170,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    args.signals_to_handle = "SIGINT,SIGHUP,SIGQUIT"  # SIGTERM/SIGUSR1: _forward
+    args.signals_to_handle = "SIGHUP,SIGQUIT"  # SIGTERM, SIGUSR1, SIGINT: _forward
     for sig in _FORWARDED:
         signal.signal(sig, _forward)
     try:
@@ -179,6 +186,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except _NoRestart as stop:
         if stop.failure.exitcode == USER_ERROR_EXIT:
             return USER_ERROR_EXIT  # rank 0 has said what is wrong
+        if _quit_now:
+            return 128 + signal.SIGINT  # said when the second SIGINT came
         say(f"rank {stop.rank} {_describe(stop.failure)} while stopping")
         return 1
     except ChildFailedError as err:
@@ -186,7 +195,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         say(f"rank {rank} {_describe(failure)} and no restart is left (--max-restarts "
             f"{args.max_restarts}); see its output above")
         return 1
-    except SignalException as err:  # SIGINT, SIGHUP, SIGQUIT: torch's agent stopped the workers
+    except SignalException as err:  # SIGHUP, SIGQUIT: torch's agent stopped the workers
         say(f"stopped by {signal.Signals(err.sigval).name}; the workers were stopped")
         return 128 + err.sigval
     except RendezvousError as err:

@@ -79,3 +79,20 @@ def inner_optimizers(optimizers) -> List[torch.optim.Optimizer]:
     ones and the tables')."""
     inner = [o.optimizer for o in optimizers.dense_optimizers if o.optimizer is not None]
     return inner + list(optimizers.tables)
+
+
+def optimizer_bytes(optimizers) -> int:
+    """Bytes this rank's optimizers hold: every state tensor and every main copy that is not a
+    model parameter (megatron's fp32 copies of bf16 parameters, or their shards)."""
+    total, seen = 0, set()
+    for dense in optimizers.dense_optimizers:
+        for state in dense_states([dense]).values():
+            if "main_param" in state.tensors:
+                total += state.main.numel() * state.main.element_size()
+    for inner in inner_optimizers(optimizers):
+        for state in inner.state.values():
+            for t in state.values():
+                if torch.is_tensor(t) and id(t) not in seen:
+                    seen.add(id(t))
+                    total += t.numel() * t.element_size()
+    return total
