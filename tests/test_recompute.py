@@ -2,8 +2,8 @@
 
 Gradients: three trainer steps with and without recomputation, for the transformer (megatron's
 TransformerBlock), the RMT, the recurrent transformer and the mixer (rmt.models.recompute), with
-an UltraMem layer (synchronous, on the async stream, with the fused value optimizer), a PKM layer
-and MoE MLPs, give bit for bit equal losses, gradients and weights. A
+an UltraMem layer (synchronous, on the async stream, with the fused value optimizer), a PKM layer,
+a skip-placed MoE and MoE MLPs, give bit for bit equal losses, gradients and weights. A
 recomputed span runs the same kernels on the same inputs with the same RNG state (dropout is
 on in one case) and the memory layers are not recomputed, so nothing may round differently.
 Each run also counts the spans recomputed in the backward (megatron's ``CheckpointFunction``)
@@ -29,6 +29,7 @@ ARCHS = {
     "transformer-pkm": ["memory.type=pkm", "memory.placement='1:3'", "memory.key_dim=8", "memory.num_keys=4",
                         "memory.topk=3"],
     "transformer-fused": MEMORY + ["memory.value_optimizer=sparse_adam", "memory.fused_value_optimizer=true"],
+    "transformer-skip-moe": ["memory.type=moe", "memory.placement='1:3'", "memory.num_experts=4"],
     "transformer-moe": ["memory.type=moe", "memory.moe_placement=mlp", "memory.placement=2-3", "memory.num_experts=4"],
     "rmt": MEMORY + ["model.arch=rmt", "model.position=alibi", "model.dk=8", "model.dv=8", "model.rank=4",
                      "model.ffn_hidden_size=64"],
@@ -47,6 +48,7 @@ CASES = {
     "transformer-bf16-dropout-uniform2": ("transformer-bf16-dropout", UNIFORM + ["train.recompute_num_layers=2"], 2),
     "transformer-pkm-uniform2": ("transformer-pkm", UNIFORM + ["train.recompute_num_layers=2"], 2),
     "transformer-fused-block3": ("transformer-fused", BLOCK + ["train.recompute_num_layers=3"], 3),
+    "transformer-skip-moe-uniform2": ("transformer-skip-moe", UNIFORM + ["train.recompute_num_layers=2"], 2),
     "transformer-moe-uniform2": ("transformer-moe", UNIFORM + ["train.recompute_num_layers=2"], 2),
     "rmt-uniform2": ("rmt", UNIFORM + ["train.recompute_num_layers=2"], 2),
     "rmt-selective": ("rmt", SELECTIVE, 4),

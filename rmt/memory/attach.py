@@ -242,7 +242,7 @@ class MemoryWiring:
         all-gathered gradient)."""
         return scatter_to_sequence_parallel_region(y) if self.sequence_parallel else y
 
-    def _relink(self, number: int, keep: bool, output):
+    def _relink(self, number: int, output):
         """Layer ``number``'s hook when its span is recomputed in the backward: the memory
         layers ran once, in the span's first forward; their links (oldest first) enter the
         recomputed graph exactly where the first forward would have put them, so no retrieval
@@ -251,7 +251,7 @@ class MemoryWiring:
         assert self.relink[number], f"layer {number} recomputed without a forward that recorded its memory layers"
         for k, link in self.relink[number].popleft():
             i, j = self.placement[k]
-            if i == number and keep:
+            if i == number:
                 hidden = ForkMemory.apply(hidden, link)
             if j == number:
                 hidden = JoinMemory.apply(hidden, link.local_output(), link)
@@ -260,20 +260,20 @@ class MemoryWiring:
     def _hook(self, number: int, keep: bool) -> Callable:
         def hook(module, args, output):
             if is_checkpointing() and torch.is_grad_enabled():  # a span recomputed in the backward
-                return self._relink(number, keep, output)
+                return self._relink(number, output)
             # A recomputed span's first forward (under no_grad) of a training step: the memory
             # layers record their graphs on links (the stream, or InlineStream without it).
             checkpointed = is_checkpointing() and self.recording
             links: List[Tuple[int, MemoryLink]] = []
             hidden = original = _hidden(output)
-            if keep:
-                self.kept[number] = self._gather(hidden) if self.stream is None else hidden
-                if self.stream is not None:
-                    for k, (i, _) in self.placement.items():
-                        if i == number:
-                            hidden, link = self._launch(k, hidden, checkpointed)
-                            links.append((k, link))
-                elif torch.is_grad_enabled() and hidden.requires_grad:
+            if keep and self.stream is not None:
+                for k, (i, _) in self.placement.items():
+                    if i == number:
+                        hidden, link = self._launch(k, hidden, checkpointed)
+                        links.append((k, link))
+            elif keep:
+                self.kept[number] = self._gather(hidden)
+                if torch.is_grad_enabled() and hidden.requires_grad:
                     # The dense layers read a copy, so layer i's output gradient is (their
                     # gradient, summed) + (the memory layers' input gradient, summed), added
                     # once: the two partial sums the async stream's ForkMemory adds, so both

@@ -41,7 +41,6 @@ from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                     gather_from_sequence_parallel_region,
                                                     scatter_to_sequence_parallel_region)
-from megatron.core.tensor_parallel.random import is_checkpointing
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -117,9 +116,8 @@ class Router(TopKRouter):
         self.register_buffer("balance_loss", torch.zeros((), dtype=torch.float64), persistent=False)
 
     def attach_and_log_load_balancing_loss(self, activation, aux_loss_coeff, aux_loss, *args, **kwargs):
-        if not (is_checkpointing() and torch.is_grad_enabled()):  # a recomputed layer's second call
-            with torch.no_grad():
-                self.balance_loss += aux_loss.detach().double() / aux_loss_coeff
+        with torch.no_grad():
+            self.balance_loss += aux_loss.detach().double() / aux_loss_coeff
         return super().attach_and_log_load_balancing_loss(activation, aux_loss_coeff, aux_loss, *args, **kwargs)
 
     def gating(self, input: torch.Tensor) -> torch.Tensor:
