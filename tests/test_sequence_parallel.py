@@ -11,6 +11,9 @@ before they run and keep their own tokens' output (docs/memory.md), so their loo
 gradients are those of TP without sequence parallelism.
 """
 
+import json
+import os
+
 import pytest
 import torch
 
@@ -36,13 +39,31 @@ CASES = {
 }
 
 
+def _checkpoint_dir(tmp_path_factory):
+    """Where the dp2xtp2 run saves (shared by pytest-xdist workers, like train_cases' records)."""
+    root = tmp_path_factory.getbasetemp()
+    return (root.parent if "PYTEST_XDIST_WORKER" in os.environ else root) / "sequence_parallel_checkpoint"
+
+
 @pytest.fixture(scope="module")
 def runs(cache_dir, tmp_path_factory):
     """The single-process references in this process, the layouts in one launch per process count."""
     common = tiny_overrides(cache_dir) + ["model.num_layers=4"]
     cases = {memory: (common + MEMORY[memory], 1) for memory in MEMORY}
     cases.update({case: (common + MEMORY[memory] + settings, n) for case, (memory, settings, n) in CASES.items()})
+    cases["dp2xtp2"][0].append(f"train.save={_checkpoint_dir(tmp_path_factory)}")
     return train_cases(tmp_path_factory, "sequence_parallel", cases)
+
+
+def test_generate_from_a_sequence_parallel_checkpoint(runs, tmp_path_factory, tmp_path):
+    """rmt-generate runs the checkpoint on one process (TP = 1, so without sequence parallelism)."""
+    from rmt.generate import main
+
+    out = tmp_path / "g.json"
+    assert main(["--checkpoint", str(_checkpoint_dir(tmp_path_factory)), "--prompt-ids", "1,2,3",
+                 "--max-new-tokens", "4", "--json", str(out)]) == 0
+    ids = json.loads(out.read_text())["samples"][0]["ids"]
+    assert len(ids) == 7 and ids[:3] == [1, 2, 3]
 
 
 @pytest.mark.parametrize("case", CASES)
