@@ -4,5 +4,5 @@
 # overrides, e.g.  bash launch/quickstart.sh train.steps=50
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash launch/setup_env.sh
+RMT_BUILD_EXTENSIONS=0 bash launch/setup_env.sh  # the tiny transformer calls no C++ extension
 exec .venv/bin/rmt-train --config configs/tiny.yaml "$@"

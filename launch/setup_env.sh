@@ -20,7 +20,10 @@ if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ]; then
 fi
 # The C++ extensions of csrc/, built here once per environment where a compiler exists (else on
 # first use, or never: every kernel has a plain-torch fallback). Rerun when csrc/ changes.
+# RMT_BUILD_EXTENSIONS=0 (the quickstart: its tiny transformer calls none) leaves them to their
+# first use, which builds each with a message.
 built=.venv/.rmt-extensions
-if command -v "${CXX:-c++}" >/dev/null && { [ ! -f "$built" ] || [ -n "$(find csrc -newer "$built")" ]; }; then
+if [ "${RMT_BUILD_EXTENSIONS:-1}" != 0 ] && command -v "${CXX:-c++}" >/dev/null \
+        && { [ ! -f "$built" ] || [ -n "$(find csrc -newer "$built")" ]; }; then
   .venv/bin/python -m rmt.ops.extensions && touch "$built"
 fi

@@ -17,6 +17,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from rmt.errors import ConfigError
 
+RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
+
 
 @dataclass
 class ModelConfig:
@@ -147,6 +149,15 @@ class ParallelConfig:
 
     data_parallel_size: Optional[int] = None
     """Data parallel size; ``null`` = derived, world size / (tp x pp); if set it must match."""
+
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (``TransformerConfig.sequence_parallel``, Korthikanti et al.
+    2022): the norms, dropouts and residuals between the tensor-parallel linears hold
+    ``seq_length / tensor_model_parallel_size`` tokens per rank, with an all-gather before each
+    column-parallel linear and a reduce-scatter after each row-parallel one in place of the
+    all-reduce. Needs ``tensor_model_parallel_size`` >= 2, ``model.arch: transformer`` and a
+    ``model.seq_length`` divisible by it. Memory layers gather the sequence first and keep
+    their own tokens' output (docs/memory.md)."""
 
     expert_model_parallel_size: int = 1
     """MoE expert parallelism (megatron-core's expert groups): the experts are split over this
@@ -374,6 +385,26 @@ class TrainConfig:
     """With ``distributed_optimizer``: all-gather the updated parameters bucket by bucket during
     the next step's forward instead of at the end of the optimizer step (megatron's
     ``overlap_param_gather``); needs ``overlap_grad_reduce``."""
+
+    recompute_granularity: str = "none"
+    """Activation recomputation (megatron's ``recompute_granularity``): ``none`` keeps every
+    activation; ``selective`` recomputes the core attention (softmax(q k^T) v) of every layer in
+    the backward, keeping only its inputs; ``full`` keeps only the inputs of the layer spans that
+    ``recompute_method`` picks and recomputes the spans in the backward, with megatron's
+    RNG-tracked ``tensor_parallel.checkpoint``. Memory layers are never recomputed: they run
+    once and keep their activations (docs/memory.md). The mixer has no core attention, so
+    ``selective`` does not apply to it."""
+
+    recompute_method: Optional[str] = None
+    """With ``recompute_granularity: full`` (required there, ``null`` otherwise): ``uniform``
+    splits each model chunk's layers into spans of ``recompute_num_layers`` and recomputes every
+    span from its input; ``block`` recomputes the first ``recompute_num_layers`` layers of each
+    chunk one by one and keeps the rest (megatron's semantics)."""
+
+    recompute_num_layers: Optional[int] = None
+    """With ``recompute_granularity: full`` (required there, ``null`` otherwise): the layers per
+    span (``uniform``; must divide the layers per model chunk) or the layers recomputed per chunk
+    (``block``; at most the layers per chunk)."""
 
     seed: int = 1234
     """Random seed. Each weight tensor is drawn from a generator seeded by (seed, its checkpoint
@@ -755,6 +786,53 @@ def validate_documents(config: RMTConfig) -> None:
                               f"data.reset_attention_mask to compute every document as if alone")
 
 
+def validate_recompute(config: RMTConfig, stages: int) -> None:
+    """``train.recompute_*``: megatron's rules (``TransformerConfig.__post_init__``), checked
+    before any process group exists, plus the span sizes its uniform method needs."""
+    t, m = config.train, config.model
+    if t.recompute_granularity not in RECOMPUTE_GRANULARITIES:
+        raise ConfigError(f"train.recompute_granularity must be one of {', '.join(RECOMPUTE_GRANULARITIES)}, "
+                          f"got '{t.recompute_granularity}'")
+    if t.recompute_granularity != "full":
+        for key in ("recompute_method", "recompute_num_layers"):
+            if getattr(t, key) is not None:
+                raise ConfigError(f"train.{key} applies to train.recompute_granularity 'full' only "
+                                  f"(got '{t.recompute_granularity}'); set it to null")
+        if t.recompute_granularity == "selective" and m.arch == "mixer":
+            raise ConfigError("train.recompute_granularity 'selective' recomputes core attention, which the mixer "
+                              "does not have; use 'full'")
+        return
+    if t.recompute_method not in ("uniform", "block"):
+        raise ConfigError(f"train.recompute_granularity 'full' needs train.recompute_method 'uniform' or 'block', "
+                          f"got {t.recompute_method!r}")
+    per_chunk = m.num_layers // stages
+    n = t.recompute_num_layers
+    if n is None or not 1 <= n <= per_chunk:
+        raise ConfigError(f"train.recompute_num_layers must lie in [1, {per_chunk}] (the layers per model chunk) "
+                          f"with train.recompute_granularity 'full', got {n}")
+    if t.recompute_method == "uniform" and per_chunk % n:
+        raise ConfigError(f"train.recompute_num_layers ({n}) must divide the layers per model chunk ({per_chunk}) "
+                          f"with train.recompute_method 'uniform'")
+
+
+def validate_sequence_parallel(config: RMTConfig) -> None:
+    """``parallel.sequence_parallel``: megatron's GPTModel shards the sequence between its TP
+    linears; the other architectures' layers have no sequence-parallel mappings."""
+    p, m = config.parallel, config.model
+    if not p.sequence_parallel:
+        return
+    if p.tensor_model_parallel_size < 2:
+        raise ConfigError("parallel.sequence_parallel shards the sequence over the tensor-parallel ranks and needs "
+                          "parallel.tensor_model_parallel_size >= 2")
+    if m.arch != "transformer":
+        raise ConfigError(f"parallel.sequence_parallel needs model.arch 'transformer' (megatron's GPTModel): the "
+                          f"{m.arch}'s layers have no sequence-parallel all-gather / reduce-scatter mappings")
+    if m.seq_length % p.tensor_model_parallel_size:
+        raise ConfigError(f"model.seq_length ({m.seq_length}) must be divisible by "
+                          f"parallel.tensor_model_parallel_size ({p.tensor_model_parallel_size}) with "
+                          f"parallel.sequence_parallel")
+
+
 def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
     """Reject impossible settings with one sentence (:class:`ConfigError`). Returns ``config``.
     The model code (torch, megatron-core) is imported only for the architecture's own checks,
@@ -827,6 +905,8 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
         raise ConfigError("train.overlap_param_gather leaves the updated weights to be gathered during the "
                           "next step's forward, but train.ema_decay averages them right after each step: "
                           "set one of them only")
+    validate_recompute(config, stages)
+    validate_sequence_parallel(config)
     if t.weight_decay_mode not in ("lr", "schedule"):
         raise ConfigError(f"train.weight_decay_mode must be 'lr' or 'schedule', got '{t.weight_decay_mode}'")
     if t.decay_rmt_keys and m.arch != "rmt":

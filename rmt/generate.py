@@ -44,7 +44,8 @@ def load_model(path: str, overrides: List[str], average: bool = False):
     if tokenizer_json is not None and not os.path.isfile(saved["data"]["tokenizer"]):
         saved["data"]["tokenizer"] = None  # moved or deleted since training: the carried copy serves
     saved["parallel"].update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                             virtual_pipeline_model_parallel_size=None, data_parallel_size=None)
+                             virtual_pipeline_model_parallel_size=None, data_parallel_size=None,
+                             sequence_parallel=False)
     saved["train"].update(load=None, save=None, save_interval=0)
     saved["data"]["path"] = None  # generating needs no data: the saved data.tokenizer is the data's
     if overrides:

@@ -12,7 +12,14 @@ output is viewed back: the memory reads the whole matrix and writes a full-matri
 
 Memory layers are replicated across tensor-parallel ranks (every TP rank holds the full hidden
 state without sequence parallelism, so they compute the same result and receive the same
-gradients). Under pipeline parallelism every placement lies inside one model chunk (a stage, or
+gradients). Under ``parallel.sequence_parallel`` a rank holds ``1 / TP`` of the sequence: the
+memory layer's input is all-gathered over the TP group first and each rank adds its own share
+of the output, so the memory layers compute and receive exactly what they do under TP alone.
+Under ``train.recompute_granularity: full`` the hooks of a recomputed span fire again in the
+backward: every memory layer runs once, in the span's forward, on a graph of its own (the
+stream's links, :class:`~rmt.memory.stream.InlineStream` without the async stream), and the
+span's recomputation puts the recorded links back into its graph (:meth:`MemoryWiring._relink`)
+instead of running retrieval and collectives twice. Under pipeline parallelism every placement lies inside one model chunk (a stage, or
 a virtual stage of the interleaved schedule; checked by the config validation); its memory layer
 is built only in that chunk, hooked on the chunk's local layers, and keeps its global index ``k``
 (``memory.k.*`` keys as in the single-stage run). The loss is computed in the last chunk of the
@@ -26,19 +33,24 @@ memory-parallel group (:mod:`rmt.memory.groups`, :mod:`rmt.memory.sharded_table`
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections import defaultdict, deque
 from functools import partial
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
+                                                    scatter_to_sequence_parallel_region)
+from megatron.core.tensor_parallel.random import is_checkpointing
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from rmt.memory.groups import memory_parallel_groups
 from rmt.memory.layer import MemoryLayer, MemorySpec
 from rmt.memory.moe import SkipMoE, moe_modules, set_aux_loss_scale
-from rmt.memory.stream import ForkMemory, JoinMemory, MemoryLink, MemoryStream
+from rmt.memory.stream import ForkMemory, InlineStream, JoinMemory, MemoryLink, MemoryStream
 from rmt.memory.table import MemoryTable
 from rmt.memory.validate import parse_placement, stage_layers
 from rmt.models.documents import document_starts
@@ -147,14 +159,19 @@ class MemoryWiring:
 
     def __init__(self, chunk: torch.nn.Module, placement: Dict[int, Tuple[int, int]], seq_dim: int,
                  layers, stream: Optional[MemoryStream] = None, aux_scale: Optional[float] = None,
-                 loss_scale: float = 1.0):
+                 loss_scale: float = 1.0, sequence_parallel: bool = False):
         self.placement, self.seq_dim, self.stream, self.aux_scale = placement, seq_dim, stream, aux_scale
-        self.loss_scale = loss_scale
+        self.loss_scale, self.sequence_parallel = loss_scale, sequence_parallel
         self.modules = chunk.memory
         self.kept: Dict[int, torch.Tensor] = {}
         self.pending: Dict[int, object] = {}
         self.sync_s = 0.0
         self.documents: Optional[torch.Tensor] = None
+        self.recording = False
+        # Links made in a recomputed span's first forward, per hooked layer, oldest first, for
+        # the span's recomputation in the backward (micro-batches run backward in their forward
+        # order under every megatron schedule, per model chunk).
+        self.relink: Dict[int, Deque[List[Tuple[int, MemoryLink]]]] = defaultdict(deque)
         self.handles = [chunk.register_forward_pre_hook(self.capture_documents, with_kwargs=True)]
         starts = {i for i, _ in placement.values()}
         for number in sorted(starts | {j for _, j in placement.values()}):
@@ -166,6 +183,9 @@ class MemoryWiring:
         (:mod:`rmt.models.documents`; None without document boundaries)."""
         mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
         self.documents = document_starts(mask)
+        # A training forward: the one whose recomputed spans run again in its backward (inside
+        # a span grad mode is off, whatever the schedule's).
+        self.recording = torch.is_grad_enabled() and module.training
 
     def _run(self, k: int, x: torch.Tensor, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
         x = x if self.seq_dim == 0 else x.transpose(0, self.seq_dim)
@@ -175,18 +195,30 @@ class MemoryWiring:
         y = module(x.flatten(2), **extra).view(x.shape)
         return y if self.seq_dim == 0 else y.transpose(0, self.seq_dim)
 
-    def _launch(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
+    def _gather(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The memory layers' input: under sequence parallelism the whole sequence, all-gathered
+        over the tensor-parallel group (backward: this rank's share of the gradient, which every
+        rank's replicated memory layer computes whole)."""
+        if not self.sequence_parallel:
+            return hidden
+        return gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+
+    def _launch(self, k: int, hidden: torch.Tensor, checkpointed: bool) -> Tuple[torch.Tensor, Optional[MemoryLink]]:
         """Start memory layer k on the stream from ``hidden``; when training, on a detached copy
         (its own graph, :class:`~rmt.memory.stream.MemoryLink`), returning ``hidden`` behind a
-        :class:`~rmt.memory.stream.ForkMemory` that collects its input gradient."""
+        :class:`~rmt.memory.stream.ForkMemory` that collects its input gradient. In the first
+        forward of a recomputed span (``checkpointed``: grad mode off) the memory layer still
+        records its graph, and the fork is made when the span is recomputed (:meth:`_relink`)."""
         link = None
-        x = hidden
-        if torch.is_grad_enabled() and hidden.requires_grad:
-            x = hidden.detach().requires_grad_()
-            link = MemoryLink(self.stream, x)
-            hidden = ForkMemory.apply(hidden, link)
-        self.pending[k] = (self.stream.launch(partial(self._run, k, documents=self.documents), x), link)
-        return hidden
+        x = self._gather(hidden)
+        if self.recording and (checkpointed or hidden.requires_grad):
+            x = x.detach().requires_grad_()
+            link = MemoryLink(self.stream, x, self.sequence_parallel)
+            if not checkpointed:
+                hidden = ForkMemory.apply(hidden, link)
+        with torch.enable_grad() if link is not None else contextlib.nullcontext():
+            self.pending[k] = (self.stream.launch(partial(self._run, k, documents=self.documents), x), link)
+        return hidden, link
 
     def _join(self, k: int, hidden: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``hidden`` plus memory layer k's output from the stream. With a link, the output and
@@ -196,25 +228,52 @@ class MemoryWiring:
         pending, link = self.pending.pop(k)
         y = self.stream.wait(pending)
         if link is None:
-            return hidden, y
+            return hidden, self._local(y)
         module = self.modules[k]
         link.outputs = [y]
         if module.aux_loss is not None:
             link.outputs.append(module.aux_loss)
             link.aux_grads = [torch.full_like(module.aux_loss, self.loss_scale)]
             module.aux_loss = None if self.aux_scale is not None else module.aux_loss.detach()
-        return JoinMemory.apply(hidden, y.detach(), link), None
+        return JoinMemory.apply(hidden, link.local_output(), link), None
+
+    def _local(self, y: torch.Tensor) -> torch.Tensor:
+        """This rank's share of a memory output under sequence parallelism (backward: the
+        all-gathered gradient)."""
+        return scatter_to_sequence_parallel_region(y) if self.sequence_parallel else y
+
+    def _relink(self, number: int, output):
+        """Layer ``number``'s hook when its span is recomputed in the backward: the memory
+        layers ran once, in the span's first forward; their links (oldest first) enter the
+        recomputed graph exactly where the first forward would have put them, so no retrieval
+        and no memory collective runs again."""
+        hidden = _hidden(output)
+        assert self.relink[number], f"layer {number} recomputed without a forward that recorded its memory layers"
+        for k, link in self.relink[number].popleft():
+            i, j = self.placement[k]
+            if i == number:
+                hidden = ForkMemory.apply(hidden, link)
+            if j == number:
+                hidden = JoinMemory.apply(hidden, link.local_output(), link)
+        return _replace_hidden(output, hidden)
 
     def _hook(self, number: int, keep: bool) -> Callable:
         def hook(module, args, output):
+            if is_checkpointing() and torch.is_grad_enabled():  # a span recomputed in the backward
+                return self._relink(number, output)
+            # A recomputed span's first forward (under no_grad) of a training step: the memory
+            # layers record their graphs on links (the stream, or InlineStream without it).
+            checkpointed = is_checkpointing() and self.recording
+            links: List[Tuple[int, MemoryLink]] = []
             hidden = original = _hidden(output)
-            if keep:
-                self.kept[number] = hidden
-                if self.stream is not None:
-                    for k, (i, _) in self.placement.items():
-                        if i == number:
-                            hidden = self._launch(k, hidden)
-                elif torch.is_grad_enabled() and hidden.requires_grad:
+            if keep and self.stream is not None:
+                for k, (i, _) in self.placement.items():
+                    if i == number:
+                        hidden, link = self._launch(k, hidden, checkpointed)
+                        links.append((k, link))
+            elif keep:
+                self.kept[number] = self._gather(hidden)
+                if torch.is_grad_enabled() and hidden.requires_grad:
                     # The dense layers read a copy, so layer i's output gradient is (their
                     # gradient, summed) + (the memory layers' input gradient, summed), added
                     # once: the two partial sums the async stream's ForkMemory adds, so both
@@ -225,12 +284,15 @@ class MemoryWiring:
                 if j != number:
                     continue
                 if self.stream is not None:
+                    link = self.pending[k][1]
                     hidden, y = self._join(k, hidden)
+                    if checkpointed and link is not None and i != number:
+                        links.append((k, link))
                     if y is None:
                         continue
                 else:
                     start = time.perf_counter()
-                    y = self._run(k, self.kept[i], self.documents)
+                    y = self._local(self._run(k, self.kept[i], self.documents))
                     self.sync_s += time.perf_counter() - start
                 added = y if added is None else added + y
                 if self.aux_scale is not None:
@@ -238,6 +300,8 @@ class MemoryWiring:
                     if module.aux_loss is not None:
                         aux = module.aux_loss if aux is None else aux + module.aux_loss
                         module.aux_loss = None
+            if checkpointed and any(link is not None for _, link in links):
+                self.relink[number].append([(k, link) for k, link in links if link is not None])
             if number == max(j for _, j in self.placement.values()):
                 self.kept.clear()
             if added is None:
@@ -270,7 +334,10 @@ def attach_memory(chunks: List[torch.nn.Module], config,
         memory_parallel_groups(mem.group_size)  # collective: also on stages without memory layers
     # One stream for all chunks of the rank: a single worker issues the memory collectives in
     # the schedule's order, the same on every rank of a memory-parallel group.
-    stream = MemoryStream(compat.device()) if mem.async_stream else None
+    # Recomputed spans (train.recompute_granularity: full) need every memory layer on a graph of
+    # its own, as the stream makes them: InlineStream, in order, without the async stream.
+    stream = MemoryStream(compat.device()) if mem.async_stream else (
+        InlineStream() if t.recompute_granularity == "full" else None)
     rank = parallel_state.get_pipeline_model_parallel_rank()
     vpp = config.parallel.virtual_pipeline_model_parallel_size
     for vp_stage, chunk in enumerate(chunks):
@@ -281,7 +348,8 @@ def attach_memory(chunks: List[torch.nn.Module], config,
             layers, seq_dim = _hook_layers(chunk)
             loss_chunk = parallel_state.is_pipeline_last_stage(ignore_virtual=True) and vp_stage == len(chunks) - 1
             chunk.memory_wiring = MemoryWiring(chunk, own, seq_dim, layers, stream,
-                                               None if loss_chunk else loss_scale, loss_scale)
+                                               None if loss_chunk else loss_scale, loss_scale,
+                                               config.parallel.sequence_parallel)
 
     def rule(key: str, param: torch.Tensor) -> Optional[float]:
         if getattr(param, "memory_value", False):

@@ -6,7 +6,8 @@ subgroup of ``G`` consecutive ranks of it that holds this rank; the ``DP x TP / 
 hold replicas of the same shards, and the ranks at the same position of every subgroup form
 a replica group over which the shard gradients are all-reduced.
 
-Tensor-parallel ranks hold the same tokens, so each looks up only its chunk of them and the
+Tensor-parallel ranks hold the same tokens (under sequence parallelism too: the memory layers
+gather the sequence first, :mod:`rmt.memory.attach`), so each looks up only its chunk of them and the
 pooled outputs are all-gathered over a dedicated copy of the tensor-parallel group (its own
 communicator: the async memory stream issues these collectives from its worker thread while
 the main thread runs megatron's tensor-parallel collectives). Every lookup of a data-parallel

@@ -108,6 +108,11 @@ class Router(TopKRouter):
 
     def __init__(self, config: TransformerConfig, pg_collection=None):
         super().__init__(config, pg_collection)
+        # The gating sums the TP ranks' gradients itself (copy_to_tensor_model_parallel_region):
+        # unmarked, so that megatron's finalize_model_grads does not sum them once more under
+        # the model's parallel.sequence_parallel.
+        for param in self.parameters(recurse=False):
+            param.sequence_parallel = False
         self.register_buffer("balance_loss", torch.zeros((), dtype=torch.float64), persistent=False)
 
     def attach_and_log_load_balancing_loss(self, activation, aux_loss_coeff, aux_loss, *args, **kwargs):
@@ -127,7 +132,8 @@ class Router(TopKRouter):
 class MoE(MoELayer):
     """megatron-core's ``MoELayer`` on its own copy of the model's config with the MoE fields
     ``moe`` (:func:`moe_fields`), no linear biases, and marked sequence-parallel under TP: it
-    routes a ``1 / TP`` share of the sequence per tensor-parallel rank (module docstring).
+    routes a ``1 / TP`` share of the sequence per tensor-parallel rank (module docstring), split
+    from its input here, or, under the model's ``parallel.sequence_parallel``, its input itself.
     Returns ``(output, None)`` like megatron's MLPs. The model's own config declares no experts
     (megatron rejects linear biases next to tensor-parallel experts in one config), so the
     aux-loss scale is set by :func:`set_aux_loss_scale`.
@@ -137,9 +143,13 @@ class MoE(MoELayer):
 
     def __init__(self, config: TransformerConfig, submodules, layer_number: Optional[int] = None,
                  pg_collection=None, moe: Optional[Dict] = None):
+        # Under the model's sequence parallelism (parallel.sequence_parallel) the input is this
+        # rank's sequence share already; otherwise this layer splits the sequence itself.
+        self_split = _sequence_split() and not config.sequence_parallel
         config = dataclasses.replace(config, add_bias_linear=False, sequence_parallel=_sequence_split(),
                                      **(moe or {}))
         super().__init__(config, submodules, layer_number, pg_collection)
+        self.split = self_split
         self.register_buffer("load", torch.zeros(config.num_moe_experts, dtype=torch.float64), persistent=False)
         self.register_buffer("calls", torch.zeros((), dtype=torch.float64), persistent=False)
 
@@ -152,11 +162,10 @@ class MoE(MoELayer):
         return probs, routing_map
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):
-        split = _sequence_split()
-        if split:
+        if self.split:
             hidden_states = scatter_to_sequence_parallel_region(hidden_states)
         output, bias = super().forward(hidden_states, intermediate_tensors, padding_mask)
-        if split:
+        if self.split:
             output = gather_from_sequence_parallel_region(output, tensor_parallel_output_grad=False)
         return output, bias
 
@@ -233,7 +242,9 @@ class SkipMoE(MegatronModule):
     def __init__(self, config, base: TransformerConfig):
         width = memory_width(config)
         heads = config.parallel.tensor_model_parallel_size
-        tcfg = dataclasses.replace(base, hidden_size=width, num_attention_heads=heads, kv_channels=width // heads)
+        # It sees the whole sequence (gathered under sequence parallelism, rmt.memory.attach).
+        tcfg = dataclasses.replace(base, hidden_size=width, num_attention_heads=heads, kv_channels=width // heads,
+                                   sequence_parallel=False)
         super().__init__(config=tcfg)
         self.norm = torch.nn.LayerNorm(width, eps=config.model.layernorm_epsilon)
         spec = moe_spec(config)

@@ -31,6 +31,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, List, Optional
 
 import torch
+from megatron.core.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
+                                                    scatter_to_sequence_parallel_region)
 
 
 class MemoryStream:
@@ -128,23 +130,62 @@ class MemoryStream:
         self.busy_s = self.exposed_s = self.busy_backward_s = self.exposed_backward_s = 0.0
 
 
+class InlineStream(MemoryStream):
+    """The stream's interface computing in the caller's thread and stream, in order: the
+    synchronous mode's memory layers on graphs of their own (:class:`MemoryLink`), as recomputed
+    layer spans need them (:mod:`rmt.memory.attach`)."""
+
+    def __init__(self):
+        self.busy_s = self.exposed_s = self.busy_backward_s = self.exposed_backward_s = 0.0
+
+    def launch(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Future:
+        start = time.perf_counter()
+        done = Future()
+        done.set_result((fn(x), None))
+        self.busy_s += time.perf_counter() - start
+        return done
+
+    def launch_backward(self, tensors: List[torch.Tensor], grads: List[torch.Tensor]) -> Future:
+        start = time.perf_counter()
+        torch.autograd.backward(tensors, grads)
+        self.busy_backward_s += time.perf_counter() - start
+        done = Future()
+        done.set_result(None)
+        return done
+
+
 class MemoryLink:
     """One memory layer's graph in one forward: its detached input ``x`` (a leaf), and once
-    joined its output and auxiliary loss, whose backward runs on the stream."""
+    joined its output and auxiliary loss, whose backward runs on the stream. With
+    ``sequence_parallel`` the dense side holds this tensor-parallel rank's share of the
+    sequence and ``x`` the whole gathered sequence: the output gradient is all-gathered before
+    the memory layer's backward (in the caller's thread, where megatron's tensor-parallel
+    collectives run) and the input gradient cut to this rank's share."""
 
-    def __init__(self, stream: MemoryStream, x: torch.Tensor):
-        self.stream, self.x = stream, x
+    def __init__(self, stream: MemoryStream, x: torch.Tensor, sequence_parallel: bool = False):
+        self.stream, self.x, self.sequence_parallel = stream, x, sequence_parallel
         self.outputs: List[torch.Tensor] = []
         self.aux_grads: List[torch.Tensor] = []
         self.pending: Optional[Future] = None
 
     def start_backward(self, grad: torch.Tensor) -> None:
+        if self.sequence_parallel:
+            grad = gather_from_sequence_parallel_region(grad, tensor_parallel_output_grad=False)
         self.pending = self.stream.launch_backward(self.outputs, [grad] + self.aux_grads)
 
     def input_grad(self) -> Optional[torch.Tensor]:
         if self.pending is not None:
             self.stream.wait_backward(self.pending)
-        return self.x.grad
+        grad = self.x.grad
+        if self.sequence_parallel and grad is not None:
+            grad = scatter_to_sequence_parallel_region(grad)
+        return grad
+
+    def local_output(self) -> torch.Tensor:
+        """The memory layer's output (detached), this rank's sequence share of it under
+        sequence parallelism."""
+        y = self.outputs[0].detach()
+        return scatter_to_sequence_parallel_region(y) if self.sequence_parallel else y
 
 
 class ForkMemory(torch.autograd.Function):

@@ -35,9 +35,20 @@ def padded_vocab_size(config: RMTConfig) -> int:
     return -(-config.model.vocab_size // multiple) * multiple
 
 
+def recompute_settings(config: RMTConfig) -> dict:
+    """``train.recompute_*`` as megatron's ``TransformerConfig`` keys (``none`` = None). Selective
+    recompute is megatron's default module list, the core attention (``recompute_modules``
+    ``["core_attn"]``), which rmt's :class:`~rmt.models.attention.SDPAttention` is."""
+    t = config.train
+    granularity = None if t.recompute_granularity == "none" else t.recompute_granularity
+    return dict(recompute_granularity=granularity, recompute_method=t.recompute_method,
+                recompute_num_layers=t.recompute_num_layers)
+
+
 def transformer_config(config: RMTConfig, **extra) -> TransformerConfig:
     m, p, t = config.model, config.parallel, config.train
     dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
+    extra = {**recompute_settings(config), "sequence_parallel": p.sequence_parallel, **extra}
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,

@@ -47,6 +47,7 @@ from rmt.models.build import register
 from rmt.models.documents import document_starts, per_document
 from rmt.models.init import default_std_rule
 from rmt.models.megatron_config import padded_vocab_size, transformer_config, validate_attention_shapes
+from rmt.models.recompute import run_layers
 
 KINDS = ("masked", "row", "column", "mixed")
 _DECAY_MIN = 0.9
@@ -208,9 +209,7 @@ class MixerModel(MegatronModule):
         return self._forward(input_ids)
 
     def _forward(self, input_ids):
-        x = self.embedding(input_ids)
-        for layer in self.layers:
-            x = layer(x)
+        x = run_layers(self.layers, self.embedding(input_ids), self.config, self.training)
         return self.output_layer(self.final_norm(x))
 
     def init_state(self, batch: int) -> List[torch.Tensor]:

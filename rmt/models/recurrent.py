@@ -45,6 +45,7 @@ from rmt.models.build import register
 from rmt.models.documents import document_starts, per_document
 from rmt.models.megatron_config import padded_vocab_size, transformer_config, validate_attention_shapes
 from rmt.models.mixer import norm
+from rmt.models.recompute import run_layers
 
 
 def window_mask(length: int, device) -> torch.Tensor:
@@ -145,9 +146,7 @@ class RecurrentTransformer(MegatronModule):
     def _forward(self, input_ids, position_ids=None):
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-        x = self.embed(input_ids, position_ids)
-        for layer in self.layers:
-            x = layer(x)
+        x = run_layers(self.layers, self.embed(input_ids, position_ids), self.config, self.training)
         return self.head(x)
 
     def embed(self, input_ids, position_ids) -> torch.Tensor:

@@ -60,6 +60,7 @@ from rmt.errors import ConfigError
 from rmt.models.build import register
 from rmt.models.init import EMBEDDING_TABLES, embedding_std
 from rmt.models.megatron_config import padded_vocab_size, transformer_config
+from rmt.models.recompute import core_attention, run_layers
 from rmt.ops.matrix_rmsnorm import matrix_rms_norm, matrix_rms_norm_read
 from rmt.ops.matrix_write import matrix_write
 
@@ -187,8 +188,7 @@ class RMTLayer(MegatronModule):
                                        key_major=True)
         qkv = qkv.view(heads, 3, s, b, self.dv)
         q, k, v = (t.permute(2, 0, 1, 3).float() for t in qkv.unbind(1))
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scale)
+        ctx = core_attention(self.core_attention, self.config, self.training, q, k, v, bias)
         ctx = ctx.to(qkv.dtype).permute(2, 0, 3, 1).reshape(s, b * self.dv, heads)
         # attn_write is a RowParallelLinear for its weight's TP sharding: its forward (a linear
         # layer, then the sum over TP ranks) computed by the write kernel, which adds the residual
@@ -197,6 +197,11 @@ class RMTLayer(MegatronModule):
             return write(ctx.view(s, b, self.dv, heads), self.attn_write.weight, residual=x)
         out = tensor_parallel.reduce_from_tensor_model_parallel_region(write(ctx, self.attn_write.weight))
         return x + out.view(s, b, self.dv, self.dk)
+
+    def core_attention(self, q, k, v, bias) -> torch.Tensor:
+        """softmax(q k^T scale + bias) v in fp32 (recomputed under selective recompute)."""
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scale)
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Eq. 16, 23-25: ``x`` plus the feed-forward's write."""
@@ -291,8 +296,7 @@ class RMTModel(MegatronModule):
             x = self.input_tensor.view(*self.input_tensor.shape[:2], self.dv, self.dk)
         if self.layers:
             bias = self.attention_bias(x.shape[0], attention_mask, x.device)
-            for layer in self.layers:
-                x = layer(x, bias)
+            x = run_layers(self.layers, x, self.config, self.training, bias)
         if not self.post_process:
             return x.reshape(*x.shape[:2], self.dv * self.dk)
         return self.output_layer(x, self.final_norm).transpose(0, 1).contiguous()

@@ -4,6 +4,9 @@ attention computed by ``model.attention_kernel`` (:mod:`rmt.models.attention`).
 Pre-norm, GELU MLP, learned absolute positions or RoPE, untied input/output embeddings. With
 ``memory.type: moe`` and ``memory.moe_placement: mlp`` the MLP of the listed layers is
 megatron's MoE (:mod:`rmt.memory.moe`, megatron's decoder block spec with ``moe_layer_freq``).
+``parallel.sequence_parallel`` is megatron's (``TransformerConfig.sequence_parallel``), its torch
+norms marked for it (:mod:`rmt.models.sequence_parallel`); ``train.recompute_*`` are megatron's
+too (:func:`rmt.models.megatron_config.recompute_settings`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from rmt.errors import ConfigError
 from rmt.models.attention import with_attention_kernel
 from rmt.models.build import register
 from rmt.models.megatron_config import padded_vocab_size, transformer_config, validate_attention_shapes
+from rmt.models.sequence_parallel import with_sequence_parallel_norms
 
 _POSITIONS = {"learned": "learned_absolute", "rope": "rope"}
 
@@ -50,7 +54,7 @@ def _gpt(config: RMTConfig, tcfg, layer_spec, pre_process: bool, post_process: b
     m = config.model
     return GPTModel(
         config=tcfg,
-        transformer_layer_spec=layer_spec,
+        transformer_layer_spec=with_sequence_parallel_norms(layer_spec, tcfg, vp_stage),
         vocab_size=padded_vocab_size(config),
         max_sequence_length=m.seq_length,
         pre_process=pre_process,

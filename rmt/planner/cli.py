@@ -142,7 +142,8 @@ def _add_comm_arguments(p: argparse.ArgumentParser) -> None:
                    help="IVE block ids sent as a separate tensor of B-byte ints; 0 "
                         "(default): derived from the sent virtual address, no bytes")
     p.add_argument("--tensor-parallel", type=positive_int, default=1, metavar="t",
-                   help="tensor-parallel ranks holding the same tokens inside the group: each "
+                   help="tensor-parallel ranks holding the same tokens inside the group (also "
+                        "under sequence parallelism: memory layers gather the sequence first): each "
                         "looks up T/t of them, then the pooled outputs are all-gathered (default 1)")
     p.add_argument("--index-bytes", type=positive_int, default=4, metavar="B",
                    help="bytes per index (default 4, int32; 8 for tables over 2^31 "

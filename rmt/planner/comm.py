@@ -44,7 +44,10 @@ them (every formula above with ``T / t``) and the pooled outputs are all-gathere
 ``t`` ranks (``tp_all_gather_pooled`` = ``activation_bytes T/t E v_dim (t-1)``); the backward
 all-gathers the score gradients of the chunks (``tp_all_gather_score_grads`` =
 ``activation_bytes T/t K C (t-1)``). ``T`` must be divisible by ``t`` here (the tables take
-ragged chunks; the planner counts the even split).
+ragged chunks; the planner counts the even split). Under megatron's sequence parallelism the
+memory layers all-gather the sequence before they run (:mod:`rmt.memory.attach`), so ``T`` is
+the whole sequence's tokens and all of the above holds unchanged; that gather (outside the
+table, on the TP group) is not counted here.
 
 Options beyond Appendix D:
 
