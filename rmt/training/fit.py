@@ -5,12 +5,16 @@ could ever get (its GPU's total memory, or on CPU the machine's RAM plus swap sh
 ranks on the node). Only what training certainly allocates counts, so the check never rejects
 a run that might fit:
 
-* the dense parameters with their fp32 gradient buffer and Adam's two moments, 16 bytes per
-  parameter, split evenly over tensor x pipeline ranks (memory tables, which may be sharded
-  further, are left out);
+* the dense parameters with their fp32 gradient buffer, main copies and Adam's two moments
+  (:func:`rmt.planner.dense.dense_bytes_per_param` for ``train.precision`` and
+  ``train.distributed_optimizer``: 16 bytes per parameter in fp32, 6 + 12 / DP in bf16 with the
+  distributed optimizer), split evenly over tensor x pipeline ranks (memory tables, which may be
+  sharded further, are left out);
 * the activations one micro batch keeps for its backward pass
   (``rmt-plan model``'s ``activation_bytes_per_token``, :mod:`rmt.planner.flops`), split evenly
-  over tensor x pipeline ranks; for architectures without that figure, the fp32 logits;
+  over tensor x pipeline ranks; for architectures without that figure, the fp32 logits; none
+  under ``train.recompute_granularity`` (which keeps less, by an amount this bound does not
+  model);
 * the ``seq_length x seq_length`` causal mask every rank builds.
 
 A model that fits this bound may still run out of memory later; one that exceeds it cannot run
@@ -24,7 +28,7 @@ import copy
 import os
 from typing import Optional
 
-from rmt.config import RMTConfig
+from rmt.config import RMTConfig, world_size_from_env
 from rmt.errors import ConfigError
 
 _GIB = 2**30
@@ -57,6 +61,7 @@ def memory_floor(config: RMTConfig) -> dict:
     """Bytes a rank of ``config`` certainly holds at once: ``{"state", "activations", "mask"}``."""
     from rmt.data.metadata import known_vocab_size
     from rmt.planner.flops import _pad, plan_model
+    from rmt.planner.dense import dense_bytes_per_param
     from rmt.planner.memory import DTYPE_BYTES
 
     config = copy.deepcopy(config)
@@ -66,9 +71,13 @@ def memory_floor(config: RMTConfig) -> dict:
     doc = plan_model(config)
     model_ranks = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
     memory_params = doc.get("memory", {}).get("params", 0)
-    state = 16 * (doc["params"] - memory_params) // model_ranks
+    dp = p.data_parallel_size or max(1, world_size_from_env() // model_ranks)
+    per_param = sum(dense_bytes_per_param(t.precision, t.distributed_optimizer, dp).values())
+    state = int(per_param * (doc["params"] - memory_params)) // model_ranks
     tokens = t.micro_batch_size * m.seq_length
-    if "activation_bytes_per_token" in doc:
+    if t.recompute_granularity != "none":
+        activations = 0
+    elif "activation_bytes_per_token" in doc:
         activations = doc["activation_bytes_per_token"] * tokens // model_ranks
     else:
         Vp = _pad(m.vocab_size, m.make_vocab_size_divisible_by)
