@@ -1,6 +1,7 @@
-"""bf16 (autocast) training runs on CPU and tracks fp32 closely, for the transformer, the RMT and
-megatron's MoE (router in fp32), and the UltraMem and PKM memory layers (their scores come out of
-autocast in bf16 and meet a float32 value table)."""
+"""bf16 (megatron's: bf16 parameters and activations, fp32 main copies) trains on CPU and tracks
+fp32 closely, for the transformer, the RMT, the recurrent transformer, the mixer and megatron's MoE
+(router in fp32), and the UltraMem and PKM memory layers (bf16 queries and scores meeting a float32
+value table); its weights are bf16, the memory value tables keep ``memory.value_dtype``."""
 
 import pytest
 
@@ -11,6 +12,8 @@ from conftest import tiny_overrides, train_steps
 ARCHS = {"transformer": [], "rmt": ["model.arch=rmt", "model.position=alibi", "model.dk=8",
                                     "model.dv=8", "model.rank=4", "train.lr=0.01", "train.steps=8"],
          "moe_mlp": ["memory.type=moe", "memory.moe_placement=mlp", "memory.placement=1-2", "memory.num_experts=4"],
+         "recurrent": ["model.arch=recurrent", "model.block_width=4", "model.seq_length=16"],
+         "mixer": ["model.arch=mixer", "model.seq_length=16"],
          **{kind: [f"memory.type={kind}", "memory.placement='1:2'", "memory.key_dim=8", "memory.num_keys=8",
                    "memory.topk=4"] for kind in ("ultramem", "pkm")}}
 
@@ -24,3 +27,33 @@ def test_bf16_tracks_fp32(arch, cache_dir, tmp_path):
     assert losses["bf16"] == pytest.approx(losses["fp32"], abs=0.05)
     if arch == "rmt":
         assert losses["fp32"][-1] < losses["fp32"][0] - 0.1
+
+
+def test_bf16_keeps_bf16_weights_and_tables_in_their_own_dtype(cache_dir):
+    """After the cast every dense parameter is bf16 with an fp32 main copy in megatron's float16
+    optimizer; the memory value tables keep ``memory.value_dtype`` (fp32 here) and stay out of it."""
+    from megatron.core.optimizer import Float16OptimizerWithFloat16Params
+
+    from rmt import parallel
+    from rmt.config import load_config, validate
+    from rmt.training.dense_state import dense_states
+    from rmt.training.trainer import Trainer
+
+    config = validate(load_config(None, tiny_overrides(cache_dir) + ARCHS["ultramem"] + ["train.precision=bf16"]), 1)
+    parallel.initialize(config)
+    try:
+        trainer = Trainer(config)
+        (dense,) = trainer.optimizer.dense_optimizers
+        assert isinstance(dense, Float16OptimizerWithFloat16Params)
+        states = dense_states([dense])
+        for name, p in trainer.chunks[0].module.named_parameters():
+            if getattr(p, "memory_value", False):
+                assert p.dtype.is_floating_point and str(p.dtype) == "torch.float32" and p not in states, name
+            else:
+                assert str(p.dtype) == "torch.bfloat16", name
+        trainer.train_step()
+        for p, state in states.items():
+            assert str(state.main.dtype) == "torch.float32" and state.main.shape == p.shape
+            assert state.main.bfloat16().equal(p.detach())  # the weights are the main copy rounded
+    finally:
+        parallel.destroy()
