@@ -25,7 +25,8 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from rmt.config import RMTConfig
 from rmt.data.blend import Blend, blend_prefixes, data_blends
 from rmt.data.corpus import corpus_documents
-from rmt.data.indexed import max_token_id, open_indexed, write_indexed
+from rmt.data.indexed import max_token_id, open_indexed
+from rmt.data.shards import write_indexed
 from rmt.data.metadata import DEFAULT, adopt_dataset_tokenizer, read_metadata, shared_tokenizer
 from rmt.data.tokenizers import build_tokenizer
 from rmt.errors import UserError
@@ -66,9 +67,7 @@ def prepare_default_corpus(config: RMTConfig) -> str:
     if not os.path.isfile(prefix + ".idx"):
         d = config.data
         tok = build_tokenizer(d.tokenizer or DEFAULT, d.cache_dir, d.bpe_vocab_size, d.max_documents)
-        docs = corpus_documents(d.max_documents)
-        batch = getattr(tok, "tokenize_batch", None)
-        ids = batch(list(docs)) if batch else [tok.tokenize(t) for t in docs]
+        ids = tok.tokenize_batch(list(corpus_documents(d.max_documents)))
         try:
             write_indexed(prefix, ids, tok)
         except OSError as err:
