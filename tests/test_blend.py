@@ -69,6 +69,7 @@ def test_blend_forms(tmp_path):
     assert parse_blend("0.3 A 0.7 B") == Blend(("A", "B"), (0.3, 0.7))
     assert parse_blend([3, "A", 7, "B"]) == Blend(("A", "B"), (3.0, 7.0))
     assert parse_blend(["A", "B"]) == Blend(("A", "B"))
+    assert parse_blend("2 A") == Blend(("A",))
     blend = tmp_path / "mix.blend"
     blend.write_text("20 web\n10 /abs/code\n")
     assert parse_blend(str(blend)) == Blend((str(tmp_path / "web"), "/abs/code"), (20.0, 10.0))

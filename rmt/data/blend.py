@@ -97,6 +97,8 @@ def parse_blend(value, key: str = "data.path") -> Blend:
     dup = [p for i, p in enumerate(prefixes) if p in prefixes[:i]]
     if dup:
         raise ConfigError(f"{origin} names '{dup[0]}' twice; give each dataset once with its total weight")
+    if len(prefixes) == 1:
+        weights = None  # one dataset whatever its weight: the very samples of the prefix alone
     return Blend(tuple(prefixes), tuple(weights) if weights is not None else None)
 
 
