@@ -10,7 +10,7 @@ from conftest import run_python
 
 def test_bench_quick_writes_json(cache_dir, tmp_path):
     out = tmp_path / "bench.json"
-    run_python(["tools/bench_preprocess.py", "--quick", "--mib", "0.5", "--workers", "1,2",
+    run_python(["tools/bench_preprocess.py", "--quick", "--mib", "0.5", "--byte-mib", "0.5", "--workers", "1,2",
                 "--cache-dir", cache_dir, "--json", str(out)], timeout=900)
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "bench_preprocess"

@@ -4,11 +4,15 @@ per number of workers, for the byte and the BPE tokenizer, beside the single-pro
 tokenizers' batch encoding on its own threads, megatron-core's ``IndexedDatasetBuilder``).
 
 The input is jsonl made of the default corpus (the standard library's modules, cut into
-documents of 2,400 characters, as many as ``--mib`` asks for). Every worker count must write
+documents of 2,400 characters, as many as ``--mib`` / ``--byte-mib`` ask for: the byte
+tokenizer is ~30x faster, so it gets more input, for seconds of work). Every worker count must write
 the same bytes (checked). Each figure is the best of ``--repeat`` runs: the machine may be
-shared, and the best run is the one least disturbed.
+shared, and the best run is the one least disturbed. Beside wall-clock tokens/s, tokens per
+CPU-second (the process and its workers): on a loaded machine the wall-clock figures measure
+the scheduler's shares, while a per-CPU-second figure that stays flat from 1 to N workers says
+the work does not grow with the workers, so it scales with idle cores.
 
-    python tools/bench_preprocess.py [--quick] [--mib 47] [--workers 1,2] [--repeat 3] [--json FILE]
+    python tools/bench_preprocess.py [--quick] [--mib 47] [--byte-mib 256] [--workers 1,2] [--repeat 3] [--json FILE]
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import sys
 import tempfile
 import time
@@ -66,56 +71,68 @@ def baseline(src: str, prefix: str, tokenizer) -> int:
     return tokens
 
 
+def _cpu_seconds() -> float:
+    """CPU time of this process and of its finished children (rmt-preprocess's workers)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def best_seconds(fn, repeat: int):
-    times, result = [], None
+    """``(wall seconds, CPU seconds, result)`` of the fastest of ``repeat`` calls."""
+    best, result = None, None
     for _ in range(repeat):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), _cpu_seconds()
         result = fn()
-        times.append(time.perf_counter() - start)
-    return min(times), result
+        run = (time.perf_counter() - start, _cpu_seconds() - cpu)
+        best = run if best is None or run[0] < best[0] else best
+    return best[0], best[1], result
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="2 MiB of input, one run each (the code path of the full run)")
-    ap.add_argument("--mib", type=float, help="input size, MiB (default 47, quick 2)")
+    ap.add_argument("--mib", type=float, help="input size for the BPE, MiB (default 47, quick 2)")
+    ap.add_argument("--byte-mib", type=float,
+                    help="input size for the byte tokenizer, MiB (default 256, quick 2: it is ~30x faster)")
     ap.add_argument("--workers", help=f"comma-separated worker counts (default 1..{usable_cores()}, the usable cores)")
     ap.add_argument("--tokenizers", default="byte,bpe", help="comma-separated: byte, bpe (default both)")
     ap.add_argument("--repeat", type=int, help="runs per figure, the best kept (default 3, quick 1)")
     ap.add_argument("--cache-dir", default=os.path.join(ROOT, ".rmt_cache"), help="where the BPE is trained once")
     ap.add_argument("--json", help="write {benchmark, machine, rows, summary} here")
     args = ap.parse_args(argv)
-    mib = args.mib or (2.0 if args.quick else 47.0)
+    mib = {"bpe": args.mib or (2.0 if args.quick else 47.0), "byte": args.byte_mib or (2.0 if args.quick else 256.0)}
     repeat = args.repeat or (1 if args.quick else 3)
     counts = [int(w) for w in args.workers.split(",")] if args.workers else list(range(1, usable_cores() + 1))
     work = tempfile.mkdtemp(prefix="bench_preprocess_")
-    src = os.path.join(work, "corpus.jsonl")
-    docs = make_corpus(src, mib)
     load = os.getloadavg()[0]
-    print(f"{docs} documents, {os.path.getsize(src) / (1 << 20):.1f} MiB of jsonl; {usable_cores()} usable cores, "
-          f"load average {load:.2f}; best of {repeat}")
-    print(f"{'tokenizer':>9} {'workers':>8} {'tokens':>11} {'seconds':>8} {'M tokens/s':>11} {'vs 1 worker':>12}")
-    rows, outputs = [], {}
+    print(f"{usable_cores()} usable cores, load average {load:.2f} at the start; best of {repeat}")
+    print(f"{'tokenizer':>9} {'input MiB':>10} {'workers':>8} {'tokens':>11} {'seconds':>8} {'M tokens/s':>11} "
+          f"{'vs 1 worker':>12} {'M tokens/CPU s':>14}")
+    rows, outputs, docs = [], {}, {}
     for name in args.tokenizers.split(","):
         tok = build_tokenizer(name, args.cache_dir)
-        seconds, tokens = best_seconds(lambda: baseline(src, os.path.join(work, f"base_{name}"), tok), repeat)
+        src = os.path.join(work, f"corpus_{name}.jsonl")
+        docs[name] = make_corpus(src, mib[name])
+        size = f"{os.path.getsize(src) / (1 << 20):.1f}"
+        seconds, cpu, tokens = best_seconds(lambda: baseline(src, os.path.join(work, f"base_{name}"), tok), repeat)
         rows.append({"tokenizer": name, "workers": "baseline", "tokens": tokens, "seconds": seconds,
-                     "tokens_per_s": tokens / seconds})
-        print(f"{name:>9} {'baseline':>8} {tokens:>11} {seconds:>8.2f} {tokens / seconds / 1e6:>11.2f} {'':>12}",
-              flush=True)
+                     "tokens_per_s": tokens / seconds, "cpu_seconds": cpu, "tokens_per_cpu_s": tokens / cpu})
+        print(f"{name:>9} {size:>10} {'baseline':>8} {tokens:>11} {seconds:>8.2f} {tokens / seconds / 1e6:>11.2f} "
+              f"{'':>12} {tokens / cpu / 1e6:>13.2f}", flush=True)
         one = None
         for w in counts:
             prefix = os.path.join(work, f"{name}_{w}", "ds")
-            seconds, written = best_seconds(lambda: preprocess([src], prefix, tok.spec, cache_dir=args.cache_dir,
+            seconds, cpu, written = best_seconds(lambda: preprocess([src], prefix, tok.spec, cache_dir=args.cache_dir,
                                                                workers=w, progress=False), repeat)
             tokens = written[0][1]["num_tokens"]
             with open(prefix + ".bin", "rb") as a, open(prefix + ".idx", "rb") as b:
                 outputs.setdefault(name, set()).add((hash(a.read()), hash(b.read())))
             one = one or tokens / seconds
             rows.append({"tokenizer": name, "workers": w, "tokens": tokens, "seconds": seconds,
-                         "tokens_per_s": tokens / seconds, "speedup": tokens / seconds / one})
-            print(f"{name:>9} {w:>8} {tokens:>11} {seconds:>8.2f} {tokens / seconds / 1e6:>11.2f} "
-                  f"{tokens / seconds / one:>11.2f}x", flush=True)
+                         "tokens_per_s": tokens / seconds, "speedup": tokens / seconds / one,
+                         "cpu_seconds": cpu, "tokens_per_cpu_s": tokens / cpu})
+            print(f"{name:>9} {size:>10} {w:>8} {tokens:>11} {seconds:>8.2f} {tokens / seconds / 1e6:>11.2f} "
+                  f"{tokens / seconds / one:>11.2f}x {tokens / cpu / 1e6:>13.2f}", flush=True)
         if len({r["tokens"] for r in rows if r["tokenizer"] == name}) != 1:
             raise SystemExit(f"{name}: the baseline and rmt-preprocess wrote different numbers of tokens")
     if any(len(v) != 1 for v in outputs.values()):

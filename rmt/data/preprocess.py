@@ -156,9 +156,10 @@ def _start_afresh(work: str, plan: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _work(tokenizer_spec: str, sources: List[Source], text_key: str, tasks, events) -> None:
+def _work(tokenizer_spec: str, sources: List[Source], text_key: str, tasks, events, parent: int) -> None:
     """A worker process: tokenize the chunks it takes from ``tasks`` into their shards,
-    reporting progress, completions and errors on ``events``."""
+    reporting progress, completions and errors on ``events``; it leaves when the parent
+    process ``parent`` is gone (killed: no one would take its results)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: the workers are the parallelism
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the run and ends its workers:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # at once (not as the parent's Ctrl-C)
@@ -174,7 +175,12 @@ def _work(tokenizer_spec: str, sources: List[Source], text_key: str, tasks, even
             yield from ids
 
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return
+            continue
         if task is None:
             return
         k, chunk, shard = task
@@ -198,7 +204,8 @@ def _run(todo, sources, chunks, done, tokenizer_spec, text_key, workers, progres
     # runner's) may inherit a held lock and hang; the workers import numpy and tokenizers only
     ctx = multiprocessing.get_context("spawn")
     tasks, events = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_work, args=(tokenizer_spec, sources, text_key, tasks, events), daemon=True)
+    procs = [ctx.Process(target=_work, args=(tokenizer_spec, sources, text_key, tasks, events, os.getpid()),
+                         daemon=True)
              for _ in range(workers)]
     for p in procs:
         p.start()
