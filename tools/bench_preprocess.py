@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from rmt.data.preprocess import preprocess, usable_cores  # noqa: E402
-from rmt.data.tokenizers import build_tokenizer  # noqa: E402
+from rmt.data.tokenizers import HFTokenizer, build_tokenizer  # noqa: E402
 
 
 def make_corpus(path: str, mib: float, doc_chars: int = 2400) -> int:
@@ -61,8 +61,11 @@ def baseline(src: str, prefix: str, tokenizer) -> int:
                                cache_dir=tempfile.mkdtemp(dir=os.path.dirname(prefix)))
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=token_dtype(tokenizer.vocab_size).type)
     tokens = 0
+    # as it was: HF tokenizers batch-encoded, the byte tokenizer went text by text
+    encode = tokenizer.tokenize_batch if isinstance(tokenizer, HFTokenizer) else (
+        lambda texts: [tokenizer.tokenize(t) for t in texts])
     for batch in ds.iter(batch_size=1024):
-        for ids in tokenizer.tokenize_batch([t for t in batch["text"] if t]):
+        for ids in encode([t for t in batch["text"] if t]):
             ids = list(ids) + [tokenizer.eod]
             builder.add_item(torch.tensor(ids, dtype=torch.int64))
             builder.end_document()
@@ -97,6 +100,7 @@ def main(argv=None):
     ap.add_argument("--workers", help=f"comma-separated worker counts (default 1..{usable_cores()}, the usable cores)")
     ap.add_argument("--tokenizers", default="byte,bpe", help="comma-separated: byte, bpe (default both)")
     ap.add_argument("--repeat", type=int, help="runs per figure, the best kept (default 3, quick 1)")
+    ap.add_argument("--baseline-repeat", type=int, default=1, help="runs of the (slow) baseline (default 1)")
     ap.add_argument("--cache-dir", default=os.path.join(ROOT, ".rmt_cache"), help="where the BPE is trained once")
     ap.add_argument("--json", help="write {benchmark, machine, rows, summary} here")
     args = ap.parse_args(argv)
@@ -114,7 +118,8 @@ def main(argv=None):
         src = os.path.join(work, f"corpus_{name}.jsonl")
         docs[name] = make_corpus(src, mib[name])
         size = f"{os.path.getsize(src) / (1 << 20):.1f}"
-        seconds, cpu, tokens = best_seconds(lambda: baseline(src, os.path.join(work, f"base_{name}"), tok), repeat)
+        seconds, cpu, tokens = best_seconds(lambda: baseline(src, os.path.join(work, f"base_{name}"), tok),
+                                            args.baseline_repeat)
         rows.append({"tokenizer": name, "workers": "baseline", "tokens": tokens, "seconds": seconds,
                      "tokens_per_s": tokens / seconds, "cpu_seconds": cpu, "tokens_per_cpu_s": tokens / cpu})
         print(f"{name:>9} {size:>10} {'baseline':>8} {tokens:>11} {seconds:>8.2f} {tokens / seconds / 1e6:>11.2f} "
