@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -183,9 +183,23 @@ class ParallelConfig:
 class DataConfig:
     """Training data: an indexed dataset prefix (``.bin``/``.idx``) or the default corpus."""
 
-    path: Optional[str] = None
-    """Prefix of a megatron-core indexed dataset (``P.bin``/``P.idx`` from ``rmt-preprocess``);
-    ``null`` = the default corpus (the running interpreter's standard library)."""
+    path: Any = None
+    """The training data, split into train/valid/test by ``data.split``: the prefix of a
+    megatron-core indexed dataset (``P.bin``/``P.idx`` from ``rmt-preprocess``), or a blend of
+    several in megatron's form: weights and prefixes alternating (``"0.3 A 0.7 B"`` or the list
+    ``[0.3, A, 0.7, B]``; samples drawn in proportion to the weights), prefixes alone (``"A B"``:
+    in proportion to their numbers of tokens), or a ``.blend`` file holding either (relative prefixes are
+    relative to it; ``rmt-preprocess --per-input`` writes one). Every dataset of a blend must
+    share one tokenizer. ``null`` = the default corpus (the running interpreter's standard
+    library), unless ``train_path`` is set."""
+
+    train_path: Any = None
+    """A blend per split (megatron-core's ``blend_per_split``; in place of ``path``): the
+    training blend, in ``path``'s forms, used whole (``data.split`` does not apply)."""
+
+    valid_path: Any = None
+    """With ``train_path``: the validation blend, in ``path``'s forms, used whole; needed when
+    ``train.eval_iters`` > 0."""
 
     tokenizer: Optional[str] = None
     """``null`` = the tokenizer the data was made with (recorded in ``data.path``'s ``.json`` by
@@ -943,13 +957,17 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
     same = t.save is not None and t.load is not None and os.path.realpath(t.load) == os.path.realpath(t.save)
     if t.load is not None and not same and not os.path.isdir(t.load):
         raise ConfigError(f"train.load directory '{t.load}' does not exist")
-    if d.path is not None:
-        for ext in (".bin", ".idx"):
-            if not os.path.isfile(d.path + ext):
-                raise ConfigError(f"data.path '{d.path}' has no '{d.path}{ext}' (run rmt-preprocess first)")
+    from rmt.data.blend import blend_prefixes, data_blends
+
+    blends = data_blends(d)
+    if blends is not None:
+        for prefix in blend_prefixes(blends):
+            for ext in (".bin", ".idx"):
+                if not os.path.isfile(prefix + ext):
+                    raise ConfigError(f"data.path '{prefix}' has no '{prefix}{ext}' (run rmt-preprocess first)")
         from rmt.data.metadata import adopt_dataset_tokenizer
 
-        adopt_dataset_tokenizer(config, d.path)
+        adopt_dataset_tokenizer(config, blend_prefixes(blends))
     if d.tokenizer not in (None, "byte", "bpe") and not os.path.exists(d.tokenizer):
         raise ConfigError(
             f"data.tokenizer must be 'byte', 'bpe' or a path to a HF tokenizer; '{d.tokenizer}' does not exist")
@@ -959,7 +977,11 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
         split = []
     if len(split) != 3 or any(x < 0 for x in split) or split[0] <= 0:
         raise ConfigError(f"data.split must be three non-negative weights 'train,valid,test', got '{d.split}'")
-    if t.eval_iters and split[1] <= 0:
+    if t.eval_iters and blends is not None and "train" in blends:
+        if "valid" not in blends:
+            raise ConfigError("train.eval_iters > 0 with data.train_path needs data.valid_path "
+                              "(or train.eval_iters=0)")
+    elif t.eval_iters and split[1] <= 0:
         raise ConfigError("data.split gives no validation data but train.eval_iters > 0")
     from rmt.models.build import registered_archs, validate_arch
 

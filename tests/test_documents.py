@@ -132,7 +132,7 @@ def test_dataset_samples_carry_document_masks(cache_dir):
 @pytest.fixture(scope="module")
 def short_documents(tmp_path_factory):
     """An indexed dataset of 300 documents of 2..30 bytes: every 32-token sample crosses one."""
-    from rmt.data.indexed import write_indexed
+    from rmt.data.shards import write_indexed
     from rmt.data.tokenizers import ByteTokenizer
 
     gen = torch.Generator().manual_seed(0)

@@ -16,24 +16,31 @@ import os
 from dataclasses import dataclass
 from typing import Dict, List
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 from rmt.config import RMTConfig
+from rmt.data.blend import Blend, blend_prefixes, data_blends
 from rmt.data.corpus import corpus_documents
-from rmt.data.indexed import max_token_id, open_indexed, write_indexed
-from rmt.data.metadata import DEFAULT, adopt_dataset_tokenizer, read_metadata
+from rmt.data.indexed import max_token_id, open_indexed
+from rmt.data.shards import write_indexed
+from rmt.data.metadata import DEFAULT, adopt_dataset_tokenizer, read_metadata, shared_tokenizer
 from rmt.data.tokenizers import build_tokenizer
 from rmt.errors import UserError
 
 
 @dataclass
 class DataSpec:
-    prefix: str
+    blends: Dict[str, Blend]  # data_blends' form: {"all": ..} or {"train": .., "valid": ..}
     vocab_size: int
     eod: int
+
+    @property
+    def prefixes(self) -> List[str]:
+        return blend_prefixes(self.blends)
 
 
 class _TokenizerInfo:
@@ -60,9 +67,7 @@ def prepare_default_corpus(config: RMTConfig) -> str:
     if not os.path.isfile(prefix + ".idx"):
         d = config.data
         tok = build_tokenizer(d.tokenizer or DEFAULT, d.cache_dir, d.bpe_vocab_size, d.max_documents)
-        docs = corpus_documents(d.max_documents)
-        batch = getattr(tok, "tokenize_batch", None)
-        ids = batch(list(docs)) if batch else [tok.tokenize(t) for t in docs]
+        ids = tok.tokenize_batch(list(corpus_documents(d.max_documents)))
         try:
             write_indexed(prefix, ids, tok)
         except OSError as err:
@@ -76,17 +81,18 @@ def resolve_data(config: RMTConfig) -> DataSpec:
     the tokenizer its metadata records (``data.tokenizer``, :mod:`rmt.data.metadata`) and fix
     ``model.vocab_size`` from it when unset. Raises UserError for bad data."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if config.data.path is None:
+    blends = data_blends(config.data)
+    if blends is None:
         if rank == 0:
             prepare_default_corpus(config)
         if dist.is_initialized():
             dist.barrier()
-        prefix = default_corpus_prefix(config)
-    else:
-        prefix = config.data.path
-    ds = open_indexed(prefix)
-    adopt_dataset_tokenizer(config, prefix)
-    meta = read_metadata(prefix)
+        blends = {"all": Blend((default_corpus_prefix(config),))}
+    prefixes = blend_prefixes(blends)
+    datasets = [open_indexed(p) for p in prefixes]
+    adopt_dataset_tokenizer(config, prefixes)
+    found = shared_tokenizer(prefixes)
+    meta = read_metadata(found[0]) if found is not None else None
     if meta is not None:
         vocab, eod = int(meta["vocab_size"]), int(meta["eod"])
     else:
@@ -94,24 +100,40 @@ def resolve_data(config: RMTConfig) -> DataSpec:
         vocab, eod = tok.vocab_size, tok.eod
     if config.model.vocab_size is None:
         config.model.vocab_size = vocab
-    top = max_token_id(prefix, ds)
-    if top >= config.model.vocab_size:
-        raise UserError(
-            f"dataset '{prefix}' holds token id {top}, out of range for model.vocab_size "
-            f"{config.model.vocab_size}")
-    return DataSpec(prefix, config.model.vocab_size, eod)
+    for prefix, ds in zip(prefixes, datasets):
+        top = max_token_id(prefix, ds)
+        if top >= config.model.vocab_size:
+            raise UserError(
+                f"dataset '{prefix}' holds token id {top}, out of range for model.vocab_size "
+                f"{config.model.vocab_size}")
+    # prefixes without weights: weights in proportion to their tokens (megatron-core itself
+    # would blend one epoch of each and no more, whatever the number of samples asked for)
+    tokens = {p: int(ds.index.sequence_lengths.sum(dtype=np.int64)) for p, ds in zip(prefixes, datasets)}
+    blends = {k: b if b.weights is not None or len(b.prefixes) == 1 else
+              Blend(b.prefixes, tuple(float(tokens[p]) for p in b.prefixes)) for k, b in blends.items()}
+    return DataSpec(blends, config.model.vocab_size, eod)
 
 
 def build_datasets(config: RMTConfig, spec: DataSpec, num_train: int, num_valid: int):
-    """``(train, valid)`` GPTDatasets with ``num_*`` samples each (valid may be None).
+    """``(train, valid)`` datasets with ``num_*`` samples each (valid may be None): a GPTDataset
+    for one prefix, megatron-core's BlendedDataset over GPTDatasets for a blend (its sample
+    ``i`` is a function of ``i`` and the blend alone: the weights' deterministic interleave).
     Global rank 0 builds the index caches first; the other ranks then load them."""
     t = config.train
+    blends = spec.blends
+    if "all" in blends:
+        for prefix in blends["all"].prefixes:
+            _check_split(prefix, config.data.split, bool(num_valid))
+        where = dict(blend=blends["all"].as_megatron(), split=config.data.split)
+    else:
+        where = dict(blend_per_split=[blends["train"].as_megatron(),
+                                      blends["valid"].as_megatron() if num_valid and "valid" in blends else None,
+                                      None], split=None)
+    weighted = any(b.weights is not None for b in blends.values())
     gcfg = GPTDatasetConfig(
         random_seed=t.seed,
         sequence_length=config.model.seq_length,
-        blend=([spec.prefix], None),
-        split=config.data.split,
-        path_to_cache=os.path.join(os.path.dirname(os.path.abspath(spec.prefix)), "index_cache"),
+        path_to_cache=os.path.join(os.path.dirname(os.path.abspath(spec.prefixes[0])), "index_cache"),
         tokenizer=_TokenizerInfo(spec.vocab_size, spec.eod),
         reset_position_ids=config.data.reset_position_ids,
         reset_attention_mask=config.data.reset_attention_mask,
@@ -119,17 +141,19 @@ def build_datasets(config: RMTConfig, spec: DataSpec, num_train: int, num_valid:
         # per-sample block-causal masks only where documents restart attention
         create_attention_mask=config.data.reset_attention_mask,
         mid_level_dataset_surplus=0.005,
+        **where,
     )
-    _check_split(spec.prefix, config.data.split, bool(num_valid))
-    sizes = [num_train, num_valid or None, None]
+    # megatron-core draws weighted blends to a size; a split not needed is drawn to none
+    sizes = [num_train, num_valid or (0 if weighted else None), 0 if weighted else None]
     # megatron-core builds on global rank 0 first, then on the other ranks (it barriers itself).
-    out = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, gcfg).build()
-    train, valid, _ = out
+    train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, gcfg).build()
+    name = " + ".join(f"'{p}'" for p in spec.prefixes)
     if train is None or len(train) == 0:
-        raise UserError(f"dataset '{spec.prefix}' is too small for sequences of {config.model.seq_length} tokens")
-    if num_valid and valid is None:
-        raise UserError(f"dataset '{spec.prefix}' gives no validation samples with split '{config.data.split}'")
-    return train, valid
+        raise UserError(f"dataset {name} is too small for sequences of {config.model.seq_length} tokens")
+    if num_valid and (valid is None or len(valid) == 0):
+        what = f"with split '{config.data.split}'" if "all" in blends else "from data.valid_path"
+        raise UserError(f"dataset {name} gives no validation samples {what}")
+    return train, valid if num_valid else None
 
 
 def _check_split(prefix: str, split: str, need_valid: bool) -> None:
@@ -160,6 +184,7 @@ def microbatches(dataset, first_sample: int, micro_batch_size: int, num_microbat
     for j in range(num_microbatches):
         start = first_sample + (j * dp_size + dp_rank) * micro_batch_size
         samples = [dataset[(start + i) % len(dataset)] for i in range(micro_batch_size)]
-        out.append({k: torch.stack([s[k] for s in samples]) for k in samples[0]})
+        # a blend's samples also carry the index of their dataset ("dataset_id", an integer)
+        out.append({k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in samples[0]})
     return out
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import filecmp
 import json
 import os
-from typing import Optional
+from typing import Optional, Sequence, Tuple, Union
 
 from rmt.errors import ConfigError, UserError
 
@@ -70,17 +70,44 @@ def _same_tokenizer(setting: str, recorded: str) -> bool:
     return os.path.isfile(setting) and os.path.isfile(recorded) and filecmp.cmp(setting, recorded, shallow=False)
 
 
-def adopt_dataset_tokenizer(config, prefix: str) -> None:
-    """Set ``config.data.tokenizer`` to the tokenizer dataset ``prefix`` records; raise
-    :class:`ConfigError` when an explicit setting names another one. A dataset without metadata
-    keeps the setting (``byte`` when unset)."""
+def _same_recorded(a: str, b: str) -> bool:
+    """Whether two recorded tokenizers (``byte`` or absolute file paths) are the same one."""
+    if a == b:
+        return True
+    if DEFAULT in (a, b):
+        return False
+    return os.path.isfile(a) and os.path.isfile(b) and filecmp.cmp(a, b, shallow=False)
+
+
+def shared_tokenizer(prefixes: Sequence[str]) -> Optional[Tuple[str, str]]:
+    """``(prefix, tokenizer)``: the tokenizer the datasets ``prefixes`` record, and the first
+    dataset that records it (None when none has metadata). Raises UserError naming two datasets
+    whose tokenizers differ: a blend must share one tokenizer (one vocabulary for every id)."""
+    first = None
+    for prefix in prefixes:
+        meta = read_metadata(prefix)
+        if meta is None or "tokenizer" not in meta:
+            continue
+        check_metadata(prefix, meta)
+        if first is None:
+            first = (prefix, meta["tokenizer"])
+        elif not _same_recorded(first[1], meta["tokenizer"]):
+            raise UserError(f"the datasets of the blend were made with different tokenizers: '{first[0]}' "
+                            f"with '{first[1]}' and '{prefix}' with '{meta['tokenizer']}'; every dataset of "
+                            f"a blend must share one tokenizer (re-run rmt-preprocess with one of them)")
+    return first
+
+
+def adopt_dataset_tokenizer(config, prefixes: Union[str, Sequence[str]]) -> None:
+    """Set ``config.data.tokenizer`` to the tokenizer the dataset(s) ``prefixes`` record (all of
+    a blend's must agree, :func:`shared_tokenizer`); raise :class:`ConfigError` when an explicit
+    setting names another one. Datasets without metadata keep the setting (``byte`` when unset)."""
     d = config.data
-    meta = read_metadata(prefix)
-    if meta is None or "tokenizer" not in meta:
+    found = shared_tokenizer([prefixes] if isinstance(prefixes, str) else prefixes)
+    if found is None:
         d.tokenizer = d.tokenizer or DEFAULT
         return
-    check_metadata(prefix, meta)
-    recorded = meta["tokenizer"]
+    prefix, recorded = found
     if d.tokenizer is not None and not _same_tokenizer(d.tokenizer, recorded):
         raise ConfigError(f"data.tokenizer '{d.tokenizer}' contradicts the tokenizer '{recorded}' that "
                           f"'{prefix}.json' records for the data; leave data.tokenizer unset to use the data's own")
@@ -101,12 +128,15 @@ def tokenizer_file_text(spec: Optional[str]) -> Optional[str]:
 
 def known_vocab_size(config) -> Optional[int]:
     """The vocabulary a run of ``config`` gets, where it is known without building data: the
-    one ``data.path``'s metadata records, or the byte tokenizer's; else None."""
+    one the metadata of ``data.path``'s datasets records, or the byte tokenizer's; else None."""
+    from rmt.data.blend import blend_prefixes, data_blends
+
     d = config.data
-    meta = read_metadata(d.path) if d.path else None
-    if meta is not None and "vocab_size" in meta:
-        check_metadata(d.path, meta)
-        return int(meta["vocab_size"])
+    for prefix in blend_prefixes(data_blends(d)):
+        meta = read_metadata(prefix)
+        if meta is not None and "vocab_size" in meta:
+            check_metadata(prefix, meta)
+            return int(meta["vocab_size"])
     if (d.tokenizer or DEFAULT) == DEFAULT:
         from rmt.data.tokenizers import ByteTokenizer
 

@@ -2,13 +2,15 @@
 any HF tokenizer from a local path (a ``tokenizer.json`` or a directory holding one).
 
 Each exposes what megatron-core's GPTDataset reads (``vocab_size``, ``eod``) plus
-``tokenize``/``detokenize``, and a ``spec`` string stored beside preprocessed data.
+``tokenize``/``tokenize_batch``/``detokenize``, and a ``spec`` string stored beside preprocessed data.
 """
 
 from __future__ import annotations
 
 import os
 from typing import Iterable, List, Optional
+
+import numpy as np
 
 from rmt.errors import UserError
 
@@ -24,6 +26,10 @@ class ByteTokenizer:
 
     def tokenize(self, text: str) -> List[int]:
         return list(text.encode("utf-8"))
+
+    def tokenize_batch(self, texts: List[str]) -> List[np.ndarray]:
+        """The ids of each text as an array (no per-byte Python objects)."""
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
 
     def detokenize(self, ids: Iterable[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
