@@ -64,6 +64,17 @@ def load_model(path: str, overrides: List[str], average: bool = False):
     return chunks[0].eval(), config, tokenizer_json
 
 
+def checkpoint_tokenizer(config, tokenizer_json: Optional[str]):
+    """The dataset's own tokenizer: the copy the checkpoint carries, else the saved
+    ``data.tokenizer`` spec (byte tokens by default)."""
+    from rmt.data.tokenizers import HFTokenizer, build_tokenizer
+
+    d = config.data
+    if tokenizer_json is not None:
+        return HFTokenizer(d.tokenizer or "tokenizer.json", tokenizer_json)
+    return build_tokenizer(d.tokenizer or "byte", d.cache_dir, d.bpe_vocab_size, d.max_documents)
+
+
 def prompt_text(prompt: str) -> str:
     """``--prompt`` as text; the command line delivers bytes that are not UTF-8 as surrogate
     escapes, which no tokenizer can encode."""
@@ -106,7 +117,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     import torch
 
     from rmt import parallel
-    from rmt.data.tokenizers import HFTokenizer, build_tokenizer
     from rmt.decoding import generate
 
     try:
@@ -118,9 +128,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             except ValueError:
                 raise UserError(f"--prompt-ids must be comma-separated integers, got '{args.prompt_ids}'") from None
         else:
-            d = config.data
-            tokenizer = (HFTokenizer(d.tokenizer or "tokenizer.json", tokenizer_json) if tokenizer_json is not None
-                         else build_tokenizer(d.tokenizer or "byte", d.cache_dir, d.bpe_vocab_size, d.max_documents))
+            tokenizer = checkpoint_tokenizer(config, tokenizer_json)
             ids = tokenizer.tokenize(prompt_string)
         if any(not 0 <= i < config.model.vocab_size for i in ids):
             raise UserError(f"prompt token ids must lie in [0, {config.model.vocab_size})")

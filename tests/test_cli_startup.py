@@ -35,6 +35,8 @@ def _run(module, argv):
     ("rmt.training.cli", ["--help"], 0, None),
     ("rmt.planner.cli", ["--help"], 0, None),
     ("rmt.planner.cli", ["memory", "--help"], 0, None),
+    ("rmt.evaluation.cli", ["--help"], 0, None),
+    ("rmt.evaluation.cli", ["--checkpoint", "ckpt", "--tasks", "x", "--batch-size", "0"], 2, "--batch-size"),
     ("rmt.data.preprocess", ["--output-prefix", "x"], 2, "the following arguments are required: --input"),
     ("rmt.data.preprocess", ["--input", "setup.py", "--output-prefix", "x"], 2, "is not .jsonl"),
     ("rmt.data.preprocess", ["--input", "missing.jsonl", "--output-prefix", "x"], 2, "does not exist"),
