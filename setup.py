@@ -50,6 +50,7 @@ setup(
             "rmt-plan=rmt.planner.cli:main",
             "rmt-generate=rmt.generate:main",
             "rmt-eval=rmt.evaluation.cli:main",
+            "rmt-export=rmt.export.cli:main",
         ]
     },
 )

@@ -47,3 +47,20 @@ def tiny_model(name, extra=()):
             if p.dim() == 1:
                 p.add_(0.3 * torch.randn_like(p))
     return model, config
+
+
+def train_tiny(root, name, extra=(), steps=2):
+    """A checkpoint of ``name`` after ``steps`` steps on a few documents of the default corpus
+    (byte tokens), saved under ``root/ckpt``; returns that save root."""
+    from rmt.training.trainer import Trainer
+
+    save = f"{root}/ckpt"
+    config = tiny_config(name, [f"train.steps={steps}", "train.warmup_steps=0", "train.micro_batch_size=2",
+                                "train.eval_iters=0", "train.progress=false", "data.max_documents=4",
+                                f"data.cache_dir={root}/cache", f"train.save={save}"] + list(extra))
+    parallel.initialize(config)
+    try:
+        Trainer(config).train()
+    finally:
+        parallel.destroy()
+    return save

@@ -36,6 +36,8 @@ def _run(module, argv):
     ("rmt.planner.cli", ["--help"], 0, None),
     ("rmt.planner.cli", ["memory", "--help"], 0, None),
     ("rmt.evaluation.cli", ["--help"], 0, None),
+    ("rmt.export.cli", ["--help"], 0, None),
+    ("rmt.export.cli", ["--checkpoint", "ckpt", "--out", "setup.py"], 2, "is not an empty directory"),
     ("rmt.evaluation.cli", ["--checkpoint", "ckpt", "--tasks", "x", "--batch-size", "0"], 2, "--batch-size"),
     ("rmt.data.preprocess", ["--output-prefix", "x"], 2, "the following arguments are required: --input"),
     ("rmt.data.preprocess", ["--input", "setup.py", "--output-prefix", "x"], 2, "is not .jsonl"),

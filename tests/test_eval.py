@@ -115,18 +115,10 @@ def test_generate_until_equals_rmt_decoding(model_of, name):
 
 def test_cli_from_checkpoint(tmp_path, capsys):
     """rmt-eval on a trained checkpoint equals the model class on the same loaded model."""
-    from eval_models import tiny_config
+    from eval_models import train_tiny
     from rmt.generate import load_model
-    from rmt.training.trainer import Trainer
 
-    config = tiny_config("transformer", ["train.steps=2", "train.warmup_steps=0", "train.micro_batch_size=2",
-                                          "train.eval_iters=0", "train.progress=false", "data.max_documents=4",
-                                          f"data.cache_dir={tmp_path}/cache", f"train.save={tmp_path}/ckpt"])
-    parallel.initialize(config)
-    try:
-        Trainer(config).train()
-    finally:
-        parallel.destroy()
+    train_tiny(tmp_path, "transformer")
     out = tmp_path / "eval.json"
     assert main(["--checkpoint", str(tmp_path / "ckpt"), "--tasks", "rmt_local_mc,rmt_local_cloze",
                  "--batch-size", "4", "--log-samples", "--json", str(out), "--bootstrap-iters", "0"]) == 0
