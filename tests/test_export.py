@@ -12,10 +12,9 @@ pytest.importorskip("transformers")
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from eval_models import tiny_model, train_tiny  # noqa: E402
+from eval_models import MODELS, train_tiny  # noqa: E402
 from rmt import parallel  # noqa: E402
 from rmt.data.tokenizers import ByteTokenizer  # noqa: E402
-from rmt.evaluation.scoring import token_logprobs  # noqa: E402
 from rmt.export.cli import main  # noqa: E402
 from rmt.generate import load_model, main as generate_main  # noqa: E402
 
@@ -65,14 +64,47 @@ def test_standard_export_equals_rmt(tmp_path, capsys, name, extra, model_type):
     assert got_ids == want_ids and len(got_ids) == 24
 
 
+REMOTE = sorted(set(MODELS) - {"transformer", "transformer_rope"}) + ["transformer_rmsnorm"]
+
+
+@pytest.mark.parametrize("name", REMOTE)
+def test_remote_code_export_equals_rmt(tmp_path, capsys, name):
+    extra = ["model.normalization=RMSNorm"] if name == "transformer_rmsnorm" else []
+    save = train_tiny(tmp_path, "transformer" if extra else name, extra + ["train.lr=3e-2"])
+    out = tmp_path / "hf"
+    assert main(["--checkpoint", save, "--out", str(out)]) == 0
+    assert "wrote rmt model" in capsys.readouterr().out
+    assert {"modeling_rmt.py", "configuration_rmt.py", "model.safetensors", "tokenizer.json"} <= set(
+        p.name for p in out.iterdir())
+    # the exported model recomputes the sequence at every step, as rmt-generate --no-cache
+    assert generate_main(["--checkpoint", save, "--prompt", "def ", "--max-new-tokens", "12", "--no-cache",
+                          "--json", str(tmp_path / "g.json")]) == 0
+    want_ids = json.loads((tmp_path / "g.json").read_text())["samples"][0]["ids"]
+    # the exported model runs rmt's megatron modules, which need the process groups it sets up
+    hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    try:
+        assert type(hf).__name__ == "RMTForCausalLM"
+        model, config, _ = load_model(save, [])
+        tokens = torch.randint(0, V, (2, config.model.seq_length))
+        with torch.no_grad():
+            want, got = rmt_logits(model, tokens), hf(tokens).logits
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        prompt = torch.tensor([list(b"def ")])
+        got_ids = hf.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                              pad_token_id=256)[0].tolist()
+        assert got_ids == want_ids and len(got_ids) == 16
+    finally:
+        parallel.destroy()
+
+
 def test_refusals(tmp_path, capsys):
     save = train_tiny(tmp_path, "transformer", ["model.normalization=RMSNorm"], steps=1)
     with pytest.raises(SystemExit) as err:
-        main(["--checkpoint", save, "--out", str(tmp_path / "hf")])
+        main(["--checkpoint", save, "--out", str(tmp_path / "hf"), "--format", "standard"])
     assert err.value.code == 2
     assert capsys.readouterr().err == (
         "rmt-export: error: no standard Hugging Face architecture matches model.normalization 'RMSNorm' with a "
-        "biased GELU MLP (GPT-2 and GPT-NeoX use LayerNorm); use --remote-code\n")
+        "biased GELU MLP (GPT-2 and GPT-NeoX use LayerNorm); export it with --format remote\n")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
     with pytest.raises(SystemExit) as err:

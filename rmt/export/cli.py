@@ -32,9 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--checkpoint", required=True,
                     help="a save root (its newest complete checkpoint is used) or one iter_* directory")
     ap.add_argument("--out", required=True, help="the Hugging Face model directory to write (new or empty)")
-    ap.add_argument("--format", choices=("auto", "standard"), default="auto",
-                    help="standard: a standard transformers architecture (the transformer baseline); "
-                         "auto (default): standard where the architecture has one")
+    ap.add_argument("--format", choices=("auto", "standard", "remote"), default="auto",
+                    help="standard: a standard transformers architecture (the transformer baseline); remote: "
+                         "rmt's own classes, loaded with trust_remote_code=True; auto (default): standard where one matches")
     ap.add_argument("--average", action="store_true",
                     help="export the checkpoint's weight average (train.ema_decay) instead of the trained weights")
     return ap
@@ -45,40 +45,61 @@ def _check_out(out: str) -> None:
         raise UserError(f"--out '{out}' exists and is not an empty directory; pick a new one")
 
 
-def export(checkpoint: str, out: str, average: bool = False) -> str:
+def export(checkpoint: str, out: str, average: bool = False, fmt: str = "auto") -> str:
     """Write ``checkpoint`` as a Hugging Face model directory ``out``; returns its model type."""
-    from safetensors.torch import save_file
-
     from rmt import parallel
     from rmt.config import from_dict, to_dict
-    from rmt.export.standard import hf_config, hf_state_dict, standard_architecture
+    from rmt.export.standard import standard_architecture
     from rmt.export.tokenizer import hf_tokenizer
     from rmt.generate import checkpoint_tokenizer, load_model
     from rmt.training.checkpoint import load_common
 
     saved = from_dict(load_common(checkpoint)["config"])
-    standard_architecture(saved)  # refuses before any weight is read
+    if fmt == "standard":
+        standard_architecture(saved)  # refuses before any weight is read
+    elif fmt == "auto":
+        try:
+            standard_architecture(saved)
+            fmt = "standard"
+        except UserError:
+            fmt = "remote"
     try:
         model, config, tokenizer_json = load_model(checkpoint, [], average)
         tokenizer = checkpoint_tokenizer(config, tokenizer_json)
-        cfg = hf_config(config, tokenizer.eod)
-        weights = hf_state_dict(config, model.state_dict())
+        if fmt == "standard":
+            from rmt.export.standard import hf_config, hf_state_dict
+
+            cfg, weights = hf_config(config, tokenizer.eod), hf_state_dict(config, model.state_dict())
+        else:
+            from rmt.export.remote import remote_config, remote_state_dict
+
+            cfg, weights = remote_config(config, tokenizer.eod), remote_state_dict(model)
     finally:
         parallel.destroy()
     os.makedirs(out, exist_ok=True)
     cfg.save_pretrained(out)
-    save_file(weights, os.path.join(out, WEIGHTS), metadata={"format": "pt"})
+    if fmt == "remote":
+        from rmt.export.remote import copy_code
+
+        copy_code(out)
+    save_weights(weights, os.path.join(out, WEIGHTS))
     hf_tokenizer(tokenizer, config.model.seq_length, tokenizer_json).save_pretrained(out)
     with open(os.path.join(out, RMT_CONFIG), "w") as f:
         json.dump(to_dict(config), f, indent=1)
     return cfg.model_type
 
 
+def save_weights(weights, path: str) -> None:
+    from safetensors.torch import save_file
+
+    save_file(weights, path, metadata={"format": "pt"})
+
+
 @cli_entry("rmt-export")
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     _check_out(args.out)
-    kind = export(args.checkpoint, args.out, args.average)
+    kind = export(args.checkpoint, args.out, args.average, args.format)
     print(f"rmt-export: wrote {kind} model to {args.out}")
     return 0
 

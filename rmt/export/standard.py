@@ -43,10 +43,10 @@ def standard_architecture(config: RMTConfig) -> str:
     m = config.model
     if m.arch != "transformer" or config.memory.type != "none":
         raise UserError(f"only the plain transformer baseline exports as a standard architecture (this is "
-                        f"model.arch '{m.arch}' with memory.type '{config.memory.type}'); use --remote-code")
+                        f"model.arch '{m.arch}' with memory.type '{config.memory.type}'); export it with --format remote")
     if m.normalization != "LayerNorm":
         raise UserError(f"no standard Hugging Face architecture matches model.normalization '{m.normalization}' with "
-                        f"a biased GELU MLP (GPT-2 and GPT-NeoX use LayerNorm); use --remote-code")
+                        f"a biased GELU MLP (GPT-2 and GPT-NeoX use LayerNorm); export it with --format remote")
     return {"learned": "gpt2", "rope": "gpt_neox"}[m.position]
 
 
