@@ -97,6 +97,27 @@ def test_remote_code_export_equals_rmt(tmp_path, capsys, name):
         parallel.destroy()
 
 
+def test_tables_stream_in_small_chunks(tmp_path):
+    """A memory table goes into the weights file in chunks of a few rows: the same values."""
+    from safetensors.torch import load_file
+
+    from rmt.export.cli import export
+    from rmt.training.table_checkpoint import table_shards
+
+    save = train_tiny(tmp_path, "ultramem", ["train.lr=3e-2"])
+    export(save, str(tmp_path / "hf"), chunk_bytes=64)  # 64 bytes: a row or two per chunk
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    model, _, _ = load_model(save, [])
+    try:
+        tables = table_shards([model])
+        assert tables and all(s.global_shape[0] * s.global_shape[1] * 4 > 10 * 64 for s in tables)
+        for s in tables:
+            assert torch.equal(weights[f"model.{s.name}"], s.param.detach())
+        assert set(weights) == {f"model.{k}" for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    finally:
+        parallel.destroy()
+
+
 def test_refusals(tmp_path, capsys):
     save = train_tiny(tmp_path, "transformer", ["model.normalization=RMSNorm"], steps=1)
     with pytest.raises(SystemExit) as err:

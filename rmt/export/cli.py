@@ -45,14 +45,18 @@ def _check_out(out: str) -> None:
         raise UserError(f"--out '{out}' exists and is not an empty directory; pick a new one")
 
 
-def export(checkpoint: str, out: str, average: bool = False, fmt: str = "auto") -> str:
-    """Write ``checkpoint`` as a Hugging Face model directory ``out``; returns its model type."""
+def export(checkpoint: str, out: str, average: bool = False, fmt: str = "auto",
+           chunk_bytes: int = 64 << 20, stream_tables: bool = True) -> str:
+    """Write ``checkpoint`` as a Hugging Face model directory ``out``; returns its model type.
+    Memory tables pass through host memory ``chunk_bytes`` at a time (``stream_tables=False``:
+    loaded whole, the plain path ``tools/bench_export.py`` compares against)."""
     from rmt import parallel
     from rmt.config import from_dict, to_dict
+    from rmt.export.weights import write_safetensors
     from rmt.export.standard import standard_architecture
     from rmt.export.tokenizer import hf_tokenizer
     from rmt.generate import checkpoint_tokenizer, load_model
-    from rmt.training.checkpoint import load_common
+    from rmt.training.checkpoint import find_checkpoint, load_common
 
     saved = from_dict(load_common(checkpoint)["config"])
     if fmt == "standard":
@@ -63,36 +67,37 @@ def export(checkpoint: str, out: str, average: bool = False, fmt: str = "auto") 
             fmt = "standard"
         except UserError:
             fmt = "remote"
+    # memory value tables go from their checkpoint files to the weights file in bounded chunks,
+    # never whole in memory (allocated untouched by load_model); a weight average is loaded whole
+    stream = fmt == "remote" and not average and stream_tables
     try:
-        model, config, tokenizer_json = load_model(checkpoint, [], average)
+        model, config, tokenizer_json = load_model(checkpoint, [], average, tables=not stream)
         tokenizer = checkpoint_tokenizer(config, tokenizer_json)
+        streamed = {}
         if fmt == "standard":
             from rmt.export.standard import hf_config, hf_state_dict
 
             cfg, weights = hf_config(config, tokenizer.eod), hf_state_dict(config, model.state_dict())
         else:
-            from rmt.export.remote import remote_config, remote_state_dict
+            from rmt.export.remote import remote_config, remote_state_dict, streamed_tables
 
-            cfg, weights = remote_config(config, tokenizer.eod), remote_state_dict(model)
+            if stream:
+                streamed = streamed_tables(find_checkpoint(checkpoint), model, chunk_bytes)
+            skip = {k.removeprefix("model.") for k in streamed}
+            cfg, weights = remote_config(config, tokenizer.eod), remote_state_dict(model, skip)
+        os.makedirs(out, exist_ok=True)
+        write_safetensors(os.path.join(out, WEIGHTS), weights, streamed, {"format": "pt"})
     finally:
         parallel.destroy()
-    os.makedirs(out, exist_ok=True)
     cfg.save_pretrained(out)
     if fmt == "remote":
         from rmt.export.remote import copy_code
 
         copy_code(out)
-    save_weights(weights, os.path.join(out, WEIGHTS))
     hf_tokenizer(tokenizer, config.model.seq_length, tokenizer_json).save_pretrained(out)
     with open(os.path.join(out, RMT_CONFIG), "w") as f:
         json.dump(to_dict(config), f, indent=1)
     return cfg.model_type
-
-
-def save_weights(weights, path: str) -> None:
-    from safetensors.torch import save_file
-
-    save_file(weights, path, metadata={"format": "pt"})
 
 
 @cli_entry("rmt-export")

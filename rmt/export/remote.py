@@ -26,11 +26,20 @@ def remote_config(config: RMTConfig, eod: int):
     return cfg
 
 
-def remote_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
-    """``model.<key>`` for every tensor of the module's single-process state dict (megatron's
-    ``_extra_state`` entries hold no tensor and are left out)."""
+def remote_state_dict(model: torch.nn.Module, skip=()) -> Dict[str, torch.Tensor]:
+    """``model.<key>`` for every tensor of the module's single-process state dict but ``skip``
+    (megatron's ``_extra_state`` entries hold no tensor and are left out)."""
     return {f"model.{k}": v.detach().contiguous().clone() for k, v in model.state_dict().items()
-            if isinstance(v, torch.Tensor)}
+            if isinstance(v, torch.Tensor) and k not in skip}
+
+
+def streamed_tables(root: str, model: torch.nn.Module, chunk_bytes: int) -> Dict[str, "Streamed"]:
+    """``model.<key>`` of every memory value table of ``model``, streamed from the checkpoint
+    directory ``root`` (:func:`rmt.export.weights.table_rows`)."""
+    from rmt.export.weights import table_rows
+    from rmt.training.table_checkpoint import table_shards
+
+    return {f"model.{s.name}": table_rows(root, s.key, s.global_shape, chunk_bytes) for s in table_shards([model])}
 
 
 def copy_code(out: str) -> None:

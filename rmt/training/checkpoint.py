@@ -287,9 +287,10 @@ def load_common(path: str) -> dict:
         raise UserError(f"checkpoint '{path}' is corrupt ({_root_cause(err)})") from None
 
 
-def load_checkpoint(path: str, chunks, optimizer, averages=None) -> dict:
+def load_checkpoint(path: str, chunks, optimizer, averages=None, with_tables: bool = True) -> dict:
     """Load model (and optimizer moments, if ``optimizer``; and the weight ``averages``, if given
-    and saved: ``common["ema"]``) in place; returns the common part."""
+    and saved: ``common["ema"]``) in place; returns the common part. ``with_tables=False`` leaves the
+    memory value tables as they are (``rmt-export`` streams them from their files)."""
     path = find_checkpoint(path)
     common = load_common(path)
     if not common.get("ema"):
@@ -309,7 +310,8 @@ def load_checkpoint(path: str, chunks, optimizer, averages=None) -> dict:
         raise UserError(f"checkpoint '{path}' stores its memory tables in an older format "
                         f"({common.get('table_format', 'inside the torch_dist files')}); this rmt reads "
                         f"format {TABLE_FORMAT}")
-    load_tables(path, chunks, optimizer)
+    if with_tables:
+        load_tables(path, chunks, optimizer)
     names = {s.key for s in tables}
     for i, chunk in enumerate(chunks):
         missing, unexpected = getattr(chunk, "module", chunk).load_state_dict(loaded[f"model{i}"], strict=False)
