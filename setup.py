@@ -23,6 +23,9 @@ INSTALL_REQUIRES = [
     "ninja==1.13.2",
     "psutil==7.2.2",
     "scipy==1.17.1",
+    # rmt-export writes and test-loads Hugging Face models
+    "transformers==5.24.0",
+    "safetensors==0.8.0",
 ]
 
 setup(
@@ -35,13 +38,19 @@ setup(
     install_requires=INSTALL_REQUIRES,
     # bench: FBGEMM's table-batched embeddings, the peer tools/bench_lookup_reduce.py times beside
     # lookup_reduce (its CPU build for torch 2.13; 1.9.0 is built for torch 2.14)
-    extras_require={"dev": ["pytest==9.2.0", "pytest-xdist==3.8.0", "filelock==4.3.1"], "bench": ["fbgemm-gpu-cpu==1.8.0"]},
+    # eval: lm-evaluation-harness for rmt-eval (it pulls scikit-learn, sacrebleu, evaluate, ...)
+    extras_require={"dev": ["pytest==9.2.0", "pytest-xdist==3.8.0", "filelock==4.3.1"], "bench": ["fbgemm-gpu-cpu==1.8.0"],
+                    "eval": ["lm-eval==0.4.13"]},
+    # the local lm-eval task of rmt-eval (YAMLs, its data and loader)
+    package_data={"rmt.evaluation": ["tasks/*.yaml", "tasks/*.json", "tasks/*.py"]},
     entry_points={
         "console_scripts": [
             "rmt-train=rmt.training.cli:main",
             "rmt-preprocess=rmt.data.preprocess:main",
             "rmt-plan=rmt.planner.cli:main",
             "rmt-generate=rmt.generate:main",
+            "rmt-eval=rmt.evaluation.cli:main",
+            "rmt-export=rmt.export.cli:main",
         ]
     },
 )

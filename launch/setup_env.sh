@@ -14,8 +14,9 @@ if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   # torch first, pinned: a looser requirement elsewhere would otherwise pull a CUDA build.
   .venv/bin/python -m pip install -q torch==2.13.0
-  # bench: FBGEMM, the peer of tools/bench_lookup_reduce.py (its smoke test runs it where installed)
-  .venv/bin/python -m pip install -q -e ".[dev,bench]"
+  # bench: FBGEMM, the peer of tools/bench_lookup_reduce.py (its smoke test runs it where installed);
+  # eval: lm-eval, which rmt-eval and its tests need
+  .venv/bin/python -m pip install -q -e ".[dev,bench,eval]"
   touch "$stamp"
 fi
 # The C++ extensions of csrc/, built here once per environment where a compiler exists (else on

@@ -165,8 +165,9 @@ def sample_next(logits: torch.Tensor, vocab_size: int, temperature: float, top_k
 @torch.no_grad()
 def generate(model, prompt: torch.Tensor, max_new_tokens: int, vocab_size: int, max_length: int,
              use_cache: bool = True, temperature: float = 0.0, top_k: int = 0, seed: int = 0,
-             decoder=None) -> torch.Tensor:
-    """``prompt`` ``[b, p]`` -> ``[b, p + max_new_tokens]`` sampled tokens."""
+             decoder=None, stop=None) -> torch.Tensor:
+    """``prompt`` ``[b, p]`` -> ``[b, p + max_new_tokens]`` sampled tokens, or fewer new tokens
+    where ``stop(tokens so far)`` returns True (checked after every new token)."""
     if prompt.shape[1] < 1:
         raise UserError("the prompt must hold at least one token")
     if prompt.shape[1] + max_new_tokens > max_length:
@@ -179,6 +180,7 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, vocab_size: int, 
     for i in range(max_new_tokens):
         token = sample_next(logits, vocab_size, temperature, top_k, generator)
         out.append(token[:, None])
-        if i + 1 < max_new_tokens:
-            logits = decoder.next(token)
+        if i + 1 == max_new_tokens or (stop is not None and stop(torch.cat(out, 1))):
+            break
+        logits = decoder.next(token)
     return torch.cat(out, 1)

@@ -21,16 +21,18 @@ from typing import List, Optional
 from rmt.errors import UserError, cli_entry
 
 
-def load_model(path: str, overrides: List[str], average: bool = False):
+def load_model(path: str, overrides: List[str], average: bool = False, tables: bool = True):
     """``(model, config, tokenizer_json)`` rebuilt from a checkpoint's saved config on one process
     (process groups initialised; the caller runs ``rmt.parallel.destroy()``), holding the trained
     weights or, with ``average``, the checkpoint's weight average (``train.ema_decay``);
     ``tokenizer_json`` is the tokenizer file the checkpoint carries (None for byte tokens and
-    older checkpoints)."""
+    older checkpoints). ``tables=False`` allocates the memory value tables without drawing or
+    loading them (untouched pages: no host memory), for a caller that reads their files."""
     from omegaconf import OmegaConf
 
     from rmt import parallel
     from rmt.config import from_dict, validate
+    from rmt.memory.table import values_from_checkpoint
     from rmt.models.build import build
     from rmt.training.checkpoint import find_checkpoint, load_checkpoint, load_common
     from rmt.training.same_model import model_difference
@@ -57,12 +59,24 @@ def load_model(path: str, overrides: List[str], average: bool = False):
     config = from_dict(saved)
     validate(config, 1)
     parallel.initialize(config)
-    chunks = build(config)
+    with values_from_checkpoint(not tables):
+        chunks = build(config)
     weights = WeightAverage(chunks, config.train.ema_decay) if average else None
-    load_checkpoint(path, chunks, None, weights.by_param() if weights else None)
+    load_checkpoint(path, chunks, None, weights.by_param() if weights else None, tables)
     if weights:
         weights.put_in()
     return chunks[0].eval(), config, tokenizer_json
+
+
+def checkpoint_tokenizer(config, tokenizer_json: Optional[str]):
+    """The dataset's own tokenizer: the copy the checkpoint carries, else the saved
+    ``data.tokenizer`` spec (byte tokens by default)."""
+    from rmt.data.tokenizers import HFTokenizer, build_tokenizer
+
+    d = config.data
+    if tokenizer_json is not None:
+        return HFTokenizer(d.tokenizer or "tokenizer.json", tokenizer_json)
+    return build_tokenizer(d.tokenizer or "byte", d.cache_dir, d.bpe_vocab_size, d.max_documents)
 
 
 def prompt_text(prompt: str) -> str:
@@ -107,7 +121,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     import torch
 
     from rmt import parallel
-    from rmt.data.tokenizers import HFTokenizer, build_tokenizer
     from rmt.decoding import generate
 
     try:
@@ -119,9 +132,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             except ValueError:
                 raise UserError(f"--prompt-ids must be comma-separated integers, got '{args.prompt_ids}'") from None
         else:
-            d = config.data
-            tokenizer = (HFTokenizer(d.tokenizer or "tokenizer.json", tokenizer_json) if tokenizer_json is not None
-                         else build_tokenizer(d.tokenizer or "byte", d.cache_dir, d.bpe_vocab_size, d.max_documents))
+            tokenizer = checkpoint_tokenizer(config, tokenizer_json)
             ids = tokenizer.tokenize(prompt_string)
         if any(not 0 <= i < config.model.vocab_size for i in ids):
             raise UserError(f"prompt token ids must lie in [0, {config.model.vocab_size})")

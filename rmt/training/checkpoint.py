@@ -340,9 +340,10 @@ def load_common(path: str) -> dict:
         raise UserError(f"checkpoint '{path}' is corrupt ({_root_cause(err)})") from None
 
 
-def load_checkpoint(path: str, chunks, optimizer, averages=None) -> dict:
+def load_checkpoint(path: str, chunks, optimizer, averages=None, with_tables: bool = True) -> dict:
     """Load model (and optimizer moments, if ``optimizer``; and the weight ``averages``, if given
-    and saved: ``common["ema"]``) in place; returns the common part."""
+    and saved: ``common["ema"]``) in place; returns the common part. ``with_tables=False`` leaves the
+    memory value tables as they are (``rmt-export`` streams them from their files)."""
     path = find_checkpoint(path)
     common = load_common(path)
     if not common.get("ema"):
@@ -366,7 +367,8 @@ def load_checkpoint(path: str, chunks, optimizer, averages=None) -> dict:
         raise UserError(f"checkpoint '{path}' stores its memory tables in an older format "
                         f"({common.get('table_format', 'inside the torch_dist files')}); this rmt reads "
                         f"format {TABLE_FORMAT}")
-    load_tables(path, chunks, optimizer)
+    if with_tables:
+        load_tables(path, chunks, optimizer)
     names = {s.key for s in tables}
     for i, chunk in enumerate(chunks):
         missing, unexpected = getattr(chunk, "module", chunk).load_state_dict(loaded[f"model{i}"], strict=False)
@@ -410,6 +412,14 @@ def will_resume(save: Optional[str], load: Optional[str]) -> bool:
     return _from_rank0(found)
 
 
+def _starts_from_hf(save: Optional[str], load: Optional[str]) -> bool:
+    """``load`` is a Hugging Face model directory (``rmt-export``'s, or a standard one) and
+    ``save`` holds no complete checkpoint to continue instead."""
+    from rmt.export.importer import is_hf_directory
+
+    return is_hf_directory(load) and not (save and checkpoint_dirs.complete_checkpoints(save)[0])
+
+
 def resume(save: Optional[str], load: Optional[str], chunks, optimizer,
            say: Callable[[str], None],
            model_problem: Optional[Callable[[dict, str], Optional[str]]] = None,
@@ -418,9 +428,18 @@ def resume(save: Optional[str], load: Optional[str], chunks, optimizer,
     ``checkpoint_dirs.resume_plan``) and return its path and common part, or None for a fresh
     start. A complete-looking checkpoint that cannot be read is reported and the next older one
     tried; one of another model (:class:`CheckpointMismatch`) is an error at once, as every
-    older one would fail the same way. ``say`` receives each sentence worth telling (called on
+    older one would fail the same way. A Hugging Face model directory as ``load``
+    (:mod:`rmt.export.importer`) gives the starting weights when ``save`` has no checkpoint yet.
+    ``say`` receives each sentence worth telling (called on
     global rank 0 only). ``model_problem(saved_config, path)`` says why a checkpoint's saved
     config is of another model (None when it is this one); such a checkpoint is a mismatch."""
+    if _from_rank0(_starts_from_hf(save, load) if _rank() == 0 else None):
+        from rmt.export.importer import load_hf_directory
+
+        load_hf_directory(load, chunks, model_problem)
+        if _rank() == 0:
+            say(f"loaded the weights of the Hugging Face model '{load}' (optimizer, step and data start afresh)")
+        return load, {"iteration": 0, "consumed_samples": 0}
     plan = None
     if _rank() == 0:
         try:

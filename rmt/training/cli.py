@@ -59,7 +59,11 @@ def preflight(args: argparse.Namespace, world_size: Optional[int] = None) -> str
     """Everything that can be checked before any worker starts: the config for ``world_size``
     and the checkpoint the run would continue from. Returns where the run would start; raises
     ``UserError`` (one sentence) on a problem."""
+    from rmt.export.importer import is_hf_directory
+
     t = checked_config(args, world_size).train
+    if is_hf_directory(t.load) and not (t.save and checkpoint_dirs.complete_checkpoints(t.save)[0]):
+        return f"the run would start from the weights of the Hugging Face model '{t.load}'"
     candidates, notes, _ = checkpoint_dirs.resume_plan(t.save, t.load)
     start = f"the run would continue from '{candidates[0]}'" if candidates else "the run would start from step 0"
     return "; ".join(notes + [start])

@@ -1,0 +1,4 @@
+"""The config class of an rmt model exported by ``rmt-export`` (``trust_remote_code=True``):
+rmt's own, so rmt must be installed (see ``rmt.export.hf_model`` for why)."""
+
+from rmt.export.hf_model import RMTHFConfig  # noqa: F401
