@@ -218,3 +218,126 @@ def test_initialization_follows_the_authors():
     for table in (layer.values.weight, layer.pre_values.weight):
         assert table.shape[0] == 64 and abs(table.std().item() - 0.02) < 0.002
     assert not torch.equal(layer.values.weight[:, :16], layer.pre_values.weight)  # own streams
+
+
+# -- in the model: every block, beside the FFN -------------------------------------------------
+
+V2 = ["memory.type=ultramem_v2", "memory.num_heads=1", "memory.topk=4", "memory.key_dim=8", "memory.num_keys=4",
+      "memory.value_dim=8", "memory.pre_value_dim=4", "model.vocab_size=64", "model.seq_length=8",
+      "model.num_layers=2"]
+ARCHS = {"transformer": ["model.hidden_size=16", "model.num_attention_heads=2"],
+         "rmt": ["model.arch=rmt", "model.position=alibi", "model.dk=4", "model.dv=4", "model.rank=2",
+                 "model.ffn_hidden_size=16"]}
+
+
+@pytest.fixture(scope="module")
+def single_process():
+    from rmt import parallel
+    from rmt.config import load_config, validate
+
+    parallel.initialize(validate(load_config(None, V2 + ARCHS["transformer"]), 1))
+    yield
+    parallel.destroy()
+
+
+def _build(arch, *overrides):
+    from rmt.config import load_config, validate
+    from rmt.models.build import build
+
+    torch.manual_seed(0)
+    return build(validate(load_config(None, V2 + ARCHS[arch] + list(overrides)), 1))[0]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_memory_reads_the_ffn_input_and_adds_to_the_block_output(single_process, arch):
+    """Layer l's output = the dense block's output + memory_l(the block's normed FFN input), the
+    authors' ``x = block(x); x = x + mem(block.ffn_input_after_norm)``: against the model without
+    memory on the same weights, layer by layer."""
+    model = _build(arch)
+    dense = _build(arch, "memory.type=none")
+    dense.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("memory.")})
+    layers, _ = (model.memory_hook_layers() if arch == "rmt" else (model.decoder.layers, 0))
+    dense_layers, _ = (dense.memory_hook_layers() if arch == "rmt" else (dense.decoder.layers, 0))
+    assert len(model.memory) == 2
+    seen = {}
+
+    def keep(name):
+        def hook(module, args, output):
+            seen[name] = (args[0] if name.startswith("in") else output[0] if isinstance(output, tuple) else output)
+        return hook
+
+    for k in (0, 1):
+        model.memory[k].register_forward_hook(keep(f"mem{k}"))
+        model.memory[k].register_forward_pre_hook(lambda m, args, k=k: seen.__setitem__(f"in{k}", args[0]))
+        layers[k].register_forward_hook(keep(f"out{k}"))
+        norm = dense_layers[k].pre_mlp_layernorm if arch == "transformer" else dense_layers[k].ffn_input
+        norm.register_forward_hook(keep(f"ffn{k}"))
+        dense_layers[k].register_forward_hook(keep(f"dense{k}"))
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(8)[None].expand(2, -1)
+    model(tokens, positions, None)
+    first = dict(seen)
+    dense(tokens, positions, None)
+    ffn = seen["ffn0"] if arch == "transformer" else dense_layers[0].ff_norm(seen["ffn0"])
+    torch.testing.assert_close(first["in0"], ffn.flatten(2))  # the first layer's inputs agree
+    torch.testing.assert_close(first["out0"], seen["dense0"] + first["mem0"].view(seen["dense0"].shape))
+    assert first["mem0"].abs().max() > 0
+
+
+def test_async_stream_gives_the_synchronous_result(single_process):
+    """``memory.async_stream``: each layer's memory runs from its FFN input alongside the FFN;
+    the Eq. 12 loss (the trainer's pop_aux_loss in the synchronous mode) backpropagates on the
+    stream."""
+    from rmt.memory import pop_aux_loss
+
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(2))
+    positions = torch.arange(8)[None].expand(2, -1)
+    outs, grads = [], []
+    for stream in ("false", "true"):
+        model = _build("transformer", f"memory.async_stream={stream}")
+        out = model(tokens, positions, None)
+        (out.float().square().mean() + pop_aux_loss(model)).backward()
+        outs.append(out.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)
+    assert sorted(grads[1]) == sorted(grads[0]) and "memory.1.pre_values.weight" in grads[0]
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-7, rtol=1e-6, msg=name)
+
+
+def test_placement_lists_layers(single_process):
+    model = _build("transformer", "model.num_layers=3", "memory.placement=1/3")
+    assert sorted(model.memory._modules) == ["0", "1"]
+    assert model.memory_wiring.placement == {0: (1, 1), 1: (3, 3)}
+
+
+@pytest.mark.parametrize("override,message", [
+    ("memory.placement='1:2'", "must be a layer 'i' or a range 'i-j'"),
+    ("memory.topk=9", r"memory.topk \(9\) exceeds the 8 keys per side"),
+    ("memory.num_cores=3", r"the value dim \(8\) must be divisible by memory.num_cores \(3\)"),
+    ("memory.softmax=true", "has RMS-normed queries without bias and no softmax"),
+    ("memory.pre_value_activation=relu", "memory.pre_value_activation must be one of none, gelu"),
+    ("memory.ive_blocks=2", "must be a perfect square"),
+])
+def test_config_errors(override, message):
+    from rmt.config import load_config, validate
+    from rmt.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        validate(load_config(None, V2 + ARCHS["transformer"] + ["memory.ive_blocks=4", override]), 1)
+
+
+def test_v2_keys_rejected_for_other_types():
+    from rmt.config import load_config, validate
+    from rmt.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="apply to memory.type 'ultramem_v2', not 'ultramem'"):
+        validate(load_config(None, ["memory.type=ultramem", "memory.placement='1:2'", "memory.pre_value_dim=4"]), 1)
+
+
+def test_async_stream_on_the_rmt_is_refused():
+    from rmt.config import load_config, validate
+    from rmt.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="memory.async_stream with memory.type 'ultramem_v2' needs model.arch"):
+        validate(load_config(None, V2 + ARCHS["rmt"] + ["memory.async_stream=true"]), 1)
