@@ -341,3 +341,19 @@ def test_async_stream_on_the_rmt_is_refused():
 
     with pytest.raises(ConfigError, match="memory.async_stream with memory.type 'ultramem_v2' needs model.arch"):
         validate(load_config(None, V2 + ARCHS["rmt"] + ["memory.async_stream=true"]), 1)
+
+
+def test_plan_memory_counts_both_tables_and_the_keys(single_process):
+    """``rmt-plan memory`` of an UltraMemV2 config: per layer, the value and pre-value tables'
+    bytes and the keys' bytes of the built model."""
+    from rmt.config import load_config, validate
+    from rmt.planner.memory import components, plan_from_config
+
+    config = validate(load_config(None, V2 + ARCHS["transformer"] + ["memory.ive_blocks=4"]), 1)
+    model = _build("transformer", "memory.ive_blocks=4")
+    plan = plan_from_config(config, group_size=1, layers=2, microbatches=1)
+    parts = components(plan)
+    layer = model.memory[0]
+    tables = sum(t.weight.numel() * t.weight.element_size() for t in (layer.values, layer.pre_values))
+    assert parts["table"] == tables
+    assert parts["keys"] == layer.keys.numel() * 4
