@@ -280,9 +280,9 @@ def test_memory_reads_the_ffn_input_and_adds_to_the_block_output(single_process,
     dense(tokens, positions, None)
     ffn = seen["ffn0"] if arch == "transformer" else dense_layers[0].ff_norm(seen["ffn0"])
     torch.testing.assert_close(first["in0"], ffn.flatten(2))  # the first layer's inputs agree
-    if arch == "transformer":  # normed (unit gain at init: mean square 1 a token), not the residual
-        torch.testing.assert_close(first["in0"].pow(2).mean(-1), torch.ones(first["in0"].shape[:2]),
-                                   atol=1e-3, rtol=0)
+    if arch == "transformer":  # normed: mean square var / (var + eps) ~ 0.97 a token (unit gain at
+        # init, the residual's variance ~ 0.02^2 against eps 1e-5), where the residual's is ~4e-4
+        assert first["in0"].pow(2).mean(-1).min() > 0.9
     torch.testing.assert_close(first["out0"], seen["dense0"] + first["mem0"].view(seen["dense0"].shape))
     assert first["mem0"].abs().max() > 0
 
