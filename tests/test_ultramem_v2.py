@@ -360,3 +360,15 @@ def test_plan_memory_counts_both_tables_and_the_keys(single_process):
     tables = sum(t.weight.numel() * t.weight.element_size() for t in (layer.values, layer.pre_values))
     assert parts["table"] == tables
     assert parts["keys"] == layer.keys.numel() * 4
+
+
+def test_plan_model_gives_the_memory_over_ffn_ratio():
+    """``rmt-plan model``: UltraMemV2's per-layer forward FLOPs over the FFN's (two matmuls,
+    4 x 128 x 512 per token in configs/ultramem_v2_tiny.yaml; 4 x (4 x 32) x 512 in the RMT twin)."""
+    from rmt.config import load_config
+    from rmt.planner.flops import plan_model
+
+    for name, ffn in (("ultramem_v2_tiny", 4 * 128 * 512), ("ultramem_v2_rmt_tiny", 4 * 4 * 32 * 512)):
+        mem = plan_model(load_config(f"configs/{name}.yaml", ["model.vocab_size=64"]))["memory"]
+        assert mem["placement"] == "ffn" and [layer["placement"] for layer in mem["layers"]] == ["1", "2"]
+        assert mem["memory_over_ffn_flops"] == pytest.approx(mem["layers"][0]["flops_per_token"] / ffn)

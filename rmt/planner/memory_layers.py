@@ -114,10 +114,21 @@ def memory_plan(config) -> Dict:
     else:
         from rmt.memory.layer import MemorySpec
 
-        where = [f"{i}:{j}" for i, j in memory_placement(config)]
+        where = [str(i) if mem.type == "ultramem_v2" else f"{i}:{j}" for i, j in memory_placement(config)]
         each = [ultramem_counts(MemorySpec.from_config(config, k)) for k in range(len(where))]
     layers: List[Dict] = [{"placement": p, **c} for p, c in zip(where, each)]
     total = {key: sum(c[key] for c in each) for key in ("params", "activated_params", "flops_per_token")}
-    return {"type": mem.type, "placement": mem.moe_placement if mem.type == "moe" else
-            "ffn" if mem.type == "ultramem_v2" else "skip",
-            "layers": layers, **total}
+    plan = {"type": mem.type, "placement": mem.moe_placement if mem.type == "moe" else
+            "ffn" if mem.type == "ultramem_v2" else "skip", "layers": layers, **total}
+    if mem.type == "ultramem_v2":
+        plan["memory_over_ffn_flops"] = total["flops_per_token"] / (len(layers) * ffn_flops_per_token(config))
+    return plan
+
+
+def ffn_flops_per_token(config) -> int:
+    """Forward FLOPs per token of one layer's FFN (its two matmuls, ``2 x 2 x in x ffn``; ``in`` the
+    transformer's hidden size or the RMT's ``rank x dv``): the denominator of UltraMemV2's
+    memory/FFN compute ratio."""
+    m = config.model
+    width = m.rank * m.dv if m.arch == "rmt" else m.hidden_size
+    return 4 * width * (m.ffn_hidden_size or 4 * width)
