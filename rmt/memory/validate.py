@@ -74,7 +74,7 @@ def parse_moe_layers(text: str, num_layers: int) -> List[int]:
             first, last = int(parts[0]), int(parts[-1])
         except ValueError:
             raise ConfigError(f"memory.placement entry '{item}' must be a layer 'i' or a range 'i-j' "
-                              f"(memory.moe_placement 'mlp' lists the layers whose MLP is an MoE)")
+                              f"(memory.moe_placement 'mlp' and memory.type 'ultramem_v2' list layers)")
         if len(parts) > 2 or first > last:
             raise ConfigError(f"memory.placement entry '{item}' must be a layer 'i' or a range 'i-j' with i <= j")
         if first < 1 or last > num_layers:
@@ -270,38 +270,44 @@ def validate_memory(config, world_size: Optional[int] = None) -> None:
     validate_value_optimizer(mem)
     if mem.aux_loss_weight < 0 or mem.aux_loss_margin < 0:
         raise ConfigError("memory.aux_loss_weight and memory.aux_loss_margin must not be negative")
-    if mem.type == "ultramem_v2":
-        validate_ultramem_v2(config)
-        return
     if mem.type == "pkm":
         if mem.key_dim % 2:
             raise ConfigError(f"memory.key_dim ({mem.key_dim}) must be even for PKM (row and column halves)")
         if mem.topk > mem.num_keys:
             raise ConfigError(f"memory.topk ({mem.topk}) exceeds memory.num_keys ({mem.num_keys}) keys per side")
         return
+    if mem.type == "ultramem_v2":
+        validate_ultramem_v2(config)
+    else:
+        if mem.topk > mem.num_keys * mem.num_keys:
+            raise ConfigError(f"memory.topk ({mem.topk}) exceeds the number of memory slots ({mem.num_keys ** 2})")
+        if mem.retrieval == "tucker" and mem.key_dim % mem.tucker_rank:
+            raise ConfigError(f"memory.key_dim ({mem.key_dim}) must be divisible by memory.tucker_rank "
+                              f"({mem.tucker_rank})")
+    validate_key_grid(config)
+
+
+def validate_key_grid(config) -> None:
+    """UltraMem's and UltraMemV2's retrieval, key grid and value columns."""
+    mem = config.memory
     if mem.retrieval not in ("tucker", "product"):
         raise ConfigError(f"memory.retrieval must be 'tucker' or 'product', got '{mem.retrieval}'")
     side = math.isqrt(mem.ive_blocks)
     if side * side != mem.ive_blocks:
         raise ConfigError(
             f"memory.ive_blocks ({mem.ive_blocks}) must be a perfect square (the key grid grows by sqrt(E) per side)")
-    if mem.topk > mem.num_keys * mem.num_keys:
-        raise ConfigError(f"memory.topk ({mem.topk}) exceeds the number of memory slots ({mem.num_keys ** 2})")
     if mem.topk > mem.num_keys * side:
         raise ConfigError(f"memory.topk ({mem.topk}) exceeds the {mem.num_keys * side} keys per side")
-    if mem.retrieval == "tucker" and mem.key_dim % mem.tucker_rank:
-        raise ConfigError(f"memory.key_dim ({mem.key_dim}) must be divisible by memory.tucker_rank ({mem.tucker_rank})")
     if mem.retrieval == "product" and mem.num_cores != 1:
         raise ConfigError("memory.num_cores > 1 (multi-core scoring) needs memory.retrieval 'tucker'")
-    width = memory_width(config)
-    value_dim = width // 2 if mem.half_value_dim else width
-    if value_dim % mem.num_cores:
-        raise ConfigError(f"the value dim ({value_dim}) must be divisible by memory.num_cores ({mem.num_cores})")
+    dim = value_dim(config)
+    if dim % mem.num_cores:
+        raise ConfigError(f"the value dim ({dim}) must be divisible by memory.num_cores ({mem.num_cores})")
 
 
 def validate_ultramem_v2(config) -> None:
-    """``memory.type: ultramem_v2`` (:mod:`rmt.memory.layer_v2`): the keys it reads and the
-    UltraMem switches it has no use for."""
+    """``memory.type: ultramem_v2`` (:mod:`rmt.memory.layer_v2`): its own keys and the UltraMem
+    switches it has no use for (its key grid: :func:`validate_key_grid`)."""
     mem = config.memory
     if mem.async_stream and config.model.arch != "transformer":
         raise ConfigError("memory.async_stream with memory.type 'ultramem_v2' needs model.arch 'transformer': the "
@@ -316,16 +322,3 @@ def validate_ultramem_v2(config) -> None:
     if mem.pre_value_activation not in PRE_VALUE_ACTIVATIONS:
         raise ConfigError(f"memory.pre_value_activation must be one of {', '.join(PRE_VALUE_ACTIVATIONS)}, "
                           f"got '{mem.pre_value_activation}'")
-    if mem.retrieval not in ("tucker", "product"):
-        raise ConfigError(f"memory.retrieval must be 'tucker' or 'product', got '{mem.retrieval}'")
-    if mem.retrieval == "product" and mem.num_cores != 1:
-        raise ConfigError("memory.num_cores > 1 (multi-core scoring) needs memory.retrieval 'tucker'")
-    side = math.isqrt(mem.ive_blocks)
-    if side * side != mem.ive_blocks:
-        raise ConfigError(
-            f"memory.ive_blocks ({mem.ive_blocks}) must be a perfect square (the key grid grows by sqrt(E) per side)")
-    if mem.topk > mem.num_keys * side:
-        raise ConfigError(f"memory.topk ({mem.topk}) exceeds the {mem.num_keys * side} keys per side")
-    dim = value_dim(config)
-    if dim % mem.num_cores:
-        raise ConfigError(f"the value dim ({dim}) must be divisible by memory.num_cores ({mem.num_cores})")
