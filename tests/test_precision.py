@@ -1,6 +1,6 @@
 """bf16 (autocast) training runs on CPU and tracks fp32 closely, for the transformer, the RMT and
-megatron's MoE (router in fp32), and the UltraMem and PKM memory layers (their scores come out of
-autocast in bf16 and meet a float32 value table)."""
+megatron's MoE (router in fp32), and the UltraMem, UltraMemV2 and PKM memory layers (their scores
+come out of autocast in bf16 and meet a float32 value table)."""
 
 import pytest
 
@@ -12,7 +12,9 @@ ARCHS = {"transformer": [], "rmt": ["model.arch=rmt", "model.position=alibi", "m
                                     "model.dv=8", "model.rank=4", "train.lr=0.01", "train.steps=8"],
          "moe_mlp": ["memory.type=moe", "memory.moe_placement=mlp", "memory.placement=1-2", "memory.num_experts=4"],
          **{kind: [f"memory.type={kind}", "memory.placement='1:2'", "memory.key_dim=8", "memory.num_keys=8",
-                   "memory.topk=4"] for kind in ("ultramem", "pkm")}}
+                   "memory.topk=4"] for kind in ("ultramem", "pkm")},
+         "ultramem_v2": ["memory.type=ultramem_v2", "memory.num_heads=1", "memory.key_dim=8", "memory.num_keys=8",
+                         "memory.topk=4", "memory.pre_value_dim=8"]}
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

@@ -6,6 +6,9 @@ dimension of their hidden states), or megatron's ``decoder.layers`` (GPTModel; `
 A block's output may be a tensor or a tuple whose first element is the hidden state. For the
 placement ``i:j`` the hook on layer i keeps its output and the hook on layer j adds
 ``memory(kept)`` to its output (UltraMem §3.2 "skip-layer" structure, Appendix E notation).
+UltraMemV2 (``memory.type: ultramem_v2``) sits beside the FFN, placed ``i:i``: its input is kept
+from inside layer i, the layer's normed FFN input (:func:`_ffn_input`), and its output is added
+to layer i's output.
 Hidden states with more than one feature dimension (the RMT's residual matrix ``[s, b, Dv, Dk]``)
 are flattened for the memory layer (width :func:`~rmt.memory.validate.memory_width`) and its
 output is viewed back: the memory reads the whole matrix and writes a full-matrix update.
@@ -179,7 +182,8 @@ class MemoryWiring:
         self.documents: Optional[torch.Tensor] = None
         self.handles = [chunk.register_forward_pre_hook(self.capture_documents, with_kwargs=True)]
         inputs = inputs or {}
-        self.transforms = {k: inputs[i][1] for k, (i, _) in placement.items() if i in inputs}
+        self.transforms = {k: inputs[i][1] for k, (i, _) in placement.items()
+                           if i in inputs and inputs[i][1] is not None}
         starts = {i for i, _ in placement.values()}
         for number in sorted(starts | {j for _, j in placement.values()}):
             keep = number in starts
@@ -198,7 +202,7 @@ class MemoryWiring:
     def _run(self, k: int, x: torch.Tensor, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
         x = x if self.seq_dim == 0 else x.transpose(0, self.seq_dim)
         module = self.modules[k]
-        if k in self.transforms and self.transforms[k] is not None:
+        if k in self.transforms:
             x = self.transforms[k](x)
         extra = {"documents": documents} if documents is not None and isinstance(module, MemoryLayer) else {}
         # Flattened to [s, b, width]: the RMT's residual is a Dv x Dk matrix per token.

@@ -33,6 +33,7 @@ from rmt.memory.batchnorm import QueryBatchNorm
 from rmt.memory.ive import AddressShuffle
 from rmt.memory.table import MemoryTable
 from rmt.memory.validate import memory_width
+from rmt.memory.validate import value_dim as config_value_dim
 from rmt.ops.counter_normal import stream_key
 
 
@@ -78,8 +79,10 @@ class MemorySpec:
 
     @classmethod
     def from_config(cls, config, index: int = 0) -> "MemorySpec":
-        """``memory.type`` ultramem (every switch from ``memory.*``) or pkm (Lample et al.:
-        product keys split in row/column halves, softmax, value dim = hidden, no norm/conv/IVE).
+        """``memory.type`` ultramem (every switch from ``memory.*``), ultramem_v2 (version 2,
+        :mod:`rmt.memory.layer_v2`: its value and pre-value widths, no softmax, conv or Table 2
+        switches) or pkm (Lample et al.: product keys split in row/column halves, softmax, value
+        dim = hidden, no norm/conv/IVE).
         The hidden width is :func:`~rmt.memory.validate.memory_width` (``dk * dv`` for the RMT)."""
         mem, m = config.memory, config.model
         width = memory_width(config)
@@ -93,7 +96,7 @@ class MemorySpec:
             return cls(version=2, side_dim=mem.key_dim, retrieval=mem.retrieval,
                        tucker_rank=1 if mem.retrieval == "product" else mem.tucker_rank,
                        num_cores=mem.num_cores, ive_blocks=mem.ive_blocks, ive_shuffle=mem.ive_shuffle,
-                       softmax=False, value_dim=mem.value_dim or width // 2, share_query=False,
+                       softmax=False, value_dim=config_value_dim(config), share_query=False,
                        query_key_norm=True, conv_kernel=0, improved_init=False,
                        aux_loss_weight=0.0 if mem.retrieval == "product" else mem.aux_loss_weight,
                        aux_loss_margin=mem.aux_loss_margin, pre_value_dim=mem.pre_value_dim,

@@ -82,7 +82,6 @@ class UltraMemV2Layer(MemoryLayer):
             _tag(self.pre_proj.weight, 1.0 / math.sqrt(W))
         self.proj = torch.nn.Linear(s.value_dim, W, bias=False)
         _tag(self.proj.weight, 1.0 / math.sqrt(s.value_dim))
-        self.has_proj = True
         self.shuffle = AddressShuffle(n, s.seed) if s.ive_shuffle and s.ive_blocks > 1 else None
         self.register_buffer("score_stats", torch.zeros(4, dtype=torch.float64), persistent=False)
         self._reset_stats()
@@ -97,7 +96,10 @@ class UltraMemV2Layer(MemoryLayer):
     def side_scores(self, h: torch.Tensor, keys: torch.Tensor):
         """Row and column scores ``[T, H, r, n]``: each side's query against every rank's keys."""
         s = self.spec
-        q = self.query_norm(self.query(h).view(h.shape[0], s.num_heads, 2, s.side_dim))
+        q = self.query(h).view(h.shape[0], s.num_heads, 2, s.side_dim)
+        # The norm in its gain's dtype: autocast has no rule for rms_norm (a bf16 query against an
+        # fp32 gain would take torch's unfused path), as it computes layer_norm in fp32.
+        q = self.query_norm(q.to(self.query_norm.weight.dtype))
         return tuple(torch.einsum("thd,hrnd->thrn", q[:, :, side], keys[:, side]) for side in (0, 1))
 
     def gates(self, h: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
