@@ -1,7 +1,7 @@
 """UltraMemV2 (memory.type ultramem_v2: a memory beside the FFN of every layer, with value and
 pre-value tables) under 2 gloo ranks == the single-process run (fp32, 1e-5): sharded tables
-number-wise (saved at step 2 and resumed as a local table) and dimension-wise with the async
-stream, the fused sparse-Adam value optimizer, tensor and pipeline parallelism; three training
+number-wise (saved at step 2 and resumed as a local table; and pooled at the owners) and
+dimension-wise with the async stream, the fused sparse-Adam value optimizer, tensor and pipeline parallelism; three training
 steps through the trainer (tests/dist/train_steps.py), equal losses, gradients and weights."""
 
 import pytest
@@ -15,6 +15,7 @@ V2 = ["model.seq_length=16", "memory.type=ultramem_v2", "memory.num_heads=1", "m
 FUSED = ["memory.value_optimizer=sparse_adam", "memory.fused_value_optimizer=true"]
 CASES = {
     "dp2-number": (["memory.partition=number"], "local"),
+    "dp2-number-owner-reduce": (["memory.partition=number", "memory.owner_reduce=true"], "local"),
     "dp2-dimension-async": (["memory.partition=dimension", "memory.async_stream=true"], "local"),
     "dp2-number-fused-sparse-adam": (["memory.partition=number"] + FUSED, "fused"),
     "tp2": (["parallel.tensor_model_parallel_size=2"], "local"),
