@@ -490,14 +490,17 @@ class MemoryConfig:
     Appendix C/D; :mod:`rmt.memory.sharded_table`)."""
 
     type: str = "none"
-    """``none``, ``ultramem``, ``pkm`` or ``moe``."""
+    """``none``, ``ultramem``, ``ultramem_v2`` (UltraMemV2, arXiv 2508.18756: a memory beside the
+    FFN of every block, :mod:`rmt.memory.layer_v2`), ``pkm`` or ``moe``."""
 
     placement: str = ""
     """Skip placements ``i:j/...``: a memory's input is taken after layer i and its output added
     after layer j (1-based global layer numbers, i <= j), e.g. ``"3:5/6:8/9:11"``. Quote a single
     pair (``memory.placement='1:2'``): YAML reads ``3:5`` as a number. With pipeline parallelism
     each placement must lie inside one model chunk. With ``moe_placement: mlp``: the layers whose
-    MLP is an MoE, ``i`` or ranges ``i-j`` joined by ``/``."""
+    MLP is an MoE, ``i`` or ranges ``i-j`` joined by ``/``. ``ultramem_v2``: the layers with a
+    memory beside their FFN, ``i`` or ranges ``i-j`` joined by ``/``; empty = every layer (the
+    authors' ``mem_insert_way: full``)."""
 
     num_heads: int = 2
     """Memory heads."""
@@ -526,6 +529,20 @@ class MemoryConfig:
 
     ive_shuffle: bool = True
     """Implicit value expansion: random shuffle of the expanded values."""
+
+    value_dim: int = 0
+    """``ultramem_v2``: width Dv of the values (the authors' ``mem_vdim``), pooled and projected
+    to the memory width by one linear map; 0 = half the memory width. (UltraMem's value width is
+    set by ``half_value_dim``; the Table 2 switches below do not apply to ``ultramem_v2``.)"""
+
+    pre_value_dim: int = 0
+    """``ultramem_v2``: width of the PEER-style pre-values (``mem_pre_vdim``): each retrieved
+    slot's score is multiplied by ``act(<P[slot], W_pre x>)``, P a second table of this width;
+    0 = none."""
+
+    pre_value_activation: str = "none"
+    """``ultramem_v2``: ``act`` of the pre-value scores, ``none`` (the authors' default) or
+    ``gelu`` (their ``mem_use_glu_act``)."""
 
     softmax: bool = False
     """Table 2 ablation switch: softmax over the top-m scores (PKM; removed in UltraMem, §3.2
@@ -827,6 +844,10 @@ def validate_recompute(config: RMTConfig, stages: int) -> None:
     if t.recompute_method == "uniform" and per_chunk % n:
         raise ConfigError(f"train.recompute_num_layers ({n}) must divide the layers per model chunk ({per_chunk}) "
                           f"with train.recompute_method 'uniform'")
+    if config.memory.type == "ultramem_v2":
+        raise ConfigError("train.recompute_granularity 'full' does not take memory.type 'ultramem_v2' yet: its "
+                          "memory layer reads the FFN's input inside the recomputed layer, which the "
+                          "recomputation does not relink (use 'selective', or UltraMem v1)")
 
 
 def validate_sequence_parallel(config: RMTConfig) -> None:
@@ -845,6 +866,10 @@ def validate_sequence_parallel(config: RMTConfig) -> None:
         raise ConfigError(f"model.seq_length ({m.seq_length}) must be divisible by "
                           f"parallel.tensor_model_parallel_size ({p.tensor_model_parallel_size}) with "
                           f"parallel.sequence_parallel")
+    if config.memory.type == "ultramem_v2":
+        raise ConfigError("parallel.sequence_parallel does not take memory.type 'ultramem_v2' yet: its memory "
+                          "layer reads the FFN's sequence-sharded input, a path not tested against the "
+                          "single process")
 
 
 def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:

@@ -21,7 +21,8 @@ def test_quick_run_matches_sizes_and_claims_nothing(tmp_path, cache_dir):
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "bench_memory_train"
     rows = {r["model"]: r for r in doc["rows"]}
-    assert sorted(rows) == ["dense", "moe", "pkm", "ultramem"] and all(r["phase"] == "final" for r in doc["rows"])
+    assert sorted(rows) == ["dense", "moe", "pkm", "ultramem", "ultramem_v2"]
+    assert all(r["phase"] == "final" for r in doc["rows"])
     dense = rows["dense"]
     extra = {k: (r["params"] - dense["params"], r["flops_per_token"] - dense["flops_per_token"])
              for k, r in rows.items() if k != "dense"}
@@ -29,7 +30,7 @@ def test_quick_run_matches_sizes_and_claims_nothing(tmp_path, cache_dir):
         assert abs(params / extra["ultramem"][0] - 1) < 0.1, (kind, params)
         assert abs(flops / extra["ultramem"][1] - 1) < 0.1, (kind, flops)
     assert set(doc["summary"]["orderings"].values()) == {"not claimed (quick run)"}
-    assert doc["summary"]["tuned_value_lr_mult"] == {"pkm": 1.0, "ultramem": 10.0}
+    assert doc["summary"]["tuned_value_lr_mult"] == {"pkm": 1.0, "ultramem": 10.0, "ultramem_v2": 4.0}
 
 
 def test_orderings_need_separated_seeds():
@@ -71,7 +72,7 @@ def test_paired_orderings_use_the_per_seed_differences():
 
 @pytest.mark.parametrize("arg,message", [
     ("1,x", "--value-lr-mults takes numbers (1,3,10), KIND=MULT pairs (pkm=10,ultramem=30) or 'none'; got '1,x'"),
-    ("pkm=10,moe=3", "--value-lr-mults: only pkm and ultramem have value tables; got 'pkm=10,moe=3'"),
+    ("pkm=10,moe=3", "--value-lr-mults: only pkm, ultramem and ultramem_v2 have value tables; got 'pkm=10,moe=3'"),
 ])
 def test_bad_value_lr_mults_are_one_sentence(arg, message):
     bad = run_python(["tools/bench_memory_train.py", "--value-lr-mults", arg], check=False)
@@ -111,5 +112,5 @@ def test_one_variant_without_sweep_for_ablations(tmp_path, cache_dir, value_lr):
     assert doc["summary"]["tuned_value_lr_mult"] == {"ultramem": 3.0}
     bad = run_python(["tools/bench_memory_train.py", "--variants", "ultramem,lstm"], check=False)
     assert bad.returncode == 2
-    assert bad.stderr.strip() == ("bench_memory_train: --variants must name some of dense, pkm, moe, ultramem; "
+    assert bad.stderr.strip() == ("bench_memory_train: --variants must name some of dense, pkm, moe, ultramem, ultramem_v2; "
                                   "got ultramem,lstm")

@@ -23,12 +23,15 @@ def test_bench_memory_inference_smoke(tmp_path):
                 "--kv-len", "8", "--batches", "1,2", "--reps", "1", "--expansion", "2", "--topk", "2",
                 "--json", str(out)])
     doc = _doc(out, "bench_memory_inference", ["ultramem_over_dense_latency_b64", "moe_over_ultramem_latency_b64",
-                                               "ultramem_latency_growth_10x_slots"])
+                                               "ultramem_latency_growth_10x_slots",
+                                               "ultramem_v2_over_dense_latency_b64",
+                                               "ultramem_v2_over_ultramem_latency_b64", "moe_over_ultramem_v2_latency_b64"])
     assert [r["batch"] for r in doc["rows"]] == [1, 2]
     for row in doc["rows"]:
-        # every model touches at least the dense layers' weights; MoE and UltraMem more
+        # every model touches at least the dense layers' weights; MoE and the memories more
         assert row["dense_bytes"] > 0
         assert row["ultramem_bytes"] > row["dense_bytes"] and row["moe_bytes"] > row["dense_bytes"]
+        assert row["ultramem_v2_bytes"] > row["dense_bytes"]
 
 
 def test_bench_memory_parallel_smoke(tmp_path):

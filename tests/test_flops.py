@@ -22,6 +22,8 @@ TRANSFORMER = ["model.hidden_size=24", "model.num_attention_heads=4"]
 RMT = ["model.arch=rmt", "model.dk=6", "model.dv=4", "model.rank=3", "model.position=alibi"]
 ULTRAMEM = ["memory.type=ultramem", "memory.placement='1:3/2:2'", "memory.key_dim=8", "memory.num_keys=4",
             "memory.topk=3", "memory.init_samples=2"]
+ULTRAMEM_V2 = ["memory.type=ultramem_v2", "memory.num_heads=1", "memory.key_dim=8", "memory.num_keys=4",
+               "memory.topk=3", "memory.value_dim=8", "memory.pre_value_dim=6"]
 CASES = {
     "rmt_alibi": RMT,
     "rmt_learned": ["model.arch=rmt", "model.dk=5", "model.dv=4", "model.rank=2", "model.position=learned"],
@@ -42,6 +44,11 @@ CASES = {
                                           "memory.num_experts=3", "memory.moe_topk=1"],
     "rmt_ultramem": RMT + ULTRAMEM,
     "rmt_moe_skip": RMT + ["memory.type=moe", "memory.placement='1:3'", "memory.num_experts=2"],
+    "transformer_ultramem_v2": TRANSFORMER + ULTRAMEM_V2,
+    "transformer_ultramem_v2_two_heads_no_pre_values": TRANSFORMER + ULTRAMEM_V2 + [
+        "memory.num_heads=2", "memory.pre_value_dim=0", "memory.ive_blocks=1", "memory.placement=1/3"],
+    "transformer_ultramem_v2_product": TRANSFORMER + ULTRAMEM_V2 + ["memory.retrieval=product", "memory.num_cores=1"],
+    "rmt_ultramem_v2": RMT + ULTRAMEM_V2,
 }
 
 
@@ -87,6 +94,10 @@ ORACLE_CASES = {
     "moe_mlp": ["memory.type=moe", "memory.moe_placement=mlp", "memory.placement=2", "memory.num_experts=8"],
     "rmt_ultramem": ORACLE_RMT + ["memory.type=ultramem"] + ORACLE_MEMORY,
     "rmt_moe_skip": ORACLE_RMT + ["memory.type=moe", "memory.placement='1:2'", "memory.num_experts=8"],
+    "ultramem_v2": ["memory.type=ultramem_v2", "memory.num_heads=1", "memory.key_dim=64", "memory.num_keys=32",
+                    "memory.topk=8", "memory.value_dim=128", "memory.pre_value_dim=64"],
+    "rmt_ultramem_v2": ORACLE_RMT + ["memory.type=ultramem_v2", "memory.num_heads=1", "memory.key_dim=64",
+                                     "memory.num_keys=32", "memory.topk=8", "memory.pre_value_dim=64"],
 }
 
 

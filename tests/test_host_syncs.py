@@ -46,29 +46,30 @@ def test_audit_records_the_operations_that_wait_and_their_callers():
     assert not audit.waits
 
 
-def _trainer(memory):
+def _trainer(memory, path="configs/ultramem_tiny.yaml"):
     from rmt.training.trainer import Trainer
 
-    config = validate(load_config("configs/ultramem_tiny.yaml", STEP + memory), 1)
+    config = validate(load_config(path, STEP + memory), 1)
     assert config.memory.retrieval == "tucker" and config.memory.tucker_rank == 2
     parallel.initialize(config)
     return Trainer(config)
 
 
-@pytest.mark.parametrize("memory", [
-    ["memory.value_optimizer=sparse_adam", "memory.fused_value_optimizer=true"],
-    ["memory.value_optimizer=adamw"],
-], ids=["fused-sparse-adam", "adamw"])
-def test_memory_training_step_waits_once(memory):
+@pytest.mark.parametrize("memory,path", [
+    (["memory.value_optimizer=sparse_adam", "memory.fused_value_optimizer=true"], "configs/ultramem_tiny.yaml"),
+    (["memory.value_optimizer=adamw"], "configs/ultramem_tiny.yaml"),
+    (["memory.value_optimizer=sparse_adam", "memory.fused_value_optimizer=true"], "configs/ultramem_v2_tiny.yaml"),
+], ids=["fused-sparse-adam", "adamw", "ultramem-v2-fused-sparse-adam"])
+def test_memory_training_step_waits_once(memory, path):
     """One training step of the tiny UltraMem model (Tucker retrieval at rank 2, IVE, two
-    micro-batches): no operation of the memory layers, the lookup kernels or the fused value step
+    micro-batches; and of the tiny UltraMemV2 model, its value and pre-value tables): no operation of the memory layers, the lookup kernels or the fused value step
     waits for the device. Before: the rank-1 selector's and the auxiliary loss's SVDs (a solver
     status read on the host, one wait each per layer), the fused step's squared norm read per
     table, each micro-batch's loss read apart, its causal mask read for document boundaries, and
     the losses and the gradient norm read one after the other. What waits: one read of the step's
     losses and gradient norm together, which clipping needs before the optimizer step."""
     try:
-        trainer = _trainer(memory)
+        trainer = _trainer(memory, path)
         trainer.train_step()
         with HostSyncAudit(depth=1) as audit:
             trainer.train_step()

@@ -181,10 +181,11 @@ def test_pop_memory_stats_names(megatron):
 
 
 @pytest.mark.parametrize("name", ["ultramem_tiny", "pkm_tiny", "moe_tiny", "ultramem_151m_x12",
-                                  "ultramem_680m_x12", "ultramem_1.6b_x12", "pkm_151m_x12", "moe_151m_2in32", "moe_mlp_tiny"])
+                                  "ultramem_680m_x12", "ultramem_1.6b_x12", "pkm_151m_x12", "moe_151m_2in32", "moe_mlp_tiny",
+                                  "ultramem_v2_tiny", "ultramem_v2_rmt_tiny", "ultramem_v2_227m", "ultramem_v2_olmoe"])
 def test_shipped_configs_validate(name):
     cfg = validate(load_config(f"configs/{name}.yaml"), world_size=1)
-    assert cfg.memory.type in ("ultramem", "pkm", "moe")
+    assert cfg.memory.type in ("ultramem", "ultramem_v2", "pkm", "moe")
 
 
 @pytest.mark.parametrize("kind", ["sparse_adam", "rowwise_adagrad"])

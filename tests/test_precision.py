@@ -1,6 +1,6 @@
 """bf16 (megatron's: bf16 parameters and activations, fp32 main copies) trains on CPU and tracks
 fp32 closely, for the transformer, the RMT, the recurrent transformer, the mixer and megatron's MoE
-(router in fp32), and the UltraMem and PKM memory layers (bf16 queries and scores meeting a float32
+(router in fp32), and the UltraMem, UltraMemV2 and PKM memory layers (bf16 queries and scores meeting a float32
 value table); its weights are bf16, the memory value tables keep ``memory.value_dtype``."""
 
 import pytest
@@ -15,7 +15,9 @@ ARCHS = {"transformer": [], "rmt": ["model.arch=rmt", "model.position=alibi", "m
          "recurrent": ["model.arch=recurrent", "model.block_width=4", "model.seq_length=16"],
          "mixer": ["model.arch=mixer", "model.seq_length=16"],
          **{kind: [f"memory.type={kind}", "memory.placement='1:2'", "memory.key_dim=8", "memory.num_keys=8",
-                   "memory.topk=4"] for kind in ("ultramem", "pkm")}}
+                   "memory.topk=4"] for kind in ("ultramem", "pkm")},
+         "ultramem_v2": ["memory.type=ultramem_v2", "memory.num_heads=1", "memory.key_dim=8", "memory.num_keys=8",
+                         "memory.topk=4", "memory.pre_value_dim=8"]}
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

@@ -1,5 +1,5 @@
-"""Decode latency and weight bytes touched per step: dense vs MoE vs UltraMem (UltraMem
-arXiv 2411.12364, Fig. 1b/1c, Fig. 6c, Fig. 7).
+"""Decode latency and weight bytes touched per step: dense vs MoE vs UltraMem vs UltraMemV2
+(UltraMem arXiv 2411.12364, Fig. 1b/1c, Fig. 6c, Fig. 7; UltraMemV2 arXiv 2508.18756).
 
 One decode step = sequence length 1 against a static KV cache of ``--kv-len`` tokens, through L
 pre-LN layers (attention + GELU FFN). Models, side by side in one run:
@@ -17,6 +17,13 @@ pre-LN layers (attention + GELU FFN). Models, side by side in one run:
   parameter costs"; Table 9: MoE-1.6B-2in34 3.52 GFLOPs vs UltraMem-1.6B-x12 3.50);
 * ultramem_tenth: UltraMem with a tenth of the slots at the same top-m; ``ultramem`` over it is
   the latency growth for 10x slots (Fig. 6c; growing downwards keeps the default size in RAM).
+* ultramem_v2: dense + an UltraMemV2 layer (``rmt.memory.layer_v2.UltraMemV2Layer``) beside the
+  FFN of every layer, reading the FFN's normed input, at the authors' README proportions (one
+  head, key dim, value dim and pre-value dim D/4, no key expansion; their 227M/1.2B run): top-m
+  32 = UltraMem's 2 heads x 16 retrieved rows, and slots per layer so that its value and
+  pre-value tables hold as many parameters as UltraMem's tables (same total sparse parameters).
+  The dense layers are UltraMem's (the authors' smaller FFN is not applied), so its latency over
+  UltraMem's is the memory layers' alone.
 
 Sizes: the default is the width of the paper's smallest models (Table 6/9, 151M class: hidden
 1024, 16 heads, inner 4096, UltraMem top-16 x 2 heads, key dim 256), with 4 layers instead of 12
@@ -41,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from rmt.memory import MemoryLayer, MemorySpec, SkipMoE
+from rmt.memory.layer_v2 import UltraMemV2Layer
 
 
 class Attention(torch.nn.Module):
@@ -75,20 +83,25 @@ class DenseFFN(torch.nn.Module):
 
 
 class DecodeModel(torch.nn.Module):
-    """L layers of attention + FFN (dense or MoE) with memory modules at ``placement``."""
+    """L layers of attention + FFN (dense or MoE) with memory modules at skip ``placement``s, or
+    with ``beside_ffn`` one memory per layer reading the FFN's normed input (UltraMemV2)."""
 
-    def __init__(self, d, heads, layers, ffn_factory, memory=None, placement=()):
+    def __init__(self, d, heads, layers, ffn_factory, memory=None, placement=(), beside_ffn=False):
         super().__init__()
         self.attn = torch.nn.ModuleList(Attention(d, heads) for _ in range(layers))
         self.ffn = torch.nn.ModuleList(ffn_factory() for _ in range(layers))
         self.memory = torch.nn.ModuleList(memory or [])
         self.placement = list(placement)
+        self.beside_ffn = beside_ffn
 
     @torch.no_grad()
     def step(self, x, caches, states):
         kept = {}
         for n, (attn, ffn) in enumerate(zip(self.attn, self.ffn), start=1):
             x = x + attn(x, caches[n - 1])
+            if self.beside_ffn:
+                x = x + ffn(x) + self.memory[n - 1](ffn.norm(x), states[n - 1])
+                continue
             x = x + ffn(x)
             for k, (i, j) in enumerate(self.placement):
                 if i == n:
@@ -104,6 +117,13 @@ def _ultramem(d, layers, num_keys, topk, seed):
                       num_keys=num_keys, tucker_rank=2, num_cores=2, ive_blocks=4, init_samples=1,
                       seed=seed)
     return MemoryLayer(spec).eval()
+
+
+def _ultramem_v2(d, layers, num_keys, topk, seed):
+    spec = MemorySpec(version=2, hidden_size=d, num_layers=layers, num_heads=1, topk=topk, side_dim=d // 4,
+                      num_keys=num_keys, tucker_rank=2, num_cores=2, ive_blocks=1, value_dim=d // 4,
+                      pre_value_dim=d // 4, share_query=False, conv_kernel=0, improved_init=False, seed=seed)
+    return UltraMemV2Layer(spec).eval()
 
 
 def ultramem_macs(spec: MemorySpec) -> int:
@@ -161,20 +181,33 @@ def build_models(d, heads, layers, expansion, topk, seed=0):
     experts = max(2, round((um_params - attn_params) / layers / expert_params))
     moe = DecodeModel(d, heads, layers, lambda: megatron_moe(d, heads, layers, experts, expert_inner))
     tenth_keys = round(num_keys / math.sqrt(10))
-    return {"dense": dense, "moe": moe, "ultramem": um, "ultramem_tenth": ultramem(tenth_keys)}, {
+    v2_dims = 2 * (d // 4)  # value + pre-value rows
+    v2_keys = round(math.sqrt(len(placement) * num_keys ** 2 * value_dim / (layers * v2_dims)))
+    v2 = DecodeModel(d, heads, layers, lambda: DenseFFN(d, inner),
+                     [_ultramem_v2(d, layers, v2_keys, 2 * topk, seed + k) for k in range(layers)], beside_ffn=True)
+    v2.load_state_dict(dense.state_dict(), strict=False)
+    return {"dense": dense, "moe": moe, "ultramem": um, "ultramem_tenth": ultramem(tenth_keys),
+            "ultramem_v2": v2}, {
         "hidden": d, "layers": layers, "dense_params": dense_params, "ultramem_params": um_params,
         "moe_params": sum(p.numel() for p in moe.parameters()), "moe_experts": experts,
         "moe_expert_inner": expert_inner, "ultramem_memory_macs_per_token": memory_macs,
         "dense_ffn_macs_per_token": layers * 2 * d * inner,
         "ultramem_num_keys": num_keys, "ultramem_slots_per_layer": num_keys ** 2, "ultramem_topk": topk,
-        "ultramem_tenth_slots_per_layer": tenth_keys ** 2, "placement": placement}
+        "ultramem_tenth_slots_per_layer": tenth_keys ** 2, "placement": placement,
+        "ultramem_v2_params": sum(p.numel() for p in v2.parameters()), "ultramem_v2_slots_per_layer": v2_keys ** 2,
+        "ultramem_v2_topk": 2 * topk}
+
+
+def _tables(layer):
+    """The value tables of a memory layer (UltraMemV2: values and pre-values)."""
+    return [t for t in (layer.values, getattr(layer, "pre_values", None)) if t is not None]
 
 
 def _sparse_tensors(model):
     out = set()
     for m in model.modules():
         if isinstance(m, MemoryLayer):
-            out.add(m.values.weight)
+            out.update(t.weight for t in _tables(m))
         if isinstance(m, SkipMoE):
             out.update(m.moe.experts.parameters())
     return out
@@ -187,8 +220,8 @@ def bytes_touched(model, x, caches, states):
     touched = []
     hooks = []
     for m in model.modules():
-        if isinstance(m, MemoryLayer):
-            table, orig = m.values, m.values.lookup_reduce
+        for table in (_tables(m) if isinstance(m, MemoryLayer) else []):
+            orig = table.lookup_reduce
 
             def counting(indices, scores, block_ids, num_blocks, _orig=orig, _t=table, **kwargs):
                 touched.append(indices.unique().numel() * _t.dim * _t.weight.element_size())
@@ -269,6 +302,9 @@ def main(argv=None):
         "moe_over_ultramem_latency_b64": ref["moe_latency_ms"] / ref["ultramem_latency_ms"],
         "ultramem_latency_growth_10x_slots": statistics.median(
             r["ultramem_latency_ms"] / r["ultramem_tenth_latency_ms"] for r in rows),
+        "ultramem_v2_over_dense_latency_b64": ref["ultramem_v2_latency_ms"] / ref["dense_latency_ms"],
+        "ultramem_v2_over_ultramem_latency_b64": ref["ultramem_v2_latency_ms"] / ref["ultramem_latency_ms"],
+        "moe_over_ultramem_v2_latency_b64": ref["moe_latency_ms"] / ref["ultramem_v2_latency_ms"],
         "summary_batch": ref["batch"],
     }
     print(json.dumps({"shapes": shapes, "summary": summary}, indent=1))

@@ -1,9 +1,11 @@
 """Quality of the memory layers side by side (UltraMem arXiv 2411.12364, Table 1 in miniature):
 one dense backbone (``configs/tiny.yaml``: hidden 128, 2 layers, 4 heads, sequence 128) trained
 alone and with each sparse module of ``configs/{pkm,moe,ultramem}_tiny.yaml`` at the same
-placement (input after layer 1, output added after layer 2). As in the paper the three sparse
-modules have matched total parameters and activated FLOPs per token (measured here, printed in
-the table); each memory variant trains at its own tuned value learning rate (a sweep of
+placement (input after layer 1, output added after layer 2), and with UltraMemV2
+(``configs/ultramem_v2_tiny.yaml``, arXiv 2508.18756: a memory beside the FFN of both layers,
+its value and pre-value tables as many parameters as UltraMem's table). As in the paper the
+three sparse modules of Table 1 have matched total parameters and activated FLOPs per token
+(measured here, printed in the table); each memory variant trains at its own tuned value learning rate (a sweep of
 ``memory.value_lr_mult`` on a tuning seed not used for the reported runs), then every variant
 trains on several seeds. The table gives validation loss (mean, spread over seeds) against
 parameters and activated FLOPs, and two verdicts per pair of variants: unpaired, when the seeds'
@@ -16,9 +18,11 @@ ranges do not overlap, and paired, when the 95% confidence interval of the per-s
     python tools/bench_memory_train.py --steps 1000 --seeds 1 --variants ultramem --value-lr-mults none \
         memory.value_init_std=null                           # one ablation run, no dense, no sweep
     python tools/bench_memory_train.py --steps 2000 --value-lr-mults pkm=10,ultramem=30   # fixed value LRs
+    python tools/bench_memory_train.py --steps 3000 --seeds 1,2,3 --json v2.json   # with UltraMemV2
 
 Summary keys: ``<variant>_val_loss`` (mean over seeds), ``<variant>_val_loss_spread`` (max - min),
-``ultramem_minus_dense_val_loss``, ``orderings`` and ``paired_orderings`` (each pair's verdict),
+``ultramem_minus_dense_val_loss``, ``ultramem_v2_minus_dense_val_loss``, ``orderings`` and
+``paired_orderings`` (each pair's verdict),
 ``tuned_value_lr_mult``.
 """
 
@@ -43,12 +47,14 @@ from rmt.errors import ConfigError  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = {"dense": "configs/tiny.yaml", "pkm": "configs/pkm_tiny.yaml", "moe": "configs/moe_tiny.yaml",
-            "ultramem": "configs/ultramem_tiny.yaml"}
-TUNED = ("pkm", "ultramem")  # variants with value tables
+            "ultramem": "configs/ultramem_tiny.yaml", "ultramem_v2": "configs/ultramem_v2_tiny.yaml"}
+TUNED = ("pkm", "ultramem", "ultramem_v2")  # variants with value tables
 # Table 1 of the paper, 151M activated parameters (C4 validation loss): the orderings to compare.
 PAPER = {"dense": 2.96, "pkm": 2.76, "moe": 2.63, "ultramem": 2.67}
+# UltraMemV2's claims (its abstract): better than UltraMem, parity with MoE (no order claimed).
+PAPER_V2 = {("ultramem_v2", "dense"): "ultramem_v2 < dense", ("ultramem_v2", "ultramem"): "ultramem_v2 < ultramem"}
 PAIRS = [("ultramem", "dense"), ("pkm", "dense"), ("moe", "dense"), ("ultramem", "pkm"), ("moe", "ultramem"),
-         ("moe", "pkm")]
+         ("moe", "pkm"), ("ultramem_v2", "dense"), ("ultramem_v2", "ultramem"), ("ultramem_v2", "moe")]
 
 
 def variant_config(kind: str, steps: int, seed: int, eval_iters: int, overrides: List[str],
@@ -77,7 +83,8 @@ def check_backbone(configs: Dict[str, object]) -> None:
 def activated_flops_per_token(chunk: torch.nn.Module, config) -> float:
     """Forward FLOPs per token of one microbatch as torch's FlopCounterMode counts them (the matmuls
     that run: for MoE only the routed experts), plus the score-weighted sums of the memory
-    lookups (2 x retrieved values x value dim per token), which run in rmt's own op."""
+    lookups (2 x retrieved values x value dim per token, and UltraMemV2's pre-value dot
+    products), which run in rmt's own op."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from rmt.memory.layer import MemoryLayer
@@ -90,7 +97,7 @@ def activated_flops_per_token(chunk: torch.nn.Module, config) -> float:
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         chunk(ids, torch.arange(s).expand(b, s), causal_mask(s, ids.device))
     chunk.train(was_training)
-    lookups = sum(2 * m.spec.num_heads * m.spec.topk * m.spec.value_dim
+    lookups = sum(2 * m.spec.num_heads * m.spec.topk * (m.spec.value_dim + m.spec.pre_value_dim)
                   for m in chunk.modules() if isinstance(m, MemoryLayer))
     return counter.get_total_flops() / (b * s) + lookups
 
@@ -129,7 +136,8 @@ def parse_value_lr_mults(arg: str) -> Tuple[List[float], Dict[str, float]]:
         raise ValueError(f"--value-lr-mults takes numbers (1,3,10), KIND=MULT pairs (pkm=10,ultramem=30) "
                          f"or 'none'; got {arg!r}") from None
     if set(fixed) - set(TUNED):
-        raise ValueError(f"--value-lr-mults: only {' and '.join(TUNED)} have value tables; got {arg!r}")
+        raise ValueError(f"--value-lr-mults: only {', '.join(TUNED[:-1])} and {TUNED[-1]} have value tables; "
+                         f"got {arg!r}")
     return [], fixed
 
 
@@ -167,12 +175,15 @@ def orderings(final: Dict[str, List[float]], quick: bool = False) -> List[Dict]:
             verdict = f"{a} < {b}" if max(va) < min(vb) else f"{b} < {a}" if max(vb) < min(va) else "not separated"
             interval = paired_interval(per_seed)
             paired = f"{a} < {b}" if interval[1] < 0 else f"{b} < {a}" if interval[0] > 0 else "not separated"
-        paper = f"{a} < {b}" if PAPER[a] < PAPER[b] else f"{b} < {a}"
+        if a in PAPER and b in PAPER:
+            paper = f"{a} < {b}" if PAPER[a] < PAPER[b] else f"{b} < {a}"
+        else:
+            paper = PAPER_V2.get((a, b))
         out.append({"pair": f"{a} vs {b}", "difference": sum(va) / len(va) - sum(vb) / len(vb),
                     "per_seed": per_seed, "paired_ci95": interval,
                     "verdict": verdict, "paired_verdict": paired, "paper": paper,
-                    "agrees": None if verdict.startswith("not") else verdict == paper,
-                    "paired_agrees": None if paired.startswith("not") else paired == paper})
+                    "agrees": None if verdict.startswith("not") or paper is None else verdict == paper,
+                    "paired_agrees": None if paired.startswith("not") or paper is None else paired == paper})
     return out
 
 
@@ -217,7 +228,7 @@ def main(argv=None) -> int:
                     "(default 1,3,10,30); 'none' (quick's default): no sweep, the configs' own after the "
                     "overrides; KIND=MULT pairs (e.g. pkm=10,ultramem=30): no sweep, these values")
     ap.add_argument("--eval-iters", type=int, help="validation batches per evaluation (default 16; quick 2)")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="subset of dense,pkm,moe,ultramem")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="subset of " + ",".join(VARIANTS))
     ap.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
     ap.add_argument("--json", help="write {benchmark, machine, rows, summary} here")
     ap.add_argument("--plot", help="write validation curves and loss vs activated FLOPs as a PNG here")
@@ -292,7 +303,7 @@ def main(argv=None) -> int:
         mult = f"{tuned[kind]:g}x" if kind in tuned else "-"
         print(f"{kind:<9} {r['params']:>9,} {r['flops_per_token'] / 1e6:>9.3f} {mult:>8} {mean:>9.4f} "
               f"{spread(final[kind]):>7.4f} {'-' if dense is None else f'{mean - dense:+.4f}':>8} "
-              f"{PAPER[kind]:>6.2f}")
+              f"{PAPER[kind] if kind in PAPER else '-':>6}")
     pairs = orderings(final, quick=q)
     if q:
         print(f"\nNo ordering is claimed: a --quick run ({steps} steps, no value-LR sweep) is too short to "
@@ -311,8 +322,9 @@ def main(argv=None) -> int:
                   f"{p['difference']:+.4f}, per seed {per_seed}, 95% interval [{lo:+.4f}, {hi:+.4f}]")
     summary = {f"{k}_val_loss": sum(v) / len(v) for k, v in final.items()}
     summary.update({f"{k}_val_loss_spread": spread(v) for k, v in final.items()})
-    if "ultramem" in final and dense is not None:
-        summary["ultramem_minus_dense_val_loss"] = summary["ultramem_val_loss"] - dense
+    for kind in ("ultramem", "ultramem_v2"):
+        if kind in final and dense is not None:
+            summary[f"{kind}_minus_dense_val_loss"] = summary[f"{kind}_val_loss"] - dense
     summary["orderings"] = {p["pair"]: p["verdict"] for p in pairs}
     summary["paired_orderings"] = {p["pair"]: p["paired_verdict"] for p in pairs}
     summary["tuned_value_lr_mult"] = tuned

@@ -6,6 +6,9 @@ dimension of their hidden states), or megatron's ``decoder.layers`` (GPTModel; `
 A block's output may be a tensor or a tuple whose first element is the hidden state. For the
 placement ``i:j`` the hook on layer i keeps its output and the hook on layer j adds
 ``memory(kept)`` to its output (UltraMem §3.2 "skip-layer" structure, Appendix E notation).
+UltraMemV2 (``memory.type: ultramem_v2``) sits beside the FFN, placed ``i:i``: its input is kept
+from inside layer i, the layer's normed FFN input (:func:`_ffn_input`), and its output is added
+to layer i's output.
 Hidden states with more than one feature dimension (the RMT's residual matrix ``[s, b, Dv, Dk]``)
 are flattened for the memory layer (width :func:`~rmt.memory.validate.memory_width`) and its
 output is viewed back: the memory reads the whole matrix and writes a full-matrix update.
@@ -49,31 +52,40 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from rmt.memory.groups import memory_parallel_groups
 from rmt.memory.layer import MemoryLayer, MemorySpec
+from rmt.memory.layer_v2 import UltraMemV2Layer
 from rmt.memory.moe import SkipMoE, moe_modules, set_aux_loss_scale
 from rmt.memory.stream import ForkMemory, InlineStream, JoinMemory, MemoryLink, MemoryStream
 from rmt.memory.table import MemoryTable
-from rmt.memory.validate import parse_placement, stage_layers
+from rmt.memory.validate import memory_placement, stage_layers
 from rmt.models.documents import document_starts
 from rmt.parallel import compat
 from rmt.planner.memory import lookup_bytes
 
 
 def build_memory_layer(config, index: int, base=None) -> torch.nn.Module:
-    """The ``index``-th memory module of ``config`` (UltraMem, PKM or a skip-placed MoE, which
-    takes the model's megatron ``TransformerConfig`` ``base``)."""
+    """The ``index``-th memory module of ``config`` (UltraMem, UltraMemV2, PKM or a skip-placed
+    MoE, which takes the model's megatron ``TransformerConfig`` ``base``)."""
     mem, m = config.memory, config.model
     if mem.type == "moe":
         return SkipMoE(config, base)
     spec = MemorySpec.from_config(config, index)
+    v2 = spec.version == 2
     sharding = {"device": compat.device()}
+    pre_sharding = dict(sharding)
     if mem.partition != "local":
         group, replica_group, replica_index, split_group = memory_parallel_groups(mem.group_size)
+        tokens, topm = config.train.micro_batch_size * m.seq_length, spec.num_heads * spec.topk
+        activation_bytes = lookup_bytes(config.train.precision, mem.value_dtype)
         sharding.update(partition=mem.partition, group=group, owner_reduce=mem.owner_reduce,
                         replica_index=replica_index, replica_group=replica_group, split_group=split_group,
-                        plan={"tokens": config.train.micro_batch_size * m.seq_length,
-                              "topm": spec.num_heads * spec.topk, "ive": spec.ive_blocks,
-                              "cores": spec.num_cores,
-                              "activation_bytes": lookup_bytes(config.train.precision, mem.value_dtype)})
+                        plan={"tokens": tokens, "topm": topm, "ive": 1 if v2 else spec.ive_blocks,
+                              "cores": spec.num_cores, "activation_bytes": activation_bytes})
+        # UltraMemV2's pre-values: one lookup of score 1 per retrieved row (UltraMemV2Layer.gates)
+        pre_sharding = dict(sharding, plan={"tokens": tokens * topm, "topm": 1, "ive": 1, "cores": 1,
+                                            "activation_bytes": activation_bytes})
+    if v2:
+        return UltraMemV2Layer(spec, spec.table(**sharding),
+                               spec.pre_table(**pre_sharding) if spec.pre_value_dim else None)
     return MemoryLayer(spec, spec.table(**sharding))
 
 
@@ -122,6 +134,16 @@ def _hook_layers(chunk: torch.nn.Module):
     return chunk.decoder.layers, 0
 
 
+def _ffn_input(layer):
+    """Where UltraMemV2 reads ``layer``'s FFN input: the module whose output it is kept from
+    and the map from that output to the normed FFN input (None: the output itself). Megatron's
+    transformer layer: its pre-MLP norm. The RMT's layer: its ``ffn_input`` (the residual before
+    the feed-forward, whose norm is fused into the read), then the layer's own ``ff_norm``."""
+    if hasattr(layer, "ffn_input"):
+        return layer.ffn_input, layer.ff_norm
+    return layer.pre_mlp_layernorm, None
+
+
 def _hidden(output):
     return output[0] if isinstance(output, tuple) else output
 
@@ -155,11 +177,15 @@ class MemoryWiring:
     j's, and in training its backward runs on the stream too (:meth:`_launch`, :meth:`_join`);
     without it, it runs at layer j's hook (``sync_s`` accumulates that time). With
     ``aux_scale`` (a stage before the last) the auxiliary losses of the memory layers are
-    attached to layer j's output (:class:`AuxLossToActivation`)."""
+    attached to layer j's output (:class:`AuxLossToActivation`). ``inputs`` (UltraMemV2, placed
+    ``i:i``): layer number i -> ``(module, transform)``, the input is kept from that module
+    inside layer i (:func:`_ffn_input`) instead of layer i's output, and ``transform`` (or
+    None) is applied to it on the memory's side."""
 
     def __init__(self, chunk: torch.nn.Module, placement: Dict[int, Tuple[int, int]], seq_dim: int,
                  layers, stream: Optional[MemoryStream] = None, aux_scale: Optional[float] = None,
-                 loss_scale: float = 1.0, sequence_parallel: bool = False):
+                 loss_scale: float = 1.0, sequence_parallel: bool = False,
+                 inputs: Optional[Dict[int, Tuple[torch.nn.Module, Callable]]] = None):
         self.placement, self.seq_dim, self.stream, self.aux_scale = placement, seq_dim, stream, aux_scale
         self.loss_scale, self.sequence_parallel = loss_scale, sequence_parallel
         self.modules = chunk.memory
@@ -173,9 +199,16 @@ class MemoryWiring:
         # order under every megatron schedule, per model chunk).
         self.relink: Dict[int, Deque[List[Tuple[int, MemoryLink]]]] = defaultdict(deque)
         self.handles = [chunk.register_forward_pre_hook(self.capture_documents, with_kwargs=True)]
+        inputs = inputs or {}
+        self.transforms = {k: inputs[i][1] for k, (i, _) in placement.items()
+                           if i in inputs and inputs[i][1] is not None}
         starts = {i for i, _ in placement.values()}
         for number in sorted(starts | {j for _, j in placement.values()}):
-            self.handles.append(layers[number - 1].register_forward_hook(self._hook(number, number in starts)))
+            keep = number in starts
+            if keep and number in inputs:
+                self.handles.append(inputs[number][0].register_forward_hook(self._hook(number, True, join=False)))
+                keep = False
+            self.handles.append(layers[number - 1].register_forward_hook(self._hook(number, keep)))
 
     def capture_documents(self, module, args, kwargs) -> None:
         """Forward pre-hook of the chunk: the document starts of its attention mask (argument
@@ -190,6 +223,8 @@ class MemoryWiring:
     def _run(self, k: int, x: torch.Tensor, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
         x = x if self.seq_dim == 0 else x.transpose(0, self.seq_dim)
         module = self.modules[k]
+        if k in self.transforms:
+            x = self.transforms[k](x)
         extra = {"documents": documents} if documents is not None and isinstance(module, MemoryLayer) else {}
         # Flattened to [s, b, width]: the RMT's residual is a Dv x Dk matrix per token.
         y = module(x.flatten(2), **extra).view(x.shape)
@@ -257,7 +292,7 @@ class MemoryWiring:
                 hidden = JoinMemory.apply(hidden, link.local_output(), link)
         return _replace_hidden(output, hidden)
 
-    def _hook(self, number: int, keep: bool) -> Callable:
+    def _hook(self, number: int, keep: bool, join: bool = True) -> Callable:
         def hook(module, args, output):
             if is_checkpointing() and torch.is_grad_enabled():  # a span recomputed in the backward
                 return self._relink(number, output)
@@ -279,6 +314,8 @@ class MemoryWiring:
                     # once: the two partial sums the async stream's ForkMemory adds, so both
                     # modes round alike and give the same gradients bit for bit.
                     hidden = ForkMemory.apply(hidden, None)
+            if not join:
+                return None if hidden is original else _replace_hidden(output, hidden)
             added, aux = None, None
             for k, (i, j) in self.placement.items():
                 if j != number:
@@ -329,7 +366,7 @@ def attach_memory(chunks: List[torch.nn.Module], config,
         set_aux_loss_scale(loss_scale)
         if mem.moe_placement == "mlp":
             return std_rule
-    placement = parse_placement(mem.placement, config.model.num_layers)
+    placement = memory_placement(config)
     if mem.partition != "local":
         memory_parallel_groups(mem.group_size)  # collective: also on stages without memory layers
     # One stream for all chunks of the rank: a single worker issues the memory collectives in
@@ -347,9 +384,11 @@ def attach_memory(chunks: List[torch.nn.Module], config,
         if own:
             layers, seq_dim = _hook_layers(chunk)
             loss_chunk = parallel_state.is_pipeline_last_stage(ignore_virtual=True) and vp_stage == len(chunks) - 1
+            inputs = ({i: _ffn_input(layers[i - 1]) for i, _ in own.values()}
+                      if mem.type == "ultramem_v2" else None)
             chunk.memory_wiring = MemoryWiring(chunk, own, seq_dim, layers, stream,
                                                None if loss_chunk else loss_scale, loss_scale,
-                                               config.parallel.sequence_parallel)
+                                               config.parallel.sequence_parallel, inputs)
 
     def rule(key: str, param: torch.Tensor) -> Optional[float]:
         if getattr(param, "memory_value", False):

@@ -33,6 +33,7 @@ from rmt.memory.batchnorm import QueryBatchNorm
 from rmt.memory.ive import AddressShuffle
 from rmt.memory.table import MemoryTable
 from rmt.memory.validate import memory_width
+from rmt.memory.validate import value_dim as config_value_dim
 from rmt.ops.counter_normal import stream_key
 
 
@@ -67,6 +68,10 @@ class MemorySpec:
     sparse_grad: bool = False  # value table gradients as touched rows (sparse optimizers)
     value_dtype: torch.dtype = torch.float32  # storage dtype of the value table (memory.value_dtype)
     seed: int = 0
+    version: int = 1  # 2: UltraMemV2 (:mod:`rmt.memory.layer_v2`)
+    pre_value_dim: int = 0  # UltraMemV2: width of the PEER-style pre-values (0: none)
+    pre_value_activation: str = "none"  # UltraMemV2: applied to the pre-value scores
+    norm_eps: float = 1e-5  # UltraMemV2: epsilon of the query and key RMSNorms
 
     def __post_init__(self):
         if not self.value_dim:
@@ -74,8 +79,10 @@ class MemorySpec:
 
     @classmethod
     def from_config(cls, config, index: int = 0) -> "MemorySpec":
-        """``memory.type`` ultramem (every switch from ``memory.*``) or pkm (Lample et al.:
-        product keys split in row/column halves, softmax, value dim = hidden, no norm/conv/IVE).
+        """``memory.type`` ultramem (every switch from ``memory.*``), ultramem_v2 (version 2,
+        :mod:`rmt.memory.layer_v2`: its value and pre-value widths, no softmax, conv or Table 2
+        switches) or pkm (Lample et al.: product keys split in row/column halves, softmax, value
+        dim = hidden, no norm/conv/IVE).
         The hidden width is :func:`~rmt.memory.validate.memory_width` (``dk * dv`` for the RMT)."""
         mem, m = config.memory, config.model
         width = memory_width(config)
@@ -85,6 +92,16 @@ class MemorySpec:
                       query_batchnorm=mem.query_batchnorm, query_bias=mem.query_bias,
                       value_init_std=mem.value_init_std,
                       value_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[mem.value_dtype])
+        if mem.type == "ultramem_v2":
+            return cls(version=2, side_dim=mem.key_dim, retrieval=mem.retrieval,
+                       tucker_rank=1 if mem.retrieval == "product" else mem.tucker_rank,
+                       num_cores=mem.num_cores, ive_blocks=mem.ive_blocks, ive_shuffle=mem.ive_shuffle,
+                       softmax=False, value_dim=config_value_dim(config), share_query=False,
+                       query_key_norm=True, conv_kernel=0, improved_init=False,
+                       aux_loss_weight=0.0 if mem.retrieval == "product" else mem.aux_loss_weight,
+                       aux_loss_margin=mem.aux_loss_margin, pre_value_dim=mem.pre_value_dim,
+                       pre_value_activation=mem.pre_value_activation, norm_eps=m.layernorm_epsilon,
+                       **common)
         if mem.type == "pkm":
             return cls(side_dim=mem.key_dim // 2, retrieval="product", tucker_rank=1, num_cores=1,
                        ive_blocks=1, ive_shuffle=False, softmax=True, value_dim=width,
@@ -111,10 +128,13 @@ class MemorySpec:
 
     @property
     def value_std(self) -> float:
-        """Init std of the values: ``value_init_std`` when given, else Appendix A's
-        sqrt(E / (2 m H L)) with ``improved_init``, else 1 / sqrt(value dim) (Lample et al.)."""
+        """Init std of the values: ``value_init_std`` when given, else (UltraMemV2) the authors'
+        0.02, else Appendix A's sqrt(E / (2 m H L)) with ``improved_init``, else 1 / sqrt(value
+        dim) (Lample et al.)."""
         if self.value_init_std is not None:
             return self.value_init_std
+        if self.version == 2:
+            return 0.02  # UltraMemLayerV2.reset_parameters: values and pre-values
         if self.improved_init:
             return math.sqrt(self.ive_blocks / (2.0 * self.topk * self.num_heads * self.num_layers))
         return 1.0 / math.sqrt(self.value_dim)
@@ -129,6 +149,13 @@ class MemorySpec:
         """This layer's value table; ``sharding``: :class:`MemoryTable`'s partition arguments."""
         return MemoryTable(self.num_values, self.value_dim, self.value_std, sparse_grad=self.sparse_grad,
                            init_key=self.value_init_key, dtype=self.value_dtype, **sharding)
+
+    def pre_table(self, **sharding) -> MemoryTable:
+        """UltraMemV2's pre-value table (``pre_value_dim`` wide, one row per value slot), drawn
+        like the values from its own counter stream."""
+        return MemoryTable(self.num_values, self.pre_value_dim, self.value_std, sparse_grad=self.sparse_grad,
+                           init_key=stream_key(self.seed, "memory.pre_values"), dtype=self.value_dtype,
+                           **sharding)
 
 
 def _tag(param: torch.nn.Parameter, std: Optional[float]) -> torch.nn.Parameter:
@@ -243,7 +270,7 @@ class MemoryLayer(torch.nn.Module):
             return compute()
         params = [self.keys] + ([self.cores] if tucker else [])
         if s.query_key_norm:
-            params += [self.key_norm.weight, self.key_norm.bias]
+            params += list(self.key_norm.parameters())
         tag = tuple((p.data_ptr(), p._version) for p in params)
         if self._frozen is None or self._frozen[0] != tag:
             self._frozen = (tag, *compute())

@@ -7,7 +7,8 @@ from typing import List, Optional, Tuple
 
 from rmt.errors import ConfigError
 
-MEMORY_TYPES = ("none", "ultramem", "pkm", "moe")
+MEMORY_TYPES = ("none", "ultramem", "ultramem_v2", "pkm", "moe")
+PRE_VALUE_ACTIVATIONS = ("none", "gelu")
 MOE_PLACEMENTS = ("skip", "mlp")
 MOE_DISPATCHERS = ("alltoall", "allgather")
 TABLE_PARTITIONS = ("local", "number", "dimension", "auto")
@@ -45,6 +46,24 @@ def parse_placement(text: str, num_layers: int) -> List[Tuple[int, int]]:
     return pairs
 
 
+def memory_placement(config) -> List[Tuple[int, int]]:
+    """The placements ``(i, j)`` of ``config``'s UltraMem / UltraMemV2 / PKM / skip-MoE layers:
+    :func:`parse_placement` of ``memory.placement``; for ``ultramem_v2`` ``(i, i)`` for each
+    layer i with a memory beside its FFN (:func:`parse_moe_layers`' list; empty: every layer)."""
+    mem, L = config.memory, config.model.num_layers
+    if mem.type == "ultramem_v2":
+        return [(i, i) for i in (parse_moe_layers(mem.placement, L) if mem.placement else range(1, L + 1))]
+    return parse_placement(mem.placement, L)
+
+
+def value_dim(config) -> int:
+    """Width of the value rows of an UltraMem / UltraMemV2 / PKM layer of ``config``."""
+    mem, width = config.memory, memory_width(config)
+    if mem.type == "ultramem_v2":
+        return mem.value_dim or width // 2
+    return width // 2 if mem.type == "ultramem" and mem.half_value_dim else width
+
+
 def parse_moe_layers(text: str, num_layers: int) -> List[int]:
     """``"1-4/7"`` -> ``[1, 2, 3, 4, 7]``: the layers whose MLP an MoE replaces
     (``memory.moe_placement: mlp``; 1-based, ranges inclusive)."""
@@ -55,7 +74,7 @@ def parse_moe_layers(text: str, num_layers: int) -> List[int]:
             first, last = int(parts[0]), int(parts[-1])
         except ValueError:
             raise ConfigError(f"memory.placement entry '{item}' must be a layer 'i' or a range 'i-j' "
-                              f"(memory.moe_placement 'mlp' lists the layers whose MLP is an MoE)")
+                              f"(memory.moe_placement 'mlp' and memory.type 'ultramem_v2' list layers)")
         if len(parts) > 2 or first > last:
             raise ConfigError(f"memory.placement entry '{item}' must be a layer 'i' or a range 'i-j' with i <= j")
         if first < 1 or last > num_layers:
@@ -176,14 +195,16 @@ def validate_memory_parallel(config, world_size: int) -> None:
                           f"size ({dp_tp}) (0 = all of it)")
     G = mem.group_size or dp_tp
     slots = mem.num_keys * mem.num_keys
-    value_dim = config.model.hidden_size // 2 if (mem.type == "ultramem" and mem.half_value_dim) \
-        else config.model.hidden_size
+    dim = value_dim(config)
     if mem.partition in ("number", "auto") and slots % G:
         raise ConfigError(f"number-wise memory tables need the slot count ({slots}) to be divisible by "
                           f"the memory-parallel group size ({G})")
-    if mem.partition in ("dimension", "auto") and value_dim % G:
-        raise ConfigError(f"dimension-wise memory tables need the value dim ({value_dim}) to be divisible "
+    if mem.partition in ("dimension", "auto") and dim % G:
+        raise ConfigError(f"dimension-wise memory tables need the value dim ({dim}) to be divisible "
                           f"by the memory-parallel group size ({G})")
+    if mem.type == "ultramem_v2" and mem.partition in ("dimension", "auto") and mem.pre_value_dim % G:
+        raise ConfigError(f"dimension-wise memory tables need memory.pre_value_dim ({mem.pre_value_dim}) to be "
+                          f"divisible by the memory-parallel group size ({G})")
 
 
 def validate_value_optimizer(mem) -> None:
@@ -222,7 +243,10 @@ def validate_memory(config, world_size: Optional[int] = None) -> None:
 
         world_size = world_size_from_env()
     validate_memory_parallel(config, world_size)
-    if not mem.placement:
+    if mem.type != "ultramem_v2" and (mem.value_dim or mem.pre_value_dim or mem.pre_value_activation != "none"):
+        raise ConfigError(f"memory.value_dim, pre_value_dim and pre_value_activation apply to memory.type "
+                          f"'ultramem_v2', not '{mem.type}'")
+    if mem.type != "ultramem_v2" and not mem.placement:
         raise ConfigError(f"memory.type '{mem.type}' needs memory.placement, e.g. '1:2'")
     if mem.type == "moe":
         if mem.query_batchnorm or mem.query_bias:
@@ -230,7 +254,7 @@ def validate_memory(config, world_size: Optional[int] = None) -> None:
                               "'ultramem' or 'pkm'; MoE has none")
         validate_moe(config, world_size)
         return
-    validate_memory_pipeline(config, parse_placement(mem.placement, m.num_layers))
+    validate_memory_pipeline(config, memory_placement(config))
     for key in ("num_heads", "topk", "key_dim", "num_keys", "tucker_rank", "num_cores", "ive_blocks",
                 "conv_kernel"):
         if getattr(mem, key) <= 0:
@@ -252,21 +276,49 @@ def validate_memory(config, world_size: Optional[int] = None) -> None:
         if mem.topk > mem.num_keys:
             raise ConfigError(f"memory.topk ({mem.topk}) exceeds memory.num_keys ({mem.num_keys}) keys per side")
         return
+    if mem.type == "ultramem_v2":
+        validate_ultramem_v2(config)
+    else:
+        if mem.topk > mem.num_keys * mem.num_keys:
+            raise ConfigError(f"memory.topk ({mem.topk}) exceeds the number of memory slots ({mem.num_keys ** 2})")
+        if mem.retrieval == "tucker" and mem.key_dim % mem.tucker_rank:
+            raise ConfigError(f"memory.key_dim ({mem.key_dim}) must be divisible by memory.tucker_rank "
+                              f"({mem.tucker_rank})")
+    validate_key_grid(config)
+
+
+def validate_key_grid(config) -> None:
+    """UltraMem's and UltraMemV2's retrieval, key grid and value columns."""
+    mem = config.memory
     if mem.retrieval not in ("tucker", "product"):
         raise ConfigError(f"memory.retrieval must be 'tucker' or 'product', got '{mem.retrieval}'")
     side = math.isqrt(mem.ive_blocks)
     if side * side != mem.ive_blocks:
         raise ConfigError(
             f"memory.ive_blocks ({mem.ive_blocks}) must be a perfect square (the key grid grows by sqrt(E) per side)")
-    if mem.topk > mem.num_keys * mem.num_keys:
-        raise ConfigError(f"memory.topk ({mem.topk}) exceeds the number of memory slots ({mem.num_keys ** 2})")
     if mem.topk > mem.num_keys * side:
         raise ConfigError(f"memory.topk ({mem.topk}) exceeds the {mem.num_keys * side} keys per side")
-    if mem.retrieval == "tucker" and mem.key_dim % mem.tucker_rank:
-        raise ConfigError(f"memory.key_dim ({mem.key_dim}) must be divisible by memory.tucker_rank ({mem.tucker_rank})")
     if mem.retrieval == "product" and mem.num_cores != 1:
         raise ConfigError("memory.num_cores > 1 (multi-core scoring) needs memory.retrieval 'tucker'")
-    width = memory_width(config)
-    value_dim = width // 2 if mem.half_value_dim else width
-    if value_dim % mem.num_cores:
-        raise ConfigError(f"the value dim ({value_dim}) must be divisible by memory.num_cores ({mem.num_cores})")
+    dim = value_dim(config)
+    if dim % mem.num_cores:
+        raise ConfigError(f"the value dim ({dim}) must be divisible by memory.num_cores ({mem.num_cores})")
+
+
+def validate_ultramem_v2(config) -> None:
+    """``memory.type: ultramem_v2`` (:mod:`rmt.memory.layer_v2`): its own keys and the UltraMem
+    switches it has no use for (its key grid: :func:`validate_key_grid`)."""
+    mem = config.memory
+    if mem.async_stream and config.model.arch != "transformer":
+        raise ConfigError("memory.async_stream with memory.type 'ultramem_v2' needs model.arch 'transformer': the "
+                          "RMT's memories apply the layer's FFN norm themselves, whose gradient the stream's "
+                          "backward would add concurrently with the layer's")
+    if mem.query_batchnorm or mem.query_bias or mem.softmax:
+        raise ConfigError("memory.query_batchnorm, query_bias and softmax are PKM/UltraMem switches; "
+                          "memory.type 'ultramem_v2' has RMS-normed queries without bias and no softmax")
+    if mem.value_dim < 0 or mem.pre_value_dim < 0:
+        raise ConfigError(f"memory.value_dim ({mem.value_dim}) and memory.pre_value_dim ({mem.pre_value_dim}) "
+                          f"must not be negative")
+    if mem.pre_value_activation not in PRE_VALUE_ACTIVATIONS:
+        raise ConfigError(f"memory.pre_value_activation must be one of {', '.join(PRE_VALUE_ACTIVATIONS)}, "
+                          f"got '{mem.pre_value_activation}'")

@@ -166,6 +166,9 @@ class RMTLayer(MegatronModule):
             ffn, m.rank * m.dv, input_is_parallel=True, skip_bias_add=True, **linear)
         self.ff_write = torch.nn.Linear(m.rank, m.dk, bias=False)
         self.activation = config.activation_func
+        # The residual entering the feed-forward: where a memory beside the FFN (UltraMemV2,
+        # rmt.memory.attach) takes its input (the norm is fused into the FFN's read).
+        self.ffn_input = torch.nn.Identity()
 
     def attention(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """Eq. 15, 20-22: ``x`` plus the attention's write. The read is key-major, ``[3*heads,
@@ -213,7 +216,7 @@ class RMTLayer(MegatronModule):
         return write(h.view(s, b, self.dv, self.rank), self.ff_write.weight, residual=x)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        return self.feed_forward(self.attention(x, bias))
+        return self.feed_forward(self.ffn_input(self.attention(x, bias)))
 
 
 class RMTUnembedding(MegatronModule):

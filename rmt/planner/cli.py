@@ -269,13 +269,14 @@ def _plan_from_args(args: argparse.Namespace) -> memory.TablePlan:
                          "(memory.num_keys=K) instead.")
     from rmt.config import load_config
     from rmt.errors import UserError
-    from rmt.memory.validate import parse_placement, stage_layers
+    from rmt.memory.validate import memory_placement, stage_layers
 
     try:
         config = load_config(args.config, args.overrides)
-        if config.memory.type not in ("ultramem", "pkm"):
-            raise ValueError(f"memory.type is '{config.memory.type}': rmt-plan memory plans UltraMem and PKM tables.")
-        placement = parse_placement(config.memory.placement, config.model.num_layers)
+        if config.memory.type not in ("ultramem", "ultramem_v2", "pkm"):
+            raise ValueError(f"memory.type is '{config.memory.type}': rmt-plan memory plans UltraMem, UltraMemV2 "
+                             f"and PKM tables.")
+        placement = memory_placement(config)
     except UserError as err:
         raise ValueError(str(err)) from None
     par = config.parallel

@@ -283,6 +283,8 @@ def _lines(doc: Dict) -> List[str]:
                    f"{mem['activated_params']:,}, forward FLOPs per token {mem['flops_per_token']:,}")
         out += [f"  {l['placement']:>8}  parameters {l['params']:,}  activated {l['activated_params']:,}  "
                 f"FLOPs/token {l['flops_per_token']:,}" for l in mem["layers"]]
+        if "memory_over_ffn_flops" in mem:
+            out.append(f"  memory / FFN forward FLOPs per layer {mem['memory_over_ffn_flops']:.3f}")
     if "ops_per_sample" in doc:
         out += [f"paper accounting (§5.1): ops per sample r(4dlk + 2ld^2) = {doc['ops_per_sample']:,}; "
                 f"transformer of the same shape r(l^2 d + l d^2) = {doc['transformer_ops_per_sample']:,}; "

@@ -290,19 +290,27 @@ def plan_memory(plan: TablePlan, gpu_mem_gib: float = 80.0, reserve_gib: float =
 
 
 def plan_from_config(config, group_size: int, layers: int, microbatches: int) -> TablePlan:
-    """The :class:`TablePlan` of an UltraMem/PKM config (``rmt.config.RMTConfig``) for a rank
-    holding ``layers`` memory layers in a group of ``group_size`` ranks."""
-    from rmt.memory.validate import memory_width
+    """The :class:`TablePlan` of an UltraMem/UltraMemV2/PKM config (``rmt.config.RMTConfig``) for
+    a rank holding ``layers`` memory layers in a group of ``group_size`` ranks. UltraMemV2's value
+    and pre-value tables (the same rows, sharded alike) are counted as one table of ``Dv + Dp``
+    columns, and its full-width keys of every Tucker rank as a key dim of ``r x Kd``; its lookups
+    pool one block (no IVE projectors), which the plan's ``ive_blocks`` (the grid's) overstates
+    in the fused optimizers' kept lookups."""
+    from rmt.memory.validate import value_dim
 
     mem, m, t = config.memory, config.model, config.train
-    width = memory_width(config)
-    pkm = mem.type == "pkm"
+    pkm, v2 = mem.type == "pkm", mem.type == "ultramem_v2"
+    if v2:
+        config_dim = value_dim(config) + mem.pre_value_dim
+        key_dim = mem.key_dim * (1 if mem.retrieval == "product" else mem.tucker_rank)
+    else:
+        config_dim, key_dim = value_dim(config), mem.key_dim // 2 if pkm else mem.key_dim
     return TablePlan(
-        slots=mem.num_keys ** 2, dim=width if pkm or not mem.half_value_dim else width // 2,
+        slots=mem.num_keys ** 2, dim=config_dim,
         group_size=group_size, partition="number" if mem.partition == "local" else mem.partition,
         value_optimizer=mem.value_optimizer, value_dtype=mem.value_dtype, layers=layers,
         tokens=t.micro_batch_size * m.seq_length, microbatches=microbatches, heads=mem.num_heads,
-        topk=mem.topk, key_dim=mem.key_dim // 2 if pkm else mem.key_dim,
+        topk=mem.topk, key_dim=key_dim,
         tucker_rank=1 if pkm or mem.retrieval == "product" else mem.tucker_rank,
         ive_blocks=1 if pkm else mem.ive_blocks, precision=t.precision, fused=mem.fused_value_optimizer,
         cores=1 if pkm else mem.num_cores)
