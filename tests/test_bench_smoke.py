@@ -100,3 +100,16 @@ def test_device_busy_time_counts_overlapping_kernels_once():
     bench = load_script("tools/bench_memory_stream.py")
     assert bench.busy_union([(5, 6), (0, 2), (1, 3), (2.5, 2.75)]) == 4
     assert bench.busy_union([]) == 0
+
+
+def test_bench_dense_switches_smoke(tmp_path, cache_dir):
+    out = tmp_path / "bench.json"
+    run_python(["tools/bench_dense_switches.py", "--quick", "--variants", "fp32,bf16,recompute_full,all",
+                "--json", str(out), f"data.cache_dir={cache_dir}", "data.max_documents=60"])
+    doc = _doc(out, "bench_dense_switches", ["bf16_over_fp32_step_time", "bf16_over_fp32_peak",
+                                             "recompute_full_over_none_peak", "all_over_fp32_peak"])
+    rows = {r["variant"]: r for r in doc["rows"]}
+    assert list(rows) == ["fp32", "bf16", "recompute_full", "all"]
+    assert rows["bf16"]["params"] == rows["fp32"]["params"]
+    # full recomputation keeps one hidden state per layer for the backward instead of all of them
+    assert rows["recompute_full"]["step_peak_bytes"] < rows["fp32"]["step_peak_bytes"]
