@@ -36,6 +36,9 @@ _FILTERS = [
     (FutureWarning, r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
      r"torch\.distributed\.c10d_logger"),
     (UserWarning, r"The \.grad attribute of a Tensor that is not a leaf Tensor", r"megatron\.core\.optimizer\."),
+    # selective recomputation: advice for Transformer Engine's fused attention, which rmt never uses
+    (UserWarning, r"If you are using transformer_engine as the transformer implementation",
+     r"megatron\.core\.transformer\.transformer_config"),
 ]
 
 _CPU_FILTERS = [
