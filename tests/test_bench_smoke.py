@@ -113,3 +113,17 @@ def test_bench_dense_switches_smoke(tmp_path, cache_dir):
     assert rows["bf16"]["params"] == rows["fp32"]["params"]
     # full recomputation keeps one hidden state per layer for the backward instead of all of them
     assert rows["recompute_full"]["step_peak_bytes"] < rows["fp32"]["step_peak_bytes"]
+
+
+def test_bench_dense_switches_loss_band_smoke(tmp_path, cache_dir):
+    out = tmp_path / "band.json"
+    run_python(["tools/bench_dense_switches.py", "--loss-band", "configs/tiny.yaml", "--seeds", "1,2", "--json",
+                str(out), f"data.cache_dir={cache_dir}", "data.max_documents=60", "train.steps=2",
+                "train.eval_interval=2", "train.eval_iters=1", "model.seq_length=32"])
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "bench_dense_switches_loss_band"
+    (row,) = doc["rows"]
+    assert row["seeds"] == [1, 2] and len(row["fp32_val_loss"]) == 2
+    assert row["band"] == [min(row["fp32_val_loss"]), max(row["fp32_val_loss"])]
+    assert row["bf16_in_band"] == (row["band"][0] <= row["bf16_val_loss"] <= row["band"][1])
+    assert math.isfinite(doc["summary"]["max_abs_bf16_minus_fp32"])

@@ -13,6 +13,11 @@ throwaway run that takes the process's one-time costs. ``--quick``: the tiny Ult
 steps after 2 of warm-up. JSON: ``{"benchmark": "bench_dense_switches", "machine",
 "rows", "summary"}``; summary: ``bf16_over_fp32_step_time``, ``bf16_over_fp32_peak``,
 ``recompute_full_over_none_peak``, ``all_over_fp32_peak``, ``all_over_fp32_step_time``.
+
+``--loss-band configs/tiny.yaml,...``: each config trained to its end in fp32 for every seed
+(``--seeds``) and in bf16 for the first; bf16's final validation loss against the fp32 seeds'
+range (JSON ``bench_dense_switches_loss_band``; summary ``bf16_in_band_fraction``,
+``max_abs_bf16_minus_fp32``).
 """
 
 from __future__ import annotations
@@ -79,6 +84,29 @@ def run_variant(config_path: str, overrides, steps: int, warmup: int) -> dict:
         parallel.destroy()
 
 
+def final_val_loss(config_path: str, overrides) -> float:
+    """Train ``config_path`` to its end and return its last validation loss."""
+    config = validate(load_config(config_path, list(overrides) + [
+        "train.progress=false", "train.save=null", "train.tensorboard_dir=null"]), world_size=1)
+    parallel.initialize(config)
+    try:
+        history = Trainer(config).train()
+        return [m["val_loss"] for m in history if "val_loss" in m][-1]
+    finally:
+        parallel.destroy()
+
+
+def loss_band(config_path: str, overrides, seeds) -> dict:
+    """bf16 against fp32 over a whole run: fp32's final validation loss for each seed (their range
+    is the band: a change of precision is judged against the seed-to-seed spread it cannot be
+    told from), bf16's for the first seed."""
+    fp32 = [final_val_loss(config_path, list(overrides) + [f"train.seed={s}"]) for s in seeds]
+    bf16 = final_val_loss(config_path, list(overrides) + [f"train.seed={seeds[0]}", "train.precision=bf16"])
+    return {"config": config_path, "seeds": list(seeds), "fp32_val_loss": fp32, "bf16_val_loss": bf16,
+            "band": [min(fp32), max(fp32)], "bf16_in_band": min(fp32) <= bf16 <= max(fp32),
+            "bf16_minus_fp32_same_seed": bf16 - fp32[0]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/ultramem_151m_x12.yaml")
@@ -86,6 +114,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ", ".join(VARIANTS))
     parser.add_argument("--quick", action="store_true", help="configs/ultramem_tiny.yaml, 5 steps")
+    parser.add_argument("--loss-band", metavar="CONFIGS", default=None,
+                        help="instead: train each of these comma-separated configs to the end in fp32 for every "
+                             "--seeds and in bf16 for the first, and report bf16's final validation loss against "
+                             "fp32's seed range")
+    parser.add_argument("--seeds", default="1,2,3")
     parser.add_argument("--json", default=None)
     parser.add_argument("overrides", nargs="*", help="config overrides for every variant")
     args = parser.parse_args()
@@ -94,6 +127,19 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     config, overrides = args.config, list(args.overrides)
+    if args.loss_band:
+        seeds = [int(x) for x in args.seeds.split(",")]
+        rows = []
+        print(f"{'config':32s} {'fp32 val loss by seed':>28s} {'bf16':>8s} {'in band':>8s}", flush=True)
+        for path in args.loss_band.split(","):
+            row = loss_band(path, overrides, seeds)
+            rows.append(row)
+            print(f"{path:32s} {' '.join(f'{v:.4f}' for v in row['fp32_val_loss']):>28s} "
+                  f"{row['bf16_val_loss']:8.4f} {str(row['bf16_in_band']):>8s}", flush=True)
+        summary = {"bf16_in_band_fraction": sum(r["bf16_in_band"] for r in rows) / len(rows),
+                   "max_abs_bf16_minus_fp32": max(abs(r["bf16_minus_fp32_same_seed"]) for r in rows)}
+        _write(args.json, "bench_dense_switches_loss_band", rows, summary, config, overrides)
+        return
     if args.quick:
         config, overrides, args.steps, args.warmup = "configs/ultramem_tiny.yaml", QUICK + overrides, 5, 2
     rows = []
@@ -117,14 +163,19 @@ def main() -> None:
             summary[key] = by[a][what] / by[b][what]
     for key, value in summary.items():
         print(f"{key}: {value:.3f}")
-    if args.json:
-        machine = {"platform": platform.platform(), "torch": torch.__version__,
-                   "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
-                   "threads": torch.get_num_threads()}
-        with open(args.json, "w") as f:
-            json.dump({"benchmark": "bench_dense_switches", "machine": machine, "config": config,
-                       "overrides": overrides, "rows": rows, "summary": summary}, f, indent=1)
-        print(f"wrote {args.json}")
+    _write(args.json, "bench_dense_switches", rows, summary, config, overrides)
+
+
+def _write(path, name: str, rows, summary, config, overrides) -> None:
+    if not path:
+        return
+    machine = {"platform": platform.platform(), "torch": torch.__version__,
+               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
+               "threads": torch.get_num_threads()}
+    with open(path, "w") as f:
+        json.dump({"benchmark": name, "machine": machine, "config": config, "overrides": overrides,
+                   "rows": rows, "summary": summary}, f, indent=1)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
