@@ -155,32 +155,23 @@ def test_killed_launcher_takes_its_workers_with_it(cache_dir, tmp_path):
     _kill_and_expect_no_survivors(job)
 
 
-def test_sigusr1_stops_a_plain_run_with_a_checkpoint(cache_dir, tmp_path):
-    job = _start([sys.executable, "-m", "rmt.training.cli"] + _config(cache_dir, tmp_path, 200))
-    _wait_for(_logged(tmp_path, 2), job, "two steps")
-    job.send_signal(signal.SIGUSR1)
-    code, out, err = _finish(job)
-    stopped = len(_log(tmp_path))
-    assert code == 0, err[-3000:]
-    assert f"stopped on SIGUSR1 after step {stopped} of 200" in out
-    assert (tmp_path / "ckpt" / f"iter_{stopped:07d}" / "manifest.json").is_file()
-
-
 CTRL_C = ("rmt: Ctrl-C: stopping after this step (with a checkpoint where train.save is set); "
           "Ctrl-C again quits at once")
 
 
-def test_ctrl_c_stops_a_plain_run_with_a_checkpoint_in_one_line(cache_dir, tmp_path):
-    """A first Ctrl-C (SIGINT) is a stop like SIGTERM: one line, a checkpoint at the next step
-    boundary (not only at the save interval), exit 0, no traceback."""
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGINT])
+def test_stop_signal_stops_a_plain_run_with_a_checkpoint(cache_dir, tmp_path, sig):
+    """SIGUSR1, and a first Ctrl-C (SIGINT) alike: a checkpoint at the next step boundary (not
+    only at the save interval), exit 0, no traceback; Ctrl-C says so in one line."""
     job = _start([sys.executable, "-m", "rmt.training.cli"] + _config(cache_dir, tmp_path, 200))
     _wait_for(_logged(tmp_path, 2), job, "two steps")
-    job.send_signal(signal.SIGINT)
+    job.send_signal(sig)
     code, out, err = _finish(job)
     stopped = len(_log(tmp_path))
     assert code == 0, err[-3000:]
-    assert err.count(CTRL_C) == 1 and "Traceback" not in err and "KeyboardInterrupt" not in err
-    assert f"stopped on SIGINT after step {stopped} of 200" in out
+    assert err.count(CTRL_C) == (sig == signal.SIGINT)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert f"stopped on {sig.name} after step {stopped} of 200" in out
     assert (tmp_path / "ckpt" / f"iter_{stopped:07d}" / "manifest.json").is_file()
 
 

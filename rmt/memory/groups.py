@@ -116,13 +116,12 @@ def grad_values(grad: torch.Tensor) -> torch.Tensor:
     return coalesced(grad).values() if grad.is_sparse else grad
 
 
-class excluded_from_ddp:
-    """Context: self-reduced table weights (:func:`self_reduced`) look frozen while megatron
-    DDP wraps ``module``, so DDP neither buffers nor all-reduces them; they accumulate into
-    ``.grad`` as plain autograd leaves."""
+class frozen:
+    """Context: the trainable ``params`` look frozen (``requires_grad`` off) while it lasts, so
+    that megatron's DDP or optimizer, built meanwhile, leaves them out."""
 
-    def __init__(self, module: torch.nn.Module):
-        self.params = [p for p in self_reduced_params([module]) if p.requires_grad]
+    def __init__(self, params: Iterable[torch.nn.Parameter]):
+        self.params = [p for p in params if p.requires_grad]
 
     def __enter__(self):
         for p in self.params:
@@ -131,6 +130,13 @@ class excluded_from_ddp:
     def __exit__(self, *exc):
         for p in self.params:
             p.requires_grad_(True)
+
+
+def excluded_from_ddp(module: torch.nn.Module) -> frozen:
+    """Context: self-reduced table weights (:func:`self_reduced`) look frozen while megatron
+    DDP wraps ``module``, so DDP neither buffers nor all-reduces them; they accumulate into
+    ``.grad`` as plain autograd leaves."""
+    return frozen(self_reduced_params([module]))
 
 
 def sum_sparse_grads(grad: Optional[torch.Tensor], param: torch.Tensor, group) -> torch.Tensor:

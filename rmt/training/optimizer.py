@@ -42,7 +42,7 @@ from megatron.core.transformer.module import param_is_not_shared
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
 from rmt.config import RMTConfig
-from rmt.memory.groups import attach_fused_updates, memory_grad_sq_norm, self_reduced
+from rmt.memory.groups import attach_fused_updates, frozen, memory_grad_sq_norm, self_reduced
 from rmt.memory.optim import ValueLRScheduler, split_value_group
 from rmt.models.rmt import RMT_KEY_MATRICES
 from rmt.ops.sparse_optim import RowWiseAdagrad, SparseAdam
@@ -98,28 +98,13 @@ def optimizer_config(config: RMTConfig) -> OptimizerConfig:
         overlap_param_gather=t.overlap_param_gather)
 
 
-class _frozen:
-    """Context: ``params`` look frozen (so megatron's optimizer leaves them out)."""
-
-    def __init__(self, params):
-        self.params = [p for p in params if p.requires_grad]
-
-    def __enter__(self):
-        for p in self.params:
-            p.requires_grad_(False)
-
-    def __exit__(self, *exc):
-        for p in self.params:
-            p.requires_grad_(True)
-
-
 def build_dense_optimizer(chunks: List[torch.nn.Module], config: RMTConfig):
     """megatron's optimizer (``get_megatron_optimizer``) over the DDP-wrapped ``chunks``'
     parameters other than memory value tables, with rmt's weight-decay exemptions as its
     parameter-group override."""
     exempt = ParamWithNamePredicate(
         name="rmt_no_decay", fn=lambda p, name: _no_decay(name, p, config.train.decay_rmt_keys))
-    with _frozen([p for c in chunks for p in c.parameters() if is_table(p)]):
+    with frozen([p for c in chunks for p in c.parameters() if is_table(p)]):
         dense = get_megatron_optimizer(optimizer_config(config), chunks,
                                        config_overrides={ParamKey(with_name_predicate=exempt): {"wd_mult": 0.0}})
     _fused_on_cpu(dense)
