@@ -1,8 +1,9 @@
-"""The training loop on megatron-core: DDP-wrapped model chunks, the forward-backward schedule
-(microbatches, gradient accumulation, 1F1B or interleaved pipelining), AdamW, the LR schedule,
-gradient clipping, a moving average of the weights (``train.ema_decay``), validation,
-checkpoints (resumed by default, saved on preemption signals), TensorBoard scalars and a progress
-bar."""
+"""The training loop on megatron-core: DDP-wrapped model chunks (:mod:`rmt.training.ddp`), the
+forward-backward schedule (microbatches, gradient accumulation, 1F1B or interleaved pipelining),
+megatron's optimizer for the dense parameters beside the memory tables' own
+(:mod:`rmt.training.optimizer`), the LR schedule, gradient clipping by the global norm, a moving
+average of the weights (``train.ema_decay``), validation, checkpoints (resumed by default, saved
+on preemption signals and Ctrl-C), TensorBoard scalars and a progress bar."""
 
 from __future__ import annotations
 
