@@ -130,15 +130,17 @@ def saved_bytes(cache_dir, overrides) -> int:
     from rmt.config import load_config, validate
     from rmt.models.build import build
     from rmt.models.documents import causal_mask
+    from rmt.parallel import compat
 
     config = validate(load_config(None, tiny_overrides(cache_dir) + ["model.vocab_size=64"] + list(overrides)), 1)
     parallel.initialize(config)
     try:
-        model = build(config)[0].train()
+        device = compat.device()
+        model = build(config)[0].to(device).train()
         weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
         s, b = config.model.seq_length, config.train.micro_batch_size
-        tokens = torch.randint(0, config.model.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
-        positions = torch.arange(s)[None].expand(b, s)
+        tokens = torch.randint(0, config.model.vocab_size, (b, s), generator=torch.Generator().manual_seed(0)).to(device)
+        positions = torch.arange(s, device=device)[None].expand(b, s)
         storages = {}
 
         def pack(t):
