@@ -130,15 +130,17 @@ def saved_bytes(cache_dir, overrides) -> int:
     from rmt.config import load_config, validate
     from rmt.models.build import build
     from rmt.models.documents import causal_mask
+    from rmt.parallel import compat
 
     config = validate(load_config(None, tiny_overrides(cache_dir) + ["model.vocab_size=64"] + list(overrides)), 1)
     parallel.initialize(config)
     try:
-        model = build(config)[0].train()
+        device = compat.device()
+        model = build(config)[0].to(device).train()
         weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
         s, b = config.model.seq_length, config.train.micro_batch_size
-        tokens = torch.randint(0, config.model.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
-        positions = torch.arange(s)[None].expand(b, s)
+        tokens = torch.randint(0, config.model.vocab_size, (b, s), generator=torch.Generator().manual_seed(0)).to(device)
+        positions = torch.arange(s, device=device)[None].expand(b, s)
         storages = {}
 
         def pack(t):
@@ -252,3 +254,33 @@ def test_checkpoint_keeps_the_autocast_state():
     plain = grad(span)
     assert not torch.equal(grad(lambda x: random.checkpoint(span, False, x)), plain)  # megatron's own
     assert torch.equal(grad(lambda x: tensor_parallel.checkpoint(span, False, x)), plain)
+
+
+PLAN_SHAPE = ["model.hidden_size=128", "model.num_attention_heads=4", "model.num_layers=4", "model.seq_length=256",
+              "train.micro_batch_size=4"]
+
+
+@pytest.mark.parametrize("arch", ["transformer", "rmt"])
+def test_activation_bytes_drop_as_rmt_plan_predicts(arch, cache_dir):
+    """``rmt-plan model``'s activation bytes per token under each recompute setting against what
+    autograd saves (the shape and the 10% of tests/test_flops.py, whose model the recompute
+    figures build on): the kept bytes, and the drop from no recomputation."""
+    from rmt.config import load_config
+    from rmt.planner.flops import plan_model
+
+    base = PLAN_SHAPE + (["model.arch=rmt", "model.dk=16", "model.dv=32", "model.rank=4", "model.position=alibi"]
+                         if arch == "rmt" else [])
+    tokens = 4 * 256
+    measured, planned = {}, {}
+    for name, settings in (("none", []), ("selective", SELECTIVE),
+                           ("uniform2", UNIFORM + ["train.recompute_num_layers=2"]),
+                           ("block1", BLOCK + ["train.recompute_num_layers=1"])):
+        measured[name] = saved_bytes(cache_dir, base + settings) / tokens
+        planned[name] = plan_model(load_config(None, base + settings + ["model.vocab_size=64"]))[
+            "recomputed_activation_bytes_per_token"]
+    print(f"{arch} bytes per token, measured {measured}, planned {planned}")
+    for name in measured:
+        assert planned[name] == pytest.approx(measured[name], rel=0.10), name
+        if name != "none":
+            drop, predicted = measured["none"] - measured[name], planned["none"] - planned[name]
+            assert predicted == pytest.approx(drop, rel=0.10, abs=0.10 * planned["none"]), name

@@ -3,7 +3,8 @@
 A 4-layer transformer with an UltraMem layer trained 3 steps through the trainer
 (tests/dist/train_steps.py) under TP=2 with sequence parallelism: with number-wise sharded
 tables on the async stream and full recompute; with a skip-placed MoE and with MoE MLPs; TP=2 x
-DP=2 (local tables, synchronous); and TP=2 x PP=2 (async stream, recompute): equal losses, and
+DP=2 (local tables, synchronous); TP=2 x PP=2 and TP=2 x PP=2 x VPP=2 (async stream, recompute,
+the memory layers' links replayed per model chunk): equal losses, and
 equal full gradients and weights afterwards, memory parameters included. The rejections are
 ConfigErrors of ``validate``, which every entry point runs before any process group exists
 (exit status 2, tests/test_config.py). The memory layers gather the sequence
@@ -23,6 +24,8 @@ ULTRAMEM = ["memory.type=ultramem", "memory.key_dim=8", "memory.num_keys=4", "me
 MEMORY = {
     "ultramem": ULTRAMEM + ["memory.placement='1:3'"],
     "ultramem-stage2": ULTRAMEM + ["memory.placement='3:4'"],  # inside the second of 2 pipeline stages
+    # 8 layers in 4 chunks of 2 (PP=2 x VPP=2): memory layers in both virtual stages of rank 0
+    "ultramem-interleaved": ULTRAMEM + ["model.num_layers=8", "memory.placement='1:2/5:6'"],
     "skip-moe": ["memory.type=moe", "memory.placement='1:3'", "memory.num_experts=4"],
     "mlp-moe": ["memory.type=moe", "memory.moe_placement=mlp", "memory.placement=2-3", "memory.num_experts=4"],
 }
@@ -36,6 +39,9 @@ CASES = {
     "dp2xtp2": ("ultramem", SP, 4),
     "pp2xtp2-async-recompute": ("ultramem-stage2", SP + ["parallel.pipeline_model_parallel_size=2",
                                                          "memory.async_stream=true"] + RECOMPUTE, 4),
+    "pp2xvpp2xtp2-async-recompute": ("ultramem-interleaved", SP + [
+        "parallel.pipeline_model_parallel_size=2", "parallel.virtual_pipeline_model_parallel_size=2",
+        "memory.async_stream=true"] + RECOMPUTE, 4),
 }
 
 

@@ -5,12 +5,14 @@
 # profiled: device busy time and the host's waits;
 # $STREAM_ARGS replaces its arguments), the GPU tests (tests/test_ops_gpu.py, the memory layers
 # and the sparse optimizers on the device, the memory layers' host waits under torch's
-# detector), a one-GPU torchrun (NCCL) training run saved and resumed, every architecture for
-# a few bf16 steps, the dense model's megatron switches (bf16, distributed optimizer and full
-# recomputation together on the tiny configs, saved and resumed; tools/bench_dense_switches.py at
-# the UltraMem-151M-x12 shape, each switch on and off), and the lookup-reduce benchmark. Logs and
-# JSON go to $OUT (default ./gpu_checks); python is $PYTHON (default python3). $CHECKS picks the
-# checks by name (default: all of stream tests torchrun architectures dense lookup); the extensions are built
+# detector), activation recomputation on the device (tests/test_recompute.py: CUDA RNG states,
+# the async stream's side stream under recomputed spans), a one-GPU torchrun (NCCL) training run
+# saved and resumed, every architecture for a few bf16 steps, the dense model's megatron switches
+# (bf16, distributed optimizer and full recomputation together on the tiny configs, saved and
+# resumed; tools/bench_dense_switches.py at the UltraMem-151M-x12 shape, each switch on and off),
+# and the lookup-reduce benchmark. Logs and JSON go to $OUT (default ./gpu_checks); python is
+# $PYTHON (default python3). $CHECKS picks the checks by name (default: all of stream tests
+# recompute torchrun architectures dense lookup); the extensions are built
 # whenever any check runs, since the rest use them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +22,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # the card's own architecture only: a quarter of the CUDA build's time
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$($PY -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')}
-CHECKS=${CHECKS:-stream tests torchrun architectures dense lookup}
+CHECKS=${CHECKS:-stream tests recompute torchrun architectures dense lookup}
 wanted() { [[ " $CHECKS " == *" $1 "* ]]; }
 step() { echo "== $(date +%T) $*"; }
 step "environment"; $PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'
@@ -33,6 +35,10 @@ if wanted tests; then
 step "GPU tests"
 $PY -m pytest -q -p no:cacheprovider tests/test_ops_gpu.py tests/test_memory_integration.py \
     tests/test_ops_sparse_optim.py tests/test_host_syncs.py 2>&1 | tee "$OUT/test_ops_gpu.log"
+fi
+if wanted recompute; then
+step "activation recomputation on the GPU"
+$PY -m pytest -q -p no:cacheprovider tests/test_recompute.py 2>&1 | tee "$OUT/test_recompute.log"
 fi
 if wanted torchrun; then
 step "one-GPU torchrun (NCCL): UltraMem on the async stream with the fused value optimizer, saved, then resumed"

@@ -24,7 +24,8 @@ recomputation (inputs of every matmul and norm, GELU input and output; the RMT's
 fused with the reads after them, which keep the norm's input only; of the attention, the
 fused kernel's fp32 log-sum-exp per head, or with ``model.attention_kernel: megatron`` the
 unfused softmax's probabilities ``heads x N``), in the model dtype, plus the fp32 logits
-(transformer and RMT; memory layers at skip placements not included).
+(transformer and RMT; memory layers at skip placements not included). Under ``train.recompute_*``
+(:func:`recomputed_activation_bytes`) a recomputed span keeps only its input hidden state.
 
 The recurrent transformer (:mod:`rmt.models.recurrent`) runs its layer on windows: per layer
 two of k tokens and ``ceil(N/k) - 1`` of 2k (the sequence padded to a multiple of k), attention
@@ -89,12 +90,20 @@ def transformer_counts(L: int, D: int, H: int, Dh: int, Dff: int, V: int, N: int
     ]
     layer_act = 4 * D + 4 * A + (0 if fused_attention else H * N) + 2 * Dff
     act = (L * layer_act + 2 * D) * dtype_bytes + L * attention_lse_bytes(H, fused_attention) + 4 * Vp
-    return _doc("transformer", params, paper_params, diff_params, flops, paper_flops, diff_flops, act)
+    doc = _doc("transformer", params, paper_params, diff_params, flops, paper_flops, diff_flops, act)
+    # what one layer keeps; of it the core attention's own state; the hidden state between layers
+    core = H * N * dtype_bytes if not fused_attention else attention_lse_bytes(H, True)
+    doc["layer_activation_bytes_per_token"] = layer_act * dtype_bytes + attention_lse_bytes(H, fused_attention)
+    doc["core_attention_bytes_per_token"] = core
+    doc["hidden_bytes_per_token"] = D * dtype_bytes
+    doc["first_layer_input_counted"] = True  # among the 2 D: the embedding's output
+    return doc
 
 
 def rmt_counts(L: int, Dk: int, Dv: int, R: int, Dff: int, V: int, N: int, Vp: int = None,
-               position: str = "alibi", dtype_bytes: int = 4) -> Dict:
-    """Exact and Table 7 counts of :class:`rmt.models.rmt.RMTModel`."""
+               position: str = "alibi", dtype_bytes: int = 4, micro_batch: int = 1) -> Dict:
+    """Exact and Table 7 counts of :class:`rmt.models.rmt.RMTModel`; ``micro_batch`` samples
+    share one fp32 attention bias ``[R, N, N]`` (kept as the attention's input)."""
     Vp = V if Vp is None else Vp
     learned = position == "learned"
     params = (Vp * Dv * R + Dk * R + ((N * Dv * R + Dk * R) if learned else 0)
@@ -124,8 +133,16 @@ def rmt_counts(L: int, Dk: int, Dv: int, R: int, Dff: int, V: int, N: int, Vp: i
         diff_flops.append(("ALiBi: no position-key write (2 Dk Dv R)", -key))
     # The RMT's norms are fused with the reads that follow them: only their input is kept.
     layer_act = 2 * Dk * Dv + 5 * R * Dv + 2 * Dff
-    act = (L * layer_act + Dk * Dv + R * Dv) * dtype_bytes + L * attention_lse_bytes(R, True) + 4 * Vp
-    return _doc("rmt", params, paper_params, diff_params, flops, paper_flops, diff_flops, act)
+    # besides the layers: the embedding write's gathered rows R Dv, the final norm's input Dk Dv,
+    # the unembedding's reads R Dv, the logits, and the bias shared by the micro-batch
+    act = ((L * layer_act + Dk * Dv + 2 * R * Dv) * dtype_bytes + L * attention_lse_bytes(R, True) + 4 * Vp
+           + 4 * R * N // micro_batch)
+    doc = _doc("rmt", params, paper_params, diff_params, flops, paper_flops, diff_flops, act)
+    doc["first_layer_input_counted"] = False  # the embedding's output: kept by layer 1 only
+    doc["layer_activation_bytes_per_token"] = layer_act * dtype_bytes + attention_lse_bytes(R, True)
+    doc["core_attention_bytes_per_token"] = attention_lse_bytes(R, True)
+    doc["hidden_bytes_per_token"] = Dk * Dv * dtype_bytes
+    return doc
 
 
 def attention_lse_bytes(heads: int, fused: bool) -> int:
@@ -223,7 +240,7 @@ def plan_model(config: RMTConfig) -> Dict:
         doc["embedding_params"] = 2 * Vp * m.hidden_size + (m.seq_length * m.hidden_size if learned else 0)
     elif m.arch == "rmt":
         doc = rmt_counts(m.num_layers, m.dk, m.dv, m.rank, m.ffn_hidden_size or 4 * m.rank * m.dv,
-                         m.vocab_size, m.seq_length, Vp, m.position, dtype)
+                         m.vocab_size, m.seq_length, Vp, m.position, dtype, config.train.micro_batch_size)
         doc["embedding_params"] = 2 * Vp * m.dv * m.rank + (m.seq_length * m.dv * m.rank if learned else 0)
     elif m.arch == "recurrent":
         doc = recurrent_counts(config, Vp)
@@ -244,7 +261,32 @@ def plan_model(config: RMTConfig) -> Dict:
         doc["flops_per_sequence"] = doc["flops_per_token"] * m.seq_length
     if "paper_flops_per_token" in doc:
         doc["paper_flops_per_sequence"] = doc["paper_flops_per_token"] * m.seq_length
+    if "activation_bytes_per_token" in doc:
+        doc["recompute_granularity"] = config.train.recompute_granularity
+        doc["recomputed_activation_bytes_per_token"] = recomputed_activation_bytes(doc, config)
     return doc
+
+
+def recomputed_activation_bytes(doc: Dict, config: RMTConfig) -> int:
+    """Activation bytes per token kept for the backward under ``train.recompute_*`` (the
+    transformer's and the RMT's model above). ``selective``: every layer without its core
+    attention's own state (its inputs stay, the kept tensors of the layer's other ops);
+    ``full``: each recomputed span keeps its input hidden state instead of its layers'
+    activations (``uniform``: all layers in ``L / n`` spans; ``block``: ``n`` single-layer spans
+    per model chunk), the first span's being the first layer's input, which the count above
+    may hold already. The transient of the one span recomputed at a time in the backward is not
+    included."""
+    t, m, p = config.train, config.model, config.parallel
+    act, L = doc["activation_bytes_per_token"], m.num_layers
+    if t.recompute_granularity == "none":
+        return act
+    if t.recompute_granularity == "selective":
+        return act - L * doc["core_attention_bytes_per_token"]
+    n = t.recompute_num_layers
+    chunks = p.pipeline_model_parallel_size * (p.virtual_pipeline_model_parallel_size or 1)
+    recomputed, spans = (L, L // n) if t.recompute_method == "uniform" else (chunks * n, chunks * n)
+    spans -= doc["first_layer_input_counted"]  # the first span's input is the first layer's
+    return act - recomputed * doc["layer_activation_bytes_per_token"] + spans * doc["hidden_bytes_per_token"]
 
 
 def _add_memory(doc: Dict, plan: Dict) -> None:
@@ -291,6 +333,9 @@ def _lines(doc: Dict) -> List[str]:
                 f"ratio {doc['ops_ratio_recurrent_over_transformer']:.3f}"]
     if "activation_bytes_per_token" in doc:
         out.append(f"activation bytes per token (training, no recompute): {doc['activation_bytes_per_token']:,}")
+        if doc["recompute_granularity"] != "none":
+            out.append(f"activation bytes per token (train.recompute_granularity {doc['recompute_granularity']}): "
+                       f"{doc['recomputed_activation_bytes_per_token']:,}")
     return out
 
 
