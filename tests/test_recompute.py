@@ -227,35 +227,6 @@ def test_recompute_settings_rejected_in_one_sentence(overrides, message):
     assert "\n" not in str(err.value)
 
 
-def test_checkpoint_keeps_the_autocast_state():
-    """megatron's checkpoint function recomputes outside the forward's autocast; under rmt's
-    wrapper (rmt.parallel.compat_recompute) the recomputed bf16 span gives the gradients of the
-    plain bf16 forward exactly, and without it other ones."""
-    from megatron.core import tensor_parallel
-    from megatron.core.tensor_parallel import random
-
-    from rmt.parallel import compat_recompute
-
-    gen = torch.Generator().manual_seed(0)
-    w = torch.randn(8, 8, generator=gen, requires_grad=True)
-    x = torch.randn(4, 8, generator=gen, requires_grad=True)
-
-    def span(x):
-        return (x @ w).relu() @ w
-
-    def grad(run):
-        w.grad = None
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = run(x)
-        y.float().sum().backward()
-        return w.grad.clone()
-
-    compat_recompute.apply()  # as rmt.models.build does for a recompute config (process-wide)
-    plain = grad(span)
-    assert not torch.equal(grad(lambda x: random.checkpoint(span, False, x)), plain)  # megatron's own
-    assert torch.equal(grad(lambda x: tensor_parallel.checkpoint(span, False, x)), plain)
-
-
 PLAN_SHAPE = ["model.hidden_size=128", "model.num_attention_heads=4", "model.num_layers=4", "model.seq_length=256",
               "train.micro_batch_size=4"]
 

@@ -57,10 +57,6 @@ def build(config: RMTConfig) -> List[torch.nn.Module]:
     """The model chunks of this rank (one, or one per virtual pipeline stage), initialised
     identically under every parallel layout."""
     registered_archs()
-    if config.train.recompute_granularity != "none":
-        from rmt.parallel import compat_recompute
-
-        compat_recompute.apply()
     builder = _BUILDERS[config.model.arch]
     vpp = config.parallel.virtual_pipeline_model_parallel_size
     if vpp is None:

@@ -131,6 +131,7 @@ def apply() -> None:
     for name in _CUDA_LITERAL_MODULES:
         importlib.import_module(name).torch = proxy
     _cpu_mixed_precision_optimizers()
+    _cpu_checkpoint_rng()
     _cpu_moe_dispatch()
     _gloo_uneven_gather()
     _APPLIED = True
@@ -179,6 +180,17 @@ def _cpu_mixed_precision_optimizers() -> None:
                 __init(self, *args, **kwargs)
 
         cls.__init__ = cpu_init
+
+
+def _cpu_checkpoint_rng() -> None:
+    """megatron's checkpoint function (activation recomputation) saves and restores the CUDA RNG
+    state; without CUDA there is none: rmt's CPU tracker (:func:`seed_model_parallel`, megatron's
+    inference tracker) forks no state, so dropout draws from the CPU generator, which the function
+    saves and restores itself (``torch.get_rng_state``)."""
+    from megatron.core.tensor_parallel import random
+
+    random._get_cuda_rng_state = lambda *args, **kwargs: None
+    random._set_cuda_rng_state = lambda *args, **kwargs: None
 
 
 def _cpu_moe_dispatch() -> None:
