@@ -41,8 +41,10 @@ setup(
     # eval: lm-evaluation-harness for rmt-eval (it pulls scikit-learn, sacrebleu, evaluate, ...)
     extras_require={"dev": ["pytest==9.2.0", "pytest-xdist==3.8.0", "filelock==4.3.1"], "bench": ["fbgemm-gpu-cpu==1.8.0"],
                     "eval": ["lm-eval==0.4.13"]},
-    # the local lm-eval task of rmt-eval (YAMLs, its data and loader)
-    package_data={"rmt.evaluation": ["tasks/*.yaml", "tasks/*.json", "tasks/*.py"]},
+    # the local lm-eval task of rmt-eval (YAMLs, its data and loader); the code files rmt-export
+    # writes beside remote-code weights
+    package_data={"rmt.evaluation": ["tasks/*.yaml", "tasks/*.json", "tasks/*.py"],
+                  "rmt.export": ["remote_code/*.py"]},
     entry_points={
         "console_scripts": [
             "rmt-train=rmt.training.cli:main",

@@ -40,8 +40,10 @@ def padding_class(model, length: int) -> int:
 
 def batches(model, rows: Sequence[Tuple[Sequence[int], int]], size: int) -> List[List[int]]:
     """Indices of ``rows`` in batches of at most ``size`` that may be padded together, the
-    longest rows first (the first batch shows at once whether the largest one fits)."""
-    order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
+    longest rows first (the first batch shows at once whether the largest one fits), ties by
+    their tokens: which rows share a batch, and so every fp32 rounding, does not depend on the
+    order of the requests (lm-eval orders them by task name, for one)."""
+    order = sorted(range(len(rows)), key=lambda i: (-len(rows[i][0]), tuple(rows[i][0])))
     groups = {}
     for i in order:
         groups.setdefault(padding_class(model, len(rows[i][0]) - 1), []).append(i)
