@@ -2,6 +2,7 @@
 write, the samples drawn following the weights, an order that depends only on the samples
 consumed (resume, another data-parallel size), one tokenizer per blend, clear errors."""
 
+import json
 import math
 import os
 
@@ -167,7 +168,6 @@ def test_blend_must_share_one_tokenizer(corpora, tmp_path):
 def test_blended_training_resumes_under_another_data_parallel_size(corpora, cache_dir, tmp_path):
     """Six steps on a blend at DP=1, against three at DP=1 and three more resumed at DP=2."""
     common = tiny_overrides(cache_dir, steps=6) + [f"data.path=0.7 {corpora['web']} 0.3 {corpora['code']}"]
-    import json
 
     def losses(path):
         with open(path) as f:

@@ -5,7 +5,6 @@ after an interruption, memory that does not grow with the input, clear errors.""
 
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys

@@ -25,7 +25,7 @@ import signal
 import sys
 import time
 import traceback
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 from rmt.data.blend import BLEND_SUFFIX, format_blend
 from rmt.data.sources import Chunk, Source, check_source, chunk_texts, plan_chunks, resolve_inputs
