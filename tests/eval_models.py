@@ -64,3 +64,10 @@ def train_tiny(root, name, extra=(), steps=2):
     finally:
         parallel.destroy()
     return save
+
+
+def causal_logits(model, tokens, vocab: int = 257):
+    """rmt's logits of ``tokens`` ``[b, s]`` under the causal mask, cut to the ``vocab`` real rows."""
+    s = tokens.shape[1]
+    return model(tokens, torch.arange(s)[None].expand(tokens.shape[0], -1),
+                 torch.ones(s, s, dtype=torch.bool).triu(1)[None, None])[..., :vocab]

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from eval_models import MODELS, train_tiny  # noqa: E402
+from eval_models import MODELS, causal_logits, train_tiny  # noqa: E402
 from rmt import parallel  # noqa: E402
 from rmt.data.tokenizers import ByteTokenizer  # noqa: E402
 from rmt.export.cli import main  # noqa: E402
@@ -21,12 +21,6 @@ from rmt.generate import load_model, main as generate_main  # noqa: E402
 warnings.filterwarnings("ignore")
 
 V = 257
-
-
-def rmt_logits(model, tokens):
-    s = tokens.shape[1]
-    return model(tokens, torch.arange(s)[None].expand(tokens.shape[0], -1),
-                 torch.ones(s, s, dtype=torch.bool).triu(1)[None, None])[..., :V]
 
 
 @pytest.mark.parametrize("name,extra,model_type", [
@@ -45,7 +39,7 @@ def test_standard_export_equals_rmt(tmp_path, capsys, name, extra, model_type):
     try:
         tokens = torch.randint(0, V, (3, config.model.seq_length))
         with torch.no_grad():
-            want, got = rmt_logits(model, tokens), hf(tokens).logits
+            want, got = causal_logits(model, tokens), hf(tokens).logits
         assert got.shape == want.shape and want.abs().max() > 0.5  # trained: logits far from zero
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     finally:
@@ -87,7 +81,7 @@ def test_remote_code_export_equals_rmt(tmp_path, capsys, name):
         model, config, _ = load_model(save, [])
         tokens = torch.randint(0, V, (2, config.model.seq_length))
         with torch.no_grad():
-            want, got = rmt_logits(model, tokens), hf(tokens).logits
+            want, got = causal_logits(model, tokens), hf(tokens).logits
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
         prompt = torch.tensor([list(b"def ")])
         got_ids = hf.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None,

@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 
 from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig  # noqa: E402
 
-from eval_models import tiny_config, train_tiny  # noqa: E402
+from eval_models import causal_logits, tiny_config, train_tiny  # noqa: E402
 from rmt import parallel  # noqa: E402
 from rmt.errors import UserError  # noqa: E402
 from rmt.export.cli import main as export_main  # noqa: E402
@@ -19,12 +19,6 @@ from rmt.export.cli import main as export_main  # noqa: E402
 warnings.filterwarnings("ignore")
 
 V = 257
-
-
-def logits(model, tokens):
-    s = tokens.shape[1]
-    return model(tokens, torch.arange(s)[None].expand(tokens.shape[0], -1),
-                 torch.ones(s, s, dtype=torch.bool).triu(1)[None, None])[..., :V]
 
 
 def run_from(tmp_path, name, load, extra=()):
@@ -49,12 +43,12 @@ def test_export_round_trip(tmp_path, name):
     tokens = torch.randint(0, V, (2, 40))
     model, _, _ = load_model(save, [])
     with torch.no_grad():
-        want = logits(model, tokens)
+        want = causal_logits(model, tokens)
     parallel.destroy()
     try:
         started, trainer = run_from(tmp_path, name, tmp_path / "hf")
         with torch.no_grad():
-            got = logits(started, tokens)
+            got = causal_logits(started, tokens)
         assert torch.equal(got, want)
         assert trainer.iteration == 0
         trainer.train()  # trains on from them: one step, one checkpoint
@@ -86,7 +80,7 @@ def test_standard_hf_checkpoint(tmp_path, kind):
     try:
         started, _ = run_from(tmp_path, "transformer", tmp_path / "hf", extra)
         with torch.no_grad():
-            got, want = logits(started, tokens), hf(tokens).logits
+            got, want = causal_logits(started, tokens), hf(tokens).logits
         assert want.abs().max() > 1
         # the same fp32 model computed by two codes: attention and GEMM orders differ
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)

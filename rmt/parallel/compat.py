@@ -1,9 +1,12 @@
 """Make megatron-core 0.16.1 run on CPU (gloo). The only module that knows about the shim.
 
 megatron-core assumes CUDA throughout: ``torch.cuda.current_device()`` as a device argument,
-``device="cuda"`` literals in the pipeline schedules and the DDP buffers, ``torch.cuda``
-RNG states and synchronisation. :func:`apply` patches exactly those places, and only when
-CUDA is absent, so the same code takes the NCCL/CUDA paths on a GPU cluster. The adjustments
+``device="cuda"`` literals in the pipeline schedules, the DDP buffers and the optimizers,
+``torch.cuda`` RNG states (also in the recomputation's checkpoint function) and
+synchronisation, and CUDA type names by which its float16 and distributed optimizers sort the
+parameters they wrap (:func:`_cpu_mixed_precision_optimizers`). :func:`apply` patches exactly
+those places, and only when CUDA is absent, so the same code takes the NCCL/CUDA paths on a GPU
+cluster. The adjustments
 were measured on megatron-core 0.16.1 with torch 2.13 (see REFERENCE_NOTES.md).
 
 Its MoE (:func:`_moe_without_te`, :func:`_cpu_moe_dispatch`, :func:`_gloo_uneven_gather`)
