@@ -205,17 +205,19 @@ def square_sum(values: torch.Tensor, chunk_elements: int = 1 << 18) -> torch.Ten
 
 
 def memory_grad_sq_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
-    """Squared L2 norm of the full gradients of the self-reduced tables among ``params``:
-    each shard counted once (summed over its memory-parallel group), replicated tables once
-    (their reduced gradient is the same on every tensor-parallel rank), then summed over the
-    pipeline stages, whose tables differ. Collective over the pipeline group. A table stepped in
-    its backward (:func:`fused_update`) counts the squared norm of the gradient it stepped with.
-    A one-element fp64 tensor on the compute device: nothing here waits for the device."""
+    """Squared L2 norm of the full gradients of the memory value tables among ``params``: each
+    shard counted once (summed over its memory-parallel group), replicated tables once (their
+    reduced gradient, by DDP or :func:`finish_memory_grads`, is the same on every
+    tensor-parallel rank), then summed over the pipeline stages, whose tables differ. Collective
+    over the pipeline group (and the memory-parallel group where a stage has shards), on every
+    rank alike whatever tables its stage holds. A table stepped in its backward
+    (:func:`fused_update`) counts the squared norm of the gradient it stepped with. A one-element
+    fp64 tensor on the compute device: nothing here waits for the device."""
     device = compat.device()
     sharded, local = torch.zeros(1, dtype=torch.float64, device=device), torch.zeros(1, dtype=torch.float64, device=device)
     group = None
     for p in params:
-        if not self_reduced(p) or (p.grad is None and fused_update(p) is None):
+        if not (self_reduced(p) or getattr(p, "memory_value", False)) or (p.grad is None and fused_update(p) is None):
             continue
         if fused_update(p) is not None:
             sq = torch.as_tensor(fused_update(p).pop_sq_norm(host=False), dtype=torch.float64, device=device)

@@ -34,12 +34,9 @@ from __future__ import annotations
 from typing import Dict, List, Optional
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.optimizer import OptimizerConfig, ParamKey, get_megatron_optimizer
 from megatron.core.optimizer.optimizer_config import ParamWithNamePredicate
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.core.transformer.module import param_is_not_shared
-from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
 from rmt.config import RMTConfig
 from rmt.memory.groups import attach_fused_updates, frozen, memory_grad_sq_norm, self_reduced
@@ -203,17 +200,13 @@ class Optimizers:
         """Squared global L2 norm of the step's gradients, each TP-duplicated parameter counted
         once: megatron's main gradients over each optimizer's gradient-statistics group (the
         model-parallel group; the whole world with the distributed optimizer, whose shards are
-        distinct; for expert-parallel experts their expert group), local tables replicated over
-        the model-parallel group, self-reduced tables by
-        :func:`~rmt.memory.groups.memory_grad_sq_norm`. A one-element fp64 tensor on the compute
+        distinct; for expert-parallel experts their expert group), and the tables' by
+        :func:`~rmt.memory.groups.memory_grad_sq_norm`. The same collectives on every rank,
+        whichever tables its pipeline stage holds. A one-element fp64 tensor on the compute
         device: nothing here waits for it."""
         norm_sq = torch.zeros(1, dtype=torch.float64, device=compat.device())
         for o in self.dense_optimizers:
             norm_sq += grad_sq_norm(o.get_main_grads_for_grad_norm(), o.get_grad_stats_parallel_group())
-        local = [p.grad for p in self._owner if p.grad is not None and not self_reduced(p)
-                 and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
-        if any(not self_reduced(p) for p in self._owner):
-            norm_sq += grad_sq_norm(local, parallel_state.get_model_parallel_group())
         return norm_sq + memory_grad_sq_norm(list(self._owner))
 
     def clip(self, max_norm: float, norm: float) -> None:
