@@ -1,6 +1,6 @@
 """megatron-core's distributed optimizer (``train.distributed_optimizer``): training equals the
 single process (plain optimizer) under DP = 2 and 4, with TP and PP, for every architecture and
-with sharded, sparse and fused memory tables; each rank holds 1/DP of the dense optimizer state
+with sharded, sparse and fused memory tables (also on one pipeline stage only); each rank holds 1/DP of the dense optimizer state
 (megatron's bucket padding aside); checkpoints reshard between DP sizes and to and from the
 plain optimizer with the losses of an uninterrupted run."""
 
@@ -17,6 +17,8 @@ MODELS = {
     "ultramem_sharded_fused": ULTRAMEM + ["memory.partition=number", "memory.value_optimizer=sparse_adam",
                                           "memory.fused_value_optimizer=true", "memory.async_stream=true"],
     "ultramem_local_adamw": ULTRAMEM,
+    # tables on the second of two pipeline stages only
+    "ultramem_late": ULTRAMEM + ["model.num_layers=4", "memory.placement='3:4'"],
     "pkm_rowwise": ["memory.type=pkm", "memory.placement='1:2'", "memory.key_dim=8", "memory.num_keys=8",
                     "memory.topk=4", "memory.value_optimizer=rowwise_adagrad"],
     "moe_mlp": ["memory.type=moe", "memory.moe_placement=mlp", "memory.placement=1-2", "memory.num_experts=4"],
@@ -33,7 +35,8 @@ TWO["transformer_dp2_overlap"] = ("transformer", ["train.overlap_grad_reduce=tru
 FOUR = {"transformer_dp4": ("transformer", []),
         "transformer_tp2_dp2": ("transformer", ["parallel.tensor_model_parallel_size=2"]),
         "transformer_pp2_dp2": ("transformer", ["parallel.pipeline_model_parallel_size=2"]),
-        "ultramem_sharded_fused_tp2_dp2": ("ultramem_sharded_fused", ["parallel.tensor_model_parallel_size=2"])}
+        "ultramem_sharded_fused_tp2_dp2": ("ultramem_sharded_fused", ["parallel.tensor_model_parallel_size=2"]),
+        "ultramem_late_pp2_dp2": ("ultramem_late", ["parallel.pipeline_model_parallel_size=2"])}
 
 
 def _common(cache_dir):
