@@ -44,6 +44,7 @@ from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_paralle
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, router_gating_linear
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -99,10 +100,10 @@ def _sequence_split() -> bool:
 class Router(TopKRouter):
     """megatron's top-k router; under the sequence split its weight enters the gating GEMM
     through ``copy_to_tensor_model_parallel_region`` (identity forward, all-reduce backward), so
-    the gradients of the TP ranks' sequence shares are summed. The GEMM runs outside autocast:
-    megatron's gating function computes in the router dtype itself, and under bf16 autocast
-    (rmt's mixed precision) its forward would return bf16 logits that its backward multiplies
-    with the fp32 weight. ``balance_loss`` sums the load-balancing losses (without their
+    the gradients of the TP ranks' sequence shares are summed. The GEMM runs outside any
+    autocast: megatron's gating function computes in the router dtype itself, and under bf16
+    autocast its forward would return bf16 logits that its backward multiplies with the fp32
+    weight. ``balance_loss`` sums the load-balancing losses (without their
     coefficient) of this router's calls since :meth:`MoE.pop_stats`: megatron's own tracker is
     one process-wide table indexed by layer number."""
 
@@ -114,6 +115,9 @@ class Router(TopKRouter):
         for param in self.parameters(recurse=False):
             param.sequence_parallel = False
         self.register_buffer("balance_loss", torch.zeros((), dtype=torch.float64), persistent=False)
+        # megatron's logging table (unread by rmt) is sized by the first model's layer count at its
+        # first entry: a model of more layers built later in the same process would index past it
+        get_moe_layer_wise_logging_tracker().clear()
 
     def attach_and_log_load_balancing_loss(self, activation, aux_loss_coeff, aux_loss, *args, **kwargs):
         with torch.no_grad():
