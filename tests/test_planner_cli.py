@@ -109,7 +109,9 @@ def test_memory_from_a_config(capsys):
     (["memory", "--slots", "64", "--dim", "4", "--reserve-gib", "90"], "reserve"),
     (["memory", "--dim", "4"], "give --slots and --dim"),
     (["memory", "--config", "configs/ultramem_tiny.yaml"], "--world-size"),
-    (["memory", "--config", "configs/tiny.yaml", "--world-size", "2"], "memory.type is 'none'"),
+    (["memory", "--config", "configs/ultramem_tiny.yaml", "--world-size", "2", "memory.partition=number",
+      "memory.group_size=3"],
+     "memory.group_size"),
     (["memory", "--config", "configs/ultramem_tiny.yaml", "--slots", "64"], "come from the config"),
     ([], "required"),
 ])

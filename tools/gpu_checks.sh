@@ -12,7 +12,9 @@
 # resumed; tools/bench_dense_switches.py at the UltraMem-151M-x12 shape, each switch on and off),
 # and the lookup-reduce benchmark. Logs and JSON go to $OUT (default ./gpu_checks); python is
 # $PYTHON (default python3). $CHECKS picks the checks by name (default: all of stream tests
-# recompute torchrun architectures dense lookup); the extensions are built
+# recompute torchrun architectures dense rank_memory lookup); rank_memory: the whole-rank
+# planner against torch.cuda.max_memory_allocated per phase for one-GPU layouts of the
+# UltraMem-151M-x12 shape (tools/bench_rank_memory.py --device gpu); the extensions are built
 # whenever any check runs, since the rest use them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +24,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # the card's own architecture only: a quarter of the CUDA build's time
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$($PY -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')}
-CHECKS=${CHECKS:-stream tests recompute torchrun architectures dense lookup}
+CHECKS=${CHECKS:-stream tests recompute torchrun architectures dense rank_memory lookup}
 wanted() { [[ " $CHECKS " == *" $1 "* ]]; }
 step() { echo "== $(date +%T) $*"; }
 step "environment"; $PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'
@@ -74,6 +76,12 @@ for config in tiny rmt_tiny recurrent_tiny mixer_tiny ultramem_tiny; do
 done
 step "dense switches at the UltraMem-151M-x12 shape: step time and max_memory_allocated"
 $PY tools/bench_dense_switches.py ${DENSE_ARGS:---steps 8 --warmup 3} --json "$OUT/bench_dense_switches.json" 2>&1 | tee "$OUT/bench_dense_switches.log"
+fi
+if wanted rank_memory; then
+step "whole-rank memory per phase against the planner (UltraMem-151M-x12, one GPU)"
+$PY tools/bench_rank_memory.py --device gpu --config configs/ultramem_151m_x12.yaml \
+    train.global_batch_size=null --only dp1 dp1_bf16_distopt dp1_recompute_full \
+    --json "$OUT/bench_rank_memory.json" 2>&1 | tee "$OUT/bench_rank_memory.log"
 fi
 if wanted lookup; then
 step "lookup-reduce benchmark"

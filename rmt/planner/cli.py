@@ -3,7 +3,10 @@
 Subcommands are entries of :data:`SUBCOMMANDS`; a new one (e.g. ``model`` from
 ``rmt.planner.flops``) is registered with one line::
 
-    SUBCOMMANDS.append(Subcommand("model", "parameters and FLOPs", add_arguments, run))
+    SUBCOMMANDS.append(Subcommand("layouts", "the layouts (TP, PP, VPP, DP, distributed optimizer, recomputation, "
+                              "table partition) of a config that fit a GPU count, ranked by cost per step, and the "
+                              "smallest count that fits", _layout_arguments, _run_layouts))
+SUBCOMMANDS.append(Subcommand("model", "parameters and FLOPs", add_arguments, run))
 
 ``add_arguments(parser)`` declares its options; ``run(args) -> int`` does the work and
 raises ``ValueError`` (one sentence) for impossible input, which :func:`main` prints to
@@ -256,50 +259,34 @@ def _add_memory_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="write the numbers to FILE")
 
 
-def _plan_from_args(args: argparse.Namespace) -> memory.TablePlan:
-    if args.config is None:
-        if args.slots is None or args.dim is None or args.overrides:
-            raise ValueError("give --slots and --dim, or --config FILE [section.key=value ...].")
-        return memory.TablePlan(**{k: getattr(args, k) for k in (
-            "slots", "dim", "partition", "value_optimizer", "value_dtype", "layers", "tokens", "microbatches",
-            "heads", "topk", "key_dim", "tucker_rank", "ive_blocks", "precision", "device", "fused", "cores")},
-            group_size=args.group_size or 1)
-    if args.slots is not None or args.dim is not None:
-        raise ValueError("--slots and --dim come from the config with --config; change them there "
-                         "(memory.num_keys=K) instead.")
-    from rmt.config import load_config
-    from rmt.errors import UserError
-    from rmt.memory.validate import memory_placement, stage_layers
+def _plan_from_flags(args: argparse.Namespace) -> memory.TablePlan:
+    if args.slots is None or args.dim is None or args.overrides:
+        raise ValueError("give --slots and --dim, or --config FILE [section.key=value ...].")
+    return memory.TablePlan(**{k: getattr(args, k) for k in (
+        "slots", "dim", "partition", "value_optimizer", "value_dtype", "layers", "tokens", "microbatches",
+        "heads", "topk", "key_dim", "tucker_rank", "ive_blocks", "precision", "device", "fused", "cores")},
+        group_size=args.group_size or 1)
 
-    try:
-        config = load_config(args.config, args.overrides)
-        if config.memory.type not in ("ultramem", "ultramem_v2", "pkm"):
-            raise ValueError(f"memory.type is '{config.memory.type}': rmt-plan memory plans UltraMem, UltraMemV2 "
-                             f"and PKM tables.")
-        placement = memory_placement(config)
-    except UserError as err:
-        raise ValueError(str(err)) from None
-    par = config.parallel
-    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
-    if args.world_size is not None:
-        if args.world_size % (tp * pp):
-            raise ValueError(f"the world size ({args.world_size}) must be a multiple of tensor x pipeline "
-                             f"parallel ({tp} x {pp}).")
-        dp = args.world_size // (tp * pp)
-        group = 1 if config.memory.partition == "local" else (config.memory.group_size or dp * tp)
-        if args.group_size is not None and args.group_size != group:
-            raise ValueError(f"--group-size {args.group_size} contradicts the config's group of {group} ranks "
-                             f"at world size {args.world_size}.")
-    elif args.group_size is not None:
-        group = args.group_size
-        dp = max(1, group // tp) if not config.memory.group_size else 1
-    else:
-        raise ValueError("with --config give --world-size (or --group-size).")
-    layers = max(sum(1 for i, j in placement if first <= i and j <= last)
-                 for first, last in (stage_layers(config, s) for s in range(pp)))
-    t = config.train
-    microbatches = max(1, (t.global_batch_size or t.micro_batch_size * dp) // (t.micro_batch_size * dp))
-    plan = memory.plan_from_config(config, group, layers, microbatches)
+
+def _plan_from_config(args: argparse.Namespace, config) -> memory.TablePlan:
+    """The tables' plan of a validated config at ``--world-size``: the busiest stage's layers."""
+    from rmt.memory.validate import memory_placement, stage_layers
+    from rmt.planner.rank import layout_of
+
+    layout = layout_of(config, args.world_size)
+    mem = config.memory
+    group = 1 if mem.partition == "local" else (mem.group_size or layout.dp * layout.tp)
+    if args.group_size is not None and args.group_size != group:
+        raise ValueError(f"--group-size {args.group_size} contradicts the config's group of {group} ranks "
+                         f"at world size {args.world_size}.")
+    placement = memory_placement(config)
+    chunks = [stage_layers(config, s, v) for s in range(layout.pp)
+              for v in ([None] if layout.vpp == 1 else range(layout.vpp))]
+    per_stage = {}
+    for index, (first, last) in enumerate(chunks):
+        stage = index // (1 if layout.vpp == 1 else layout.vpp)
+        per_stage[stage] = per_stage.get(stage, 0) + sum(1 for i, j in placement if first <= i and j <= last)
+    plan = memory.plan_from_config(config, group, max(per_stage.values()), layout.microbatches)
     return memory.TablePlan(**dict(vars(plan), device=args.device))
 
 
@@ -307,8 +294,10 @@ def _human_rows(rows) -> list[str]:
     return [f"  {label:<26} {n:>22,}  {human(n):>11}" for label, n in rows]
 
 
-def _run_memory(args: argparse.Namespace) -> int:
-    plan = _plan_from_args(args)
+def table_lines(args: argparse.Namespace, config=None) -> dict:
+    """The tables' plan (from the flags, or from ``config``) as ``rmt-plan memory`` prints it:
+    ``{"lines": [...], **plan_memory's document}``."""
+    plan = _plan_from_flags(args) if config is None else _plan_from_config(args, config)
     doc = memory.plan_memory(plan, gpu_mem_gib=args.gpu_mem_gib, reserve_gib=args.reserve_gib)
     rows, cols = doc["shard_shape"]
     lines = [f"{plan.layers} memory table(s) of {plan.slots:,} slots ({doc['num_keys']:,}^2) x {plan.dim}, "
@@ -322,26 +311,58 @@ def _run_memory(args: argparse.Namespace) -> int:
     lines += _human_rows(doc["phases"].items())
     lines.append(f"checkpoint: {human(doc['checkpoint_bytes'])} of tables and optimizer states in all"
                  + (f"; a GPU save stages {human(doc['host_chunk'])} of host memory" if doc["host_chunk"] else ""))
-    lines.append(f"budget per rank: {args.gpu_mem_gib:g} GiB - {args.reserve_gib:g} GiB reserve -> "
-                 f"{'fits' if doc['fits'] else 'does not fit'} at P={plan.group_size} "
-                 f"(peak {human(doc['peak'])})")
-    if doc["min_group_size"] is None:
-        lines.append("no group size rmt can run fits this budget")
-    else:
-        lines.append(f"smallest group that fits: P={doc['min_group_size']} "
-                     f"(peak {human(max(doc['min_group_phases'].values()))} per rank)")
-    print("\n".join(lines))
+    if config is None:
+        lines.append(f"budget per rank: {args.gpu_mem_gib:g} GiB - {args.reserve_gib:g} GiB reserve -> "
+                     f"{'fits' if doc['fits'] else 'does not fit'} at P={plan.group_size} "
+                     f"(peak {human(doc['peak'])})")
+        if doc["min_group_size"] is None:
+            lines.append("no group size rmt can run fits this budget")
+        else:
+            lines.append(f"smallest group that fits: P={doc['min_group_size']} "
+                         f"(peak {human(max(doc['min_group_phases'].values()))} per rank)")
+    return dict(doc, lines=lines)
+
+
+def _run_memory(args: argparse.Namespace) -> int:
+    if args.config is not None:
+        if args.slots is not None or args.dim is not None:
+            raise ValueError("--slots and --dim come from the config with --config; change them there "
+                             "(memory.num_keys=K) instead.")
+        if args.reserve_gib:
+            raise ValueError("--reserve-gib sets aside the rest of a rank for a --slots/--dim plan; with --config "
+                             "every byte of the rank is counted.")
+        from rmt.planner.rank_cli import run_memory
+
+        return run_memory(args)
+    doc = table_lines(args)
+    print("\n".join(doc.pop("lines")))
     _write_json(args.json, doc)
     return 0
+
+
+def _layout_arguments(p: argparse.ArgumentParser) -> None:
+    from rmt.planner.rank_cli import add_layout_arguments
+
+    add_layout_arguments(p)
+
+
+def _run_layouts(args: argparse.Namespace) -> int:
+    from rmt.planner.rank_cli import run_layouts
+
+    return run_layouts(args)
 
 
 SUBCOMMANDS: list[Subcommand] = [
     Subcommand("comm", "bytes per collective per step for number- and dimension-wise "
                "partitions (UltraMem Appendix D) and the cheaper choice",
                _add_comm_arguments, _run_comm),
-    Subcommand("memory", "peak bytes per rank of sharded memory tables in each phase (init, step, save, "
-               "load) and the smallest group that fits", _add_memory_arguments, _run_memory),
+    Subcommand("memory", "peak bytes per rank in each phase (init, step, save, load): of a whole run "
+               "with --config, or of sharded memory tables alone from their terms", _add_memory_arguments,
+               _run_memory),
 ]
+SUBCOMMANDS.append(Subcommand("layouts", "the layouts (TP, PP, VPP, DP, distributed optimizer, recomputation, "
+                              "table partition) of a config that fit a GPU count, ranked by cost per step, and the "
+                              "smallest count that fits", _layout_arguments, _run_layouts))
 SUBCOMMANDS.append(Subcommand("model", "parameters (total, without embeddings, activated per token), "
                               "forward FLOPs and activation bytes per token of any architecture with "
                               "its memory layers (exact; transformer and RMT also paper Table 7)",

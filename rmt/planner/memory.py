@@ -227,9 +227,13 @@ def resharding_read(plan: TablePlan, table: int) -> int:
     return table if plan.partition == "dimension" else -(-table // plan.group_size)
 
 
-def phases(plan: TablePlan) -> dict:
-    """Peak bytes per rank that grow with the slots, per phase (see the module docstring)."""
+def phases(plan: TablePlan, keys: bool = True) -> dict:
+    """Peak bytes per rank that grow with the slots, per phase (see the module docstring);
+    ``keys=False``: without the keys and their gradients and moments (the whole-rank plan,
+    :mod:`rmt.planner.rank`, counts them with the dense parameters)."""
     c = components(plan)
+    if not keys:
+        c["keys"] = 0
     L = plan.layers
     held = c["table"] + c["slot_stats"]
     trained = held + 4 * c["keys"] + c["optimizer_states"]

@@ -1,0 +1,490 @@
+"""Every byte of one rank of a run, phase by phase: what ``rmt-plan memory --config`` answers.
+
+:mod:`rmt.planner.memory` counts the bytes that grow with the memory tables' slots; this module
+adds everything else a rank holds, for the run a config describes at a world size, so that "does
+this run fit, on how many GPUs" is answered before the run (``tools/bench_rank_memory.py``
+measures the same phases against it). Terms per rank (``b`` = bytes of ``train.precision``, ``t``
+tensor-parallel ranks, ``P_r`` the dense parameters the rank holds):
+
+``params``, ``grads``, ``main_params``, ``optimizer_states``
+    the dense parameters (everything but the memory value tables) as megatron-core holds them,
+    :func:`rmt.planner.dense.dense_bytes_per_param` per element of ``P_r``: ``b`` each, an fp32
+    gradient buffer, fp32 main copies under bf16 and Adam's two fp32 moments (the last two
+    ``1/DP`` of it with ``train.distributed_optimizer``). ``P_r`` (:func:`stage_params`):
+    column/row-parallel weights and vocab-parallel tables split by ``t``; norms, row-parallel
+    biases, position tables and the memory layers (keys, query networks, projections: replicated
+    over tensor-parallel ranks) whole; the embedding on the first pipeline stage, the final norm
+    and output layer on the last, each layer on the stage of its model chunk; MoE experts split by
+    expert x expert-tensor parallelism.
+``activations``
+    what the backward keeps, per micro-batch and model chunk (:func:`chunk_activations`: the
+    model of :mod:`rmt.planner.flops` split into the parts a tensor-parallel rank holds whole
+    (norm inputs, the hidden states between sublayers: ``1/t`` of them under sequence parallelism)
+    and the parts it holds ``1/t`` of (attention heads, FFN columns, vocab-parallel logits)), times
+    the micro-batches in flight at the schedule's peak (:func:`in_flight`): one without pipeline
+    parallelism; ``min(PP - s, m)`` on stage ``s`` of 1F1B; the warm-up of megatron's interleaved
+    schedule plus one on a virtual pipeline. Recomputation keeps only each span's input
+    (``full``) or drops the core attention's state (``selective``), and adds the one span rebuilt
+    at a time in the backward.
+``loss_workspace``
+    on the last stage, the vocab-parallel cross entropy's transient beside the kept fp32 logits:
+    the logits' fp32 copy under bf16 (``4 x Vp/t`` bytes per token; none in fp32, where the loss
+    works in place) and their gradient in the model dtype (``b x Vp/t``).
+``tables``
+    the memory tables, their gradients, optimizer states and checkpoint buffers of the rank's
+    memory layers, :func:`rmt.planner.memory.phases` without the keys (counted above).
+``heap_retained``
+    on a CPU, the freed tensors (each under 32 MiB) of the step that ``train.host_heap_retain_mib``
+    keeps in the heap for the next one, measured to stay resident: in ``step`` ``min(retain, A)``
+    with ``A`` = activations + transient (the next step's tensors do not all fit the freed
+    blocks, the optimizer's moments having been drawn from them), in ``save``
+    ``min(retain, 2 A)``, the step's whole peak.
+``process``
+    a fixed overhead per process: on a CPU the interpreter, torch, megatron-core and gloo's
+    threads as measured once (:data:`CPU_PROCESS_BYTES`, the resident set before the model is
+    built); on a GPU the CUDA context, NCCL's communicators and the caching allocator's reserve
+    (:data:`GPU_PROCESS_BYTES`, stated, not measured). Collectives run in place on the DDP
+    buckets and the parameter buffer: no further buffer.
+
+Phases: ``init`` (the model built in fp32 and cast, wrapped in DDP, the optimizer built: the
+larger of the fp32 build and the wrapped state), ``step`` (the state, its Adam moments, the
+activations in flight and the loss or recompute transient), ``save`` (the state plus the
+checkpoint's copies: the fp32 main copies' pieces under bf16, and on data-parallel rank 0, which
+writes the replicated parameters, a copy of them when they are views into the distributed
+optimizer's parameter buffer), ``load`` (a fresh process: the state with the moments built for the load, plus one read
+buffer per tensor, the largest).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Dict, List, Optional
+
+from rmt.planner.dense import dense_bytes_per_param
+from rmt.planner.memory import DTYPE_BYTES, GIB
+
+CPU_PROCESS_BYTES = 385 << 20
+"""Resident set of one CPU rank before its model is built (interpreter, torch, megatron-core,
+gloo's process groups): measured by ``tools/bench_rank_memory.py`` (its ``start_mib``)."""
+CPU_EXTENSION_BYTES = 5 << 20
+"""The C++ extensions' code a CPU rank with UltraMem / PKM tables maps (their kernels build and
+load with the model): measured, the difference of ``configs/ultramem_tiny.yaml``'s init from
+``configs/tiny.yaml``'s beyond the planned bytes."""
+CPU_FRAMEWORK_BYTES = {"init": 30 << 20, "step": 43 << 20, "save": 45 << 20, "load": 32 << 20}
+"""What a CPU rank adds above :data:`CPU_PROCESS_BYTES` in each phase whatever the model (code
+paths loaded on first use, the data loader, allocator arenas, the checkpoint writer's threads):
+``tools/bench_rank_memory.py --only tiny``, a one-layer model of 64 hidden units."""
+GPU_PROCESS_BYTES = 2 << 30
+"""Per GPU rank: CUDA context (~0.5 GiB), NCCL communicator buffers and the caching allocator's
+fragmentation reserve; stated, not measured."""
+PHASES = ("init", "step", "save", "load")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a run is laid out over its ranks (from ``parallel.*`` and ``train.*`` at a world size)."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    dp: int = 1
+    ep: int = 1
+    etp: int = 1
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+    recompute: str = "none"
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
+    microbatches: int = 1
+    """Micro-batches per step on a data-parallel rank."""
+    device: str = "cpu"
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+def layout_of(config, world_size: int, device: str = "cpu") -> Layout:
+    """The :class:`Layout` of ``config`` on ``world_size`` ranks."""
+    p, t = config.parallel, config.train
+    model_ranks = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+    if world_size % model_ranks:
+        raise ValueError(f"the world size ({world_size}) must be a multiple of tensor x pipeline parallel "
+                         f"({p.tensor_model_parallel_size} x {p.pipeline_model_parallel_size}).")
+    dp = world_size // model_ranks
+    micro = max(1, (t.global_batch_size or t.micro_batch_size * dp) // (t.micro_batch_size * dp))
+    return Layout(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+                  vpp=p.virtual_pipeline_model_parallel_size or 1, dp=dp, ep=p.expert_model_parallel_size,
+                  etp=p.expert_tensor_parallel_size or p.tensor_model_parallel_size,
+                  sequence_parallel=p.sequence_parallel, distributed_optimizer=t.distributed_optimizer,
+                  recompute=t.recompute_granularity, recompute_method=t.recompute_method,
+                  recompute_num_layers=t.recompute_num_layers, microbatches=micro, device=device)
+
+
+def with_vocabulary(config):
+    """``config`` with ``model.vocab_size`` set where only the data knows it (the byte tokenizer's,
+    a dataset's recorded one); one sentence when it cannot be known without building data."""
+    if config.model.vocab_size is None:
+        from rmt.data.metadata import known_vocab_size
+
+        config.model.vocab_size = known_vocab_size(config)
+    if config.model.vocab_size is None:
+        raise ValueError("model.vocab_size must be set to plan the run (only the byte tokenizer's vocabulary and "
+                         "a dataset's recorded one are known without building data).")
+    return config
+
+
+# -- parameters -----------------------------------------------------------------------------------
+def padded_vocab(config) -> int:
+    m = config.model
+    return -(-m.vocab_size // m.make_vocab_size_divisible_by) * m.make_vocab_size_divisible_by
+
+
+def _layer_params(config, layout: Layout) -> int:
+    """Dense parameters of one transformer / RMT layer on a tensor-parallel rank."""
+    m, t = config.model, layout.tp
+    Dff = m.ffn_hidden_size or 4 * (m.rank * m.dv if m.arch == "rmt" else m.hidden_size)
+    if m.arch == "rmt":
+        Dk, Dv, R = m.dk, m.dv, m.rank
+        return (3 * R * Dk + R * Dk + 2 * R * Dv * Dff) // t + 2 * Dk * Dv + 2 * R * Dk
+    D, A = m.hidden_size, m.hidden_size  # megatron's local spec: heads x head dim = hidden size
+    norm = 2 * D if m.normalization == "LayerNorm" else D
+    return (D * 3 * A + 3 * A + A * D + D * Dff + Dff + Dff * D) // t + 2 * norm + 2 * D
+
+
+def _embedding_params(config, layout: Layout, first: bool, last: bool) -> int:
+    """The embedding (first stage) and the final norm and output layer (last stage) of a rank."""
+    m, t, Vp = config.model, layout.tp, padded_vocab(config)
+    learned = m.position == "learned"
+    n = 0
+    if m.arch == "rmt":
+        Dk, Dv, R, N = m.dk, m.dv, m.rank, m.seq_length
+        if first:
+            n += Vp * Dv * R // t + Dk * R + ((N * Dv * R + Dk * R) if learned else 0)
+        if last:
+            n += Dk * Dv + R * Dk + Vp * Dv * R // t
+        return n
+    D = m.hidden_size
+    norm = 2 * D if m.normalization == "LayerNorm" else D
+    if first:
+        n += Vp * D // t + (m.seq_length * D if learned else 0)
+    if last:
+        n += norm + Vp * D // t
+    return n
+
+
+def _memory_layers_on(config, first: int, last: int) -> List[Dict]:
+    """Counts of the memory layers of ``config`` that a model chunk of layers ``first..last`` holds."""
+    if config.memory.type == "none":
+        return []
+    from rmt.planner.memory_layers import memory_plan
+    from rmt.memory.validate import memory_placement, parse_moe_layers
+
+    plan = memory_plan(config)
+    mem = config.memory
+    if mem.type == "moe" and mem.moe_placement == "mlp":
+        where = [(i, i) for i in parse_moe_layers(mem.placement, config.model.num_layers)]
+    elif mem.type == "moe":
+        from rmt.memory.validate import parse_placement
+
+        where = parse_placement(mem.placement, config.model.num_layers)
+    else:
+        where = memory_placement(config)
+    return [c for (i, j), c in zip(where, plan["layers"]) if first <= i <= last]
+
+
+def _value_elements(config) -> int:
+    """Elements of one memory layer's value tables (counted by :mod:`rmt.planner.memory`)."""
+    mem = config.memory
+    if mem.type not in ("ultramem", "ultramem_v2", "pkm"):
+        return 0
+    from rmt.memory.validate import value_dim
+
+    return mem.num_keys ** 2 * (value_dim(config) + (mem.pre_value_dim if mem.type == "ultramem_v2" else 0))
+
+
+def _memory_dense_params(config, layout: Layout, layers: List[Dict]) -> int:
+    """Dense parameters of the memory layers a rank holds: replicated over tensor-parallel ranks,
+    MoE experts split over expert x expert-tensor parallel ranks."""
+    mem = config.memory
+    if mem.type != "moe":
+        return sum(c["params"] for c in layers) - len(layers) * _value_elements(config)
+    from rmt.memory.validate import expert_hidden_size, memory_width
+
+    expert = 2 * memory_width(config) * expert_hidden_size(config)
+    total = 0
+    for c in layers:
+        experts = mem.num_experts * expert
+        total += c["params"] - experts + experts // (layout.ep * layout.etp)
+        if mem.moe_placement == "mlp":  # the dense MLP it replaces is not built
+            m = config.model
+            Dff = m.ffn_hidden_size or 4 * m.hidden_size
+            total -= (2 * m.hidden_size * Dff + Dff) // layout.tp + m.hidden_size
+    return total
+
+
+def chunks_of(config, layout: Layout, stage: int):
+    """``(first, last)`` global layers of each model chunk of pipeline stage ``stage``."""
+    from rmt.memory.validate import stage_layers
+
+    if layout.vpp == 1:
+        return [stage_layers(config, stage)]
+    return [stage_layers(config, stage, v) for v in range(layout.vpp)]
+
+
+def stage_params(config, layout: Layout, stage: int) -> int:
+    """Dense parameter elements one rank of pipeline stage ``stage`` holds (module docstring)."""
+    m = config.model
+    if m.arch not in ("transformer", "rmt"):
+        from rmt.planner.flops import plan_model
+
+        doc = plan_model(config)
+        return doc["params"] - sum(1 for _ in _memory_layers_on(config, 1, m.num_layers)) * _value_elements(config)
+    n = _embedding_params(config, layout, stage == 0, stage == layout.pp - 1)
+    for first, last in chunks_of(config, layout, stage):
+        n += (last - first + 1) * _layer_params(config, layout)
+        n += _memory_dense_params(config, layout, _memory_layers_on(config, first, last))
+    return n
+
+
+# -- activations ----------------------------------------------------------------------------------
+def _layer_activation_elements(config, layout: Layout):
+    """``(whole, split, lse_bytes)`` per token of one layer: elements a tensor-parallel rank keeps
+    whole (``1/t`` under sequence parallelism), elements it keeps ``1/t`` of, and the fused
+    attention's fp32 log-sum-exp bytes (split by heads); :mod:`rmt.planner.flops`' layer model."""
+    m = config.model
+    fused = m.attention_kernel == "sdpa"
+    if m.arch == "rmt":
+        Dk, Dv, R = m.dk, m.dv, m.rank
+        Dff = m.ffn_hidden_size or 4 * R * Dv
+        return 2 * Dk * Dv + R * Dv, 4 * R * Dv + 2 * Dff, 4 * R
+    D, H = m.hidden_size, m.num_attention_heads
+    Dff = m.ffn_hidden_size or 4 * D
+    whole = 4 * D + (2 * D if m.dropout > 0 else 0) // DTYPE_BYTES[config.train.precision]
+    return whole, 4 * D + (0 if fused else H * m.seq_length) + 2 * Dff, 4 * H if fused else 0
+
+
+def _memory_activation_bytes(config, layers: List[Dict]) -> int:
+    """Bytes per token the memory layers of a chunk keep for the backward (retrieval scores,
+    selected indices and scores, pooled rows; MoE: the routed copies and expert activations)."""
+    if not layers:
+        return 0
+    mem = config.memory
+    b = DTYPE_BYTES[config.train.precision]
+    from rmt.memory.validate import memory_width
+
+    W = memory_width(config)
+    if mem.type == "moe":
+        from rmt.memory.validate import expert_hidden_size
+
+        per = mem.moe_topk * (W + 2 * expert_hidden_size(config)) * b + 2 * mem.num_experts * 4
+        if mem.moe_placement == "skip":
+            per += 2 * W * b
+        return len(layers) * per
+    from rmt.memory.layer import MemorySpec
+
+    total = 0
+    for k in range(len(layers)):
+        s = MemorySpec.from_config(config, k)
+        r = 1 if s.retrieval != "tucker" else s.tucker_rank
+        scores = s.num_heads * 2 * r * s.grid * 4
+        picked = s.num_heads * s.topk * (8 + 4 * s.num_cores)
+        total += 3 * W * b + scores + picked + s.ive_blocks * s.value_dim * b
+    return total
+
+
+def chunk_activations(config, layout: Layout, stage: int, chunk: int) -> Dict[str, int]:
+    """Bytes one micro-batch of model chunk ``chunk`` of stage ``stage`` keeps for its backward:
+    ``kept`` (after recomputation) and ``span`` (the most one recomputed span rebuilds)."""
+    m, t = config.model, layout.tp
+    b = DTYPE_BYTES[config.train.precision]
+    T = config.train.micro_batch_size * m.seq_length
+    sp = layout.sequence_parallel
+    whole, split, lse = _layer_activation_elements(config, layout)
+    layer = (whole // (t if sp else 1) + split // t) * b + lse // t
+    core = (lse // t) if m.attention_kernel == "sdpa" or m.arch == "rmt" else m.num_attention_heads * m.seq_length * b // t
+    width = m.dk * m.dv if m.arch == "rmt" else m.hidden_size
+    hidden = width * b // (t if sp else 1)
+    first, last = chunks_of(config, layout, stage)[chunk]
+    n = last - first + 1
+    memory = _memory_activation_bytes(config, _memory_layers_on(config, first, last))
+    kept, span = n * layer + memory, 0
+    if layout.recompute == "selective":
+        kept -= n * core
+    elif layout.recompute == "full":
+        k = layout.recompute_num_layers
+        recomputed, spans = (n, n // k) if layout.recompute_method == "uniform" else (min(k, n), min(k, n))
+        kept -= recomputed * layer - spans * hidden
+        span = (k if layout.recompute_method == "uniform" else 1) * layer
+    extra = 0
+    Vp = padded_vocab(config)
+    if stage == 0 and chunk == 0 and m.arch == "rmt":
+        extra += m.rank * m.dv * b + 4 * m.rank * m.seq_length // t // config.train.micro_batch_size
+    if stage == layout.pp - 1 and chunk == layout.vpp - 1:
+        extra += (width + (2 * m.rank * m.dv if m.arch == "rmt" else width)) * b // (t if sp else 1)
+        extra += 4 * Vp // t
+    return {"kept": T * (kept + extra), "span": T * span, "layers": n}
+
+
+def in_flight(layout: Layout, stage: int) -> int:
+    """Micro-batch chunks whose activations one rank of ``stage`` holds at the schedule's peak:
+    megatron-core's 1F1B warm-up ``PP - s - 1`` plus the one in steady state (all of a step's
+    ``m`` at most); interleaved: ``2 (PP - s - 1) + (VPP - 1) PP`` plus one, of ``m VPP``."""
+    m = layout.microbatches
+    if layout.pp == 1:
+        return 1
+    if layout.vpp == 1:
+        return min(layout.pp - stage, m)
+    return min(2 * (layout.pp - stage - 1) + (layout.vpp - 1) * layout.pp + 1, m * layout.vpp)
+
+
+def stage_activations(config, layout: Layout, stage: int) -> Dict[str, int]:
+    """Activation bytes at the step's peak on a rank of ``stage`` (module docstring)."""
+    chunks = [chunk_activations(config, layout, stage, c) for c in range(layout.vpp)]
+    live = in_flight(layout, stage)
+    # the in-flight chunks cycle through the model chunks in order (interleaved schedule)
+    kept = sum(chunks[i % layout.vpp]["kept"] for i in range(live))
+    return {"kept": kept, "in_flight": live, "recompute_span": max(c["span"] for c in chunks)}
+
+
+def loss_workspace(config, layout: Layout, stage: int) -> int:
+    """The vocab-parallel cross entropy's transient on the last stage (module docstring)."""
+    if stage != layout.pp - 1:
+        return 0
+    b = DTYPE_BYTES[config.train.precision]
+    T = config.train.micro_batch_size * config.model.seq_length
+    per = padded_vocab(config) // layout.tp
+    return T * per * ((4 if b != 4 else 0) + b)
+
+
+# -- tables ---------------------------------------------------------------------------------------
+def stage_tables(config, layout: Layout, stage: int) -> Dict[str, int]:
+    """Bytes of the memory tables on a rank of ``stage`` by phase (keys left out)."""
+    if config.memory.type not in ("ultramem", "ultramem_v2", "pkm"):
+        return {p: 0 for p in PHASES}
+    from rmt.planner.memory import phases, plan_from_config
+
+    mem = config.memory
+    layers = sum(len(_memory_layers_on(config, f, l)) for f, l in chunks_of(config, layout, stage))
+    if not layers:
+        return {p: 0 for p in PHASES}
+    group = 1 if mem.partition == "local" else (mem.group_size or layout.dp * layout.tp)
+    plan = replace(plan_from_config(config, group, layers, layout.microbatches),
+                   device="gpu" if layout.device == "gpu" else "cpu")
+    out = phases(plan, keys=False)
+    return {p: out[p] for p in PHASES}
+
+
+# -- the rank -------------------------------------------------------------------------------------
+def rank_components(config, layout: Layout, stage: int) -> Dict[str, int]:
+    """The terms of the module docstring, in bytes, for one rank of pipeline stage ``stage``."""
+    elements = stage_params(config, layout, stage)
+    per = dense_bytes_per_param(config.train.precision, layout.distributed_optimizer, layout.dp)
+    act = stage_activations(config, layout, stage)
+    return {
+        "dense_params": elements,
+        "params": int(elements * per["param"]),
+        "grads": int(elements * per["grad"]),
+        "main_params": int(elements * per["main_param"]),
+        "optimizer_states": int(elements * (per["exp_avg"] + per["exp_avg_sq"])),
+        "activations": act["kept"],
+        "in_flight_microbatches": act["in_flight"],
+        "recompute_span": act["recompute_span"],
+        "loss_workspace": loss_workspace(config, layout, stage),
+        "process": CPU_PROCESS_BYTES if layout.device == "cpu" else GPU_PROCESS_BYTES,
+    }
+
+
+def rank_phases(config, layout: Layout, stage: int, writer: bool = True) -> Dict[str, Dict[str, int]]:
+    """Per phase, the bytes one rank of ``stage`` holds at that phase's peak, by term; ``writer``:
+    the rank is data-parallel rank 0, which writes the replicated parameters of a checkpoint."""
+    c = rank_components(config, layout, stage)
+    tables = stage_tables(config, layout, stage)
+    state = {k: c[k] for k in ("params", "grads", "main_params")}
+    fp32_build = c["dense_params"] * 4  # every parameter is drawn in fp32, then cast
+    init = dict(state, build_transient=max(0, fp32_build - sum(state.values())))
+    trained = dict(state, optimizer_states=c["optimizer_states"])
+    step = dict(trained, activations=c["activations"],
+                transient=max(c["loss_workspace"], c["recompute_span"]))
+    copies = c["main_params"]  # the bf16 main copies' pieces are written as fresh tensors
+    if layout.distributed_optimizer and writer:
+        copies += c["params"]  # views into the parameter buffer: the writer of their replica copies them
+    save = dict(trained, checkpoint_copies=copies)
+    if layout.device == "cpu":  # the freed tensors that train.host_heap_retain_mib keeps resident
+        retain = config.train.host_heap_retain_mib << 20
+        freed = c["activations"] + step["transient"]
+        step["heap_retained"] = min(retain, freed)
+        save["heap_retained"] = min(retain, freed + step["heap_retained"])
+    load = dict(trained, read_buffer=0)
+    out = {"init": init, "step": step, "save": save, "load": load}
+    for phase, terms in out.items():
+        terms["tables"] = tables[phase]
+        terms["framework"] = 0 if layout.device != "cpu" else CPU_FRAMEWORK_BYTES[phase] + (
+            CPU_EXTENSION_BYTES if config.memory.type in ("ultramem", "ultramem_v2", "pkm") else 0)
+        terms["process"] = c["process"]
+    return out
+
+
+def distinct_stages(layout: Layout) -> List[int]:
+    """The pipeline stages whose ranks differ: the first, the middle ones, the last."""
+    return sorted({0, layout.pp - 1} | ({1} if layout.pp > 2 else set()))
+
+
+def plan_rank(config, world_size: int, device: str = "cpu", gib: Optional[float] = None) -> Dict:
+    """The ``rmt-plan memory --config`` JSON document: for each distinct pipeline stage its terms
+    and phases, the peak per rank and, with ``gib``, whether it fits."""
+    layout = layout_of(config, world_size, device)
+    stages = {}
+    for s in (range(layout.pp) if layout.pp <= 3 else _all_distinct(config, layout)):
+        ph = rank_phases(config, layout, s)
+        totals = {p: sum(v.values()) for p, v in ph.items()}
+        stages[str(s)] = {"components": rank_components(config, layout, s), "phases": ph, "totals": totals,
+                          "peak": max(totals.values())}
+    peak = max(v["peak"] for v in stages.values())
+    doc = {"layout": asdict(layout), "world_size": world_size, "stages": stages, "peak": peak,
+           "checkpoint_bytes": checkpoint_bytes(config)}
+    if gib is not None:
+        doc.update(gib=gib, fits=peak <= gib * GIB)
+    return doc
+
+
+def _all_distinct(config, layout: Layout) -> List[int]:
+    """Every stage whose terms differ from the stage before it (the middle stages of an even
+    split are alike), with the first and the last."""
+    keep, seen = [], None
+    for s in range(layout.pp):
+        key = (stage_params(config, layout, s), tuple(sorted(stage_tables(config, layout, s).items())),
+               in_flight(layout, s))
+        if s in (0, layout.pp - 1) or key != seen:
+            keep.append(s)
+        seen = key
+    return keep
+
+
+def checkpoint_bytes(config) -> int:
+    """Bytes on disk of a checkpoint: dense parameters in the model dtype with Adam's two fp32
+    moments (and the fp32 main copies under bf16), the tables and their optimizer states."""
+    from rmt.planner.flops import plan_model
+
+    doc = plan_model(config)
+    values = _value_elements(config) * len(_memory_layers_on(config, 1, config.model.num_layers))
+    dense = doc["params"] - values
+    per = dense_bytes_per_param(config.train.precision, False, 1)
+    total = int(dense * (per["param"] + per["main_param"] + per["exp_avg"] + per["exp_avg_sq"]))
+    if values:
+        from rmt.planner.memory import checkpoint_bytes as table_bytes, plan_from_config
+
+        n = len(_memory_layers_on(config, 1, config.model.num_layers))
+        total += table_bytes(plan_from_config(config, 1, n, 1))
+    return total
+
+
+def human(n: float) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+__all__ = ["Layout", "layout_of", "stage_params", "chunk_activations", "in_flight", "rank_phases", "plan_rank",
+           "checkpoint_bytes", "CPU_PROCESS_BYTES", "GPU_PROCESS_BYTES"]

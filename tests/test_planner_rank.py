@@ -1,0 +1,140 @@
+"""The whole-rank planner (rmt.planner.rank) against the built models and measured runs, its CLI
+(``rmt-plan memory --config``), and the layout search (``rmt-plan layouts``)."""
+
+import json
+
+import pytest
+
+from conftest import load_script, run_python
+from rmt import parallel
+from rmt.config import load_config, validate
+from rmt.models.build import build
+from rmt.planner import cli
+from rmt.planner.dense import dense_bytes_per_param
+from rmt.planner.layouts import search
+from rmt.planner.rank import in_flight, layout_of, plan_rank, rank_phases, stage_params, with_vocabulary
+from rmt.training.optimizer import is_table
+from test_flops import CASES, COMMON
+
+
+@pytest.fixture(scope="module")
+def single_process():
+    parallel.initialize(validate(load_config(None, []), world_size=1))
+    yield
+    parallel.destroy()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_rank_params_equal_the_built_model(single_process, case):
+    """One rank of every architecture and memory type: the dense parameters (all but the value
+    tables) the planner counts are the built model's."""
+    config = validate(load_config(None, COMMON + CASES[case]), world_size=1)
+    built = sum(p.numel() for chunk in build(config) for p in chunk.parameters() if not is_table(p))
+    assert stage_params(config, layout_of(config, 1), 0) == built
+
+
+def test_rank_params_under_tensor_pipeline_expert_parallelism(tmp_path):
+    """Every rank of TP2 x PP2, PP2 x VPP2, TP4 with UltraMem, TP2 with MoE experts over EP2, the
+    RMT at TP2 x PP2 and TP4 (4 gloo ranks): exact."""
+    out = tmp_path / "params.json"
+    run_python(["tests/dist/rank_params.py", str(out)], nproc=4)
+    results = json.loads(out.read_text())
+    assert set(results) == set(load_script("tests/dist/rank_params.py").LAYOUTS)
+    for name, ranks in results.items():
+        for stage, built, planned in ranks:
+            assert built == planned, (name, stage)
+        if "pp2" in name:
+            assert {r[0] for r in ranks} == {0, 1}
+
+
+def _config(*overrides, world=4):
+    return validate(load_config(None, ["model.vocab_size=512"] + list(overrides)), world_size=world)
+
+
+def test_distributed_optimizer_state_falls_as_one_over_dp():
+    """Adam's moments and the bf16 main copies shrink as 1/DP; parameters and gradients do not."""
+    per = {}
+    for dp in (1, 2, 4):
+        c = _config("train.distributed_optimizer=true", "train.precision=bf16", world=dp)
+        step = rank_phases(c, layout_of(c, dp), 0)["step"]
+        per[dp] = step
+    n = stage_params(c, layout_of(c, 1), 0)
+    for dp in (1, 2, 4):
+        want = dense_bytes_per_param("bf16", True, dp)
+        assert per[dp]["optimizer_states"] == int(n * (want["exp_avg"] + want["exp_avg_sq"]))
+        assert per[dp]["main_params"] == int(n * 4 / dp) and per[dp]["grads"] == n * 4
+    assert per[1]["optimizer_states"] == 2 * per[2]["optimizer_states"] == 4 * per[4]["optimizer_states"]
+
+
+def test_pipeline_stages_hold_the_schedule_in_flight_microbatches():
+    """1F1B: stage s of PP holds min(PP - s, m) micro-batches; interleaved adds the warm-up of the
+    virtual stages; the first and last stages differ (embedding, logits)."""
+    c = _config("model.num_layers=8", "parallel.pipeline_model_parallel_size=4", "train.micro_batch_size=1",
+                "train.global_batch_size=8", world=4)
+    layout = layout_of(c, 4)
+    assert [in_flight(layout, s) for s in range(4)] == [4, 3, 2, 1]
+    doc = plan_rank(c, 4)
+    assert set(doc["stages"]) == {"0", "1", "2", "3"}
+    acts = [doc["stages"][str(s)]["phases"]["step"]["activations"] for s in range(4)]
+    assert acts[1] > acts[2]  # more micro-batches in flight on the earlier middle stage
+    assert doc["stages"]["3"]["phases"]["step"]["transient"] > 0 == doc["stages"]["0"]["phases"]["step"]["transient"]
+    v = _config("model.num_layers=8", "parallel.pipeline_model_parallel_size=2",
+                "parallel.virtual_pipeline_model_parallel_size=2", "train.micro_batch_size=1",
+                "train.global_batch_size=8", world=2)
+    assert [in_flight(layout_of(v, 2), s) for s in range(2)] == [5, 3]
+
+
+def test_recomputation_and_sequence_parallelism_lower_the_activations():
+    base = _config("model.num_layers=4", "parallel.tensor_model_parallel_size=2", world=2)
+    acts = {}
+    for name, extra in {"none": [], "selective": ["train.recompute_granularity=selective"],
+                        "full": ["train.recompute_granularity=full", "train.recompute_method=uniform",
+                                 "train.recompute_num_layers=1"],
+                        "sp": ["parallel.sequence_parallel=true"]}.items():
+        c = _config("model.num_layers=4", "parallel.tensor_model_parallel_size=2", *extra, world=2)
+        acts[name] = rank_phases(c, layout_of(c, 2), 0)["step"]["activations"]
+    assert acts["none"] > acts["selective"] > acts["full"] and acts["none"] > acts["sp"]
+    assert rank_phases(base, layout_of(base, 2), 0)["step"]["activations"] == acts["none"]
+
+
+def test_memory_from_a_config_prints_the_whole_rank(capsys, tmp_path):
+    path = tmp_path / "plan.json"
+    assert cli.main(["memory", "--config", "configs/ultramem_tiny.yaml", "--world-size", "2", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "whole rank on 2 CPU ranks: TP1 x PP1 x DP2" in out and "pipeline stage 0" in out
+    doc = json.loads(path.read_text())
+    step = doc["stages"]["0"]["phases"]["step"]
+    assert doc["stages"]["0"]["totals"]["step"] == sum(step.values())
+    assert step["tables"] > 0 and doc["peak"] == max(doc["stages"]["0"]["totals"].values())
+
+
+def test_memory_from_a_config_without_tables(capsys):
+    assert cli.main(["memory", "--config", "configs/tiny.yaml", "--world-size", "2",
+                     "parallel.pipeline_model_parallel_size=2"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline stage 0" in out and "pipeline stage 1" in out and "memory table(s)" not in out
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["memory", "--config", "configs/tiny.yaml", "--world-size", "3", "parallel.tensor_model_parallel_size=2"],
+     "not divisible by tensor x pipeline"),
+    (["memory", "--config", "configs/tiny.yaml", "--world-size", "2", "--reserve-gib", "1"], "every byte"),
+    (["layouts", "--config", "configs/tiny.yaml", "model.nonsense=1"], "nonsense"),
+    (["layouts", "--config", "configs/tiny.yaml", "--gpus", "0"], "positive integer"),
+])
+def test_bad_input_exit_2_one_line(argv, match, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and match in err
+
+
+def test_layout_search_lists_runnable_fitting_layouts_by_cost():
+    """Every layout listed validates and fits; the ranking is by the stated cost; a budget too
+    small for one rank but not for four makes the smallest count 4 (the tables sharded)."""
+    doc = search("configs/ultramem_tiny.yaml", [], 4, 80.0, device="cpu")
+    assert doc["fitting"] and doc["rejected"] > 0
+    costs = [r["cost"]["seconds"] for r in doc["fitting"]]
+    assert costs == sorted(costs)
+    for r in doc["fitting"][:5]:
+        c = with_vocabulary(validate(load_config("configs/ultramem_tiny.yaml", r["overrides"]), world_size=4))
+        assert plan_rank(c, 4, "cpu")["peak"] == r["peak"] <= 80 * 2 ** 30
