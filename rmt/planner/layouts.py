@@ -5,16 +5,18 @@ Candidates: tensor parallel 1, 2, 4, 8; pipeline parallel over the divisors of t
 16, with and without two virtual stages; the data-parallel rest; the distributed optimizer off
 and on; recomputation none, selective and full (uniform, one layer per span); sequence
 parallelism with TP > 1 (transformer); for memory tables both partitions over the
-data x tensor parallel group, or replicated (``local``). A candidate rmt cannot run is dropped by the same validation
+data x tensor parallel group, half or a quarter of it (:func:`group_sizes`), or replicated
+(``local``). A candidate rmt cannot run is dropped by the same validation
 ``rmt-train`` runs (:func:`rmt.config.validate`), one that does not fit by :mod:`rmt.planner.rank`.
 
 Cost (seconds per step on a rank, a stated model, not a measurement): the bytes the rank sends
-per step over the inter-node link at ``link_gbps`` (data-parallel gradient all-reduce, or
-reduce-scatter plus parameter all-gather with the distributed optimizer; pipeline sends, forward
-and backward; the memory tables' collectives, ``rmt-plan comm``'s forward + backward volume),
-the tensor-parallel all-reduces (four per layer and micro-batch of the hidden state, ring
-``2 (t - 1) / t``) over the in-node link at ``nvlink_gbps``, and the recomputed forward FLOPs at
-``tflops``.
+per step (data-parallel gradient all-reduce, or reduce-scatter plus parameter all-gather with the
+distributed optimizer; pipeline sends, forward and backward; the memory tables' collectives,
+``rmt-plan comm``'s forward + backward volume; the tensor-parallel all-reduces, four per layer and
+micro-batch of the hidden state, ring ``2 (t - 1) / t``), each at ``nvlink_gbps`` when its group
+spans at most ``gpus_per_node`` GPUs (tensor parallel innermost, then data parallel, pipeline
+outermost, as megatron-core orders its groups) and at ``link_gbps`` otherwise, plus the
+recomputed forward FLOPs at ``tflops``.
 """
 
 from __future__ import annotations
@@ -49,11 +51,22 @@ def candidates(config, gpus: int) -> Iterator[Dict[str, object]]:
                      "parallel.virtual_pipeline_model_parallel_size": vpp, "parallel.sequence_parallel": sp,
                      "parallel.data_parallel_size": None, "train.distributed_optimizer": distopt,
                      "train.recompute_granularity": recompute}
+                if not distopt:  # megatron-core gathers parameters behind the reduction only for it
+                    o["train.overlap_param_gather"] = False
                 if recompute == "full":
                     o.update({"train.recompute_method": "uniform", "train.recompute_num_layers": 1})
-                if part is not None:
-                    o.update({"memory.partition": part, "memory.group_size": 0})
-                yield o
+                if part is None:
+                    yield o
+                    continue
+                for group in ((0,) if part == "local" else group_sizes(gpus // pp)):
+                    yield dict(o, **{"memory.partition": part, "memory.group_size": group})
+
+
+def group_sizes(ranks: int) -> List[int]:
+    """Memory-parallel groups tried over ``ranks`` data x tensor parallel ranks: all of them
+    (``0``), half and a quarter (the tables then replicated over 2 or 4 groups: less traffic per
+    lookup, more memory)."""
+    return [0] + [ranks // k for k in (2, 4) if ranks % k == 0 and ranks // k >= 2]
 
 
 def apply(config, layout: Dict[str, object]):
@@ -72,7 +85,8 @@ def overrides_text(layout: Dict[str, object]) -> List[str]:
     return [f"{k}={text(v)}" for k, v in layout.items()]
 
 
-def step_cost(config, layout: Layout, link_gbps: float, nvlink_gbps: float, tflops: float) -> Dict[str, float]:
+def step_cost(config, layout: Layout, link_gbps: float, nvlink_gbps: float, tflops: float,
+              gpus_per_node: int = 8) -> Dict[str, float]:
     """The stated cost of one step on the busiest rank (module docstring)."""
     m, t, mem = config.model, config.train, config.memory
     b = DTYPE_BYTES[t.precision]
@@ -106,14 +120,17 @@ def step_cost(config, layout: Layout, link_gbps: float, nvlink_gbps: float, tflo
             flops = per_token_layer * layers * T * mb / layout.tp
         else:  # the core attention: scores and weighted values over all N x N pairs
             flops = layers * T * mb * (4 * width * m.seq_length) / layout.tp
-    seconds = ((dp_bytes + pp_bytes + mem_bytes) / (link_gbps * 1e9) + tp_bytes / (nvlink_gbps * 1e9)
-               + flops / (tflops * 1e12))
+    def link(group_span: int) -> float:  # bytes/s of a collective over ranks spanning group_span GPUs
+        return (nvlink_gbps if group_span <= gpus_per_node else link_gbps) * 1e9
+
+    seconds = (dp_bytes / link(layout.tp * layout.dp) + pp_bytes / link(layout.world_size)
+               + mem_bytes / link(layout.tp * layout.dp) + tp_bytes / link(layout.tp) + flops / (tflops * 1e12))
     return {"data_parallel_bytes": dp_bytes, "tensor_parallel_bytes": tp_bytes, "pipeline_bytes": pp_bytes,
             "memory_table_bytes": mem_bytes, "recomputed_flops": flops, "seconds": seconds}
 
 
 def search(path: Optional[str], overrides: List[str], gpus: int, gib: float, device: str = "gpu",
-           link_gbps: float = 50.0, nvlink_gbps: float = 300.0, tflops: float = 400.0) -> Dict:
+           link_gbps: float = 50.0, nvlink_gbps: float = 300.0, tflops: float = 400.0, gpus_per_node: int = 8) -> Dict:
     """Every runnable layout of the config ``path`` + ``overrides`` on ``gpus`` ranks: the fitting
     ones ranked by cost, and how many candidates rmt cannot run or do not fit."""
     from rmt.config import load_config, validate
@@ -131,13 +148,14 @@ def search(path: Optional[str], overrides: List[str], gpus: int, gib: float, dev
         if not doc["fits"]:
             too_big += 1
             continue
-        cost = step_cost(c, layout_of(c, gpus, device), link_gbps, nvlink_gbps, tflops)
+        cost = step_cost(c, layout_of(c, gpus, device), link_gbps, nvlink_gbps, tflops, gpus_per_node)
         fitting.append({"overrides": overrides_text(o), "layout": doc["layout"], "peak": doc["peak"],
-                        "cost": cost})
+                        "checkpoint_bytes": doc["checkpoint_bytes"], "cost": cost})
     fitting.sort(key=lambda r: (r["cost"]["seconds"], r["peak"]))
     return {"gpus": gpus, "gib": gib, "device": device, "fitting": fitting,
             "rejected": sum(rejected.values()), "rejected_reasons": rejected,
-            "too_big": too_big, "cost_model": {"link_gbps": link_gbps, "nvlink_gbps": nvlink_gbps, "tflops": tflops}}
+            "too_big": too_big, "cost_model": {"link_gbps": link_gbps, "nvlink_gbps": nvlink_gbps, "tflops": tflops,
+                                               "gpus_per_node": gpus_per_node}}
 
 
 def gpu_counts(limit: int = 1 << 16) -> List[int]:

@@ -26,6 +26,11 @@ tensor-parallel ranks, ``P_r`` the dense parameters the rank holds):
     schedule plus one on a virtual pipeline. Recomputation keeps only each span's input
     (``full``) or drops the core attention's state (``selective``), and adds the one span rebuilt
     at a time in the backward.
+``transient`` (``step``)
+    the largest of the loss workspace below, the one recomputed span rebuilt in the backward, and
+    on a GPU the optimizer step's temporary (torch's foreach AdamW, megatron-core's choice without
+    Transformer Engine or apex, takes the second moments' square root out of place: 4 bytes per
+    element stepped; none with their fused Adam, nor on a CPU, where rmt uses torch's fused form).
 ``loss_workspace``
     on the last stage, the vocab-parallel cross entropy's transient beside the kept fp32 logits:
     the logits' fp32 copy under bf16 (``4 x Vp/t`` bytes per token; none in fp32, where the loss
@@ -404,8 +409,11 @@ def rank_phases(config, layout: Layout, stage: int, writer: bool = True) -> Dict
     fp32_build = c["dense_params"] * 4  # every parameter is drawn in fp32, then cast
     init = dict(state, build_transient=max(0, fp32_build - sum(state.values())))
     trained = dict(state, optimizer_states=c["optimizer_states"])
+    # torch's foreach AdamW (megatron-core's optimizer on a GPU without Transformer Engine or apex)
+    # takes the square root of the second moments out of place: 4 bytes per element it steps
+    optimizer_temp = c["optimizer_states"] // 2 if layout.device == "gpu" else 0
     step = dict(trained, activations=c["activations"],
-                transient=max(c["loss_workspace"], c["recompute_span"]))
+                transient=max(c["loss_workspace"], c["recompute_span"], optimizer_temp))
     copies = c["main_params"]  # the bf16 main copies' pieces are written as fresh tensors
     if layout.distributed_optimizer and writer:
         copies += c["params"]  # views into the parameter buffer: the writer of their replica copies them
@@ -480,7 +488,7 @@ def checkpoint_bytes(config) -> int:
 
 
 def human(n: float) -> str:
-    for unit, size in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    for unit, size in (("TiB", GIB << 10), ("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{int(n)} B"

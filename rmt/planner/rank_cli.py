@@ -83,6 +83,8 @@ def add_layout_arguments(p: argparse.ArgumentParser) -> None:
                    help="inter-node bandwidth per GPU, GB/s, for the cost (default 50: 400 Gb/s)")
     p.add_argument("--nvlink-gbps", type=positive_float, default=300.0,
                    help="in-node bandwidth per GPU, GB/s, for tensor parallelism (default 300)")
+    p.add_argument("--gpus-per-node", type=positive_int, default=8,
+                   help="GPUs joined by --nvlink-gbps (default 8)")
     p.add_argument("--tflops", type=positive_float, default=400.0,
                    help="achieved TFLOP/s per GPU for recomputed FLOPs (default 400)")
     p.add_argument("--max-gpus", type=positive_int, default=1 << 16, help="largest count tried (default 65536)")
@@ -97,7 +99,8 @@ def run_layouts(args: argparse.Namespace) -> int:
         load_config(args.config, args.overrides)  # a bad file or override: one sentence before the search
     except UserError as err:
         raise ValueError(str(err)) from None
-    cost = dict(link_gbps=args.link_gbps, nvlink_gbps=args.nvlink_gbps, tflops=args.tflops)
+    cost = dict(link_gbps=args.link_gbps, nvlink_gbps=args.nvlink_gbps, tflops=args.tflops,
+                gpus_per_node=args.gpus_per_node)
     if args.gpus:
         doc = layouts.search(args.config, args.overrides, args.gpus, args.gib, args.device, **cost)
     else:
@@ -106,9 +109,10 @@ def run_layouts(args: argparse.Namespace) -> int:
             raise ValueError(f"no layout fits {args.gib:g} GiB per rank on up to {args.max_gpus:,} ranks.")
     head = (f"{len(doc['fitting'])} layout(s) fit {doc['gib']:g} GiB per rank on {doc['gpus']} {args.device.upper()}s "
             f"({doc['too_big']} too big, {doc['rejected']} that rmt cannot run)"
-            + ("" if args.gpus else f"; {doc['gpus']} is the smallest count that fits"))
-    lines = [head, "cost per step: bytes at --link-gbps (data, pipeline, memory tables), tensor-parallel bytes "
-             "at --nvlink-gbps, recomputed FLOPs at --tflops",
+            + ("" if args.gpus else f"; {doc['gpus']} is the smallest count that fits")
+            + (f"; checkpoint {rank.human(doc['fitting'][0]['checkpoint_bytes'])}" if doc["fitting"] else ""))
+    lines = [head, "cost per step: collective bytes at --nvlink-gbps inside a node, --link-gbps across nodes, "
+             "recomputed FLOPs at --tflops",
              f"  {'#':>3} {'layout':<60}{'peak':>11}{'cost ms':>9}  overrides"]
     for i, r in enumerate(doc["fitting"][:args.top], 1):
         short = " ".join(o for o in r["overrides"] if not o.endswith("=null") and not o.endswith("=false")
