@@ -19,6 +19,7 @@ import sys
 from typing import Callable, NamedTuple
 
 from rmt.errors import reader_may_leave
+from rmt.process import setup_process
 from rmt.planner import comm, flops, memory
 
 
@@ -269,7 +270,7 @@ def _plan_from_args(args: argparse.Namespace) -> memory.TablePlan:
                          "(memory.num_keys=K) instead.")
     from rmt.config import load_config
     from rmt.errors import UserError
-    from rmt.memory.validate import memory_placement, stage_layers
+    from rmt.memory.shapes import memory_placement, stage_layers
 
     try:
         config = load_config(args.config, args.overrides)
@@ -361,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``rmt-plan``; returns the exit status (0 ok, 2 bad input)."""
+    setup_process()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
