@@ -202,7 +202,7 @@ def test_memory_layer_activations_are_kept_under_full_recompute(cache_dir):
     (["train.recompute_granularity=full", "train.recompute_num_layers=1"],
      "train.recompute_granularity 'full' needs train.recompute_method 'uniform' or 'block', got None"),
     (["train.recompute_granularity=full", "train.recompute_method=blocks", "train.recompute_num_layers=1"],
-     "train.recompute_granularity 'full' needs train.recompute_method 'uniform' or 'block', got 'blocks'"),
+     "train.recompute_method must be one of 'uniform', 'block' or null, got 'blocks'"),
     (["train.recompute_granularity=full", "train.recompute_method=block"],
      "train.recompute_num_layers must lie in [1, 4] (the layers per model chunk) with train.recompute_granularity "
      "'full', got None"),
