@@ -83,3 +83,34 @@ def test_shipped_configs_validate():
         p = cfg.parallel
         validate(cfg, world_size=p.tensor_model_parallel_size * p.pipeline_model_parallel_size
                  * (p.data_parallel_size or 1))
+
+
+def test_validate_never_changes_the_config(tmp_path):
+    """validate() reads: every shipped config, a synthetic task with its vocabulary unset and data
+    whose tokenizer the metadata records are the same after it; what the data decides is
+    resolve_from_data's, on a copy, with a note per setting."""
+    import copy
+    import glob
+    import json
+
+    from rmt.data.resolution import resolve_from_data
+
+    prefix = tmp_path / "ds"
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"ds{ext}").write_bytes(b"")
+    (tmp_path / "ds.json").write_text(json.dumps({"tokenizer": "byte", "vocab_size": 257, "eod": 256}))
+    configs = [load_config(path) for path in sorted(glob.glob(f"{ROOT}/configs/*.yaml"))]
+    configs += [load_config(None, ["data.task=copy", "model.seq_length=256"]),
+                load_config(None, [f"data.path={prefix}"])]
+    for cfg in configs:
+        p = cfg.parallel
+        before = copy.deepcopy(cfg)
+        validate(cfg, world_size=p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+                 * (p.data_parallel_size or 1))
+        assert cfg == before
+    task, data = configs[-2:]
+    resolved, notes = resolve_from_data(task)
+    assert (resolved.model.vocab_size, task.model.vocab_size) == (16, None)
+    assert notes == ["model.vocab_size = 16 (data.task_alphabet)"]
+    resolved, notes = resolve_from_data(data)
+    assert (resolved.data.tokenizer, data.data.tokenizer) == ("byte", None) and len(notes) == 1
