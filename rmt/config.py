@@ -520,8 +520,8 @@ class TrainConfig:
     """Flush denormal floats to zero in CPU arithmetic (``torch.set_flush_denormal``: x86's FTZ and
     DAZ), as TensorFlow's and XLA's CPU runtimes do by default: the attention probabilities of far
     keys under ALiBi underflow into the denormal range, which Intel cores compute slowly, by
-    microcode assist (measured in docs/benchmarks.md). Results change only where a value falls below 1.2e-38, which becomes 0. ``false`` = IEEE
-    gradual underflow, torch's default."""
+    microcode assist (measured in docs/benchmarks.md). Results change only where a value falls
+    below 1.2e-38, which becomes 0. ``false`` = IEEE gradual underflow, torch's default."""
 
 
 @dataclass

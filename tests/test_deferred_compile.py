@@ -1,6 +1,7 @@
 """megatron-core's import-time torch.compile is deferred to the first call (rmt.deferred_compile):
-after :func:`rmt.setup_process`, importing rmt's trainer does not import torch's compiler stack, and a deferred function is
-compiled once, on its first call, with the arguments it was decorated with."""
+after :func:`rmt.setup_process`, importing rmt's trainer does not import torch's compiler stack,
+and a deferred function is compiled once, on its first call, with the arguments it was decorated
+with."""
 
 import json
 

@@ -70,7 +70,8 @@ REGISTRY: Dict[str, BackendSpec] = {
                         frozenset({"forward_for_backward", "backward_dense", "score_gradients", "backward_update"})),
     "triton": BackendSpec("triton", "rmt.ops.triton_backend",
                           frozenset({"backward_dense", "score_gradients", "backward_update"})),
-    "cpu": BackendSpec("cpu", "rmt.ops.cpu_backend", frozenset({"backward_dense", "score_gradients", "backward_update"})),
+    "cpu": BackendSpec("cpu", "rmt.ops.cpu_backend",
+                       frozenset({"backward_dense", "score_gradients", "backward_update"})),
     "reference": BackendSpec("reference", "rmt.ops.reference", frozenset({"score_gradients", "backward_update"})),
 }
 
@@ -86,7 +87,8 @@ class Backend:
         self.name, self.spec = spec.name, spec
         self.module = importlib.import_module(spec.module)
         unknown = spec.kernels - OPTIONAL_KERNELS
-        missing = [k for k in ("is_available", "forward", "backward", *sorted(spec.kernels)) if not hasattr(self.module, k)]
+        needed = ("is_available", "forward", "backward", *sorted(spec.kernels))
+        missing = [k for k in needed if not hasattr(self.module, k)]
         if unknown or missing:
             raise TypeError(f"lookup_reduce backend {spec.name!r} ({spec.module}) does not implement its declaration: "
                             f"unknown kernels {sorted(unknown)}, missing {missing}")

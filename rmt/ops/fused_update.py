@@ -169,9 +169,9 @@ class FusedValueUpdate:
             if block_ids is not None:
                 block_ids = torch.cat(_all_gather_tokens(block_ids, self.group))
         state1, state2, lr, beta1, beta2, eps, wd, step, sign = self._hyper()
-        grad_scores, sq = get_backend(backend).backward_update(grad_out.contiguous(), table, indices.contiguous(), scores.contiguous(),
-                                 block_ids, num_blocks, first, count, self.kind, state1, state2, lr, beta1, beta2,
-                                 eps, wd, step, sign * self.grad_scale)
+        grad_scores, sq = get_backend(backend).backward_update(
+            grad_out.contiguous(), table, indices.contiguous(), scores.contiguous(), block_ids, num_blocks, first,
+            count, self.kind, state1, state2, lr, beta1, beta2, eps, wd, step, sign * self.grad_scale)
         torch.autograd.graph.increment_version(self.param)
         self.sq_norm = self.sq_norm + sq  # a device scalar on a GPU: read when clipping
         self.updates += 1

@@ -11,8 +11,9 @@ sums them weighted by their scores. Two UltraMem refinements shape the contract:
 
     out[t, b, c*D/C:(c+1)*D/C] = sum_{k : block_ids[t,k] == b} scores[t,k,c] * table[indices[t,k], c*D/C:(c+1)*D/C]
 
-Backends (fastest present first; declared and chosen in :mod:`rmt.ops.dispatch`): CUDA extension (CUDA tensors) > Triton (CUDA tensors) >
-C++/OpenMP extension (CPU tensors) > plain torch reference. Force one with ``backend=`` or the
+Backends (fastest present first; declared and chosen in :mod:`rmt.ops.dispatch`): CUDA extension
+(CUDA tensors) > Triton (CUDA tensors) > C++/OpenMP extension (CPU tensors) > plain torch
+reference. Force one with ``backend=`` or the
 environment variable ``RMT_LOOKUP_BACKEND`` (``reference|cpu|triton|cuda``; Triton on CPU only
 under ``TRITON_INTERPRET=1``). Every backend accumulates in fp32 and computes the table gradient
 without atomics: lookups are sorted by row, then each row's contributions are summed in a fixed
