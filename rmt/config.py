@@ -18,11 +18,12 @@ OmegaConf already merges and types these dataclasses (and itself rejects a value
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Annotated, Any, List, Literal, Optional
+from typing import Annotated, Any, Dict, List, Literal, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -794,8 +795,10 @@ def _allowed(hint) -> Allowed:
             return Allowed(hint, None, bounds, nullable)
 
 
-def schema_fields() -> dict:
-    """``{"section.key": Allowed}`` for every key of :class:`RMTConfig`, in schema order."""
+@functools.lru_cache(maxsize=None)
+def schema_fields() -> Dict[str, Allowed]:
+    """``{"section.key": Allowed}`` for every key of :class:`RMTConfig`, in schema order (read
+    once; do not change the dict)."""
     out = {}
     for section in dataclasses.fields(RMTConfig):
         cls = typing.get_type_hints(RMTConfig)[section.name]
