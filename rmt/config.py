@@ -1,109 +1,151 @@
-"""The one configuration schema of rmt.
+"""The one configuration schema of rmt: sections, keys, defaults, the values each key allows,
+and loading and merging. It imports nothing else of rmt but :mod:`rmt.errors`.
 
 Dataclasses hold every default; a YAML file sets some keys and dotted ``section.key=value``
-overrides set others (OmegaConf does the merging and type checking). :func:`validate` rejects
-every impossible combination with one clear sentence before any process group exists.
+overrides set others (OmegaConf does the merging and type checking). What a key allows is
+declared in its type, beside its docstring: ``Literal[...]`` for a choice, ``Annotated[T,
+Range(...)]`` for numeric bounds; every float must be finite. :func:`check_fields` is the one
+check of those declarations (run by :func:`load_config` and first by
+:func:`rmt.config_checks.validate`), answering a bad value with one sentence naming the key, the
+value and what is allowed; the generated ``docs/config.md`` shows them. Combinations of keys are
+checked in :mod:`rmt.config_checks`.
+
+The declarations are checked by hand over the dataclass type hints rather than by pydantic:
+OmegaConf already merges and types these dataclasses (and itself rejects a value outside a
+``Literal``), and a pydantic model beside them would be a second schema of the same keys.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import os
+import typing
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Annotated, Any, Dict, List, Literal, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rmt.errors import ConfigError
 
-RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
+
+@dataclass(frozen=True)
+class Range:
+    """Numeric bounds of a key, used as ``Annotated[int, Range(gt=0)]``: ``gt``/``ge`` the lower
+    bound (exclusive/inclusive), ``lt``/``le`` the upper one; None leaves that side open."""
+
+    gt: Optional[float] = None
+    ge: Optional[float] = None
+    lt: Optional[float] = None
+    le: Optional[float] = None
+
+    def admits(self, value) -> bool:
+        return ((self.gt is None or value > self.gt) and (self.ge is None or value >= self.ge)
+                and (self.lt is None or value < self.lt) and (self.le is None or value <= self.le))
+
+    def describe(self) -> str:
+        """``> 0``, ``>= 1``, ``in [0, 1)``, ..."""
+        low = (f"({_number(self.gt)}" if self.gt is not None else f"[{_number(self.ge)}"
+               if self.ge is not None else None)
+        high = (f"{_number(self.lt)})" if self.lt is not None else f"{_number(self.le)}]"
+                if self.le is not None else None)
+        if low and high:
+            return f"in {low}, {high}"
+        if low:
+            return f"{'>' if self.gt is not None else '>='} {low[1:]}"
+        return f"{'<' if self.lt is not None else '<='} {high[:-1]}"
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
 
 
 @dataclass
 class ModelConfig:
     """Architecture and shape. ``arch`` picks a builder registered in :mod:`rmt.models.build`."""
 
-    arch: str = "transformer"
+    arch: Literal["transformer", "rmt", "recurrent", "mixer"] = "transformer"
     """Architecture: ``transformer`` (megatron-core GPT baseline), ``rmt`` (Residual Matrix
     Transformer), ``recurrent`` (recurrent transformer) or ``mixer`` (masked / repeat mixers)."""
 
-    num_layers: int = 2
+    num_layers: Annotated[int, Range(gt=0)] = 2
     """Number of layers; must be divisible by the number of pipeline stages (pipeline x virtual
     pipeline size)."""
 
-    hidden_size: int = 64
+    hidden_size: Annotated[int, Range(gt=0)] = 64
     """Hidden (residual) width. For ``arch: rmt`` it is derived as ``dk * dv``."""
 
-    num_attention_heads: int = 4
+    num_attention_heads: Annotated[int, Range(gt=0)] = 4
     """Attention heads (token-mixing heads for ``arch: mixer``); must be divisible by the tensor
     parallel size. For ``arch: rmt`` the heads are ``rank``."""
 
-    ffn_hidden_size: Optional[int] = None
+    ffn_hidden_size: Optional[Annotated[int, Range(gt=0)]] = None
     """Feed-forward inner width; ``null`` = 4 x ``hidden_size`` (4·R·Dv for ``arch: rmt``). Must be
     divisible by the tensor parallel size."""
 
-    seq_length: int = 128
+    seq_length: Annotated[int, Range(gt=0)] = 128
     """Tokens per sample. For synthetic tasks it must be at least 2·``data.task_tokens`` +
     ``data.curriculum_target``."""
 
-    vocab_size: Optional[int] = None
+    vocab_size: Optional[Annotated[int, Range(gt=0)]] = None
     """Vocabulary size; ``null`` = taken from the data (tokenizer or dataset metadata)."""
 
-    make_vocab_size_divisible_by: int = 128
+    make_vocab_size_divisible_by: Annotated[int, Range(gt=0)] = 128
     """Pad the vocabulary to a multiple of this; the padding is independent of TP, so every
     layout has the same table."""
 
-    position: str = "learned"
+    position: Literal["learned", "rope", "alibi", "block"] = "learned"
     """Positions: ``learned`` or ``rope`` for the transformer; ``alibi`` or ``learned`` for the
     RMT (the shipped ``rmt_*.yaml`` set ``alibi``); ``learned`` (absolute) or ``block`` (learned,
     indexed by the position within its block, the same at any sequence length) for the recurrent
     transformer."""
 
-    normalization: str = "LayerNorm"
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     """``LayerNorm`` or ``RMSNorm``. Ignored by the RMT (whole-matrix RMSNorm)."""
 
-    activation: Optional[str] = None
+    activation: Optional[Literal["gelu", "gelu_tanh", "silu", "relu"]] = None
     """Feed-forward activation of every architecture (and of megatron's MoE experts): ``gelu`` (exact, erf), ``gelu_tanh`` (the tanh approximation: the RMT
     authors' ``hax.nn.gelu``, GPT-2's), ``silu`` or ``relu``; ``null`` = the architecture's own,
     ``gelu`` (transformer, rmt, recurrent) or ``silu`` (mixer, as its author's code)."""
 
-    layernorm_epsilon: float = 1e-5
+    layernorm_epsilon: Annotated[float, Range(gt=0)] = 1e-5
     """Epsilon of the normalization layers."""
 
-    init_std: float = 0.02
+    init_std: Annotated[float, Range(gt=0)] = 0.02
     """Standard deviation of the weight init. The RMT uses N(0, ``init_std``/sqrt(fan_in)), layer
     writes further divided by sqrt(2L), embedding tables ``init_std``."""
 
-    embedding_init_std: Optional[float] = None
+    embedding_init_std: Optional[Annotated[float, Range(gt=0)]] = None
     """Standard deviation of the token and position embedding tables' init (every architecture);
     ``null`` = ``init_std``. torch's own ``nn.Embedding`` default is 1."""
 
-    dropout: float = 0.0
+    dropout: Annotated[float, Range(ge=0, lt=1)] = 0.0
     """Dropout probability, in [0, 1); must be 0 for the RMT."""
 
-    attention_kernel: str = "sdpa"
+    attention_kernel: Literal["sdpa", "megatron"] = "sdpa"
     """Core attention of the architectures built on megatron-core layers (``transformer``,
     ``recurrent``): ``sdpa`` (torch's fused ``scaled_dot_product_attention``) or ``megatron``
     (megatron-core's unfused ``DotProductAttention``, the reference). The same function: fp32
     outputs agree to rounding. The RMT always uses torch's; the mixer has no attention."""
 
-    block_width: int = 32
+    block_width: Annotated[int, Range(gt=0)] = 32
     """Recurrent transformer (``arch: recurrent``): block width k; one layer slides over blocks
     of k tokens on windows of 2k tokens. At most ``seq_length``."""
 
-    recurrent_alpha: float = 0.5
+    recurrent_alpha: Annotated[float, Range(ge=0, le=1)] = 0.5
     """Recurrent transformer: initial (or frozen) accumulation scalar α (Eq. 6–8 of "Efficient
     LLM Architectures"), in [0, 1]; α is clamped to [``recurrent_alpha_min``, 1]."""
 
     recurrent_alpha_learned: bool = True
     """Recurrent transformer: learn α (false: keep ``recurrent_alpha`` fixed)."""
 
-    recurrent_alpha_min: float = 0.0
+    recurrent_alpha_min: Annotated[float, Range(ge=0, le=1)] = 0.0
     """Recurrent transformer: the floor of the learned α, which is clamped to
     [``recurrent_alpha_min``, 1]; at most ``recurrent_alpha``."""
 
-    mixer_kind: str = "mixed"
+    mixer_kind: Literal["masked", "row", "column", "mixed"] = "mixed"
     """Masked / repeat mixer (``arch: mixer``) token mixing: ``masked`` (full upper-triangular
     mixing matrix), ``row``, ``column``, ``mixed`` (half column-, half row-repeat heads; needs
     ``num_attention_heads`` >= 2)."""
@@ -111,17 +153,17 @@ class ModelConfig:
     mixer_decay: bool = False
     """Mixer: multiply the mixing weights by clip(d, 0.9, 1)^((j-i)/c), c = ``mixer_decay_scale``."""
 
-    mixer_decay_scale: float = 1.0
+    mixer_decay_scale: Annotated[float, Range(gt=0)] = 1.0
     """Mixer: the scale c of the decay exponent (with ``mixer_decay``)."""
 
-    dk: int = 16
+    dk: Annotated[int, Range(gt=0)] = 16
     """Residual Matrix Transformer (``arch: rmt``): rows Dk of the Dk x Dv residual matrix per
     token (key size)."""
 
-    dv: int = 16
+    dv: Annotated[int, Range(gt=0)] = 16
     """RMT: columns Dv of the residual matrix (= head size)."""
 
-    rank: int = 4
+    rank: Annotated[int, Range(gt=0)] = 4
     """RMT: rank R = attention heads = feed-forward reads/writes = embedding/unembedding keys; must
     be divisible by the tensor parallel size."""
 
@@ -136,18 +178,18 @@ class ModelConfig:
 class ParallelConfig:
     """Megatron-core 3D parallelism: tensor x pipeline x data = world size."""
 
-    tensor_model_parallel_size: int = 1
+    tensor_model_parallel_size: Annotated[int, Range(gt=0)] = 1
     """Tensor parallel size (megatron-core groups)."""
 
-    pipeline_model_parallel_size: int = 1
+    pipeline_model_parallel_size: Annotated[int, Range(gt=0)] = 1
     """Pipeline parallel size; must divide ``model.num_layers``."""
 
-    virtual_pipeline_model_parallel_size: Optional[int] = None
+    virtual_pipeline_model_parallel_size: Optional[Annotated[int, Range(gt=0)]] = None
     """Model chunks per pipeline rank for the interleaved schedule; ``null`` = not interleaved.
     Needs ``pipeline_model_parallel_size`` >= 2 and a number of microbatches that is a multiple of
     it."""
 
-    data_parallel_size: Optional[int] = None
+    data_parallel_size: Optional[Annotated[int, Range(gt=0)]] = None
     """Data parallel size; ``null`` = derived, world size / (tp x pp); if set it must match."""
 
     sequence_parallel: bool = False
@@ -159,22 +201,22 @@ class ParallelConfig:
     ``model.seq_length`` divisible by it. Memory layers gather the sequence first and keep
     their own tokens' output (docs/memory.md)."""
 
-    expert_model_parallel_size: int = 1
+    expert_model_parallel_size: Annotated[int, Range(gt=0)] = 1
     """MoE expert parallelism (megatron-core's expert groups): the experts are split over this
     many ranks of the data x tensor parallel grid, ``num_experts / EP`` each; needs ``memory.type:
     moe``. Expert tensor x expert model x pipeline size must divide the world size."""
 
-    expert_tensor_parallel_size: Optional[int] = None
+    expert_tensor_parallel_size: Optional[Annotated[int, Range(gt=0)]] = None
     """Ranks splitting each MoE expert's MLP; ``null`` = ``tensor_model_parallel_size``. Must
     divide the expert hidden size."""
 
-    backend: str = "auto"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend: ``auto`` (NCCL with CUDA, else gloo), ``gloo`` or ``nccl``."""
 
-    timeout_minutes: int = 10
+    timeout_minutes: Annotated[int, Range(gt=0)] = 10
     """Timeout of the process groups' collectives, in minutes."""
 
-    join_timeout_minutes: float = 10.0
+    join_timeout_minutes: Annotated[float, Range(gt=0)] = 10.0
     """How long ranks wait for every rank to join the process group, in minutes; when it expires
     the error names the ranks that did not join and the nodes they belong on."""
 
@@ -208,7 +250,7 @@ class DataConfig:
     a path to a HF ``tokenizer.json`` or its directory. A setting that contradicts the data's
     record is an error; the checkpoint's config records the tokenizer actually used."""
 
-    bpe_vocab_size: int = 2048
+    bpe_vocab_size: Annotated[int, Range(gt=0)] = 2048
     """Vocabulary size of the BPE trained with ``tokenizer: bpe``."""
 
     split: str = "98,2,0"
@@ -218,47 +260,47 @@ class DataConfig:
     cache_dir: str = ".rmt_cache"
     """Cache directory: tokenized default corpus, trained BPE, dataset index caches."""
 
-    max_documents: Optional[int] = None
+    max_documents: Optional[Annotated[int, Range(gt=0)]] = None
     """Limit the default corpus to its first N documents; ``null`` = all."""
 
-    task: str = "none"
+    task: Literal["none", "copy", "selective_copy"] = "none"
     """Synthetic task (:mod:`rmt.data.tasks`) instead of the corpus: ``none`` (corpus), ``copy``
     or ``selective_copy``."""
 
-    task_tokens: int = 16
+    task_tokens: Annotated[int, Range(gt=0)] = 16
     """Synthetic tasks: data tokens n to copy per sample."""
 
-    task_alphabet: int = 16
+    task_alphabet: Annotated[int, Range(ge=3)] = 16
     """Synthetic tasks: alphabet size; the last two ids are noise and recall."""
 
-    noise_length: int = 128
+    noise_length: Annotated[int, Range(ge=0)] = 128
     """Synthetic tasks: noise tokens between the data and the recall tokens (the curriculum's
     start)."""
 
-    noise_min_fraction: float = 1.0
+    noise_min_fraction: Annotated[float, Range(ge=0, le=1)] = 1.0
     """Synthetic tasks: each training step draws its noise length uniformly from
     ``ceil(noise_min_fraction x N) .. N``, ``N`` the current noise length (the curriculum's), one
     length for all the step's samples (so every parallel layout trains on the same batches);
     validation stays at ``N``. In [0, 1]; 1 = every sample at ``N``. A mix of lengths asks for a
     recall that does not depend on how many blocks the noise spans (docs/recipes.md)."""
 
-    noise_mix_step: int = 1
+    noise_mix_step: Annotated[int, Range(ge=1)] = 1
     """Synthetic tasks, with ``noise_min_fraction < 1``: the mixed lengths are ``N, N - s,
     N - 2s, ..`` down to ``ceil(noise_min_fraction x N)``, ``s`` this step. The recurrent
     transformer's block width keeps every recall token at its place in its block and varies only
     the number of blocks the noise spans; 1 = every length of the range."""
 
-    noise_mix_from: int = 0
+    noise_mix_from: Annotated[int, Range(ge=0)] = 0
     """Synthetic tasks, with ``noise_min_fraction < 1``: mix lengths only once the curriculum's
     noise length ``N`` is at least this (earlier stages train at ``N`` alone); 0 = from the
     start."""
 
-    curriculum_threshold: Optional[float] = None
+    curriculum_threshold: Optional[Annotated[float, Range(gt=0)]] = None
     """Curriculum: double the noise length after each evaluation whose validation loss is below
     this; set together with ``curriculum_target`` (``null``: no curriculum). The noise length is
     saved in checkpoints and restored on resume."""
 
-    curriculum_target: Optional[int] = None
+    curriculum_target: Optional[Annotated[int, Range(ge=0)]] = None
     """Curriculum: the noise length at which doubling stops; set together with
     ``curriculum_threshold``."""
 
@@ -285,62 +327,62 @@ class DataConfig:
 class TrainConfig:
     """Optimisation, schedule, precision, logging and checkpointing."""
 
-    steps: int = 300
+    steps: Annotated[int, Range(gt=0)] = 300
     """Training steps (optimizer steps of one global batch each)."""
 
-    micro_batch_size: int = 8
+    micro_batch_size: Annotated[int, Range(gt=0)] = 8
     """Samples per microbatch per data-parallel rank."""
 
-    global_batch_size: Optional[int] = None
+    global_batch_size: Optional[Annotated[int, Range(gt=0)]] = None
     """Samples per step; ``null`` = micro x dp. More means gradient accumulation over
     microbatches; must be a multiple of micro x dp."""
 
-    lr: float = 3e-3
+    lr: Annotated[float, Range(gt=0)] = 3e-3
     """Peak learning rate."""
 
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: Annotated[float, Range(ge=0, le=1)] = 0.1
     """Final learning rate as a fraction of ``lr``, in [0, 1]; also the lowest factor that
     ``lr_curriculum_decay`` and ``lr_plateau_decay`` bring the schedule to."""
 
-    warmup_steps: int = 30
+    warmup_steps: Annotated[int, Range(ge=0)] = 30
     """Linear warmup steps, >= 0; a value not below ``steps`` (e.g. a short smoke run of a config
     made for longer ones) is clamped to ``steps`` - 1, and the run says so."""
 
-    lr_decay_style: str = "cosine"
+    lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
     """Decay after warmup: ``cosine``, ``linear`` or ``constant``."""
 
-    lr_curriculum_decay: float = 1.0
+    lr_curriculum_decay: Annotated[float, Range(gt=0, le=1)] = 1.0
     """Synthetic-task curriculum (``data.curriculum_threshold``): multiply the learning rate by
     this, in (0, 1], each time the curriculum doubles the noise length ("Efficient LLM
     Architectures" §6.2: the learning rate "decays as a function of the sequence length and the
     validation loss"); 1 = never. Like ``lr_plateau_decay`` it scales the whole schedule, never
     below ``min_lr_ratio`` x its value, and is saved in checkpoints."""
 
-    lr_target_decay: float = 1.0
+    lr_target_decay: Annotated[float, Range(gt=0, le=1)] = 1.0
     """Synthetic-task curriculum: multiply the learning rate by this, in (0, 1], once more (on top
     of ``lr_curriculum_decay``) at the doubling that brings the noise length to
     ``data.curriculum_target``, so that the last stage, which must drive the loss down rather than
     only below ``data.curriculum_threshold``, can start lower than the early stages' rule puts it;
     1 = no extra cut. Floored and saved like ``lr_curriculum_decay``."""
 
-    lr_plateau_decay: float = 1.0
+    lr_plateau_decay: Annotated[float, Range(gt=0, le=1)] = 1.0
     """Reduce on plateau: multiply the learning rate by this, in (0, 1], after
     ``lr_plateau_patience`` evaluations in a row without a new lowest validation loss; with a
     curriculum only once the noise length is at ``data.curriculum_target`` (the lowest loss is
     forgotten at each doubling). 1 = never."""
 
-    lr_plateau_patience: int = 10
+    lr_plateau_patience: Annotated[int, Range(gt=0)] = 10
     """Evaluations without a new lowest validation loss before ``lr_plateau_decay`` applies
     (counted afresh after each reduction); positive."""
 
-    lr_plateau_smoothing: float = 0.0
+    lr_plateau_smoothing: Annotated[float, Range(ge=0, lt=1)] = 0.0
     """The plateau rule judges an exponential moving average of the validation loss,
     ``s = smoothing * s + (1 - smoothing) * val_loss`` (started afresh at each doubling of a
     curriculum), instead of each evaluation alone; in [0, 1), 0 = each evaluation alone. On a
     loss that swings from one evaluation to the next, a lone low value resets the patience
     count and postpones the reduction however long the trend has been level."""
 
-    ema_decay: Optional[float] = None
+    ema_decay: Optional[Annotated[float, Range(gt=0, lt=1)]] = None
     """Also keep an exponential moving average of the weights, ``ema = ema_decay * ema + (1 -
     ema_decay) * w`` after every step, in (0, 1) (0.99 averages over about 100 steps); ``null`` =
     none (:mod:`rmt.training.weight_average`; memory value tables are not averaged). Each evaluation then also measures the average (``val_loss_ema``); the trained
@@ -348,11 +390,11 @@ class TrainConfig:
     average (one made without it starts it at the loaded weights); a task curriculum restarts it
     at every doubling of the noise length."""
 
-    weight_decay: float = 0.1
+    weight_decay: Annotated[float, Range(ge=0)] = 0.1
     """AdamW weight decay wd; never on norms, biases, embedding and unembedding tables, memory
     values (:mod:`rmt.training.optimizer` lists what each recipe decays)."""
 
-    weight_decay_mode: str = "lr"
+    weight_decay_mode: Literal["lr", "schedule"] = "lr"
     """How the decay scales per step: ``lr`` shrinks weights by ``lr_t * wd`` (torch's and
     megatron's AdamW); ``schedule`` by ``wd * lr_t / lr``, the decay following the LR schedule's
     shape but not its size (Loshchilov & Hutter's decoupled decay; the RMT authors' optax chain,
@@ -363,22 +405,22 @@ class TrainConfig:
     ``embedding.position_keys``, ``output_layer.read``), as the authors' code does; their
     tables stay undecayed."""
 
-    adam_beta1: float = 0.9
+    adam_beta1: Annotated[float, Range(ge=0, lt=1)] = 0.9
     """Adam β1 (also for the sparse value optimizers)."""
 
-    adam_beta2: float = 0.95
+    adam_beta2: Annotated[float, Range(ge=0, lt=1)] = 0.95
     """Adam β2 (also for the sparse value optimizers)."""
 
-    adam_eps: float = 1e-8
+    adam_eps: Annotated[float, Range(gt=0)] = 1e-8
     """Adam epsilon (also for the sparse value optimizers)."""
 
-    clip_grad: float = 1.0
+    clip_grad: Annotated[float, Range(ge=0)] = 1.0
     """Clip the global gradient norm (over the model-parallel group) to this; 0 = no clipping."""
 
-    z_loss: float = 0.0
+    z_loss: Annotated[float, Range(ge=0)] = 0.0
     """z-loss weight z: adds ``z * logZ^2``; ``1e-4`` is the RMT authors' value."""
 
-    precision: str = "fp32"
+    precision: Literal["fp32", "bf16"] = "fp32"
     """``fp32``, or ``bf16`` as megatron-core trains it: bf16 dense parameters and activations with
     fp32 main parameters, fp32 gradient accumulation and reduction, and the optimizer stepping the
     fp32 copy (megatron's float16 or distributed optimizer). The memory value tables keep
@@ -400,7 +442,7 @@ class TrainConfig:
     the next step's forward instead of at the end of the optimizer step (megatron's
     ``overlap_param_gather``); needs ``overlap_grad_reduce``."""
 
-    recompute_granularity: str = "none"
+    recompute_granularity: Literal["none", "selective", "full"] = "none"
     """Activation recomputation (megatron's ``recompute_granularity``): ``none`` keeps every
     activation; ``selective`` recomputes the core attention (softmax(q k^T) v) of every layer in
     the backward, keeping only its inputs; ``full`` keeps only the inputs of the layer spans that
@@ -409,13 +451,13 @@ class TrainConfig:
     once and keep their activations (docs/memory.md). The mixer has no core attention, so
     ``selective`` does not apply to it."""
 
-    recompute_method: Optional[str] = None
+    recompute_method: Optional[Literal["uniform", "block"]] = None
     """With ``recompute_granularity: full`` (required there, ``null`` otherwise): ``uniform``
     splits each model chunk's layers into spans of ``recompute_num_layers`` and recomputes every
     span from its input; ``block`` recomputes the first ``recompute_num_layers`` layers of each
     chunk one by one and keeps the rest (megatron's semantics)."""
 
-    recompute_num_layers: Optional[int] = None
+    recompute_num_layers: Optional[Annotated[int, Range(gt=0)]] = None
     """With ``recompute_granularity: full`` (required there, ``null`` otherwise): the layers per
     span (``uniform``; must divide the layers per model chunk) or the layers recomputed per chunk
     (``block``; at most the layers per chunk)."""
@@ -424,14 +466,14 @@ class TrainConfig:
     """Random seed. Each weight tensor is drawn from a generator seeded by (seed, its checkpoint
     key), so the init does not depend on the parallel layout."""
 
-    log_interval: int = 10
+    log_interval: Annotated[int, Range(gt=0)] = 10
     """Every N steps: print the step line and log the memory layers' slot usage
     (``memory/layerK/*`` in TensorBoard and the JSONL log)."""
 
-    eval_interval: int = 100
+    eval_interval: Annotated[int, Range(gt=0)] = 100
     """Evaluate on the validation split every N steps."""
 
-    eval_iters: int = 4
+    eval_iters: Annotated[int, Range(ge=0)] = 4
     """Validation batches per evaluation; 0 disables validation."""
 
     save: Optional[str] = None
@@ -439,14 +481,14 @@ class TrainConfig:
     checkpoints. A run continues from its newest complete checkpoint, so the same command serves
     the first start and every restart."""
 
-    save_interval: int = 0
+    save_interval: Annotated[int, Range(ge=0)] = 0
     """Save every N steps; 0 = only at the end. Needs ``save``."""
 
-    keep_checkpoints: int = 0
+    keep_checkpoints: Annotated[int, Range(ge=0)] = 0
     """Complete checkpoints kept under ``save``: the newest N; 0 = all. Older ones are deleted only
     after a new one is complete."""
 
-    exit_interval: Optional[int] = None
+    exit_interval: Optional[Annotated[int, Range(gt=0)]] = None
     """Stop, after saving, every N steps (for time-limited jobs); ``null`` = run all ``steps``."""
 
     load: Optional[str] = None
@@ -466,21 +508,21 @@ class TrainConfig:
     """true: a tqdm progress bar; false, as in batch jobs: the step lines every ``log_interval``
     steps and at evaluations are printed plainly."""
 
-    threads: Optional[int] = None
+    threads: Optional[Annotated[int, Range(gt=0)]] = None
     """torch intra-op threads; ``null`` = torch's default."""
 
-    host_heap_retain_mib: int = 256
+    host_heap_retain_mib: Annotated[int, Range(ge=0)] = 256
     """Host memory (MiB) that freed tensors under 32 MiB leave in the process's heap for the next
-    step, instead of returning it to the OS and faulting it in again (glibc only; 20% of the tiny
-    RMT's CPU step time, :mod:`rmt.training.host_heap`); ``0`` = the C library's defaults."""
+    step, so that it is not returned to the OS and faulted in again every step (glibc only;
+    :mod:`rmt.training.host_heap`, measured in docs/benchmarks.md); ``0`` = the C library's
+    defaults."""
 
     flush_denormal: bool = True
     """Flush denormal floats to zero in CPU arithmetic (``torch.set_flush_denormal``: x86's FTZ and
-    DAZ), as TensorFlow's and XLA's CPU runtimes do by default. The attention probabilities of
-    far keys under ALiBi underflow into the denormal range, which Intel cores compute by microcode
-    assist: the RMT's attention backward took 1.4x as long at 256 tokens (docs/benchmarks.md).
-    Results change only where a value falls below 1.2e-38, which becomes 0. ``false`` = IEEE
-    gradual underflow, torch's default."""
+    DAZ), as TensorFlow's and XLA's CPU runtimes do by default: the attention probabilities of far
+    keys under ALiBi underflow into the denormal range, which Intel cores compute slowly, by
+    microcode assist (measured in docs/benchmarks.md). Results change only where a value falls
+    below 1.2e-38, which becomes 0. ``false`` = IEEE gradual underflow, torch's default."""
 
 
 @dataclass
@@ -489,7 +531,7 @@ class MemoryConfig:
     (arXiv 2411.12364), PKM and MoE (:mod:`rmt.memory`), and memory-parallel tables (UltraMem
     Appendix C/D; :mod:`rmt.memory.sharded_table`)."""
 
-    type: str = "none"
+    type: Literal["none", "ultramem", "ultramem_v2", "pkm", "moe"] = "none"
     """``none``, ``ultramem``, ``ultramem_v2`` (UltraMemV2, arXiv 2508.18756: a memory beside the
     FFN of every block, :mod:`rmt.memory.layer_v2`), ``pkm`` or ``moe``."""
 
@@ -502,45 +544,45 @@ class MemoryConfig:
     memory beside their FFN, ``i`` or ranges ``i-j`` joined by ``/``; empty = every layer (the
     authors' ``mem_insert_way: full``)."""
 
-    num_heads: int = 2
+    num_heads: Annotated[int, Range(gt=0)] = 2
     """Memory heads."""
 
-    topk: int = 16
+    topk: Annotated[int, Range(gt=0)] = 16
     """Top-m values retrieved per head."""
 
-    key_dim: int = 64
+    key_dim: Annotated[int, Range(gt=0)] = 64
     """Key width; divisible by ``tucker_rank`` (Tucker retrieval), even for PKM."""
 
-    num_keys: int = 32
+    num_keys: Annotated[int, Range(gt=0)] = 32
     """Key grid side: slots per layer = ``num_keys²``."""
 
-    retrieval: str = "tucker"
+    retrieval: Literal["tucker", "product"] = "tucker"
     """UltraMem retrieval: ``tucker`` (TDQKR, Eq. 4–10) or ``product`` (product keys)."""
 
-    tucker_rank: int = 2
+    tucker_rank: Annotated[int, Range(gt=0)] = 2
     """Tucker rank r of TDQKR."""
 
-    num_cores: int = 2
+    num_cores: Annotated[int, Range(gt=0)] = 2
     """Multi-core scoring h (Eq. 16–17); must divide the value dim; > 1 needs ``retrieval:
     tucker``."""
 
-    ive_blocks: int = 4
+    ive_blocks: Annotated[int, Range(gt=0)] = 4
     """Implicit value expansion E (Eq. 13–15); a perfect square."""
 
     ive_shuffle: bool = True
     """Implicit value expansion: random shuffle of the expanded values."""
 
-    value_dim: int = 0
+    value_dim: Annotated[int, Range(ge=0)] = 0
     """``ultramem_v2``: width Dv of the values (the authors' ``mem_vdim``), pooled and projected
     to the memory width by one linear map; 0 = half the memory width. (UltraMem's value width is
     set by ``half_value_dim``; the Table 2 switches below do not apply to ``ultramem_v2``.)"""
 
-    pre_value_dim: int = 0
+    pre_value_dim: Annotated[int, Range(ge=0)] = 0
     """``ultramem_v2``: width of the PEER-style pre-values (``mem_pre_vdim``): each retrieved
     slot's score is multiplied by ``act(<P[slot], W_pre x>)``, P a second table of this width;
     0 = none."""
 
-    pre_value_activation: str = "none"
+    pre_value_activation: Literal["none", "gelu"] = "none"
     """``ultramem_v2``: ``act`` of the pre-value scores, ``none`` (the authors' default) or
     ``gelu`` (their ``mem_use_glu_act``)."""
 
@@ -558,10 +600,9 @@ class MemoryConfig:
 
     query_key_norm: bool = True
     """Table 2 ablation switch: LayerNorm of queries and keys (§3.2 item 2; with
-    ``improved_init``, Appendix A's gains). The paper adds it for stability at 151M-6.5B; on
-    ``configs/ultramem_tiny.yaml`` (hidden 128, 2 layers) it costs 0.075 of validation loss at
-    2000 steps, on each of three seeds; neither unit gains nor a 6x smaller query gain recover
-    it, and the cost is the keys' norm alone (docs/benchmarks.md, "Memory layers, quality")."""
+    ``improved_init``, Appendix A's gains). The paper adds it for stability at 151M-6.5B parameters;
+    at the tiny configs' width the keys' norm costs validation loss (measured in
+    docs/benchmarks.md, memory layers' quality)."""
 
     query_batchnorm: bool = False
     """BatchNorm of the query projection's output (PKM as published: Lample et al. §3.2, XLM's
@@ -583,45 +624,43 @@ class MemoryConfig:
     """Table 2 ablation switch: causal depthwise convolution over the sequence before the
     query (§3.2 item 4)."""
 
-    conv_kernel: int = 3
+    conv_kernel: Annotated[int, Range(gt=0)] = 3
     """Kernel size of the query convolution (with ``query_conv``)."""
 
     improved_init: bool = True
     """Table 2 ablation switch: Appendix A init (E[Y] sampled)."""
 
-    value_init_std: Optional[float] = None
+    value_init_std: Optional[Annotated[float, Range(gt=0)]] = None
     """Init std of the value tables; ``null``: Appendix A's ``sqrt(E / (2 m H L))`` with
     ``improved_init`` (E expansion, m top-m, H heads, L layers: memory output ~ N(0, 1/(2L)) at
-    init), else Lample et al.'s ``1 / sqrt(value dim)``. The authors' public code
-    (``UltraMemLayerV1``) draws the values at 0.02 whatever the model's size. Appendix A's output
-    variance 1/(2L) does not shrink with the width: it is about the MLP's at init for hidden
-    1024-2048 (the paper's models) but 18x the MLP's output (12x the residual stream) at hidden
-    128 with 2 layers, which costs ``configs/ultramem_tiny.yaml`` 0.22 of validation loss at 1000
-    steps (docs/benchmarks.md, "Memory layers, quality"); it sets 0.02."""
+    init), else Lample et al.'s ``1 / sqrt(value dim)``. Appendix A's output variance 1/(2L) does
+    not shrink with the width, so at small widths it outweighs the MLP's output; the tiny configs
+    set 0.02, as the authors' public code (``UltraMemLayerV1``) does at every size (measured in
+    docs/benchmarks.md, memory layers' quality)."""
 
-    init_samples: int = 0
+    init_samples: Annotated[int, Range(ge=0)] = 0
     """How the improved init gets E[Y], the expected mean of the top-m of the grid's candidate
     scores (Appendix A): 0 = exactly, by quadrature over the order statistics, in milliseconds
     for any number of slots; k > 0 = the paper's Monte Carlo estimate from k draws of every
     candidate (streamed in bounded chunks, but its time grows with the slots)."""
 
-    aux_loss_weight: float = 0.001
+    aux_loss_weight: Annotated[float, Range(ge=0)] = 0.001
     """TDQKR auxiliary loss weight α (Eq. 11–12)."""
 
-    aux_loss_margin: float = 0.15
+    aux_loss_margin: Annotated[float, Range(ge=0)] = 0.15
     """TDQKR auxiliary loss margin τ (Eq. 11–12)."""
 
-    value_lr_mult: float = 10.0
+    value_lr_mult: Annotated[float, Range(ge=1)] = 10.0
     """Value learning rate = mult x base LR, decaying linearly to 1x at the last step; >= 1."""
 
-    value_optimizer: str = "adamw"
+    value_optimizer: Literal["adamw", "sparse_adam", "rowwise_adagrad"] = "adamw"
     """Optimizer of the value tables: ``adamw`` (dense table gradients, in the AdamW step with the
     other parameters), ``sparse_adam`` (torch's SparseAdam, lazy Adam on the touched rows) or
     ``rowwise_adagrad`` (one accumulator per row). The last two take the touched rows' sparse
     gradients, never a table-sized one (:mod:`rmt.ops.sparse_optim`); ``rowwise_adagrad`` needs
     ``partition`` ``local`` or ``number``. MoE has no value tables (leave it ``adamw``)."""
 
-    value_dtype: str = "fp32"
+    value_dtype: Literal["fp32", "bf16"] = "fp32"
     """Storage dtype of the value tables: ``fp32`` or ``bf16`` (half the bytes of the table and
     of its gradients). Lookups read the stored rows and accumulate in fp32 whatever the dtype;
     the optimizers' state and update rule per dtype are stated in :mod:`rmt.ops.sparse_optim`
@@ -638,39 +677,39 @@ class MemoryConfig:
     other parameter as before), and a bf16 table's gradient is not rounded to bf16 before the
     step (:mod:`rmt.ops.fused_update`)."""
 
-    num_experts: int = 8
+    num_experts: Annotated[int, Range(gt=0)] = 8
     """MoE (megatron-core's MoELayer, :mod:`rmt.memory.moe`): number of experts; divisible by
     ``parallel.expert_model_parallel_size``."""
 
-    moe_topk: int = 2
+    moe_topk: Annotated[int, Range(gt=0)] = 2
     """MoE: experts per token; at most ``num_experts``."""
 
-    expert_hidden_size: Optional[int] = None
+    expert_hidden_size: Optional[Annotated[int, Range(gt=0)]] = None
     """MoE: inner width of one expert; ``null`` = the dense MLP's ffn / ``moe_topk`` (granularity
     k: the k activated experts together as wide as the dense MLP)."""
 
-    balance_loss_weight: float = 0.01
+    balance_loss_weight: Annotated[float, Range(ge=0)] = 0.01
     """MoE: coefficient of the Switch load-balancing loss (Fedus et al. Eq. 4), megatron's
     ``moe_aux_loss_coeff``."""
 
-    moe_placement: str = "skip"
+    moe_placement: Literal["skip", "mlp"] = "skip"
     """MoE: ``mlp`` (the MoE replaces the MLP of the layers listed in ``placement``, e.g. ``"1-12"``
     or ``"2/4/6"``; megatron's usual form, transformer only) or ``skip`` (LayerNorm + MoE beside
     the dense model at ``i:j`` placements, like UltraMem; transformer and RMT)."""
 
-    moe_token_dispatcher_type: str = "alltoall"
+    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
     """MoE: megatron's token dispatcher, ``alltoall`` or ``allgather`` (both run on gloo)."""
 
-    moe_expert_capacity_factor: Optional[float] = None
+    moe_expert_capacity_factor: Optional[Annotated[float, Range(gt=0)]] = None
     """MoE: ``null`` = no token dropping; else each expert takes at most ``ceil(factor x tokens x
     moe_topk / num_experts)`` routing slots per microbatch and drops those of smallest weight."""
 
-    partition: str = "local"
+    partition: Literal["local", "number", "dimension", "auto"] = "local"
     """Memory-parallel table sharding: ``local`` (whole table on every rank), ``number`` (rows
     split), ``dimension`` (columns split) or ``auto`` (``rmt-plan comm``'s forward+backward choice
     for this run's tokens, top-m, IVE and cores). Only UltraMem/PKM tables shard."""
 
-    group_size: int = 0
+    group_size: Annotated[int, Range(ge=0)] = 0
     """Ranks per memory-parallel group; 0 = all DP x TP ranks of the stage; must divide DP x TP.
     Smaller groups are replicas."""
 
@@ -702,6 +741,86 @@ class RMTConfig:
 
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     """Sparse memory layers and memory-parallel tables."""
+
+
+@dataclass(frozen=True)
+class Allowed:
+    """What one key allows, as its type declares it: ``choices`` (a ``Literal``), ``bounds`` (a
+    :class:`Range`), whether it may be null, and its value type."""
+
+    kind: Any
+    choices: Optional[tuple] = None
+    bounds: Optional[Range] = None
+    nullable: bool = False
+
+    def admits(self, value) -> bool:
+        if value is None:
+            return self.nullable or not self.constrained()
+        if self.choices is not None:
+            return value in self.choices
+        if self.kind is float and isinstance(value, (int, float)) and not math.isfinite(value):
+            return False
+        return self.bounds is None or self.bounds.admits(value)
+
+    def describe(self) -> str:
+        """What is allowed, as the error sentences and docs/config.md put it ('' for no constraint)."""
+        if self.choices is not None:
+            text = "one of " + ", ".join(repr(c) for c in self.choices)
+        elif self.kind is float:
+            text = "a finite number" + (f" {self.bounds.describe()}" if self.bounds else "")
+        elif self.bounds is not None:
+            text = f"an integer {self.bounds.describe()}"
+        else:
+            return ""
+        return text + (" or null" if self.nullable else "")
+
+    def constrained(self) -> bool:
+        return bool(self.describe())
+
+
+def _allowed(hint) -> Allowed:
+    """Read a field's type hint: ``Optional[...]``, ``Annotated[T, Range(...)]``, ``Literal[...]``."""
+    nullable, bounds = False, None
+    while True:
+        origin = typing.get_origin(hint)
+        if origin is typing.Union:
+            args = [a for a in typing.get_args(hint) if a is not type(None)]
+            nullable, hint = True, args[0]
+        elif origin is Annotated:
+            bounds = next((m for m in hint.__metadata__ if isinstance(m, Range)), bounds)
+            hint = typing.get_args(hint)[0]
+        elif origin is Literal:
+            return Allowed(str, typing.get_args(hint), bounds, nullable)
+        else:
+            return Allowed(hint, None, bounds, nullable)
+
+
+@functools.lru_cache(maxsize=None)
+def schema_fields() -> Dict[str, Allowed]:
+    """``{"section.key": Allowed}`` for every key of :class:`RMTConfig`, in schema order (read
+    once; do not change the dict)."""
+    out = {}
+    for section in dataclasses.fields(RMTConfig):
+        cls = typing.get_type_hints(RMTConfig)[section.name]
+        hints = typing.get_type_hints(cls, include_extras=True)
+        for f in dataclasses.fields(cls):
+            out[f"{section.name}.{f.name}"] = _allowed(hints[f.name])
+    return out
+
+
+def field_error(key: str, value, allowed: Allowed) -> str:
+    """The one sentence for a value its key does not allow."""
+    return f"{key} must be {allowed.describe()}, got {value!r}"
+
+
+def check_fields(config: RMTConfig) -> None:
+    """Raise :class:`ConfigError` (:func:`field_error`'s sentence) for the first key whose value
+    its declaration does not allow."""
+    for key, allowed in schema_fields().items():
+        section, name = key.split(".")
+        value = getattr(getattr(config, section), name)
+        if not allowed.admits(value):
+            raise ConfigError(field_error(key, value, allowed))
 
 
 def _check_known(node, schema_obj, origin: str, prefix: str = "") -> None:
@@ -761,9 +880,15 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as err:
             key = getattr(err, "full_key", "") or ""
+            allowed = schema_fields().get(key)
+            if allowed is not None and allowed.choices is not None:  # OmegaConf checks a Literal itself
+                section, name = key.split(".")
+                raise ConfigError(field_error(key, container[section][name], allowed))
             msg = str(err).splitlines()[0]
             raise ConfigError(f"{origin}: bad value for '{key}' ({msg})")
-    return OmegaConf.to_object(merged)
+    config = OmegaConf.to_object(merged)
+    check_fields(config)
+    return config
 
 
 def to_dict(config: RMTConfig) -> dict:
@@ -775,251 +900,3 @@ def from_dict(data: dict) -> RMTConfig:
     """Rebuild a config saved with :func:`to_dict` (unknown keys rejected as in YAML)."""
     _check_known(data, RMTConfig(), "saved config")
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RMTConfig), data))
-
-
-def _positive(config: RMTConfig, names: List[str]) -> None:
-    for name in names:
-        section, key = name.split(".")
-        value = getattr(getattr(config, section), key)
-        if value is not None and value <= 0:
-            raise ConfigError(f"{name} must be positive, got {value}")
-
-
-def world_size_from_env() -> int:
-    """The launcher's world size (torchrun or SLURM), 1 when launched as a plain process."""
-    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
-        if os.environ.get(var):
-            return int(os.environ[var])
-    return 1
-
-
-def data_parallel_size(config: RMTConfig, world_size: int) -> int:
-    p = config.parallel
-    return world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
-
-
-def validate_documents(config: RMTConfig) -> None:
-    """The document keys (``data.reset_position_ids``, ``reset_attention_mask``,
-    ``eod_mask_loss``) need a corpus with end-of-document tokens and, for position resets,
-    absolute positions."""
-    d, m = config.data, config.model
-    keys = [k for k in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss") if getattr(d, k)]
-    if not keys:
-        return
-    if d.task != "none":
-        raise ConfigError(f"data.{keys[0]} needs documents; the synthetic task '{d.task}' has none")
-    if d.reset_position_ids and not d.reset_attention_mask:
-        relative = {"transformer": "rope", "rmt": "alibi"}.get(m.arch)
-        if m.arch == "mixer" or m.position == relative:
-            what = "the mixer has no position ids" if m.arch == "mixer" else (
-                f"model.position '{m.position}' depends on token distances only")
-            raise ConfigError(f"data.reset_position_ids has no effect here ({what}); set "
-                              f"data.reset_attention_mask to compute every document as if alone")
-
-
-def validate_recompute(config: RMTConfig, stages: int) -> None:
-    """``train.recompute_*``: megatron's rules (``TransformerConfig.__post_init__``), checked
-    before any process group exists, plus the span sizes its uniform method needs."""
-    t, m = config.train, config.model
-    if t.recompute_granularity not in RECOMPUTE_GRANULARITIES:
-        raise ConfigError(f"train.recompute_granularity must be one of {', '.join(RECOMPUTE_GRANULARITIES)}, "
-                          f"got '{t.recompute_granularity}'")
-    if t.recompute_granularity != "full":
-        for key in ("recompute_method", "recompute_num_layers"):
-            if getattr(t, key) is not None:
-                raise ConfigError(f"train.{key} applies to train.recompute_granularity 'full' only "
-                                  f"(got '{t.recompute_granularity}'); set it to null")
-        if t.recompute_granularity == "selective" and m.arch == "mixer":
-            raise ConfigError("train.recompute_granularity 'selective' recomputes core attention, which the mixer "
-                              "does not have; use 'full'")
-        return
-    if t.recompute_method not in ("uniform", "block"):
-        raise ConfigError(f"train.recompute_granularity 'full' needs train.recompute_method 'uniform' or 'block', "
-                          f"got {t.recompute_method!r}")
-    per_chunk = m.num_layers // stages
-    n = t.recompute_num_layers
-    if n is None or not 1 <= n <= per_chunk:
-        raise ConfigError(f"train.recompute_num_layers must lie in [1, {per_chunk}] (the layers per model chunk) "
-                          f"with train.recompute_granularity 'full', got {n}")
-    if t.recompute_method == "uniform" and per_chunk % n:
-        raise ConfigError(f"train.recompute_num_layers ({n}) must divide the layers per model chunk ({per_chunk}) "
-                          f"with train.recompute_method 'uniform'")
-    if config.memory.type == "ultramem_v2":
-        raise ConfigError("train.recompute_granularity 'full' does not take memory.type 'ultramem_v2' yet: its "
-                          "memory layer reads the FFN's input inside the recomputed layer, which the "
-                          "recomputation does not relink (use 'selective', or UltraMem v1)")
-
-
-def validate_sequence_parallel(config: RMTConfig) -> None:
-    """``parallel.sequence_parallel``: megatron's GPTModel shards the sequence between its TP
-    linears; the other architectures' layers have no sequence-parallel mappings."""
-    p, m = config.parallel, config.model
-    if not p.sequence_parallel:
-        return
-    if p.tensor_model_parallel_size < 2:
-        raise ConfigError("parallel.sequence_parallel shards the sequence over the tensor-parallel ranks and needs "
-                          "parallel.tensor_model_parallel_size >= 2")
-    if m.arch != "transformer":
-        raise ConfigError(f"parallel.sequence_parallel needs model.arch 'transformer' (megatron's GPTModel): the "
-                          f"{m.arch}'s layers have no sequence-parallel all-gather / reduce-scatter mappings")
-    if m.seq_length % p.tensor_model_parallel_size:
-        raise ConfigError(f"model.seq_length ({m.seq_length}) must be divisible by "
-                          f"parallel.tensor_model_parallel_size ({p.tensor_model_parallel_size}) with "
-                          f"parallel.sequence_parallel")
-    if config.memory.type == "ultramem_v2":
-        raise ConfigError("parallel.sequence_parallel does not take memory.type 'ultramem_v2' yet: its memory "
-                          "layer reads the FFN's sequence-sharded input, a path not tested against the "
-                          "single process")
-
-
-def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
-    """Reject impossible settings with one sentence (:class:`ConfigError`). Returns ``config``.
-    The model code (torch, megatron-core) is imported only for the architecture's own checks,
-    after the generic ones, so most mistakes are reported at once."""
-    world_size = world_size_from_env() if world_size is None else world_size
-    m, p, d, t = config.model, config.parallel, config.data, config.train
-    _positive(config, [
-        "model.num_layers", "model.hidden_size", "model.num_attention_heads",
-        "model.ffn_hidden_size", "model.seq_length", "model.vocab_size",
-        "model.make_vocab_size_divisible_by", "model.init_std", "model.embedding_init_std", "model.layernorm_epsilon",
-        "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
-        "parallel.virtual_pipeline_model_parallel_size", "parallel.data_parallel_size",
-        "parallel.timeout_minutes", "parallel.join_timeout_minutes",
-        "parallel.expert_model_parallel_size", "parallel.expert_tensor_parallel_size",
-        "data.bpe_vocab_size", "train.steps",
-        "train.micro_batch_size", "train.global_batch_size", "train.lr", "train.log_interval",
-        "train.eval_interval", "train.threads", "train.exit_interval",
-    ])
-    if t.host_heap_retain_mib < 0:
-        raise ConfigError(f"train.host_heap_retain_mib must be >= 0, got {t.host_heap_retain_mib}")
-    if m.normalization not in ("LayerNorm", "RMSNorm"):
-        raise ConfigError(f"model.normalization must be 'LayerNorm' or 'RMSNorm', got '{m.normalization}'")
-    from rmt.models.activation import ACTIVATIONS
-
-    if m.activation is not None and m.activation not in ACTIVATIONS:
-        raise ConfigError(f"model.activation must be one of {', '.join(ACTIVATIONS)} (or null for the "
-                          f"architecture's own), got '{m.activation}'")
-    if not 0.0 <= m.dropout < 1.0:
-        raise ConfigError(f"model.dropout must lie in [0, 1), got {m.dropout}")
-    from rmt.models.attention import KERNELS
-
-    if m.attention_kernel not in KERNELS:
-        raise ConfigError(f"model.attention_kernel must be one of {', '.join(KERNELS)}, got '{m.attention_kernel}'")
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    if world_size % (tp * pp):
-        raise ConfigError(
-            f"world size {world_size} is not divisible by tensor x pipeline parallel size "
-            f"{tp} x {pp} = {tp * pp}")
-    dp = world_size // (tp * pp)
-    if p.data_parallel_size is not None and p.data_parallel_size != dp:
-        raise ConfigError(
-            f"parallel.data_parallel_size={p.data_parallel_size} but world size {world_size} = "
-            f"tp {tp} x pp {pp} x dp {dp}")
-    vpp = p.virtual_pipeline_model_parallel_size
-    stages = pp * (vpp or 1)
-    if vpp is not None and pp < 2:
-        raise ConfigError("parallel.virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size >= 2")
-    if m.num_layers % stages:
-        raise ConfigError(
-            f"model.num_layers ({m.num_layers}) must be divisible by the number of pipeline "
-            f"stages ({pp} x virtual {vpp or 1} = {stages})")
-    if p.backend not in ("auto", "gloo", "nccl"):
-        raise ConfigError(f"parallel.backend must be 'auto', 'gloo' or 'nccl', got '{p.backend}'")
-    gbs = t.global_batch_size or t.micro_batch_size * dp
-    if gbs % (t.micro_batch_size * dp):
-        raise ConfigError(
-            f"train.global_batch_size ({gbs}) must be a multiple of micro_batch_size x "
-            f"data-parallel size ({t.micro_batch_size} x {dp})")
-    if vpp is not None and (gbs // (t.micro_batch_size * dp)) % pp:
-        raise ConfigError(
-            f"interleaved pipelining needs the number of microbatches ({gbs // (t.micro_batch_size * dp)}) "
-            f"to be a multiple of pipeline_model_parallel_size ({pp})")
-    if t.precision not in ("fp32", "bf16"):
-        raise ConfigError(f"train.precision must be 'fp32' or 'bf16', got '{t.precision}'")
-    if t.overlap_param_gather and not (t.distributed_optimizer and t.overlap_grad_reduce):
-        raise ConfigError("train.overlap_param_gather needs train.distributed_optimizer and "
-                          "train.overlap_grad_reduce (megatron-core gathers the parameters only "
-                          "for its distributed optimizer, behind the gradient reduction)")
-    if t.overlap_param_gather and t.ema_decay is not None:
-        raise ConfigError("train.overlap_param_gather leaves the updated weights to be gathered during the "
-                          "next step's forward, but train.ema_decay averages them right after each step: "
-                          "set one of them only")
-    validate_recompute(config, stages)
-    validate_sequence_parallel(config)
-    if t.weight_decay_mode not in ("lr", "schedule"):
-        raise ConfigError(f"train.weight_decay_mode must be 'lr' or 'schedule', got '{t.weight_decay_mode}'")
-    if t.decay_rmt_keys and m.arch != "rmt":
-        raise ConfigError(f"train.decay_rmt_keys applies to model.arch 'rmt' (its key matrices), not '{m.arch}'")
-    if t.lr_decay_style not in ("cosine", "linear", "constant"):
-        raise ConfigError(f"train.lr_decay_style must be 'cosine', 'linear' or 'constant', got '{t.lr_decay_style}'")
-    if t.warmup_steps < 0:
-        raise ConfigError(f"train.warmup_steps must not be negative, got {t.warmup_steps}")
-    if not 0.0 <= t.min_lr_ratio <= 1.0:
-        raise ConfigError(f"train.min_lr_ratio must lie in [0, 1], got {t.min_lr_ratio}")
-    for key in ("lr_curriculum_decay", "lr_target_decay", "lr_plateau_decay"):
-        if not 0.0 < getattr(t, key) <= 1.0:
-            raise ConfigError(f"train.{key} must lie in (0, 1], got {getattr(t, key)}")
-    if t.lr_plateau_patience <= 0:
-        raise ConfigError(f"train.lr_plateau_patience must be positive, got {t.lr_plateau_patience}")
-    if t.ema_decay is not None and not 0.0 < t.ema_decay < 1.0:
-        raise ConfigError(f"train.ema_decay must lie in (0, 1) or be null, got {t.ema_decay}")
-    if not 0.0 <= t.lr_plateau_smoothing < 1.0:
-        raise ConfigError(f"train.lr_plateau_smoothing must lie in [0, 1), got {t.lr_plateau_smoothing}")
-    for key in ("lr_curriculum_decay", "lr_target_decay"):
-        if getattr(t, key) < 1.0 and (d.task == "none" or d.curriculum_threshold is None):
-            raise ConfigError(f"train.{key} needs a curriculum (data.task with data.curriculum_threshold)")
-    if t.z_loss < 0 or t.weight_decay < 0 or t.clip_grad < 0:
-        raise ConfigError("train.z_loss, train.weight_decay and train.clip_grad must not be negative")
-    if t.eval_iters < 0:
-        raise ConfigError(f"train.eval_iters must not be negative, got {t.eval_iters} (0 disables validation)")
-    if t.save_interval < 0:
-        raise ConfigError(f"train.save_interval must not be negative, got {t.save_interval}")
-    if t.save_interval and not t.save:
-        raise ConfigError("train.save_interval is set but train.save (the checkpoint directory) is not")
-    if t.keep_checkpoints < 0:
-        raise ConfigError(f"train.keep_checkpoints must not be negative, got {t.keep_checkpoints} (0 keeps all)")
-    # train.load equal to train.save is the resume directory itself, which a first start lacks.
-    same = t.save is not None and t.load is not None and os.path.realpath(t.load) == os.path.realpath(t.save)
-    if t.load is not None and not same and not os.path.isdir(t.load):
-        raise ConfigError(f"train.load directory '{t.load}' does not exist")
-    from rmt.data.blend import blend_prefixes, data_blends
-
-    blends = data_blends(d)
-    if blends is not None:
-        for prefix in blend_prefixes(blends):
-            for ext in (".bin", ".idx"):
-                if not os.path.isfile(prefix + ext):
-                    raise ConfigError(f"data.path '{prefix}' has no '{prefix}{ext}' (run rmt-preprocess first)")
-        from rmt.data.metadata import adopt_dataset_tokenizer
-
-        adopt_dataset_tokenizer(config, blend_prefixes(blends))
-    if d.tokenizer not in (None, "byte", "bpe") and not os.path.exists(d.tokenizer):
-        raise ConfigError(
-            f"data.tokenizer must be 'byte', 'bpe' or a path to a HF tokenizer; '{d.tokenizer}' does not exist")
-    try:
-        split = [float(x) for x in d.split.split(",")]
-    except ValueError:
-        split = []
-    if len(split) != 3 or any(x < 0 for x in split) or split[0] <= 0:
-        raise ConfigError(f"data.split must be three non-negative weights 'train,valid,test', got '{d.split}'")
-    if t.eval_iters and blends is not None and "train" in blends:
-        if "valid" not in blends:
-            raise ConfigError("train.eval_iters > 0 with data.train_path needs data.valid_path "
-                              "(or train.eval_iters=0)")
-    elif t.eval_iters and split[1] <= 0:
-        raise ConfigError("data.split gives no validation data but train.eval_iters > 0")
-    from rmt.models.build import registered_archs, validate_arch
-
-    archs = registered_archs()
-    if m.arch not in archs:
-        raise ConfigError(f"model.arch '{m.arch}' is not a known architecture; choose one of: {', '.join(archs)}")
-    validate_arch(config)
-    validate_documents(config)
-    if d.task != "none":
-        from rmt.data.tasks import validate_task
-
-        validate_task(config)
-    from rmt.memory.validate import validate_memory
-
-    validate_memory(config, world_size)
-    return config

@@ -9,7 +9,7 @@ by every rank of every launch. rmt's configs turn those fusions off
 ``_apply_expert_bias`` (every forward; it does nothing unless expert bias is on), so MoE runs
 still import the compiler stack, at their first step.
 
-:func:`install` (run when :mod:`rmt` is imported, before megatron-core) wraps ``jit_fuser`` as
+:func:`install` (part of :func:`rmt.setup_process`, which runs before megatron-core is imported) wraps ``jit_fuser`` as
 megatron defines it: a function decorated with it is handed to ``torch.compile`` on its first
 call, with the same arguments, and the compiled function is used from then on. ``torch.compile``
 itself compiles nothing before the first call either, so what runs is unchanged; only the compiler

@@ -27,6 +27,12 @@ class ConfigError(UserError):
     """An impossible or unknown configuration setting."""
 
 
+class CheckpointMismatch(UserError):
+    """A checkpoint (rmt's or a Hugging Face directory) that is intact but of another model
+    (shapes or keys differ): every checkpoint of that run would fail the same way, so nothing
+    falls back past it."""
+
+
 class JobError(Exception):
     """A failure of the job's environment, seen by one rank (exit status 1)."""
 

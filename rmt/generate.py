@@ -19,6 +19,7 @@ import sys
 from typing import List, Optional
 
 from rmt.errors import UserError, cli_entry
+from rmt.process import setup_process
 
 
 def load_model(path: str, overrides: List[str], average: bool = False, tables: bool = True):
@@ -31,7 +32,8 @@ def load_model(path: str, overrides: List[str], average: bool = False, tables: b
     from omegaconf import OmegaConf
 
     from rmt import parallel
-    from rmt.config import from_dict, validate
+    from rmt.config import from_dict
+    from rmt.config_checks import validate
     from rmt.memory.table import values_from_checkpoint
     from rmt.models.build import build
     from rmt.training.checkpoint import find_checkpoint, load_checkpoint, load_common
@@ -114,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 @cli_entry("rmt-generate")
 def main(argv: Optional[List[str]] = None) -> int:
+    setup_process()
     args = build_parser().parse_intermixed_args(argv)  # overrides may follow the options
     if args.max_new_tokens < 1 or args.num_samples < 1 or args.temperature < 0 or args.top_k < 0:
         raise UserError("--max-new-tokens and --num-samples must be positive, --temperature and --top-k non-negative")

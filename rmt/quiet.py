@@ -13,7 +13,7 @@ module that emits it) so that every other warning still shows:
 * the profiler's ``USDT:``/``STAGE:`` lines, which Kineto writes straight to file descriptor 2
   (:func:`profiler_lines_dropped`).
 
-:func:`install` runs when :mod:`rmt` is imported.
+:func:`install` is part of :func:`rmt.setup_process`.
 """
 
 from __future__ import annotations

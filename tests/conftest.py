@@ -10,6 +10,10 @@ import sys
 
 import pytest
 
+import rmt
+
+rmt.setup_process()  # as rmt's commands do (rmt.process), before torch is imported
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -4,7 +4,8 @@ export tests: random weights with non-trivial biases, gains and decays."""
 import torch
 
 from rmt import parallel
-from rmt.config import load_config, validate
+from rmt.config import load_config
+from rmt.config_checks import validate
 from rmt.models.build import build
 
 TINY = ["model.vocab_size=257", "model.seq_length=40", "model.hidden_size=16", "model.num_attention_heads=2",

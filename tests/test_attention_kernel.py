@@ -12,7 +12,8 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 from rmt import parallel
-from rmt.config import load_config, validate
+from rmt.config import load_config
+from rmt.config_checks import validate
 from rmt.errors import ConfigError
 from rmt.models.attention import SDPAttention
 from rmt.models.build import build
@@ -130,5 +131,5 @@ def test_attention_dropout_acts_in_training_only(kernels):
 
 
 def test_unknown_kernel_is_one_sentence():
-    with pytest.raises(ConfigError, match="^model.attention_kernel must be one of sdpa, megatron, got 'flash'$"):
+    with pytest.raises(ConfigError, match="^model.attention_kernel must be one of 'sdpa', 'megatron', got 'flash'$"):
         config("flash", [])

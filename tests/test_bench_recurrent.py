@@ -252,10 +252,10 @@ def test_a_failed_check_keeps_the_run_going(tmp_path):
     (["--stop-confirm", "-1"], "--stop-confirm must be a non-negative sample count, got -1"),
     (["--stop-accuracy", "1.5"], "--stop-accuracy must lie in [0, 1], got 1.5"),
     (["--ema-decay", "1"], "--ema-decay must lie in [0, 1), got 1.0"),
-    (["--tasks", "copy", "model.recurrent_alpha=2"], "model.recurrent_alpha must lie in [0, 1], got 2.0"),
-    (["--tasks", "copy", "--alpha", "-0.1"], "model.recurrent_alpha must lie in [0, 1], got -0.1"),
+    (["--tasks", "copy", "model.recurrent_alpha=2"], "model.recurrent_alpha must be a finite number in [0, 1], got 2.0"),
+    (["--tasks", "copy", "--alpha", "-0.1"], "model.recurrent_alpha must be a finite number in [0, 1], got -0.1"),
     (["--tasks", "copy", "--alpha-min", "0.6"], "model.recurrent_alpha_min must lie in [0, model.recurrent_alpha = 0.5], got 0.6"),
-    (["--tasks", "copy", "--init-std", "0"], "model.init_std must be positive, got 0.0"),
+    (["--tasks", "copy", "--init-std", "0"], "model.init_std must be a finite number > 0, got 0.0"),
 ])
 def test_bad_input_is_rejected(args, message, capsys):
     """In process (each subprocess would spend seconds importing torch and megatron-core before
@@ -267,7 +267,7 @@ def test_bad_input_is_rejected(args, message, capsys):
 def test_bad_input_on_the_command_line_exits_2_with_one_sentence():
     proc = run_python(["tools/bench_recurrent.py", "--tasks", "copy", "--init-std", "0"], check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == "bench_recurrent: model.init_std must be positive, got 0.0"
+    assert proc.stderr.strip().splitlines()[-1] == "bench_recurrent: model.init_std must be a finite number > 0, got 0.0"
 
 
 def test_more_jobs_than_cores_is_rejected(capsys):

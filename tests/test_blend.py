@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from conftest import _free_port, rmt_train, tiny_overrides
-from rmt.config import load_config, validate
+from rmt.config import load_config
+from rmt.config_checks import validate
 from rmt.data.blend import Blend, parse_blend
 from rmt.data.shards import write_indexed
 from rmt.data.tokenizers import ByteTokenizer, HFTokenizer, train_bpe

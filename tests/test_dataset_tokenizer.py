@@ -8,8 +8,9 @@ import os
 import pytest
 
 from conftest import rmt_train, run_python, tiny_overrides
-from rmt.config import load_config, validate
-from rmt.data.metadata import adopt_dataset_tokenizer
+from rmt.config import load_config
+from rmt.config_checks import validate
+from rmt.data.resolution import resolve_from_data
 from rmt.data.preprocess import main as preprocess_main
 from rmt.data.tokenizers import HFTokenizer, train_bpe
 from rmt.errors import ConfigError
@@ -75,10 +76,13 @@ def test_settings_that_agree_with_the_data_are_accepted(tmp_path):
     (copy / "tokenizer.json").write_bytes(open(tok_file, "rb").read())
     for setting in (None, "bpe", tok_file, str(copy)):
         config = validate(load_config(None, [f"data.path={prefix}"] + ([f"data.tokenizer={setting}"] if setting else [])), 1)
-        assert config.data.tokenizer == tok_file
+        assert config.data.tokenizer == setting  # the checks never change the config
+        resolved, notes = resolve_from_data(config)
+        assert resolved.data.tokenizer == tok_file and config.data.tokenizer == setting
+        assert notes == ([] if setting == tok_file else [
+            f"data.tokenizer = {tok_file!r} (what the data records, or the default for data without a record)"])
     with pytest.raises(ConfigError, match="contradicts the tokenizer"):
         validate(load_config(None, [f"data.path={prefix}", "data.tokenizer=byte"]), 1)
     os.remove(prefix + ".json")
-    config = load_config(None, [f"data.path={prefix}"])
-    adopt_dataset_tokenizer(config, prefix)
-    assert config.data.tokenizer == "byte"
+    resolved, _ = resolve_from_data(load_config(None, [f"data.path={prefix}"]))
+    assert resolved.data.tokenizer == "byte"

@@ -1,6 +1,7 @@
 """megatron-core's import-time torch.compile is deferred to the first call (rmt.deferred_compile):
-importing rmt's trainer no longer imports torch's compiler stack, and a deferred function is
-compiled once, on its first call, with the arguments it was decorated with."""
+after :func:`rmt.setup_process`, importing rmt's trainer does not import torch's compiler stack,
+and a deferred function is compiled once, on its first call, with the arguments it was decorated
+with."""
 
 import json
 
@@ -10,7 +11,9 @@ from rmt.deferred_compile import deferred
 
 
 def test_importing_the_trainer_leaves_the_compiler_unimported_and_fusions_deferred():
-    proc = run_python(["-c", "import json, sys, torch, rmt.training.trainer\n"
+    proc = run_python(["-c", "import json, sys, rmt\n"
+                             "rmt.setup_process()\n"
+                             "import torch, rmt.training.trainer\n"
                              "import megatron.core.jit as jit\n"
                              "from megatron.core.fusions.fused_bias_gelu import bias_gelu\n"
                              "print(json.dumps({'dynamo': 'torch._dynamo' in sys.modules,\n"

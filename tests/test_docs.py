@@ -26,7 +26,7 @@ def test_a_field_without_docstring_is_reported():
     gen = _generator()
     with open(os.path.join(ROOT, "rmt", "config.py")) as f:
         source = f.read()
-    field = '    arch: str = "transformer"\n'
+    field = '    arch: Literal["transformer", "rmt", "recurrent", "mixer"] = "transformer"\n'
     start = source.index(field) + len(field)
     end = source.index('"""\n', source.index('"""', start) + 3) + 4
     assert gen.undocumented(source[:start] + source[end:]) == ["model.arch"]
@@ -51,6 +51,8 @@ def test_config_reference_lists_every_key_with_its_default():
     assert "| `model.ffn_hidden_size` | `Optional[int]` | `null` |" in text
     assert "| `memory.placement` | `str` | `\"\"` |" in text
     assert "| `train.progress` | `bool` | `true` |" in text
+    assert "| `model.dropout` | `float` | `0.0` | a finite number in [0, 1) |" in text
+    assert "| `train.precision` | `str` | `fp32` | one of 'fp32', 'bf16' |" in text
 
 
 def _slug(heading: str) -> str:

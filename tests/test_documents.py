@@ -10,7 +10,8 @@ from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 
 from conftest import tiny_overrides, train_cases
 from rmt import parallel
-from rmt.config import load_config, validate
+from rmt.config import load_config
+from rmt.config_checks import validate
 from rmt.errors import ConfigError
 from rmt.models.build import build
 from rmt.models.documents import Documents, document_starts

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from rmt import parallel
-from rmt.config import load_config, validate
+from rmt.config import load_config
+from rmt.config_checks import validate
 from rmt.models.build import build
 from rmt.planner.cli import main as plan_main
 from rmt.planner.flops import plan_model, rmt_counts, transformer_counts

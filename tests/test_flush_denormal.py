@@ -6,7 +6,8 @@ import torch
 
 from conftest import tiny_overrides
 from rmt import parallel
-from rmt.config import load_config, validate
+from rmt.config import load_config
+from rmt.config_checks import validate
 
 DENORMAL = 1e-39  # below float32's smallest normal number, 1.18e-38
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from rmt import parallel
-from rmt.config import load_config, validate
+from rmt.config import load_config
+from rmt.config_checks import validate
 from rmt.decoding import RecomputeDecoder, decoder_for, generate
 from rmt.generate import main
 from rmt.models.build import build

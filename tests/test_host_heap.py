@@ -16,7 +16,8 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallo
 SCRIPT = """
 import json, resource, statistics, sys
 from rmt import parallel
-from rmt.config import load_config, validate
+from rmt.config import load_config
+from rmt.config_checks import validate
 from rmt.training.trainer import Trainer
 overrides = sys.argv[2:] + ["model.arch=rmt", "model.num_layers=2", "model.rank=4", "model.dv=32",
     "model.dk=16", "model.ffn_hidden_size=512", "model.seq_length=128", "train.micro_batch_size=8",

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from rmt import parallel
-from rmt.config import load_config, validate
+from rmt.config import load_config
+from rmt.config_checks import validate
 from rmt.training.host_syncs import HostSyncAudit
 
 STEP = ["model.seq_length=64", "train.micro_batch_size=2", "train.global_batch_size=4", "train.steps=3",

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from rmt import parallel
-from rmt.config import load_config, validate
+from rmt.config import load_config
+from rmt.config_checks import validate
 from rmt.models.build import build
 from rmt.models.init import EMBEDDING_TABLES
 

@@ -7,7 +7,8 @@ import warnings
 import pytest
 
 from rmt import parallel
-from rmt.config import load_config, validate
+from rmt.config import load_config
+from rmt.config_checks import validate
 from rmt.errors import ConfigError
 from rmt.training.lr_control import ValidationLR
 
@@ -121,12 +122,12 @@ def test_trainer_reduces_on_plateau():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["train.lr_plateau_decay=0"], r"train.lr_plateau_decay must lie in \(0, 1\], got 0"),
-    (["train.lr_curriculum_decay=1.5"], r"train.lr_curriculum_decay must lie in \(0, 1\], got 1.5"),
-    (["train.lr_plateau_patience=0"], "train.lr_plateau_patience must be positive, got 0"),
-    (["train.lr_plateau_smoothing=1"], r"train.lr_plateau_smoothing must lie in \[0, 1\), got 1"),
+    (["train.lr_plateau_decay=0"], r"^train.lr_plateau_decay must be a finite number in \(0, 1\], got 0.0$"),
+    (["train.lr_curriculum_decay=1.5"], r"^train.lr_curriculum_decay must be a finite number in \(0, 1\], got 1.5$"),
+    (["train.lr_plateau_patience=0"], "^train.lr_plateau_patience must be an integer > 0, got 0$"),
+    (["train.lr_plateau_smoothing=1"], r"^train.lr_plateau_smoothing must be a finite number in \[0, 1\), got 1.0$"),
     (["train.lr_curriculum_decay=0.5"], "train.lr_curriculum_decay needs a curriculum"),
-    (["train.lr_target_decay=0"], r"train.lr_target_decay must lie in \(0, 1\], got 0"),
+    (["train.lr_target_decay=0"], r"^train.lr_target_decay must be a finite number in \(0, 1\], got 0.0$"),
     (["train.lr_target_decay=0.5"], "train.lr_target_decay needs a curriculum"),
 ])
 def test_bad_values_are_rejected(overrides, message):

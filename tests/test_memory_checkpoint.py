@@ -8,7 +8,8 @@ import torch
 
 from conftest import tiny_overrides, train_steps
 from rmt import parallel
-from rmt.config import load_config, validate
+from rmt.config import load_config
+from rmt.config_checks import validate
 from rmt.parallel.sharding import gather_full
 from rmt.training.trainer import Trainer
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from conftest import train_steps
-from rmt.config import load_config, validate
+from rmt.config import load_config
+from rmt.config_checks import validate
 from rmt.errors import ConfigError
 from test_memory_sparse_optim import overrides
 

@@ -7,7 +7,8 @@ import socket
 import pytest
 import torch
 
-from rmt.config import load_config, validate
+from rmt.config import load_config
+from rmt.config_checks import validate
 from rmt.errors import ConfigError
 from rmt.memory import pop_aux_loss, pop_memory_stats, value_lr_multiplier
 from rmt.memory.layer import MemoryLayer
@@ -31,8 +32,8 @@ def _cfg(*overrides):
     ("memory.topk=17", "exceeds the number of memory slots (16)"),
     ("memory.topk=9", "exceeds the 8 keys per side"),
     ("memory.ive_blocks=2", "must be a perfect square"),
-    ("memory.value_init_std=0", "memory.value_init_std must be positive (or null: the improved_init rule), got 0"),
-    ("memory.type=lstm", "memory.type 'lstm' is not available"),
+    ("memory.value_init_std=0", "memory.value_init_std must be a finite number > 0 or null, got 0.0"),
+    ("memory.type=lstm", "memory.type must be one of 'none', 'ultramem', 'ultramem_v2', 'pkm', 'moe', got 'lstm'"),
     ("memory.retrieval=product", "num_cores > 1 (multi-core scoring) needs memory.retrieval 'tucker'"),
     ("memory.tucker_rank=3", "key_dim (8) must be divisible by memory.tucker_rank (3)"),
     ("parallel.pipeline_model_parallel_size=3",

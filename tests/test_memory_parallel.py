@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from conftest import run_python, tiny_overrides, train_steps
-from rmt.config import load_config, validate
+from rmt.config import load_config
+from rmt.config_checks import validate
 from rmt.errors import ConfigError
 
 

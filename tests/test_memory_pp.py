@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from conftest import tiny_overrides, train_cases
-from rmt.config import load_config, validate
+from rmt.config import load_config
+from rmt.config_checks import validate
 from rmt.errors import ConfigError
 
 MEMORY = ["model.num_layers=4", "memory.type=ultramem", "memory.placement='1:2/3:4'", "memory.key_dim=8",

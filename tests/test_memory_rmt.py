@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import rmt_train, tiny_overrides
-from rmt.config import load_config, validate
+from rmt.config import load_config
+from rmt.config_checks import validate
 from rmt.errors import ConfigError
 from rmt.memory import pop_aux_loss
 from rmt.memory.retrieval import tucker_aux_loss

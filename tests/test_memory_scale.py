@@ -181,7 +181,8 @@ def test_no_rank_allocates_the_whole_table(layout, cache_dir, tmp_path):
 RESUME_SCRIPT = """
 import json, sys, torch
 from rmt import parallel
-from rmt.config import load_config, validate
+from rmt.config import load_config
+from rmt.config_checks import validate
 from rmt.memory import table
 from rmt.training.trainer import Trainer
 out, steps, overrides = sys.argv[1], int(sys.argv[2]), sys.argv[3:]

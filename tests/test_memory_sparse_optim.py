@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from conftest import tiny_overrides, train_steps
-from rmt.config import load_config, validate
+from rmt.config import load_config
+from rmt.config_checks import validate
 from rmt.errors import ConfigError
 
 def overrides(cache_dir, extra=(), steps=3):
@@ -79,7 +80,7 @@ def test_parallel_sparse_value_training_equals_single_process(single, cache_dir,
 
 
 def test_value_optimizer_validation(cache_dir):
-    with pytest.raises(ConfigError, match="memory.value_optimizer must be one of adamw, sparse_adam, rowwise_adagrad"):
+    with pytest.raises(ConfigError, match="memory.value_optimizer must be one of 'adamw', 'sparse_adam', 'rowwise_adagrad'"):
         validate(load_config(None, overrides(cache_dir, ["memory.value_optimizer=sgd"])), world_size=1)
     with pytest.raises(ConfigError, match="needs memory.partition 'local' or 'number', got 'dimension'"):
         validate(load_config(None, overrides(cache_dir, ["memory.value_optimizer=rowwise_adagrad",

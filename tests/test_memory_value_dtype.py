@@ -7,7 +7,8 @@ keep both dtypes and convert between them."""
 import pytest
 import torch
 
-from rmt.config import load_config, validate
+from rmt.config import load_config
+from rmt.config_checks import validate
 from rmt.ops.sparse_optim import RowWiseAdagrad, SparseAdam
 from test_memory_integration import _cfg, megatron  # noqa: F401  (single-process megatron fixture)
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from rmt import parallel
-from rmt.config import load_config, validate
+from rmt.config import load_config
+from rmt.config_checks import validate
 from rmt.errors import ConfigError
 from rmt.models.build import build
 from rmt.models.mixer import head_kinds
@@ -126,7 +127,7 @@ def test_every_parameter_is_sharded_and_initialised():
     (["model.mixer_kind=diagonal"], "model.mixer_kind must be one of"),
     (["model.mixer_kind=mixed", "model.num_attention_heads=1"], "needs model.num_attention_heads >= 2"),
     (["parallel.tensor_model_parallel_size=2"], "supports data parallelism only"),
-    (["model.mixer_decay_scale=0"], "mixer_decay_scale must be positive"),
+    (["model.mixer_decay_scale=0"], "model.mixer_decay_scale must be a finite number > 0, got 0.0"),
 ])
 def test_validator_rejects(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import json_history, rmt_train, tiny_overrides, train_cases
-from rmt.config import load_config, validate
+from rmt.config import load_config
+from rmt.config_checks import validate
 from rmt.errors import ConfigError
 
 SMALL = ["model.num_layers=2", "model.hidden_size=16", "model.num_attention_heads=2", "model.seq_length=8",
@@ -114,9 +115,9 @@ def test_capacity_drops_tokens_beyond_each_experts_capacity(megatron):
     (["memory.moe_placement=mlp", "memory.placement=2-1"], 1, "memory.placement entry '2-1' must be a layer 'i' or a range 'i-j' with i <= j"),
     (["memory.moe_placement=mlp", "memory.placement=1-3"], 1, "memory.placement entry '1-3' must lie within layers 1..model.num_layers (2)"),
     (["memory.moe_placement=mlp", "model.arch=rmt"], 1, "memory.moe_placement 'mlp' replaces the MLP of megatron's transformer layers"),
-    (["memory.moe_placement=side"], 1, "memory.moe_placement must be one of skip, mlp, got 'side'"),
-    (["memory.moe_token_dispatcher_type=flex"], 1, "memory.moe_token_dispatcher_type must be one of alltoall, allgather, got 'flex'"),
-    (["memory.moe_expert_capacity_factor=0"], 1, "memory.moe_expert_capacity_factor must be positive"),
+    (["memory.moe_placement=side"], 1, "memory.moe_placement must be one of 'skip', 'mlp', got 'side'"),
+    (["memory.moe_token_dispatcher_type=flex"], 1, "memory.moe_token_dispatcher_type must be one of 'alltoall', 'allgather', got 'flex'"),
+    (["memory.moe_expert_capacity_factor=0"], 1, "memory.moe_expert_capacity_factor must be a finite number > 0 or null, got 0.0"),
     (["parallel.tensor_model_parallel_size=2", "model.seq_length=9"], 2,
      "model.seq_length (9) must be divisible by parallel.tensor_model_parallel_size (2)"),
 ])

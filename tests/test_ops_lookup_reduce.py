@@ -1,6 +1,8 @@
 """lookup_reduce: reference and CPU-extension backends against the plain-torch reference, for
 every (table, scores) dtype pair of the op's contract."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -276,13 +278,13 @@ def test_dispatch(monkeypatch):
 
 
 def test_forward_prepared_sort_reaches_the_backward_and_is_freed_by_it(monkeypatch):
-    """A backend's ``forward_for_backward`` (CUDA: the sort by row, on a side stream) hands its
+    """A backend's declared ``forward_for_backward`` (CUDA: the sort by row, on a side stream) hands its
     result to the backward as ``prep``, only when a gradient is needed; the backward then drops it,
     so it does not live as long as the output's graph (a training loop holds the loss until the
     next step)."""
     import weakref
 
-    from rmt.ops import reference
+    from rmt.ops import dispatch, reference
 
     class Prep:
         pass
@@ -299,6 +301,9 @@ def test_forward_prepared_sort_reaches_the_backward_and_is_freed_by_it(monkeypat
 
     monkeypatch.setattr(reference, "forward_for_backward", forward_for_backward, raising=False)
     monkeypatch.setattr(reference, "backward", backward)
+    spec = dispatch.REGISTRY["reference"]  # the reference, declared with a forward-prepared sort
+    monkeypatch.setitem(dispatch.REGISTRY, "reference",
+                        dataclasses.replace(spec, kernels=spec.kernels | {"forward_for_backward"}))
     table, indices, scores, block_ids, grad_out = make_case(20, 8, 6, 4, 2, 3)
     lookup_reduce(table, indices, scores, block_ids, 3, backend="reference")
     assert not preps
@@ -376,3 +381,16 @@ def test_cpu_dense_gradient_buffers_reused_only_when_free():
     for i, got in ((1, held), (2, other)):
         for g, w in zip(got, want(i)):
             torch.testing.assert_close(g, w, rtol=1e-6, atol=5e-6)
+
+
+def test_every_backend_implements_its_declaration():
+    """Each backend of the registry has the required kernels and every optional one it declares
+    (binding checks it), and a declaration naming a kernel the module lacks is refused."""
+    from rmt.ops import dispatch
+
+    for name in dispatch.BACKENDS:
+        bound = dispatch.get_backend(name)
+        assert bound.sorts_in_forward == (name == "cuda")
+    bad = dispatch.BackendSpec("reference", "rmt.ops.reference", frozenset({"backward_dense"}))
+    with pytest.raises(TypeError, match=r"missing \['backward_dense'\]"):
+        dispatch.Backend(bad)

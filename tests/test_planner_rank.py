@@ -7,7 +7,8 @@ import pytest
 
 from conftest import load_script, run_python
 from rmt import parallel
-from rmt.config import load_config, validate
+from rmt.config import load_config
+from rmt.config_checks import validate
 from rmt.models.build import build
 from rmt.planner import cli
 from rmt.planner.dense import dense_bytes_per_param

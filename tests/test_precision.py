@@ -37,7 +37,8 @@ def test_bf16_keeps_bf16_weights_and_tables_in_their_own_dtype(cache_dir):
     from megatron.core.optimizer import Float16OptimizerWithFloat16Params
 
     from rmt import parallel
-    from rmt.config import load_config, validate
+    from rmt.config import load_config
+    from rmt.config_checks import validate
     from rmt.training.dense_state import dense_states
     from rmt.training.trainer import Trainer
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from rmt import parallel
-from rmt.config import load_config, validate
+from rmt.config import load_config
+from rmt.config_checks import validate
 from rmt.errors import ConfigError
 from rmt.models.build import build
 from rmt.training.ddp import wrap_chunks
@@ -80,13 +81,13 @@ def test_rmt_decayed_parameters(single_process, decay_keys):
 
 
 def test_recipe_keys_rejected():
-    with pytest.raises(ConfigError, match="^train.weight_decay_mode must be 'lr' or 'schedule', got 'adam'$"):
+    with pytest.raises(ConfigError, match="^train.weight_decay_mode must be one of 'lr', 'schedule', got 'adam'$"):
         validate(load_config(None, ["train.weight_decay_mode=adam"]), 1)
     with pytest.raises(ConfigError, match=r"^train.decay_rmt_keys applies to model.arch 'rmt' \(its key "
                                           r"matrices\), not 'transformer'$"):
         validate(load_config(None, ["train.decay_rmt_keys=true"]), 1)
-    with pytest.raises(ConfigError, match=r"^model.activation must be one of gelu, gelu_tanh, silu, relu \(or "
-                                          r"null for the architecture's own\), got 'swish'$"):
+    with pytest.raises(ConfigError, match=r"^model.activation must be one of 'gelu', 'gelu_tanh', 'silu', 'relu' or "
+                                          r"null, got 'swish'$"):
         validate(load_config(None, ["model.activation=swish"]), 1)
 
 

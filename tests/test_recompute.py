@@ -127,7 +127,8 @@ def saved_bytes(cache_dir, overrides) -> int:
     saves for its backward, the parameters' own excluded; the backward then runs (consuming the
     memory layers' links)."""
     from rmt import parallel
-    from rmt.config import load_config, validate
+    from rmt.config import load_config
+    from rmt.config_checks import validate
     from rmt.models.build import build
     from rmt.models.documents import causal_mask
     from rmt.parallel import compat
@@ -197,11 +198,11 @@ def test_memory_layer_activations_are_kept_under_full_recompute(cache_dir):
 
 @pytest.mark.parametrize("overrides, message", [
     (["train.recompute_granularity=partial"],
-     "train.recompute_granularity must be one of none, selective, full, got 'partial'"),
+     "train.recompute_granularity must be one of 'none', 'selective', 'full', got 'partial'"),
     (["train.recompute_granularity=full", "train.recompute_num_layers=1"],
      "train.recompute_granularity 'full' needs train.recompute_method 'uniform' or 'block', got None"),
     (["train.recompute_granularity=full", "train.recompute_method=blocks", "train.recompute_num_layers=1"],
-     "train.recompute_granularity 'full' needs train.recompute_method 'uniform' or 'block', got 'blocks'"),
+     "train.recompute_method must be one of 'uniform', 'block' or null, got 'blocks'"),
     (["train.recompute_granularity=full", "train.recompute_method=block"],
      "train.recompute_num_layers must lie in [1, 4] (the layers per model chunk) with train.recompute_granularity "
      "'full', got None"),
@@ -218,7 +219,8 @@ def test_memory_layer_activations_are_kept_under_full_recompute(cache_dir):
      "train.recompute_granularity 'selective' recomputes core attention, which the mixer does not have; use 'full'"),
 ])
 def test_recompute_settings_rejected_in_one_sentence(overrides, message):
-    from rmt.config import ConfigError, load_config, validate
+    from rmt.config import ConfigError, load_config
+    from rmt.config_checks import validate
 
     with pytest.raises(ConfigError) as err:
         validate(load_config(None, ["model.num_layers=4"] + overrides),

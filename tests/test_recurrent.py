@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from rmt import parallel
-from rmt.config import load_config, validate
+from rmt.config import load_config
+from rmt.config_checks import validate
 from rmt.errors import ConfigError
 from rmt.models.build import build
 from rmt.models.recurrent import window_mask
@@ -115,7 +116,7 @@ def test_block_positions_make_every_block_alike(built):
 
 @pytest.mark.parametrize("overrides,message", [
     (["model.block_width=32"], "must not exceed model.seq_length"),
-    (["model.recurrent_alpha=1.5"], "recurrent_alpha must lie in"),
+    (["model.recurrent_alpha=1.5"], "model.recurrent_alpha must be a finite number in \\[0, 1\\], got 1.5"),
     (["model.recurrent_alpha=0.3", "model.recurrent_alpha_min=0.4"],
      r"model.recurrent_alpha_min must lie in \[0, model.recurrent_alpha = 0.3\], got 0.4"),
     (["parallel.pipeline_model_parallel_size=2", "model.num_layers=2"], "supports data parallelism only"),

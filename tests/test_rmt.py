@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from rmt import parallel
-from rmt.config import load_config, validate
+from rmt.config import load_config
+from rmt.config_checks import validate
 from rmt.errors import ConfigError
 from rmt.models.build import build
 from rmt.models.rmt import MatrixRMSNorm, RMTModel, alibi_slopes, write
@@ -149,7 +150,7 @@ def test_rmt_positions_and_dropout_are_checked():
         rmt_config("model.position=rope")
     with pytest.raises(ConfigError, match="model.dropout is not supported by the rmt"):
         rmt_config("model.dropout=0.1")
-    with pytest.raises(ConfigError, match="model.dk must be positive"):
+    with pytest.raises(ConfigError, match="model.dk must be an integer > 0, got 0"):
         rmt_config("model.dk=0")
 
 

@@ -11,7 +11,8 @@ import torch
 
 from conftest import load_script
 from rmt import parallel
-from rmt.config import load_config, validate
+from rmt.config import load_config
+from rmt.config_checks import validate
 from rmt.parallel.sharding import gather_full
 from rmt.training.trainer import Trainer
 

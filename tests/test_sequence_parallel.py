@@ -102,7 +102,8 @@ def test_sequence_parallel_matches_single_process(case, runs):
      "parallel.sequence_parallel"),
 ])
 def test_sequence_parallel_rejected_in_one_sentence(overrides, world, message):
-    from rmt.config import ConfigError, load_config, validate
+    from rmt.config import ConfigError, load_config
+    from rmt.config_checks import validate
 
     with pytest.raises(ConfigError) as err:
         validate(load_config(None, overrides), world_size=world)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from rmt import parallel
-from rmt.config import load_config, validate
+from rmt.config import load_config
+from rmt.config_checks import validate
 
 
 @pytest.fixture(scope="module")

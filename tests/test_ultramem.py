@@ -183,7 +183,8 @@ def test_tiny_config_memory_output_at_init_is_the_mlps_scale():
     Appendix A layer's on the same draw, ~0.04 RMS (the dense MLP's output at init is ~0.026,
     the residual stream ~0.04) instead of Appendix A's sqrt(1 / (2L)) = 0.5."""
     from conftest import ROOT
-    from rmt.config import load_config, validate
+    from rmt.config import load_config
+    from rmt.config_checks import validate
 
     def layer(*overrides):
         config = validate(load_config(os.path.join(ROOT, "configs", "ultramem_tiny.yaml"), list(overrides)),

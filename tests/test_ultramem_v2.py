@@ -233,7 +233,8 @@ ARCHS = {"transformer": ["model.hidden_size=16", "model.num_attention_heads=2"],
 @pytest.fixture(scope="module")
 def single_process():
     from rmt import parallel
-    from rmt.config import load_config, validate
+    from rmt.config import load_config
+    from rmt.config_checks import validate
 
     parallel.initialize(validate(load_config(None, V2 + ARCHS["transformer"]), 1))
     yield
@@ -241,7 +242,8 @@ def single_process():
 
 
 def _build(arch, *overrides):
-    from rmt.config import load_config, validate
+    from rmt.config import load_config
+    from rmt.config_checks import validate
     from rmt.models.build import build
 
     torch.manual_seed(0)
@@ -319,11 +321,12 @@ def test_placement_lists_layers(single_process):
     ("memory.topk=9", r"memory.topk \(9\) exceeds the 8 keys per side"),
     ("memory.num_cores=3", r"the value dim \(8\) must be divisible by memory.num_cores \(3\)"),
     ("memory.softmax=true", "has RMS-normed queries without bias and no softmax"),
-    ("memory.pre_value_activation=relu", "memory.pre_value_activation must be one of none, gelu"),
+    ("memory.pre_value_activation=relu", "memory.pre_value_activation must be one of 'none', 'gelu', got 'relu'"),
     ("memory.ive_blocks=2", "must be a perfect square"),
 ])
 def test_config_errors(override, message):
-    from rmt.config import load_config, validate
+    from rmt.config import load_config
+    from rmt.config_checks import validate
     from rmt.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):
@@ -331,7 +334,8 @@ def test_config_errors(override, message):
 
 
 def test_v2_keys_rejected_for_other_types():
-    from rmt.config import load_config, validate
+    from rmt.config import load_config
+    from rmt.config_checks import validate
     from rmt.errors import ConfigError
 
     with pytest.raises(ConfigError, match="apply to memory.type 'ultramem_v2', not 'ultramem'"):
@@ -339,7 +343,8 @@ def test_v2_keys_rejected_for_other_types():
 
 
 def test_async_stream_on_the_rmt_is_refused():
-    from rmt.config import load_config, validate
+    from rmt.config import load_config
+    from rmt.config_checks import validate
     from rmt.errors import ConfigError
 
     with pytest.raises(ConfigError, match="memory.async_stream with memory.type 'ultramem_v2' needs model.arch"):
@@ -349,7 +354,8 @@ def test_async_stream_on_the_rmt_is_refused():
 def test_plan_memory_counts_both_tables_and_the_keys(single_process):
     """``rmt-plan memory`` of an UltraMemV2 config: per layer, the value and pre-value tables'
     bytes and the keys' bytes of the built model."""
-    from rmt.config import load_config, validate
+    from rmt.config import load_config
+    from rmt.config_checks import validate
     from rmt.planner.memory import components, plan_from_config
 
     config = validate(load_config(None, V2 + ARCHS["transformer"] + ["memory.ive_blocks=4"]), 1)

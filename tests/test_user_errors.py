@@ -45,7 +45,8 @@ def test_allocation_that_can_never_fit_is_refused_before_allocating(cache_dir):
 
 
 def test_memory_floor_counts_what_training_certainly_allocates():
-    from rmt.config import load_config, validate
+    from rmt.config import load_config
+    from rmt.config_checks import validate
     from rmt.planner.flops import plan_model
     from rmt.training.fit import check_fits, memory_floor
 

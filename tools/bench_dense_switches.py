@@ -30,12 +30,16 @@ import statistics
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from rmt import setup_process  # noqa: E402
+
+setup_process()  # rmt's process settings (rmt.process), before torch is imported
+import torch  # noqa: E402
+
 from rmt import parallel, profiling  # noqa: E402
-from rmt.config import load_config, validate  # noqa: E402
+from rmt.config import load_config  # noqa: E402
+from rmt.config_checks import validate  # noqa: E402
 from rmt.training.dense_state import optimizer_bytes  # noqa: E402
 from rmt.training.trainer import Trainer  # noqa: E402
 

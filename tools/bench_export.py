@@ -36,7 +36,8 @@ def overrides(keys: int):
 def save(ckpt: str, keys: int) -> None:
     """A checkpoint of the PKM model, weights only (as a trained one's, without Adam state)."""
     from rmt import parallel
-    from rmt.config import load_config, to_dict, validate
+    from rmt.config import load_config, to_dict
+    from rmt.config_checks import validate
     from rmt.models.build import build
     from rmt.training.checkpoint import save_checkpoint
 
@@ -142,4 +143,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from rmt import setup_process
+
+    setup_process()
     sys.exit(main())

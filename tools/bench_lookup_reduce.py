@@ -84,13 +84,15 @@ import platform
 import statistics
 import time
 
-import rmt  # noqa: F401  (before torch: rmt's OpenMP wait policy, as in training)
-import torch
-import torch.nn.functional as F
+import rmt
 
-from rmt.ops import available_backends, cpu_backend, lookup_reduce, select_backend
-from rmt.ops.fused_update import FusedValueUpdate
-from rmt.ops.sparse_optim import RowWiseAdagrad, SparseAdam
+rmt.setup_process()  # before torch: rmt's OpenMP wait policy, as in training
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from rmt.ops import available_backends, cpu_backend, lookup_reduce, select_backend  # noqa: E402
+from rmt.ops.fused_update import FusedValueUpdate  # noqa: E402
+from rmt.ops.sparse_optim import RowWiseAdagrad, SparseAdam  # noqa: E402
 
 HEADLINE = dict(N=1 << 20, D=64, T=4096, K=32, C=1, E=1)
 TABLE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

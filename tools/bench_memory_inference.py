@@ -44,11 +44,14 @@ import platform
 import statistics
 import time
 
-import torch
-import torch.nn.functional as F
+import rmt
 
-from rmt.memory import MemoryLayer, MemorySpec, SkipMoE
-from rmt.memory.layer_v2 import UltraMemV2Layer
+rmt.setup_process()  # rmt's process settings (rmt.process), before torch is imported
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from rmt.memory import MemoryLayer, MemorySpec, SkipMoE  # noqa: E402
+from rmt.memory.layer_v2 import UltraMemV2Layer  # noqa: E402
 
 
 class Attention(torch.nn.Module):
@@ -144,7 +147,8 @@ def megatron_moe(d, heads, layers, experts, inner):
     from megatron.core import parallel_state
 
     from rmt import parallel
-    from rmt.config import load_config, validate
+    from rmt.config import load_config
+    from rmt.config_checks import validate
     from rmt.models.megatron_config import transformer_config
 
     cfg = validate(load_config(None, [

@@ -48,7 +48,8 @@ def worker(args):
     import torch.distributed as dist
 
     from rmt import parallel
-    from rmt.config import load_config, validate
+    from rmt.config import load_config
+    from rmt.config_checks import validate
     from rmt.training.trainer import Trainer
 
     base = overrides(args)
@@ -154,4 +155,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    from rmt import setup_process
+
+    setup_process()
     main()

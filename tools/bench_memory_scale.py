@@ -110,7 +110,8 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from rmt import parallel
-    from rmt.config import load_config, validate
+    from rmt.config import load_config
+    from rmt.config_checks import validate
     from rmt.training.trainer import Trainer
 
     run = json.loads(args.run_spec)
@@ -475,4 +476,7 @@ def report(args, rows: list, name: str, machine: dict | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from rmt import setup_process
+
+    setup_process()
     main()

@@ -55,7 +55,8 @@ def worker(args):
     import torch
 
     from rmt import parallel
-    from rmt.config import load_config, validate
+    from rmt.config import load_config
+    from rmt.config_checks import validate
     from rmt.parallel import compat
     from rmt.training.trainer import Trainer
 
@@ -216,7 +217,8 @@ def main(argv=None):
         return fail("--warmup must be at least 0 and less than --steps")
     if not set(names) <= set(VARIANTS):
         return fail(f"--variants takes names from {', '.join(VARIANTS)}, got '{args.variants}'")
-    from rmt.config import load_config, validate
+    from rmt.config import load_config
+    from rmt.config_checks import validate
     from rmt.errors import ConfigError
 
     try:
@@ -259,4 +261,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    from rmt import setup_process
+
+    setup_process()
     sys.exit(main())

@@ -38,11 +38,15 @@ import sys
 import time
 from typing import Dict, List, Optional, Tuple
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rmt.config import load_config, validate  # noqa: E402
+from rmt import setup_process  # noqa: E402
+
+setup_process()  # rmt's process settings (rmt.process), before torch is imported
+import torch  # noqa: E402
+
+from rmt.config import load_config  # noqa: E402
+from rmt.config_checks import validate  # noqa: E402
 from rmt.errors import ConfigError  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

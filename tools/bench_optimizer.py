@@ -18,13 +18,17 @@ import platform
 import statistics
 import time
 
-import torch
+import rmt
+
+rmt.setup_process()  # rmt's process settings (rmt.process), before torch is imported
+import torch  # noqa: E402
 
 
 def model_shapes(config_path: str, overrides):
     """Parameter shapes of the rmt model of ``config_path`` (built on one process)."""
     from rmt import parallel
-    from rmt.config import load_config, validate
+    from rmt.config import load_config
+    from rmt.config_checks import validate
     from rmt.models.build import build
 
     cfg = validate(load_config(config_path, overrides), world_size=1)

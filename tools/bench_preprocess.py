@@ -29,6 +29,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from rmt import setup_process  # noqa: E402
+
+setup_process()  # rmt's process settings (rmt.process), before torch is imported
+
 from rmt.data.preprocess import preprocess, usable_cores  # noqa: E402
 from rmt.data.tokenizers import HFTokenizer, build_tokenizer  # noqa: E402
 

@@ -108,7 +108,8 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from rmt import parallel
-    from rmt.config import load_config, validate
+    from rmt.config import load_config
+    from rmt.config_checks import validate
     from rmt.training.optimizer import is_table
     from rmt.training.trainer import Trainer
 
@@ -282,4 +283,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from rmt import setup_process
+
+    setup_process()
     sys.exit(main())

@@ -66,12 +66,16 @@ import sys
 import tempfile
 import time
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from rmt import setup_process  # noqa: E402
+
+setup_process()  # rmt's process settings (rmt.process), before torch is imported
+import torch  # noqa: E402
+
 from rmt import parallel  # noqa: E402
-from rmt.config import load_config, validate  # noqa: E402
+from rmt.config import load_config  # noqa: E402
+from rmt.config_checks import validate  # noqa: E402
 from rmt.data.tasks import noise_token, recall_accuracy  # noqa: E402
 from rmt.decoding import decoder_for  # noqa: E402
 from rmt.errors import ConfigError  # noqa: E402

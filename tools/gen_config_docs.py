@@ -2,7 +2,8 @@
 
 Each field's description is its attribute docstring (the string literal right after the field,
 as in megatron-core's ``TransformerConfig``), read with ``ast`` because Python keeps no such
-docstrings at run time; types and defaults come from the dataclasses themselves.
+docstrings at run time; types, defaults and the values each key allows (its ``Literal`` choices
+or ``Range`` bounds, :func:`rmt.config.schema_fields`) come from the dataclasses themselves.
 
     python tools/gen_config_docs.py           # rewrite docs/config.md
     python tools/gen_config_docs.py --check   # exit 1 if a field is undocumented or the file is stale
@@ -33,7 +34,9 @@ PREAMBLE = f"""# Configuration keys
 
 One schema (`rmt/config.py`, dataclasses) holds every default; a YAML file (`--config`) sets
 some keys and dotted overrides (`section.key=value`) set others, merged and type-checked by
-OmegaConf. `validate()` rejects impossible combinations before any process group exists, with
+OmegaConf. The values a key allows (the *allowed* column; every float must be finite) are
+declared in its type and checked when a config is loaded; `rmt.config_checks.validate()` then
+rejects impossible combinations before any process group exists. Either answers a mistake with
 one sentence and exit status 2 from the command-line tools. What the models and the memory
 layers do is in [models.md](models.md) and [memory.md](memory.md).
 """
@@ -94,14 +97,18 @@ def _cell(text: str) -> str:
 def render() -> str:
     """The text of docs/config.md."""
     docs = field_docstrings()
+    allowed = schema.schema_fields()
     out = [PREAMBLE]
     for name, cls in sections():
         out.append(f"## `{name}`\n")
         out.append(_cell(inspect.cleandoc(cls.__doc__ or "")) + "\n")
-        out.append("| key | type | default | description |")
-        out.append("|---|---|---|---|")
+        out.append("| key | type | default | allowed | description |")
+        out.append("|---|---|---|---|---|")
         for f in dataclasses.fields(cls):
-            out.append(f"| `{name}.{f.name}` | `{f.type}` | {_default(f.default)} | "
+            a = allowed[f"{name}.{f.name}"]
+            kind = getattr(a.kind, "__name__", "any").lower()
+            kind = f"Optional[{kind}]" if a.nullable else kind
+            out.append(f"| `{name}.{f.name}` | `{kind}` | {_default(f.default)} | {_cell(a.describe())} | "
                        f"{_cell(docs[cls.__name__].get(f.name, ''))} |")
         out.append("")
     return "\n".join(out)

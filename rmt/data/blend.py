@@ -11,7 +11,7 @@ A setting is megatron's blend in one of these forms:
 
 :func:`parse_blend` turns a setting into a :class:`Blend` (megatron-core's
 ``(prefixes, weights)``), :func:`data_blends` gives the blend of each split. Plain string and
-file handling only (no torch, no megatron): this runs inside ``rmt.config.validate``. (Not
+file handling only (no torch, no megatron): this runs inside ``rmt.config_checks.validate``. (Not
 megatron-core's ``get_blend_from_list``: importing it imports torch, and it accepts a mix of
 numbers and prefixes silently as prefixes, where a mistyped weight should be an error.)
 """

@@ -27,7 +27,7 @@ from rmt.data.blend import Blend, blend_prefixes, data_blends
 from rmt.data.corpus import corpus_documents
 from rmt.data.indexed import max_token_id, open_indexed
 from rmt.data.shards import write_indexed
-from rmt.data.metadata import DEFAULT, adopt_dataset_tokenizer, read_metadata, shared_tokenizer
+from rmt.data.metadata import DEFAULT, dataset_tokenizer, read_metadata, shared_tokenizer
 from rmt.data.tokenizers import build_tokenizer
 from rmt.errors import UserError
 
@@ -90,7 +90,7 @@ def resolve_data(config: RMTConfig) -> DataSpec:
         blends = {"all": Blend((default_corpus_prefix(config),))}
     prefixes = blend_prefixes(blends)
     datasets = [open_indexed(p) for p in prefixes]
-    adopt_dataset_tokenizer(config, prefixes)
+    config.data.tokenizer = dataset_tokenizer(config.data.tokenizer, prefixes)
     found = shared_tokenizer(prefixes)
     meta = read_metadata(found[0]) if found is not None else None
     if meta is not None:

@@ -7,7 +7,7 @@ that record, so the checkpoint's config names the tokenizer that made its data a
 ``rmt-generate`` encodes and decodes with it. ``data.tokenizer`` left unset (``null``) takes the
 record; a setting that names another tokenizer is an error, never silently used.
 
-Plain file reads only (no torch, no megatron): this runs inside ``rmt.config.validate``.
+Plain file reads only (no torch, no megatron): this runs inside ``rmt.config_checks.validate``.
 """
 
 from __future__ import annotations
@@ -20,11 +20,6 @@ from typing import Optional, Sequence, Tuple, Union
 from rmt.errors import ConfigError, UserError
 
 DEFAULT = "byte"
-
-
-def bpe_path(cache_dir: str, vocab_size: int, max_documents=None) -> str:
-    """Where ``tokenizer: bpe`` trained on the default corpus is cached."""
-    return os.path.join(cache_dir, f"bpe_{vocab_size}_{max_documents or 'all'}.json")
 
 
 def read_metadata(prefix: str) -> Optional[dict]:
@@ -61,7 +56,7 @@ def _same_tokenizer(setting: str, recorded: str) -> bool:
     """Whether the ``data.tokenizer`` setting names the tokenizer the dataset records."""
     if setting == DEFAULT or recorded == DEFAULT:
         return setting == recorded
-    if setting == "bpe":  # rmt's own BPE (bpe_path), whatever cache and vocabulary made it
+    if setting == "bpe":  # rmt's own BPE (rmt.data.tokenizers.bpe_path), whatever cache and vocabulary made it
         return os.path.basename(recorded).startswith("bpe_")
     if os.path.isdir(setting):
         setting = os.path.join(setting, "tokenizer.json")
@@ -98,23 +93,23 @@ def shared_tokenizer(prefixes: Sequence[str]) -> Optional[Tuple[str, str]]:
     return first
 
 
-def adopt_dataset_tokenizer(config, prefixes: Union[str, Sequence[str]]) -> None:
-    """Set ``config.data.tokenizer`` to the tokenizer the dataset(s) ``prefixes`` record (all of
-    a blend's must agree, :func:`shared_tokenizer`); raise :class:`ConfigError` when an explicit
-    setting names another one. Datasets without metadata keep the setting (``byte`` when unset)."""
-    d = config.data
+def dataset_tokenizer(setting: Optional[str], prefixes: Union[str, Sequence[str]]) -> str:
+    """The tokenizer a run of the dataset(s) ``prefixes`` uses: the one their metadata records (all
+    of a blend's must agree, :func:`shared_tokenizer`), or the setting ``data.tokenizer`` (``byte``
+    when unset) for datasets without metadata. Raises :class:`ConfigError` when an explicit
+    setting names another tokenizer than the recorded one. Reads files only; the caller decides
+    what to do with the answer (:func:`rmt.data.resolution.resolve_from_data` records it)."""
     found = shared_tokenizer([prefixes] if isinstance(prefixes, str) else prefixes)
     if found is None:
-        d.tokenizer = d.tokenizer or DEFAULT
-        return
+        return setting or DEFAULT
     prefix, recorded = found
-    if d.tokenizer is not None and not _same_tokenizer(d.tokenizer, recorded):
-        raise ConfigError(f"data.tokenizer '{d.tokenizer}' contradicts the tokenizer '{recorded}' that "
+    if setting is not None and not _same_tokenizer(setting, recorded):
+        raise ConfigError(f"data.tokenizer '{setting}' contradicts the tokenizer '{recorded}' that "
                           f"'{prefix}.json' records for the data; leave data.tokenizer unset to use the data's own")
     if recorded != DEFAULT and not os.path.isfile(recorded):
         raise UserError(f"the tokenizer '{recorded}' that '{prefix}.json' records for the data does not exist "
                         f"(the dataset was made on another machine or its tokenizer cache was removed)")
-    d.tokenizer = recorded
+    return recorded
 
 
 def tokenizer_file_text(spec: Optional[str]) -> Optional[str]:

@@ -31,6 +31,7 @@ from rmt.data.blend import BLEND_SUFFIX, format_blend
 from rmt.data.sources import Chunk, Source, check_source, chunk_texts, plan_chunks, resolve_inputs
 from rmt.data.tokenizers import build_tokenizer
 from rmt.errors import JobError, UserError, cli_entry
+from rmt.process import setup_process
 
 _PLAN_VERSION = 1
 
@@ -290,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 @cli_entry("rmt-preprocess")
 def main(argv: Optional[List[str]] = None) -> int:
+    setup_process()
     args = build_parser().parse_args(argv)
     if args.bpe_vocab_size < 1:
         raise UserError("--bpe-vocab-size must be positive")

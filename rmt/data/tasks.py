@@ -32,7 +32,6 @@ import torch
 from rmt.config import RMTConfig
 from rmt.errors import ConfigError
 
-TASKS = ("copy", "selective_copy")
 _SPLITS = {"train": 0, "valid": 1}
 
 
@@ -105,38 +104,29 @@ class TaskDataset:
 
 
 def validate_task(config: RMTConfig) -> None:
-    """Reject task settings that cannot work (ConfigError); fixes ``model.vocab_size`` if unset."""
+    """Reject task settings that cannot work together (ConfigError); reads ``config`` only."""
     d, m = config.data, config.model
-    if d.task not in TASKS:
-        raise ConfigError(f"data.task must be 'none' or one of {', '.join(TASKS)}, got '{d.task}'")
-    if d.task_alphabet < 3 or d.task_tokens <= 0 or d.noise_length < 0:
-        raise ConfigError("data.task_alphabet must be >= 3, data.task_tokens positive and "
-                          "data.noise_length non-negative")
     target = d.curriculum_target if d.curriculum_target is not None else d.noise_length
     if target < d.noise_length:
         raise ConfigError(f"data.curriculum_target ({target}) is below data.noise_length ({d.noise_length})")
-    if not 0.0 <= d.noise_min_fraction <= 1.0:
-        raise ConfigError(f"data.noise_min_fraction must lie in [0, 1], got {d.noise_min_fraction}")
-    if d.noise_mix_step < 1 or d.noise_mix_from < 0:
-        raise ConfigError(f"data.noise_mix_step must be at least 1 and data.noise_mix_from at least 0, got "
-                          f"{d.noise_mix_step} and {d.noise_mix_from}")
     if (d.curriculum_threshold is None) != (d.curriculum_target is None):
         raise ConfigError("set both data.curriculum_threshold and data.curriculum_target, or neither")
     longest = 2 * d.task_tokens + target
     if m.seq_length < longest:
         raise ConfigError(f"model.seq_length ({m.seq_length}) must hold the longest task sample "
                           f"2 x data.task_tokens + {target} noise tokens = {longest}")
-    if m.vocab_size is None:
-        m.vocab_size = d.task_alphabet
-    elif m.vocab_size < d.task_alphabet:
+    if m.vocab_size is not None and m.vocab_size < d.task_alphabet:
         raise ConfigError(f"model.vocab_size ({m.vocab_size}) is smaller than data.task_alphabet ({d.task_alphabet})")
 
 
 def build_task_datasets(config: RMTConfig, num_train: int, num_valid: int,
                         global_batch: int) -> Tuple[TaskDataset, TaskDataset]:
     """Training and validation datasets; ``global_batch`` samples make one step (the unit that
-    shares a noise length under ``data.noise_min_fraction``)."""
+    shares a noise length under ``data.noise_min_fraction``). Fills an unset ``model.vocab_size``
+    with the task's alphabet, as :func:`rmt.data.resolution.resolve_from_data` does."""
     validate_task(config)
+    if config.model.vocab_size is None:
+        config.model.vocab_size = config.data.task_alphabet
     return (TaskDataset(config, "train", num_train, global_batch),
             TaskDataset(config, "valid", max(num_valid, 1), global_batch))
 

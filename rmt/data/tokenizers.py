@@ -67,6 +67,11 @@ class HFTokenizer:
         return self._tok.decode([i for i in ids if i != self.eod])
 
 
+def bpe_path(cache_dir: str, vocab_size: int, max_documents=None) -> str:
+    """Where ``tokenizer: bpe`` trained on the default corpus is cached."""
+    return os.path.join(cache_dir, f"bpe_{vocab_size}_{max_documents or 'all'}.json")
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int, out_file: str) -> str:
     """Train a byte-level BPE (HF ``tokenizers``) and save it atomically to ``out_file``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -96,7 +101,6 @@ def build_tokenizer(spec: str, cache_dir: str = ".rmt_cache", bpe_vocab_size: in
         return ByteTokenizer()
     if spec == "bpe":
         from rmt.data.corpus import corpus_documents
-        from rmt.data.metadata import bpe_path
 
         path = bpe_path(cache_dir, bpe_vocab_size, max_documents)
         if not os.path.isfile(path):

@@ -21,6 +21,7 @@ import sys
 from typing import List, Optional
 
 from rmt.errors import UserError, cli_entry
+from rmt.process import setup_process
 
 #: The shipped local task configs (no hub needed).
 LOCAL_TASKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks")
@@ -93,6 +94,7 @@ def resolve_tasks(spec: str, include_paths: List[str]):
 
 @cli_entry("rmt-eval")
 def main(argv: Optional[List[str]] = None) -> int:
+    setup_process()
     args = build_parser().parse_intermixed_args(argv)  # overrides may follow the options
     _check_args(args)
     manager, tasks = resolve_tasks(args.tasks, args.include_path)

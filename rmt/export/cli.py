@@ -22,6 +22,7 @@ import sys
 from typing import List, Optional
 
 from rmt.errors import UserError, cli_entry
+from rmt.process import setup_process
 
 RMT_CONFIG = "rmt_config.json"
 WEIGHTS = "model.safetensors"
@@ -102,6 +103,7 @@ def export(checkpoint: str, out: str, average: bool = False, fmt: str = "auto",
 
 @cli_entry("rmt-export")
 def main(argv: Optional[List[str]] = None) -> int:
+    setup_process()
     args = build_parser().parse_args(argv)
     _check_out(args.out)
     kind = export(args.checkpoint, args.out, args.average, args.format)

@@ -52,7 +52,8 @@ def build_rmt_module(rmt: dict) -> torch.nn.Module:
     from megatron.core import parallel_state
 
     from rmt import parallel
-    from rmt.config import from_dict, validate
+    from rmt.config import from_dict
+    from rmt.config_checks import validate
     from rmt.models.build import build
 
     data = {**rmt, "parallel": {**rmt["parallel"], "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,

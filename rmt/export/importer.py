@@ -18,7 +18,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple
 
-from rmt.errors import UserError
+from rmt.errors import CheckpointMismatch, UserError
 
 if TYPE_CHECKING:
     import torch
@@ -133,7 +133,6 @@ def load_hf_directory(path: str, chunks, model_problem: Optional[Callable[[dict,
     from megatron.core import parallel_state
 
     from rmt.models.activation import ACTIVATIONS
-    from rmt.training.checkpoint import CheckpointMismatch
 
     if (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
             parallel_state.get_expert_model_parallel_world_size()) != (1, 1, 1):

@@ -1,14 +1,21 @@
 """Sparse memory layers: UltraMem (arXiv 2411.12364), PKM (Lample et al. 2019) and an MoE
 baseline (megatron-core's MoELayer), pluggable into any architecture at skip placements ``i:j``
-(see :mod:`.attach`); the MoE also as the MLP of chosen transformer layers (:mod:`.moe`)."""
+(see :mod:`.attach`); the MoE also as the MLP of chosen transformer layers (:mod:`.moe`).
 
-from .attach import attach_memory, build_memory_layer, memory_modules, pop_aux_loss, pop_memory_stats
-from .layer import MemoryLayer, MemorySpec
-from .moe import MoE, SkipMoE
-from .optim import ValueLRScheduler, split_value_group, value_lr_multiplier
-from .table import MemoryTable
-from .validate import parse_placement, validate_memory
+The names below are imported on first use, so that the light modules of this package (the
+config checks and the shapes, which the CLIs read before any work) do not import torch."""
 
-__all__ = ["MemoryLayer", "MemorySpec", "MemoryTable", "MoE", "SkipMoE", "ValueLRScheduler", "attach_memory",
-           "build_memory_layer", "memory_modules", "parse_placement", "pop_aux_loss", "pop_memory_stats",
-           "split_value_group", "validate_memory", "value_lr_multiplier"]
+import importlib
+
+_WHERE = {"attach_memory": "attach", "build_memory_layer": "attach", "memory_modules": "attach",
+          "pop_aux_loss": "attach", "pop_memory_stats": "attach", "MemoryLayer": "layer", "MemorySpec": "layer",
+          "MoE": "moe", "SkipMoE": "moe", "ValueLRScheduler": "optim", "split_value_group": "optim",
+          "value_lr_multiplier": "optim", "MemoryTable": "table", "parse_placement": "shapes"}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name):
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"rmt.memory.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'rmt.memory' has no attribute '{name}'")

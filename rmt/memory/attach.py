@@ -10,7 +10,7 @@ UltraMemV2 (``memory.type: ultramem_v2``) sits beside the FFN, placed ``i:i``: i
 from inside layer i, the layer's normed FFN input (:func:`_ffn_input`), and its output is added
 to layer i's output.
 Hidden states with more than one feature dimension (the RMT's residual matrix ``[s, b, Dv, Dk]``)
-are flattened for the memory layer (width :func:`~rmt.memory.validate.memory_width`) and its
+are flattened for the memory layer (width :func:`~rmt.memory.shapes.memory_width`) and its
 output is viewed back: the memory reads the whole matrix and writes a full-matrix update.
 
 Memory layers are replicated across tensor-parallel ranks (every TP rank holds the full hidden
@@ -56,7 +56,7 @@ from rmt.memory.layer_v2 import UltraMemV2Layer
 from rmt.memory.moe import SkipMoE, moe_modules, set_aux_loss_scale
 from rmt.memory.stream import ForkMemory, InlineStream, JoinMemory, MemoryLink, MemoryStream
 from rmt.memory.table import MemoryTable
-from rmt.memory.validate import memory_placement, stage_layers
+from rmt.memory.shapes import memory_placement, stage_layers
 from rmt.models.documents import document_starts
 from rmt.parallel import compat
 from rmt.planner.memory import lookup_bytes

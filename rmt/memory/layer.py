@@ -32,8 +32,8 @@ from rmt.memory.retrieval import (expected_topm_mean, grid_side, product_topk, r
 from rmt.memory.batchnorm import QueryBatchNorm
 from rmt.memory.ive import AddressShuffle
 from rmt.memory.table import MemoryTable
-from rmt.memory.validate import memory_width
-from rmt.memory.validate import value_dim as config_value_dim
+from rmt.memory.shapes import memory_width
+from rmt.memory.shapes import value_dim as config_value_dim
 from rmt.ops.counter_normal import stream_key
 
 
@@ -83,7 +83,7 @@ class MemorySpec:
         :mod:`rmt.memory.layer_v2`: its value and pre-value widths, no softmax, conv or Table 2
         switches) or pkm (Lample et al.: product keys split in row/column halves, softmax, value
         dim = hidden, no norm/conv/IVE).
-        The hidden width is :func:`~rmt.memory.validate.memory_width` (``dk * dv`` for the RMT)."""
+        The hidden width is :func:`~rmt.memory.shapes.memory_width` (``dk * dv`` for the RMT)."""
         mem, m = config.memory, config.model
         width = memory_width(config)
         common = dict(hidden_size=width, num_layers=m.num_layers, num_heads=mem.num_heads,

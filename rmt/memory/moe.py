@@ -50,7 +50,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-from rmt.memory.validate import expert_hidden_size, memory_width
+from rmt.memory.shapes import expert_hidden_size, memory_width
 from rmt.models.attention import with_attention_kernel
 
 
@@ -225,7 +225,7 @@ def moe_block_spec(config, tcfg: TransformerConfig, vp_stage: Optional[int]):
 
 def moe_layer_pattern(config) -> List[int]:
     """megatron's ``moe_layer_freq`` list (1 = MoE MLP) of ``memory.moe_placement: mlp``."""
-    from rmt.memory.validate import parse_moe_layers
+    from rmt.memory.shapes import parse_moe_layers
 
     layers = set(parse_moe_layers(config.memory.placement, config.model.num_layers))
     return [int(i + 1 in layers) for i in range(config.model.num_layers)]

@@ -49,7 +49,6 @@ from rmt.models.init import default_std_rule
 from rmt.models.megatron_config import padded_vocab_size, transformer_config, validate_attention_shapes
 from rmt.models.recompute import run_layers
 
-KINDS = ("masked", "row", "column", "mixed")
 _DECAY_MIN = 0.9
 
 
@@ -248,12 +247,8 @@ def validate_mixer(config: RMTConfig) -> None:
     if p.tensor_model_parallel_size > 1 or p.pipeline_model_parallel_size > 1:
         raise ConfigError("model.arch 'mixer' supports data parallelism only; set "
                           "parallel.tensor_model_parallel_size and pipeline_model_parallel_size to 1")
-    if m.mixer_kind not in KINDS:
-        raise ConfigError(f"model.mixer_kind must be one of {', '.join(KINDS)}, got '{m.mixer_kind}'")
     if m.mixer_kind == "mixed" and m.num_attention_heads < 2:
         raise ConfigError("model.mixer_kind 'mixed' needs model.num_attention_heads >= 2 (half column, half row)")
-    if m.mixer_decay_scale <= 0:
-        raise ConfigError(f"model.mixer_decay_scale must be positive, got {m.mixer_decay_scale}")
 
 
 @register("mixer", std_rule=mixer_std_rule, validate=validate_mixer)

@@ -166,13 +166,9 @@ def validate_recurrent(config: RMTConfig) -> None:
     if p.tensor_model_parallel_size > 1 or p.pipeline_model_parallel_size > 1:
         raise ConfigError("model.arch 'recurrent' supports data parallelism only; set "
                           "parallel.tensor_model_parallel_size and pipeline_model_parallel_size to 1")
-    if m.block_width <= 0:
-        raise ConfigError(f"model.block_width must be positive, got {m.block_width}")
     if m.block_width > m.seq_length:
         raise ConfigError(f"model.block_width ({m.block_width}) must not exceed model.seq_length ({m.seq_length})")
-    if not 0.0 <= m.recurrent_alpha <= 1.0:
-        raise ConfigError(f"model.recurrent_alpha must lie in [0, 1], got {m.recurrent_alpha}")
-    if not 0.0 <= m.recurrent_alpha_min <= m.recurrent_alpha:
+    if m.recurrent_alpha_min > m.recurrent_alpha:
         raise ConfigError(f"model.recurrent_alpha_min must lie in [0, model.recurrent_alpha = {m.recurrent_alpha}], "
                           f"got {m.recurrent_alpha_min}")
     if m.position not in ("learned", "block"):

@@ -363,9 +363,6 @@ def rmt_std_rule(config: RMTConfig) -> Callable[[str, torch.Tensor], Optional[fl
 
 def validate_rmt(config: RMTConfig) -> None:
     m, tp = config.model, config.parallel.tensor_model_parallel_size
-    for name in ("dk", "dv", "rank"):
-        if getattr(m, name) <= 0:
-            raise ConfigError(f"model.{name} must be positive, got {getattr(m, name)}")
     if m.position not in POSITIONS:
         raise ConfigError(f"model.position must be 'alibi' or 'learned' for the rmt, got '{m.position}'")
     if m.dropout:

@@ -10,6 +10,7 @@ csrc/lookup_reduce_cuda.cpp).
 import torch
 
 from .extensions import load_extension
+from .optimizer_codes import SPARSE_ADAM
 
 NAME = "rmt_lookup_reduce_cuda"
 
@@ -73,7 +74,6 @@ def backward_update(grad_out, table, indices, scores, block_ids, num_blocks, sco
     the scaled gradient as a device scalar). Rows wider than 512 go to the Triton kernel."""
     import math
 
-    from .fused_update import SPARSE_ADAM
 
     K, C, M = indices.shape[1], scores.shape[2], indices.numel()
     adam = optimizer == SPARSE_ADAM

@@ -33,8 +33,9 @@ Numerics: the fused kernels sum each row's gradient as the backward does (same l
 order: bit-identical to the stored gradient for fp32 tables) and apply the update rules of
 :mod:`rmt.ops.sparse_optim` to the sum, in the accumulation dtype: a bf16 table's gradient is
 never rounded to bf16 (the unfused path rounds it once before its step), the state stays fp32,
-and the new row is rounded once to the table's dtype. :func:`reference_backward_update` is the
-plain torch formulation (the reference backward's rows, then the optimizers' torch updates).
+and the new row is rounded once to the table's dtype. The plain torch formulation is
+:func:`rmt.ops.reference.reference_backward_update` (the reference backward's rows, then the
+optimizers' torch updates).
 """
 
 from __future__ import annotations
@@ -44,31 +45,9 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from . import reference
-from .lookup_reduce import _backend_module, contiguous_as, select_backend
-from .reference import acc_dtype
-
-SPARSE_ADAM, ROWWISE_ADAGRAD = 0, 1
-
-
-def reference_backward_update(grad_out, table, indices, scores, block_ids, num_blocks, score_first, score_tokens,
-                              optimizer, state1, state2, lr, beta1, beta2, eps, weight_decay, step, grad_scale):
-    """Plain torch: the reference backward's gradient rows (unrounded), times ``grad_scale``, stepped
-    by :func:`~rmt.ops.sparse_optim.sparse_adam_update_` or
-    :func:`~rmt.ops.sparse_optim.rowwise_adagrad_update_`. Returns (score gradients of tokens
-    ``[score_first, score_first + score_tokens)``, squared norm of the scaled gradient)."""
-    from .sparse_optim import rowwise_adagrad_update_, sparse_adam_update_
-
-    rows, values, grad_scores = reference.reference_backward(grad_out, table, indices, scores, block_ids,
-                                                             num_blocks, grad_dtype=acc_dtype(scores.dtype))
-    if grad_scale != 1.0:
-        values = values * grad_scale
-    sq = float(values.double().pow(2).sum())
-    if optimizer == SPARSE_ADAM:
-        sparse_adam_update_(table, state1, state2, rows, values, lr, beta1, beta2, eps, step)
-    else:
-        rowwise_adagrad_update_(table, state1, rows, values, lr, eps, weight_decay)
-    return grad_scores[score_first:score_first + score_tokens], sq
+from .dispatch import get_backend, select_backend
+from .optimizer_codes import ROWWISE_ADAGRAD, SPARSE_ADAM
+from .validate import contiguous_as
 
 
 def _concat(entries):
@@ -146,8 +125,7 @@ class FusedValueUpdate:
             self.stash.append(entry)
             if not need_scores:
                 return None
-            score_fn = getattr(_backend_module(backend), "score_gradients", reference.score_gradients)
-            return score_fn(grad_out, table, indices, scores, block_ids, num_blocks)
+            return get_backend(backend).score_gradients(grad_out, table, indices, scores, block_ids, num_blocks)
         return self._step(backend, table, [*self.stash, entry], len(self.stash) if need_scores else None)
 
     def flush(self, backend: Optional[str] = None) -> None:
@@ -191,11 +169,9 @@ class FusedValueUpdate:
             if block_ids is not None:
                 block_ids = torch.cat(_all_gather_tokens(block_ids, self.group))
         state1, state2, lr, beta1, beta2, eps, wd, step, sign = self._hyper()
-        impl = _backend_module(backend)
-        kernel = getattr(impl, "backward_update", reference_backward_update)
-        grad_scores, sq = kernel(grad_out.contiguous(), table, indices.contiguous(), scores.contiguous(),
-                                 block_ids, num_blocks, first, count, self.kind, state1, state2, lr, beta1, beta2,
-                                 eps, wd, step, sign * self.grad_scale)
+        grad_scores, sq = get_backend(backend).backward_update(
+            grad_out.contiguous(), table, indices.contiguous(), scores.contiguous(), block_ids, num_blocks, first,
+            count, self.kind, state1, state2, lr, beta1, beta2, eps, wd, step, sign * self.grad_scale)
         torch.autograd.graph.increment_version(self.param)
         self.sq_norm = self.sq_norm + sq  # a device scalar on a GPU: read when clipping
         self.updates += 1
@@ -211,7 +187,7 @@ class LookupReduceUpdateFunction(torch.autograd.Function):
         ctx.save_for_backward(table, scores, indices, block_ids)
         ctx.num_blocks, ctx.backend, ctx.update = num_blocks, backend, update
         ctx.final = update.record_forward()
-        return _backend_module(backend).forward(table, indices, scores, block_ids, num_blocks)
+        return get_backend(backend).forward(table, indices, scores, block_ids, num_blocks)
 
     @staticmethod
     @torch.autograd.function.once_differentiable

@@ -11,8 +11,9 @@ sums them weighted by their scores. Two UltraMem refinements shape the contract:
 
     out[t, b, c*D/C:(c+1)*D/C] = sum_{k : block_ids[t,k] == b} scores[t,k,c] * table[indices[t,k], c*D/C:(c+1)*D/C]
 
-Backends (fastest present first): CUDA extension (CUDA tensors) > Triton (CUDA tensors) >
-C++/OpenMP extension (CPU tensors) > plain torch reference. Force one with ``backend=`` or the
+Backends (fastest present first; declared and chosen in :mod:`rmt.ops.dispatch`): CUDA extension
+(CUDA tensors) > Triton (CUDA tensors) > C++/OpenMP extension (CPU tensors) > plain torch
+reference. Force one with ``backend=`` or the
 environment variable ``RMT_LOOKUP_BACKEND`` (``reference|cpu|triton|cuda``; Triton on CPU only
 under ``TRITON_INTERPRET=1``). Every backend accumulates in fp32 and computes the table gradient
 without atomics: lookups are sorted by row, then each row's contributions are summed in a fixed
@@ -40,66 +41,10 @@ fp32 and rounded to bf16 once), so the output equals the fp32 computation on the
 the op gathers and the gradient rows it writes; its scores should stay fp32.
 """
 
-import os
-
 import torch
 
-from . import reference
-from .validate import check_inputs
-
-ENV_BACKEND = "RMT_LOOKUP_BACKEND"
-BACKENDS = ("cuda", "triton", "cpu", "reference")
-
-
-def contiguous_as(x, dtype):
-    """``x`` as a contiguous tensor of ``dtype``: ``x`` itself when it is one already. Checked
-    here because ``x.to(dtype).contiguous()`` costs two dispatches even when both are no-ops:
-    80 us against 33 on a cold cache (one core), once in the forward and once in the backward."""
-    return x if x.dtype == dtype and x.is_contiguous() else x.to(dtype).contiguous()
-
-
-def _backend_module(name):
-    if name == "reference":
-        return reference
-    if name == "cpu":
-        from . import cpu_backend
-        return cpu_backend
-    if name == "triton":
-        from . import triton_backend
-        return triton_backend
-    if name == "cuda":
-        from . import cuda_backend
-        return cuda_backend
-    raise ValueError(f"lookup_reduce: backend must be one of {', '.join(BACKENDS)}; got {name!r}")
-
-
-def available_backends(device):
-    """Names of the backends that can run on ``device``, fastest first."""
-    device = torch.device(device)
-    return [name for name in BACKENDS if _backend_module(name).is_available(device)]
-
-
-FLOAT64_BACKENDS = ("cpu", "reference")
-
-
-def select_backend(device, backend=None, dtype=torch.float32):
-    """Resolve the backend name: explicit argument, else $RMT_LOOKUP_BACKEND, else the fastest present.
-
-    float64 runs only on the reference and CPU backends (the GPU kernels accumulate in fp32).
-    """
-    device = torch.device(device)
-    forced = backend or os.environ.get(ENV_BACKEND) or None
-    if forced is not None:
-        if dtype == torch.float64 and forced not in FLOAT64_BACKENDS:
-            raise ValueError(f"lookup_reduce: float64 runs only on the {' and '.join(FLOAT64_BACKENDS)} "
-                             f"backends; got backend {forced!r}")
-        if not _backend_module(forced).is_available(device):
-            raise RuntimeError(f"lookup_reduce: backend {forced!r} is not available for {device} tensors")
-        return forced
-    order = ("cuda", "triton", "reference") if device.type == "cuda" else ("cpu", "reference")
-    if dtype == torch.float64:
-        order = tuple(name for name in order if name in FLOAT64_BACKENDS)
-    return next(name for name in order if _backend_module(name).is_available(device))
+from .dispatch import get_backend, select_backend
+from .validate import check_inputs, contiguous_as
 
 
 class LookupReduceFunction(torch.autograd.Function):
@@ -107,24 +52,23 @@ class LookupReduceFunction(torch.autograd.Function):
 
     The backward returns the table gradient either as a coalesced sparse COO tensor of the
     touched rows (``sparse_grad=True``; no table-sized tensor is created) or as a dense tensor
-    (``sparse_grad=False``): written in one pass by backends that have a ``backward_dense``
-    kernel (CPU, CUDA), else the touched rows scattered into a zero tensor.
+    (``sparse_grad=False``): the backend's ``backward_dense`` (written in one pass where the
+    backend declares that kernel, else the touched rows scattered into a zero tensor).
 
-    A backend with a ``forward_for_backward`` (CUDA) starts the index-only part of its backward
-    (the sort by row) in the forward when a gradient is needed; its backward takes the result as
-    ``prep``.
+    A backend that declares ``forward_for_backward`` (CUDA; :mod:`rmt.ops.dispatch`) starts the
+    index-only part of its backward (the sort by row) in the forward when a gradient is needed;
+    its backward takes the result as ``prep``.
     """
 
     @staticmethod
     def forward(ctx, table, scores, indices, block_ids, num_blocks, backend, sparse_grad):
-        impl = _backend_module(backend) if indices.numel() else reference
+        impl = get_backend(backend if indices.numel() else "reference")
         ctx.impl, ctx.num_blocks, ctx.sparse_grad = impl, num_blocks, sparse_grad
         ctx.save_for_backward(table, scores, indices, block_ids)
-        fused = getattr(impl, "forward_for_backward", None)
-        if fused is None or not any(ctx.needs_input_grad[:2]):
+        if not impl.sorts_in_forward or not any(ctx.needs_input_grad[:2]):
             ctx.prep = {}
             return impl.forward(table, indices, scores, block_ids, num_blocks)
-        out, prep = fused(table, indices, scores, block_ids, num_blocks)
+        out, prep = impl.forward_for_backward(table, indices, scores, block_ids, num_blocks)
         ctx.prep = {"prep": prep}
         return out
 
@@ -135,18 +79,14 @@ class LookupReduceFunction(torch.autograd.Function):
         prep, ctx.prep = ctx.prep, {}  # freed with the saved tensors, not with the output's graph
         grad_out = contiguous_as(grad_out, scores.dtype)
         args = (grad_out, table, indices, scores, block_ids, ctx.num_blocks)
-        dense_kernel = getattr(ctx.impl, "backward_dense", None)
-        if ctx.needs_input_grad[0] and not ctx.sparse_grad and dense_kernel is not None:
-            grad_table, grad_scores = dense_kernel(*args, **prep)
+        if ctx.needs_input_grad[0] and not ctx.sparse_grad:
+            grad_table, grad_scores = ctx.impl.backward_dense(*args, **prep)
         else:
             rows, values, grad_scores = ctx.impl.backward(*args, **prep)
             grad_table = None
             if ctx.needs_input_grad[0]:
-                if ctx.sparse_grad:
-                    grad_table = torch.sparse_coo_tensor(rows.unsqueeze(0), values, table.shape,
-                                                         is_coalesced=True, check_invariants=False)
-                else:
-                    grad_table = table.new_zeros(table.shape).index_copy_(0, rows, values)
+                grad_table = torch.sparse_coo_tensor(rows.unsqueeze(0), values, table.shape,
+                                                     is_coalesced=True, check_invariants=False)
         if not ctx.needs_input_grad[1]:
             grad_scores = None
         return grad_table, grad_scores, None, None, None, None, None

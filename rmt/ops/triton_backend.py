@@ -11,6 +11,8 @@ import os
 
 import torch
 
+from .optimizer_codes import SPARSE_ADAM
+
 
 def is_available(device):
     """CUDA tensors with Triton installed; CPU tensors only in the Triton interpreter."""
@@ -104,7 +106,6 @@ def backward_update(grad_out, table, indices, scores, block_ids, num_blocks, sco
     scalar: no host sync)."""
     import math
 
-    from .fused_update import SPARSE_ADAM
     from .triton_kernels import lookup_reduce_bwd_update_kernel
 
     K = indices.shape[1]

@@ -1,4 +1,5 @@
-"""Input checks for ``lookup_reduce``: one clear ``ValueError`` before any kernel runs."""
+"""Input checks for ``lookup_reduce`` (one clear ``ValueError`` before any kernel runs) and the
+layout its kernels take."""
 
 import torch
 
@@ -15,6 +16,13 @@ def dtypes_supported(table_dtype, scores_dtype):
     if table_dtype not in FLOAT_DTYPES:
         return False
     return scores_dtype == table_dtype or (table_dtype in NARROW_TABLE_DTYPES and scores_dtype == torch.float32)
+
+
+def contiguous_as(x, dtype):
+    """``x`` as a contiguous tensor of ``dtype``: ``x`` itself when it is one already. Checked
+    here because ``x.to(dtype).contiguous()`` costs two dispatches even when both are no-ops
+    (twice the time of this check on a cold cache), once in the forward and once in the backward."""
+    return x if x.dtype == dtype and x.is_contiguous() else x.to(dtype).contiguous()
 
 
 def _fail(message):

@@ -6,8 +6,8 @@ megatron-core assumes CUDA throughout: ``torch.cuda.current_device()`` as a devi
 synchronisation, and CUDA type names by which its float16 and distributed optimizers sort the
 parameters they wrap (:func:`_cpu_mixed_precision_optimizers`). :func:`apply` patches exactly
 those places, and only when CUDA is absent, so the same code takes the NCCL/CUDA paths on a GPU
-cluster. The adjustments
-were measured on megatron-core 0.16.1 with torch 2.13 (see REFERENCE_NOTES.md).
+cluster. The adjustments are written for megatron-core 0.16.1 (with torch 2.13), and
+:func:`apply` refuses any other release (:func:`rmt.process.require_tested_megatron_core`).
 
 Its MoE (:func:`_moe_without_te`, :func:`_cpu_moe_dispatch`, :func:`_gloo_uneven_gather`)
 needs three more: the router's GEMM names a Transformer Engine function that is undefined
@@ -25,6 +25,7 @@ import types
 import torch
 
 from rmt import quiet
+from rmt.process import require_tested_megatron_core
 
 _APPLIED = False
 
@@ -119,6 +120,7 @@ def apply() -> None:
     global _APPLIED
     if _APPLIED:
         return
+    require_tested_megatron_core()
     _moe_without_te()
     if cuda_available():
         _APPLIED = True

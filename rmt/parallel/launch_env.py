@@ -95,3 +95,11 @@ def read_launch_env(environ=None) -> LaunchEnv:
         return LaunchEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]),
                          int(env.get("SLURM_LOCALID", 0)), addr, port, "slurm")
     return LaunchEnv(0, 1, 0, "127.0.0.1", _free_port(), "single")
+
+
+def world_size_from_env() -> int:
+    """The launcher's world size (torchrun or SLURM), 1 when launched as a plain process."""
+    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if os.environ.get(var):
+            return int(os.environ[var])
+    return 1

@@ -41,6 +41,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.launcher import api as launcher_api
 
 from rmt.errors import USER_ERROR_EXIT, JobError, UserError
+from rmt.process import setup_process
 from rmt.parallel.rendezvous import roll_call
 
 PROG = "rmt-launch"
@@ -160,6 +161,7 @@ def build_parser():
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    setup_process()
     args = build_parser().parse_args(argv)
     try:
         _preflight(args)

@@ -22,6 +22,7 @@ import sys
 from typing import Callable, NamedTuple
 
 from rmt.errors import reader_may_leave
+from rmt.process import setup_process
 from rmt.planner import comm, flops, memory
 
 
@@ -270,7 +271,7 @@ def _plan_from_flags(args: argparse.Namespace) -> memory.TablePlan:
 
 def _plan_from_config(args: argparse.Namespace, config) -> memory.TablePlan:
     """The tables' plan of a validated config at ``--world-size``: the busiest stage's layers."""
-    from rmt.memory.validate import memory_placement, stage_layers
+    from rmt.memory.shapes import memory_placement, stage_layers
     from rmt.planner.rank import layout_of
 
     layout = layout_of(config, args.world_size)
@@ -382,6 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``rmt-plan``; returns the exit status (0 ok, 2 bad input)."""
+    setup_process()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -203,7 +203,7 @@ def _moe_mlp(doc: Dict, config: RMTConfig, plan: Dict) -> None:
     """MoE MLPs replacing dense ones (``memory.moe_placement: mlp``): swap their counts. Their
     activations: the k routed copies of the token and each expert's GELU input and output
     (``k (D + 2F)``) and the router's logits and probabilities (``2N``), for the dense ``2 Dff``."""
-    from rmt.memory.validate import expert_hidden_size
+    from rmt.memory.shapes import expert_hidden_size
 
     m, mem = config.model, config.memory
     D, Dff = m.hidden_size, m.ffn_hidden_size or 4 * m.hidden_size

@@ -101,7 +101,7 @@ def step_cost(config, layout: Layout, link_gbps: float, nvlink_gbps: float, tflo
     pp_bytes = 2 * mb * layout.vpp * T * width * b if layout.pp > 1 else 0
     mem_bytes = 0
     if mem.type in ("ultramem", "ultramem_v2", "pkm") and mem.partition != "local":
-        from rmt.memory.validate import memory_placement, value_dim
+        from rmt.memory.shapes import memory_placement, value_dim
 
         group = mem.group_size or layout.dp * layout.tp
         if group > 1:
@@ -133,7 +133,8 @@ def search(path: Optional[str], overrides: List[str], gpus: int, gib: float, dev
            link_gbps: float = 50.0, nvlink_gbps: float = 300.0, tflops: float = 400.0, gpus_per_node: int = 8) -> Dict:
     """Every runnable layout of the config ``path`` + ``overrides`` on ``gpus`` ranks: the fitting
     ones ranked by cost, and how many candidates rmt cannot run or do not fit."""
-    from rmt.config import load_config, validate
+    from rmt.config import load_config
+    from rmt.config_checks import validate
     from rmt.errors import UserError
 
     fitting, rejected, too_big = [], {}, 0

@@ -300,7 +300,7 @@ def plan_from_config(config, group_size: int, layers: int, microbatches: int) ->
     columns, and its full-width keys of every Tucker rank as a key dim of ``r x Kd``; its lookups
     pool one block (no IVE projectors), which the plan's ``ive_blocks`` (the grid's) overstates
     in the fused optimizers' kept lookups."""
-    from rmt.memory.validate import value_dim
+    from rmt.memory.shapes import value_dim
 
     mem, m, t = config.memory, config.model, config.train
     pkm, v2 = mem.type == "pkm", mem.type == "ultramem_v2"

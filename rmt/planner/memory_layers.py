@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-from rmt.memory.validate import expert_hidden_size, memory_placement, memory_width, parse_moe_layers, parse_placement
+from rmt.memory.shapes import expert_hidden_size, memory_placement, memory_width, parse_moe_layers, parse_placement
 
 
 def _tdqkr_flops(s) -> int:

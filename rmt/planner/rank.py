@@ -183,14 +183,14 @@ def _memory_layers_on(config, first: int, last: int) -> List[Dict]:
     if config.memory.type == "none":
         return []
     from rmt.planner.memory_layers import memory_plan
-    from rmt.memory.validate import memory_placement, parse_moe_layers
+    from rmt.memory.shapes import memory_placement, parse_moe_layers
 
     plan = memory_plan(config)
     mem = config.memory
     if mem.type == "moe" and mem.moe_placement == "mlp":
         where = [(i, i) for i in parse_moe_layers(mem.placement, config.model.num_layers)]
     elif mem.type == "moe":
-        from rmt.memory.validate import parse_placement
+        from rmt.memory.shapes import parse_placement
 
         where = parse_placement(mem.placement, config.model.num_layers)
     else:
@@ -203,7 +203,7 @@ def _value_elements(config) -> int:
     mem = config.memory
     if mem.type not in ("ultramem", "ultramem_v2", "pkm"):
         return 0
-    from rmt.memory.validate import value_dim
+    from rmt.memory.shapes import value_dim
 
     return mem.num_keys ** 2 * (value_dim(config) + (mem.pre_value_dim if mem.type == "ultramem_v2" else 0))
 
@@ -214,7 +214,7 @@ def _memory_dense_params(config, layout: Layout, layers: List[Dict]) -> int:
     mem = config.memory
     if mem.type != "moe":
         return sum(c["params"] for c in layers) - len(layers) * _value_elements(config)
-    from rmt.memory.validate import expert_hidden_size, memory_width
+    from rmt.memory.shapes import expert_hidden_size, memory_width
 
     expert = 2 * memory_width(config) * expert_hidden_size(config)
     total = 0
@@ -230,7 +230,7 @@ def _memory_dense_params(config, layout: Layout, layers: List[Dict]) -> int:
 
 def chunks_of(config, layout: Layout, stage: int):
     """``(first, last)`` global layers of each model chunk of pipeline stage ``stage``."""
-    from rmt.memory.validate import stage_layers
+    from rmt.memory.shapes import stage_layers
 
     if layout.vpp == 1:
         return [stage_layers(config, stage)]
@@ -276,11 +276,11 @@ def _memory_activation_bytes(config, layers: List[Dict]) -> int:
         return 0
     mem = config.memory
     b = DTYPE_BYTES[config.train.precision]
-    from rmt.memory.validate import memory_width
+    from rmt.memory.shapes import memory_width
 
     W = memory_width(config)
     if mem.type == "moe":
-        from rmt.memory.validate import expert_hidden_size
+        from rmt.memory.shapes import expert_hidden_size
 
         per = mem.moe_topk * (W + 2 * expert_hidden_size(config)) * b + 2 * mem.num_experts * 4
         if mem.moe_placement == "skip":

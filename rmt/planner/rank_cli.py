@@ -16,7 +16,8 @@ TERMS = ("params", "grads", "main_params", "optimizer_states", "activations", "t
 def load_planned(path: str, overrides: List[str], world_size: int):
     """The config of ``path`` + ``overrides``, validated for ``world_size`` ranks as ``rmt-train``
     validates it (what rmt cannot run is rejected in one sentence), with its vocabulary known."""
-    from rmt.config import load_config, validate
+    from rmt.config import load_config
+    from rmt.config_checks import validate
     from rmt.errors import UserError
 
     try:

@@ -33,7 +33,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_repl
 from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 from torch.distributed.checkpoint.api import CheckpointException
 
-from rmt.errors import UserError
+from rmt.errors import CheckpointMismatch, UserError
 from rmt.parallel import compat
 from rmt.parallel.lifetime import forked_children_die_with_this_process
 from rmt.parallel.sharding import shards
@@ -156,11 +156,6 @@ def sharded_state(chunks: List[torch.nn.Module], optimizer, common: dict,
                     state[f"optimizer.{name}.{i}"] = piece
     state["common"] = common
     return state
-
-
-class CheckpointMismatch(UserError):
-    """A checkpoint that is intact but of another model (shapes or keys differ): every
-    checkpoint of that run would fail the same way, so nothing falls back past it."""
 
 
 class CheckpointSaveError(UserError):

@@ -17,8 +17,11 @@ import os
 import sys
 from typing import List, Optional
 
-from rmt.config import load_config, validate
+from rmt.config import load_config
+from rmt.config_checks import validate
+from rmt.data.resolution import resolve_from_data
 from rmt.errors import ConfigError, cli_entry
+from rmt.process import require_tested_megatron_core, setup_process
 from rmt.training import checkpoint_dirs, preemption
 from rmt.training.fit import check_fits
 
@@ -43,8 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def checked_config(args: argparse.Namespace, world_size: Optional[int] = None):
-    """The validated config of ``args`` for ``world_size`` (default: the launcher's)."""
-    config = validate(load_config(args.config, args.overrides), world_size)
+    """The validated config of ``args`` for ``world_size`` (default: the launcher's), with the
+    settings its data decides filled in (:func:`rmt.data.resolution.resolve_from_data`)."""
+    config, _ = resolve_from_data(validate(load_config(args.config, args.overrides), world_size))
     check_fits(config)
     if args.eval_only:
         if not config.train.load:
@@ -56,11 +60,12 @@ def checked_config(args: argparse.Namespace, world_size: Optional[int] = None):
 
 
 def preflight(args: argparse.Namespace, world_size: Optional[int] = None) -> str:
-    """Everything that can be checked before any worker starts: the config for ``world_size``
-    and the checkpoint the run would continue from. Returns where the run would start; raises
+    """Everything that can be checked before any worker starts: the megatron-core release, the
+    config for ``world_size`` and the checkpoint the run would continue from. Returns where the run would start; raises
     ``UserError`` (one sentence) on a problem."""
     from rmt.export.importer import is_hf_directory
 
+    require_tested_megatron_core()
     t = checked_config(args, world_size).train
     if is_hf_directory(t.load) and not (t.save and checkpoint_dirs.complete_checkpoints(t.save)[0]):
         return f"the run would start from the weights of the Hugging Face model '{t.load}'"
@@ -71,6 +76,7 @@ def preflight(args: argparse.Namespace, world_size: Optional[int] = None) -> str
 
 @cli_entry("rmt-train")
 def main(argv: Optional[List[str]] = None) -> int:
+    setup_process()
     args = build_parser().parse_intermixed_args(argv)  # overrides may follow --eval-only etc.
     preemption.install()  # before the slow imports, so an early SIGTERM is not lost
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: its own session, so tie it to torchrun

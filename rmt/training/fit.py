@@ -28,7 +28,8 @@ import copy
 import os
 from typing import Optional
 
-from rmt.config import RMTConfig, world_size_from_env
+from rmt.config import RMTConfig
+from rmt.parallel.launch_env import world_size_from_env
 from rmt.errors import ConfigError
 
 _GIB = 2**30

@@ -14,11 +14,14 @@ token counts must still be exact numerically.
 
 from fractions import Fraction
 
-import torch
-import torch.distributed as dist
+import rmt
 
-from rmt.memory.table import MemoryTable
-from rmt.planner.comm import comm_volume
+rmt.setup_process()  # as rmt's commands do (rmt.process), before torch is imported
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from rmt.memory.table import MemoryTable  # noqa: E402
+from rmt.planner.comm import comm_volume  # noqa: E402
 
 N, D, K, C, E = 64, 16, 6, 2, 4
 

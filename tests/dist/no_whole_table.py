@@ -15,7 +15,10 @@ Rank 0 prints ``OK`` with the largest tensor seen.
 import sys
 import warnings
 
-import torch
+import rmt
+
+rmt.setup_process()  # as rmt's commands do (rmt.process), before torch is imported
+import torch  # noqa: E402
 
 
 def main():
@@ -23,7 +26,8 @@ def main():
     ckpt, overrides = sys.argv[1], sys.argv[2:]
     from alloc_guard import AllocationTracker, ForbiddenAllocation
     from rmt import parallel
-    from rmt.config import load_config, validate
+    from rmt.config import load_config
+    from rmt.config_checks import validate
     from rmt.memory.layer import MemorySpec
     from rmt.training.trainer import Trainer
 

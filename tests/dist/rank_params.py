@@ -10,14 +10,18 @@ import json
 import os
 import sys
 
-import torch.distributed as dist
-from megatron.core import parallel_state
+import rmt
 
-from rmt import parallel
-from rmt.config import load_config, validate
-from rmt.models.build import build
-from rmt.planner.rank import layout_of, stage_params
-from rmt.training.optimizer import is_table
+rmt.setup_process()  # as rmt's commands do (rmt.process), before torch is imported
+import torch.distributed as dist  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+
+from rmt import parallel  # noqa: E402
+from rmt.config import load_config  # noqa: E402
+from rmt.config_checks import validate  # noqa: E402
+from rmt.models.build import build  # noqa: E402
+from rmt.planner.rank import layout_of, stage_params  # noqa: E402
+from rmt.training.optimizer import is_table  # noqa: E402
 
 COMMON = ["model.num_layers=4", "model.seq_length=16", "model.vocab_size=64", "model.make_vocab_size_divisible_by=16",
           "model.ffn_hidden_size=32"]

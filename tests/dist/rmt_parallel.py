@@ -11,13 +11,17 @@ layout matches within 1e-5. The ``tp`` run also saves a checkpoint to the refere
 
 import sys
 
-import torch
-from megatron.core import parallel_state
+import rmt
 
-from rmt import parallel
-from rmt.config import load_config, validate
-from rmt.parallel.sharding import gather_full
-from rmt.training.trainer import Trainer
+rmt.setup_process()  # as rmt's commands do (rmt.process), before torch is imported
+import torch  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+
+from rmt import parallel  # noqa: E402
+from rmt.config import load_config  # noqa: E402
+from rmt.config_checks import validate  # noqa: E402
+from rmt.parallel.sharding import gather_full  # noqa: E402
+from rmt.training.trainer import Trainer  # noqa: E402
 
 LAYOUTS = {"tp": ["parallel.tensor_model_parallel_size=2"],
            "pp": ["parallel.pipeline_model_parallel_size=2"],

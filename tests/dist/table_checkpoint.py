@@ -17,15 +17,18 @@ Rank 0 prints one JSON line per load with the measured peaks.
 import json
 import sys
 
-import torch
-import torch.distributed as dist
-from megatron.core import parallel_state
+import rmt
 
-from alloc_guard import AllocationTracker
-from rmt.memory.table import MemoryTable
-from rmt.ops.counter_normal import fill_normal_
-from rmt.parallel import compat
-from rmt.training.table_checkpoint import load_tables, save_tables
+rmt.setup_process()  # as rmt's commands do (rmt.process), before torch is imported
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+
+from alloc_guard import AllocationTracker  # noqa: E402
+from rmt.memory.table import MemoryTable  # noqa: E402
+from rmt.ops.counter_normal import fill_normal_  # noqa: E402
+from rmt.parallel import compat  # noqa: E402
+from rmt.training.table_checkpoint import load_tables, save_tables  # noqa: E402
 
 N, D = 4096, 32
 STD = 0.5

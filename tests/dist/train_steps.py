@@ -15,7 +15,10 @@ import os
 import sys
 import warnings
 
-import torch
+import rmt
+
+rmt.setup_process()  # as rmt's commands do (rmt.process), before torch is imported
+import torch  # noqa: E402
 
 
 def record(overrides):
@@ -26,7 +29,8 @@ def record(overrides):
     from megatron.core import parallel_state
 
     from rmt import parallel
-    from rmt.config import load_config, validate
+    from rmt.config import load_config
+    from rmt.config_checks import validate
     from rmt.parallel.sharding import gather_full
     from rmt.training.trainer import Trainer
 
