@@ -24,6 +24,7 @@ from typing import Callable, NamedTuple
 from rmt.errors import reader_may_leave
 from rmt.process import setup_process
 from rmt.planner import comm, flops, memory
+from rmt.planner.argtypes import non_negative_float, non_negative_int, positive_float, positive_int
 
 
 class Subcommand(NamedTuple):
@@ -42,46 +43,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         raise _UsageError(f"{self.prog}: error: {message}")
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative number, got {text!r}")
-    return value
 
 
 def human(n: int) -> str:
@@ -334,7 +295,7 @@ def _run_memory(args: argparse.Namespace) -> int:
                              "every byte of the rank is counted.")
         from rmt.planner.rank_cli import run_memory
 
-        return run_memory(args)
+        return run_memory(args, table_lines)
     doc = table_lines(args)
     print("\n".join(doc.pop("lines")))
     _write_json(args.json, doc)

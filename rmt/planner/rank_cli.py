@@ -8,6 +8,7 @@ import json
 from typing import List
 
 from rmt.planner import layouts, rank
+from rmt.planner.argtypes import positive_float, positive_int
 
 TERMS = ("params", "grads", "main_params", "optimizer_states", "activations", "transient", "build_transient",
          "checkpoint_copies", "heap_retained", "read_buffer", "tables", "framework", "process")
@@ -55,15 +56,14 @@ def whole_rank_lines(config, doc: dict) -> List[str]:
     return lines
 
 
-def run_memory(args: argparse.Namespace) -> int:
-    """``rmt-plan memory --config C --world-size N [overrides]``: the whole rank."""
+def run_memory(args: argparse.Namespace, table_lines) -> int:
+    """``rmt-plan memory --config C --world-size N [overrides]``: the whole rank, after the tables'
+    own lines (``table_lines(args, config)``, :func:`rmt.planner.cli.table_lines`) when it has any."""
     if args.world_size is None:
         raise ValueError("with --config give --world-size (the ranks of the run).")
     config = load_planned(args.config, args.overrides, args.world_size)
     doc = rank.plan_rank(config, args.world_size, args.device, args.gpu_mem_gib)
     if config.memory.type in ("ultramem", "ultramem_v2", "pkm"):
-        from rmt.planner.cli import table_lines
-
         doc["tables"] = table_lines(args, config)
     print("\n".join(doc.pop("tables", {}).get("lines", []) + whole_rank_lines(config, doc)))
     _write(args.json, doc)
@@ -71,8 +71,6 @@ def run_memory(args: argparse.Namespace) -> int:
 
 
 def add_layout_arguments(p: argparse.ArgumentParser) -> None:
-    from rmt.planner.cli import positive_float, positive_int
-
     p.add_argument("--config", metavar="FILE", required=True, help="the run's config")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     p.add_argument("--gpus", type=positive_int, metavar="N",
