@@ -7,7 +7,7 @@ synchronisation, and CUDA type names by which its float16 and distributed optimi
 parameters they wrap (:func:`_cpu_mixed_precision_optimizers`). :func:`apply` patches exactly
 those places, and only when CUDA is absent, so the same code takes the NCCL/CUDA paths on a GPU
 cluster. The adjustments
-were measured on megatron-core 0.16.1 with torch 2.13 (see REFERENCE_NOTES.md).
+were measured on megatron-core 0.16.1 with torch 2.13 (docs/reference-implementations.md).
 
 Its MoE (:func:`_moe_without_te`, :func:`_cpu_moe_dispatch`, :func:`_gloo_uneven_gather`)
 needs three more: the router's GEMM names a Transformer Engine function that is undefined
