@@ -85,6 +85,8 @@ import statistics
 import time
 
 import rmt  # noqa: F401  (before torch: rmt's OpenMP wait policy, as in training)
+
+# isort: split
 import torch
 import torch.nn.functional as F
 
