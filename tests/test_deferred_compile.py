@@ -4,11 +4,14 @@ compiled once, on its first call, with the arguments it was decorated with."""
 
 import json
 
+import pytest
+
 from conftest import run_python
 
 from rmt.deferred_compile import deferred
 
 
+@pytest.mark.slow
 def test_importing_the_trainer_leaves_the_compiler_unimported_and_fusions_deferred():
     proc = run_python(["-c", "import json, sys, torch, rmt.training.trainer\n"
                              "import megatron.core.jit as jit\n"
