@@ -1,5 +1,6 @@
-"""The docs: every config field has a docstring, docs/config.md is what the schema generates, and
-every relative link in README.md and docs/*.md points at a file (and heading) that exists."""
+"""The docs: every config field has a docstring, docs/config.md is what the schema generates,
+every relative link in README.md, CONTRIBUTING.md and docs/ points at a file (and heading) that
+exists, and the tool commands and config keys the pages show exist."""
 
 import glob
 import os
@@ -82,9 +83,12 @@ def _links(path: str):
 
 
 DOCS = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+# and the pages the README's map does not list itself
+LINKED = DOCS + ["CONTRIBUTING.md"] + sorted(os.path.relpath(p, ROOT)
+                                              for p in glob.glob(os.path.join(ROOT, "docs", "*", "*.md")))
 
 
-@pytest.mark.parametrize("doc", DOCS)
+@pytest.mark.parametrize("doc", LINKED)
 def test_relative_links_resolve(doc):
     path = os.path.join(ROOT, doc)
     broken = []
@@ -155,8 +159,8 @@ def test_documented_config_keys_exist(page):
     from rmt.config import RMTConfig
 
     config = RMTConfig()
-    unknown = sorted(key for key in config_keys(_code(os.path.join(ROOT, page)))
-                     if key.split(".")[1] not in vars(getattr(config, key.split(".")[0])) and key not in DELIBERATELY_UNKNOWN)
+    named = config_keys(_code(os.path.join(ROOT, page))) - DELIBERATELY_UNKNOWN
+    unknown = sorted(key for key in named if key.split(".")[1] not in vars(getattr(config, key.split(".")[0])))
     assert not unknown, f"{page} names config keys that rmt/config.py does not have: {', '.join(unknown)}"
 
 
@@ -182,3 +186,24 @@ def test_the_command_and_key_checks_find_mistakes():
     assert config_keys(code) == {"model.arch", "model.no_such_key", "train.steps"}
     assert tool_commands(code) == [("tools/bench_rmt.py", ["--quick", "--no-such-flag"]),
                                    ("tools/bench_missing.py", [])]
+
+
+DIARY = [(re.compile(r"\b20\d\d-\d\d-\d\d\b"), "a date"),
+         (re.compile(r"\b(tried|not) kept\b", re.I), "a list of what was not kept"),
+         (re.compile(r"\bVMs?\b"), "a development machine")]
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_pages_are_reference_not_a_diary(page):
+    """The docs say what is true now; git keeps the history (CONTRIBUTING.md): no dates, no lists
+    of what was tried and dropped, no development machines (a benchmark names its machine)."""
+    with open(os.path.join(ROOT, page)) as f:
+        found = [f"line {n}: {what}" for n, line in enumerate(f, 1) for pattern, what in DIARY if pattern.search(line)]
+    assert not found, f"{page} reads as a diary ({'; '.join(found)}); condense it into docs/notes/ or drop it"
+
+
+def test_the_diary_check_finds_dates_and_machines():
+    lines = ["On 2026-11-28 the sort got faster.", "Tried and not kept: a wider tile.", "on the 2-core VM"]
+    assert [[what for pattern, what in DIARY if pattern.search(line)] for line in lines] == [
+        ["a date"], ["a list of what was not kept"], ["a development machine"]]
+    assert not [what for pattern, what in DIARY if pattern.search("Machine: a 2-core Intel Xeon, kept idle")]

@@ -63,5 +63,6 @@ def test_ruff_reads_the_projects_configuration(tmp_path):
     for terms, formatted in ((27, True), (30, False)):
         sample = tmp_path / f"line_{terms}.py"
         sample.write_text("x = " + "1 + " * terms + "1\n")
-        result = subprocess.run(_ruff() + ["format", "--check"] + config + [str(sample)], capture_output=True, text=True)
+        result = subprocess.run(_ruff() + ["format", "--check"] + config + [str(sample)],
+                                capture_output=True, text=True)
         assert (result.returncode == 0) == formatted, (len(sample.read_text()) - 1, result.stdout, result.stderr)
