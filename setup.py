@@ -39,7 +39,9 @@ setup(
     # bench: FBGEMM's table-batched embeddings, the peer tools/bench_lookup_reduce.py times beside
     # lookup_reduce (its CPU build for torch 2.13; 1.9.0 is built for torch 2.14)
     # eval: lm-evaluation-harness for rmt-eval (it pulls scikit-learn, sacrebleu, evaluate, ...)
-    extras_require={"dev": ["pytest==9.2.0", "pytest-xdist==3.8.0", "filelock==4.3.1"], "bench": ["fbgemm-gpu-cpu==1.8.0"],
+    # dev: the test suite (pytest, xdist, file locks) and ruff, which tests/test_lint.py runs
+    extras_require={"dev": ["pytest==9.2.0", "pytest-xdist==3.8.0", "filelock==4.3.1", "ruff==0.16.9"],
+                    "bench": ["fbgemm-gpu-cpu==1.8.0"],
                     "eval": ["lm-eval==0.4.13"]},
     # the local lm-eval task of rmt-eval (YAMLs, its data and loader); the code files rmt-export
     # writes beside remote-code weights

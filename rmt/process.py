@@ -7,7 +7,7 @@ embeds rmt calls it too if it wants what they get:
 
 * ``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets it: OpenMP threads sleep when a
   parallel region ends instead of spinning, which on a machine shared with other jobs keeps the
-  2-thread CPU kernels from stalling on a descheduled partner (docs/benchmarks.md). torch's
+  2-thread CPU kernels from stalling on a descheduled partner (docs/notes/lookup-reduce-cpu.md). torch's
   OpenMP runtime reads it once, when torch is first imported.
 * the warning filters of :mod:`rmt.quiet` (messages a user cannot act on, each matched narrowly);
 * megatron-core's import-time ``torch.compile`` deferred to first use (:mod:`rmt.deferred_compile`:

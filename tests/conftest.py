@@ -88,6 +88,15 @@ def run_python(args, nproc=1, timeout=600, check=True):
     return proc
 
 
+def fast_cases(values, fast):
+    """``values`` as a parametrization in which only the cases in ``fast`` run in the fast tier
+    (``pytest -m "not slow"``), the others being marked slow: a test of every architecture keeps
+    its representative cases there and runs all of them in the full suite."""
+    unknown = set(fast) - set(values)
+    assert not unknown, f"fast cases {sorted(unknown)} are not among {values}"
+    return [value if value in fast else pytest.param(value, marks=pytest.mark.slow) for value in values]
+
+
 def load_script(path):
     """The script at ``path`` (relative to the repository) as a module, for tests that call its
     functions; its ``__main__`` block does not run."""

@@ -4,7 +4,11 @@ benchmark writes."""
 
 import json
 
+import pytest
+
 from conftest import run_python
+
+pytestmark = pytest.mark.slow
 
 
 def test_bench_export_smoke(tmp_path):

@@ -65,6 +65,7 @@ def check_rowwise_peers(doc, table_dtype, proc):
             assert r["max_diff_table"] <= 1e-2 * 8 * 1e-4 + 2 ** -21
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("table_dtype,table_elem,load,digit_bits", [("fp32", 4, 0, None), ("bf16", 2, 1, "7")])
 def test_bench_quick_writes_json(tmp_path, monkeypatch, table_dtype, table_elem, load, digit_bits):
     """A seconds-long run writes the JSON, with the sort's digit width at the run's thread count (5
@@ -104,12 +105,14 @@ def test_bench_quick_writes_json(tmp_path, monkeypatch, table_dtype, table_elem,
     check_rowwise_peers(doc, table_dtype, proc)
 
 
+@pytest.mark.slow
 def test_bench_gpu_clock_on_cpu_is_rejected():
     proc = run_python(["tools/bench_lookup_reduce.py", "--device", "cpu", "--clock", "device"], check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].endswith("--clock device times CUDA events: it needs --device cuda")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (["--threads", "1,x"], "--threads must be comma-separated positive integers; got '1,x'"),
     (["--load", "-1"], "--load must be >= 0; got -1"),

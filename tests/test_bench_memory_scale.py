@@ -6,7 +6,11 @@ tested exactly in test_memory_scale.py.)"""
 import json
 import math
 
+import pytest
+
 from conftest import run_python
+
+pytestmark = pytest.mark.slow
 
 
 def test_bench_smoke_writes_json(tmp_path, cache_dir):

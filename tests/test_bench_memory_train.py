@@ -13,6 +13,7 @@ def _bench():
     return load_script("tools/bench_memory_train.py")
 
 
+@pytest.mark.slow
 def test_quick_run_matches_sizes_and_claims_nothing(tmp_path, cache_dir):
     out = tmp_path / "bench.json"
     proc = run_python(["tools/bench_memory_train.py", "--quick", "--steps", "2", "--eval-iters", "1",
@@ -70,6 +71,7 @@ def test_paired_orderings_use_the_per_seed_differences():
     assert pairs["ultramem vs pkm"]["paired_verdict"] == "not separated"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arg,message", [
     ("1,x", "--value-lr-mults takes numbers (1,3,10), KIND=MULT pairs (pkm=10,ultramem=30) or 'none'; got '1,x'"),
     ("pkm=10,moe=3", "--value-lr-mults: only pkm, ultramem and ultramem_v2 have value tables; got 'pkm=10,moe=3'"),
@@ -96,6 +98,7 @@ def test_backbone_mismatch_rejected(tmp_path):
         bench.check_backbone(configs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value_lr", [["--value-lr-mults", "none", "memory.value_lr_mult=3"],
                                       ["--value-lr-mults", "ultramem=3"]])
 def test_one_variant_without_sweep_for_ablations(tmp_path, cache_dir, value_lr):

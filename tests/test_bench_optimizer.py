@@ -8,7 +8,11 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 from conftest import run_python
+
+pytestmark = pytest.mark.slow
 
 
 def test_bench_quick_writes_json_and_optimizers_agree(tmp_path):

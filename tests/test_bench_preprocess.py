@@ -5,7 +5,11 @@ docs/benchmarks.md quotes."""
 import json
 import math
 
+import pytest
+
 from conftest import run_python
+
+pytestmark = pytest.mark.slow
 
 
 def test_bench_quick_writes_json(cache_dir, tmp_path):

@@ -10,6 +10,8 @@ import torch
 
 from conftest import load_script, run_python
 
+pytestmark = pytest.mark.slow
+
 
 def _bench():
     return load_script("tools/bench_recurrent.py")

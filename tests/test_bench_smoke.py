@@ -6,6 +6,8 @@ document every benchmark writes, with finite headline figures."""
 import json
 import math
 
+import pytest
+
 from conftest import load_script, run_python
 
 
@@ -17,6 +19,7 @@ def _doc(path, name, summary_keys):
     return doc
 
 
+@pytest.mark.slow
 def test_bench_memory_inference_smoke(tmp_path):
     out = tmp_path / "bench.json"
     run_python(["tools/bench_memory_inference.py", "--hidden", "64", "--heads", "2", "--layers", "2",
@@ -34,6 +37,7 @@ def test_bench_memory_inference_smoke(tmp_path):
         assert row["ultramem_v2_bytes"] > row["dense_bytes"]
 
 
+@pytest.mark.slow
 def test_bench_memory_parallel_smoke(tmp_path):
     out = tmp_path / "bench.json"
     run_python(["tools/bench_memory_parallel.py", "--steps", "3", "--hidden", "32", "--seq", "16", "--batch", "2",
@@ -46,6 +50,7 @@ def test_bench_memory_parallel_smoke(tmp_path):
         assert (row["memory_backward_s"] is not None) == row["async"]
 
 
+@pytest.mark.slow
 def test_bench_rmt_smoke(tmp_path):
     out = tmp_path / "bench.json"
     run_python(["tools/bench_rmt.py", "--sizes", "tiny", "--steps", "3", "--json", str(out),
@@ -62,12 +67,14 @@ def test_bench_rmt_smoke(tmp_path):
         assert step >= 0.9 * row[name]["planned_activation_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_bench_rmt_bad_override_is_one_sentence():
     proc = run_python(["tools/bench_rmt.py", "model.attention_kernel=flash", "--sizes", "tiny"], check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == "bench_rmt: model.attention_kernel must be one of 'sdpa', 'megatron', got 'flash'"
 
 
+@pytest.mark.slow
 def test_bench_memory_stream_smoke(tmp_path):
     """Every variant trains in its own process; the async stream computes the synchronous
     layers' numbers, so each pair ends at the same loss, bit for bit."""
@@ -89,6 +96,7 @@ def test_bench_memory_stream_smoke(tmp_path):
     assert len(callers) == 1 and callers[0].endswith(" train_step")
 
 
+@pytest.mark.slow
 def test_bench_memory_stream_bad_input_is_one_sentence():
     proc = run_python(["tools/bench_memory_stream.py", "--quick", "--variants", "sync,fast"], check=False)
     assert proc.returncode == 2 and proc.stdout == ""
@@ -102,6 +110,7 @@ def test_device_busy_time_counts_overlapping_kernels_once():
     assert bench.busy_union([]) == 0
 
 
+@pytest.mark.slow
 def test_bench_dense_switches_smoke(tmp_path, cache_dir):
     out = tmp_path / "bench.json"
     run_python(["tools/bench_dense_switches.py", "--quick", "--variants", "fp32,bf16,recompute_full,all",
@@ -115,6 +124,7 @@ def test_bench_dense_switches_smoke(tmp_path, cache_dir):
     assert rows["recompute_full"]["step_peak_bytes"] < rows["fp32"]["step_peak_bytes"]
 
 
+@pytest.mark.slow
 def test_bench_dense_switches_loss_band_smoke(tmp_path, cache_dir):
     out = tmp_path / "band.json"
     run_python(["tools/bench_dense_switches.py", "--loss-band", "configs/tiny.yaml", "--seeds", "1,2", "--json",

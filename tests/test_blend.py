@@ -166,6 +166,7 @@ def test_blend_must_share_one_tokenizer(corpora, tmp_path):
         f"(re-run rmt-preprocess with one of them)")
 
 
+@pytest.mark.slow
 def test_blended_training_resumes_under_another_data_parallel_size(corpora, cache_dir, tmp_path):
     """Six steps on a blend at DP=1, against three at DP=1 and three more resumed at DP=2."""
     common = tiny_overrides(cache_dir, steps=6) + [f"data.path=0.7 {corpora['web']} 0.3 {corpora['code']}"]

@@ -16,6 +16,8 @@ import pytest
 
 from conftest import ROOT, _env, rmt_train, tiny_overrides
 
+pytestmark = pytest.mark.slow
+
 
 def _losses(path):
     with open(path) as f:

@@ -66,6 +66,7 @@ def test_yaml_errors(tmp_path):
         load_config(str(tmp_path / "missing.yaml"))
 
 
+@pytest.mark.slow
 def test_cli_exits_2_with_one_sentence(tmp_path):
     proc = rmt_train(["--config", f"{ROOT}/configs/tiny.yaml", "model.heads=4"], check=False)
     assert proc.returncode == 2

@@ -83,6 +83,7 @@ def test_truncated_idx_and_bin_rejected(tmp_path):
         open_indexed(prefix)
 
 
+@pytest.mark.slow
 def test_training_rejects_bad_data_with_exit_2(cache_dir, tmp_path):
     missing = rmt_train(tiny_overrides(cache_dir) + [f"data.path={tmp_path}/none"], check=False)
     assert missing.returncode == 2 and "has no" in missing.stderr and "rmt-preprocess" in missing.stderr
@@ -95,6 +96,7 @@ def test_training_rejects_bad_data_with_exit_2(cache_dir, tmp_path):
     assert "Traceback" not in corrupt.stderr
 
 
+@pytest.mark.slow
 def test_out_of_range_token_ids_rejected(cache_dir, tmp_path):
     prefix = str(tmp_path / "ds")
     preprocess_main(["--input", _jsonl(tmp_path / "in.jsonl"), "--output-prefix", prefix])
@@ -132,6 +134,7 @@ def test_default_corpus_is_real_text():
     assert os.path.basename(files[0]).endswith(".py")
 
 
+@pytest.mark.slow
 def test_split_without_validation_documents_rejected(cache_dir):
     proc = rmt_train(tiny_overrides(cache_dir) + ["train.eval_iters=1"], check=False)
     assert proc.returncode == 2

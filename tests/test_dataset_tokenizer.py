@@ -25,6 +25,7 @@ def _jsonl(path):
     return str(path)
 
 
+@pytest.mark.slow
 def test_bpe_data_trains_and_generates_with_its_own_tokenizer(cache_dir, tmp_path):
     prefix = str(tmp_path / "bpe")
     preprocess_main(["--input", _jsonl(tmp_path / "in.jsonl"), "--output-prefix", prefix, "--tokenizer", "bpe",

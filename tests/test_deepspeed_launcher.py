@@ -8,6 +8,8 @@ import pytest
 
 from conftest import ROOT, _env, _free_port, json_history, rmt_train, tiny_overrides
 
+pytestmark = pytest.mark.slow
+
 
 def _launch(args, timeout=600, **env):
     full = dict(_env(), MASTER_PORT=str(_free_port()), **env)

@@ -5,11 +5,14 @@ with."""
 
 import json
 
+import pytest
+
 from conftest import run_python
 
 from rmt.deferred_compile import deferred
 
 
+@pytest.mark.slow
 def test_importing_the_trainer_leaves_the_compiler_unimported_and_fusions_deferred():
     proc = run_python(["-c", "import json, sys, rmt\n"
                              "rmt.setup_process()\n"

@@ -9,6 +9,8 @@ import torch
 
 from conftest import tiny_overrides, train_cases, train_runs
 
+pytestmark = pytest.mark.slow
+
 DIST = ["train.distributed_optimizer=true"]
 ULTRAMEM = ["model.seq_length=16", "memory.type=ultramem", "memory.placement='1:2'", "memory.num_keys=8",
             "memory.topk=4", "memory.key_dim=16", "memory.ive_blocks=4"]

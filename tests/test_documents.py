@@ -166,6 +166,7 @@ def layout_runs(short_documents, cache_dir, tmp_path_factory):
     return train_cases(tmp_path_factory, "document_layouts", cases)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(LAYOUT_CASES))
 def test_document_keys_under_parallel_layouts(case, layout_runs):
     """3 training steps with the document keys on data of short documents: TP=2 (masked

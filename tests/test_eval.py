@@ -12,6 +12,7 @@ pytest.importorskip("lm_eval")
 
 import lm_eval  # noqa: E402
 
+from conftest import fast_cases  # noqa: E402
 from eval_models import MODELS, tiny_model  # noqa: E402
 from rmt import parallel  # noqa: E402
 from rmt.data.tokenizers import ByteTokenizer  # noqa: E402
@@ -68,7 +69,7 @@ def samples_by_request(results, task):
     return out
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", fast_cases(sorted(MODELS), {"rmt_ultramem"}))
 def test_harness_equals_direct_logprobs(model_of, name):
     model, config = model_of(name)
     lm = RMTLM(model=model, config=config, tokenizer=ByteTokenizer(), batch_size=1)
@@ -98,7 +99,8 @@ def test_harness_equals_direct_logprobs(model_of, name):
             assert abs(a - b) <= 1e-4, (task, key, a, b)
 
 
-@pytest.mark.parametrize("name", ["transformer", "rmt", "recurrent", "mixer_mixed_decay", "ultramem"])
+@pytest.mark.parametrize("name", fast_cases(["transformer", "rmt", "recurrent", "mixer_mixed_decay", "ultramem"],
+                                            {"transformer"}))
 def test_generate_until_equals_rmt_decoding(model_of, name):
     model, config = model_of(name)
     results = {}
@@ -137,6 +139,7 @@ def test_cli_from_checkpoint(tmp_path, capsys):
         assert got == {k: list(v) for k, v in samples_by_request(again, task).items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv,message", [
     (["--tasks", "no_such_task"], "unknown lm-eval task 'no_such_task'"),
     (["--tasks", "rmt_local", "--batch-size", "0"], "--batch-size and --max-gen-toks must be positive"),

@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from conftest import fast_cases  # noqa: E402
 from eval_models import MODELS, causal_logits, train_tiny  # noqa: E402
 from rmt import parallel  # noqa: E402
 from rmt.data.tokenizers import ByteTokenizer  # noqa: E402
@@ -61,7 +62,7 @@ def test_standard_export_equals_rmt(tmp_path, capsys, name, extra, model_type):
 REMOTE = sorted(set(MODELS) - {"transformer", "transformer_rope"}) + ["transformer_rmsnorm"]
 
 
-@pytest.mark.parametrize("name", REMOTE)
+@pytest.mark.parametrize("name", fast_cases(REMOTE, {"rmt_ultramem", "mixer_mixed_decay"}))
 def test_remote_code_export_equals_rmt(tmp_path, capsys, name):
     extra = ["model.normalization=RMSNorm"] if name == "transformer_rmsnorm" else []
     save = train_tiny(tmp_path, "transformer" if extra else name, extra + ["train.lr=3e-2"])

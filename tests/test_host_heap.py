@@ -11,7 +11,8 @@ import pytest
 
 from conftest import ROOT, _env
 
-pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")]
 
 SCRIPT = """
 import json, resource, statistics, sys
@@ -49,8 +50,8 @@ def test_steps_reuse_freed_heap_memory(tmp_path, cache_dir):
     # A step's activations are ~30 MiB in tensors of 0.5-2 MiB. Retained, almost none are faulted in
     # again (medians 0-7 pages; a step that first raises the heap's high-water mark faults its
     # growth, 128-512 pages once). glibc's defaults fault most of them in again every step in most
-    # runs: medians of 16 steps of 1,120-3,568 4-KiB pages, but 1.5 and 180 in two of 16 runs on
-    # 2026-11-26, where the first steps happened to leave the dynamic mmap threshold and the heap's
+    # runs: medians of 16 steps of 1,120-3,568 4-KiB pages, but 1.5 and 180 in two of 16 runs,
+    # where the first steps happened to leave the dynamic mmap threshold and the heap's
     # top so that every later allocation fit. So the baseline is the first of up to three runs of
     # the defaults that faults over 500 pages (2 MiB), and the claim is the ratio against it.
     retained = _faults_per_step(tmp_path, cache_dir, 256)

@@ -4,7 +4,11 @@ import json
 import os
 import subprocess
 
+import pytest
+
 from conftest import ROOT, _env, tiny_overrides
+
+pytestmark = pytest.mark.slow
 
 
 def test_quickstart_command_trains_with_falling_loss(cache_dir, tmp_path):

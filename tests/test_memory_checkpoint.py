@@ -13,6 +13,8 @@ from rmt.config_checks import validate
 from rmt.parallel.sharding import gather_full
 from rmt.training.trainer import Trainer
 
+pytestmark = pytest.mark.slow
+
 MEMORY = ["memory.type=ultramem", "memory.placement='1:2'", "memory.key_dim=8", "memory.num_keys=4",
           "memory.topk=3", "memory.init_samples=2"]
 

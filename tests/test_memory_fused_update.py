@@ -42,6 +42,7 @@ def unfused(cache_dir, tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sparse_adam", "rowwise_adagrad"])
 def test_fused_training_equals_unfused_without_clipping(unfused, cache_dir, tmp_path, optimizer):
     """Clipping off (grad_norm still reported): losses, grad norms (the fused kernel's squared
@@ -56,6 +57,7 @@ def test_fused_training_equals_unfused_without_clipping(unfused, cache_dir, tmp_
     assert float(got["grads"][VALUES].abs().sum()) == 0.0 and float(ref["grads"][VALUES].abs().sum()) > 0
 
 
+@pytest.mark.slow
 def test_clipping_with_fused_values(unfused, cache_dir, tmp_path):
     """Clipping on and active: grad_norm and every other parameter are the unfused run's; the value
     rows step with their unclipped gradient, i.e. as in the unfused run without clipping."""
@@ -68,6 +70,7 @@ def test_clipping_with_fused_values(unfused, cache_dir, tmp_path):
     torch.testing.assert_close(got["params"][VALUES], unclipped["params"][VALUES], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer,nproc,extra", [
     ("sparse_adam", 2, []),
     ("rowwise_adagrad", 4, ["parallel.tensor_model_parallel_size=2", "memory.partition=number"]),

@@ -9,6 +9,7 @@ from rmt.config_checks import validate
 from rmt.errors import ConfigError
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_sharded_table_equals_local_and_sends_planned_bytes(nproc):
     out = run_python(["tests/dist/memory_parallel_table.py"], nproc=nproc).stdout
@@ -38,6 +39,7 @@ def assert_same_training(ref, got):
             torch.testing.assert_close(got[kind][key], value, rtol=1e-5, atol=1e-5, msg=f"{kind} {key}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc,extra,reload,reload_nproc", [
     (4, ["parallel.tensor_model_parallel_size=2", "memory.partition=number", "memory.owner_reduce=true",
          "memory.group_size=2"], ["memory.partition=number"], 1),

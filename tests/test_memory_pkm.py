@@ -128,6 +128,7 @@ def runs(cache_dir, tmp_path_factory):
     return train_cases(tmp_path_factory, "pkm_layouts", cases)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_pkm_query_layout_matches_single_process(layout, runs):
     """Global batch 4 of microbatches of 2: one process runs two microbatches, DP=2 one per

@@ -39,6 +39,7 @@ def runs(cache_dir, tmp_path_factory):
     return train_cases(tmp_path_factory, "memory_pp", cases)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_memory_pipeline_matches_single_process(layout, runs):
     """Second case: each stage shards its tables number-wise over its two TP ranks, which

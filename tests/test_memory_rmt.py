@@ -82,6 +82,7 @@ def test_rmt_memory_width_is_validated():
         _rmt("memory.num_cores=5")
 
 
+@pytest.mark.slow
 def test_ultramem_rmt_tiny_config_trains(cache_dir, tmp_path, monkeypatch):
     # The in-process group of the megatron fixture holds its MASTER_PORT; the CLI picks its own.
     monkeypatch.delenv("MASTER_PORT", raising=False)

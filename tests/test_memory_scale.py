@@ -139,6 +139,7 @@ def test_expected_topm_mean_for_billions_of_candidates_is_cheap():
     assert expected_topm_mean(10 ** 10, 16) < expected_topm_mean(10 ** 10, 1)
 
 
+@pytest.mark.slow
 def test_table_checkpoints_reshard_through_chains_of_layouts_within_one_chunk(tmp_path):
     """4 ranks: number(4) -> dimension(2) -> number(4), dimension(4) -> number(2) -> local, with
     per-row state number(4) -> number(2) -> local, and one-column shards dimension(4) -> number(4);
@@ -165,6 +166,7 @@ MEMORY = ["memory.type=ultramem", "memory.placement='1:2'", "memory.num_keys=512
           "memory.key_dim=16"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [["memory.partition=number", "memory.value_optimizer=sparse_adam"],
                                     ["memory.partition=number", "memory.owner_reduce=true",
                                      "memory.value_optimizer=rowwise_adagrad"],
@@ -200,6 +202,7 @@ parallel.destroy()
 """
 
 
+@pytest.mark.slow
 def test_a_resumed_run_does_not_draw_the_tables_it_loads(tmp_path, cache_dir):
     """A restart allocates its shards without drawing them (the load overwrites every value): no
     counter-normal fill runs, and the tables start as the checkpoint holds them."""

@@ -26,6 +26,7 @@ def assert_same(ref, got, tol=1e-5):
             torch.testing.assert_close(got[kind][key], value, rtol=tol, atol=tol, msg=f"{kind} {key}")
 
 
+@pytest.mark.slow
 def test_first_sparse_adam_step_equals_adamw(cache_dir, tmp_path):
     """Step 1 of Adam is lr * g / (|g| + eps') on every element with a gradient and nothing
     elsewhere, lazy or not (SparseAdam adds eps before the bias correction, AdamW after it, so
@@ -53,6 +54,7 @@ def single(cache_dir, tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer,nproc,extra,reload,reload_nproc", [
     ("sparse_adam", 2, [], [], 1),
     ("rowwise_adagrad", 4, ["parallel.tensor_model_parallel_size=2", "memory.partition=number"],

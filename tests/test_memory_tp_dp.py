@@ -9,6 +9,8 @@ import torch
 
 from conftest import tiny_overrides, train_cases
 
+pytestmark = pytest.mark.slow
+
 MEMORY = ["memory.type=ultramem", "memory.placement='1:2'", "memory.key_dim=8", "memory.num_keys=4",
           "memory.topk=3", "memory.init_samples=2"]
 ARCHS = {"transformer": [],

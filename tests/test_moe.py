@@ -164,6 +164,7 @@ def runs(cache_dir, tmp_path_factory):
     return train_cases(tmp_path_factory, "moe_layouts", cases)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_expert_parallel_layout_matches_single_process(layout, runs):
     """Losses, every gradient (experts reassembled at their global indices) and the weights
@@ -181,6 +182,7 @@ def test_expert_parallel_layout_matches_single_process(layout, runs):
 
 
 # ---- checkpoints across EP sizes -----------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("moe,save_ep,load_ep", [(MLP, 2, 1), (SKIP, 1, 2)])
 def test_checkpoint_reshards_across_expert_parallel_sizes(moe, save_ep, load_ep, cache_dir, tmp_path):
     """Six steps in one run equal three steps at one EP size, saved, and three more resumed at

@@ -10,6 +10,8 @@ import pytest
 
 from conftest import ROOT
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("user, spin_count", [(None, "0"), ("ACTIVE", "30000000000")])
 def test_openmp_wait_policy_reaches_torch(user, spin_count):

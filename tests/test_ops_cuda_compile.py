@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch.utils.cpp_extension as cpp_extension
 
+pytestmark = pytest.mark.slow
+
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 CUDA_HOMES = ("/usr/local/cuda",)
 

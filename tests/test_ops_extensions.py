@@ -25,6 +25,7 @@ def _spec(tmp_path, text=SOURCE, flags=("-O1",)):
     return {"sources": [str(src)], "extra_cflags": list(flags)}
 
 
+@pytest.mark.slow
 def test_key_is_stable_within_an_environment_and_differs_across_them(tmp_path, monkeypatch):
     name, spec = "rmt_lookup_reduce_cpu", EXTENSIONS["rmt_lookup_reduce_cpu"]
     key = cache_key(name, spec)
@@ -51,6 +52,7 @@ def test_key_is_stable_within_an_environment_and_differs_across_them(tmp_path, m
     assert cache_key("probe", probe) == base
 
 
+@pytest.mark.slow
 def test_building_leaves_the_spec_and_its_key_unchanged(tmp_path, monkeypatch):
     """torch's load() appends its link flags to the extra_ldflags list it is given: a build must
     not change the spec it was asked for, or a later process looks for the binary under another
@@ -64,6 +66,7 @@ def test_building_leaves_the_spec_and_its_key_unchanged(tmp_path, monkeypatch):
     assert cache_key("rmt_probe_ldflags", spec) == key
 
 
+@pytest.mark.slow
 def test_second_process_loads_without_rebuilding(tmp_path):
     spec = _spec(tmp_path)
     env = dict(os.environ, PYTHONPATH=ROOT, TORCH_EXTENSIONS_DIR=str(tmp_path / "cache"))

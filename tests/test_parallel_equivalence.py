@@ -7,6 +7,8 @@ import torch
 
 from conftest import tiny_overrides, train_cases
 
+pytestmark = pytest.mark.slow
+
 LAYOUTS = {
     "tp2": ["parallel.tensor_model_parallel_size=2"],
     "pp2": ["parallel.pipeline_model_parallel_size=2"],

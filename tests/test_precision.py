@@ -7,6 +7,8 @@ import pytest
 
 from conftest import tiny_overrides, train_steps
 
+pytestmark = pytest.mark.slow
+
 # The RMT's logits start uniform and move slowly at the tiny default rate (3 steps: fp32 and bf16
 # losses equal to 6 digits); at its configs' rate 1e-2 and 8 steps its loss falls by 0.2
 ARCHS = {"transformer": [], "rmt": ["model.arch=rmt", "model.position=alibi", "model.dk=8",

@@ -80,6 +80,7 @@ def _run(argv):
     assert preprocess_main(argv + ["--no-progress"]) == 0
 
 
+@pytest.mark.slow
 def test_output_identical_whatever_workers_and_chunks(inputs, tmp_path):
     d, patterns, texts = inputs
     tok = HFTokenizer(train_bpe(sum(texts.values(), []), 300, str(tmp_path / "bpe.json")))

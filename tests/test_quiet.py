@@ -7,7 +7,11 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, _env, run_python, tiny_overrides
+
+pytestmark = pytest.mark.slow
 
 NOISE = re.compile(r"Apex|Transformer Engine|deprecat|CUDA_DEVICE_MAX_CONNECTIONS|USDT:|STAGE:|Warning",
                    re.IGNORECASE)

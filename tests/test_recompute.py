@@ -91,6 +91,7 @@ def references(cache_dir):
     return {}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_recompute_gradients_equal_the_run_without(case, cache_dir, references, monkeypatch):
     arch, settings, spans = CASES[case]

@@ -18,6 +18,8 @@ import pytest
 
 from conftest import ROOT, _env, _free_port, tiny_overrides
 
+pytestmark = pytest.mark.slow
+
 FAKE_SLURM = os.path.join(ROOT, "tests", "fake_slurm")
 
 

@@ -58,7 +58,8 @@ def _norm(x, gain, eps):
 
 
 def naive_forward(model, cfg, ids):
-    """§2.2 written per head with the authors' einsums (REFERENCE_NOTES), residual [b,t,Dv,Dk]."""
+    """§2.2 written per head with the authors' einsums (docs/reference-implementations.md), residual
+    [b,t,Dv,Dk]."""
     m = cfg.model
     R, Dk, Dv, eps = m.rank, m.dk, m.dv, m.layernorm_epsilon
     b, t = ids.shape

@@ -6,7 +6,11 @@ with every one of those switches on 4 gloo ranks, saves, and resumes."""
 import json
 import os
 
+import pytest
+
 from conftest import _env, rmt_train, run_python
+
+pytestmark = pytest.mark.slow
 
 SCALE = "configs/ultramem_7b_tp8.yaml"
 TINY = "configs/ultramem_7b_tp8_tiny.yaml"

@@ -61,6 +61,7 @@ def runs(cache_dir, tmp_path_factory):
     return train_cases(tmp_path_factory, "sequence_parallel", cases)
 
 
+@pytest.mark.slow
 def test_generate_from_a_sequence_parallel_checkpoint(runs, tmp_path_factory, tmp_path):
     """rmt-generate runs the checkpoint on one process (TP = 1, so without sequence parallelism)."""
     from rmt.generate import main
@@ -72,6 +73,7 @@ def test_generate_from_a_sequence_parallel_checkpoint(runs, tmp_path_factory, tm
     assert len(ids) == 7 and ids[:3] == [1, 2, 3]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_sequence_parallel_matches_single_process(case, runs):
     memory = CASES[case][0]

@@ -4,8 +4,12 @@ warmup (20 steps) is clamped below train.steps, and the run says so."""
 import glob
 import os
 
+import pytest
+
 from conftest import ROOT, run_python
 from rmt.config import load_config
+
+pytestmark = pytest.mark.slow
 
 # one process each: the tiny twin of the 7B example needs TP = 2 x DP = 2 (tests/test_scale_config.py)
 TINY_CONFIGS = sorted(c for c in glob.glob(os.path.join(ROOT, "configs", "*tiny.yaml"))

@@ -37,6 +37,7 @@ def checkpoint(cache_dir, tmp_path_factory):
     return ckpt
 
 
+@pytest.mark.slow
 def test_allocation_that_can_never_fit_is_refused_before_allocating(cache_dir):
     proc = rmt_train(tiny_overrides(cache_dir) + ["model.seq_length=400000"], check=False)
     line = _one_sentence(proc, "rmt-train", "this run needs at least ")
@@ -82,6 +83,7 @@ def open_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_unwritable_checkpoint_directory_is_refused_at_start(cache_dir, tmp_path, open_dir):
     """A read-only directory (as another user when the tests run as root: permission bits do not
     bind root) and a path below a file; neither trains a step."""
@@ -113,6 +115,7 @@ def test_unwritable_checkpoint_directory_is_refused_at_start(cache_dir, tmp_path
     _one_sentence(below_file, "rmt-train", f"cannot create '{tmp_path}/file/ckpt': Not a directory")
 
 
+@pytest.mark.slow
 def test_resuming_with_another_model_shape_or_architecture(checkpoint, cache_dir):
     for override, key, ours, theirs in [("model.hidden_size=64", "model.hidden_size", 64, 32),
                                         ("model.num_attention_heads=8", "model.num_attention_heads", 8, 4),
@@ -126,6 +129,7 @@ def test_resuming_with_another_model_shape_or_architecture(checkpoint, cache_dir
     _one_sentence(gen, "rmt-generate", "model.num_attention_heads is 8 here but 4 in checkpoint")
 
 
+@pytest.mark.slow
 def test_truncated_checkpoint_in_generate_and_training(checkpoint, cache_dir, tmp_path):
     broken = tmp_path / "ckpt"
     shutil.copytree(checkpoint, broken)
@@ -157,6 +161,7 @@ def test_empty_or_contentless_preprocess_inputs(tmp_path):
     assert not [n for n in os.listdir(tmp_path) if n.startswith("o.")]  # nothing written
 
 
+@pytest.mark.slow
 def test_metadata_understating_the_vocabulary(cache_dir, tmp_path):
     from rmt.data.preprocess import main as preprocess_main
 
@@ -183,6 +188,7 @@ def test_prompt_that_is_not_utf8(checkpoint):
         "pass UTF-8 text or token ids with --prompt-ids")
 
 
+@pytest.mark.slow
 def test_output_piped_into_head_is_cut_off_quietly(checkpoint):
     """The reader leaves after one line: no 'Broken pipe' error, exit status 0, work finished."""
     cmd = (f"{sys.executable} -m rmt.planner.cli model --config {TINY_YAML} | head -c 10; "
@@ -195,6 +201,7 @@ def test_output_piped_into_head_is_cut_off_quietly(checkpoint):
         assert len(json.load(f)["samples"]) == 8000  # more than a pipe buffer: the reader left first
 
 
+@pytest.mark.slow
 def test_overrides_after_eval_only(checkpoint, cache_dir):
     proc = rmt_train(["--eval-only", f"train.load={checkpoint}"] + tiny_overrides(cache_dir)
                      + ["train.eval_iters=1", "data.split=80,20,0", "--json", f"{checkpoint}/../e.json"])
@@ -204,6 +211,7 @@ def test_overrides_after_eval_only(checkpoint, cache_dir):
         "rmt-train: error: --eval-only needs train.eval_iters > 0 (validation batches to evaluate)")
 
 
+@pytest.mark.slow
 def test_mistake_under_torchrun_is_said_once(cache_dir, tmp_path):
     """Two ranks under the launcher (torchrun) meet the same mistake after the process groups
     exist (a checkpoint directory that cannot be created): rank 0 says it once, exit status 2,

@@ -23,9 +23,9 @@ Feed-forward input ordering: Eq. 25 concatenates the R read vectors head-major
 output). The two differ by a fixed permutation of W1's input columns (and W2's output rows),
 i.e. the same model family with the same i.i.d. initialisation.
 
-Choices of the authors' code (REFERENCE_NOTES): RMSNorm over all Dk*Dv entries jointly with an
-elementwise gain, eps ``model.layernorm_epsilon``; attention logits scaled by
-``1/(sqrt(Dv) (l+1))`` (inverse layer scaling), softmax in fp32; ALiBi slopes
+Choices of the authors' code (docs/reference-implementations.md): RMSNorm over all Dk*Dv
+entries jointly with an elementwise gain, eps ``model.layernorm_epsilon``; attention logits
+scaled by ``1/(sqrt(Dv) (l+1))`` (inverse layer scaling), softmax in fp32; ALiBi slopes
 ``geomspace(2^(-8/R), 2^-8)`` or learned positions written with their own keys (Eq. 19);
 no biases; untied, zero-initialised unembedding; z-loss is ``train.z_loss``.
 
