@@ -4,7 +4,11 @@ whole-rank plan, the dense parameters exactly the plan's."""
 
 import json
 
+import pytest
+
 from conftest import run_python
+
+pytestmark = pytest.mark.slow
 
 
 def test_bench_smoke_writes_json(tmp_path, cache_dir):

@@ -34,6 +34,7 @@ def test_rank_params_equal_the_built_model(single_process, case):
     assert stage_params(config, layout_of(config, 1), 0) == built
 
 
+@pytest.mark.slow
 def test_rank_params_under_tensor_pipeline_expert_parallelism(tmp_path):
     """Every rank of TP2 x PP2, PP2 x VPP2, TP4 with UltraMem, TP2 with MoE experts over EP2, the
     RMT at TP2 x PP2 and TP4 (4 gloo ranks): exact."""
