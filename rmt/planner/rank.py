@@ -18,7 +18,8 @@ tensor-parallel ranks, ``P_r`` the dense parameters the rank holds):
     expert x expert-tensor parallelism.
 ``activations``
     what the backward keeps, per micro-batch and model chunk (:func:`chunk_activations`: the
-    model of :mod:`rmt.planner.flops` split into the parts a tensor-parallel rank holds whole
+    model of :mod:`rmt.planner.flops` (the transformer's layer for the mixer, twice per token for
+    the recurrent transformer's overlapping windows) split into the parts a tensor-parallel rank holds whole
     (norm inputs, the hidden states between sublayers: ``1/t`` of them under sequence parallelism)
     and the parts it holds ``1/t`` of (attention heads, FFN columns, vocab-parallel logits)), times
     the micro-batches in flight at the schedule's peak (:func:`in_flight`): one without pipeline
@@ -307,6 +308,8 @@ def chunk_activations(config, layout: Layout, stage: int, chunk: int) -> Dict[st
     sp = layout.sequence_parallel
     whole, split, lse = _layer_activation_elements(config, layout)
     layer = (whole // (t if sp else 1) + split // t) * b + lse // t
+    if m.arch == "recurrent":  # each layer runs on windows: 2k tokens per block of k (rmt.planner.flops)
+        layer = layer * 2 * m.block_width * -(-m.seq_length // m.block_width) // m.seq_length
     core = (lse // t) if m.attention_kernel == "sdpa" or m.arch == "rmt" else m.num_attention_heads * m.seq_length * b // t
     width = m.dk * m.dv if m.arch == "rmt" else m.hidden_size
     hidden = width * b // (t if sp else 1)
