@@ -6,7 +6,6 @@ import json
 import pytest
 
 from conftest import load_script, run_python
-from rmt import parallel
 from rmt.config import load_config
 from rmt.config_checks import validate
 from rmt.models.build import build
@@ -15,14 +14,7 @@ from rmt.planner.dense import dense_bytes_per_param
 from rmt.planner.layouts import search
 from rmt.planner.rank import in_flight, layout_of, plan_rank, rank_phases, stage_params, with_vocabulary
 from rmt.training.optimizer import is_table
-from test_flops import CASES, COMMON
-
-
-@pytest.fixture(scope="module")
-def single_process():
-    parallel.initialize(validate(load_config(None, []), world_size=1))
-    yield
-    parallel.destroy()
+from test_flops import CASES, COMMON, single_process  # noqa: F401  (a fixture)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
