@@ -68,6 +68,27 @@ def test_memory_floor_counts_what_training_certainly_allocates():
     assert memory_floor(scaled) == {"state": 9 * doc["params"], "mask": 128 * 128, "activations": 0}
 
 
+def test_a_run_over_the_whole_rank_plan_is_said_once_and_goes_ahead(capsys, monkeypatch):
+    """Between the certain floor and the whole-rank plan (which counts the process and upper
+    bounds), the run starts and rank 0 says in one line what the planner counts."""
+    from rmt.config import load_config
+    from rmt.config_checks import validate
+    from rmt.planner.rank import plan_rank
+    from rmt.training.fit import check_fits, memory_floor
+
+    config = validate(load_config(TINY_YAML, ["model.vocab_size=257"]), 1)
+    floor, peak = sum(memory_floor(config).values()), plan_rank(config, 1, "cpu")["peak"]
+    assert floor < peak
+    check_fits(config, available=peak, device="cpu")
+    assert capsys.readouterr().err == ""
+    check_fits(config, available=peak - 1, device="cpu")
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"rmt-train: rmt-plan counts {peak / 2 ** 30:,.1f} GiB per rank for this run")
+    monkeypatch.setenv("RANK", "1")
+    check_fits(config, available=peak - 1, device="cpu")
+    assert capsys.readouterr().err == ""
+
+
 def test_config_naming_a_directory(tmp_path):
     proc = _module("rmt.training.cli", ["--config", str(tmp_path)])
     assert _one_sentence(proc, "rmt-train", "") == (

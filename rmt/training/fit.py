@@ -19,13 +19,15 @@ a run that might fit:
 
 A model that fits this bound may still run out of memory later; one that exceeds it cannot run
 at all, and without this check it would fail inside an allocation with a traceback (or after
-the machine swapped for minutes).
+the machine swapped for minutes). Where the bound fits but the whole-rank plan
+(``rmt-plan memory --config``) does not, one line says so and the run goes ahead.
 """
 
 from __future__ import annotations
 
 import copy
 import os
+import sys
 from typing import Optional
 
 from rmt.config import RMTConfig
@@ -86,12 +88,36 @@ def memory_floor(config: RMTConfig) -> dict:
     return {"state": state, "activations": activations, "mask": m.seq_length ** 2}
 
 
-def check_fits(config: RMTConfig, available: Optional[int] = None) -> None:
-    """Raise :class:`ConfigError` when :func:`memory_floor` exceeds what a rank could ever get."""
+def planned_peak(config: RMTConfig, device: str) -> Optional[int]:
+    """The whole-rank plan's peak per rank (:mod:`rmt.planner.rank`, every phase) for this run at
+    the launcher's world size; None where it cannot be made without the data (an unknown
+    vocabulary)."""
+    from rmt.planner.rank import plan_rank, with_vocabulary
+
+    try:
+        planned = with_vocabulary(copy.deepcopy(config))
+    except ValueError:
+        return None
+    return plan_rank(planned, world_size_from_env(), device)["peak"]
+
+
+def check_fits(config: RMTConfig, available: Optional[int] = None, device: Optional[str] = None) -> None:
+    """Raise :class:`ConfigError` when :func:`memory_floor` exceeds what a rank could ever get;
+    say (once, on rank 0) when the whole-rank plan does, which an upper-bound term of the plan
+    may overstate, so the run goes ahead."""
+    import torch
+
     available = rank_memory() if available is None else available
+    device = device or ("gpu" if torch.cuda.is_available() else "cpu")
     floor = memory_floor(config)
     need = sum(floor.values())
     if need <= available:
+        peak = planned_peak(config, device)
+        if peak is not None and peak > available and os.environ.get("RANK", "0") == "0":
+            print(f"rmt-train: rmt-plan counts {peak / _GIB:,.1f} GiB per rank for this run, more than the "
+                  f"{available / _GIB:,.1f} GiB a rank has here, so it may run out of memory; "
+                  f"`rmt-plan memory --config ... --world-size {world_size_from_env()}` itemizes it and "
+                  f"`rmt-plan layouts --config ...` lists the layouts that fit", file=sys.stderr, flush=True)
         return
     m, t = config.model, config.train
     raise ConfigError(
