@@ -211,6 +211,7 @@ def test_input_errors_are_one_sentence(inputs, tmp_path, capsys):
     assert _error(["--input", str(tmp_path / "none*.jsonl")] + out, capsys) == (
         2, f"rmt-preprocess: error: input pattern '{tmp_path}/none*.jsonl' matches no file")
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a"]})}).save_to_disk(str(tmp_path / "dd"))
+    capsys.readouterr()  # the test's own save_to_disk may draw HF's progress bar
     assert _error(["--input", str(tmp_path / "dd")] + out, capsys) == (
         2, f"rmt-preprocess: error: input '{tmp_path}/dd' is a HF DatasetDict (splits: train); give the "
            f"directory of one split, e.g. '{tmp_path}/dd/train'")
