@@ -7,10 +7,8 @@
 // [K, M] for a transposed A). float32 and float64 call the BLAS that libtorch_cpu exports
 // (sgemm_ / dgemm_: MKL's on torch's x86 wheels, declared as torch's own CPUBlas.cpp declares
 // them) directly. Written by hand because the kernels run one small GEMM per block of 64 tokens,
-// about 190 per step of the tiny RMT, and at::mm_out on narrowed views of the blocks cost 2.5-6.6
-// us more per block (narrow, transpose, the dispatcher, mm's checks and its choice of path):
-// ~1.3 ms of the tiny step, more than the RMT's margin over its transformer twin
-// (docs/benchmarks.md). The plain reference is the same product through at::mm_out on tensors
+// and at::mm_out's per-call overhead on narrowed views of the blocks (narrow, transpose, the
+// dispatcher, mm's checks) is a visible share of a small model's step. The plain reference is the same product through at::mm_out on tensors
 // wrapping the same memory, which this header falls back to for bfloat16 (no such BLAS symbol),
 // for dimensions over 32-bit BLAS ints, and where libtorch exports no sgemm_ / dgemm_.
 #pragma once

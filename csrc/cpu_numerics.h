@@ -1,4 +1,4 @@
-// Arithmetic helpers shared by the CPU kernels (lookup_reduce_cpu.cpp, sparse_optim_cpu.cpp):
+// Arithmetic helpers shared by the CPU kernels (lookup_reduce_*_cpu.cpp, sparse_optim_cpu.cpp):
 // rounding to a table's element type, and multiply-add with a fixed number of roundings.
 #pragma once
 

@@ -1,6 +1,6 @@
 // The per-row update rules of the row-wise optimizers (rmt/ops/sparse_optim.py), shared by the
 // optimizer steps on a stored gradient (sparse_optim_cpu.cpp) and the backward that applies the
-// step to each row once its gradient is summed (lookup_reduce_cpu.cpp), so the two compute
+// step to each row once its gradient is summed (lookup_reduce_update_cpu.cpp), so the two compute
 // the same operations in the same order. Both translation units are built with
 // -ffp-contract=off: every product and sum is rounded on its own, as in torch's formulation, but
 // for the squares of row-wise Adagrad's gradient, summed with one rounding per term (madd) as the
@@ -60,7 +60,7 @@ inline void with_decay(float weight_decay, F&& f) {
 // Row-wise Adagrad (DLRM / FBGEMM), in fp32 with one fp32 accumulator *sum per row:
 //   g' = decay(g, p);  sum += mean(g'^2);  p <- rn(p - lr g' / (sqrt(sum) + eps))
 // in three steps, so that the fused backward can take a group of rows through each in turn (see
-// fused_update_units in lookup_reduce_cpu.cpp): rowwise_adagrad_squares sums the squares of g'
+// fused_update_units in lookup_reduce_update_cpu.cpp): rowwise_adagrad_squares sums the squares of g'
 // in kSquareLanes partial sums (multiply-adds), rowwise_adagrad_scale combines them in a fixed
 // order, updates *sum and returns lr / (sqrt(sum) + eps), and rowwise_adagrad_apply steps the row
 // by it. The partial sums vectorize for every dtype (GCC keeps a single in-order sum of

@@ -203,15 +203,6 @@ def ieee_underflow():
     torch.set_flush_denormal(False)
 
 
-@pytest.fixture(params=["sorted", "token"])
-def backward_order(request, monkeypatch):
-    """The CPU lookup-reduce backward's order of the lookups, forced (RMT_BACKWARD_ORDER, read by
-    csrc/lookup_reduce_cpu.cpp on every call): all lookups sorted by row, or the single lookups in
-    token order and only the repeated ones sorted."""
-    monkeypatch.setenv("RMT_BACKWARD_ORDER", request.param)
-    return request.param
-
-
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
     """One tokenized default-corpus slice for the whole session."""

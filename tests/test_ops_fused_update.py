@@ -13,9 +13,6 @@ OPTIMIZERS = {
     "sparse_adam": lambda p: SparseAdam([p], lr=2e-2, betas=(0.8, 0.95), eps=1e-6),
     "rowwise_adagrad": lambda p: RowWiseAdagrad([p], lr=0.1, eps=1e-10, weight_decay=0.01),
 }
-# the CPU backward sorts every lookup on AMD CPUs (csrc/lookup_reduce_cpu.cpp, order_setting)
-with open("/proc/cpuinfo") as _f:
-    AMD_CPU = "AuthenticAMD" in _f.read()
 # (N, D, T, K, C, E): compile-time row shapes (64 x 1, 64 x 2) and run-time ones (12 x 3)
 SHAPES = [(300, 12, 10, 6, 3, 1), (500, 64, 16, 8, 2, 4), (400, 64, 20, 7, 1, 1)]
 
@@ -71,7 +68,7 @@ def state_tensors(opt, p):
 @pytest.mark.parametrize("kind", list(OPTIMIZERS))
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_fused_equals_unfused_bit_for_bit(kind, shape, dtype, backward_order):
+def test_fused_equals_unfused_bit_for_bit(kind, shape, dtype):
     """One micro-batch per step: the fused kernel sums each row's gradient as the backward does and
     steps it with the optimizer's own row rule (csrc/row_optim.h), so table, state and score
     gradients equal the unfused path's exactly."""
@@ -91,11 +88,11 @@ def test_fused_equals_unfused_bit_for_bit(kind, shape, dtype, backward_order):
 
 
 @pytest.mark.parametrize("kind", list(OPTIMIZERS))
-def test_large_batch_fused_step_is_thread_count_independent(kind, backward_order):
+def test_large_batch_fused_step_is_thread_count_independent(kind):
     """65536 lookups into 2^17 rows, rows that occur once and runs of several in bulk, sorted in
     per-thread slices: 1, 2 and 3 threads give the same table, state, score gradients and squared
     norm (its partial sums are chunked independently of the thread count), and equal the
-    unfused step (in either order, test_backward_orders_agree_bit_for_bit)."""
+    unfused step."""
     shape = (1 << 17, 16, 2048, 32, 1, 1)
     steps = [[b] for b in batches(shape, 1)]
     table = make_table(shape)
@@ -119,13 +116,10 @@ def test_large_batch_fused_step_is_thread_count_independent(kind, backward_order
 
 
 @pytest.mark.parametrize("kind", list(OPTIMIZERS))
-def test_backward_orders_agree_bit_for_bit(monkeypatch, kind):
-    """The token order (single lookups stepping their rows in position order, only the repeated
-    ones sorted: csrc/lookup_reduce_cpu.cpp, plan_token_order) gives the sorted order's table,
-    state and score gradients bit for bit, on 1 and 3 threads, with a grad scale; its squared norm
-    sums the same squares in other chunks (equal to fp64 rounding of T K partial sums, and equal
-    across thread counts). 65536 lookups of 2^17 rows, ~40k single and ~26k repeated; a
-    compile-time row shape (D = 64, C = 2, 4 virtual blocks) and a run-time one (D = 12, C = 3)."""
+def test_fused_step_with_grad_scale_is_thread_count_independent(kind):
+    """With a grad scale, 1 and 3 threads give the same table, state, score gradients and squared
+    norm, bit for bit. 65536 lookups of 2^17 rows, ~40k single and ~26k repeated; a compile-time
+    row shape (D = 64, C = 2, 4 virtual blocks) and a run-time one (D = 12, C = 3)."""
     threads = torch.get_num_threads()
     for shape in ((1 << 17, 64, 2048, 32, 2, 4), (1 << 17, 12, 2048, 32, 3, 1)):
         (indices, scores, blocks, grad_out), = batches(shape, 1)
@@ -134,112 +128,25 @@ def test_backward_orders_agree_bit_for_bit(monkeypatch, kind):
         table = make_table(shape)
         results = []
         try:
-            for order in ("sorted", "token"):
-                monkeypatch.setenv("RMT_BACKWARD_ORDER", order)
-                for n in (1, 3):
-                    torch.set_num_threads(n)
-                    p = torch.nn.Parameter(table.clone())
-                    update = FusedValueUpdate(p, OPTIMIZERS[kind](p), grad_scale=0.5)
-                    s = scores.clone().requires_grad_(True)
-                    lookup_reduce(p, indices, s, blocks, shape[5], backend="cpu", update=update).backward(grad_out)
-                    results.append((p.data, state_tensors(update.optimizer, p), s.grad, update.pop_sq_norm()))
+            for n in (1, 3):
+                torch.set_num_threads(n)
+                p = torch.nn.Parameter(table.clone())
+                update = FusedValueUpdate(p, OPTIMIZERS[kind](p), grad_scale=0.5)
+                s = scores.clone().requires_grad_(True)
+                lookup_reduce(p, indices, s, blocks, shape[5], backend="cpu", update=update).backward(grad_out)
+                results.append((p.data, state_tensors(update.optimizer, p), s.grad, update.pop_sq_norm()))
         finally:
             torch.set_num_threads(threads)
-        want = results[0]
+        want, got = results
         assert not torch.equal(want[0], table)
-        for got in results[1:]:
-            assert torch.equal(got[0], want[0])
-            assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
-            assert torch.equal(got[2], want[2])
-            assert got[3] == pytest.approx(want[3], rel=(shape[2] * shape[3] + 8) * 2.0 ** -52)
-        assert results[1][3] == want[3] and results[3][3] == results[2][3]
+        assert torch.equal(got[0], want[0])
+        assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+        assert torch.equal(got[2], want[2])
+        assert got[3] == want[3]
 
 
 @pytest.mark.parametrize("kind", list(OPTIMIZERS))
-def test_token_order_with_fewer_bitmap_slices_than_threads(monkeypatch, kind):
-    """Where the batch is small for the table, the token order's bitmaps are marked in fewer
-    slices of the lookups than there are threads (plan_token_order: at least W / 2 lookups a
-    slice, W the table's 64-row words) and merged by all of them: 65536 lookups in 2 slices of a
-    2^22-row table and in 1 of a 2^23-row one, on 3 threads. The results stay the sorted order's,
-    bit for bit."""
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(3)
-        for rows in (1 << 22, 1 << 23):
-            shape = (rows, 2, 4096, 16, 1, 1)
-            (indices, scores, _, grad_out), = batches(shape, 1)
-            table = make_table(shape)
-            results = []
-            for order in ("sorted", "token"):
-                monkeypatch.setenv("RMT_BACKWARD_ORDER", order)
-                p = torch.nn.Parameter(table.clone())
-                update = FusedValueUpdate(p, OPTIMIZERS[kind](p))
-                s = scores.clone().requires_grad_(True)
-                lookup_reduce(p, indices, s, None, 1, backend="cpu", update=update).backward(grad_out)
-                results.append((p.data, state_tensors(update.optimizer, p), s.grad))
-            (want, want_state, want_scores), (got, got_state, got_scores) = results
-            assert not torch.equal(want, table)
-            assert torch.equal(got, want) and torch.equal(got_scores, want_scores)
-            assert all(torch.equal(a, b) for a, b in zip(got_state, want_state))
-    finally:
-        torch.set_num_threads(threads)
-
-
-@pytest.mark.parametrize("indices,num_rows,want", [
-    (torch.randint(0, 1 << 20, (4096, 32), generator=torch.Generator().manual_seed(0)), 1 << 20, "token"),  # 12%
-    (torch.randint(0, 1 << 20, (4096, 128), generator=torch.Generator().manual_seed(0)), 1 << 20, "sorted"),  # 39%
-    (torch.tensor([[0, 0, 1, 2, 3, 4, 5, 6]]), 7, "token"),   # 2 of 8 repeated: a quarter
-    (torch.tensor([[0, 0, 0, 1, 2, 3, 4, 5]]), 6, "sorted"),  # 3 of 8
-    (torch.arange(1000).view(10, 100), 1000, "token"),
-    (torch.arange(1000).view(10, 100), 64000, "token"),   # 1000 words of 64 rows for 1000 lookups
-    (torch.arange(1000).view(10, 100), 64001, "sorted"),  # 1001 words
-    (torch.full((10, 100), 3), 4, "sorted"),
-])
-def test_backward_order_follows_the_repeated_lookups_and_the_table_size(monkeypatch, indices, num_rows, want):
-    """Unforced, the fused backward takes the token order where at most a quarter of the lookups
-    share their row with another (csrc/lookup_reduce_cpu.cpp, kMaxRepeatedShare) and the table
-    has at most as many 64-row words as there are lookups, else sorts them all; on AMD CPUs it
-    always sorts them."""
-    if AMD_CPU:
-        want = "sorted"
-    monkeypatch.delenv("RMT_BACKWARD_ORDER", raising=False)
-    assert cpu_backend._ext().backward_order(indices, num_rows) == want
-    monkeypatch.setenv("RMT_BACKWARD_ORDER", "auto")
-    assert cpu_backend._ext().backward_order(indices, num_rows) == want
-
-
-@pytest.mark.skipif(AMD_CPU, reason="AMD CPUs always sort: nothing is counted or skipped")
-def test_backward_order_skips_counting_after_a_batch_of_many_repeats(monkeypatch):
-    """A batch shape whose batch had too many repeated lookups is sorted without counting them for
-    the next 15 calls (csrc/lookup_reduce_cpu.cpp, kSkipCalls); then counted again. Another shape
-    is not affected."""
-    ext = cpu_backend._ext()
-    monkeypatch.delenv("RMT_BACKWARD_ORDER", raising=False)
-    few, many = torch.arange(999, -1, -1).view(10, 100), torch.full((10, 100), 7)  # 0% and 100% repeated
-    assert ext.backward_order(few, 1009) == "token"
-    assert ext.backward_order(many, 1009) == "sorted"
-    assert [ext.backward_order(few, 1009) for _ in range(16)] == ["sorted"] * 15 + ["token"]
-    assert ext.backward_order(many, 1009) == "sorted"
-    assert ext.backward_order(few, 1010) == "token"
-    monkeypatch.setenv("RMT_BACKWARD_ORDER", "token")
-    assert ext.backward_order(few, 1009) == "token"
-
-
-def test_backward_order_from_the_environment(monkeypatch):
-    """RMT_BACKWARD_ORDER forces either order, or is rejected with one sentence."""
-    ext = cpu_backend._ext()
-    monkeypatch.setenv("RMT_BACKWARD_ORDER", "token")
-    assert ext.backward_order(torch.full((10, 100), 3), 4) == "token"
-    assert ext.backward_order(torch.arange(10).view(1, 10), 1 << 20) == "token"  # 16384 words, 10 lookups
-    monkeypatch.setenv("RMT_BACKWARD_ORDER", "sorted")
-    assert ext.backward_order(torch.arange(1000).view(10, 100), 1000) == "sorted"
-    monkeypatch.setenv("RMT_BACKWARD_ORDER", "fast")
-    with pytest.raises(RuntimeError, match="^RMT_BACKWARD_ORDER must be auto, sorted or token, got 'fast'"):
-        ext.backward_order(torch.arange(10).view(1, 10), 10)
-
-
-@pytest.mark.parametrize("kind", list(OPTIMIZERS))
-def test_squared_norm_is_the_unfused_gradients(kind, backward_order):
+def test_squared_norm_is_the_unfused_gradients(kind):
     """The fused kernel's squared norm of the scaled gradient equals the fp64 sum of the unfused
     gradient's squares within the rounding of its sums (csrc/lookup_reduce_cpu.cpp, add_squares):
     each row's D non-negative squares go to 8 fp32 lanes of D / 8 multiply-adds (at most two
@@ -295,7 +202,7 @@ def assert_steps_agree(kind, p_a, opt_a, p_b, opt_b, bound, g_max):
 
 @pytest.mark.parametrize("kind", list(OPTIMIZERS))
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
-def test_micro_batches_accumulate_into_one_step(kind, backend, backward_order):
+def test_micro_batches_accumulate_into_one_step(kind, backend):
     """Three micro-batches (``final`` only on the last): one step with their summed gradient, as
     the unfused path accumulates ``.grad`` and steps once. The sums run in another order (one
     sorted pass against per-batch sums added), so equal to fp32 rounding of the gradient."""
@@ -393,7 +300,7 @@ def test_flush_steps_lookups_left_without_their_final_backward():
     assert torch.equal(p.data, q.data) and not update.stash
 
 
-def test_rowwise_adagrad_without_weight_decay_adds_no_term(backward_order):
+def test_rowwise_adagrad_without_weight_decay_adds_no_term():
     """weight_decay 0 adds no decay term to the fused row-wise Adagrad step, as the reference and
     torch's Adagrad: rows holding infinite weights keep finite gradients and sums
     (rmt.ops.testing.check_fused_zero_decay), where g + 0 * p made them NaN."""

@@ -132,17 +132,18 @@ def build_task_datasets(config: RMTConfig, num_train: int, num_valid: int,
 
 
 def curriculum_hook(config: RMTConfig) -> Optional[Callable]:
-    """``hook(trainer, metrics)`` to call after each evaluation, or None without a curriculum.
-    It records ``noise_length`` in ``metrics`` and doubles it once validation loss is low."""
+    """``hook(train_ds, valid_ds, metrics)`` to call after each evaluation, or None without a
+    curriculum. It records ``noise_length`` in ``metrics`` and doubles it (in both datasets) once
+    validation loss is low."""
     d = config.data
     if d.task == "none" or d.curriculum_threshold is None:
         return None
 
-    def hook(trainer, metrics: Dict) -> None:
-        current = trainer.train_ds.noise_length
+    def hook(train_ds: TaskDataset, valid_ds: TaskDataset, metrics: Dict) -> None:
+        current = train_ds.noise_length
         if metrics["val_loss"] < d.curriculum_threshold and current < d.curriculum_target:
             current = min(max(2 * current, 1), d.curriculum_target)
-            trainer.train_ds.noise_length = trainer.valid_ds.noise_length = current
+            train_ds.noise_length = valid_ds.noise_length = current
         metrics["noise_length"] = current
 
     return hook

@@ -43,7 +43,9 @@ EXTENSIONS: Dict[str, dict] = {
     # -fno-math-errno (both optimizers): std::sqrt stays correctly rounded but sets no errno, so
     # the Adam row update vectorizes; with errno GCC kept it scalar (a branch and a libm call per
     # element), and SparseAdam's step took 2x (unfused) to 4x (fused) as long
-    "rmt_lookup_reduce_cpu": dict(sources=["lookup_reduce_cpu.cpp"],
+    "rmt_lookup_reduce_cpu": dict(sources=["lookup_reduce_cpu.cpp", "lookup_reduce_sort_cpu.cpp",
+                                           "lookup_reduce_forward_cpu.cpp", "lookup_reduce_backward_cpu.cpp",
+                                           "lookup_reduce_update_cpu.cpp"],
                                   extra_cflags=_NATIVE_CPU + ["-ffp-contract=off", "-fno-math-errno"],
                                   extra_ldflags=["-fopenmp"]),
     # -ffp-contract=off: every product and sum rounded on its own, as in torch's formulation (a

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
 from rmt.config import RMTConfig
-from rmt.memory.groups import excluded_from_ddp, reduce_tables_outside_ddp
+from rmt.memory.hooks import MemoryHooks
 from rmt.parallel import compat
 
 
@@ -39,18 +39,19 @@ def to_training_precision(chunk: torch.nn.Module, config: RMTConfig) -> None:
                 setattr(module, name, b.to(torch.bfloat16))
 
 
-def wrap_chunks(chunks: List[torch.nn.Module], config: RMTConfig) -> List[DistributedDataParallel]:
+def wrap_chunks(chunks: List[torch.nn.Module], config: RMTConfig,
+                memory: Optional[MemoryHooks] = None) -> List[DistributedDataParallel]:
     """Move ``chunks`` to the compute device in the training precision
     (:func:`to_training_precision`) and wrap each in megatron's DDP, with the memory tables whose
-    gradients the memory code reduces left out of its buffers; the first chunk's
-    ``TransformerConfig`` gets the schedule's gradient finishing and ``no_sync``."""
+    gradients the memory code reduces left out of its buffers (``memory``'s
+    :meth:`~rmt.memory.hooks.MemoryHooks.outside_ddp`); the first chunk's ``TransformerConfig``
+    gets the schedule's gradient finishing and ``no_sync``."""
+    memory = memory if memory is not None else MemoryHooks(config)
     wrapped = []
     for i, chunk in enumerate(chunks):
         chunk.to(compat.device())
         to_training_precision(chunk, config)
-        if config.train.distributed_optimizer:
-            reduce_tables_outside_ddp(chunk)  # DDP would leave each rank 1/DP of their gradient
-        with excluded_from_ddp(chunk):  # sharded or sparse-gradient memory tables
+        with memory.outside_ddp(chunk):
             wrapped.append(DistributedDataParallel(config=chunk.config, ddp_config=ddp_config(config),
                                                    module=chunk, disable_bucketing=i > 0))
     mcfg = wrapped[0].config

@@ -20,13 +20,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rmt import config as rmt_config
 from rmt.config import RMTConfig
-from rmt.data.gpt_data import build_datasets, microbatches, resolve_data
-from rmt.data.metadata import tokenizer_file_text
-from rmt.data.tasks import build_task_datasets, curriculum_hook
-from rmt.memory import pop_aux_loss, pop_memory_stats
-from rmt.memory.batchnorm import sync_running_stats
-from rmt.memory.groups import finish_memory_grads, fused_update
-from rmt.memory.table import values_from_checkpoint
+from rmt.data.training_data import TrainingData
+from rmt.memory.hooks import MemoryHooks
 from rmt.models.build import build
 from rmt.models.documents import causal_mask
 from rmt.parallel import compat
@@ -66,23 +61,16 @@ class Trainer:
         self.global_batch = t.global_batch_size or t.micro_batch_size * self.dp_size
         self.num_microbatches = self.global_batch // (t.micro_batch_size * self.dp_size)
         evals = (t.steps // t.eval_interval + 2) if t.eval_iters else 0
-        # Synthetic tasks (rmt.data.tasks) replace the corpus and may run a curriculum hook.
-        if config.data.task != "none":
-            self.train_ds, self.valid_ds = build_task_datasets(
-                config, t.steps * self.global_batch, t.eval_iters * self.global_batch, self.global_batch)
-        else:
-            self.data = resolve_data(config)
-            self.train_ds, self.valid_ds = build_datasets(
-                config, self.data, t.steps * self.global_batch, evals * t.eval_iters * self.global_batch)
-        self.after_eval_hook = curriculum_hook(config)
-        with values_from_checkpoint(checkpoint.will_resume(t.save, t.load)):
-            self.chunks = wrap_chunks(build(config), config)
+        # Synthetic tasks (rmt.data.tasks) replace the corpus: their validation set is fixed.
+        valid_samples = (1 if config.data.task != "none" else evals) * t.eval_iters * self.global_batch
+        self.data = TrainingData(config, t.steps * self.global_batch, valid_samples, self.global_batch,
+                                 self.dp_rank, self.dp_size)
+        self.memory = MemoryHooks(config)
+        with self.memory.building(checkpoint.will_resume(t.save, t.load)):
+            self.chunks = wrap_chunks(build(config), config, self.memory)
         self.params = [p for c in self.chunks for p in c.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.chunks, config)
-        # value tables stepped in their lookups' backward (memory.fused_value_optimizer), per chunk
-        self.fused_updates = [[fused_update(p) for p in c.parameters() if fused_update(p) is not None]
-                              for c in self.chunks]
-        self.forwards = [0] * len(self.chunks)
+        self.memory.bind(self.chunks, self.num_microbatches)
         self.scheduler = build_scheduler(self.optimizer, config)
         self.lr_control = ValidationLR(config)
         self.average = WeightAverage(self.chunks, t.ema_decay) if t.ema_decay is not None else None
@@ -126,13 +114,20 @@ class Trainer:
         else:
             print(message, flush=True)
 
+    @property
+    def train_ds(self):
+        return self.data.train_ds
+
+    @property
+    def valid_ds(self):
+        return self.data.valid_ds
+
     def _restore(self, common: dict) -> None:
         self.iteration = int(common["iteration"])
         self.consumed_samples = int(common["consumed_samples"])
         checkpoint.set_optimizer_step(self.optimizer, self.iteration)
-        for ds in (self.train_ds, self.valid_ds):
-            if "data_state" in common and hasattr(ds, "load_state_dict"):
-                ds.load_state_dict(common["data_state"])
+        if "data_state" in common:
+            self.data.load_state_dict(common["data_state"])
         if "lr_control" in common:
             self.lr_control.load_state_dict(common["lr_control"])
             self.scheduler.scale = self.lr_control.scale
@@ -141,10 +136,7 @@ class Trainer:
 
     # -- one step ------------------------------------------------------------------------
     def _forward_step(self, data_iterator, model):
-        chunk = next(i for i, c in enumerate(self.chunks) if c is model)
-        self.forwards[chunk] += 1
-        for update in self.fused_updates[chunk]:  # the step's last micro-batch steps the tables
-            update.final = self.forwards[chunk] >= self.num_microbatches
+        self.memory.before_forward(next(i for i, c in enumerate(self.chunks) if c is model))
         batch = next(data_iterator)
         tokens = batch["tokens"].to(self.device)
         positions = batch["position_ids"].to(self.device)
@@ -158,7 +150,7 @@ class Trainer:
         else:
             mask = causal_mask(tokens.shape[1], self.device)
         output = model(tokens, positions, mask)
-        return output, partial(self._loss, labels, loss_mask, pop_aux_loss(model))
+        return output, partial(self._loss, labels, loss_mask, self.memory.pop_aux_loss(model))
 
     def _loss(self, labels, loss_mask, aux_loss, output):
         loss, ce = lm_loss(output, labels, loss_mask, self.config.train.z_loss)
@@ -166,11 +158,11 @@ class Trainer:
             loss = loss + aux_loss
         return loss, {"lm loss": ce.clone(), "loss": loss.detach().clone()}
 
-    def _run_schedule(self, dataset, first_sample: int, forward_only: bool) -> torch.Tensor:
-        """The schedule over one global batch; its losses (:meth:`_reduce_losses`)."""
+    def _run_schedule(self, split: str, first_sample: int, forward_only: bool) -> torch.Tensor:
+        """The schedule over one global batch of ``split`` (``train``, ``valid``); its losses
+        (:meth:`_reduce_losses`)."""
         t = self.config.train
-        batches = microbatches(dataset, first_sample, t.micro_batch_size, self.num_microbatches,
-                               self.dp_rank, self.dp_size)
+        batches = self.data.batches(split, first_sample, t.micro_batch_size, self.num_microbatches)
         # task curricula grow the samples, so count the tokens of the batch actually run
         self.batch_tokens = sum(b["tokens"].numel() for b in batches) * self.dp_size
         iters = [iter(batches) for _ in self.chunks]
@@ -206,10 +198,9 @@ class Trainer:
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad(set_to_none=True)
-        self.forwards = [0] * len(self.chunks)
-        losses = self._run_schedule(self.train_ds, self.consumed_samples, forward_only=False)
-        finish_memory_grads(self.chunks)
-        sync_running_stats(self.chunks, parallel_state.get_data_parallel_group())
+        self.memory.start_step()
+        losses = self._run_schedule("train", self.consumed_samples, forward_only=False)
+        self.memory.after_backward()
         self.optimizer.prepare_grads()
         # the step's one wait for the device: its losses and gradient norm, read together
         *values, norm_sq = torch.cat([losses, self.optimizer.grad_sq_norm().reshape(1)]).tolist()
@@ -253,7 +244,7 @@ class Trainer:
             chunk.eval()
         try:
             for i in range(t.eval_iters):
-                losses = self._run_schedule(self.valid_ds, i * self.global_batch, forward_only=True)
+                losses = self._run_schedule("valid", i * self.global_batch, forward_only=True)
                 total += float(losses[LOSSES.index("lm loss")])
         finally:
             for chunk in self.chunks:
@@ -264,15 +255,10 @@ class Trainer:
         """React to ``metrics["val_loss"]``: the task curriculum (:mod:`rmt.data.tasks`, which
         records ``noise_length``), then the learning rate's factor (:mod:`rmt.training.lr_control`,
         recorded as ``lr_scale``), applied from the next step."""
-        d = self.config.data
-        before = getattr(self.train_ds, "noise_length", None)
-        if self.after_eval_hook is not None:
-            self.after_eval_hook(self, metrics)
-        noise = getattr(self.train_ds, "noise_length", None)
-        at_target = self.after_eval_hook is None or noise >= d.curriculum_target
-        if noise != before and self.average is not None:
+        changed, at_target = self.data.after_evaluation(metrics)
+        if changed and self.average is not None:
             self.average.restart()  # the shorter stage's weights are not what the longer one averages
-        scale = self.lr_control.update(metrics["val_loss"], noise != before, at_target)
+        scale = self.lr_control.update(metrics["val_loss"], changed, at_target)
         if scale != self.scheduler.scale:
             self.scheduler.scale = scale
             self.scheduler.step(0)
@@ -282,10 +268,11 @@ class Trainer:
         self.gather_weights()
         common = {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
                   "global_batch_size": self.global_batch, "config": rmt_config.to_dict(self.config),
-                  "run_name": self.run_name, "tokenizer_json": tokenizer_file_text(self.config.data.tokenizer),
+                  "run_name": self.run_name, "tokenizer_json": self.data.tokenizer_json(),
                   "lr_control": self.lr_control.state_dict()}
-        if hasattr(self.train_ds, "state_dict"):  # e.g. a task curriculum's noise length
-            common["data_state"] = self.train_ds.state_dict()
+        data_state = self.data.state_dict()  # e.g. a task curriculum's noise length
+        if data_state is not None:
+            common["data_state"] = data_state
         self.last_save = checkpoint.save_checkpoint(
             self.config.train.save, self.iteration, self.chunks, self.optimizer, common, self.config.train.keep_checkpoints,
             self.average.by_param() if self.average is not None else None)
@@ -319,7 +306,7 @@ class Trainer:
                         m["val_loss_ema"] = self.evaluate_average()
                     self.after_evaluation(m)
                 if self.iteration % t.log_interval == 0:
-                    m.update(pop_memory_stats(self.chunks, parallel_state.get_data_parallel_group()))
+                    m.update(self.memory.pop_stats())
                 self.history.append(m)
                 if self.is_logger:
                     _emit(m, writer, log, self._bar, self.iteration % t.log_interval == 0 or "val_loss" in m)
