@@ -1,4 +1,5 @@
-"""CPU backend: the OpenMP C++ kernels of csrc/lookup_reduce_cpu.cpp (built by :mod:`rmt.ops.extensions`)."""
+"""CPU backend: the OpenMP C++ kernels of csrc/lookup_reduce_*_cpu.cpp, bound in csrc/lookup_reduce_cpu.cpp
+(built by :mod:`rmt.ops.extensions`)."""
 
 from .extensions import load_extension
 
