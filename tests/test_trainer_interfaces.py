@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from rmt.config import load_config, validate
+from rmt.config import load_config
+from rmt.config_checks import validate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,10 +25,14 @@ def _imports(path: Path):
 
 def test_trainer_imports_one_memory_and_one_data_interface():
     imports = _imports(ROOT / "rmt/training/trainer.py")
-    memory = [i for i in imports if i[0] == "rmt.memory" or i[0].startswith("rmt.memory.")
-              or (i[0] == "rmt" and i[1] == "memory")]
-    data = [i for i in imports if i[0] == "rmt.data" or i[0].startswith("rmt.data.")
-            or (i[0] == "rmt" and i[1] == "data")]
+    memory = [
+        i
+        for i in imports
+        if i[0] == "rmt.memory" or i[0].startswith("rmt.memory.") or (i[0] == "rmt" and i[1] == "memory")
+    ]
+    data = [
+        i for i in imports if i[0] == "rmt.data" or i[0].startswith("rmt.data.") or (i[0] == "rmt" and i[1] == "data")
+    ]
     assert memory == [("rmt.memory.hooks", "MemoryHooks")]
     assert data == [("rmt.data.training_data", "TrainingData")]
 

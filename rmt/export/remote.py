@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Dict
+from typing import TYPE_CHECKING, Dict
 
 import torch
 
 from rmt.config import RMTConfig, to_dict
+
+if TYPE_CHECKING:
+    from rmt.export.weights import Streamed
 
 CODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "remote_code")
 AUTO_MAP = {"AutoConfig": "configuration_rmt.RMTHFConfig", "AutoModelForCausalLM": "modeling_rmt.RMTForCausalLM"}
@@ -29,11 +32,14 @@ def remote_config(config: RMTConfig, eod: int):
 def remote_state_dict(model: torch.nn.Module, skip=()) -> Dict[str, torch.Tensor]:
     """``model.<key>`` for every tensor of the module's single-process state dict but ``skip``
     (megatron's ``_extra_state`` entries hold no tensor and are left out)."""
-    return {f"model.{k}": v.detach().contiguous().clone() for k, v in model.state_dict().items()
-            if isinstance(v, torch.Tensor) and k not in skip}
+    return {
+        f"model.{k}": v.detach().contiguous().clone()
+        for k, v in model.state_dict().items()
+        if isinstance(v, torch.Tensor) and k not in skip
+    }
 
 
-def streamed_tables(root: str, model: torch.nn.Module, chunk_bytes: int) -> Dict[str, "Streamed"]:
+def streamed_tables(root: str, model: torch.nn.Module, chunk_bytes: int) -> Dict[str, Streamed]:
     """``model.<key>`` of every memory value table of ``model``, streamed from the checkpoint
     directory ``root`` (:func:`rmt.export.weights.table_rows`)."""
     from rmt.export.weights import table_rows

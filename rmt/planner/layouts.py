@@ -7,7 +7,7 @@ and on; recomputation none, selective and full (uniform, one layer per span); se
 parallelism with TP > 1 (transformer); for memory tables both partitions over the
 data x tensor parallel group, half or a quarter of it (:func:`group_sizes`), or replicated
 (``local``). A candidate rmt cannot run is dropped by the same validation
-``rmt-train`` runs (:func:`rmt.config.validate`), one that does not fit by :mod:`rmt.planner.rank`.
+``rmt-train`` runs (:func:`rmt.config_checks.validate`), one that does not fit by :mod:`rmt.planner.rank`.
 
 Cost (seconds per step on a rank, a stated model, not a measurement): the bytes the rank sends
 per step (data-parallel gradient all-reduce, or reduce-scatter plus parameter all-gather with the
@@ -44,13 +44,19 @@ def candidates(config, gpus: int) -> Iterator[Dict[str, object]]:
     for tp, pp in itertools.product(TP_CHOICES, pps):
         if gpus % (tp * pp):
             continue
-        for vpp, distopt, recompute, part in itertools.product((None, 2) if pp > 1 else (None,), (False, True),
-                                                               RECOMPUTE, partitions):
-            for sp in ((False, True) if tp > 1 and m.arch == "transformer" else (False,)):
-                o = {"parallel.tensor_model_parallel_size": tp, "parallel.pipeline_model_parallel_size": pp,
-                     "parallel.virtual_pipeline_model_parallel_size": vpp, "parallel.sequence_parallel": sp,
-                     "parallel.data_parallel_size": None, "train.distributed_optimizer": distopt,
-                     "train.recompute_granularity": recompute}
+        for vpp, distopt, recompute, part in itertools.product(
+            (None, 2) if pp > 1 else (None,), (False, True), RECOMPUTE, partitions
+        ):
+            for sp in (False, True) if tp > 1 and m.arch == "transformer" else (False,):
+                o = {
+                    "parallel.tensor_model_parallel_size": tp,
+                    "parallel.pipeline_model_parallel_size": pp,
+                    "parallel.virtual_pipeline_model_parallel_size": vpp,
+                    "parallel.sequence_parallel": sp,
+                    "parallel.data_parallel_size": None,
+                    "train.distributed_optimizer": distopt,
+                    "train.recompute_granularity": recompute,
+                }
                 if not distopt:  # megatron-core gathers parameters behind the reduction only for it
                     o["train.overlap_param_gather"] = False
                 if recompute == "full":
@@ -58,7 +64,7 @@ def candidates(config, gpus: int) -> Iterator[Dict[str, object]]:
                 if part is None:
                     yield o
                     continue
-                for group in ((0,) if part == "local" else group_sizes(gpus // pp)):
+                for group in (0,) if part == "local" else group_sizes(gpus // pp):
                     yield dict(o, **{"memory.partition": part, "memory.group_size": group})
 
 
@@ -80,13 +86,16 @@ def apply(config, layout: Dict[str, object]):
 
 def overrides_text(layout: Dict[str, object]) -> List[str]:
     """The ``section.key=value`` overrides that give a candidate's layout to ``rmt-train``."""
+
     def text(v):
         return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
     return [f"{k}={text(v)}" for k, v in layout.items()]
 
 
-def step_cost(config, layout: Layout, link_gbps: float, nvlink_gbps: float, tflops: float,
-              gpus_per_node: int = 8) -> Dict[str, float]:
+def step_cost(
+    config, layout: Layout, link_gbps: float, nvlink_gbps: float, tflops: float, gpus_per_node: int = 8
+) -> Dict[str, float]:
     """The stated cost of one step on the busiest rank (module docstring)."""
     m, t, mem = config.model, config.train, config.memory
     b = DTYPE_BYTES[t.precision]
@@ -105,9 +114,16 @@ def step_cost(config, layout: Layout, link_gbps: float, nvlink_gbps: float, tflo
 
         group = mem.group_size or layout.dp * layout.tp
         if group > 1:
-            doc = comm.plan_comm(T, mem.num_heads * mem.topk, value_dim(config), group, phase="forward_backward",
-                                 value_bytes=DTYPE_BYTES[mem.value_dtype], activation_bytes=b,
-                                 tensor_parallel=layout.tp)
+            doc = comm.plan_comm(
+                T,
+                mem.num_heads * mem.topk,
+                value_dim(config),
+                group,
+                phase="forward_backward",
+                value_bytes=DTYPE_BYTES[mem.value_dtype],
+                activation_bytes=b,
+                tensor_parallel=layout.tp,
+            )
             per = doc["collectives"][mem.partition]["forward_backward_total"]
             mem_bytes = per * mb * -(-len(memory_placement(config)) // layout.pp)
     flops = 0.0
@@ -120,17 +136,38 @@ def step_cost(config, layout: Layout, link_gbps: float, nvlink_gbps: float, tflo
             flops = per_token_layer * layers * T * mb / layout.tp
         else:  # the core attention: scores and weighted values over all N x N pairs
             flops = layers * T * mb * (4 * width * m.seq_length) / layout.tp
+
     def link(group_span: int) -> float:  # bytes/s of a collective over ranks spanning group_span GPUs
         return (nvlink_gbps if group_span <= gpus_per_node else link_gbps) * 1e9
 
-    seconds = (dp_bytes / link(layout.tp * layout.dp) + pp_bytes / link(layout.world_size)
-               + mem_bytes / link(layout.tp * layout.dp) + tp_bytes / link(layout.tp) + flops / (tflops * 1e12))
-    return {"data_parallel_bytes": dp_bytes, "tensor_parallel_bytes": tp_bytes, "pipeline_bytes": pp_bytes,
-            "memory_table_bytes": mem_bytes, "recomputed_flops": flops, "seconds": seconds}
+    seconds = (
+        dp_bytes / link(layout.tp * layout.dp)
+        + pp_bytes / link(layout.world_size)
+        + mem_bytes / link(layout.tp * layout.dp)
+        + tp_bytes / link(layout.tp)
+        + flops / (tflops * 1e12)
+    )
+    return {
+        "data_parallel_bytes": dp_bytes,
+        "tensor_parallel_bytes": tp_bytes,
+        "pipeline_bytes": pp_bytes,
+        "memory_table_bytes": mem_bytes,
+        "recomputed_flops": flops,
+        "seconds": seconds,
+    }
 
 
-def search(path: Optional[str], overrides: List[str], gpus: int, gib: float, device: str = "gpu",
-           link_gbps: float = 50.0, nvlink_gbps: float = 300.0, tflops: float = 400.0, gpus_per_node: int = 8) -> Dict:
+def search(
+    path: Optional[str],
+    overrides: List[str],
+    gpus: int,
+    gib: float,
+    device: str = "gpu",
+    link_gbps: float = 50.0,
+    nvlink_gbps: float = 300.0,
+    tflops: float = 400.0,
+    gpus_per_node: int = 8,
+) -> Dict:
     """Every runnable layout of the config ``path`` + ``overrides`` on ``gpus`` ranks: the fitting
     ones ranked by cost, and how many candidates rmt cannot run or do not fit."""
     from rmt.config import load_config
@@ -150,13 +187,31 @@ def search(path: Optional[str], overrides: List[str], gpus: int, gib: float, dev
             too_big += 1
             continue
         cost = step_cost(c, layout_of(c, gpus, device), link_gbps, nvlink_gbps, tflops, gpus_per_node)
-        fitting.append({"overrides": overrides_text(o), "layout": doc["layout"], "peak": doc["peak"],
-                        "checkpoint_bytes": doc["checkpoint_bytes"], "cost": cost})
+        fitting.append(
+            {
+                "overrides": overrides_text(o),
+                "layout": doc["layout"],
+                "peak": doc["peak"],
+                "checkpoint_bytes": doc["checkpoint_bytes"],
+                "cost": cost,
+            }
+        )
     fitting.sort(key=lambda r: (r["cost"]["seconds"], r["peak"]))
-    return {"gpus": gpus, "gib": gib, "device": device, "fitting": fitting,
-            "rejected": sum(rejected.values()), "rejected_reasons": rejected,
-            "too_big": too_big, "cost_model": {"link_gbps": link_gbps, "nvlink_gbps": nvlink_gbps, "tflops": tflops,
-                                               "gpus_per_node": gpus_per_node}}
+    return {
+        "gpus": gpus,
+        "gib": gib,
+        "device": device,
+        "fitting": fitting,
+        "rejected": sum(rejected.values()),
+        "rejected_reasons": rejected,
+        "too_big": too_big,
+        "cost_model": {
+            "link_gbps": link_gbps,
+            "nvlink_gbps": nvlink_gbps,
+            "tflops": tflops,
+            "gpus_per_node": gpus_per_node,
+        },
+    }
 
 
 def gpu_counts(limit: int = 1 << 16) -> List[int]:
@@ -166,13 +221,12 @@ def gpu_counts(limit: int = 1 << 16) -> List[int]:
     return small + [1 << k for k in range(7, limit.bit_length()) if (1 << k) <= limit]
 
 
-def smallest(path: Optional[str], overrides: List[str], gib: float, device: str = "gpu", limit: int = 1 << 16,
-             **cost) -> Optional[Dict]:
+def smallest(
+    path: Optional[str], overrides: List[str], gib: float, device: str = "gpu", limit: int = 1 << 16, **cost
+) -> Optional[Dict]:
     """The search at the smallest GPU count with a fitting layout (None if none up to ``limit``)."""
     for n in gpu_counts(limit):
         doc = search(path, overrides, n, gib, device, **cost)
         if doc["fitting"]:
             return doc
     return None
-
-
