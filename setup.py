@@ -32,7 +32,7 @@ setup(
     name="rmt",
     version="0.1.0",
     description="Megatron-core pretraining of memory-centric LMs: RMT, UltraMem, recurrent "
-                "transformers and repeat mixers, with sharded memory tables and a planner",
+    "transformers and repeat mixers, with sharded memory tables and a planner",
     python_requires=">=3.11,<3.12",
     packages=find_packages(include=["rmt", "rmt.*"]),
     install_requires=INSTALL_REQUIRES,
@@ -40,13 +40,14 @@ setup(
     # lookup_reduce (its CPU build for torch 2.13; 1.9.0 is built for torch 2.14)
     # eval: lm-evaluation-harness for rmt-eval (it pulls scikit-learn, sacrebleu, evaluate, ...)
     # dev: the test suite (pytest, xdist, file locks) and ruff, which tests/test_lint.py runs
-    extras_require={"dev": ["pytest==9.2.0", "pytest-xdist==3.8.0", "filelock==4.3.1", "ruff==0.16.9"],
-                    "bench": ["fbgemm-gpu-cpu==1.8.0"],
-                    "eval": ["lm-eval==0.4.13"]},
+    extras_require={
+        "dev": ["pytest==9.2.0", "pytest-xdist==3.8.0", "filelock==4.3.1", "ruff==0.16.9"],
+        "bench": ["fbgemm-gpu-cpu==1.8.0"],
+        "eval": ["lm-eval==0.4.13"],
+    },
     # the local lm-eval task of rmt-eval (YAMLs, its data and loader); the code files rmt-export
     # writes beside remote-code weights
-    package_data={"rmt.evaluation": ["tasks/*.yaml", "tasks/*.json", "tasks/*.py"],
-                  "rmt.export": ["remote_code/*.py"]},
+    package_data={"rmt.evaluation": ["tasks/*.yaml", "tasks/*.json", "tasks/*.py"], "rmt.export": ["remote_code/*.py"]},
     entry_points={
         "console_scripts": [
             "rmt-train=rmt.training.cli:main",

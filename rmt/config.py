@@ -42,15 +42,19 @@ class Range:
     le: Optional[float] = None
 
     def admits(self, value) -> bool:
-        return ((self.gt is None or value > self.gt) and (self.ge is None or value >= self.ge)
-                and (self.lt is None or value < self.lt) and (self.le is None or value <= self.le))
+        return (
+            (self.gt is None or value > self.gt)
+            and (self.ge is None or value >= self.ge)
+            and (self.lt is None or value < self.lt)
+            and (self.le is None or value <= self.le)
+        )
 
     def describe(self) -> str:
         """``> 0``, ``>= 1``, ``in [0, 1)``, ..."""
-        low = (f"({_number(self.gt)}" if self.gt is not None else f"[{_number(self.ge)}"
-               if self.ge is not None else None)
-        high = (f"{_number(self.lt)})" if self.lt is not None else f"{_number(self.le)}]"
-                if self.le is not None else None)
+        low = f"({_number(self.gt)}" if self.gt is not None else f"[{_number(self.ge)}" if self.ge is not None else None
+        high = (
+            f"{_number(self.lt)})" if self.lt is not None else f"{_number(self.le)}]" if self.le is not None else None
+        )
         if low and high:
             return f"in {low}, {high}"
         if low:
@@ -795,7 +799,7 @@ def _allowed(hint) -> Allowed:
             return Allowed(hint, None, bounds, nullable)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def schema_fields() -> Dict[str, Allowed]:
     """``{"section.key": Allowed}`` for every key of :class:`RMTConfig`, in schema order (read
     once; do not change the dict)."""

@@ -34,10 +34,15 @@ def validate_documents(config: RMTConfig) -> None:
     if d.reset_position_ids and not d.reset_attention_mask:
         relative = {"transformer": "rope", "rmt": "alibi"}.get(m.arch)
         if m.arch == "mixer" or m.position == relative:
-            what = "the mixer has no position ids" if m.arch == "mixer" else (
-                f"model.position '{m.position}' depends on token distances only")
-            raise ConfigError(f"data.reset_position_ids has no effect here ({what}); set "
-                              f"data.reset_attention_mask to compute every document as if alone")
+            what = (
+                "the mixer has no position ids"
+                if m.arch == "mixer"
+                else (f"model.position '{m.position}' depends on token distances only")
+            )
+            raise ConfigError(
+                f"data.reset_position_ids has no effect here ({what}); set "
+                f"data.reset_attention_mask to compute every document as if alone"
+            )
 
 
 def validate_recompute(config: RMTConfig, stages: int) -> None:
@@ -47,27 +52,39 @@ def validate_recompute(config: RMTConfig, stages: int) -> None:
     if t.recompute_granularity != "full":
         for key in ("recompute_method", "recompute_num_layers"):
             if getattr(t, key) is not None:
-                raise ConfigError(f"train.{key} applies to train.recompute_granularity 'full' only "
-                                  f"(got '{t.recompute_granularity}'); set it to null")
+                raise ConfigError(
+                    f"train.{key} applies to train.recompute_granularity 'full' only "
+                    f"(got '{t.recompute_granularity}'); set it to null"
+                )
         if t.recompute_granularity == "selective" and m.arch == "mixer":
-            raise ConfigError("train.recompute_granularity 'selective' recomputes core attention, which the mixer "
-                              "does not have; use 'full'")
+            raise ConfigError(
+                "train.recompute_granularity 'selective' recomputes core attention, which the mixer "
+                "does not have; use 'full'"
+            )
         return
     if t.recompute_method is None:
-        raise ConfigError(f"train.recompute_granularity 'full' needs train.recompute_method 'uniform' or 'block', "
-                          f"got {t.recompute_method!r}")
+        raise ConfigError(
+            f"train.recompute_granularity 'full' needs train.recompute_method 'uniform' or 'block', "
+            f"got {t.recompute_method!r}"
+        )
     per_chunk = m.num_layers // stages
     n = t.recompute_num_layers
     if n is None or not 1 <= n <= per_chunk:
-        raise ConfigError(f"train.recompute_num_layers must lie in [1, {per_chunk}] (the layers per model chunk) "
-                          f"with train.recompute_granularity 'full', got {n}")
+        raise ConfigError(
+            f"train.recompute_num_layers must lie in [1, {per_chunk}] (the layers per model chunk) "
+            f"with train.recompute_granularity 'full', got {n}"
+        )
     if t.recompute_method == "uniform" and per_chunk % n:
-        raise ConfigError(f"train.recompute_num_layers ({n}) must divide the layers per model chunk ({per_chunk}) "
-                          f"with train.recompute_method 'uniform'")
+        raise ConfigError(
+            f"train.recompute_num_layers ({n}) must divide the layers per model chunk ({per_chunk}) "
+            f"with train.recompute_method 'uniform'"
+        )
     if config.memory.type == "ultramem_v2":
-        raise ConfigError("train.recompute_granularity 'full' does not take memory.type 'ultramem_v2' yet: its "
-                          "memory layer reads the FFN's input inside the recomputed layer, which the "
-                          "recomputation does not relink (use 'selective', or UltraMem v1)")
+        raise ConfigError(
+            "train.recompute_granularity 'full' does not take memory.type 'ultramem_v2' yet: its "
+            "memory layer reads the FFN's input inside the recomputed layer, which the "
+            "recomputation does not relink (use 'selective', or UltraMem v1)"
+        )
 
 
 def validate_sequence_parallel(config: RMTConfig) -> None:
@@ -77,19 +94,27 @@ def validate_sequence_parallel(config: RMTConfig) -> None:
     if not p.sequence_parallel:
         return
     if p.tensor_model_parallel_size < 2:
-        raise ConfigError("parallel.sequence_parallel shards the sequence over the tensor-parallel ranks and needs "
-                          "parallel.tensor_model_parallel_size >= 2")
+        raise ConfigError(
+            "parallel.sequence_parallel shards the sequence over the tensor-parallel ranks and needs "
+            "parallel.tensor_model_parallel_size >= 2"
+        )
     if m.arch != "transformer":
-        raise ConfigError(f"parallel.sequence_parallel needs model.arch 'transformer' (megatron's GPTModel): the "
-                          f"{m.arch}'s layers have no sequence-parallel all-gather / reduce-scatter mappings")
+        raise ConfigError(
+            f"parallel.sequence_parallel needs model.arch 'transformer' (megatron's GPTModel): the "
+            f"{m.arch}'s layers have no sequence-parallel all-gather / reduce-scatter mappings"
+        )
     if m.seq_length % p.tensor_model_parallel_size:
-        raise ConfigError(f"model.seq_length ({m.seq_length}) must be divisible by "
-                          f"parallel.tensor_model_parallel_size ({p.tensor_model_parallel_size}) with "
-                          f"parallel.sequence_parallel")
+        raise ConfigError(
+            f"model.seq_length ({m.seq_length}) must be divisible by "
+            f"parallel.tensor_model_parallel_size ({p.tensor_model_parallel_size}) with "
+            f"parallel.sequence_parallel"
+        )
     if config.memory.type == "ultramem_v2":
-        raise ConfigError("parallel.sequence_parallel does not take memory.type 'ultramem_v2' yet: its memory "
-                          "layer reads the FFN's sequence-sharded input, a path not tested against the "
-                          "single process")
+        raise ConfigError(
+            "parallel.sequence_parallel does not take memory.type 'ultramem_v2' yet: its memory "
+            "layer reads the FFN's sequence-sharded input, a path not tested against the "
+            "single process"
+        )
 
 
 def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
@@ -105,13 +130,14 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     if world_size % (tp * pp):
         raise ConfigError(
-            f"world size {world_size} is not divisible by tensor x pipeline parallel size "
-            f"{tp} x {pp} = {tp * pp}")
+            f"world size {world_size} is not divisible by tensor x pipeline parallel size {tp} x {pp} = {tp * pp}"
+        )
     dp = world_size // (tp * pp)
     if p.data_parallel_size is not None and p.data_parallel_size != dp:
         raise ConfigError(
             f"parallel.data_parallel_size={p.data_parallel_size} but world size {world_size} = "
-            f"tp {tp} x pp {pp} x dp {dp}")
+            f"tp {tp} x pp {pp} x dp {dp}"
+        )
     vpp = p.virtual_pipeline_model_parallel_size
     stages = pp * (vpp or 1)
     if vpp is not None and pp < 2:
@@ -119,24 +145,31 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
     if m.num_layers % stages:
         raise ConfigError(
             f"model.num_layers ({m.num_layers}) must be divisible by the number of pipeline "
-            f"stages ({pp} x virtual {vpp or 1} = {stages})")
+            f"stages ({pp} x virtual {vpp or 1} = {stages})"
+        )
     gbs = t.global_batch_size or t.micro_batch_size * dp
     if gbs % (t.micro_batch_size * dp):
         raise ConfigError(
             f"train.global_batch_size ({gbs}) must be a multiple of micro_batch_size x "
-            f"data-parallel size ({t.micro_batch_size} x {dp})")
+            f"data-parallel size ({t.micro_batch_size} x {dp})"
+        )
     if vpp is not None and (gbs // (t.micro_batch_size * dp)) % pp:
         raise ConfigError(
             f"interleaved pipelining needs the number of microbatches ({gbs // (t.micro_batch_size * dp)}) "
-            f"to be a multiple of pipeline_model_parallel_size ({pp})")
+            f"to be a multiple of pipeline_model_parallel_size ({pp})"
+        )
     if t.overlap_param_gather and not (t.distributed_optimizer and t.overlap_grad_reduce):
-        raise ConfigError("train.overlap_param_gather needs train.distributed_optimizer and "
-                          "train.overlap_grad_reduce (megatron-core gathers the parameters only "
-                          "for its distributed optimizer, behind the gradient reduction)")
+        raise ConfigError(
+            "train.overlap_param_gather needs train.distributed_optimizer and "
+            "train.overlap_grad_reduce (megatron-core gathers the parameters only "
+            "for its distributed optimizer, behind the gradient reduction)"
+        )
     if t.overlap_param_gather and t.ema_decay is not None:
-        raise ConfigError("train.overlap_param_gather leaves the updated weights to be gathered during the "
-                          "next step's forward, but train.ema_decay averages them right after each step: "
-                          "set one of them only")
+        raise ConfigError(
+            "train.overlap_param_gather leaves the updated weights to be gathered during the "
+            "next step's forward, but train.ema_decay averages them right after each step: "
+            "set one of them only"
+        )
     validate_recompute(config, stages)
     validate_sequence_parallel(config)
     if t.decay_rmt_keys and m.arch != "rmt":
@@ -159,7 +192,8 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
         dataset_tokenizer(d.tokenizer, blend_prefixes(blends))  # raises if the setting contradicts the data
     if d.tokenizer not in (None, "byte", "bpe") and not os.path.exists(d.tokenizer):
         raise ConfigError(
-            f"data.tokenizer must be 'byte', 'bpe' or a path to a HF tokenizer; '{d.tokenizer}' does not exist")
+            f"data.tokenizer must be 'byte', 'bpe' or a path to a HF tokenizer; '{d.tokenizer}' does not exist"
+        )
     try:
         split = [float(x) for x in d.split.split(",")]
     except ValueError:
@@ -168,8 +202,7 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
         raise ConfigError(f"data.split must be three non-negative weights 'train,valid,test', got '{d.split}'")
     if t.eval_iters and blends is not None and "train" in blends:
         if "valid" not in blends:
-            raise ConfigError("train.eval_iters > 0 with data.train_path needs data.valid_path "
-                              "(or train.eval_iters=0)")
+            raise ConfigError("train.eval_iters > 0 with data.train_path needs data.valid_path (or train.eval_iters=0)")
     elif t.eval_iters and split[1] <= 0:
         raise ConfigError("data.split gives no validation data but train.eval_iters > 0")
     from rmt.models.build import validate_arch

@@ -94,8 +94,8 @@ class BlockRecurrentDecoder:
         self.position += s
         self.pending = x if self.pending is None else torch.cat([self.pending, x])
         while self.pending.shape[0] > self.k:
-            self._fold(self.pending[:self.k])
-            self.pending = self.pending[self.k:]
+            self._fold(self.pending[: self.k])
+            self.pending = self.pending[self.k :]
         x = self.pending
         for layer, window in zip(self.model.layers, self.windows):
             x = layer.tau(layer.window(window, x, layer.accumulation())[1])  # eq. 8
@@ -119,15 +119,25 @@ class KVCacheDecoder:
     def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
         b, s = tokens.shape
         self.context = self.context_cls(b, self.max_length)
-        out = self.model(tokens, positions(0, s, b, tokens.device), causal_mask(s, tokens.device),
-                         inference_context=self.context, runtime_gather_output=True)
+        out = self.model(
+            tokens,
+            positions(0, s, b, tokens.device),
+            causal_mask(s, tokens.device),
+            inference_context=self.context,
+            runtime_gather_output=True,
+        )
         self.context.sequence_len_offset += s
         return out[:, -1]
 
     def next(self, token: torch.Tensor) -> torch.Tensor:
         start = self.context.sequence_len_offset
-        out = self.model(token[:, None], positions(start, 1, token.shape[0], token.device), None,
-                         inference_context=self.context, runtime_gather_output=True)
+        out = self.model(
+            token[:, None],
+            positions(start, 1, token.shape[0], token.device),
+            None,
+            inference_context=self.context,
+            runtime_gather_output=True,
+        )
         self.context.sequence_len_offset += 1
         return out[:, -1]
 
@@ -148,8 +158,9 @@ def decoder_for(model, max_length: int, use_cache: bool):
     return RecomputeDecoder(model)
 
 
-def sample_next(logits: torch.Tensor, vocab_size: int, temperature: float, top_k: int,
-                generator: torch.Generator) -> torch.Tensor:
+def sample_next(
+    logits: torch.Tensor, vocab_size: int, temperature: float, top_k: int, generator: torch.Generator
+) -> torch.Tensor:
     """Greedy at temperature 0, else softmax(logits / T) over the top-k of the real vocabulary."""
     logits = logits[:, :vocab_size].float()
     if temperature == 0:
@@ -163,16 +174,28 @@ def sample_next(logits: torch.Tensor, vocab_size: int, temperature: float, top_k
 
 
 @torch.no_grad()
-def generate(model, prompt: torch.Tensor, max_new_tokens: int, vocab_size: int, max_length: int,
-             use_cache: bool = True, temperature: float = 0.0, top_k: int = 0, seed: int = 0,
-             decoder=None, stop=None) -> torch.Tensor:
+def generate(
+    model,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    vocab_size: int,
+    max_length: int,
+    use_cache: bool = True,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    seed: int = 0,
+    decoder=None,
+    stop=None,
+) -> torch.Tensor:
     """``prompt`` ``[b, p]`` -> ``[b, p + max_new_tokens]`` sampled tokens, or fewer new tokens
     where ``stop(tokens so far)`` returns True (checked after every new token)."""
     if prompt.shape[1] < 1:
         raise UserError("the prompt must hold at least one token")
     if prompt.shape[1] + max_new_tokens > max_length:
-        raise UserError(f"prompt ({prompt.shape[1]}) + max new tokens ({max_new_tokens}) exceeds "
-                        f"the model's seq_length {max_length}")
+        raise UserError(
+            f"prompt ({prompt.shape[1]}) + max new tokens ({max_new_tokens}) exceeds "
+            f"the model's seq_length {max_length}"
+        )
     generator = torch.Generator().manual_seed(seed)
     decoder = decoder or decoder_for(model, max_length, use_cache)
     logits = decoder.prefill(prompt)

@@ -42,14 +42,20 @@ def load_model(path: str, overrides: List[str], average: bool = False, tables: b
 
     common = load_common(path)
     if average and not common.get("ema"):
-        raise UserError(f"checkpoint '{find_checkpoint(path)}' has no weight average (it was trained without "
-                        f"train.ema_decay); leave out --average")
+        raise UserError(
+            f"checkpoint '{find_checkpoint(path)}' has no weight average (it was trained without "
+            f"train.ema_decay); leave out --average"
+        )
     saved, tokenizer_json = common["config"], common.get("tokenizer_json")
     if tokenizer_json is not None and not os.path.isfile(saved["data"]["tokenizer"]):
         saved["data"]["tokenizer"] = None  # moved or deleted since training: the carried copy serves
-    saved["parallel"].update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                             virtual_pipeline_model_parallel_size=None, data_parallel_size=None,
-                             sequence_parallel=False)
+    saved["parallel"].update(
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=None,
+        data_parallel_size=None,
+        sequence_parallel=False,
+    )
     saved["train"].update(load=None, save=None, save_interval=0)
     saved["data"]["path"] = None  # generating needs no data: the saved data.tokenizer is the data's
     if overrides:
@@ -87,15 +93,20 @@ def prompt_text(prompt: str) -> str:
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError as err:
-        raise UserError(f"the prompt is not valid UTF-8 (character {err.start} is an undecodable byte); "
-                        f"pass UTF-8 text or token ids with --prompt-ids") from None
+        raise UserError(
+            f"the prompt is not valid UTF-8 (character {err.start} is an undecodable byte); "
+            f"pass UTF-8 text or token ids with --prompt-ids"
+        ) from None
     return prompt
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="rmt-generate", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--checkpoint", required=True,
-                    help="a save root (its newest complete checkpoint is used) or one iter_* directory")
+    ap.add_argument(
+        "--checkpoint",
+        required=True,
+        help="a save root (its newest complete checkpoint is used) or one iter_* directory",
+    )
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--prompt", default="\n", help="prompt text, tokenized with the checkpoint's tokenizer")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
@@ -104,13 +115,23 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = all)")
     ap.add_argument("--num-samples", type=int, default=1, help="samples generated as one batch")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
-    ap.add_argument("--no-cache", action="store_true",
-                    help="recompute the full forward pass per token instead of the KV cache / recurrent state")
-    ap.add_argument("--average", action="store_true",
-                    help="generate with the checkpoint's weight average (train.ema_decay) instead of the trained weights")
+    ap.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="recompute the full forward pass per token instead of the KV cache / recurrent state",
+    )
+    ap.add_argument(
+        "--average",
+        action="store_true",
+        help="generate with the checkpoint's weight average (train.ema_decay) instead of the trained weights",
+    )
     ap.add_argument("--json", metavar="FILE", help="write prompt, token ids and text as JSON")
-    ap.add_argument("overrides", nargs="*", metavar="section.key=value",
-                    help="overrides of the saved config (e.g. train.precision=fp32)")
+    ap.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
+        help="overrides of the saved config (e.g. train.precision=fp32)",
+    )
     return ap
 
 
@@ -141,8 +162,17 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise UserError(f"prompt token ids must lie in [0, {config.model.vocab_size})")
         device = next(model.parameters()).device
         prompt = torch.tensor([ids] * args.num_samples, device=device)
-        out = generate(model, prompt, args.max_new_tokens, config.model.vocab_size, config.model.seq_length,
-                       not args.no_cache, args.temperature, args.top_k, args.seed)
+        out = generate(
+            model,
+            prompt,
+            args.max_new_tokens,
+            config.model.vocab_size,
+            config.model.seq_length,
+            not args.no_cache,
+            args.temperature,
+            args.top_k,
+            args.seed,
+        )
         result = {"prompt_ids": ids, "samples": []}
         for row in out.tolist():
             text = tokenizer.detokenize(row) if tokenizer is not None else None

@@ -51,5 +51,7 @@ def require_tested_megatron_core() -> None:
     """Raise :class:`UserError` (one sentence) unless megatron-core is the tested release."""
     found = _megatron_core_version()
     if found != TESTED_MEGATRON_CORE:
-        raise UserError(f"rmt's CPU shim of megatron-core was written for megatron-core {TESTED_MEGATRON_CORE}, "
-                        f"but this environment has {found}; install megatron-core=={TESTED_MEGATRON_CORE}")
+        raise UserError(
+            f"rmt's CPU shim of megatron-core was written for megatron-core {TESTED_MEGATRON_CORE}, "
+            f"but this environment has {found}; install megatron-core=={TESTED_MEGATRON_CORE}"
+        )

@@ -25,8 +25,10 @@ def step_peak_bytes(step: Callable[[], object], device: torch.device) -> int:
         step()
     # The profiler attributes an allocation to the op that made it (its self memory: net of what
     # its children allocate) and records the rest, mostly frees outside any op, as "[memory]".
-    events = sorted((e.time_range.start, e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
-                    for e in prof.events())
+    events = sorted(
+        (e.time_range.start, e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
+        for e in prof.events()
+    )
     level = peak = 0
     for _, delta in events:
         level += delta

@@ -29,21 +29,33 @@ _FILTERS = [
     # (category, message regex, module regex)
     (UserWarning, r"(Transformer Engine and Apex are|Apex is) not installed", r"megatron\."),
     (UserWarning, r"full scope is deprecated", r"megatron\.core\.transformer\.transformer_config"),
-    (FutureWarning, r".*(deprecating ShardedTensor|`load_state_dict` is deprecated)",
-     r"(torch\.distributed\.checkpoint|megatron\.core\.dist_checkpointing)\."),
+    (
+        FutureWarning,
+        r".*(deprecating ShardedTensor|`load_state_dict` is deprecated)",
+        r"(torch\.distributed\.checkpoint|megatron\.core\.dist_checkpointing)\.",
+    ),
     # megatron's distributed optimizer: its bucket collectives under torch's new names, and its
     # zero_grad reading .grad of the main parameters' shards (views, hence not leaves)
-    (FutureWarning, r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
-     r"torch\.distributed\.c10d_logger"),
+    (
+        FutureWarning,
+        r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+        r"torch\.distributed\.c10d_logger",
+    ),
     (UserWarning, r"The \.grad attribute of a Tensor that is not a leaf Tensor", r"megatron\.core\.optimizer\."),
     # selective recomputation: advice for Transformer Engine's fused attention, which rmt never uses
-    (UserWarning, r"If you are using transformer_engine as the transformer implementation",
-     r"megatron\.core\.transformer\.transformer_config"),
+    (
+        UserWarning,
+        r"If you are using transformer_engine as the transformer implementation",
+        r"megatron\.core\.transformer\.transformer_config",
+    ),
 ]
 
 _CPU_FILTERS = [
-    (UserWarning, r"When using .* recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
-     r"megatron\.core\.tensor_parallel\.layers"),
+    (
+        UserWarning,
+        r"When using .* recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+        r"megatron\.core\.tensor_parallel\.layers",
+    ),
 ]
 
 # Kineto's log line: "USDT:2026-01-01 10:00:00 123:123 SyncActivityProfilerHandler.cpp:52] profiler_start"
@@ -81,7 +93,10 @@ def profiler_lines_dropped():
             os.dup2(saved, 2)
             os.close(saved)
             capture.seek(0)
-            kept = [line for line in capture.read().decode(errors="replace").splitlines(keepends=True)
-                    if not _PROFILER_LINE.match(line)]
+            kept = [
+                line
+                for line in capture.read().decode(errors="replace").splitlines(keepends=True)
+                if not _PROFILER_LINE.match(line)
+            ]
             sys.stderr.write("".join(kept))
             sys.stderr.flush()

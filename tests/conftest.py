@@ -19,11 +19,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def tiny_overrides(cache_dir, steps=3):
     """A 2-layer transformer small enough for three steps in a second or two."""
-    return [f"data.cache_dir={cache_dir}", "data.max_documents=20", "model.num_layers=2",
-            "model.hidden_size=32", "model.num_attention_heads=4", "model.seq_length=32",
-            f"train.steps={steps}", "train.warmup_steps=1", "train.micro_batch_size=2",
-            "train.global_batch_size=4", "train.eval_iters=0", "train.progress=false",
-            "train.z_loss=1e-3"]
+    return [
+        f"data.cache_dir={cache_dir}",
+        "data.max_documents=20",
+        "model.num_layers=2",
+        "model.hidden_size=32",
+        "model.num_attention_heads=4",
+        "model.seq_length=32",
+        f"train.steps={steps}",
+        "train.warmup_steps=1",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=4",
+        "train.eval_iters=0",
+        "train.progress=false",
+        "train.z_loss=1e-3",
+    ]
 
 
 def _ephemeral_ports():
@@ -75,8 +85,9 @@ def run_python(args, nproc=1, timeout=600, check=True):
         # --standalone: torchrun's store binds a free port itself and the workers join that store
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] + args
     # A session of its own, so a timeout kills torchrun's workers too (not only the launcher).
-    with subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, start_new_session=True) as popen:
+    with subprocess.Popen(
+        cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as popen:
         try:
             stdout, stderr = popen.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -84,7 +95,9 @@ def run_python(args, nproc=1, timeout=600, check=True):
             raise
     proc = subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
     return proc
 
 
@@ -177,8 +190,9 @@ def train_cases(tmp_path_factory, name, cases):
         directory.mkdir(exist_ok=True)
         records = {}
         for nproc in sorted({n for _, n in cases.values()}):
-            records.update(train_runs({paths[case]: overrides for case, (overrides, n) in cases.items()
-                                       if n == nproc}, nproc))
+            records.update(
+                train_runs({paths[case]: overrides for case, (overrides, n) in cases.items() if n == nproc}, nproc)
+            )
         done.touch()
     return {case: records[path] for case, path in paths.items()}
 

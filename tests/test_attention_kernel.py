@@ -21,14 +21,25 @@ from rmt.models.megatron_config import transformer_config
 
 warnings.filterwarnings("ignore")
 
-BASE = ["model.hidden_size=32", "model.num_attention_heads=4", "model.num_layers=2", "model.seq_length=24",
-        "model.vocab_size=61"]
+BASE = [
+    "model.hidden_size=32",
+    "model.num_attention_heads=4",
+    "model.num_layers=2",
+    "model.seq_length=24",
+    "model.vocab_size=61",
+]
 ARCHS = {
     "transformer": ["model.arch=transformer"],
     "transformer_rope": ["model.arch=transformer", "model.position=rope"],
     "recurrent": ["model.arch=recurrent", "model.block_width=8"],
-    "moe_mlp": ["model.arch=transformer", "memory.type=moe", "memory.moe_placement=mlp", "memory.placement=2",
-                "memory.num_experts=4", "memory.expert_hidden_size=16"],
+    "moe_mlp": [
+        "model.arch=transformer",
+        "memory.type=moe",
+        "memory.moe_placement=mlp",
+        "memory.placement=2",
+        "memory.num_experts=4",
+        "memory.expert_hidden_size=16",
+    ],
 }
 # Both kernels compute the same fp32 sums in different orders (torch's kernel accumulates the
 # softmax online, block by block): a few fp32 ulps per element, relative to the largest entry.
@@ -44,8 +55,8 @@ def document_mask(batch: int, s: int) -> torch.Tensor:
     different places in each sample."""
     doc = torch.zeros(batch, s, dtype=torch.long)
     for i in range(batch):
-        doc[i, 5 + 3 * i:] += 1
-        doc[i, 15 + i:] += 1
+        doc[i, 5 + 3 * i :] += 1
+        doc[i, 15 + i :] += 1
     causal = torch.ones(s, s, dtype=torch.bool).triu(1)
     return (causal | (doc[:, :, None] != doc[:, None, :]))[:, None]
 
@@ -102,8 +113,10 @@ def kernels():
     cfg = config("sdpa", ARCHS["transformer"])
     parallel.initialize(cfg)
     tcfg = transformer_config(cfg)
-    yield tuple(cls(tcfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
-                for cls in (SDPAttention, DotProductAttention))
+    yield tuple(
+        cls(tcfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+        for cls in (SDPAttention, DotProductAttention)
+    )
     parallel.destroy()
 
 
@@ -120,8 +133,9 @@ def test_no_mask_means_causal_and_a_single_query_sees_every_key(kernels):
 
 def test_attention_dropout_acts_in_training_only(kernels):
     cfg = config("sdpa", ARCHS["transformer"] + ["model.dropout=0.5"])
-    sdpa = SDPAttention(transformer_config(cfg), layer_number=1, attn_mask_type=AttnMaskType.causal,
-                        attention_type="self")
+    sdpa = SDPAttention(
+        transformer_config(cfg), layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self"
+    )
     torch.manual_seed(2)
     q, k, v = (torch.randn(7, 2, 4, 8) for _ in range(3))
     reference = kernels[1]

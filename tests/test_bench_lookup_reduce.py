@@ -11,10 +11,17 @@ import pytest
 
 from conftest import load_script, run_python
 
-SUMMARY_KEYS = {"speedup_vs_embedding_bag_sparse", "speedup_vs_embedding_bag_dense", "fraction_of_bandwidth",
-                "step_speedup_sparse_adam_vs_embedding_bag_sparse_adam", "step_speedup_sparse_adam_vs_dense_adamw",
-                "gather_gbps", "best_case_speedup_vs_embedding_bag_sparse", "best_case_speedup_vs_embedding_bag_dense",
-                "fwd_bwd_fraction_of_best_case"}
+SUMMARY_KEYS = {
+    "speedup_vs_embedding_bag_sparse",
+    "speedup_vs_embedding_bag_dense",
+    "fraction_of_bandwidth",
+    "step_speedup_sparse_adam_vs_embedding_bag_sparse_adam",
+    "step_speedup_sparse_adam_vs_dense_adamw",
+    "gather_gbps",
+    "best_case_speedup_vs_embedding_bag_sparse",
+    "best_case_speedup_vs_embedding_bag_dense",
+    "fwd_bwd_fraction_of_best_case",
+}
 
 
 FBGEMM = importlib.util.find_spec("fbgemm_gpu") is not None
@@ -27,11 +34,17 @@ def check_rowwise_peers(doc, table_dtype, proc):
     rows = doc["peer_rows"]
     with_tbe = FBGEMM and table_dtype == "fp32"  # FBGEMM's CPU kernels take no bf16 weights
     methods = {FUSED, UNFUSED} | ({TBE} if with_tbe else set())
-    assert {(r["method"], r["threads"], r["K"]) for r in rows} == {(m, n, k) for m in methods for n in (1, 2) for k in (32, 128)}
+    assert {(r["method"], r["threads"], r["K"]) for r in rows} == {
+        (m, n, k) for m in methods for n in (1, 2) for k in (32, 128)
+    }
     assert all(math.isfinite(r[k]) and r[k] > 0 for r in rows for k in ("fwd_s", "bwd_opt_s", "step_s"))
-    keys = {f"fused_step_speedup_vs_unfused_t{n}" for n in (1, 2)} | {f"fused_step_fraction_of_best_case_t{n}" for n in (1, 2)}
+    keys = {f"fused_step_speedup_vs_unfused_t{n}" for n in (1, 2)} | {
+        f"fused_step_fraction_of_best_case_t{n}" for n in (1, 2)
+    }
     if with_tbe:
-        keys |= {f"{k}_t{n}" for k in ("fused_step_over_fbgemm_step", "best_case_step_over_fbgemm_step") for n in (1, 2)}
+        keys |= {
+            f"{k}_t{n}" for k in ("fused_step_over_fbgemm_step", "best_case_step_over_fbgemm_step") for n in (1, 2)
+        }
     else:
         assert "FBGEMM skipped" in proc.stdout
     assert keys <= set(doc["summary"])
@@ -42,8 +55,11 @@ def check_rowwise_peers(doc, table_dtype, proc):
         at = [r for r in rows if (r["K"], r["threads"]) == (32, n)]
         fastest = min(at, key=lambda r: r["fwd_s"])
         touched = fastest["unique_rows"] * fastest["D"] * table_elem
-        best = (fastest["fwd_s"] + touched / (fastest["fwd_gbps"] * 1e9)
-                + touched / (doc["machine"]["copy_bandwidth_gbps"] * 1e9))
+        best = (
+            fastest["fwd_s"]
+            + touched / (fastest["fwd_gbps"] * 1e9)
+            + touched / (doc["machine"]["copy_bandwidth_gbps"] * 1e9)
+        )
         fused = next(r for r in at if r["method"] == FUSED)
         assert math.isclose(doc["summary"][f"fused_step_fraction_of_best_case_t{n}"], best / fused["step_s"])
         if with_tbe:
@@ -58,11 +74,11 @@ def check_rowwise_peers(doc, table_dtype, proc):
             # sums of K (forward) and D=64 (score gradients) products of randn rows with
             # uniform scores and randn output gradients: fp32 accumulation in another order,
             # gamma_n * sum|terms| with sum|terms| < 2K (forward) and < 512 (score gradients)
-            assert r["max_diff_output"] <= r["K"] * 2 ** -24 * 2 * r["K"]
-            assert r["max_diff_score_grad"] <= 64 * 2 ** -24 * 512
+            assert r["max_diff_output"] <= r["K"] * 2**-24 * 2 * r["K"]
+            assert r["max_diff_score_grad"] <= 64 * 2**-24 * 512
             # one step of lr 1e-2: |update| <= lr * sqrt(D) per element, computed from those
             # gradients (relative error < 1e-4 of the update) and rounded once at |w| < 8
-            assert r["max_diff_table"] <= 1e-2 * 8 * 1e-4 + 2 ** -21
+            assert r["max_diff_table"] <= 1e-2 * 8 * 1e-4 + 2**-21
 
 
 @pytest.mark.slow
@@ -73,8 +89,24 @@ def test_bench_quick_writes_json(tmp_path, monkeypatch, table_dtype, table_elem,
     if digit_bits:
         monkeypatch.setenv("RMT_SORT_DIGIT_BITS", digit_bits)
     out = tmp_path / "bench.json"
-    proc = run_python(["tools/bench_lookup_reduce.py", "--quick", "--repeats", "1", "--device", "cpu",
-                       "--table-dtype", table_dtype, "--load", str(load), "--rows", "16384", "--json", str(out)])
+    proc = run_python(
+        [
+            "tools/bench_lookup_reduce.py",
+            "--quick",
+            "--repeats",
+            "1",
+            "--device",
+            "cpu",
+            "--table-dtype",
+            table_dtype,
+            "--load",
+            str(load),
+            "--rows",
+            "16384",
+            "--json",
+            str(out),
+        ]
+    )
     doc = json.loads(out.read_text())
     assert {r["N"] for r in doc["rows"] + doc["step_rows"] + doc["peer_rows"]} == {16384}
     assert doc["benchmark"] == "bench_lookup_reduce" and doc["machine"]["device"] == "cpu"
@@ -85,8 +117,13 @@ def test_bench_quick_writes_json(tmp_path, monkeypatch, table_dtype, table_elem,
     shapes = {(r["K"], r["C"], r["E"]) for r in doc["rows"]}
     assert shapes == {(32, 1, 1), (128, 2, 4)}
     headline = {r["method"] for r in doc["rows"] if (r["K"], r["C"], r["E"]) == (32, 1, 1)}
-    assert headline == {"lookup_reduce[cpu] sparse grad", "lookup_reduce[cpu] dense grad", "embedding_bag dense",
-                        "embedding_bag sparse", "naive gather+sum"}
+    assert headline == {
+        "lookup_reduce[cpu] sparse grad",
+        "lookup_reduce[cpu] dense grad",
+        "embedding_bag dense",
+        "embedding_bag sparse",
+        "naive gather+sum",
+    }
     assert len(doc["step_rows"]) == 7
     assert SUMMARY_KEYS <= set(doc["summary"])
     assert all(math.isfinite(v) and v > 0 for v in doc["summary"].values())
@@ -95,8 +132,11 @@ def test_bench_quick_writes_json(tmp_path, monkeypatch, table_dtype, table_elem,
     head = [r for r in doc["rows"] if (r["K"], r["C"], r["E"]) == (32, 1, 1)]
     fastest = min(head, key=lambda r: r["fwd_s"])
     touched = fastest["unique_rows"] * fastest["D"] * table_elem
-    best = (fastest["fwd_s"] + touched / (fastest["fwd_gbps"] * 1e9)
-            + touched / (doc["machine"]["copy_bandwidth_gbps"] * 1e9))
+    best = (
+        fastest["fwd_s"]
+        + touched / (fastest["fwd_gbps"] * 1e9)
+        + touched / (doc["machine"]["copy_bandwidth_gbps"] * 1e9)
+    )
     bag = next(r for r in head if r["method"] == "embedding_bag sparse")
     assert math.isclose(doc["summary"]["best_case_speedup_vs_embedding_bag_sparse"], bag["fwd_bwd_s"] / best)
     ours = next(r for r in head if r["method"] == "lookup_reduce[cpu] sparse grad")
@@ -113,11 +153,14 @@ def test_bench_gpu_clock_on_cpu_is_rejected():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args, message", [
-    (["--threads", "1,x"], "--threads must be comma-separated positive integers; got '1,x'"),
-    (["--load", "-1"], "--load must be >= 0; got -1"),
-    (["--rows", "100"], "--rows must be at least 1024; got 100"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--threads", "1,x"], "--threads must be comma-separated positive integers; got '1,x'"),
+        (["--load", "-1"], "--load must be >= 0; got -1"),
+        (["--rows", "100"], "--rows must be at least 1024; got 100"),
+    ],
+)
 def test_bench_bad_options_are_rejected(args, message):
     proc = run_python(["tools/bench_lookup_reduce.py", "--device", "cpu"] + args, check=False)
     assert proc.returncode == 2
@@ -130,4 +173,8 @@ def test_interleaved_methods_start_one_later_each_repeat():
     bench = load_script("tools/bench_lookup_reduce.py")
     items = [("a", 1), ("b", 2), ("c", 3)]
     assert [[name for name, _ in bench.rotated(items, rep)] for rep in range(4)] == [
-        list("abc"), list("bca"), list("cab"), list("abc")]
+        list("abc"),
+        list("bca"),
+        list("cab"),
+        list("abc"),
+    ]

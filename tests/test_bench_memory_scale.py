@@ -15,9 +15,29 @@ pytestmark = pytest.mark.slow
 
 def test_bench_smoke_writes_json(tmp_path, cache_dir):
     out = tmp_path / "bench.json"
-    run_python(["tools/bench_memory_scale.py", "--sizes", "8", "--base-mib", "2", "--ranks", "2",
-                "--partitions", "number", "--optimizers", "sparse_adam", "--steps", "1",
-                "--cache-dir", cache_dir, "--workdir", str(tmp_path / "work"), "--json", str(out)])
+    run_python(
+        [
+            "tools/bench_memory_scale.py",
+            "--sizes",
+            "8",
+            "--base-mib",
+            "2",
+            "--ranks",
+            "2",
+            "--partitions",
+            "number",
+            "--optimizers",
+            "sparse_adam",
+            "--steps",
+            "1",
+            "--cache-dir",
+            cache_dir,
+            "--workdir",
+            str(tmp_path / "work"),
+            "--json",
+            str(out),
+        ]
+    )
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "bench_memory_scale"
     base, run = doc["rows"]
@@ -36,9 +56,29 @@ def test_bench_smoke_writes_json(tmp_path, cache_dir):
     # each measured run costs two launches of 2 processes, and the measuring path ran above).
     assert not (tmp_path / "bench.json.partial").exists()
     (tmp_path / "bench.json.partial").write_text("".join(json.dumps(r) + "\n" for r in doc["rows"][::-1]))
-    proc = run_python(["tools/bench_memory_scale.py", "--sizes", "8", "--base-mib", "2", "--ranks", "2",
-                       "--partitions", "number", "--optimizers", "sparse_adam", "--steps", "1",
-                       "--cache-dir", cache_dir, "--workdir", str(tmp_path / "work2"), "--json", str(out)])
+    proc = run_python(
+        [
+            "tools/bench_memory_scale.py",
+            "--sizes",
+            "8",
+            "--base-mib",
+            "2",
+            "--ranks",
+            "2",
+            "--partitions",
+            "number",
+            "--optimizers",
+            "sparse_adam",
+            "--steps",
+            "1",
+            "--cache-dir",
+            cache_dir,
+            "--workdir",
+            str(tmp_path / "work2"),
+            "--json",
+            str(out),
+        ]
+    )
     assert "reusing 2 runs measured before" in proc.stderr and "measuring " not in proc.stderr
     again = json.loads(out.read_text())
     assert again["rows"][0]["peak"] == base["peak"] and again["rows"][1]["num_keys"] == run["num_keys"]
@@ -51,9 +91,11 @@ def test_bench_smoke_writes_json(tmp_path, cache_dir):
     assert [r["predicted"] for r in re_doc["rows"]] == [r["predicted"] for r in again["rows"]]
     # a file written before above_start existed is compared on its absolute peaks
     old = tmp_path / "old.json"
-    old.write_text(json.dumps(dict(again, rows=[{k: v for k, v in r.items() if k != "above_start"}
-                                                for r in again["rows"]])))
+    old.write_text(
+        json.dumps(dict(again, rows=[{k: v for k, v in r.items() if k != "above_start"} for r in again["rows"]]))
+    )
     run_python(["tools/bench_memory_scale.py", "--repredict", str(old), "--json", str(tmp_path / "re_old.json")])
     old_base, old_run = json.loads((tmp_path / "re_old.json").read_text())["rows"]
     assert {p: g["measured"] for p, g in old_run["growth"].items()} == {
-        p: old_run["peak"][p] - old_base["peak"][p] for p in ("init", "step", "save", "load")}
+        p: old_run["peak"][p] - old_base["peak"][p] for p in ("init", "step", "save", "load")
+    }

@@ -29,8 +29,11 @@ def test_bench_quick_writes_json_and_optimizers_agree(tmp_path):
     row = doc["rows"][0]
     assert row["threads"] == 1 and row["params"] > 0
     assert all(row[f"{name}_ms"] > 0 for name in ("torch_foreach", "torch_fused", "deepspeed_cpu_adam"))
-    assert set(doc["summary"]) == {"deepspeed_over_torch_foreach", "torch_fused_over_torch_foreach",
-                                   "max_param_difference"}
+    assert set(doc["summary"]) == {
+        "deepspeed_over_torch_foreach",
+        "torch_fused_over_torch_foreach",
+        "max_param_difference",
+    }
     assert all(math.isfinite(v) for v in doc["summary"].values())
     # The same AdamW update three ways (weights ~0.02, four steps of lr 3e-3): float rounding only.
     assert doc["summary"]["max_param_difference"] < 1e-6

@@ -22,13 +22,41 @@ def _doc(path, name, summary_keys):
 @pytest.mark.slow
 def test_bench_memory_inference_smoke(tmp_path):
     out = tmp_path / "bench.json"
-    run_python(["tools/bench_memory_inference.py", "--hidden", "64", "--heads", "2", "--layers", "2",
-                "--kv-len", "8", "--batches", "1,2", "--reps", "1", "--expansion", "2", "--topk", "2",
-                "--json", str(out)])
-    doc = _doc(out, "bench_memory_inference", ["ultramem_over_dense_latency_b64", "moe_over_ultramem_latency_b64",
-                                               "ultramem_latency_growth_10x_slots",
-                                               "ultramem_v2_over_dense_latency_b64",
-                                               "ultramem_v2_over_ultramem_latency_b64", "moe_over_ultramem_v2_latency_b64"])
+    run_python(
+        [
+            "tools/bench_memory_inference.py",
+            "--hidden",
+            "64",
+            "--heads",
+            "2",
+            "--layers",
+            "2",
+            "--kv-len",
+            "8",
+            "--batches",
+            "1,2",
+            "--reps",
+            "1",
+            "--expansion",
+            "2",
+            "--topk",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
+    doc = _doc(
+        out,
+        "bench_memory_inference",
+        [
+            "ultramem_over_dense_latency_b64",
+            "moe_over_ultramem_latency_b64",
+            "ultramem_latency_growth_10x_slots",
+            "ultramem_v2_over_dense_latency_b64",
+            "ultramem_v2_over_ultramem_latency_b64",
+            "moe_over_ultramem_v2_latency_b64",
+        ],
+    )
     assert [r["batch"] for r in doc["rows"]] == [1, 2]
     for row in doc["rows"]:
         # every model touches at least the dense layers' weights; MoE and the memories more
@@ -40,11 +68,33 @@ def test_bench_memory_inference_smoke(tmp_path):
 @pytest.mark.slow
 def test_bench_memory_parallel_smoke(tmp_path):
     out = tmp_path / "bench.json"
-    run_python(["tools/bench_memory_parallel.py", "--steps", "3", "--hidden", "32", "--seq", "16", "--batch", "2",
-                "--keys", "8", "--documents", "5", "--json", str(out)])
+    run_python(
+        [
+            "tools/bench_memory_parallel.py",
+            "--steps",
+            "3",
+            "--hidden",
+            "32",
+            "--seq",
+            "16",
+            "--batch",
+            "2",
+            "--keys",
+            "8",
+            "--documents",
+            "5",
+            "--json",
+            str(out),
+        ]
+    )
     doc = _doc(out, "bench_memory_parallel", ["async_over_sync_step_time"])
     assert {(r["partition"], r["async"]) for r in doc["rows"]} == {
-        ("local", False), ("number", False), ("number", True), ("dimension", False), ("dimension", True)}
+        ("local", False),
+        ("number", False),
+        ("number", True),
+        ("dimension", False),
+        ("dimension", True),
+    }
     for row in doc["rows"]:
         assert row["step_s"] > 0 and 0 <= row["hidden_fraction"] <= 1
         assert (row["memory_backward_s"] is not None) == row["async"]
@@ -53,8 +103,9 @@ def test_bench_memory_parallel_smoke(tmp_path):
 @pytest.mark.slow
 def test_bench_rmt_smoke(tmp_path):
     out = tmp_path / "bench.json"
-    run_python(["tools/bench_rmt.py", "--sizes", "tiny", "--steps", "3", "--json", str(out),
-                "model.attention_kernel=megatron"])
+    run_python(
+        ["tools/bench_rmt.py", "--sizes", "tiny", "--steps", "3", "--json", str(out), "model.attention_kernel=megatron"]
+    )
     doc = _doc(out, "bench_rmt", ["step_time_ratio_rmt_over_transformer", "peak_mem_ratio"])
     (row,) = doc["rows"]
     assert row["size"] == "tiny" and len(row["rmt"]["step_s_all"]) == 3
@@ -79,8 +130,23 @@ def test_bench_memory_stream_smoke(tmp_path):
     """Every variant trains in its own process; the async stream computes the synchronous
     layers' numbers, so each pair ends at the same loss, bit for bit."""
     out = tmp_path / "bench.json"
-    run_python(["tools/bench_memory_stream.py", "--quick", "--fused", "--steps", "2", "--warmup", "1",
-                "--documents", "20", "--profile", "1", "--json", str(out)])
+    run_python(
+        [
+            "tools/bench_memory_stream.py",
+            "--quick",
+            "--fused",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--documents",
+            "20",
+            "--profile",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "bench_memory_stream" and doc["machine"]
     rows = {r["variant"]: r for r in doc["rows"]}
@@ -100,8 +166,9 @@ def test_bench_memory_stream_smoke(tmp_path):
 def test_bench_memory_stream_bad_input_is_one_sentence():
     proc = run_python(["tools/bench_memory_stream.py", "--quick", "--variants", "sync,fast"], check=False)
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.strip() == ("bench_memory_stream: --variants takes names from dense, sync, async, sync_fused, "
-                                   "async_fused, got 'sync,fast'")
+    assert proc.stderr.strip() == (
+        "bench_memory_stream: --variants takes names from dense, sync, async, sync_fused, async_fused, got 'sync,fast'"
+    )
 
 
 def test_device_busy_time_counts_overlapping_kernels_once():
@@ -113,10 +180,23 @@ def test_device_busy_time_counts_overlapping_kernels_once():
 @pytest.mark.slow
 def test_bench_dense_switches_smoke(tmp_path, cache_dir):
     out = tmp_path / "bench.json"
-    run_python(["tools/bench_dense_switches.py", "--quick", "--variants", "fp32,bf16,recompute_full,all",
-                "--json", str(out), f"data.cache_dir={cache_dir}", "data.max_documents=60"])
-    doc = _doc(out, "bench_dense_switches", ["bf16_over_fp32_step_time", "bf16_over_fp32_peak",
-                                             "recompute_full_over_none_peak", "all_over_fp32_peak"])
+    run_python(
+        [
+            "tools/bench_dense_switches.py",
+            "--quick",
+            "--variants",
+            "fp32,bf16,recompute_full,all",
+            "--json",
+            str(out),
+            f"data.cache_dir={cache_dir}",
+            "data.max_documents=60",
+        ]
+    )
+    doc = _doc(
+        out,
+        "bench_dense_switches",
+        ["bf16_over_fp32_step_time", "bf16_over_fp32_peak", "recompute_full_over_none_peak", "all_over_fp32_peak"],
+    )
     rows = {r["variant"]: r for r in doc["rows"]}
     assert list(rows) == ["fp32", "bf16", "recompute_full", "all"]
     assert rows["bf16"]["params"] == rows["fp32"]["params"]
@@ -127,9 +207,23 @@ def test_bench_dense_switches_smoke(tmp_path, cache_dir):
 @pytest.mark.slow
 def test_bench_dense_switches_loss_band_smoke(tmp_path, cache_dir):
     out = tmp_path / "band.json"
-    run_python(["tools/bench_dense_switches.py", "--loss-band", "configs/tiny.yaml", "--seeds", "1,2", "--json",
-                str(out), f"data.cache_dir={cache_dir}", "data.max_documents=60", "train.steps=2",
-                "train.eval_interval=2", "train.eval_iters=1", "model.seq_length=32"])
+    run_python(
+        [
+            "tools/bench_dense_switches.py",
+            "--loss-band",
+            "configs/tiny.yaml",
+            "--seeds",
+            "1,2",
+            "--json",
+            str(out),
+            f"data.cache_dir={cache_dir}",
+            "data.max_documents=60",
+            "train.steps=2",
+            "train.eval_interval=2",
+            "train.eval_iters=1",
+            "model.seq_length=32",
+        ]
+    )
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "bench_dense_switches_loss_band"
     (row,) = doc["rows"]

@@ -11,13 +11,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import _free_port, rmt_train, tiny_overrides
 from rmt.config import load_config
 from rmt.config_checks import validate
 from rmt.data.blend import Blend, parse_blend
 from rmt.data.shards import write_indexed
 from rmt.data.tokenizers import ByteTokenizer, HFTokenizer, train_bpe
 from rmt.errors import ConfigError, UserError
+
+from conftest import _free_port, rmt_train, tiny_overrides
 
 # each corpus writes only its own letters, so a sample's tokens tell which corpus it came from
 LETTERS = {"web": "abcdefgh", "code": "ijklmnop", "books": "qrstuvwx"}
@@ -53,8 +54,12 @@ def process_group():
 def _datasets(overrides, num_train, num_valid=0):
     from rmt.data.gpt_data import build_datasets, resolve_data
 
-    config = validate(load_config(None, ["model.seq_length=32", "data.split=90,10,0",
-                                         f"train.eval_iters={int(bool(num_valid))}"] + overrides), 1)
+    config = validate(
+        load_config(
+            None, ["model.seq_length=32", "data.split=90,10,0", f"train.eval_iters={int(bool(num_valid))}"] + overrides
+        ),
+        1,
+    )
     return build_datasets(config, resolve_data(config), num_train, num_valid)
 
 
@@ -77,16 +82,25 @@ def test_blend_forms(tmp_path):
     assert parse_blend(str(blend)) == Blend((str(tmp_path / "web"), "/abs/code"), (20.0, 10.0))
 
 
-@pytest.mark.parametrize("value,message", [
-    ("0.3 A 0.7", "data.path '0.3 A 0.7' has 3 items: weights and prefixes must alternate ('W1 P1 W2 P2 ...')"),
-    ("A 0.7 B", "data.path 'A 0.7 B' mixes prefixes with the number 0.7: give a weight before every prefix "
-                "('W1 P1 W2 P2 ...') or none at all"),
-    ("0.3 A B 0.7", "data.path '0.3 A B 0.7': 'B' stands where a weight belongs; weights and prefixes must "
-                    "alternate ('W1 P1 W2 P2 ...')"),
-    ("0.3 A 0 B", "data.path '0.3 A 0 B': the weight of 'B' must be a positive number, got 0"),
-    ("1 A 2 A", "data.path '1 A 2 A' names 'A' twice; give each dataset once with its total weight"),
-    ("missing.blend", "data.path blend file 'missing.blend' does not exist"),
-])
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        ("0.3 A 0.7", "data.path '0.3 A 0.7' has 3 items: weights and prefixes must alternate ('W1 P1 W2 P2 ...')"),
+        (
+            "A 0.7 B",
+            "data.path 'A 0.7 B' mixes prefixes with the number 0.7: give a weight before every prefix "
+            "('W1 P1 W2 P2 ...') or none at all",
+        ),
+        (
+            "0.3 A B 0.7",
+            "data.path '0.3 A B 0.7': 'B' stands where a weight belongs; weights and prefixes must "
+            "alternate ('W1 P1 W2 P2 ...')",
+        ),
+        ("0.3 A 0 B", "data.path '0.3 A 0 B': the weight of 'B' must be a positive number, got 0"),
+        ("1 A 2 A", "data.path '1 A 2 A' names 'A' twice; give each dataset once with its total weight"),
+        ("missing.blend", "data.path blend file 'missing.blend' does not exist"),
+    ],
+)
 def test_bad_blends_are_one_sentence(value, message):
     with pytest.raises(ConfigError) as err:
         parse_blend(value)
@@ -135,8 +149,9 @@ def test_order_depends_only_on_samples_consumed(corpora, process_group):
 
 
 def test_blend_per_split(corpora, process_group):
-    train, valid = _datasets([f"data.train_path=0.5 {corpora['web']} 0.5 {corpora['code']}",
-                              f"data.valid_path={corpora['books']}"], 200, 32)
+    train, valid = _datasets(
+        [f"data.train_path=0.5 {corpora['web']} 0.5 {corpora['code']}", f"data.valid_path={corpora['books']}"], 200, 32
+    )
     assert {int(i) for i in train.dataset_index} == {0, 1}
     assert {_source(valid[i]["tokens"]) for i in range(32)} == {2}
 
@@ -148,11 +163,14 @@ def test_blend_config_errors(corpora, tmp_path):
         return str(err.value)
 
     assert error([f"data.path={corpora['web']}", f"data.train_path={corpora['code']}"]).startswith(
-        "data.path and data.train_path / data.valid_path exclude each other")
+        "data.path and data.train_path / data.valid_path exclude each other"
+    )
     assert error([f"data.train_path={corpora['web']}", "train.eval_iters=1"]) == (
-        "train.eval_iters > 0 with data.train_path needs data.valid_path (or train.eval_iters=0)")
+        "train.eval_iters > 0 with data.train_path needs data.valid_path (or train.eval_iters=0)"
+    )
     assert error([f"data.path=1 {corpora['web']} 1 {tmp_path}/none"]) == (
-        f"data.path '{tmp_path}/none' has no '{tmp_path}/none.bin' (run rmt-preprocess first)")
+        f"data.path '{tmp_path}/none' has no '{tmp_path}/none.bin' (run rmt-preprocess first)"
+    )
 
 
 def test_blend_must_share_one_tokenizer(corpora, tmp_path):
@@ -163,7 +181,8 @@ def test_blend_must_share_one_tokenizer(corpora, tmp_path):
     assert str(err.value) == (
         f"the datasets of the blend were made with different tokenizers: '{corpora['web']}' with 'byte' and "
         f"'{other}' with '{tmp_path}/bpe.json'; every dataset of a blend must share one tokenizer "
-        f"(re-run rmt-preprocess with one of them)")
+        f"(re-run rmt-preprocess with one of them)"
+    )
 
 
 @pytest.mark.slow

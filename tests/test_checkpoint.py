@@ -46,8 +46,9 @@ def six_steps(cache_dir, tmp_path_factory):
 def test_resume_gives_identical_loss_sequence(six_steps, cache_dir, tmp_path):
     ckpt = tmp_path / "ckpt"
     first, second = tmp_path / "a.json", tmp_path / "b.json"
-    rmt_train(tiny_overrides(cache_dir, steps=6) + [f"train.save={ckpt}", "train.exit_interval=3",
-                                                    "--json", str(first)])
+    rmt_train(
+        tiny_overrides(cache_dir, steps=6) + [f"train.save={ckpt}", "train.exit_interval=3", "--json", str(first)]
+    )
     assert sorted(os.listdir(ckpt)) == ["iter_0000003", "latest"]
     rmt_train(tiny_overrides(cache_dir, steps=6) + [f"train.load={ckpt}", "--json", str(second)])
     assert _losses(first) + _losses(second) == six_steps
@@ -66,10 +67,18 @@ def test_resume_under_different_data_parallel_size(six_steps, cache_dir, tmp_pat
 def test_save_tp2_load_tp1_same_validation_loss(cache_dir, tmp_path):
     ckpt = tmp_path / "ckpt"
     trained, evaluated = tmp_path / "a.json", tmp_path / "b.json"
-    common = tiny_overrides(cache_dir, steps=2) + ["train.eval_iters=2", "train.eval_interval=2",
-                                                   "data.split=80,20,0"]
-    rmt_train(common + ["parallel.tensor_model_parallel_size=2", f"train.save={ckpt}", "train.ema_decay=0.5",
-                        "--json", str(trained)], nproc=2)
+    common = tiny_overrides(cache_dir, steps=2) + ["train.eval_iters=2", "train.eval_interval=2", "data.split=80,20,0"]
+    rmt_train(
+        common
+        + [
+            "parallel.tensor_model_parallel_size=2",
+            f"train.save={ckpt}",
+            "train.ema_decay=0.5",
+            "--json",
+            str(trained),
+        ],
+        nproc=2,
+    )
     # --eval-only reports the checkpoint's weight average without being told train.ema_decay
     rmt_train(common + [f"train.load={ckpt}", "--eval-only", "--json", str(evaluated)])
     with open(trained) as f:
@@ -103,18 +112,27 @@ def test_same_command_resumes_and_logs_every_step_once(six_steps, cache_dir, tmp
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     ckpt, log, tb = tmp_path / "ckpt", tmp_path / "log.jsonl", tmp_path / "tb"
-    cmd = tiny_overrides(cache_dir, steps=6) + [f"train.save={ckpt}", "train.save_interval=3",
-                                                f"train.log_file={log}", f"train.tensorboard_dir={tb}"]
+    cmd = tiny_overrides(cache_dir, steps=6) + [
+        f"train.save={ckpt}",
+        "train.save_interval=3",
+        f"train.log_file={log}",
+        f"train.tensorboard_dir={tb}",
+    ]
     first = rmt_train(cmd)
     assert f"starting from step 0: no checkpoint in '{ckpt}' yet" in first.stdout
     (run,) = os.listdir(tb)
     assert f"TensorBoard logs: '{tb / run}' (tensorboard --logdir {tb})\n" in first.stdout
     for step in (3, 6):
         assert f"checkpoint saved to '{ckpt / f'iter_000000{step}'}'\n" in first.stdout
-    summary = first.stdout[first.stdout.index(f"finished: step 6 of 6; checkpoint '{ckpt / 'iter_0000006'}'\n"):].splitlines()
+    summary = first.stdout[
+        first.stdout.index(f"finished: step 6 of 6; checkpoint '{ckpt / 'iter_0000006'}'\n") :
+    ].splitlines()
     assert re.fullmatch(r"  this run: 6 steps, 768 tokens in [0-9.]+ s \([0-9,]+ tokens/s\)", summary[1])
-    assert summary[2:] == ["  no validation loss (train.eval_iters is 0)", f"  TensorBoard: '{tb / run}'",
-                           f"  metrics log: '{log}'"]
+    assert summary[2:] == [
+        "  no validation loss (train.eval_iters is 0)",
+        f"  TensorBoard: '{tb / run}'",
+        f"  metrics log: '{log}'",
+    ]
     shutil.rmtree(ckpt / "iter_0000006")
     again = rmt_train(cmd + ["--json", str(tmp_path / "b.json")])
     assert f"resumed from iteration 3 of 6: '{ckpt / 'iter_0000003'}'\n" in again.stdout
@@ -133,8 +151,9 @@ def test_same_command_resumes_and_logs_every_step_once(six_steps, cache_dir, tmp
 
 def test_checkpoints_carry_a_manifest_and_rotate(cache_dir, tmp_path):
     ckpt = tmp_path / "ckpt"
-    rmt_train(tiny_overrides(cache_dir, steps=5) + [f"train.save={ckpt}", "train.save_interval=1",
-                                                    "train.keep_checkpoints=2"])
+    rmt_train(
+        tiny_overrides(cache_dir, steps=5) + [f"train.save={ckpt}", "train.save_interval=1", "train.keep_checkpoints=2"]
+    )
     assert sorted(os.listdir(ckpt)) == ["iter_0000004", "iter_0000005", "latest"]
     for name in ("iter_0000004", "iter_0000005"):
         with open(ckpt / name / "manifest.json") as f:
@@ -152,7 +171,8 @@ def test_broken_checkpoints_are_passed_over_and_named_explicitly_exit_2(six_step
     bad = rmt_train(tiny_overrides(cache_dir, steps=6) + [f"train.load={ckpt / 'iter_0000004'}"], check=False)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         f"rmt-train: error: checkpoint '{ckpt / 'iter_0000004'}' is incomplete or corrupt: its file "
-        f"'__0_0.distcp' has {size - 100} bytes where the manifest records {size}"]
+        f"'__0_0.distcp' has {size - 100} bytes where the manifest records {size}"
+    ]
     # iter_3: truncated and without a manifest (as written before manifests existed), so only
     # loading finds it: torch's CheckpointException (a BaseException) is caught and said. The
     # same command as before passes over both, saying so, and continues from step 2 exactly as
@@ -160,8 +180,10 @@ def test_broken_checkpoints_are_passed_over_and_named_explicitly_exit_2(six_step
     _truncate(ckpt / "iter_0000003" / "__0_0.distcp", 100)
     os.remove(ckpt / "iter_0000003" / "manifest.json")
     resumed = rmt_train(cmd + ["--json", str(tmp_path / "r.json")])
-    assert (f"checkpoint '{ckpt / 'iter_0000004'}' is incomplete or corrupt (its file '__0_0.distcp' has "
-            f"{size - 100} bytes where the manifest records {size}), so it is skipped") in resumed.stdout
+    assert (
+        f"checkpoint '{ckpt / 'iter_0000004'}' is incomplete or corrupt (its file '__0_0.distcp' has "
+        f"{size - 100} bytes where the manifest records {size}), so it is skipped"
+    ) in resumed.stdout
     assert f"checkpoint '{ckpt / 'iter_0000003'}' is corrupt or unreadable (" in resumed.stdout
     assert "falling back to the previous checkpoint" in resumed.stdout
     assert f"resumed from iteration 2 of 6: '{ckpt / 'iter_0000002'}'" in resumed.stdout
@@ -178,13 +200,20 @@ def test_failed_save_leaves_no_tmp_and_says_why(six_steps, cache_dir, tmp_path):
     def limit_file_size():
         resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
 
-    proc = subprocess.run([sys.executable, "-m", "rmt.training.cli"] + args + [f"train.save={ckpt}"],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600,
-                          preexec_fn=limit_file_size)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rmt.training.cli"] + args + [f"train.save={ckpt}"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=limit_file_size,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
-        f"rmt-train: error: saving checkpoint '{ckpt / 'iter_0000002'}' failed (")
+        f"rmt-train: error: saving checkpoint '{ckpt / 'iter_0000002'}' failed ("
+    )
     assert "a write was cut short: the disk is full or a quota or file-size limit was hit" in lines[0]
     assert lines[0].endswith("its incomplete directory was removed")
     assert os.listdir(ckpt) == []
@@ -195,14 +224,17 @@ def test_free_space_is_checked_before_training(cache_dir, tmp_path):
     exit 2."""
     mnt = tmp_path / "small"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
-                      capture_output=True).returncode != 0:
+    if (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True).returncode
+        != 0
+    ):
         pytest.skip("needs permission to mount a 2 MiB tmpfs")
     try:
         bad = rmt_train(tiny_overrides(cache_dir, steps=2) + [f"train.save={mnt}/ckpt"], check=False)
         assert bad.returncode == 2 and "Traceback" not in bad.stderr and "step" not in bad.stdout
-        assert bad.stderr.startswith(f"rmt-train: error: not enough free space for a checkpoint in "
-                                     f"'{mnt}/ckpt': it needs about ")
+        assert bad.stderr.startswith(
+            f"rmt-train: error: not enough free space for a checkpoint in '{mnt}/ckpt': it needs about "
+        )
         assert os.listdir(mnt / "ckpt") == []
     finally:
         subprocess.run(["umount", str(mnt)], check=True)

@@ -45,8 +45,10 @@ def test_resume_plan_prefers_the_runs_own_newest_complete_checkpoint(tmp_path):
     _checkpoint(save, 6, complete=False)
     candidates, notes, explicit = cd.resume_plan(str(save), str(load))
     assert candidates == [cd.iteration_dir(str(save), 4), cd.iteration_dir(str(save), 2)] and not explicit
-    assert notes == [f"checkpoint '{cd.iteration_dir(str(save), 6)}' is incomplete or corrupt (it has no "
-                     f"manifest.json (its save did not finish)), so it is skipped"]
+    assert notes == [
+        f"checkpoint '{cd.iteration_dir(str(save), 6)}' is incomplete or corrupt (it has no "
+        f"manifest.json (its save did not finish)), so it is skipped"
+    ]
     # train.load equal to train.save is the run's own directory: nothing extra, no error when empty.
     assert cd.resume_plan(str(tmp_path / "new"), str(tmp_path / "new")) == ([], [], False)
     # One iter_* directory named explicitly must be complete.
@@ -79,5 +81,7 @@ def test_publish_renames_and_points_latest(tmp_path):
 def test_free_space_problem_is_one_sentence(tmp_path):
     assert cd.free_space_problem(str(tmp_path), 1) is None
     problem = cd.free_space_problem(str(tmp_path), 2**60)
-    assert problem.startswith(f"not enough free space for a checkpoint in '{tmp_path}': it needs about "
-                              f"1099511627776.0 MiB, the file system has ")
+    assert problem.startswith(
+        f"not enough free space for a checkpoint in '{tmp_path}': it needs about "
+        f"1099511627776.0 MiB, the file system has "
+    )

@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
-from conftest import ROOT, _env
 from rmt.config import RMTConfig, check_fields, schema_fields
 from rmt.errors import ConfigError
+
+from conftest import ROOT, _env
 
 FIELDS = {key: allowed for key, allowed in schema_fields().items() if allowed.constrained()}
 
@@ -58,8 +59,14 @@ def check_results():
     """``rmt-train --check KEY=VALUE`` of every case, run in one process (its ``main`` as the
     console script runs it)."""
     cases = [(key, str(v)) for key, v in CASES]
-    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(cases)], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, json.dumps(cases)],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -67,8 +74,20 @@ def check_results():
 def test_every_choice_and_numeric_key_is_constrained():
     """Every str key with a fixed set of values is a Literal, every int/float key has bounds (the
     free ones are listed here: text, paths, the seed, and a YAML-parsed blend)."""
-    free = {"data.path", "data.train_path", "data.valid_path", "data.tokenizer", "data.split", "data.cache_dir",
-            "train.seed", "train.save", "train.load", "train.tensorboard_dir", "train.log_file", "memory.placement"}
+    free = {
+        "data.path",
+        "data.train_path",
+        "data.valid_path",
+        "data.tokenizer",
+        "data.split",
+        "data.cache_dir",
+        "train.seed",
+        "train.save",
+        "train.load",
+        "train.tensorboard_dir",
+        "train.log_file",
+        "memory.placement",
+    }
     for key, allowed in schema_fields().items():
         if allowed.kind is bool:
             continue
@@ -100,10 +119,10 @@ def test_check_fields_on_a_config_built_in_code():
 
 def test_literals_match_what_the_code_implements():
     """The choices the schema declares are exactly the ones the runtime registries take."""
+    from rmt.memory.layer_v2 import PRE_VALUE_ACTIVATIONS
     from rmt.models.activation import ACTIVATIONS
     from rmt.models.attention import KERNELS
     from rmt.models.build import registered_archs
-    from rmt.memory.layer_v2 import PRE_VALUE_ACTIVATIONS
     from rmt.planner.memory import VALUE_OPTIMIZERS
 
     f = schema_fields()

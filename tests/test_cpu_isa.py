@@ -17,13 +17,22 @@ def _cpu_flags():
     return set(extensions._cpu_flags().split())
 
 
-pytestmark = pytest.mark.skipif(not {"avx2", "fma"} <= _cpu_flags() or norm_ext() is None or write_ext() is None,
-                                reason="needs a CPU that runs AVX2 builds, and the extensions built")
+pytestmark = pytest.mark.skipif(
+    not {"avx2", "fma"} <= _cpu_flags() or norm_ext() is None or write_ext() is None,
+    reason="needs a CPU that runs AVX2 builds, and the extensions built",
+)
 
 # (tokens, Dv, Dk, keys): 16-lane tiles of 8 and 4 (half) keys or rows at Dk 16, of 4 and 2 at
 # Dk 32; 8-lane tiles of 4 and 2 at Dk 16, of 2 at Dk 32; and remainders of one.
-SHAPES = [(150, 32, 16, 4), (151, 7, 32, 5), (130, 32, 16, 12), (77, 12, 16, 3), (64, 32, 32, 8), (33, 5, 16, 6),
-          (40, 3, 32, 7)]
+SHAPES = [
+    (150, 32, 16, 4),
+    (151, 7, 32, 5),
+    (130, 32, 16, 12),
+    (77, 12, 16, 3),
+    (64, 32, 32, 8),
+    (33, 5, 16, 6),
+    (40, 3, 32, 7),
+]
 
 
 def _avx2_build(name):
@@ -56,10 +65,14 @@ def test_an_avx2_build_gives_this_hosts_bits():
         residual = torch.randn(T * dv, dk, generator=gen)
         for layout in (data, data.t().contiguous().t()):
             grad = torch.randn(T * dv, dk, generator=gen)
-            here = [write_ext().forward(layout, write_keys, residual),
-                    *write_ext().backward(grad, layout, write_keys, True, True)]
-            there = [write_avx2.forward(layout, write_keys, residual),
-                     *write_avx2.backward(grad, layout, write_keys, True, True)]
+            here = [
+                write_ext().forward(layout, write_keys, residual),
+                *write_ext().backward(grad, layout, write_keys, True, True),
+            ]
+            there = [
+                write_avx2.forward(layout, write_keys, residual),
+                *write_avx2.backward(grad, layout, write_keys, True, True),
+            ]
             for a, b in zip(here, there):
                 assert torch.equal(a, b), (T, dv, dk, heads, layout.is_contiguous())
                 compared += 1

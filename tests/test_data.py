@@ -6,11 +6,12 @@ import os
 import numpy as np
 import pytest
 
-from conftest import rmt_train, tiny_overrides
 from rmt.data.indexed import open_indexed, read_metadata
 from rmt.data.preprocess import main as preprocess_main
 from rmt.data.tokenizers import ByteTokenizer, HFTokenizer, train_bpe
 from rmt.errors import UserError
+
+from conftest import rmt_train, tiny_overrides
 
 TEXTS = ["hello world", "memory layers\nwith sparse slots", "ünïcode ✓"]
 
@@ -24,8 +25,12 @@ def _jsonl(path):
 
 def test_jsonl_round_trip_exact_token_ids(tmp_path):
     prefix = str(tmp_path / "out" / "ds")
-    assert preprocess_main(["--input", _jsonl(tmp_path / "in.jsonl"), "--output-prefix", prefix,
-                            "--cache-dir", str(tmp_path / "c")]) == 0
+    assert (
+        preprocess_main(
+            ["--input", _jsonl(tmp_path / "in.jsonl"), "--output-prefix", prefix, "--cache-dir", str(tmp_path / "c")]
+        )
+        == 0
+    )
     ds = open_indexed(prefix)
     tok = ByteTokenizer()
     assert len(ds) == len(TEXTS)
@@ -46,8 +51,18 @@ def test_txt_and_parquet_inputs(tmp_path):
     txt.write_text("\n".join(lines) + "\n")
     pq.write_table(pa.table({"body": TEXTS}), tmp_path / "in.parquet")
     preprocess_main(["--input", str(txt), "--output-prefix", str(tmp_path / "t"), "--cache-dir", str(tmp_path)])
-    preprocess_main(["--input", str(tmp_path / "in.parquet"), "--output-prefix", str(tmp_path / "p"),
-                     "--text-key", "body", "--cache-dir", str(tmp_path)])
+    preprocess_main(
+        [
+            "--input",
+            str(tmp_path / "in.parquet"),
+            "--output-prefix",
+            str(tmp_path / "p"),
+            "--text-key",
+            "body",
+            "--cache-dir",
+            str(tmp_path),
+        ]
+    )
     assert [d.tolist()[:-1] for d in open_indexed(str(tmp_path / "t"))] == [list(t.encode()) for t in lines]
     assert len(open_indexed(str(tmp_path / "p"))) == 3
 
@@ -60,8 +75,18 @@ def test_bpe_tokenizer_round_trip_and_hf_path(tmp_path):
         ids = tok.tokenize(text)
         assert max(ids) < tok.vocab_size and tok.detokenize(ids) == text
     prefix = str(tmp_path / "bpe")
-    preprocess_main(["--input", _jsonl(tmp_path / "in.jsonl"), "--output-prefix", prefix,
-                     "--tokenizer", path, "--cache-dir", str(tmp_path / "c")])
+    preprocess_main(
+        [
+            "--input",
+            _jsonl(tmp_path / "in.jsonl"),
+            "--output-prefix",
+            prefix,
+            "--tokenizer",
+            path,
+            "--cache-dir",
+            str(tmp_path / "c"),
+        ]
+    )
     ds = open_indexed(prefix)  # keep the dataset alive: items are views into its mmap
     assert ds[0].tolist() == tok.tokenize(TEXTS[0]) + [tok.eod]
 
@@ -112,14 +137,17 @@ def _exit_code_and_stderr(argv, capsys):
 
 
 def test_preprocess_cli_errors_exit_2(tmp_path, capsys):
-    code, err = _exit_code_and_stderr(["--input", str(tmp_path / "x.jsonl"), "--output-prefix", str(tmp_path / "o")], capsys)
+    code, err = _exit_code_and_stderr(
+        ["--input", str(tmp_path / "x.jsonl"), "--output-prefix", str(tmp_path / "o")], capsys
+    )
     assert code == 2 and err == f"rmt-preprocess: error: input file '{tmp_path}/x.jsonl' does not exist\n"
     csv = tmp_path / "x.csv"
     csv.write_text("a,b\n")
     code, err = _exit_code_and_stderr(["--input", str(csv), "--output-prefix", str(tmp_path / "o")], capsys)
     assert code == 2 and "is not .jsonl, .json, .txt or .parquet" in err
-    code, err = _exit_code_and_stderr(["--input", _jsonl(tmp_path / "in.jsonl"), "--output-prefix",
-                                       str(tmp_path / "o"), "--text-key", "body"], capsys)
+    code, err = _exit_code_and_stderr(
+        ["--input", _jsonl(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "o"), "--text-key", "body"], capsys
+    )
     assert code == 2 and "no 'body' field" in err
     assert not os.path.exists(tmp_path / "o.bin")
 

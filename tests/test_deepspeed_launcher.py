@@ -13,8 +13,9 @@ pytestmark = pytest.mark.slow
 
 def _launch(args, timeout=600, **env):
     full = dict(_env(), MASTER_PORT=str(_free_port()), **env)
-    return subprocess.run(["bash", "launch/deepspeed.sh"] + args, cwd=ROOT, env=full, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        ["bash", "launch/deepspeed.sh"] + args, cwd=ROOT, env=full, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _losses(path):
@@ -43,11 +44,14 @@ def test_two_ranks_equal_single_process(mode, single, cache_dir, tmp_path):
     assert _losses(out) == pytest.approx(single, abs=1e-5)
 
 
-@pytest.mark.parametrize("env,message", [
-    ({"HOSTFILE": "/nonexistent/hostfile"}, "HOSTFILE '/nonexistent/hostfile' does not exist"),
-    ({"HOSTFILE": __file__, "NODE_RANK": "0"}, "NODE_RANK (no-ssh mode) needs MASTER_ADDR"),
-    ({"NODE_RANK": "1"}, "NODE_RANK needs HOSTFILE"),
-])
+@pytest.mark.parametrize(
+    "env,message",
+    [
+        ({"HOSTFILE": "/nonexistent/hostfile"}, "HOSTFILE '/nonexistent/hostfile' does not exist"),
+        ({"HOSTFILE": __file__, "NODE_RANK": "0"}, "NODE_RANK (no-ssh mode) needs MASTER_ADDR"),
+        ({"NODE_RANK": "1"}, "NODE_RANK needs HOSTFILE"),
+    ],
+)
 def test_bad_launcher_input_exits_2(env, message):
     proc = _launch(["--config", "configs/tiny.yaml"], timeout=60, **env)
     assert proc.returncode == 2

@@ -7,24 +7,33 @@ import json
 
 import pytest
 
-from conftest import run_python
-
 from rmt.deferred_compile import deferred
+
+from conftest import run_python
 
 
 @pytest.mark.slow
 def test_importing_the_trainer_leaves_the_compiler_unimported_and_fusions_deferred():
-    proc = run_python(["-c", "import json, sys, rmt\n"
-                             "rmt.setup_process()\n"
-                             "import torch, rmt.training.trainer\n"
-                             "import megatron.core.jit as jit\n"
-                             "from megatron.core.fusions.fused_bias_gelu import bias_gelu\n"
-                             "print(json.dumps({'dynamo': 'torch._dynamo' in sys.modules,\n"
-                             "                  'inductor': 'torch._inductor.compile_fx' in sys.modules,\n"
-                             "                  'fuser_is_compile': jit.jit_fuser is torch.compile,\n"
-                             "                  'name': bias_gelu.__name__}))"])
+    proc = run_python(
+        [
+            "-c",
+            "import json, sys, rmt\n"
+            "rmt.setup_process()\n"
+            "import torch, rmt.training.trainer\n"
+            "import megatron.core.jit as jit\n"
+            "from megatron.core.fusions.fused_bias_gelu import bias_gelu\n"
+            "print(json.dumps({'dynamo': 'torch._dynamo' in sys.modules,\n"
+            "                  'inductor': 'torch._inductor.compile_fx' in sys.modules,\n"
+            "                  'fuser_is_compile': jit.jit_fuser is torch.compile,\n"
+            "                  'name': bias_gelu.__name__}))",
+        ]
+    )
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
-        "dynamo": False, "inductor": False, "fuser_is_compile": False, "name": "bias_gelu"}
+        "dynamo": False,
+        "inductor": False,
+        "fuser_is_compile": False,
+        "name": "bias_gelu",
+    }
 
 
 def test_a_deferred_function_is_compiled_once_on_its_first_call_with_its_arguments():

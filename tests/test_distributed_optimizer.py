@@ -12,33 +12,61 @@ from conftest import tiny_overrides, train_cases, train_runs
 pytestmark = pytest.mark.slow
 
 DIST = ["train.distributed_optimizer=true"]
-ULTRAMEM = ["model.seq_length=16", "memory.type=ultramem", "memory.placement='1:2'", "memory.num_keys=8",
-            "memory.topk=4", "memory.key_dim=16", "memory.ive_blocks=4"]
+ULTRAMEM = [
+    "model.seq_length=16",
+    "memory.type=ultramem",
+    "memory.placement='1:2'",
+    "memory.num_keys=8",
+    "memory.topk=4",
+    "memory.key_dim=16",
+    "memory.ive_blocks=4",
+]
 MODELS = {
     "transformer": [],
-    "ultramem_sharded_fused": ULTRAMEM + ["memory.partition=number", "memory.value_optimizer=sparse_adam",
-                                          "memory.fused_value_optimizer=true", "memory.async_stream=true"],
+    "ultramem_sharded_fused": ULTRAMEM
+    + [
+        "memory.partition=number",
+        "memory.value_optimizer=sparse_adam",
+        "memory.fused_value_optimizer=true",
+        "memory.async_stream=true",
+    ],
     "ultramem_local_adamw": ULTRAMEM,
     # tables on the second of two pipeline stages only
     "ultramem_late": ULTRAMEM + ["model.num_layers=4", "memory.placement='3:4'"],
-    "pkm_rowwise": ["memory.type=pkm", "memory.placement='1:2'", "memory.key_dim=8", "memory.num_keys=8",
-                    "memory.topk=4", "memory.value_optimizer=rowwise_adagrad"],
+    "pkm_rowwise": [
+        "memory.type=pkm",
+        "memory.placement='1:2'",
+        "memory.key_dim=8",
+        "memory.num_keys=8",
+        "memory.topk=4",
+        "memory.value_optimizer=rowwise_adagrad",
+    ],
     "moe_mlp": ["memory.type=moe", "memory.moe_placement=mlp", "memory.placement=1-2", "memory.num_experts=4"],
-    "rmt": ["model.arch=rmt", "model.position=alibi", "model.dk=8", "model.dv=8", "model.rank=4",
-            "model.ffn_hidden_size=64"],
+    "rmt": [
+        "model.arch=rmt",
+        "model.position=alibi",
+        "model.dk=8",
+        "model.dv=8",
+        "model.rank=4",
+        "model.ffn_hidden_size=64",
+    ],
     "recurrent": ["model.arch=recurrent", "model.block_width=4", "model.seq_length=16"],
     "mixer": ["model.arch=mixer", "model.seq_length=16"],
 }
 # 2 ranks: every model at DP = 2 (and the overlapped reduce-scatter / all-gather); 4 ranks: the
 # layouts
 TWO = {f"{name}_dp2": (name, []) for name in MODELS}
-TWO["transformer_dp2_overlap"] = ("transformer", ["train.overlap_grad_reduce=true", "train.overlap_param_gather=true",
-                                                  "train.ema_decay=null"])
-FOUR = {"transformer_dp4": ("transformer", []),
-        "transformer_tp2_dp2": ("transformer", ["parallel.tensor_model_parallel_size=2"]),
-        "transformer_pp2_dp2": ("transformer", ["parallel.pipeline_model_parallel_size=2"]),
-        "ultramem_sharded_fused_tp2_dp2": ("ultramem_sharded_fused", ["parallel.tensor_model_parallel_size=2"]),
-        "ultramem_late_pp2_dp2": ("ultramem_late", ["parallel.pipeline_model_parallel_size=2"])}
+TWO["transformer_dp2_overlap"] = (
+    "transformer",
+    ["train.overlap_grad_reduce=true", "train.overlap_param_gather=true", "train.ema_decay=null"],
+)
+FOUR = {
+    "transformer_dp4": ("transformer", []),
+    "transformer_tp2_dp2": ("transformer", ["parallel.tensor_model_parallel_size=2"]),
+    "transformer_pp2_dp2": ("transformer", ["parallel.pipeline_model_parallel_size=2"]),
+    "ultramem_sharded_fused_tp2_dp2": ("ultramem_sharded_fused", ["parallel.tensor_model_parallel_size=2"]),
+    "ultramem_late_pp2_dp2": ("ultramem_late", ["parallel.pipeline_model_parallel_size=2"]),
+}
 
 
 def _common(cache_dir):
@@ -108,18 +136,32 @@ def test_checkpoints_reshard_across_dp_and_to_and_from_the_plain_optimizer(cache
     dist4, plain2 = tmp_path / "dist4", tmp_path / "plain2"
     first = common + ["train.exit_interval=2"]
     save4 = train_runs({tmp_path / "save4.pt": first + DIST + [f"train.save={dist4}"]}, nproc=4)
-    two = train_runs({tmp_path / "save2.pt": first + [f"train.save={plain2}"],
-                      tmp_path / "dist2.pt": common + DIST + [f"train.load={dist4}", f"train.save={tmp_path / 'a'}"],
-                      tmp_path / "plain2.pt": common + [f"train.load={dist4}", f"train.save={tmp_path / 'b'}"]}, nproc=2)
-    one = train_runs({tmp_path / "whole.pt": common,
-                      tmp_path / "plain1.pt": common + [f"train.load={dist4}", f"train.save={tmp_path / 'c'}"]})
-    back = train_runs({tmp_path / "dist4.pt": common + DIST + [f"train.load={plain2}", f"train.save={tmp_path / 'd'}"]},
-                      nproc=4)
+    two = train_runs(
+        {
+            tmp_path / "save2.pt": first + [f"train.save={plain2}"],
+            tmp_path / "dist2.pt": common + DIST + [f"train.load={dist4}", f"train.save={tmp_path / 'a'}"],
+            tmp_path / "plain2.pt": common + [f"train.load={dist4}", f"train.save={tmp_path / 'b'}"],
+        },
+        nproc=2,
+    )
+    one = train_runs(
+        {
+            tmp_path / "whole.pt": common,
+            tmp_path / "plain1.pt": common + [f"train.load={dist4}", f"train.save={tmp_path / 'c'}"],
+        }
+    )
+    back = train_runs(
+        {tmp_path / "dist4.pt": common + DIST + [f"train.load={plain2}", f"train.save={tmp_path / 'd'}"]}, nproc=4
+    )
     whole = one[tmp_path / "whole.pt"]["losses"]
     assert save4[tmp_path / "save4.pt"]["losses"] == pytest.approx(whole[:2], abs=1e-5)
     assert two[tmp_path / "save2.pt"]["losses"] == pytest.approx(whole[:2], abs=1e-5)
-    for resumed in (two[tmp_path / "dist2.pt"], two[tmp_path / "plain2.pt"], one[tmp_path / "plain1.pt"],
-                    back[tmp_path / "dist4.pt"]):
+    for resumed in (
+        two[tmp_path / "dist2.pt"],
+        two[tmp_path / "plain2.pt"],
+        one[tmp_path / "plain1.pt"],
+        back[tmp_path / "dist4.pt"],
+    ):
         assert resumed["losses"] == pytest.approx(whole[2:], abs=1e-5)
 
 
@@ -159,5 +201,5 @@ def test_bf16_distributed_equals_the_plain_optimizer(runs):
     assert got["losses"] == pytest.approx(ref["losses"], abs=1e-3)
     for key, value in ref["params"].items():
         assert torch.equal(value, value.bfloat16().float()), key  # bf16 weights (gathered as fp32)
-        ulp = torch.exp2(torch.floor(torch.log2(value.float().abs().clamp_min(2.0 ** -126))) - 7)
+        ulp = torch.exp2(torch.floor(torch.log2(value.float().abs().clamp_min(2.0**-126))) - 7)
         assert bool(((got["params"][key].float() - value.float()).abs() <= ulp).all()), key

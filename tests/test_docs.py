@@ -19,8 +19,10 @@ def _generator():
 
 def test_every_config_field_has_a_docstring():
     missing = _generator().undocumented()
-    assert not missing, (f"config fields without a docstring in rmt/config.py: {', '.join(missing)}; "
-                         f"add one on the line after each field, then run `{REGENERATE}`")
+    assert not missing, (
+        f"config fields without a docstring in rmt/config.py: {', '.join(missing)}; "
+        f"add one on the line after each field, then run `{REGENERATE}`"
+    )
 
 
 def test_a_field_without_docstring_is_reported():
@@ -38,7 +40,8 @@ def test_config_reference_is_up_to_date():
     with open(os.path.join(ROOT, "docs", "config.md")) as f:
         committed = f.read()
     assert committed == _generator().render(), (
-        f"docs/config.md is out of date with rmt/config.py; run `{REGENERATE}` and commit the result")
+        f"docs/config.md is out of date with rmt/config.py; run `{REGENERATE}` and commit the result"
+    )
 
 
 def test_config_reference_lists_every_key_with_its_default():
@@ -50,7 +53,7 @@ def test_config_reference_lists_every_key_with_its_default():
         for key, value in vars(getattr(config, section)).items():
             assert re.search(rf"^\| `{section}\.{key}` \| `[^`]+` \| `", text, re.M), f"{section}.{key}"
     assert "| `model.ffn_hidden_size` | `Optional[int]` | `null` |" in text
-    assert "| `memory.placement` | `str` | `\"\"` |" in text
+    assert '| `memory.placement` | `str` | `""` |' in text
     assert "| `train.progress` | `bool` | `true` |" in text
     assert "| `model.dropout` | `float` | `0.0` | a finite number in [0, 1) |" in text
     assert "| `train.precision` | `str` | `fp32` | one of 'fp32', 'bf16' |" in text
@@ -86,8 +89,11 @@ def _links(path: str):
 
 DOCS = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
 # and the pages the README's map does not list itself
-LINKED = DOCS + ["CONTRIBUTING.md"] + sorted(os.path.relpath(p, ROOT)
-                                              for p in glob.glob(os.path.join(ROOT, "docs", "*", "*.md")))
+LINKED = (
+    DOCS
+    + ["CONTRIBUTING.md"]
+    + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*", "*.md")))
+)
 
 
 @pytest.mark.parametrize("doc", LINKED)
@@ -117,8 +123,10 @@ def test_readme_maps_every_doc():
 # The pages whose commands and keys are checked: README, CONTRIBUTING and every page under docs/
 # (docs/config.md is generated from the schema, checked above).
 PAGES = ["README.md", "CONTRIBUTING.md"] + sorted(
-    os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True)
-    if not p.endswith(os.path.join("docs", "config.md")))
+    os.path.relpath(p, ROOT)
+    for p in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True)
+    if not p.endswith(os.path.join("docs", "config.md"))
+)
 SECTIONS = ("model", "parallel", "data", "train", "memory")
 FILE_SUFFIXES = {"md", "py", "yaml", "yml", "json", "jsonl", "txt", "sh", "bin", "idx", "pt", "safetensors"}
 # docs/cli.md's example of the error an unknown key gives
@@ -183,16 +191,23 @@ def test_documented_tool_commands_exist(page):
 
 
 def test_the_command_and_key_checks_find_mistakes():
-    code = ["python tools/bench_rmt.py --quick --no-such-flag model.arch=rmt model.no_such_key=1",
-            "see docs/data.md, rmt/data/tasks.py and model.safetensors, `train.steps`", "python tools/bench_missing.py"]
+    code = [
+        "python tools/bench_rmt.py --quick --no-such-flag model.arch=rmt model.no_such_key=1",
+        "see docs/data.md, rmt/data/tasks.py and model.safetensors, `train.steps`",
+        "python tools/bench_missing.py",
+    ]
     assert config_keys(code) == {"model.arch", "model.no_such_key", "train.steps"}
-    assert tool_commands(code) == [("tools/bench_rmt.py", ["--quick", "--no-such-flag"]),
-                                   ("tools/bench_missing.py", [])]
+    assert tool_commands(code) == [
+        ("tools/bench_rmt.py", ["--quick", "--no-such-flag"]),
+        ("tools/bench_missing.py", []),
+    ]
 
 
-DIARY = [(re.compile(r"\b20\d\d-\d\d-\d\d\b"), "a date"),
-         (re.compile(r"\b(tried|not) kept\b", re.I), "a list of what was not kept"),
-         (re.compile(r"\bVMs?\b"), "a development machine")]
+DIARY = [
+    (re.compile(r"\b20\d\d-\d\d-\d\d\b"), "a date"),
+    (re.compile(r"\b(tried|not) kept\b", re.I), "a list of what was not kept"),
+    (re.compile(r"\bVMs?\b"), "a development machine"),
+]
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -207,5 +222,8 @@ def test_pages_are_reference_not_a_diary(page):
 def test_the_diary_check_finds_dates_and_machines():
     lines = ["On 2026-11-28 the sort got faster.", "Tried and not kept: a wider tile.", "on the 2-core VM"]
     assert [[what for pattern, what in DIARY if pattern.search(line)] for line in lines] == [
-        ["a date"], ["a list of what was not kept"], ["a development machine"]]
+        ["a date"],
+        ["a list of what was not kept"],
+        ["a development machine"],
+    ]
     assert not [what for pattern, what in DIARY if pattern.search("Machine: a 2-core Intel Xeon, kept idle")]

@@ -8,30 +8,48 @@ import pytest
 import torch
 from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 
-from conftest import tiny_overrides, train_cases
 from rmt import parallel
 from rmt.config import load_config
 from rmt.config_checks import validate
 from rmt.errors import ConfigError
 from rmt.models.build import build
-from rmt.models.documents import Documents, document_starts
-from rmt.models.documents import causal_mask
+from rmt.models.documents import Documents, causal_mask, document_starts
+
+from conftest import tiny_overrides, train_cases
 
 warnings.filterwarnings("ignore")
 
 EOD = 9
 UNIT = ["model.vocab_size=10", "model.seq_length=24", "model.num_layers=2", "train.seed=3"]
-ULTRAMEM = ["memory.type=ultramem", "memory.placement='1:2'", "memory.key_dim=8", "memory.num_keys=4",
-            "memory.topk=3", "memory.init_samples=2", "memory.conv_kernel=3"]
+ULTRAMEM = [
+    "memory.type=ultramem",
+    "memory.placement='1:2'",
+    "memory.key_dim=8",
+    "memory.num_keys=4",
+    "memory.topk=3",
+    "memory.init_samples=2",
+    "memory.conv_kernel=3",
+]
 ARCHS = {
     "transformer-learned+ultramem": ["model.hidden_size=16", "model.num_attention_heads=2"] + ULTRAMEM,
     "transformer-rope": ["model.hidden_size=16", "model.num_attention_heads=2", "model.position=rope"],
-    "rmt-alibi+ultramem": ["model.arch=rmt", "model.dk=4", "model.dv=4", "model.rank=2",
-                           "model.ffn_hidden_size=16"] + ULTRAMEM,
-    "rmt-learned": ["model.arch=rmt", "model.dk=4", "model.dv=4", "model.rank=2", "model.ffn_hidden_size=16",
-                    "model.position=learned"],
-    "recurrent": ["model.arch=recurrent", "model.hidden_size=16", "model.num_attention_heads=2",
-                  "model.block_width=4", "model.recurrent_alpha=0.7"],
+    "rmt-alibi+ultramem": ["model.arch=rmt", "model.dk=4", "model.dv=4", "model.rank=2", "model.ffn_hidden_size=16"]
+    + ULTRAMEM,
+    "rmt-learned": [
+        "model.arch=rmt",
+        "model.dk=4",
+        "model.dv=4",
+        "model.rank=2",
+        "model.ffn_hidden_size=16",
+        "model.position=learned",
+    ],
+    "recurrent": [
+        "model.arch=recurrent",
+        "model.hidden_size=16",
+        "model.num_attention_heads=2",
+        "model.block_width=4",
+        "model.recurrent_alpha=0.7",
+    ],
     "mixer": ["model.arch=mixer", "model.hidden_size=16", "model.num_attention_heads=2", "model.mixer_decay=true"],
 }
 # Two rows of packed documents (lengths include the EOD that ends each), cut anywhere.
@@ -53,7 +71,7 @@ def packed_batch():
     masks = [_get_ltor_masks_and_position_ids(r, EOD, True, True, False, True) for r in tokens]
     mask = torch.stack([m[0] for m in masks])  # [b, 1, s, s], True = masked
     positions = torch.stack([m[2] for m in masks])
-    return tokens, positions, mask, [(b, start, doc[:24 - start]) for b, start, doc in docs if start < 24]
+    return tokens, positions, mask, [(b, start, doc[: 24 - start]) for b, start, doc in docs if start < 24]
 
 
 @pytest.fixture(params=sorted(ARCHS))
@@ -78,8 +96,8 @@ def test_packed_documents_equal_per_document_runs(model):
     for b, start, doc in docs:
         n = doc.numel()
         alone = model(doc[None], torch.arange(n)[None], causal_mask(n, doc.device))[0]
-        torch.testing.assert_close(packed[b, start:start + n], alone, atol=2e-5, rtol=0)
-        crossed = max(crossed, float((causal[b, start:start + n] - alone).abs().max()))
+        torch.testing.assert_close(packed[b, start : start + n], alone, atol=2e-5, rtol=0)
+        crossed = max(crossed, float((causal[b, start : start + n] - alone).abs().max()))
     assert crossed > 1e-2  # without the document mask the later documents see the earlier ones
 
 
@@ -97,16 +115,25 @@ def test_document_starts_and_unpack_roundtrip():
     assert torch.equal(docs.pack(rows), tokens)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["data.reset_position_ids=true", "model.position=rope"],
-     "data.reset_position_ids has no effect here (model.position 'rope' depends on token distances only); set "
-     "data.reset_attention_mask to compute every document as if alone"),
-    (["data.reset_position_ids=true", "model.arch=mixer"],
-     "data.reset_position_ids has no effect here (the mixer has no position ids); set data.reset_attention_mask "
-     "to compute every document as if alone"),
-    (["data.eod_mask_loss=true", "data.task=copy", "model.seq_length=160"],
-     "data.eod_mask_loss needs documents; the synthetic task 'copy' has none"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ["data.reset_position_ids=true", "model.position=rope"],
+            "data.reset_position_ids has no effect here (model.position 'rope' depends on token distances only); set "
+            "data.reset_attention_mask to compute every document as if alone",
+        ),
+        (
+            ["data.reset_position_ids=true", "model.arch=mixer"],
+            "data.reset_position_ids has no effect here (the mixer has no position ids); set data.reset_attention_mask "
+            "to compute every document as if alone",
+        ),
+        (
+            ["data.eod_mask_loss=true", "data.task=copy", "model.seq_length=160"],
+            "data.eod_mask_loss needs documents; the synthetic task 'copy' has none",
+        ),
+    ],
+)
 def test_document_keys_rejected(overrides, message):
     with pytest.raises(ConfigError) as err:
         validate(load_config(None, overrides), world_size=1)
@@ -118,9 +145,20 @@ def test_dataset_samples_carry_document_masks(cache_dir):
     restarted positions and the loss mask without the EOD positions."""
     from rmt.data.gpt_data import build_datasets, resolve_data
 
-    config = validate(load_config(None, [f"data.cache_dir={cache_dir}", "data.max_documents=20",
-                                         "model.seq_length=256", "data.reset_position_ids=true",
-                                         "data.reset_attention_mask=true", "data.eod_mask_loss=true"]), 1)
+    config = validate(
+        load_config(
+            None,
+            [
+                f"data.cache_dir={cache_dir}",
+                "data.max_documents=20",
+                "model.seq_length=256",
+                "data.reset_position_ids=true",
+                "data.reset_attention_mask=true",
+                "data.eod_mask_loss=true",
+            ],
+        ),
+        1,
+    )
     train, _ = build_datasets(config, resolve_data(config), 64, 0)
     sample = next(s for s in (train[i] for i in range(64)) if (s["tokens"] == 256).any())
     eod = int((sample["tokens"] == 256).nonzero()[0])
@@ -146,12 +184,17 @@ def short_documents(tmp_path_factory):
 
 DOCUMENT_KEYS = ["data.reset_position_ids=true", "data.reset_attention_mask=true", "data.eod_mask_loss=true"]
 LAYOUT_CASES = {
-    "transformer+ultramem-tp2": (ARCHS["transformer-learned+ultramem"][2:] + ["model.hidden_size=32",
-                                                                             "model.num_attention_heads=4"],
-                                 ["parallel.tensor_model_parallel_size=2"]),
-    "rmt+ultramem-pp2": (["model.arch=rmt", "model.dk=4", "model.dv=8", "model.rank=4", "model.ffn_hidden_size=32",
-                          "model.num_layers=4"] + ULTRAMEM[:1] + ["memory.placement='3:4'"] + ULTRAMEM[2:],
-                         ["parallel.pipeline_model_parallel_size=2"]),
+    "transformer+ultramem-tp2": (
+        ARCHS["transformer-learned+ultramem"][2:] + ["model.hidden_size=32", "model.num_attention_heads=4"],
+        ["parallel.tensor_model_parallel_size=2"],
+    ),
+    "rmt+ultramem-pp2": (
+        ["model.arch=rmt", "model.dk=4", "model.dv=8", "model.rank=4", "model.ffn_hidden_size=32", "model.num_layers=4"]
+        + ULTRAMEM[:1]
+        + ["memory.placement='3:4'"]
+        + ULTRAMEM[2:],
+        ["parallel.pipeline_model_parallel_size=2"],
+    ),
     "recurrent-dp2": (ARCHS["recurrent"], []),
 }
 

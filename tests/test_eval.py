@@ -11,14 +11,15 @@ import torch
 pytest.importorskip("lm_eval")
 
 import lm_eval  # noqa: E402
-
-from conftest import fast_cases  # noqa: E402
 from eval_models import MODELS, tiny_model  # noqa: E402
+
 from rmt import parallel  # noqa: E402
 from rmt.data.tokenizers import ByteTokenizer  # noqa: E402
 from rmt.decoding import generate  # noqa: E402
 from rmt.evaluation.cli import main, task_manager  # noqa: E402
 from rmt.evaluation.harness import RMTLM  # noqa: E402
+
+from conftest import fast_cases  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -33,8 +34,14 @@ def model_of():
 
 
 def evaluate(lm, tasks, limit=None):
-    return lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=task_manager([], defaults=False),
-                                   log_samples=True, bootstrap_iters=0, limit=limit)
+    return lm_eval.simple_evaluate(
+        model=lm,
+        tasks=tasks,
+        task_manager=task_manager([], defaults=False),
+        log_samples=True,
+        bootstrap_iters=0,
+        limit=limit,
+    )
 
 
 def direct_logprob(model, tokens, n):
@@ -42,7 +49,7 @@ def direct_logprob(model, tokens, n):
     x = torch.tensor([tokens[:-1]])
     s = x.shape[1]
     logits = model(x, torch.arange(s)[None], torch.ones(s, s, dtype=torch.bool).triu(1)[None, None])
-    logp = torch.log_softmax(logits[0, :, :257].float(), -1)[s - n:]
+    logp = torch.log_softmax(logits[0, :, :257].float(), -1)[s - n :]
     target = torch.tensor(tokens[-n:])
     return float(logp.gather(-1, target[:, None]).sum()), bool(torch.equal(logp.argmax(-1), target))
 
@@ -55,7 +62,7 @@ def direct_rolling(model, text, max_length):
     while start < n:
         end = min(start + max_length, n)  # predicts full[start + 1 : end + 1]
         first = max(0, end - max_length)
-        total += direct_logprob(model, full[first:end + 1], end - start)[0]
+        total += direct_logprob(model, full[first : end + 1], end - start)[0]
         start = end
     return total
 
@@ -79,7 +86,7 @@ def test_harness_equals_direct_logprobs(model_of, name):
     cloze = samples_by_request(results, "rmt_local_cloze")
     assert (len(mc), len(cloze)) == ((32 * 4, 24) if limit is None else (10 * 4, 10))
     for (context, continuation), answer in {**mc, **cloze}.items():
-        tokens = list((context + continuation).encode())[-(config.model.seq_length + 1):]  # the last that fit
+        tokens = list((context + continuation).encode())[-(config.model.seq_length + 1) :]  # the last that fit
         scored = len(continuation) + len(context) - len(context.rstrip())  # lm-eval scores a context's trailing spaces
         # exact: the harness's batch of one is the same forward pass as the direct one
         assert tuple(answer) == direct_logprob(model, tokens, scored), (context, continuation)
@@ -99,8 +106,9 @@ def test_harness_equals_direct_logprobs(model_of, name):
             assert abs(a - b) <= 1e-4, (task, key, a, b)
 
 
-@pytest.mark.parametrize("name", fast_cases(["transformer", "rmt", "recurrent", "mixer_mixed_decay", "ultramem"],
-                                            {"transformer"}))
+@pytest.mark.parametrize(
+    "name", fast_cases(["transformer", "rmt", "recurrent", "mixer_mixed_decay", "ultramem"], {"transformer"})
+)
 def test_generate_until_equals_rmt_decoding(model_of, name):
     model, config = model_of(name)
     results = {}
@@ -109,21 +117,38 @@ def test_generate_until_equals_rmt_decoding(model_of, name):
         results[batch_size] = samples_by_request(evaluate(lm, ["rmt_local_gen"]), "rmt_local_gen")
     assert results[1] == results[5] and len(results[1]) == 24
     for (context, gen_kwargs), text in results[1].items():
-        prompt = torch.tensor([list(context.encode())[-(config.model.seq_length - 8):]])  # room for 8 new
-        ids = generate(model, prompt, 8, 257, config.model.seq_length)[0, prompt.shape[1]:].tolist()
-        ids = ids[:ids.index(EOD)] if EOD in ids else ids
+        prompt = torch.tensor([list(context.encode())[-(config.model.seq_length - 8) :]])  # room for 8 new
+        ids = generate(model, prompt, 8, 257, config.model.seq_length)[0, prompt.shape[1] :].tolist()
+        ids = ids[: ids.index(EOD)] if EOD in ids else ids
         assert text == ByteTokenizer().detokenize(ids).split("\n")[0]
 
 
 def test_cli_from_checkpoint(tmp_path, capsys):
     """rmt-eval on a trained checkpoint equals the model class on the same loaded model."""
     from eval_models import train_tiny
+
     from rmt.generate import load_model
 
     train_tiny(tmp_path, "transformer")
     out = tmp_path / "eval.json"
-    assert main(["--checkpoint", str(tmp_path / "ckpt"), "--tasks", "rmt_local_mc,rmt_local_cloze",
-                 "--batch-size", "4", "--log-samples", "--json", str(out), "--bootstrap-iters", "0"]) == 0
+    assert (
+        main(
+            [
+                "--checkpoint",
+                str(tmp_path / "ckpt"),
+                "--tasks",
+                "rmt_local_mc,rmt_local_cloze",
+                "--batch-size",
+                "4",
+                "--log-samples",
+                "--json",
+                str(out),
+                "--bootstrap-iters",
+                "0",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "rmt_local_mc" in printed and "acc" in printed
     saved = json.loads(out.read_text())
@@ -140,11 +165,14 @@ def test_cli_from_checkpoint(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("argv,message", [
-    (["--tasks", "no_such_task"], "unknown lm-eval task 'no_such_task'"),
-    (["--tasks", "rmt_local", "--batch-size", "0"], "--batch-size and --max-gen-toks must be positive"),
-    (["--tasks", " , "], "--tasks names no task"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--tasks", "no_such_task"], "unknown lm-eval task 'no_such_task'"),
+        (["--tasks", "rmt_local", "--batch-size", "0"], "--batch-size and --max-gen-toks must be positive"),
+        (["--tasks", " , "], "--tasks names no task"),
+    ],
+)
 def test_cli_errors(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as err:
         main(["--checkpoint", str(tmp_path / "nothing")] + argv)

@@ -10,25 +10,30 @@ import torch
 
 pytest.importorskip("transformers")
 
+from eval_models import MODELS, causal_logits, train_tiny  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from conftest import fast_cases  # noqa: E402
-from eval_models import MODELS, causal_logits, train_tiny  # noqa: E402
 from rmt import parallel  # noqa: E402
 from rmt.data.tokenizers import ByteTokenizer  # noqa: E402
 from rmt.export.cli import main  # noqa: E402
-from rmt.generate import load_model, main as generate_main  # noqa: E402
+from rmt.generate import load_model  # noqa: E402
+from rmt.generate import main as generate_main
+
+from conftest import fast_cases  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
 V = 257
 
 
-@pytest.mark.parametrize("name,extra,model_type", [
-    ("transformer", [], "gpt2"),
-    ("transformer", ["model.activation=gelu_tanh"], "gpt2"),
-    ("transformer_rope", [], "gpt_neox"),
-])
+@pytest.mark.parametrize(
+    "name,extra,model_type",
+    [
+        ("transformer", [], "gpt2"),
+        ("transformer", ["model.activation=gelu_tanh"], "gpt2"),
+        ("transformer_rope", [], "gpt_neox"),
+    ],
+)
 def test_standard_export_equals_rmt(tmp_path, capsys, name, extra, model_type):
     save = train_tiny(tmp_path, name, extra + ["train.lr=3e-2"])
     out = tmp_path / "hf"
@@ -51,8 +56,12 @@ def test_standard_export_equals_rmt(tmp_path, capsys, name, extra, model_type):
     assert tok(text)["input_ids"] == ByteTokenizer().tokenize(text) and tok.decode(tok(text)["input_ids"]) == text
     assert tok.eos_token_id == 256 and hf.config.eos_token_id == 256
     # greedy generation: transformers' generate equals rmt-generate's tokens
-    assert generate_main(["--checkpoint", save, "--prompt", "def ", "--max-new-tokens", "20",
-                          "--json", str(tmp_path / "g.json")]) == 0
+    assert (
+        generate_main(
+            ["--checkpoint", save, "--prompt", "def ", "--max-new-tokens", "20", "--json", str(tmp_path / "g.json")]
+        )
+        == 0
+    )
     want_ids = json.loads((tmp_path / "g.json").read_text())["samples"][0]["ids"]
     prompt = torch.tensor([tok("def ")["input_ids"]])
     got_ids = hf.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=256)[0].tolist()
@@ -70,10 +79,25 @@ def test_remote_code_export_equals_rmt(tmp_path, capsys, name):
     assert main(["--checkpoint", save, "--out", str(out)]) == 0
     assert "wrote rmt model" in capsys.readouterr().out
     assert {"modeling_rmt.py", "configuration_rmt.py", "model.safetensors", "tokenizer.json"} <= set(
-        p.name for p in out.iterdir())
+        p.name for p in out.iterdir()
+    )
     # the exported model recomputes the sequence at every step, as rmt-generate --no-cache
-    assert generate_main(["--checkpoint", save, "--prompt", "def ", "--max-new-tokens", "12", "--no-cache",
-                          "--json", str(tmp_path / "g.json")]) == 0
+    assert (
+        generate_main(
+            [
+                "--checkpoint",
+                save,
+                "--prompt",
+                "def ",
+                "--max-new-tokens",
+                "12",
+                "--no-cache",
+                "--json",
+                str(tmp_path / "g.json"),
+            ]
+        )
+        == 0
+    )
     want_ids = json.loads((tmp_path / "g.json").read_text())["samples"][0]["ids"]
     # the exported model runs rmt's megatron modules, which need the process groups it sets up
     hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
@@ -85,8 +109,9 @@ def test_remote_code_export_equals_rmt(tmp_path, capsys, name):
             want, got = causal_logits(model, tokens), hf(tokens).logits
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
         prompt = torch.tensor([list(b"def ")])
-        got_ids = hf.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None,
-                              pad_token_id=256)[0].tolist()
+        got_ids = hf.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=256)[
+            0
+        ].tolist()
         assert got_ids == want_ids and len(got_ids) == 16
     finally:
         parallel.destroy()
@@ -120,7 +145,8 @@ def test_refusals(tmp_path, capsys):
     assert err.value.code == 2
     assert capsys.readouterr().err == (
         "rmt-export: error: no standard Hugging Face architecture matches model.normalization 'RMSNorm' with a "
-        "biased GELU MLP (GPT-2 and GPT-NeoX use LayerNorm); export it with --format remote\n")
+        "biased GELU MLP (GPT-2 and GPT-NeoX use LayerNorm); export it with --format remote\n"
+    )
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
     with pytest.raises(SystemExit) as err:

@@ -17,14 +17,32 @@ from rmt.planner.cli import main as plan_main
 from rmt.planner.flops import plan_model, rmt_counts, transformer_counts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMMON = ["model.num_layers=3", "model.seq_length=20", "model.vocab_size=70",
-          "model.make_vocab_size_divisible_by=16", "model.ffn_hidden_size=40"]
+COMMON = [
+    "model.num_layers=3",
+    "model.seq_length=20",
+    "model.vocab_size=70",
+    "model.make_vocab_size_divisible_by=16",
+    "model.ffn_hidden_size=40",
+]
 TRANSFORMER = ["model.hidden_size=24", "model.num_attention_heads=4"]
 RMT = ["model.arch=rmt", "model.dk=6", "model.dv=4", "model.rank=3", "model.position=alibi"]
-ULTRAMEM = ["memory.type=ultramem", "memory.placement='1:3/2:2'", "memory.key_dim=8", "memory.num_keys=4",
-            "memory.topk=3", "memory.init_samples=2"]
-ULTRAMEM_V2 = ["memory.type=ultramem_v2", "memory.num_heads=1", "memory.key_dim=8", "memory.num_keys=4",
-               "memory.topk=3", "memory.value_dim=8", "memory.pre_value_dim=6"]
+ULTRAMEM = [
+    "memory.type=ultramem",
+    "memory.placement='1:3/2:2'",
+    "memory.key_dim=8",
+    "memory.num_keys=4",
+    "memory.topk=3",
+    "memory.init_samples=2",
+]
+ULTRAMEM_V2 = [
+    "memory.type=ultramem_v2",
+    "memory.num_heads=1",
+    "memory.key_dim=8",
+    "memory.num_keys=4",
+    "memory.topk=3",
+    "memory.value_dim=8",
+    "memory.pre_value_dim=6",
+]
 CASES = {
     "rmt_alibi": RMT,
     "rmt_learned": ["model.arch=rmt", "model.dk=5", "model.dv=4", "model.rank=2", "model.position=learned"],
@@ -33,21 +51,35 @@ CASES = {
     "recurrent": TRANSFORMER + ["model.arch=recurrent", "model.block_width=7"],
     "recurrent_block_positions": TRANSFORMER + ["model.arch=recurrent", "model.block_width=7", "model.position=block"],
     "mixer_mixed_decay": TRANSFORMER + ["model.arch=mixer", "model.mixer_decay=true"],
-    "mixer_masked_rmsnorm": TRANSFORMER + ["model.arch=mixer", "model.mixer_kind=masked",
-                                           "model.normalization=RMSNorm"],
+    "mixer_masked_rmsnorm": TRANSFORMER
+    + ["model.arch=mixer", "model.mixer_kind=masked", "model.normalization=RMSNorm"],
     "transformer_ultramem": TRANSFORMER + ULTRAMEM,
-    "transformer_ultramem_product_no_ive": TRANSFORMER + ULTRAMEM + [
-        "memory.retrieval=product", "memory.num_cores=1", "memory.ive_blocks=1", "memory.share_query=false",
-        "memory.query_conv=false", "memory.half_value_dim=false"],
+    "transformer_ultramem_product_no_ive": TRANSFORMER
+    + ULTRAMEM
+    + [
+        "memory.retrieval=product",
+        "memory.num_cores=1",
+        "memory.ive_blocks=1",
+        "memory.share_query=false",
+        "memory.query_conv=false",
+        "memory.half_value_dim=false",
+    ],
     "transformer_pkm": TRANSFORMER + ULTRAMEM + ["memory.type=pkm"],
     "transformer_moe_skip": TRANSFORMER + ["memory.type=moe", "memory.placement='1:3/2:2'", "memory.num_experts=3"],
-    "transformer_moe_mlp": TRANSFORMER + ["memory.type=moe", "memory.moe_placement=mlp", "memory.placement=1/3",
-                                          "memory.num_experts=3", "memory.moe_topk=1"],
+    "transformer_moe_mlp": TRANSFORMER
+    + [
+        "memory.type=moe",
+        "memory.moe_placement=mlp",
+        "memory.placement=1/3",
+        "memory.num_experts=3",
+        "memory.moe_topk=1",
+    ],
     "rmt_ultramem": RMT + ULTRAMEM,
     "rmt_moe_skip": RMT + ["memory.type=moe", "memory.placement='1:3'", "memory.num_experts=2"],
     "transformer_ultramem_v2": TRANSFORMER + ULTRAMEM_V2,
-    "transformer_ultramem_v2_two_heads_no_pre_values": TRANSFORMER + ULTRAMEM_V2 + [
-        "memory.num_heads=2", "memory.pre_value_dim=0", "memory.ive_blocks=1", "memory.placement=1/3"],
+    "transformer_ultramem_v2_two_heads_no_pre_values": TRANSFORMER
+    + ULTRAMEM_V2
+    + ["memory.num_heads=2", "memory.pre_value_dim=0", "memory.ive_blocks=1", "memory.placement=1/3"],
     "transformer_ultramem_v2_product": TRANSFORMER + ULTRAMEM_V2 + ["memory.retrieval=product", "memory.num_cores=1"],
     "rmt_ultramem_v2": RMT + ULTRAMEM_V2,
 }
@@ -69,18 +101,28 @@ def test_exact_params_equal_built_model(single_process, case):
     if "paper_params" in doc:
         assert doc["params"] - doc["paper_params"] == sum(d["count"] for d in doc["params_differences"])
         assert doc["flops_per_token"] - doc["paper_flops_per_token"] == pytest.approx(
-            sum(d["count"] for d in doc["flops_differences"]))
+            sum(d["count"] for d in doc["flops_differences"])
+        )
     if "memory" in doc:
-        built_memory = sum(p.numel() for chunk in build(config) for n, p in chunk.named_parameters()
-                           if n.startswith("memory.") or ".mlp.router." in n or ".mlp.experts." in n)
+        built_memory = sum(
+            p.numel()
+            for chunk in build(config)
+            for n, p in chunk.named_parameters()
+            if n.startswith("memory.") or ".mlp.router." in n or ".mlp.experts." in n
+        )
         assert doc["memory"]["params"] == built_memory
 
 
 # Oracle shapes: wide enough that what the planner leaves out by convention (norms, GELU/SiLU,
 # softmax, residual adds: DeepSpeed counts 1-5 FLOPs per element) and what DeepSpeed cannot see
 # (the lookup-reduce and TDQKR selection kernels, which the planner counts) stay well under 1%.
-ORACLE = ["model.num_layers=2", "model.hidden_size=256", "model.num_attention_heads=4", "model.seq_length=64",
-          "model.vocab_size=500"]
+ORACLE = [
+    "model.num_layers=2",
+    "model.hidden_size=256",
+    "model.num_attention_heads=4",
+    "model.seq_length=64",
+    "model.vocab_size=500",
+]
 ORACLE_RMT = ["model.arch=rmt", "model.dk=32", "model.dv=16", "model.rank=8"]
 ORACLE_MEMORY = ["memory.placement='1:2'", "memory.key_dim=64", "memory.num_keys=32", "memory.topk=8"]
 ORACLE_CASES = {
@@ -95,10 +137,24 @@ ORACLE_CASES = {
     "moe_mlp": ["memory.type=moe", "memory.moe_placement=mlp", "memory.placement=2", "memory.num_experts=8"],
     "rmt_ultramem": ORACLE_RMT + ["memory.type=ultramem"] + ORACLE_MEMORY,
     "rmt_moe_skip": ORACLE_RMT + ["memory.type=moe", "memory.placement='1:2'", "memory.num_experts=8"],
-    "ultramem_v2": ["memory.type=ultramem_v2", "memory.num_heads=1", "memory.key_dim=64", "memory.num_keys=32",
-                    "memory.topk=8", "memory.value_dim=128", "memory.pre_value_dim=64"],
-    "rmt_ultramem_v2": ORACLE_RMT + ["memory.type=ultramem_v2", "memory.num_heads=1", "memory.key_dim=64",
-                                     "memory.num_keys=32", "memory.topk=8", "memory.pre_value_dim=64"],
+    "ultramem_v2": [
+        "memory.type=ultramem_v2",
+        "memory.num_heads=1",
+        "memory.key_dim=64",
+        "memory.num_keys=32",
+        "memory.topk=8",
+        "memory.value_dim=128",
+        "memory.pre_value_dim=64",
+    ],
+    "rmt_ultramem_v2": ORACLE_RMT
+    + [
+        "memory.type=ultramem_v2",
+        "memory.num_heads=1",
+        "memory.key_dim=64",
+        "memory.num_keys=32",
+        "memory.topk=8",
+        "memory.pre_value_dim=64",
+    ],
 }
 
 
@@ -125,8 +181,9 @@ def test_forward_flops_within_one_percent_of_deepspeed_profiler(single_process, 
     tokens = torch.randint(0, config.model.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(s).expand(b, s)
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
-    flops, _, params = get_model_profile(model, args=[tokens, positions, mask], print_profile=False,
-                                         detailed=False, as_string=False)
+    flops, _, params = get_model_profile(
+        model, args=[tokens, positions, mask], print_profile=False, detailed=False, as_string=False
+    )
     doc = plan_model(config)
     assert doc["params"] == params
     assert doc["flops_per_sequence"] * b == pytest.approx(flops, rel=0.01)
@@ -164,18 +221,52 @@ def test_paper_scaling_claim(exact):
 
 def test_plan_model_cli(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    assert plan_main(["model", "--config", os.path.join(ROOT, "configs", "rmt_tiny.yaml"),
-                      "model.vocab_size=257", "--json", str(out)]) == 0
+    assert (
+        plan_main(
+            [
+                "model",
+                "--config",
+                os.path.join(ROOT, "configs", "rmt_tiny.yaml"),
+                "model.vocab_size=257",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out.read_text())
     assert doc["arch"] == "rmt" and doc["params"] > 0
     assert "parameters" in capsys.readouterr().out
-    assert plan_main(["model", "--config", os.path.join(ROOT, "configs", "rmt_tiny.yaml"),
-                      "model.vocab_size=null", "data.tokenizer=bpe"]) == 2
+    assert (
+        plan_main(
+            [
+                "model",
+                "--config",
+                os.path.join(ROOT, "configs", "rmt_tiny.yaml"),
+                "model.vocab_size=null",
+                "data.tokenizer=bpe",
+            ]
+        )
+        == 2
+    )
     assert "model.vocab_size must be set" in capsys.readouterr().err
-    assert plan_main(["model", "--config", os.path.join(ROOT, "configs", "rmt_tiny.yaml"),
-                      "model.vocab_size=null", "--json", str(out)]) == 0
-    assert json.loads(out.read_text())["params"] == plan_model(
-        load_config(os.path.join(ROOT, "configs", "rmt_tiny.yaml"), ["model.vocab_size=257"]))["params"]
+    assert (
+        plan_main(
+            [
+                "model",
+                "--config",
+                os.path.join(ROOT, "configs", "rmt_tiny.yaml"),
+                "model.vocab_size=null",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    assert (
+        json.loads(out.read_text())["params"]
+        == plan_model(load_config(os.path.join(ROOT, "configs", "rmt_tiny.yaml"), ["model.vocab_size=257"]))["params"]
+    )
 
 
 def saved_bytes_per_token(overrides, batch=4):
@@ -196,23 +287,36 @@ def saved_bytes_per_token(overrides, batch=4):
 
         tokens = torch.randint(0, cfg.model.vocab_size, (batch, s))
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(tokens, torch.arange(s)[None].expand(batch, s), torch.ones(s, s, dtype=torch.bool).triu(1)[None, None])
+            model(
+                tokens, torch.arange(s)[None].expand(batch, s), torch.ones(s, s, dtype=torch.bool).triu(1)[None, None]
+            )
         return sum(saved.values()) / (batch * s), plan_model(cfg)["activation_bytes_per_token"]
     finally:
         parallel.destroy()
 
 
-@pytest.mark.parametrize("overrides", [
-    ["model.arch=transformer", "model.attention_kernel=sdpa"],
-    ["model.arch=transformer", "model.attention_kernel=megatron"],
-    ["model.arch=rmt", "model.dk=16", "model.dv=32", "model.rank=4", "model.position=alibi"],
-], ids=["transformer_sdpa", "transformer_megatron", "rmt"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model.arch=transformer", "model.attention_kernel=sdpa"],
+        ["model.arch=transformer", "model.attention_kernel=megatron"],
+        ["model.arch=rmt", "model.dk=16", "model.dv=32", "model.rank=4", "model.position=alibi"],
+    ],
+    ids=["transformer_sdpa", "transformer_megatron", "rmt"],
+)
 def test_activation_bytes_match_what_autograd_saves(overrides):
     """The per-token model counts tensors by shape (inputs of every matmul and norm, GELU in and
     out, the attention kernel's own state); autograd's storages differ by views and shared inputs:
     within 10% (measured 4-6% here). Counting the softmax probabilities of the unfused kernel under
     the fused one would be 51% over for this transformer."""
-    measured, planned = saved_bytes_per_token(["model.hidden_size=128", "model.num_attention_heads=4",
-                                               "model.num_layers=2", "model.seq_length=256",
-                                               "model.vocab_size=257"] + overrides)
+    measured, planned = saved_bytes_per_token(
+        [
+            "model.hidden_size=128",
+            "model.num_attention_heads=4",
+            "model.num_layers=2",
+            "model.seq_length=256",
+            "model.vocab_size=257",
+        ]
+        + overrides
+    )
     assert planned == pytest.approx(measured, rel=0.10)

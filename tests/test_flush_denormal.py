@@ -4,10 +4,11 @@ whole process, the intra-op threads included, and leaves IEEE gradual underflow 
 import pytest
 import torch
 
-from conftest import tiny_overrides
 from rmt import parallel
 from rmt.config import load_config
 from rmt.config_checks import validate
+
+from conftest import tiny_overrides
 
 DENORMAL = 1e-39  # below float32's smallest normal number, 1.18e-38
 

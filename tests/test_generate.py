@@ -16,16 +16,27 @@ from rmt.models.build import build
 
 warnings.filterwarnings("ignore")
 
-TINY = ["model.vocab_size=16", "model.seq_length=24", "model.hidden_size=16", "model.num_attention_heads=2",
-        "model.num_layers=2", "model.block_width=4"]
+TINY = [
+    "model.vocab_size=16",
+    "model.seq_length=24",
+    "model.hidden_size=16",
+    "model.num_attention_heads=2",
+    "model.num_layers=2",
+    "model.block_width=4",
+]
 ARCHS = {
     "transformer": ["model.arch=transformer"],
     "mixer_mixed_decay": ["model.arch=mixer", "model.mixer_kind=mixed", "model.mixer_decay=true"],
     "mixer_masked": ["model.arch=mixer", "model.mixer_kind=masked"],
     "recurrent": ["model.arch=recurrent"],
     "recurrent_block_positions": ["model.arch=recurrent", "model.position=block"],
-    "transformer_moe_mlp": ["model.arch=transformer", "memory.type=moe", "memory.moe_placement=mlp",
-                            "memory.placement=1-2", "memory.num_experts=4"],
+    "transformer_moe_mlp": [
+        "model.arch=transformer",
+        "memory.type=moe",
+        "memory.moe_placement=mlp",
+        "memory.placement=1-2",
+        "memory.num_experts=4",
+    ],
 }
 
 
@@ -91,10 +102,26 @@ def test_recurrent_transformer_state_is_bounded(model_of):
 def test_cli_from_checkpoint(tmp_path, capsys):
     from rmt.training.trainer import Trainer
 
-    config = validate(load_config(None, TINY + ARCHS["mixer_mixed_decay"] + [
-        "data.task=copy", "data.task_tokens=4", "data.task_alphabet=16", "data.noise_length=8",
-        "train.steps=2", "train.warmup_steps=0", "train.micro_batch_size=2", "train.eval_iters=1",
-        "train.progress=false", f"train.save={tmp_path}/ckpt"]), 1)
+    config = validate(
+        load_config(
+            None,
+            TINY
+            + ARCHS["mixer_mixed_decay"]
+            + [
+                "data.task=copy",
+                "data.task_tokens=4",
+                "data.task_alphabet=16",
+                "data.noise_length=8",
+                "train.steps=2",
+                "train.warmup_steps=0",
+                "train.micro_batch_size=2",
+                "train.eval_iters=1",
+                "train.progress=false",
+                f"train.save={tmp_path}/ckpt",
+            ],
+        ),
+        1,
+    )
     parallel.initialize(config)
     try:
         Trainer(config).train()
@@ -102,8 +129,24 @@ def test_cli_from_checkpoint(tmp_path, capsys):
         parallel.destroy()
     outs = []
     for extra in ([], ["--no-cache"]):
-        assert main(["--checkpoint", str(tmp_path / "ckpt"), "--prompt-ids", "1,2,3", "--max-new-tokens", "6",
-                     "--temperature", "0.7", "--json", str(tmp_path / "g.json")] + extra) == 0
+        assert (
+            main(
+                [
+                    "--checkpoint",
+                    str(tmp_path / "ckpt"),
+                    "--prompt-ids",
+                    "1,2,3",
+                    "--max-new-tokens",
+                    "6",
+                    "--temperature",
+                    "0.7",
+                    "--json",
+                    str(tmp_path / "g.json"),
+                ]
+                + extra
+            )
+            == 0
+        )
         outs.append(json.loads((tmp_path / "g.json").read_text())["samples"][0]["ids"])
     assert len(outs[0]) == 9 and outs[0][:3] == [1, 2, 3] and outs[0] == outs[1]
     with pytest.raises(SystemExit) as err:

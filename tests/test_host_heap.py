@@ -11,8 +11,7 @@ import pytest
 
 from conftest import ROOT, _env
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")]
 
 SCRIPT = """
 import json, resource, statistics, sys
@@ -40,9 +39,22 @@ parallel.destroy()
 
 def _faults_per_step(tmp_path, cache_dir, retain_mib):
     out = tmp_path / f"faults{retain_mib}.json"
-    subprocess.run([sys.executable, "-c", SCRIPT, str(out), f"data.cache_dir={cache_dir}", "data.max_documents=20",
-                    f"train.host_heap_retain_mib={retain_mib}"], cwd=ROOT, env=_env(), check=True,
-                   capture_output=True, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            SCRIPT,
+            str(out),
+            f"data.cache_dir={cache_dir}",
+            "data.max_documents=20",
+            f"train.host_heap_retain_mib={retain_mib}",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     return json.loads(out.read_text())["faults_per_step"]
 
 

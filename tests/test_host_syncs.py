@@ -13,9 +13,17 @@ from rmt.config import load_config
 from rmt.config_checks import validate
 from rmt.training.host_syncs import HostSyncAudit
 
-STEP = ["model.seq_length=64", "train.micro_batch_size=2", "train.global_batch_size=4", "train.steps=3",
-        "train.warmup_steps=1", "train.eval_iters=0", "train.progress=false", "data.max_documents=64",
-        "memory.async_stream=false"]  # the stream's CPU worker thread is outside the (thread-local) audit
+STEP = [
+    "model.seq_length=64",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=4",
+    "train.steps=3",
+    "train.warmup_steps=1",
+    "train.eval_iters=0",
+    "train.progress=false",
+    "data.max_documents=64",
+    "memory.async_stream=false",
+]  # the stream's CPU worker thread is outside the (thread-local) audit
 
 
 def test_audit_records_the_operations_that_wait_and_their_callers():
@@ -32,14 +40,20 @@ def test_audit_records_the_operations_that_wait_and_their_callers():
         assert x[0].tolist() == [0.0 if v > 0 else v for v in x[0].numpy()] and x.cpu() is x
     assert torch.Tensor.tolist is tolist  # the copies' methods are restored
     # callers are frames of rmt or megatron: none here
-    assert audit.waits == {("Tensor.cpu", ""): 1, ("Tensor.numpy", ""): 1, ("Tensor.tolist", ""): 1,
-                           ("_linalg_svd", ""): 1, ("_local_scalar_dense", ""): 2, ("index_put_", ""): 1,
-                           ("index", ""): 1}
+    assert audit.waits == {
+        ("Tensor.cpu", ""): 1,
+        ("Tensor.numpy", ""): 1,
+        ("Tensor.tolist", ""): 1,
+        ("_linalg_svd", ""): 1,
+        ("_local_scalar_dense", ""): 2,
+        ("index_put_", ""): 1,
+        ("index", ""): 1,
+    }
     from rmt.memory.retrieval import leading_singular_vectors
 
     with HostSyncAudit() as audit:
         leading_singular_vectors(torch.randn(2, 3, 3))  # rank 3: the SVD
-    (name, where), = audit.waits
+    ((name, where),) = audit.waits
     assert name == "_linalg_svd" and where.startswith("rmt/memory/retrieval.py:")
     assert where.endswith(" leading_singular_vectors")
     with HostSyncAudit() as audit:
@@ -56,11 +70,15 @@ def _trainer(memory, path="configs/ultramem_tiny.yaml"):
     return Trainer(config)
 
 
-@pytest.mark.parametrize("memory,path", [
-    (["memory.value_optimizer=sparse_adam", "memory.fused_value_optimizer=true"], "configs/ultramem_tiny.yaml"),
-    (["memory.value_optimizer=adamw"], "configs/ultramem_tiny.yaml"),
-    (["memory.value_optimizer=sparse_adam", "memory.fused_value_optimizer=true"], "configs/ultramem_v2_tiny.yaml"),
-], ids=["fused-sparse-adam", "adamw", "ultramem-v2-fused-sparse-adam"])
+@pytest.mark.parametrize(
+    "memory,path",
+    [
+        (["memory.value_optimizer=sparse_adam", "memory.fused_value_optimizer=true"], "configs/ultramem_tiny.yaml"),
+        (["memory.value_optimizer=adamw"], "configs/ultramem_tiny.yaml"),
+        (["memory.value_optimizer=sparse_adam", "memory.fused_value_optimizer=true"], "configs/ultramem_v2_tiny.yaml"),
+    ],
+    ids=["fused-sparse-adam", "adamw", "ultramem-v2-fused-sparse-adam"],
+)
 def test_memory_training_step_waits_once(memory, path):
     """One training step of the tiny UltraMem model (Tucker retrieval at rank 2, IVE, two
     micro-batches; and of the tiny UltraMemV2 model, its value and pre-value tables): no operation of the memory layers, the lookup kernels or the fused value step
@@ -77,7 +95,7 @@ def test_memory_training_step_waits_once(memory, path):
     finally:
         parallel.destroy()
     waits = audit.device_waits()
-    (name, where), = waits  # one kind of wait, from one place
+    ((name, where),) = waits  # one kind of wait, from one place
     assert name == "Tensor.tolist" and where.startswith("rmt/training/trainer.py:"), waits
     assert where.endswith(" train_step") and waits[(name, where)] == 1, waits
 

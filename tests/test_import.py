@@ -9,9 +9,9 @@ import torch
 
 pytest.importorskip("transformers")
 
+from eval_models import causal_logits, tiny_config, train_tiny  # noqa: E402
 from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig  # noqa: E402
 
-from eval_models import causal_logits, tiny_config, train_tiny  # noqa: E402
 from rmt import parallel  # noqa: E402
 from rmt.errors import UserError  # noqa: E402
 from rmt.export.cli import main as export_main  # noqa: E402
@@ -25,10 +25,21 @@ def run_from(tmp_path, name, load, extra=()):
     """A Trainer of ``name`` started with ``train.load=load``; returns (its model, the trainer)."""
     from rmt.training.trainer import Trainer
 
-    config = tiny_config(name, ["train.steps=1", "train.warmup_steps=0", "train.micro_batch_size=2",
-                                "train.eval_iters=0", "train.progress=false", "data.max_documents=4",
-                                f"data.cache_dir={tmp_path}/cache", f"train.load={load}",
-                                f"train.save={tmp_path}/run"] + list(extra))
+    config = tiny_config(
+        name,
+        [
+            "train.steps=1",
+            "train.warmup_steps=0",
+            "train.micro_batch_size=2",
+            "train.eval_iters=0",
+            "train.progress=false",
+            "data.max_documents=4",
+            f"data.cache_dir={tmp_path}/cache",
+            f"train.load={load}",
+            f"train.save={tmp_path}/run",
+        ]
+        + list(extra),
+    )
     parallel.initialize(config)
     trainer = Trainer(config)
     return trainer.chunks[0].module.eval(), trainer
@@ -62,14 +73,27 @@ def test_standard_hf_checkpoint(tmp_path, kind):
     """A GPT-2 / GPT-NeoX made by transformers itself (not by rmt) runs as rmt's transformer."""
     torch.manual_seed(0)
     if kind == "gpt2":
-        cfg = GPT2Config(vocab_size=V, n_positions=40, n_embd=16, n_layer=2, n_head=2, tie_word_embeddings=False,
-                         activation_function="gelu_new")
+        cfg = GPT2Config(
+            vocab_size=V,
+            n_positions=40,
+            n_embd=16,
+            n_layer=2,
+            n_head=2,
+            tie_word_embeddings=False,
+            activation_function="gelu_new",
+        )
         extra = ["model.activation=gelu_tanh"]
     else:
-        cfg = GPTNeoXConfig(vocab_size=V, max_position_embeddings=40, hidden_size=16, num_hidden_layers=2,
-                            num_attention_heads=2, intermediate_size=64, use_parallel_residual=False,
-                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                             "partial_rotary_factor": 1.0})
+        cfg = GPTNeoXConfig(
+            vocab_size=V,
+            max_position_embeddings=40,
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            use_parallel_residual=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
+        )
         extra = ["model.position=rope"]
     hf = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
@@ -89,13 +113,22 @@ def test_standard_hf_checkpoint(tmp_path, kind):
 
 
 def test_other_model_is_one_sentence(tmp_path):
-    cfg = GPT2Config(vocab_size=V, n_positions=40, n_embd=16, n_layer=2, n_head=2, tie_word_embeddings=False,
-                     activation_function="gelu")
+    cfg = GPT2Config(
+        vocab_size=V,
+        n_positions=40,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        tie_word_embeddings=False,
+        activation_function="gelu",
+    )
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "hf")
     hf = tmp_path / "hf"
-    for extra, message in ((["model.hidden_size=32"], f"model.hidden_size is 32 here but 16 in checkpoint '{hf}'"),
-                           (["model.activation=gelu_tanh"], f"Hugging Face model '{hf}' uses activation 'gelu'"),
-                           (["model.position=rope"], "model.position is 'rope' here but 'learned'")):
+    for extra, message in (
+        (["model.hidden_size=32"], f"model.hidden_size is 32 here but 16 in checkpoint '{hf}'"),
+        (["model.activation=gelu_tanh"], f"Hugging Face model '{hf}' uses activation 'gelu'"),
+        (["model.position=rope"], "model.position is 'rope' here but 'learned'"),
+    ):
         try:
             with pytest.raises(UserError) as err:
                 run_from(tmp_path, "transformer", hf, extra)

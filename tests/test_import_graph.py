@@ -39,7 +39,7 @@ def _imports(tree, module, is_package):
             base = node.module or ""
             if node.level:
                 anchor = module.split(".") if is_package else module.split(".")[:-1]
-                anchor = anchor[:len(anchor) - (node.level - 1)]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
                 base = ".".join(anchor + ([node.module] if node.module else []))
             for alias in node.names:
                 yield base, alias.name
@@ -74,7 +74,7 @@ def find_cycle(graph):
         stack.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == "open":
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state:
                 found = visit(nxt)
                 if found:

@@ -14,9 +14,23 @@ ARCHS = {"transformer": [], "rmt": [], "recurrent": ["model.block_width=8"], "mi
 
 
 def weights(arch: str, extra: list) -> dict:
-    config = validate(load_config(None, [
-        f"model.arch={arch}", "model.vocab_size=64", "model.hidden_size=32", "model.num_attention_heads=4",
-        "model.num_layers=2", "model.seq_length=16", "model.init_std=0.02"] + ARCHS[arch] + extra), 1)
+    config = validate(
+        load_config(
+            None,
+            [
+                f"model.arch={arch}",
+                "model.vocab_size=64",
+                "model.hidden_size=32",
+                "model.num_attention_heads=4",
+                "model.num_layers=2",
+                "model.seq_length=16",
+                "model.init_std=0.02",
+            ]
+            + ARCHS[arch]
+            + extra,
+        ),
+        1,
+    )
     parallel.initialize(config)
     try:
         return {k: v.detach().clone() for k, v in build(config)[0].state_dict().items() if torch.is_tensor(v)}

@@ -6,12 +6,24 @@ from rmt.parallel.launch_env import first_host, read_launch_env
 def test_torchrun_env():
     env = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "n1", "MASTER_PORT": "1234"}
     e = read_launch_env(env)
-    assert (e.rank, e.world_size, e.local_rank, e.master_addr, e.master_port, e.launcher) == (3, 8, 1, "n1", 1234, "torchrun")
+    assert (e.rank, e.world_size, e.local_rank, e.master_addr, e.master_port, e.launcher) == (
+        3,
+        8,
+        1,
+        "n1",
+        1234,
+        "torchrun",
+    )
 
 
 def test_slurm_env_uses_first_node_and_job_port():
-    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
-           "SLURM_NODELIST": "gpu[012-015,020]", "SLURM_JOB_ID": "123456"}
+    env = {
+        "SLURM_PROCID": "5",
+        "SLURM_NTASKS": "16",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODELIST": "gpu[012-015,020]",
+        "SLURM_JOB_ID": "123456",
+    }
     e = read_launch_env(env)
     assert (e.rank, e.world_size, e.local_rank, e.launcher) == (5, 16, 1, "slurm")
     assert e.master_addr == "gpu012" and e.master_port == 20000 + 123456 % 10000

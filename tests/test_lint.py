@@ -29,8 +29,10 @@ def _ruff():
         pytest.skip("ruff is not installed (pip install -e '.[dev]' installs it)")
     found = subprocess.run(command + ["--version"], capture_output=True, text=True).stdout.split()[-1]
     if found != _pinned_version():
-        pytest.skip(f"ruff {found} is installed; the tree is checked with ruff {_pinned_version()} "
-                    f"(setup.py's dev extra), whose rules and formatting it may not share")
+        pytest.skip(
+            f"ruff {found} is installed; the tree is checked with ruff {_pinned_version()} "
+            f"(setup.py's dev extra), whose rules and formatting it may not share"
+        )
     return command
 
 
@@ -40,14 +42,17 @@ def _run(args):
 
 def test_ruff_check():
     result = _run(["check", "--no-cache", "--output-format", "concise", "."])
-    assert result.returncode == 0, (f"`ruff check .` found problems (`ruff check --fix .` fixes those marked [*]):\n"
-                                    f"{result.stdout[-6000:]}{result.stderr[-2000:]}")
+    assert result.returncode == 0, (
+        f"`ruff check .` found problems (`ruff check --fix .` fixes those marked [*]):\n"
+        f"{result.stdout[-6000:]}{result.stderr[-2000:]}"
+    )
 
 
 def test_ruff_format():
     result = _run(["format", "--check", "--no-cache", "."])
-    assert result.returncode == 0, (f"files are not formatted; run `ruff format .`:\n"
-                                    f"{result.stdout[-6000:]}{result.stderr[-2000:]}")
+    assert result.returncode == 0, (
+        f"files are not formatted; run `ruff format .`:\n{result.stdout[-6000:]}{result.stderr[-2000:]}"
+    )
 
 
 def test_ruff_reads_the_projects_configuration(tmp_path):
@@ -57,12 +62,14 @@ def test_ruff_reads_the_projects_configuration(tmp_path):
     config = ["--no-cache", "--config", os.path.join(ROOT, "pyproject.toml")]
     lint = tmp_path / "lint.py"
     lint.write_text("import os\n\nfor l in range(3):\n    print(l)\n")
-    result = subprocess.run(_ruff() + ["check", "--output-format", "concise"] + config + [str(lint)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        _ruff() + ["check", "--output-format", "concise"] + config + [str(lint)], capture_output=True, text=True
+    )
     assert "F401" in result.stdout and "E741" not in result.stdout, result.stdout
     for terms, formatted in ((27, True), (30, False)):
         sample = tmp_path / f"line_{terms}.py"
         sample.write_text("x = " + "1 + " * terms + "1\n")
-        result = subprocess.run(_ruff() + ["format", "--check"] + config + [str(sample)],
-                                capture_output=True, text=True)
+        result = subprocess.run(
+            _ruff() + ["format", "--check"] + config + [str(sample)], capture_output=True, text=True
+        )
         assert (result.returncode == 0) == formatted, (len(sample.read_text()) - 1, result.stdout, result.stderr)

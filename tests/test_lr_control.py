@@ -14,10 +14,24 @@ from rmt.training.lr_control import ValidationLR
 
 warnings.filterwarnings("ignore")
 
-TASK = ["model.arch=transformer", "model.num_layers=1", "model.hidden_size=16", "model.num_attention_heads=2",
-        "model.seq_length=48", "data.task=copy", "data.task_tokens=4", "data.task_alphabet=8",
-        "data.noise_length=4", "train.warmup_steps=0", "train.lr=1e-3", "train.lr_decay_style=constant",
-        "train.micro_batch_size=2", "train.eval_interval=1", "train.eval_iters=1", "train.progress=false"]
+TASK = [
+    "model.arch=transformer",
+    "model.num_layers=1",
+    "model.hidden_size=16",
+    "model.num_attention_heads=2",
+    "model.seq_length=48",
+    "data.task=copy",
+    "data.task_tokens=4",
+    "data.task_alphabet=8",
+    "data.noise_length=4",
+    "train.warmup_steps=0",
+    "train.lr=1e-3",
+    "train.lr_decay_style=constant",
+    "train.micro_batch_size=2",
+    "train.eval_interval=1",
+    "train.eval_iters=1",
+    "train.progress=false",
+]
 
 
 def control(**train):
@@ -92,8 +106,14 @@ def train(overrides):
 
 
 def test_trainer_lr_falls_at_each_doubling_and_survives_resume(tmp_path):
-    base = ["data.curriculum_threshold=100", "data.curriculum_target=32", "train.steps=5",
-            "train.lr_curriculum_decay=0.5", "train.min_lr_ratio=0.2", f"train.save={tmp_path}"]
+    base = [
+        "data.curriculum_threshold=100",
+        "data.curriculum_target=32",
+        "train.steps=5",
+        "train.lr_curriculum_decay=0.5",
+        "train.min_lr_ratio=0.2",
+        f"train.save={tmp_path}",
+    ]
     _, first = train(base + ["train.exit_interval=2"])
     assert [m["noise_length"] for m in first] == [8, 16]
     assert [m["lr"] for m in first] == pytest.approx([1e-3, 5e-4])  # lr of the step, before its evaluation
@@ -105,8 +125,16 @@ def test_trainer_lr_falls_at_each_doubling_and_survives_resume(tmp_path):
 
 
 def test_trainer_cuts_the_lr_once_more_on_reaching_the_target():
-    _, history = train(["data.curriculum_threshold=100", "data.curriculum_target=32", "train.steps=3",
-                        "train.lr_curriculum_decay=0.5", "train.lr_target_decay=0.5", "train.min_lr_ratio=0.01"])
+    _, history = train(
+        [
+            "data.curriculum_threshold=100",
+            "data.curriculum_target=32",
+            "train.steps=3",
+            "train.lr_curriculum_decay=0.5",
+            "train.lr_target_decay=0.5",
+            "train.min_lr_ratio=0.01",
+        ]
+    )
     # noise 4 -> 8 -> 16 -> 32 (the target) at the three evaluations; the last doubling cuts twice
     assert [m["noise_length"] for m in history] == [8, 16, 32]
     assert [m["lr_scale"] for m in history] == [0.5, 0.25, 0.0625]
@@ -115,21 +143,37 @@ def test_trainer_cuts_the_lr_once_more_on_reaching_the_target():
 
 def test_trainer_reduces_on_plateau():
     # an lr too small to move the weights keeps the validation loss exactly level
-    _, history = train(["train.lr=1e-12", "train.steps=5", "train.lr_plateau_decay=0.5",
-                        "train.lr_plateau_patience=1", "train.min_lr_ratio=0.1"])
+    _, history = train(
+        [
+            "train.lr=1e-12",
+            "train.steps=5",
+            "train.lr_plateau_decay=0.5",
+            "train.lr_plateau_patience=1",
+            "train.min_lr_ratio=0.1",
+        ]
+    )
     assert [m["lr_scale"] for m in history] == [1.0, 0.5, 0.25, 0.125, 0.1]
     assert history[-1]["lr"] == pytest.approx(1e-12 * 0.125)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["train.lr_plateau_decay=0"], r"^train.lr_plateau_decay must be a finite number in \(0, 1\], got 0.0$"),
-    (["train.lr_curriculum_decay=1.5"], r"^train.lr_curriculum_decay must be a finite number in \(0, 1\], got 1.5$"),
-    (["train.lr_plateau_patience=0"], "^train.lr_plateau_patience must be an integer > 0, got 0$"),
-    (["train.lr_plateau_smoothing=1"], r"^train.lr_plateau_smoothing must be a finite number in \[0, 1\), got 1.0$"),
-    (["train.lr_curriculum_decay=0.5"], "train.lr_curriculum_decay needs a curriculum"),
-    (["train.lr_target_decay=0"], r"^train.lr_target_decay must be a finite number in \(0, 1\], got 0.0$"),
-    (["train.lr_target_decay=0.5"], "train.lr_target_decay needs a curriculum"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["train.lr_plateau_decay=0"], r"^train.lr_plateau_decay must be a finite number in \(0, 1\], got 0.0$"),
+        (
+            ["train.lr_curriculum_decay=1.5"],
+            r"^train.lr_curriculum_decay must be a finite number in \(0, 1\], got 1.5$",
+        ),
+        (["train.lr_plateau_patience=0"], "^train.lr_plateau_patience must be an integer > 0, got 0$"),
+        (
+            ["train.lr_plateau_smoothing=1"],
+            r"^train.lr_plateau_smoothing must be a finite number in \[0, 1\), got 1.0$",
+        ),
+        (["train.lr_curriculum_decay=0.5"], "train.lr_curriculum_decay needs a curriculum"),
+        (["train.lr_target_decay=0"], r"^train.lr_target_decay must be a finite number in \(0, 1\], got 0.0$"),
+        (["train.lr_target_decay=0.5"], "train.lr_target_decay needs a curriculum"),
+    ],
+)
 def test_bad_values_are_rejected(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(load_config(None, TASK + overrides), 1)

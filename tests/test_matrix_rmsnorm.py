@@ -8,7 +8,7 @@ from rmt.ops.matrix_rmsnorm import FusedMatrixRMSNorm, TorchMatrixRMSNorm, _ext,
 
 pytestmark = pytest.mark.skipif(_ext() is None, reason="the C++ extension did not build")
 
-U = 2.0 ** -24  # float32 unit roundoff
+U = 2.0**-24  # float32 unit roundoff
 EPS = 1e-5
 
 
@@ -38,7 +38,7 @@ def _bounds(x, gain, dy, u):
     g_r = (n + 4) * u  # relative error of r (a sum of n squares, a division, a square root)
     y = (x * r * gain).abs() * (g_r + 3 * u)
     c_abs = (dy * gain * x).abs().sum(1, keepdim=True)
-    dx = r * (dy * gain).abs() * (g_r + 3 * u) + r ** 3 / n * c_abs * x.abs() * (n + 3 * g_r / u + 8) * u
+    dx = r * (dy * gain).abs() * (g_r + 3 * u) + r**3 / n * c_abs * x.abs() * (n + 3 * g_r / u + 8) * u
     dg = (r * dy * x).abs().sum(0) * (T + g_r / u + 4) * u
     return y, dx, dg
 
@@ -63,14 +63,15 @@ def test_fused_bfloat16_rounds_float32_results_once():
     for name, got, want, bound in zip(("y", "dx", "dgain"), fused, truth, _bounds(x, gain, dy, U)):
         assert got.dtype == torch.bfloat16
         # float32 arithmetic, then one rounding to bfloat16 (relative 2^-8 of the result)
-        excess = ((got.double() - want).abs() - bound - 2.0 ** -8 * want.abs() * (1 + 1e-3)).max().item()
+        excess = ((got.double() - want).abs() - bound - 2.0**-8 * want.abs() * (1 + 1e-3)).max().item()
         assert excess <= 0, (name, excess)
 
 
 def test_fused_float64_gradients_are_the_derivative():
     x, gain, _ = _case(T=7, n=37, dtype=torch.float64)
-    assert torch.autograd.gradcheck(lambda a, b: FusedMatrixRMSNorm.apply(a, b, EPS),
-                                    (x.requires_grad_(), gain.requires_grad_()))
+    assert torch.autograd.gradcheck(
+        lambda a, b: FusedMatrixRMSNorm.apply(a, b, EPS), (x.requires_grad_(), gain.requires_grad_())
+    )
 
 
 def test_results_do_not_depend_on_the_thread_count():
@@ -132,15 +133,16 @@ def _read_bounds(x, gain, keys, go, key_major, u):
     by = by.reshape(-1, dk)
     e_dy = heads * u * dy  # the GEMM dy = go keys
     out = by @ keys.abs().t() + dk * u * (y @ keys.abs().t())
-    dx = bdx + r * (e_dy * gain.abs()) + r ** 3 / n * x.abs() * (e_dy * (gain * x).abs()).sum(1, keepdim=True)
+    dx = bdx + r * (e_dy * gain.abs()) + r**3 / n * x.abs() * (e_dy * (gain * x).abs()).sum(1, keepdim=True)
     dg = bdg + (r * e_dy * x.abs()).sum(0)
     dkeys = go.t() @ by + (T * n // dk + 2) * u * (go.t() @ y)
     return (out.t() if key_major else out), dx, dg, dkeys
 
 
 @pytest.mark.parametrize("key_major", [False, True], ids=["token_major", "key_major"])
-@pytest.mark.parametrize("shape", [dict(), dict(dv=7, dk=16), dict(T=151, dv=7, dk=32, heads=5)],
-                         ids=["mm", "tiles_dk16", "tiles_dk32"])
+@pytest.mark.parametrize(
+    "shape", [dict(), dict(dv=7, dk=16), dict(T=151, dv=7, dk=32, heads=5)], ids=["mm", "tiles_dk16", "tiles_dk32"]
+)
 def test_fused_norm_read_float32_is_within_rounding_of_the_float64_truth(key_major, shape):
     """Dk 20 takes at::mm for the backward's GEMMs; Dk 16 and 32 the register tiles, with a
     remainder of read rows (m = 1050 and 1057) and of keys (6 and 5) against the tiles (4 and 2
@@ -148,8 +150,9 @@ def test_fused_norm_read_float32_is_within_rounding_of_the_float64_truth(key_maj
     x, gain, keys, go = _read_case(key_major=key_major, **shape)
     truth = _run_read("torch", x.double(), gain.double(), keys.double(), go.double(), key_major)
     fused = _run_read("cpu", x, gain, keys, go, key_major)
-    for name, got, want, bound in zip(("out", "dx", "dgain", "dkeys"), fused, truth,
-                                      _read_bounds(x, gain, keys, go, key_major, U)):
+    for name, got, want, bound in zip(
+        ("out", "dx", "dgain", "dkeys"), fused, truth, _read_bounds(x, gain, keys, go, key_major, U)
+    ):
         assert got.dtype == torch.float32 and got.shape == want.shape, name
         excess = ((got.double() - want).abs() - bound * 1.01).max().item()  # 1.01: second-order terms
         assert excess <= 0, (name, excess)
@@ -171,7 +174,8 @@ def test_fused_norm_read_float64_gradients_are_the_derivative(key_major):
     x, gain, keys, _ = _read_case(T=5, dv=3, dk=4, heads=2, dtype=torch.float64, key_major=key_major)
     assert torch.autograd.gradcheck(
         lambda a, b, c: matrix_rms_norm_read(a, b, c, EPS, key_major, backend="cpu"),
-        (x.requires_grad_(), gain.requires_grad_(), keys.requires_grad_()))
+        (x.requires_grad_(), gain.requires_grad_(), keys.requires_grad_()),
+    )
 
 
 @pytest.mark.parametrize("key_major, heads", [(False, 4), (True, 12)], ids=["token_major", "key_major"])
@@ -198,12 +202,14 @@ def test_fused_norm_read_does_not_depend_on_the_thread_count(key_major, heads):
 def test_norm_read_dispatch_and_inputs_without_gradient():
     x, gain, keys, go = _read_case(T=10, dv=4, dk=8, heads=3)
     xt = x.t().contiguous().t()  # not contiguous: the reference runs
-    assert torch.equal(matrix_rms_norm_read(xt, gain, keys, EPS),
-                       matrix_rms_norm_read(xt, gain, keys, EPS, backend="torch"))
+    assert torch.equal(
+        matrix_rms_norm_read(xt, gain, keys, EPS), matrix_rms_norm_read(xt, gain, keys, EPS, backend="torch")
+    )
     x.requires_grad_()
     matrix_rms_norm_read(x, gain, keys, EPS).backward(go)
-    want = torch.autograd.grad(matrix_rms_norm_read(x, gain.clone().requires_grad_(), keys.clone().requires_grad_(),
-                                                    EPS, backend="cpu"), x, go)[0]
+    want = torch.autograd.grad(
+        matrix_rms_norm_read(x, gain.clone().requires_grad_(), keys.clone().requires_grad_(), EPS, backend="cpu"), x, go
+    )[0]
     assert gain.grad is None and keys.grad is None and torch.equal(x.grad, want)
     with pytest.raises(ValueError, match="backend must be one of"):
         matrix_rms_norm_read(x, gain, keys, EPS, backend="cuda")

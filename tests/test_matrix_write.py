@@ -10,7 +10,7 @@ from rmt.ops.matrix_write import _ext, matrix_write
 
 pytestmark = pytest.mark.skipif(_ext() is None, reason="the C++ extension did not build")
 
-U = 2.0 ** -24  # float32 unit roundoff
+U = 2.0**-24  # float32 unit roundoff
 
 
 def _case(M, n, dk, key_major, seed=0):
@@ -42,8 +42,11 @@ def _bounds(data, keys, grad, u):
 
 
 @pytest.mark.parametrize("key_major", [False, True], ids=["token_major", "key_major"])
-@pytest.mark.parametrize("M, n, dk", [(1050, 6, 16), (4099, 5, 32), (4097, 3, 16)],
-                         ids=["one_block_dk16", "three_blocks_dk32", "three_blocks_dk16"])
+@pytest.mark.parametrize(
+    "M, n, dk",
+    [(1050, 6, 16), (4099, 5, 32), (4097, 3, 16)],
+    ids=["one_block_dk16", "three_blocks_dk32", "three_blocks_dk16"],
+)
 def test_float32_is_within_rounding_of_the_float64_truth(key_major, M, n, dk):
     """Rows not a multiple of the tiles' 4 (Dk 16) or 2 (Dk 32), keys not a multiple of theirs,
     and more rows than one block of 2048; the data gradient comes back in data's layout."""
@@ -84,7 +87,7 @@ def test_dispatch():
         got, want = matrix_write(d32, k32), F.linear(d32, k32)
         assert torch.equal(matrix_write(d32[::2], k32), F.linear(d32[::2], k32))  # neither layout
     # oneDNN's bf16 GEMM sums the same exact products in another order: one bf16 rounding apart
-    assert got.dtype == torch.bfloat16 and ((got.float() - want.float()).abs() <= 2 ** -7 * want.float().abs()).all()
+    assert got.dtype == torch.bfloat16 and ((got.float() - want.float()).abs() <= 2**-7 * want.float().abs()).all()
     with pytest.raises(ValueError, match="backend must be one of"):
         matrix_write(d32, k32, backend="cuda")
 
@@ -113,12 +116,14 @@ def test_bf16_autocast_runs_the_kernel_on_bf16_rounded_inputs(key_major, monkeyp
     db, kb, gd = data.to(torch.bfloat16).double(), keys.to(torch.bfloat16).double(), g.double()
     n, dk, M = db.shape[1], kb.shape[0], db.shape[0]
     truth = db @ kb.t()
-    out_bound = 2 ** -8 * truth.abs() + (n + 2) * U * (db.abs() @ kb.abs().t())
+    out_bound = 2**-8 * truth.abs() + (n + 2) * U * (db.abs() @ kb.abs().t())
     assert ((out.double() - truth).abs() <= out_bound * 1.01).all()
-    for got, want, bound in ((d.grad, gd @ kb, (dk + 2) * U * (gd.abs() @ kb.abs())),
-                             (k.grad, gd.t() @ db, (M + 2) * U * (gd.abs().t() @ db.abs()))):
+    for got, want, bound in (
+        (d.grad, gd @ kb, (dk + 2) * U * (gd.abs() @ kb.abs())),
+        (k.grad, gd.t() @ db, (M + 2) * U * (gd.abs().t() @ db.abs())),
+    ):
         assert got.dtype == torch.float32 and torch.equal(got, got.to(torch.bfloat16).float())
-        assert ((got.double() - want).abs() <= (2 ** -8 * want.abs() + bound) * 1.01).all()
+        assert ((got.double() - want).abs() <= (2**-8 * want.abs() + bound) * 1.01).all()
     assert d.grad.t().is_contiguous() == key_major
 
 

@@ -6,23 +6,29 @@ the memory values restored, and the same validation loss (``Trainer(load) + eval
 import pytest
 import torch
 
-from conftest import tiny_overrides, train_steps
 from rmt import parallel
 from rmt.config import load_config
 from rmt.config_checks import validate
 from rmt.parallel.sharding import gather_full
 from rmt.training.trainer import Trainer
 
+from conftest import tiny_overrides, train_steps
+
 pytestmark = pytest.mark.slow
 
-MEMORY = ["memory.type=ultramem", "memory.placement='1:2'", "memory.key_dim=8", "memory.num_keys=4",
-          "memory.topk=3", "memory.init_samples=2"]
+MEMORY = [
+    "memory.type=ultramem",
+    "memory.placement='1:2'",
+    "memory.key_dim=8",
+    "memory.num_keys=4",
+    "memory.topk=3",
+    "memory.init_samples=2",
+]
 
 
 def test_memory_checkpoint_round_trip(cache_dir, tmp_path, monkeypatch):
     ckpt, out = tmp_path / "ckpt", tmp_path / "trained.pt"
-    common = tiny_overrides(cache_dir) + MEMORY + ["train.eval_iters=2", "train.eval_interval=3",
-                                                   "data.split=80,20,0"]
+    common = tiny_overrides(cache_dir) + MEMORY + ["train.eval_iters=2", "train.eval_interval=3", "data.split=80,20,0"]
     trained = train_steps(out, common + [f"train.save={ckpt}"])
     monkeypatch.delenv("MASTER_PORT", raising=False)
     config = validate(load_config(None, common + [f"train.load={ckpt}"]), world_size=1)

@@ -6,12 +6,13 @@ rmt/ops/fused_update.py: the value rows step unclipped, everything else is the u
 
 import pytest
 import torch
+from test_memory_sparse_optim import overrides
 
-from conftest import train_steps
 from rmt.config import load_config
 from rmt.config_checks import validate
 from rmt.errors import ConfigError
-from test_memory_sparse_optim import overrides
+
+from conftest import train_steps
 
 VALUES = "memory.0.values.weight"
 
@@ -50,8 +51,9 @@ def test_fused_training_equals_unfused_without_clipping(unfused, cache_dir, tmp_
     fused tables end with no gradient."""
     extra = ["train.clip_grad=0"]
     ref = unfused(optimizer, extra)
-    got = train_steps(tmp_path / "fused.pt",
-                      fused_args(cache_dir, optimizer, extra + ["memory.fused_value_optimizer=true"]))
+    got = train_steps(
+        tmp_path / "fused.pt", fused_args(cache_dir, optimizer, extra + ["memory.fused_value_optimizer=true"])
+    )
     assert_same(ref, got)
     assert not torch.equal(got["params"][VALUES], unfused(optimizer, extra, steps=1)["params"][VALUES])
     assert float(got["grads"][VALUES].abs().sum()) == 0.0 and float(ref["grads"][VALUES].abs().sum()) > 0
@@ -64,19 +66,25 @@ def test_clipping_with_fused_values(unfused, cache_dir, tmp_path):
     clip = ["train.clip_grad=0.01"]
     clipped, unclipped = unfused("sparse_adam", clip, steps=1), unfused("sparse_adam", ["train.clip_grad=0"], steps=1)
     assert clipped["grad_norms"][0] > 0.01  # clipping acts
-    got = train_steps(tmp_path / "fused.pt",
-                      fused_args(cache_dir, "sparse_adam", clip + ["memory.fused_value_optimizer=true"], steps=1))
+    got = train_steps(
+        tmp_path / "fused.pt",
+        fused_args(cache_dir, "sparse_adam", clip + ["memory.fused_value_optimizer=true"], steps=1),
+    )
     assert_same(clipped, got, skip=(VALUES,))
     torch.testing.assert_close(got["params"][VALUES], unclipped["params"][VALUES], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer,nproc,extra", [
-    ("sparse_adam", 2, []),
-    ("rowwise_adagrad", 4, ["parallel.tensor_model_parallel_size=2", "memory.partition=number"]),
-    ("sparse_adam", 2, ["memory.partition=dimension"]),
-    ("sparse_adam", 2, ["memory.partition=number", "memory.owner_reduce=true"]),
-], ids=["dp2-local-adam", "tp2xdp2-number-adagrad", "dp2-dimension-adam", "dp2-owner-reduce-adam"])
+@pytest.mark.parametrize(
+    "optimizer,nproc,extra",
+    [
+        ("sparse_adam", 2, []),
+        ("rowwise_adagrad", 4, ["parallel.tensor_model_parallel_size=2", "memory.partition=number"]),
+        ("sparse_adam", 2, ["memory.partition=dimension"]),
+        ("sparse_adam", 2, ["memory.partition=number", "memory.owner_reduce=true"]),
+    ],
+    ids=["dp2-local-adam", "tp2xdp2-number-adagrad", "dp2-dimension-adam", "dp2-owner-reduce-adam"],
+)
 def test_parallel_fused_training_equals_single_unfused(unfused, cache_dir, tmp_path, optimizer, nproc, extra):
     """The data-parallel sum of a replicated table (its lookups all-gathered over DP before the
     step) and the sharded routes' gradient collectives (the owners' fused lookups), with a
@@ -84,11 +92,19 @@ def test_parallel_fused_training_equals_single_unfused(unfused, cache_dir, tmp_p
     base = ["train.clip_grad=0"]
     ref = unfused(optimizer, base)
     ckpt = tmp_path / "ckpt"
-    got = train_steps(tmp_path / "got.pt", fused_args(cache_dir, optimizer, base + extra + [
-        "memory.fused_value_optimizer=true", f"train.save={ckpt}", "train.save_interval=2"]), nproc)
+    got = train_steps(
+        tmp_path / "got.pt",
+        fused_args(
+            cache_dir,
+            optimizer,
+            base + extra + ["memory.fused_value_optimizer=true", f"train.save={ckpt}", "train.save_interval=2"],
+        ),
+        nproc,
+    )
     assert_same(ref, got)
-    resumed = train_steps(tmp_path / "resumed.pt",
-                          fused_args(cache_dir, optimizer, base + [f"train.load={ckpt}/iter_0000002"]))
+    resumed = train_steps(
+        tmp_path / "resumed.pt", fused_args(cache_dir, optimizer, base + [f"train.load={ckpt}/iter_0000002"])
+    )
     assert resumed["losses"] == pytest.approx(ref["losses"][2:], rel=1e-5)
     for key, value in ref["params"].items():
         torch.testing.assert_close(resumed["params"][key], value, rtol=1e-5, atol=1e-5, msg=key)

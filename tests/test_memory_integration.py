@@ -16,30 +16,46 @@ from rmt.memory.retrieval import tucker_aux_loss
 
 
 def _cfg(*overrides):
-    base = ["model.num_layers=3", "model.hidden_size=32", "model.num_attention_heads=2",
-            "model.seq_length=8", "model.vocab_size=64", "memory.type=ultramem",
-            "memory.placement='1:3/2:2'", "memory.key_dim=8", "memory.num_keys=4", "memory.topk=3",
-            "memory.init_samples=2", "train.steps=10", "train.warmup_steps=0"]
+    base = [
+        "model.num_layers=3",
+        "model.hidden_size=32",
+        "model.num_attention_heads=2",
+        "model.seq_length=8",
+        "model.vocab_size=64",
+        "memory.type=ultramem",
+        "memory.placement='1:3/2:2'",
+        "memory.key_dim=8",
+        "memory.num_keys=4",
+        "memory.topk=3",
+        "memory.init_samples=2",
+        "train.steps=10",
+        "train.warmup_steps=0",
+    ]
     return load_config(None, base + list(overrides))
 
 
-@pytest.mark.parametrize("override,message", [
-    ("memory.placement='3:2'", "ends (layer 2) before it starts (layer 3)"),
-    ("memory.placement='1:4'", "within layers 1..model.num_layers (3)"),
-    ("memory.placement='0:1'", "within layers 1..model.num_layers (3)"),
-    ("memory.placement=a:b", "must have the form 'i:j'"),
-    ("memory.placement=3:2", "YAML reads an unquoted single i:j as a base-60 number"),
-    ("memory.topk=17", "exceeds the number of memory slots (16)"),
-    ("memory.topk=9", "exceeds the 8 keys per side"),
-    ("memory.ive_blocks=2", "must be a perfect square"),
-    ("memory.value_init_std=0", "memory.value_init_std must be a finite number > 0 or null, got 0.0"),
-    ("memory.type=lstm", "memory.type must be one of 'none', 'ultramem', 'ultramem_v2', 'pkm', 'moe', got 'lstm'"),
-    ("memory.retrieval=product", "num_cores > 1 (multi-core scoring) needs memory.retrieval 'tucker'"),
-    ("memory.tucker_rank=3", "key_dim (8) must be divisible by memory.tucker_rank (3)"),
-    ("parallel.pipeline_model_parallel_size=3",
-     "memory.placement '1:3' crosses the pipeline stage boundary after layer 1; with 3 stages of 1 layers "
-     "each placement must lie within layers 1, 2 or 3"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("memory.placement='3:2'", "ends (layer 2) before it starts (layer 3)"),
+        ("memory.placement='1:4'", "within layers 1..model.num_layers (3)"),
+        ("memory.placement='0:1'", "within layers 1..model.num_layers (3)"),
+        ("memory.placement=a:b", "must have the form 'i:j'"),
+        ("memory.placement=3:2", "YAML reads an unquoted single i:j as a base-60 number"),
+        ("memory.topk=17", "exceeds the number of memory slots (16)"),
+        ("memory.topk=9", "exceeds the 8 keys per side"),
+        ("memory.ive_blocks=2", "must be a perfect square"),
+        ("memory.value_init_std=0", "memory.value_init_std must be a finite number > 0 or null, got 0.0"),
+        ("memory.type=lstm", "memory.type must be one of 'none', 'ultramem', 'ultramem_v2', 'pkm', 'moe', got 'lstm'"),
+        ("memory.retrieval=product", "num_cores > 1 (multi-core scoring) needs memory.retrieval 'tucker'"),
+        ("memory.tucker_rank=3", "key_dim (8) must be divisible by memory.tucker_rank (3)"),
+        (
+            "parallel.pipeline_model_parallel_size=3",
+            "memory.placement '1:3' crosses the pipeline stage boundary after layer 1; with 3 stages of 1 layers "
+            "each placement must lie within layers 1, 2 or 3",
+        ),
+    ],
+)
 def test_validation_rejects(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate(_cfg(override), world_size=3 if "pipeline" in override else 1)
@@ -175,15 +191,33 @@ def test_pop_memory_stats_names(megatron):
     model.train()
     model(*_inputs(cfg))
     stats = pop_memory_stats([model])
-    assert sorted(stats) == sorted(f"memory/layer{k}/{n}" for k in (0, 1) for n in (
-        "slot_hit_fraction", "top1_score_mean", "top1_score_max", "topm_score_mean"))
+    assert sorted(stats) == sorted(
+        f"memory/layer{k}/{n}"
+        for k in (0, 1)
+        for n in ("slot_hit_fraction", "top1_score_mean", "top1_score_max", "topm_score_mean")
+    )
     assert 0 < stats["memory/layer0/slot_hit_fraction"] <= 1
     assert isinstance(model.memory[0], MemoryLayer)
 
 
-@pytest.mark.parametrize("name", ["ultramem_tiny", "pkm_tiny", "moe_tiny", "ultramem_151m_x12",
-                                  "ultramem_680m_x12", "ultramem_1.6b_x12", "pkm_151m_x12", "moe_151m_2in32", "moe_mlp_tiny",
-                                  "ultramem_v2_tiny", "ultramem_v2_rmt_tiny", "ultramem_v2_227m", "ultramem_v2_olmoe"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "ultramem_tiny",
+        "pkm_tiny",
+        "moe_tiny",
+        "ultramem_151m_x12",
+        "ultramem_680m_x12",
+        "ultramem_1.6b_x12",
+        "pkm_151m_x12",
+        "moe_151m_2in32",
+        "moe_mlp_tiny",
+        "ultramem_v2_tiny",
+        "ultramem_v2_rmt_tiny",
+        "ultramem_v2_227m",
+        "ultramem_v2_olmoe",
+    ],
+)
 def test_shipped_configs_validate(name):
     cfg = validate(load_config(f"configs/{name}.yaml"), world_size=1)
     assert cfg.memory.type in ("ultramem", "ultramem_v2", "pkm", "moe")
@@ -198,8 +232,9 @@ def test_sparse_value_optimizer_wiring(megatron, kind):
     from rmt.training.ddp import wrap_chunks
     from rmt.training.optimizer import build_optimizer, build_scheduler
 
-    cfg = validate(_cfg(f"memory.value_optimizer={kind}", "train.lr_decay_style=constant", "train.lr=0.001"),
-                   world_size=1)
+    cfg = validate(
+        _cfg(f"memory.value_optimizer={kind}", "train.lr_decay_style=constant", "train.lr=0.001"), world_size=1
+    )
     chunks = wrap_chunks(build(cfg), cfg)
     model = chunks[0].module
     values = [model.memory[k].values.weight for k in (0, 1)]
@@ -213,8 +248,9 @@ def test_sparse_value_optimizer_wiring(megatron, kind):
     assert rows.param_groups[0]["lr"] == pytest.approx(0.001 * 9.1)
     table = model.memory[0].values
     on = table.weight.device
-    table.lookup_reduce(torch.tensor([[0, 3], [3, 5]], device=on), torch.ones(2, 2, 1, device=on), None,
-                        1).sum().backward()
+    table.lookup_reduce(
+        torch.tensor([[0, 3], [3, 5]], device=on), torch.ones(2, 2, 1, device=on), None, 1
+    ).sum().backward()
     assert table.weight.grad.is_sparse
     assert table.weight.grad.coalesce().indices().tolist() == [[0, 3, 5]]
 
@@ -244,8 +280,12 @@ def test_optimizer_state_made_for_a_resume_is_torchs_own(megatron, value_optimiz
     params = [p for o in inner_optimizers(stepped) for g in o.param_groups for p in g["params"]]
 
     def layout(opt):
-        return [[(k, t.device, t.dtype, tuple(t.shape)) for k, t in sorted(o.state[p].items()) if torch.is_tensor(t)]
-                for o in inner_optimizers(opt) for g in o.param_groups for p in g["params"]]
+        return [
+            [(k, t.device, t.dtype, tuple(t.shape)) for k, t in sorted(o.state[p].items()) if torch.is_tensor(t)]
+            for o in inner_optimizers(opt)
+            for g in o.param_groups
+            for p in g["params"]
+        ]
 
     assert len(layout(stepped)) == len(params) and layout(made) == layout(stepped)
 
@@ -289,5 +329,6 @@ def test_async_stream_backward_runs_on_the_stream_and_equals_sync(megatron, kind
     # per stream: an element of ~0.03 was seen 1.5e-6 apart.
     exact = stream.side is None
     for name, g in grads["false"].items():
-        torch.testing.assert_close(grads["true"][name], g, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-5,
-                                   msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            grads["true"][name], g, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-5, msg=lambda m: f"{name}: {m}"
+        )

@@ -3,10 +3,11 @@
 import pytest
 import torch
 
-from conftest import run_python, tiny_overrides, train_steps
 from rmt.config import load_config
 from rmt.config_checks import validate
 from rmt.errors import ConfigError
+
+from conftest import run_python, tiny_overrides, train_steps
 
 
 @pytest.mark.slow
@@ -21,8 +22,15 @@ def test_sharded_table_equals_local_and_sends_planned_bytes(nproc):
 
 def memory_overrides(cache_dir):
     return tiny_overrides(cache_dir) + [
-        "model.seq_length=16", "memory.type=ultramem", "memory.placement='1:2'", "memory.num_keys=8",
-        "memory.topk=4", "memory.key_dim=16", "memory.ive_blocks=4", "memory.num_cores=2"]
+        "model.seq_length=16",
+        "memory.type=ultramem",
+        "memory.placement='1:2'",
+        "memory.num_keys=8",
+        "memory.topk=4",
+        "memory.key_dim=16",
+        "memory.ive_blocks=4",
+        "memory.num_cores=2",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -40,26 +48,48 @@ def assert_same_training(ref, got):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc,extra,reload,reload_nproc", [
-    (4, ["parallel.tensor_model_parallel_size=2", "memory.partition=number", "memory.owner_reduce=true",
-         "memory.group_size=2"], ["memory.partition=number"], 1),
-    (2, ["memory.partition=dimension", "memory.async_stream=true"], [], 1),
-    (4, ["memory.partition=number", "train.micro_batch_size=1"],
-     ["memory.partition=number", "train.micro_batch_size=1"], 2),
-], ids=["tp2xdp2-number-owner-reduce-groups-of-2", "dp2-dimension-async", "dp4-number-P4-reload-P2"])
-def test_sharded_training_equals_single_process(cache_dir, tmp_path, local_run, nproc, extra, reload,
-                                                reload_nproc):
+@pytest.mark.parametrize(
+    "nproc,extra,reload,reload_nproc",
+    [
+        (
+            4,
+            [
+                "parallel.tensor_model_parallel_size=2",
+                "memory.partition=number",
+                "memory.owner_reduce=true",
+                "memory.group_size=2",
+            ],
+            ["memory.partition=number"],
+            1,
+        ),
+        (2, ["memory.partition=dimension", "memory.async_stream=true"], [], 1),
+        (
+            4,
+            ["memory.partition=number", "train.micro_batch_size=1"],
+            ["memory.partition=number", "train.micro_batch_size=1"],
+            2,
+        ),
+    ],
+    ids=["tp2xdp2-number-owner-reduce-groups-of-2", "dp2-dimension-async", "dp4-number-P4-reload-P2"],
+)
+def test_sharded_training_equals_single_process(cache_dir, tmp_path, local_run, nproc, extra, reload, reload_nproc):
     """Three AdamW steps (clipping on) with the sharded table (outside DDP, gradients through
     the collectives, replicas all-reduced; async memory stream in the second case) == the
     single-process local synchronous table. The step-2 checkpoint (table and AdamW moments
     as shards of the global table) loads under another group size (P=2 -> 1, P=4 -> 2) or as
     the local table, and its third step lands on the same weights."""
     ckpt = tmp_path / "ckpt"
-    sharded = train_steps(tmp_path / "sharded.pt", memory_overrides(cache_dir) + extra
-                          + [f"train.save={ckpt}", "train.save_interval=2"], nproc)
+    sharded = train_steps(
+        tmp_path / "sharded.pt",
+        memory_overrides(cache_dir) + extra + [f"train.save={ckpt}", "train.save_interval=2"],
+        nproc,
+    )
     assert_same_training(local_run, sharded)
-    resumed = train_steps(tmp_path / "resumed.pt", memory_overrides(cache_dir) + reload
-                          + [f"train.load={ckpt}/iter_0000002"], reload_nproc)
+    resumed = train_steps(
+        tmp_path / "resumed.pt",
+        memory_overrides(cache_dir) + reload + [f"train.load={ckpt}/iter_0000002"],
+        reload_nproc,
+    )
     assert resumed["losses"] == pytest.approx(sharded["losses"][2:], rel=1e-5)
     for key, value in sharded["params"].items():
         torch.testing.assert_close(resumed["params"][key], value, rtol=1e-5, atol=1e-5, msg=key)
@@ -89,10 +119,15 @@ def test_auto_partition_is_the_planners_training_step_choice():
     from rmt.planner.comm import plan_comm
 
     plan = {"tokens": 64, "topm": 32, "ive": 4, "cores": 2}
-    for dim, slots, expected in ((512, 1 << 20, "dimension"), (4, 1 << 20, "number"), (32, 1 << 20, "dimension"),
-                                 (32, 256, "number")):
-        choice = plan_comm(64, 32, dim, 4, phase="forward_backward", ive=4, cores=2, value_bytes=4,
-                           dedup=True, slots=slots)["choice"]
+    for dim, slots, expected in (
+        (512, 1 << 20, "dimension"),
+        (4, 1 << 20, "number"),
+        (32, 1 << 20, "dimension"),
+        (32, 256, "number"),
+    ):
+        choice = plan_comm(
+            64, 32, dim, 4, phase="forward_backward", ive=4, cores=2, value_bytes=4, dedup=True, slots=slots
+        )["choice"]
         assert choice == expected
         assert resolve_partition("auto", slots, dim, 4, plan, False, 4) == expected
     # a small table repeats rows, so dedup makes number-wise win where it otherwise loses
@@ -103,8 +138,19 @@ def test_auto_partition_is_the_planners_training_step_choice():
     for dim in (16, 24):
         assert resolve_partition("auto", 1 << 20, dim, 4, plan, False, 2) == "dimension"
         assert resolve_partition("auto", 1 << 20, dim, 4, mixed, False, 2) == "number"
-        costs = plan_comm(64, 32, dim, 4, phase="forward_backward", ive=4, cores=2, value_bytes=2,
-                          activation_bytes=4, dedup=True, slots=1 << 20)
+        costs = plan_comm(
+            64,
+            32,
+            dim,
+            4,
+            phase="forward_backward",
+            ive=4,
+            cores=2,
+            value_bytes=2,
+            activation_bytes=4,
+            dedup=True,
+            slots=1 << 20,
+        )
         assert costs["number_bytes"] < costs["dimension_bytes"]
     assert resolve_partition("number", 1 << 20, 512, 4, None, False, 4) == "number"
     with pytest.raises(ValueError, match="partition 'auto' needs plan"):

@@ -9,13 +9,22 @@ a stage boundary are rejected."""
 import pytest
 import torch
 
-from conftest import tiny_overrides, train_cases
 from rmt.config import load_config
 from rmt.config_checks import validate
 from rmt.errors import ConfigError
 
-MEMORY = ["model.num_layers=4", "memory.type=ultramem", "memory.placement='1:2/3:4'", "memory.key_dim=8",
-          "memory.num_keys=4", "memory.topk=3", "memory.init_samples=2", "memory.aux_loss_weight=0.05"]
+from conftest import tiny_overrides, train_cases
+
+MEMORY = [
+    "model.num_layers=4",
+    "memory.type=ultramem",
+    "memory.placement='1:2/3:4'",
+    "memory.key_dim=8",
+    "memory.num_keys=4",
+    "memory.topk=3",
+    "memory.init_samples=2",
+    "memory.aux_loss_weight=0.05",
+]
 
 
 VPP = ["model.num_layers=8", "memory.placement='1:2/3:3/7:8'", "parallel.virtual_pipeline_model_parallel_size=2"]
@@ -23,8 +32,11 @@ VPP = ["model.num_layers=8", "memory.placement='1:2/3:3/7:8'", "parallel.virtual
 
 LAYOUTS = {  # name: (overrides besides PP=2, processes, the reference's overrides)
     "pp2-local-tables": ([], 2, []),
-    "pp2xtp2-number-wise-tables-async": (["parallel.tensor_model_parallel_size=2", "memory.partition=number",
-                                          "memory.async_stream=true"], 4, []),
+    "pp2xtp2-number-wise-tables-async": (
+        ["parallel.tensor_model_parallel_size=2", "memory.partition=number", "memory.async_stream=true"],
+        4,
+        [],
+    ),
     "pp2xvpp2-async": (VPP + ["memory.async_stream=true"], 2, VPP[:2]),
 }
 
@@ -34,8 +46,12 @@ def runs(cache_dir, tmp_path_factory):
     """The references in this process, the layouts in one launch per process count."""
     base = tiny_overrides(cache_dir) + MEMORY
     cases = {"ref": (base, 1), "ref-vpp": (base + VPP[:2], 1)}
-    cases.update({name: (base + ["parallel.pipeline_model_parallel_size=2"] + extra, nproc)
-                  for name, (extra, nproc, _) in LAYOUTS.items()})
+    cases.update(
+        {
+            name: (base + ["parallel.pipeline_model_parallel_size=2"] + extra, nproc)
+            for name, (extra, nproc, _) in LAYOUTS.items()
+        }
+    )
     return train_cases(tmp_path_factory, "memory_pp", cases)
 
 
@@ -65,18 +81,28 @@ def test_memory_placement_crossing_stage_rejected():
     overrides = MEMORY[:2] + ["memory.placement='2:3'", "parallel.pipeline_model_parallel_size=2"]
     with pytest.raises(ConfigError) as err:
         validate(load_config(None, overrides), world_size=2)
-    assert str(err.value) == ("memory.placement '2:3' crosses the pipeline stage boundary after layer 2; with 2 "
-                              "stages of 2 layers each placement must lie within layers 1-2 or 3-4")
-    validate(load_config(None, overrides[:2] + ["memory.placement='3:4'", "parallel.pipeline_model_parallel_size=2"]),
-             world_size=2)
+    assert str(err.value) == (
+        "memory.placement '2:3' crosses the pipeline stage boundary after layer 2; with 2 "
+        "stages of 2 layers each placement must lie within layers 1-2 or 3-4"
+    )
+    validate(
+        load_config(None, overrides[:2] + ["memory.placement='3:4'", "parallel.pipeline_model_parallel_size=2"]),
+        world_size=2,
+    )
 
 
 def test_memory_placement_crossing_virtual_stage_rejected():
-    overrides = MEMORY[1:2] + VPP[:1] + VPP[2:] + ["parallel.pipeline_model_parallel_size=2",
-                                                  "train.micro_batch_size=2", "train.global_batch_size=4"]
+    overrides = (
+        MEMORY[1:2]
+        + VPP[:1]
+        + VPP[2:]
+        + ["parallel.pipeline_model_parallel_size=2", "train.micro_batch_size=2", "train.global_batch_size=4"]
+    )
     with pytest.raises(ConfigError) as err:
         validate(load_config(None, overrides + ["memory.placement='2:3'"]), world_size=2)
-    assert str(err.value) == ("memory.placement '2:3' crosses the pipeline stage boundary after layer 2; with 4 model "
-                              "chunks (virtual stages) of 2 layers each placement must lie within layers 1-2, 3-4, "
-                              "5-6 or 7-8")
+    assert str(err.value) == (
+        "memory.placement '2:3' crosses the pipeline stage boundary after layer 2; with 4 model "
+        "chunks (virtual stages) of 2 layers each placement must lie within layers 1-2, 3-4, "
+        "5-6 or 7-8"
+    )
     validate(load_config(None, overrides + ["memory.placement='5:6'"]), world_size=2)

@@ -8,8 +8,15 @@ import pytest
 import torch
 
 from rmt.memory.layer import MemoryLayer, MemorySpec
-from rmt.memory.retrieval import (_select_ext, grouped_topk_indices, leading_singular_vectors, rank1_selector,
-                                  singular_values, tucker_select, tucker_topk)
+from rmt.memory.retrieval import (
+    _select_ext,
+    grouped_topk_indices,
+    leading_singular_vectors,
+    rank1_selector,
+    singular_values,
+    tucker_select,
+    tucker_topk,
+)
 
 
 def test_grouped_topk_equals_topk():
@@ -79,8 +86,11 @@ def test_rank2_singular_values_and_their_gradient_are_the_svds():
     singular_values(a)[:, 1].sum().backward()
     torch.linalg.svdvals(b)[:, 1].sum().backward()
     torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=64 * eps)
-    special = torch.tensor([[[0., 0.], [0., 0.]], [[3., -1.], [1., 3.]], [[1., 2.], [2., -1.]], [[1., 0.], [0., 1.]]],
-                           dtype=torch.float64, requires_grad=True)
+    special = torch.tensor(
+        [[[0.0, 0.0], [0.0, 0.0]], [[3.0, -1.0], [1.0, 3.0]], [[1.0, 2.0], [2.0, -1.0]], [[1.0, 0.0], [0.0, 1.0]]],
+        dtype=torch.float64,
+        requires_grad=True,
+    )
     values = singular_values(special)
     # the clamp at the smallest normal number adds at most twice its square root (C = 0 here)
     want = torch.linalg.svdvals(special.detach())
@@ -89,8 +99,9 @@ def test_rank2_singular_values_and_their_gradient_are_the_svds():
     assert torch.isfinite(special.grad).all()
 
 
-@pytest.mark.parametrize("dtype,n,m", [(torch.float64, 200, 7), (torch.float32, 96, 16),
-                                       (torch.float64, 20, 16), (torch.float64, 4, 16)])
+@pytest.mark.parametrize(
+    "dtype,n,m", [(torch.float64, 200, 7), (torch.float32, 96, 16), (torch.float64, 20, 16), (torch.float64, 4, 16)]
+)
 def test_fused_selection_equals_torch(dtype, n, m):
     """Same rows/cols in the same (best-first) order; the last two keep all n candidates (2m >= n),
     the last with fewer than 2m grid entries.
@@ -113,8 +124,18 @@ def test_fused_selection_equals_torch(dtype, n, m):
 
 
 def test_layer_without_autograd_equals_training_path_and_follows_weight_changes():
-    spec = MemorySpec(hidden_size=32, num_layers=2, num_heads=2, topk=4, side_dim=8, num_keys=8,
-                      tucker_rank=2, num_cores=2, ive_blocks=4, init_samples=2)
+    spec = MemorySpec(
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        topk=4,
+        side_dim=8,
+        num_keys=8,
+        tucker_rank=2,
+        num_cores=2,
+        ive_blocks=4,
+        init_samples=2,
+    )
     torch.manual_seed(0)
     layer = MemoryLayer(spec).eval()
     x = torch.randn(1, 6, 32)

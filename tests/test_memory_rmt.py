@@ -7,20 +7,34 @@ import re
 
 import pytest
 import torch
+from test_memory_integration import megatron  # noqa: F401  (single-process megatron fixture)
 
-from conftest import rmt_train, tiny_overrides
 from rmt.config import load_config
 from rmt.config_checks import validate
 from rmt.errors import ConfigError
 from rmt.memory import pop_aux_loss
 from rmt.memory.retrieval import tucker_aux_loss
-from test_memory_integration import megatron  # noqa: F401  (single-process megatron fixture)
 
-RMT = ["model.arch=rmt", "model.num_layers=3", "model.dk=6", "model.dv=4", "model.rank=2",
-       "model.ffn_hidden_size=16", "model.seq_length=8", "model.vocab_size=50",
-       "model.make_vocab_size_divisible_by=8", "model.position=alibi", "memory.type=ultramem",
-       "memory.placement='1:3/2:2'", "memory.key_dim=8", "memory.num_keys=4", "memory.topk=3",
-       "memory.init_samples=2"]
+from conftest import rmt_train, tiny_overrides
+
+RMT = [
+    "model.arch=rmt",
+    "model.num_layers=3",
+    "model.dk=6",
+    "model.dv=4",
+    "model.rank=2",
+    "model.ffn_hidden_size=16",
+    "model.seq_length=8",
+    "model.vocab_size=50",
+    "model.make_vocab_size_divisible_by=8",
+    "model.position=alibi",
+    "memory.type=ultramem",
+    "memory.placement='1:3/2:2'",
+    "memory.key_dim=8",
+    "memory.num_keys=4",
+    "memory.topk=3",
+    "memory.init_samples=2",
+]
 
 
 def _rmt(*extra):
@@ -87,8 +101,11 @@ def test_ultramem_rmt_tiny_config_trains(cache_dir, tmp_path, monkeypatch):
     # The in-process group of the megatron fixture holds its MASTER_PORT; the CLI picks its own.
     monkeypatch.delenv("MASTER_PORT", raising=False)
     out = tmp_path / "run.json"
-    rmt_train(["--config", "configs/ultramem_rmt_tiny.yaml"] + tiny_overrides(cache_dir, steps=8)
-              + ["train.lr=1e-2", "train.global_batch_size=2", "--json", str(out)])
+    rmt_train(
+        ["--config", "configs/ultramem_rmt_tiny.yaml"]
+        + tiny_overrides(cache_dir, steps=8)
+        + ["train.lr=1e-2", "train.global_batch_size=2", "--json", str(out)]
+    )
     losses = [h["lm loss"] for h in json.loads(out.read_text())["history"]]
     assert len(losses) == 8
     assert losses[-1] < losses[0] - 0.5

@@ -9,11 +9,12 @@ import struct
 import pytest
 import torch
 
-from conftest import run_python, tiny_overrides
 from rmt.memory.ive import AddressShuffle
 from rmt.memory.retrieval import expected_topm_mean
 from rmt.ops import counter_normal as cn
 from rmt.planner.memory import TablePlan, resharding_read
+
+from conftest import run_python, tiny_overrides
 
 
 def spec_normal(key: int, e: int) -> float:
@@ -39,7 +40,7 @@ def spec_normal(key: int, e: int) -> float:
 
     ln_u1 = float(k + big - 32) * cn.LN2 + s * horner(s * s, cn.LOG_COEFFS)
     q = (z >> 30) & 3
-    x = float(z & 0x3FFFFFFF) * 2.0 ** -30 * cn.PIO2
+    x = float(z & 0x3FFFFFFF) * 2.0**-30 * cn.PIO2
     trig = x * horner(x * x, cn.SIN_COEFFS) if q & 1 else horner(x * x, cn.COS_COEFFS)
     return math.sqrt(ln_u1 * -2.0) * (-trig if q in (1, 2) else trig)
 
@@ -49,8 +50,9 @@ KEY = cn.stream_key(7, "memory.0.values.weight")
 
 def test_cpu_kernel_is_the_specification_bit_for_bit():
     out = cn.fill_normal_(torch.empty(40, 24, dtype=torch.float64), KEY, row0=1000, col0=8, global_cols=64)
-    want = torch.tensor([[spec_normal(KEY, (1000 + r) * 64 + 8 + c) for c in range(24)] for r in range(40)],
-                        dtype=torch.float64)
+    want = torch.tensor(
+        [[spec_normal(KEY, (1000 + r) * 64 + 8 + c) for c in range(24)] for r in range(40)], dtype=torch.float64
+    )
     assert torch.equal(out, want)
 
 
@@ -77,8 +79,8 @@ def test_blocks_equal_the_whole_table_at_their_positions(fill, monkeypatch):
         for r in range(P):
             rows = fill(torch.empty(N // P, D), KEY, r * N // P, 0, D, std)
             cols = fill(torch.empty(N, D // P), KEY, 0, r * D // P, D, std)
-            assert torch.equal(rows, whole[r * N // P:(r + 1) * N // P])
-            assert torch.equal(cols, whole[:, r * D // P:(r + 1) * D // P])
+            assert torch.equal(rows, whole[r * N // P : (r + 1) * N // P])
+            assert torch.equal(cols, whole[:, r * D // P : (r + 1) * D // P])
 
 
 def test_draws_are_standard_normal_and_narrow_dtypes_round_once():
@@ -116,8 +118,9 @@ def test_ive_shuffle_depends_on_the_seed_only():
     assert torch.equal(a(v), b(v)) and not torch.equal(a(v), c(v))
 
 
-@pytest.mark.parametrize("K,m,exact", [(2, 1, 1 / math.sqrt(math.pi)), (3, 1, 1.5 / math.sqrt(math.pi)),
-                                       (5, 5, 0.0), (1, 1, 0.0)])
+@pytest.mark.parametrize(
+    "K,m,exact", [(2, 1, 1 / math.sqrt(math.pi)), (3, 1, 1.5 / math.sqrt(math.pi)), (5, 5, 0.0), (1, 1, 0.0)]
+)
 def test_expected_topm_mean_closed_forms(K, m, exact):
     assert expected_topm_mean(K, m) == pytest.approx(exact, abs=1e-9)
 
@@ -135,8 +138,8 @@ def test_expected_topm_mean_for_billions_of_candidates_is_cheap():
     sqrt(2 ln K) - (ln ln K + ln 4 pi - 2 gamma) / (2 sqrt(2 ln K)), is within 0.01 of it."""
     L = math.log(1e10)
     asymptotic = math.sqrt(2 * L) - (math.log(L) + math.log(4 * math.pi) - 2 * 0.5772156649) / (2 * math.sqrt(2 * L))
-    assert expected_topm_mean(10 ** 10, 1) == pytest.approx(asymptotic, abs=0.01)
-    assert expected_topm_mean(10 ** 10, 16) < expected_topm_mean(10 ** 10, 1)
+    assert expected_topm_mean(10**10, 1) == pytest.approx(asymptotic, abs=0.01)
+    assert expected_topm_mean(10**10, 16) < expected_topm_mean(10**10, 1)
 
 
 @pytest.mark.slow
@@ -158,20 +161,26 @@ def test_table_checkpoints_reshard_through_chains_of_layouts_within_one_chunk(tm
     switch = [load for load in loads if load["from"] == ["dimension", 4] and load["to"] == ["number", 4]]
     assert len(switch) == 1
     plan = TablePlan(slots=4096, dim=4, group_size=4, partition="number")
-    assert max(switch[0]["load_peak_bytes"]) == min(chunk, resharding_read(plan, switch[0]["shard_bytes"])) \
+    assert (
+        max(switch[0]["load_peak_bytes"])
+        == min(chunk, resharding_read(plan, switch[0]["shard_bytes"]))
         == switch[0]["shard_bytes"] // 4
+    )
 
 
-MEMORY = ["memory.type=ultramem", "memory.placement='1:2'", "memory.num_keys=512", "memory.topk=4",
-          "memory.key_dim=16"]
+MEMORY = ["memory.type=ultramem", "memory.placement='1:2'", "memory.num_keys=512", "memory.topk=4", "memory.key_dim=16"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["memory.partition=number", "memory.value_optimizer=sparse_adam"],
-                                    ["memory.partition=number", "memory.owner_reduce=true",
-                                     "memory.value_optimizer=rowwise_adagrad"],
-                                    ["memory.partition=dimension", "memory.value_optimizer=adamw"]],
-                         ids=["number-sparse_adam", "number-owner_reduce-rowwise_adagrad", "dimension-adamw"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["memory.partition=number", "memory.value_optimizer=sparse_adam"],
+        ["memory.partition=number", "memory.owner_reduce=true", "memory.value_optimizer=rowwise_adagrad"],
+        ["memory.partition=dimension", "memory.value_optimizer=adamw"],
+    ],
+    ids=["number-sparse_adam", "number-owner_reduce-rowwise_adagrad", "dimension-adamw"],
+)
 def test_no_rank_allocates_the_whole_table(layout, cache_dir, tmp_path):
     """Trainer init, two steps, a save and a load on 4 ranks (262,144 slots of 16): no tensor
     larger than the rank's shard, no integer per-slot array of the whole table."""

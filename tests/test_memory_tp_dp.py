@@ -11,11 +11,25 @@ from conftest import tiny_overrides, train_cases
 
 pytestmark = pytest.mark.slow
 
-MEMORY = ["memory.type=ultramem", "memory.placement='1:2'", "memory.key_dim=8", "memory.num_keys=4",
-          "memory.topk=3", "memory.init_samples=2"]
-ARCHS = {"transformer": [],
-         "rmt": ["model.arch=rmt", "model.position=alibi", "model.dk=8", "model.dv=8", "model.rank=4",
-                 "model.ffn_hidden_size=64"]}
+MEMORY = [
+    "memory.type=ultramem",
+    "memory.placement='1:2'",
+    "memory.key_dim=8",
+    "memory.num_keys=4",
+    "memory.topk=3",
+    "memory.init_samples=2",
+]
+ARCHS = {
+    "transformer": [],
+    "rmt": [
+        "model.arch=rmt",
+        "model.position=alibi",
+        "model.dk=8",
+        "model.dv=8",
+        "model.rank=4",
+        "model.ffn_hidden_size=64",
+    ],
+}
 LAYOUTS = {"tp2": ["parallel.tensor_model_parallel_size=2"], "dp2": []}
 
 
@@ -27,8 +41,7 @@ def runs(cache_dir, tmp_path_factory):
     """The references in this process, the layouts in one launch of 2 processes."""
     common = tiny_overrides(cache_dir) + MEMORY + ["train.ema_decay=0.5"]
     cases = {arch: (common + ARCHS[arch], 1) for arch in ARCHS}
-    cases.update({f"{arch}-{layout}": (common + ARCHS[arch] + LAYOUTS[layout], 2)
-                  for arch, layout in CASES})
+    cases.update({f"{arch}-{layout}": (common + ARCHS[arch] + LAYOUTS[layout], 2) for arch, layout in CASES})
     return train_cases(tmp_path_factory, "memory_layouts", cases)
 
 

@@ -11,9 +11,19 @@ from conftest import tiny_overrides, train_cases, train_steps
 
 pytestmark = pytest.mark.slow
 
-V2 = ["model.seq_length=16", "memory.type=ultramem_v2", "memory.num_heads=1", "memory.num_keys=4",
-      "memory.topk=4", "memory.key_dim=8", "memory.ive_blocks=4", "memory.num_cores=2",
-      "memory.value_dim=8", "memory.pre_value_dim=4", "train.clip_grad=1.0"]
+V2 = [
+    "model.seq_length=16",
+    "memory.type=ultramem_v2",
+    "memory.num_heads=1",
+    "memory.num_keys=4",
+    "memory.topk=4",
+    "memory.key_dim=8",
+    "memory.ive_blocks=4",
+    "memory.num_cores=2",
+    "memory.value_dim=8",
+    "memory.pre_value_dim=4",
+    "train.clip_grad=1.0",
+]
 FUSED = ["memory.value_optimizer=sparse_adam", "memory.fused_value_optimizer=true"]
 CASES = {
     "dp2-number": (["memory.partition=number"], "local"),
@@ -40,8 +50,19 @@ def test_layout_matches_single_process(case, runs):
     assert len(got["losses"]) == 3
     assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
     memory = {k for k in ref["params"] if k.startswith("memory.")}
-    assert {f"memory.{k}.{n}" for k in (0, 1) for n in ("values.weight", "pre_values.weight", "keys", "cores",
-                                                           "query.weight", "pre_proj.weight", "proj.weight")} <= memory
+    assert {
+        f"memory.{k}.{n}"
+        for k in (0, 1)
+        for n in (
+            "values.weight",
+            "pre_values.weight",
+            "keys",
+            "cores",
+            "query.weight",
+            "pre_proj.weight",
+            "proj.weight",
+        )
+    } <= memory
     assert sorted(got["params"]) == sorted(ref["params"])
     for key in ref["params"]:
         torch.testing.assert_close(got["params"][key], ref["params"][key], atol=1e-5, rtol=0, msg=key)
@@ -55,8 +76,9 @@ def test_sharded_checkpoint_resumes_as_a_local_table(cache_dir, tmp_path):
     its third step lands on the weights of the uninterrupted run."""
     common = tiny_overrides(cache_dir) + V2
     ckpt = tmp_path / "ckpt"
-    sharded = train_steps(tmp_path / "sharded.pt", common + ["memory.partition=number", f"train.save={ckpt}",
-                                                              "train.save_interval=2"], 2)
+    sharded = train_steps(
+        tmp_path / "sharded.pt", common + ["memory.partition=number", f"train.save={ckpt}", "train.save_interval=2"], 2
+    )
     resumed = train_steps(tmp_path / "resumed.pt", common + [f"train.load={ckpt}/iter_0000002"])
     assert resumed["losses"] == pytest.approx(sharded["losses"][2:], rel=1e-5)
     for key, value in sharded["params"].items():

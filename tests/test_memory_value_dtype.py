@@ -6,18 +6,19 @@ keep both dtypes and convert between them."""
 
 import pytest
 import torch
+from test_memory_integration import _cfg, megatron  # noqa: F401  (single-process megatron fixture)
 
 from rmt.config import load_config
 from rmt.config_checks import validate
 from rmt.ops.sparse_optim import RowWiseAdagrad, SparseAdam
-from test_memory_integration import _cfg, megatron  # noqa: F401  (single-process megatron fixture)
 
 
 def _model(value_dtype, optimizer):
     from rmt.models.build import build
 
-    (chunk,) = build(validate(_cfg(f"memory.value_dtype={value_dtype}", f"memory.value_optimizer={optimizer}"),
-                              world_size=1))
+    (chunk,) = build(
+        validate(_cfg(f"memory.value_dtype={value_dtype}", f"memory.value_optimizer={optimizer}"), world_size=1)
+    )
     return chunk
 
 
@@ -51,11 +52,15 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, fused=True)
 
 
-@pytest.mark.parametrize("make,state_dtype", [
-    (_adamw, torch.bfloat16),
-    (lambda p: SparseAdam(p, lr=1e-2, betas=(0.9, 0.95), eps=1e-8), torch.float32),
-    (lambda p: RowWiseAdagrad(p, lr=1e-2, eps=1e-8), torch.float32),
-], ids=["adamw", "sparse_adam", "rowwise_adagrad"])
+@pytest.mark.parametrize(
+    "make,state_dtype",
+    [
+        (_adamw, torch.bfloat16),
+        (lambda p: SparseAdam(p, lr=1e-2, betas=(0.9, 0.95), eps=1e-8), torch.float32),
+        (lambda p: RowWiseAdagrad(p, lr=1e-2, eps=1e-8), torch.float32),
+    ],
+    ids=["adamw", "sparse_adam", "rowwise_adagrad"],
+)
 def test_a_bf16_step_is_the_fp32_step_rounded_once(make, state_dtype):
     """Table and gradient bf16-representable: the first step of the bf16 table lands exactly where
     the fp32 step rounded to bf16 does (the optimizers compute in fp32 and round the new row once),
@@ -82,21 +87,29 @@ def test_a_bf16_step_is_the_fp32_step_rounded_once(make, state_dtype):
 def test_bf16_checkpoint_round_trip_and_dtype_change(megatron, cache_dir, tmp_path):
     """A bf16 table with fp32 SparseAdam moments is saved and loaded exactly; resuming the same
     checkpoint with memory.value_dtype=fp32 widens the stored table exactly."""
-    from conftest import tiny_overrides
     from rmt.training.trainer import Trainer
 
-    base = tiny_overrides(cache_dir, steps=2) + ["memory.type=ultramem", "memory.placement='1:2'",
-                                                 "memory.num_keys=8", "memory.topk=4", "memory.key_dim=8",
-                                                 "memory.value_optimizer=sparse_adam"]
-    saved = Trainer(validate(load_config(None, base + ["memory.value_dtype=bf16", f"train.save={tmp_path}"]),
-                             world_size=1))
+    from conftest import tiny_overrides
+
+    base = tiny_overrides(cache_dir, steps=2) + [
+        "memory.type=ultramem",
+        "memory.placement='1:2'",
+        "memory.num_keys=8",
+        "memory.topk=4",
+        "memory.key_dim=8",
+        "memory.value_optimizer=sparse_adam",
+    ]
+    saved = Trainer(
+        validate(load_config(None, base + ["memory.value_dtype=bf16", f"train.save={tmp_path}"]), world_size=1)
+    )
     saved.train()
     table = saved.chunks[0].module.memory[0].values.weight
     state = saved.optimizer.state[table]
     assert table.dtype == torch.bfloat16 and state["exp_avg"].dtype == torch.float32
     for dtype in ("bf16", "fp32"):
-        loaded = Trainer(validate(load_config(None, base + [f"memory.value_dtype={dtype}", f"train.load={tmp_path}"]),
-                                  world_size=1))
+        loaded = Trainer(
+            validate(load_config(None, base + [f"memory.value_dtype={dtype}", f"train.load={tmp_path}"]), world_size=1)
+        )
         got = loaded.chunks[0].module.memory[0].values.weight
         assert got.dtype == (torch.bfloat16 if dtype == "bf16" else torch.float32)
         assert torch.equal(got.detach().float(), table.detach().float())

@@ -16,8 +16,14 @@ from rmt.parallel.sharding import shards
 
 warnings.filterwarnings("ignore")
 
-BASE = ["model.arch=mixer", "model.vocab_size=16", "model.seq_length=12", "model.hidden_size=16",
-        "model.num_attention_heads=4", "model.num_layers=2"]
+BASE = [
+    "model.arch=mixer",
+    "model.vocab_size=16",
+    "model.seq_length=12",
+    "model.hidden_size=16",
+    "model.num_attention_heads=4",
+    "model.num_layers=2",
+]
 
 
 def make(*overrides):
@@ -57,8 +63,16 @@ def naive_mixing(mixing, u):
     return out
 
 
-CASES = [("masked", False), ("row", False), ("column", False), ("mixed", False),
-         ("masked", True), ("row", True), ("column", True), ("mixed", True)]
+CASES = [
+    ("masked", False),
+    ("row", False),
+    ("column", False),
+    ("mixed", False),
+    ("masked", True),
+    ("row", True),
+    ("column", True),
+    ("mixed", True),
+]
 
 
 @pytest.mark.parametrize("kind,decay", CASES)
@@ -120,15 +134,18 @@ def test_every_parameter_is_sharded_and_initialised():
         parallel.destroy()
     assert len(keys) == len(list(model.parameters()))
     std = model.layers[0].mixing.token_weight.std().item()
-    assert 0.5 / 12 ** 0.5 < std < 2 / 12 ** 0.5
+    assert 0.5 / 12**0.5 < std < 2 / 12**0.5
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["model.mixer_kind=diagonal"], "model.mixer_kind must be one of"),
-    (["model.mixer_kind=mixed", "model.num_attention_heads=1"], "needs model.num_attention_heads >= 2"),
-    (["parallel.tensor_model_parallel_size=2"], "supports data parallelism only"),
-    (["model.mixer_decay_scale=0"], "model.mixer_decay_scale must be a finite number > 0, got 0.0"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["model.mixer_kind=diagonal"], "model.mixer_kind must be one of"),
+        (["model.mixer_kind=mixed", "model.num_attention_heads=1"], "needs model.num_attention_heads >= 2"),
+        (["parallel.tensor_model_parallel_size=2"], "supports data parallelism only"),
+        (["model.mixer_decay_scale=0"], "model.mixer_decay_scale must be a finite number > 0, got 0.0"),
+    ],
+)
 def test_validator_rejects(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(load_config(None, BASE + overrides), 2)

@@ -10,14 +10,25 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import json_history, rmt_train, tiny_overrides, train_cases
 from rmt.config import load_config
 from rmt.config_checks import validate
 from rmt.errors import ConfigError
 
-SMALL = ["model.num_layers=2", "model.hidden_size=16", "model.num_attention_heads=2", "model.seq_length=8",
-         "model.vocab_size=64", "memory.type=moe", "memory.placement='1:2'", "memory.num_experts=4",
-         "memory.expert_hidden_size=12", "train.steps=10", "train.warmup_steps=0"]
+from conftest import json_history, rmt_train, tiny_overrides, train_cases
+
+SMALL = [
+    "model.num_layers=2",
+    "model.hidden_size=16",
+    "model.num_attention_heads=2",
+    "model.seq_length=8",
+    "model.vocab_size=64",
+    "memory.type=moe",
+    "memory.placement='1:2'",
+    "memory.num_experts=4",
+    "memory.expert_hidden_size=12",
+    "train.steps=10",
+    "train.warmup_steps=0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +75,7 @@ def test_routing_experts_and_balance_loss_equal_hand_computation(megatron):
     want = torch.zeros_like(h)
     for t in range(h.shape[0]):
         for j in range(2):
-            want[t] += gate[t, j] * _expert(module, int(idx[t, j]), h[t:t + 1])[0]
+            want[t] += gate[t, j] * _expert(module, int(idx[t, j]), h[t : t + 1])[0]
     torch.testing.assert_close(out.reshape(-1, 16), want, rtol=1e-5, atol=1e-6)
 
     aux, counts = _switch_loss(logits.detach(), 2, cfg.memory.balance_loss_weight)
@@ -98,29 +109,69 @@ def test_capacity_drops_tokens_beyond_each_experts_capacity(megatron):
         slots = [(t, j) for t in range(T) for j in range(2) if idx[t, j] == e]
         slots.sort(key=lambda s: -float(gate[s]))
         for t, j in slots[:capacity]:
-            want[t] += gate[t, j] * _expert(module, e, h[t:t + 1])[0]
+            want[t] += gate[t, j] * _expert(module, e, h[t : t + 1])[0]
             kept += 1
     assert kept < 2 * T  # some slots were dropped
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
     assert float(module.moe.load.sum()) == kept
 
 
-@pytest.mark.parametrize("overrides,world,message", [
-    (["parallel.expert_model_parallel_size=2", "memory.type=none"], 2,
-     "parallel.expert_model_parallel_size and expert_tensor_parallel_size split MoE experts; they need memory.type 'moe'"),
-    (["parallel.expert_model_parallel_size=3"], 3, "memory.num_experts (4) must be divisible by parallel.expert_model_parallel_size (3)"),
-    (["parallel.expert_model_parallel_size=4"], 2,
-     "world size 2 is not divisible by expert tensor x expert model x pipeline parallel size 1 x 4 x 1 = 4"),
-    (["parallel.expert_tensor_parallel_size=5"], 5, "the expert hidden size (12) must be divisible by the expert tensor-parallel size (5)"),
-    (["memory.moe_placement=mlp", "memory.placement=2-1"], 1, "memory.placement entry '2-1' must be a layer 'i' or a range 'i-j' with i <= j"),
-    (["memory.moe_placement=mlp", "memory.placement=1-3"], 1, "memory.placement entry '1-3' must lie within layers 1..model.num_layers (2)"),
-    (["memory.moe_placement=mlp", "model.arch=rmt"], 1, "memory.moe_placement 'mlp' replaces the MLP of megatron's transformer layers"),
-    (["memory.moe_placement=side"], 1, "memory.moe_placement must be one of 'skip', 'mlp', got 'side'"),
-    (["memory.moe_token_dispatcher_type=flex"], 1, "memory.moe_token_dispatcher_type must be one of 'alltoall', 'allgather', got 'flex'"),
-    (["memory.moe_expert_capacity_factor=0"], 1, "memory.moe_expert_capacity_factor must be a finite number > 0 or null, got 0.0"),
-    (["parallel.tensor_model_parallel_size=2", "model.seq_length=9"], 2,
-     "model.seq_length (9) must be divisible by parallel.tensor_model_parallel_size (2)"),
-])
+@pytest.mark.parametrize(
+    "overrides,world,message",
+    [
+        (
+            ["parallel.expert_model_parallel_size=2", "memory.type=none"],
+            2,
+            "parallel.expert_model_parallel_size and expert_tensor_parallel_size split MoE experts; they need memory.type 'moe'",
+        ),
+        (
+            ["parallel.expert_model_parallel_size=3"],
+            3,
+            "memory.num_experts (4) must be divisible by parallel.expert_model_parallel_size (3)",
+        ),
+        (
+            ["parallel.expert_model_parallel_size=4"],
+            2,
+            "world size 2 is not divisible by expert tensor x expert model x pipeline parallel size 1 x 4 x 1 = 4",
+        ),
+        (
+            ["parallel.expert_tensor_parallel_size=5"],
+            5,
+            "the expert hidden size (12) must be divisible by the expert tensor-parallel size (5)",
+        ),
+        (
+            ["memory.moe_placement=mlp", "memory.placement=2-1"],
+            1,
+            "memory.placement entry '2-1' must be a layer 'i' or a range 'i-j' with i <= j",
+        ),
+        (
+            ["memory.moe_placement=mlp", "memory.placement=1-3"],
+            1,
+            "memory.placement entry '1-3' must lie within layers 1..model.num_layers (2)",
+        ),
+        (
+            ["memory.moe_placement=mlp", "model.arch=rmt"],
+            1,
+            "memory.moe_placement 'mlp' replaces the MLP of megatron's transformer layers",
+        ),
+        (["memory.moe_placement=side"], 1, "memory.moe_placement must be one of 'skip', 'mlp', got 'side'"),
+        (
+            ["memory.moe_token_dispatcher_type=flex"],
+            1,
+            "memory.moe_token_dispatcher_type must be one of 'alltoall', 'allgather', got 'flex'",
+        ),
+        (
+            ["memory.moe_expert_capacity_factor=0"],
+            1,
+            "memory.moe_expert_capacity_factor must be a finite number > 0 or null, got 0.0",
+        ),
+        (
+            ["parallel.tensor_model_parallel_size=2", "model.seq_length=9"],
+            2,
+            "model.seq_length (9) must be divisible by parallel.tensor_model_parallel_size (2)",
+        ),
+    ],
+)
 def test_validation_rejects(overrides, world, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate(load_config(None, SMALL + overrides), world_size=world)
@@ -131,8 +182,10 @@ def test_mlp_placement_builds_megatron_moe_in_the_listed_layers(megatron):
 
     from rmt.models.build import build
 
-    cfg = validate(load_config(None, SMALL + ["model.num_layers=3", "memory.moe_placement=mlp",
-                                              "memory.placement=1/3"]), world_size=1)
+    cfg = validate(
+        load_config(None, SMALL + ["model.num_layers=3", "memory.moe_placement=mlp", "memory.placement=1/3"]),
+        world_size=1,
+    )
     (model,) = build(cfg)
     kinds = [isinstance(layer.mlp, MoELayer) for layer in model.decoder.layers]
     assert kinds == [True, False, True]
@@ -159,8 +212,9 @@ LAYOUTS = {
 def runs(cache_dir, tmp_path_factory):
     """The references in this process, the layouts in one launch per process count."""
     cases = {"mlp": (tiny_overrides(cache_dir) + MLP, 1), "skip": (tiny_overrides(cache_dir) + SKIP, 1)}
-    cases.update({name: (tiny_overrides(cache_dir) + moe + parallel, nproc)
-                  for name, (moe, parallel, nproc) in LAYOUTS.items()})
+    cases.update(
+        {name: (tiny_overrides(cache_dir) + moe + parallel, nproc) for name, (moe, parallel, nproc) in LAYOUTS.items()}
+    )
     return train_cases(tmp_path_factory, "moe_layouts", cases)
 
 
@@ -196,8 +250,9 @@ def test_checkpoint_reshards_across_expert_parallel_sizes(moe, save_ep, load_ep,
     def ep(size):
         return [f"parallel.expert_model_parallel_size={size}"] if size > 1 else []
 
-    rmt_train(common + ep(save_ep) + [f"train.save={ckpt}", "train.exit_interval=3", "--json", str(first)],
-              nproc=save_ep)
+    rmt_train(
+        common + ep(save_ep) + [f"train.save={ckpt}", "train.exit_interval=3", "--json", str(first)], nproc=save_ep
+    )
     rmt_train(common + ep(load_ep) + [f"train.load={ckpt}", "--json", str(second)], nproc=load_ep)
     ref, got = json_history(whole), json_history(first) + json_history(second)
     assert [m["step"] for m in got] == list(range(1, 7))

@@ -19,6 +19,12 @@ def test_openmp_wait_policy_reaches_torch(user, spin_count):
     env.update(PYTHONPATH=ROOT, OMP_DISPLAY_ENV="VERBOSE", OMP_NUM_THREADS="2")
     if user:
         env["OMP_WAIT_POLICY"] = user
-    proc = subprocess.run([sys.executable, "-c", "import rmt; rmt.setup_process(); import torch; torch.ones(1 << 16).sum()"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import rmt; rmt.setup_process(); import torch; torch.ones(1 << 16).sum()"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert f"GOMP_SPINCOUNT = '{spin_count}'" in proc.stderr

@@ -42,8 +42,16 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH or 
 
 @needs_nvcc
 def test_cuda_kernels_compile_with_nvcc(tmp_path):
-    cmd = [NVCC, "-std=c++17", "-O3", "-arch=sm_80", "-c", str(CSRC / "lookup_reduce_cuda_kernels.cu"),
-           "-o", str(tmp_path / "lookup_reduce_cuda_kernels.o")]
+    cmd = [
+        NVCC,
+        "-std=c++17",
+        "-O3",
+        "-arch=sm_80",
+        "-c",
+        str(CSRC / "lookup_reduce_cuda_kernels.cu"),
+        "-o",
+        str(tmp_path / "lookup_reduce_cuda_kernels.o"),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "lookup_reduce_cuda_kernels.o").stat().st_size > 0
@@ -57,9 +65,14 @@ def test_cuda_binding_compiles_against_torch_headers(tmp_path):
     stub = tmp_path / "c10" / "cuda" / "impl"
     stub.mkdir(parents=True)
     (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
-    flags = [f"-I{p}" for p in (tmp_path, *cpp_extension.include_paths(), include,
-                                sysconfig.get_paths()["include"])]
-    cmd = ["g++", "-std=c++20", "-fsyntax-only", "-DTORCH_EXTENSION_NAME=rmt_check", *flags,
-           str(CSRC / "lookup_reduce_cuda.cpp")]
+    flags = [f"-I{p}" for p in (tmp_path, *cpp_extension.include_paths(), include, sysconfig.get_paths()["include"])]
+    cmd = [
+        "g++",
+        "-std=c++20",
+        "-fsyntax-only",
+        "-DTORCH_EXTENSION_NAME=rmt_check",
+        *flags,
+        str(CSRC / "lookup_reduce_cuda.cpp"),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr

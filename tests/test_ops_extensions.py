@@ -8,9 +8,10 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
 from rmt.ops import extensions
 from rmt.ops.extensions import EXTENSIONS, cache_key
+
+from conftest import ROOT
 
 SOURCE = """
 #include <pybind11/pybind11.h>
@@ -31,8 +32,14 @@ def test_key_is_stable_within_an_environment_and_differs_across_them(tmp_path, m
     key = cache_key(name, spec)
     assert len(key) == 16 and cache_key(name, spec) == key
     code = f"from rmt.ops.extensions import EXTENSIONS, cache_key; print(cache_key({name!r}, EXTENSIONS[{name!r}]))"
-    other_process = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                                   env=dict(os.environ, PYTHONPATH=ROOT), check=True)
+    other_process = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        check=True,
+    )
     assert other_process.stdout.strip() == key
     # another interpreter environment, torch version, source text, flag set or compiler: another binary
     probe = _spec(tmp_path)
@@ -70,12 +77,15 @@ def test_building_leaves_the_spec_and_its_key_unchanged(tmp_path, monkeypatch):
 def test_second_process_loads_without_rebuilding(tmp_path):
     spec = _spec(tmp_path)
     env = dict(os.environ, PYTHONPATH=ROOT, TORCH_EXTENSIONS_DIR=str(tmp_path / "cache"))
-    code = (f"import torch; from rmt.ops.extensions import load_extension; "
-            f"print(load_extension('rmt_probe', {spec!r}).twice(21))")
+    code = (
+        f"import torch; from rmt.ops.extensions import load_extension; "
+        f"print(load_extension('rmt_probe', {spec!r}).twice(21))"
+    )
 
     def run():
-        return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                              check=True, timeout=600)
+        return subprocess.run(
+            [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True, timeout=600
+        )
 
     first = run()
     assert first.stdout.strip() == "42"

@@ -122,7 +122,7 @@ def test_fused_step_with_grad_scale_is_thread_count_independent(kind):
     row shape (D = 64, C = 2, 4 virtual blocks) and a run-time one (D = 12, C = 3)."""
     threads = torch.get_num_threads()
     for shape in ((1 << 17, 64, 2048, 32, 2, 4), (1 << 17, 12, 2048, 32, 3, 1)):
-        (indices, scores, blocks, grad_out), = batches(shape, 1)
+        ((indices, scores, blocks, grad_out),) = batches(shape, 1)
         counts = torch.bincount(indices.flatten(), minlength=shape[0])
         assert 20000 < int((counts[indices.flatten()] > 1).sum()) < 65536 - 30000
         table = make_table(shape)
@@ -158,8 +158,8 @@ def test_squared_norm_is_the_unfused_gradients(kind):
     def gamma(n, unit):
         return n * unit / (1 - n * unit)
 
-    bound = gamma(2 * D // 8, 2.0 ** -24) + gamma(T * K + 8, 2.0 ** -53)
-    (indices, scores, blocks, grad_out), = batches(shape, 1)
+    bound = gamma(2 * D // 8, 2.0**-24) + gamma(T * K + 8, 2.0**-53)
+    ((indices, scores, blocks, grad_out),) = batches(shape, 1)
     table = make_table(shape)
     p = torch.nn.Parameter(table.clone())
     lookup_reduce(p, indices, scores, blocks, shape[5], backend="cpu", sparse_grad=True).backward(grad_out)
@@ -168,7 +168,7 @@ def test_squared_norm_is_the_unfused_gradients(kind):
     update = FusedValueUpdate(q, OPTIMIZERS[kind](q), grad_scale=0.25)
     lookup_reduce(q, indices, scores, blocks, shape[5], backend="cpu", update=update).backward(grad_out)
     got = update.pop_sq_norm()
-    assert got == pytest.approx(want * 0.25 ** 2, rel=bound)
+    assert got == pytest.approx(want * 0.25**2, rel=bound)
     assert update.pop_sq_norm() == 0.0
 
 
@@ -182,7 +182,7 @@ def gradient_bound(shape, steps):
         for indices, scores, blocks, grad_out in step:
             lookup_reduce(p, indices, scores.abs(), blocks, shape[5], backend="reference").backward(grad_out.abs())
         n = sum(b[0].numel() for b in step)
-        bound = max(bound, 2 * n * 2.0 ** -24 / (1 - n * 2.0 ** -24) * float(p.grad.max()))
+        bound = max(bound, 2 * n * 2.0**-24 / (1 - n * 2.0**-24) * float(p.grad.max()))
     g_max = max(float(x[3].abs().max() * x[1].abs().max()) * x[0].numel() for step in steps for x in step)
     return bound, g_max
 
@@ -194,8 +194,10 @@ def assert_steps_agree(kind, p_a, opt_a, p_b, opt_b, bound, g_max):
     step is lr m / sqrt(v): where the gradient is within its rounding bound of zero the sign, so
     the step, may flip; elsewhere the rows agree to the rounding relative to the step."""
     state_a, state_b = state_tensors(opt_a, p_a), state_tensors(opt_b, p_b)
-    for a, b, tol in zip(state_a, state_b, (bound, 2 * g_max * bound) if kind == "sparse_adam" else (2 * g_max * bound,)):
-        torch.testing.assert_close(a.cpu(), b.cpu(), rtol=2.0 ** -20, atol=tol)
+    for a, b, tol in zip(
+        state_a, state_b, (bound, 2 * g_max * bound) if kind == "sparse_adam" else (2 * g_max * bound,)
+    ):
+        torch.testing.assert_close(a.cpu(), b.cpu(), rtol=2.0**-20, atol=tol)
     keep = state_b[0].cpu().abs() > 10 * bound if kind == "sparse_adam" else slice(None)
     torch.testing.assert_close(p_a.detach().cpu()[keep], p_b.detach().cpu()[keep], rtol=1e-5, atol=1e-6)
 
@@ -228,8 +230,10 @@ def test_table_looked_up_twice_in_one_forward_steps_once():
         p = torch.nn.Parameter(table.clone())
         opt = OPTIMIZERS["rowwise_adagrad"](p)
         update = FusedValueUpdate(p, opt) if fused else None
-        loss = sum((lookup_reduce(p, i, s, backend="cpu", sparse_grad=True, update=update) * g).sum()
-                   for i, s, g in ((i1, s1, g1), (i2, s2, g2)))
+        loss = sum(
+            (lookup_reduce(p, i, s, backend="cpu", sparse_grad=True, update=update) * g).sum()
+            for i, s, g in ((i1, s1, g1), (i2, s2, g2))
+        )
         loss.backward()
         if not fused:
             opt.step()
@@ -244,7 +248,7 @@ def test_table_looked_up_twice_in_one_forward_steps_once():
 def test_bf16_table_is_the_fp32_step_rounded_once(kind, shape):
     """A bf16 table with fp32 scores: the fused step is the fp32 one on the same (representable)
     values and state, the new rows rounded once to bf16, the state fp32 and equal."""
-    (indices, scores, blocks, grad_out), = batches(shape, 1)
+    ((indices, scores, blocks, grad_out),) = batches(shape, 1)
     table = make_table(shape, torch.bfloat16)
     out = []
     for t in (table, table.float()):
@@ -271,7 +275,7 @@ def test_cpu_kernel_matches_torch_reference(kind, table_dtype):
     p_r, opt_r, sg_r, _ = run(table, kind, steps, shape[5], fused=True, backend="reference")
     x = p_r.data.float()
     rel = ADAM_REL if kind == "sparse_adam" else adagrad_rel(shape[1])
-    bound = (rel + 2.0 ** -20) * (x - table.float()).abs() + 2.0 ** -21 * x.abs()
+    bound = (rel + 2.0**-20) * (x - table.float()).abs() + 2.0**-21 * x.abs()
     assert_rounded_within(p_c.data, x, bound, what=f"{kind} {table_dtype}")
     for a, b in zip(state_tensors(opt_c, p_c), state_tensors(opt_r, p_r)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9)
@@ -280,7 +284,7 @@ def test_cpu_kernel_matches_torch_reference(kind, table_dtype):
 
 def test_score_gradients_alone_equal_the_backwards():
     shape = SHAPES[1]
-    (indices, scores, blocks, grad_out), = batches(shape, 1)
+    ((indices, scores, blocks, grad_out),) = batches(shape, 1)
     table = make_table(shape)
     _, _, want = cpu_backend.backward(grad_out, table, indices, scores, blocks, shape[5])
     assert torch.equal(cpu_backend.score_gradients(grad_out, table, indices, scores, blocks, shape[5]), want)
@@ -288,7 +292,7 @@ def test_score_gradients_alone_equal_the_backwards():
 
 def test_flush_steps_lookups_left_without_their_final_backward():
     shape = SHAPES[2]
-    (indices, scores, _, grad_out), = batches(shape, 1)
+    ((indices, scores, _, grad_out),) = batches(shape, 1)
     table = make_table(shape)
     p = torch.nn.Parameter(table.clone())
     update = FusedValueUpdate(p, OPTIMIZERS["rowwise_adagrad"](p))

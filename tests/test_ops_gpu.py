@@ -9,8 +9,16 @@ import pytest
 import torch
 
 from rmt.ops import cuda_backend, lookup_reduce, reference_backward, select_backend, triton_backend
-from rmt.ops.testing import (CASES, DTYPE_PAIRS, check_backend, check_fused_zero_decay, check_narrow_table,
-                             check_row_optimizer_kernels, make_case, run_op)
+from rmt.ops.testing import (
+    CASES,
+    DTYPE_PAIRS,
+    check_backend,
+    check_fused_zero_decay,
+    check_narrow_table,
+    check_row_optimizer_kernels,
+    make_case,
+    run_op,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
 
@@ -18,8 +26,11 @@ GPU_BACKENDS = ["cuda", "triton"]
 # A wide D in chunks (D > 128, not a multiple of 32), a headline-sized table, and a small table
 # whose rows are each looked up ~1300 times: fp32 sums of 1300 terms of size ~36 differ from the
 # reference's summation order by up to ~2e-4.
-LARGE_CASES = [((100_003, 200, 300, 64, 2, 4), None), ((1 << 20, 64, 4096, 32, 1, 1), None),
-               ((50, 64, 2048, 32, 1, 1), dict(rtol=1e-5, atol=1e-3))]
+LARGE_CASES = [
+    ((100_003, 200, 300, 64, 2, 4), None),
+    ((1 << 20, 64, 4096, 32, 1, 1), None),
+    ((50, 64, 2048, 32, 1, 1), dict(rtol=1e-5, atol=1e-3)),
+]
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
@@ -45,8 +56,7 @@ def test_gpu_narrow_table_is_the_fp32_computation_rounded_once(backend, table_dt
 @pytest.mark.parametrize("case,tolerance", LARGE_CASES)
 def test_gpu_backend_matches_reference_at_scale(backend, case, tolerance):
     for sparse_grad in (False, True):
-        check_backend(backend, case, torch.float32, sparse_grad=sparse_grad, device="cuda", seed=3,
-                      tolerance=tolerance)
+        check_backend(backend, case, torch.float32, sparse_grad=sparse_grad, device="cuda", seed=3, tolerance=tolerance)
 
 
 def test_cuda_sort_matches_torch():
@@ -62,7 +72,9 @@ def test_cuda_sort_matches_torch():
         assert count == rows.numel() == int(prep.num_unique.cpu())
         assert torch.equal(prep.sorted_positions.cpu(), positions)
         assert torch.equal(prep.unique_rows[:count].cpu(), rows)
-        assert torch.equal(prep.seg_start[:count + 1].cpu(), torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]))
+        assert torch.equal(
+            prep.seg_start[: count + 1].cpu(), torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+        )
 
 
 @pytest.mark.parametrize("sparse_grad", [False, True])
@@ -151,8 +163,9 @@ def test_gpu_sparse_adam_and_rowwise_adagrad_match_torch():
         grad = ada.grad.coalesce()
         rowwise_adagrad_update_(want_ada, want_sum, grad.indices()[0].cpu(), grad.values().cpu(), 0.1, 1e-10, 0.0)
     torch.testing.assert_close(ours.detach().cpu(), theirs.detach().cpu(), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(opt_ours.state[ours]["exp_avg_sq"].cpu(), opt_theirs.state[theirs]["exp_avg_sq"].cpu(),
-                               rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(
+        opt_ours.state[ours]["exp_avg_sq"].cpu(), opt_theirs.state[theirs]["exp_avg_sq"].cpu(), rtol=1e-6, atol=1e-9
+    )
     torch.testing.assert_close(ada.detach().cpu(), want_ada, rtol=1e-5, atol=1e-6)
     assert not torch.equal(ours.detach().cpu(), init)
 
@@ -195,8 +208,16 @@ def test_gpu_narrow_table_training_step(cls):
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("kind", ["sparse_adam", "rowwise_adagrad"])
-@pytest.mark.parametrize("shape", [(300, 12, 10, 6, 3, 1), (500, 64, 16, 8, 2, 4), (5000, 200, 64, 16, 1, 1),
-                                   (40, 96, 256, 16, 2, 4), (7, 512, 128, 16, 1, 1)])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (300, 12, 10, 6, 3, 1),
+        (500, 64, 16, 8, 2, 4),
+        (5000, 200, 64, 16, 1, 1),
+        (40, 96, 256, 16, 2, 4),
+        (7, 512, 128, 16, 1, 1),
+    ],
+)
 def test_gpu_fused_update_equals_the_cpu_step(backend, kind, shape):
     """The optimizer step fused into the GPU backward (CUDA kernel; Triton kernel), two steps of
     three micro-batches, against the fused CPU step (bit for bit the unfused CPU step, tested in

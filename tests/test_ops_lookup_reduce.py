@@ -6,8 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from rmt.ops import lookup_reduce, reference_backward, reference_forward, select_backend
-from rmt.ops import cpu_backend, extensions
+from rmt.ops import cpu_backend, extensions, lookup_reduce, reference_backward, reference_forward, select_backend
 from rmt.ops.testing import CASES, DTYPE_PAIRS, check_backend, check_narrow_table, make_case, run_op
 
 from conftest import run_python
@@ -64,8 +63,7 @@ def test_reference_backward_matches_autograd():
     table, indices, scores, block_ids, grad_out = make_case(40, 12, 6, 9, 3, 2, torch.float64)
     rows, values, g_scores = reference_backward(grad_out, table, indices, scores, block_ids, 2)
     t, s = table.clone().requires_grad_(True), scores.clone().requires_grad_(True)
-    want_table, want_scores = torch.autograd.grad(reference_forward(t, indices, s, block_ids, 2),
-                                                  [t, s], grad_out)
+    want_table, want_scores = torch.autograd.grad(reference_forward(t, indices, s, block_ids, 2), [t, s], grad_out)
     dense = torch.zeros_like(table).index_copy_(0, rows, values)
     torch.testing.assert_close(dense, want_table)
     torch.testing.assert_close(g_scores, want_scores)
@@ -78,8 +76,10 @@ def test_cpu_table_grad_is_deterministic():
     try:
         for n in (threads, 1, threads, 3):
             torch.set_num_threads(n)
-            results.append(cpu_backend.backward(grad_out, table, indices, scores, block_ids, 4)
-                           + cpu_backend.backward_dense(grad_out, table, indices, scores, block_ids, 4))
+            results.append(
+                cpu_backend.backward(grad_out, table, indices, scores, block_ids, 4)
+                + cpu_backend.backward_dense(grad_out, table, indices, scores, block_ids, 4)
+            )
     finally:
         torch.set_num_threads(threads)
     for got in results[1:]:
@@ -97,14 +97,17 @@ def _edge_case(N, T, K, fill, D=3, seed=0):
     return table, indices, torch.randn(T, K, 1, generator=gen), torch.randn(T, 1, D, generator=gen)
 
 
-@pytest.mark.parametrize("N,T,K,fill", [
-    (1, 1, 1, None),          # one lookup, one-row table
-    (5, 1, 1, 4),             # one lookup of the last row
-    (37, 8, 6, 0),            # every lookup the same row (one run of 48)
-    (37, 8, 6, 36),           # every lookup the max row N-1
-    (2, 64, 8, None),         # two rows, long runs
-    ((1 << 23) + 3, 16, 8, None),  # 24-bit rows: five radix passes (an odd count)
-])
+@pytest.mark.parametrize(
+    "N,T,K,fill",
+    [
+        (1, 1, 1, None),  # one lookup, one-row table
+        (5, 1, 1, 4),  # one lookup of the last row
+        (37, 8, 6, 0),  # every lookup the same row (one run of 48)
+        (37, 8, 6, 36),  # every lookup the max row N-1
+        (2, 64, 8, None),  # two rows, long runs
+        ((1 << 23) + 3, 16, 8, None),  # 24-bit rows: five radix passes (an odd count)
+    ],
+)
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
 def test_cpu_radix_sort_edge_cases(N, T, K, fill, index_dtype):
     """Sorted backward (radix sort of the lookups by row) against the reference at the edges."""
@@ -112,9 +115,18 @@ def test_cpu_radix_sort_edge_cases(N, T, K, fill, index_dtype):
     if fill is None and N > 1000:
         indices[0, 0] = N - 1
     want = run_op(reference_forward, table, indices, scores, None, 1, grad_out)
-    for sparse_grad in ((True,) if N > 1000 else (True, False)):  # no 32 MB dense gradient
-        got = run_op(lookup_reduce, table, indices.to(index_dtype), scores, None, 1, grad_out,
-                     backend="cpu", sparse_grad=sparse_grad)
+    for sparse_grad in (True,) if N > 1000 else (True, False):  # no 32 MB dense gradient
+        got = run_op(
+            lookup_reduce,
+            table,
+            indices.to(index_dtype),
+            scores,
+            None,
+            1,
+            grad_out,
+            backend="cpu",
+            sparse_grad=sparse_grad,
+        )
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-6, atol=5e-6)
 
@@ -200,15 +212,23 @@ def test_cpu_radix_sort_is_the_stable_sort_at_every_digit_width(N):
         ext.sorted_lookups(indices, N, 0, given.flip(0))
 
 
-@pytest.mark.parametrize("value, expected", [("7", "7"), ("16", "16"), ("17", "RMT_SORT_DIGIT_BITS must be an integer "
-                                                                             "in [1, 16], got '17'"),
-                                             ("5x", "RMT_SORT_DIGIT_BITS must be an integer in [1, 16], got '5x'")])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("7", "7"),
+        ("16", "16"),
+        ("17", "RMT_SORT_DIGIT_BITS must be an integer in [1, 16], got '17'"),
+        ("5x", "RMT_SORT_DIGIT_BITS must be an integer in [1, 16], got '5x'"),
+    ],
+)
 def test_sort_digit_width_from_the_environment(monkeypatch, value, expected):
     """RMT_SORT_DIGIT_BITS replaces the CPU vendor's digit width, or is rejected with one sentence."""
     monkeypatch.setenv("RMT_SORT_DIGIT_BITS", value)
-    code = ("from rmt.ops import cpu_backend\n"
-            "try:\n    print(cpu_backend._ext().sort_digit_bits())\n"
-            "except RuntimeError as err:\n    print(str(err).splitlines()[0])")
+    code = (
+        "from rmt.ops import cpu_backend\n"
+        "try:\n    print(cpu_backend._ext().sort_digit_bits())\n"
+        "except RuntimeError as err:\n    print(str(err).splitlines()[0])"
+    )
     proc = run_python(["-c", code])
     assert proc.stdout.strip().splitlines()[-1] == expected
 
@@ -219,11 +239,16 @@ def _bad_inputs():
     yield "indices must lie in \\[0, 10\\); got min -1", (table, indices.clone().fill_(-1), scores, block_ids, 3)
     yield "block_ids must lie in \\[0, 3\\)", (table, indices, scores, block_ids.clone().fill_(3), 3)
     yield "scores must be \\[T, K, C\\]", (table, indices, scores[:2], block_ids, 3)
-    yield "scores dtype torch.float64 must equal table dtype torch.float32, or be torch.float32 for a bfloat16 " \
-        "or float16 table", (table, indices, scores.double(), block_ids, 3)
+    yield (
+        "scores dtype torch.float64 must equal table dtype torch.float32, or be torch.float32 for a bfloat16 "
+        "or float16 table",
+        (table, indices, scores.double(), block_ids, 3),
+    )
     yield "scores dtype torch.bfloat16", (table, indices, scores.bfloat16(), block_ids, 3)
-    yield "scores dtype torch.float16 must equal table dtype torch.bfloat16", (
-        table.bfloat16(), indices, scores.half(), block_ids, 3)
+    yield (
+        "scores dtype torch.float16 must equal table dtype torch.bfloat16",
+        (table.bfloat16(), indices, scores.half(), block_ids, 3),
+    )
     yield "indices dtype", (table, indices.float(), scores, block_ids, 3)
     yield "divisible", (table, indices, torch.zeros(3, 4, 3), block_ids, 3)
     yield "num_blocks must be 1", (table, indices, scores, None, 3)
@@ -302,8 +327,9 @@ def test_forward_prepared_sort_reaches_the_backward_and_is_freed_by_it(monkeypat
     monkeypatch.setattr(reference, "forward_for_backward", forward_for_backward, raising=False)
     monkeypatch.setattr(reference, "backward", backward)
     spec = dispatch.REGISTRY["reference"]  # the reference, declared with a forward-prepared sort
-    monkeypatch.setitem(dispatch.REGISTRY, "reference",
-                        dataclasses.replace(spec, kernels=spec.kernels | {"forward_for_backward"}))
+    monkeypatch.setitem(
+        dispatch.REGISTRY, "reference", dataclasses.replace(spec, kernels=spec.kernels | {"forward_for_backward"})
+    )
     table, indices, scores, block_ids, grad_out = make_case(20, 8, 6, 4, 2, 3)
     lookup_reduce(table, indices, scores, block_ids, 3, backend="reference")
     assert not preps

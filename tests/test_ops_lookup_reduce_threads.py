@@ -15,8 +15,9 @@ from rmt.ops.sparse_optim import RowWiseAdagrad
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 # the kernel's own files and the headers it shares with the other CPU kernels
-KERNEL_FILES = sorted(CSRC.glob("lookup_reduce*_cpu.*")) + [CSRC / n for n in ("cpu_numerics.h", "cpu_prefetch.h",
-                                                                                "row_optim.h")]
+KERNEL_FILES = sorted(CSRC.glob("lookup_reduce*_cpu.*")) + [
+    CSRC / n for n in ("cpu_numerics.h", "cpu_prefetch.h", "row_optim.h")
+]
 
 
 def _code(path: Path) -> str:

@@ -8,8 +8,15 @@ import pytest
 import torch
 
 from rmt.ops import lookup_reduce
-from rmt.ops.sparse_optim import (ENV_FUSED, RowWiseAdagrad, SparseAdam, _ext, coalesced, fused_kernels,
-                                  make_sparse_optimizer)
+from rmt.ops.sparse_optim import (
+    ENV_FUSED,
+    RowWiseAdagrad,
+    SparseAdam,
+    _ext,
+    coalesced,
+    fused_kernels,
+    make_sparse_optimizer,
+)
 from rmt.ops.testing import check_row_optimizer_kernels
 
 
@@ -56,8 +63,10 @@ def test_fused_sparse_adam_equals_torch(dtype):
     assert fused_kernels(torch.zeros(2, 2)) is not None
     table = torch.randn(300, 20, dtype=dtype, generator=torch.Generator().manual_seed(0))
     ours, theirs = torch.nn.Parameter(table.clone()), torch.nn.Parameter(table.clone())
-    opts = (SparseAdam([ours], lr=3e-2, betas=(0.8, 0.95), eps=1e-6),
-            torch.optim.SparseAdam([theirs], lr=3e-2, betas=(0.8, 0.95), eps=1e-6))
+    opts = (
+        SparseAdam([ours], lr=3e-2, betas=(0.8, 0.95), eps=1e-6),
+        torch.optim.SparseAdam([theirs], lr=3e-2, betas=(0.8, 0.95), eps=1e-6),
+    )
     gen = torch.Generator().manual_seed(3)
     for _ in range(4):
         indices = torch.randint(0, 300, (10, 5), generator=gen)
@@ -83,8 +92,10 @@ def test_sparse_adam_reference_is_torch_bit_for_bit(dtype, maximize, monkeypatch
     gen = torch.Generator().manual_seed(4)
     table = torch.randn(40, 12, generator=gen, dtype=dtype)
     ours, theirs = torch.nn.Parameter(table.clone()), torch.nn.Parameter(table.clone())
-    opts = [cls([p], lr=3e-2, betas=(0.8, 0.95), eps=1e-6, maximize=maximize)
-            for cls, p in ((SparseAdam, ours), (torch.optim.SparseAdam, theirs))]
+    opts = [
+        cls([p], lr=3e-2, betas=(0.8, 0.95), eps=1e-6, maximize=maximize)
+        for cls, p in ((SparseAdam, ours), (torch.optim.SparseAdam, theirs))
+    ]
     for _ in range(4):
         rows = torch.unique(torch.randint(0, 40, (15,), generator=gen))
         values = torch.randn(rows.numel(), 12, generator=gen, dtype=dtype)
@@ -155,16 +166,18 @@ def _tracking_bound_step(narrow, wide, dtype):
     the narrow path rounds fl(p_narrow - d) to the table dtype (u |x| <= u/(1-u) |p_narrow|, u =
     2^-8 for bf16, 2^-11 for fp16, plus half a subnormal spacing), and both paths round the
     subtraction in fp32 (2^-24 each, of |x| <= |p_narrow|/(1-u) and of |p_wide|)."""
-    u, u32 = torch.finfo(dtype).eps / 2, 2.0 ** -24
+    u, u32 = torch.finfo(dtype).eps / 2, 2.0**-24
     half_subnormal = torch.finfo(dtype).tiny * torch.finfo(dtype).eps / 2
-    return ((u / (1 - u) + u32 / ((1 - u32) * (1 - u))) * narrow.abs() + u32 / (1 - u32) * wide.abs()
-            + half_subnormal)
+    return (u / (1 - u) + u32 / ((1 - u32) * (1 - u))) * narrow.abs() + u32 / (1 - u32) * wide.abs() + half_subnormal
 
 
 @pytest.mark.parametrize("fused", ["1", "0"], ids=["fused", "torch"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("cls,kwargs", [(SparseAdam, dict(lr=1e-2, betas=(0.8, 0.95))),
-                                        (RowWiseAdagrad, dict(lr=0.1))], ids=["sparse_adam", "rowwise_adagrad"])
+@pytest.mark.parametrize(
+    "cls,kwargs",
+    [(SparseAdam, dict(lr=1e-2, betas=(0.8, 0.95))), (RowWiseAdagrad, dict(lr=0.1))],
+    ids=["sparse_adam", "rowwise_adagrad"],
+)
 def test_narrow_table_tracks_fp32_training(cls, kwargs, dtype, fused, monkeypatch):
     """30 steps on a bf16/fp16 table and on the fp32 table of the same initial values, fed the same
     (representable) sparse gradients: the state is identical and the tables stay within the sum of
@@ -185,7 +198,9 @@ def test_narrow_table_tracks_fp32_training(cls, kwargs, dtype, fused, monkeypatc
         bound[rows] += step_bound[rows]
         assert bool(((narrow.detach().double() - wide.detach().double()).abs() <= bound).all())
     for name, value in opts[1].state[wide].items():
-        assert opts[0].state[narrow][name] == value if name == "step" else torch.equal(opts[0].state[narrow][name], value)
+        assert (
+            opts[0].state[narrow][name] == value if name == "step" else torch.equal(opts[0].state[narrow][name], value)
+        )
     assert not torch.equal(narrow.detach().double(), wide.detach().double())  # the roundings did happen
 
 

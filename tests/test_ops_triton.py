@@ -68,11 +68,22 @@ def check_fused_update():
 
     N, D, T, K, C, E = 60, 20, 6, 5, 2, 3
     gen = torch.Generator().manual_seed(3)
-    steps = [[(torch.randint(0, N, (T, K), generator=gen), torch.randn(T, K, C, generator=gen),
-               torch.randint(0, E, (T, K), generator=gen), torch.randn(T, E, D, generator=gen)) for _ in range(2)]
-             for _ in range(2)]
-    makers = {"sparse_adam": lambda p: SparseAdam([p], lr=2e-2, betas=(0.8, 0.95), eps=1e-6),
-              "rowwise_adagrad": lambda p: RowWiseAdagrad([p], lr=0.1, weight_decay=0.01)}
+    steps = [
+        [
+            (
+                torch.randint(0, N, (T, K), generator=gen),
+                torch.randn(T, K, C, generator=gen),
+                torch.randint(0, E, (T, K), generator=gen),
+                torch.randn(T, E, D, generator=gen),
+            )
+            for _ in range(2)
+        ]
+        for _ in range(2)
+    ]
+    makers = {
+        "sparse_adam": lambda p: SparseAdam([p], lr=2e-2, betas=(0.8, 0.95), eps=1e-6),
+        "rowwise_adagrad": lambda p: RowWiseAdagrad([p], lr=0.1, weight_decay=0.01),
+    }
     for kind, make in makers.items():
         for dtype, rounding in ((torch.float32, "rne"), (torch.bfloat16, "rtz")):
             table = torch.randn(N, D, generator=gen).to(dtype)
@@ -96,9 +107,9 @@ def check_fused_update():
             # two steps, each rounding a bf16 row toward zero here and to nearest in the reference:
             # up to 1.5 ulps (2^-7 relative) of that step's row apart per step; the rows in between
             # are bounded by |start| + |x - start| (steps of one sign) or |x| + |x - start|
-            bound = 4 * (rel + 2.0 ** -20) * (x - table.float()).abs() + 2.0 ** -20 * x.abs()
+            bound = 4 * (rel + 2.0**-20) * (x - table.float()).abs() + 2.0**-20 * x.abs()
             if dtype == torch.bfloat16:
-                bound = bound + 3 * 2.0 ** -7 * (x.abs() + table.float().abs() + (x - table.float()).abs())
+                bound = bound + 3 * 2.0**-7 * (x.abs() + table.float().abs() + (x - table.float()).abs())
             assert_rounded_within(p_t, x, bound, rounding, f"triton fused {kind} {dtype}")
             for a, b in zip(st_t, st_r):
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
@@ -147,8 +158,7 @@ def check_sparse_optim():
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 def test_triton_interpreter_matches_reference():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

@@ -13,8 +13,11 @@ LAYOUTS = {
     "tp2": ["parallel.tensor_model_parallel_size=2"],
     "pp2": ["parallel.pipeline_model_parallel_size=2"],
     "dp2": [],
-    "pp2_vpp2": ["model.num_layers=4", "parallel.pipeline_model_parallel_size=2",
-                 "parallel.virtual_pipeline_model_parallel_size=2"],
+    "pp2_vpp2": [
+        "model.num_layers=4",
+        "parallel.pipeline_model_parallel_size=2",
+        "parallel.virtual_pipeline_model_parallel_size=2",
+    ],
 }
 
 

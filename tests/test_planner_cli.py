@@ -16,8 +16,9 @@ COMM = ["comm", "--tokens", "4096", "--topm", "32", "--v-dim", "64", "--group-si
 
 def run_module(*args):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "rmt.planner.cli", *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "rmt.planner.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_comm_table(capsys):
@@ -34,21 +35,18 @@ def test_comm_json_schema(tmp_path):
     doc = json.loads(path.read_text())
     assert type(doc["number_bytes"]) is int and type(doc["dimension_bytes"]) is int
     assert doc["number_bytes"] == 4 * 4096 * 32 * 7 // 8 + 2 * 4096 * 32 * 64 * 7 // 8
-    assert doc["dimension_bytes"] == 4 * 4096 * 32 * 7 + 2 * 4096 * 32 * 7 \
-        + 2 * 4096 * 64 * 7 // 8
+    assert doc["dimension_bytes"] == 4 * 4096 * 32 * 7 + 2 * 4096 * 32 * 7 + 2 * 4096 * 64 * 7 // 8
     assert doc["choice"] == "dimension" and doc["phase"] == "forward"
     for part in ("number", "dimension"):
         vol = doc["collectives"][part]
-        assert set(vol) == {"forward", "backward", "forward_total", "backward_total",
-                            "forward_backward_total"}
+        assert set(vol) == {"forward", "backward", "forward_total", "backward_total", "forward_backward_total"}
         assert all(type(v) is int for v in vol["forward"].values())
     assert doc["collectives"]["number"]["forward_total"] == doc["number_bytes"]
 
 
 def test_comm_options_and_phase(tmp_path):
     path = tmp_path / "c.json"
-    args = COMM + ["--owner-reduce", "--ive", "2", "--cores", "2", "--phase",
-                   "forward_backward", "--json", str(path)]
+    args = COMM + ["--owner-reduce", "--ive", "2", "--cores", "2", "--phase", "forward_backward", "--json", str(path)]
     assert cli.main(args) == 0
     doc = json.loads(path.read_text())
     assert "all_to_all_partial_sums" in doc["collectives"]["number"]["forward"]
@@ -59,8 +57,7 @@ def test_comm_options_and_phase(tmp_path):
 
 def test_comm_plot_png(tmp_path):
     png = tmp_path / "fig9.png"
-    assert cli.main(COMM + ["--plot", str(png), "--plot-p-max", "16",
-                            "--plot-v-dim-max", "128"]) == 0
+    assert cli.main(COMM + ["--plot", str(png), "--plot-p-max", "16", "--plot-v-dim-max", "128"]) == 0
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
 
@@ -71,50 +68,85 @@ def test_memory_ten_billion_slots(tmp_path, capsys):
     from rmt.planner.memory import TablePlan, min_group_size, phases
 
     path = tmp_path / "mem.json"
-    argv = ["memory", "--slots", "10000000000", "--dim", "64", "--group-size", "64", "--value-optimizer",
-            "rowwise_adagrad", "--tokens", "4096", "--json", str(path)]
+    argv = [
+        "memory",
+        "--slots",
+        "10000000000",
+        "--dim",
+        "64",
+        "--group-size",
+        "64",
+        "--value-optimizer",
+        "rowwise_adagrad",
+        "--tokens",
+        "4096",
+        "--json",
+        str(path),
+    ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    plan = TablePlan(slots=10 ** 10, dim=64, group_size=64, value_optimizer="rowwise_adagrad", tokens=4096)
-    p_min = min_group_size(plan, 80 * 2 ** 30)
+    plan = TablePlan(slots=10**10, dim=64, group_size=64, value_optimizer="rowwise_adagrad", tokens=4096)
+    p_min = min_group_size(plan, 80 * 2**30)
     assert f"smallest group that fits: P={p_min} " in out and "a 156,250,000 x 64 shard per rank" in out
     doc = json.loads(path.read_text())
     assert doc["phases"] == phases(plan) and doc["min_group_size"] == p_min
-    assert doc["checkpoint_bytes"] == 10 ** 10 * (64 * 4 + 4)
+    assert doc["checkpoint_bytes"] == 10**10 * (64 * 4 + 4)
 
 
 def test_memory_from_a_config(capsys):
     """The table terms come from the config: UltraMem-1.6B-x12 has 6 memory layers of 1,792^2 slots
     of 1,024; on 64 ranks (one memory-parallel group) each holds 1/64 of each table."""
-    assert cli.main(["memory", "--config", "configs/ultramem_1.6b_x12.yaml", "--world-size", "64",
-                     "memory.partition=number", "memory.value_optimizer=sparse_adam"]) == 0
+    assert (
+        cli.main(
+            [
+                "memory",
+                "--config",
+                "configs/ultramem_1.6b_x12.yaml",
+                "--world-size",
+                "64",
+                "memory.partition=number",
+                "memory.value_optimizer=sparse_adam",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "6 memory table(s) of 3,211,264 slots (1,792^2) x 1024, fp32, sparse_adam, number-wise over P=64" in out
     assert "32 micro-batch(es) of 2,048 tokens, 2 heads x top-42" in out
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["comm", "--tokens", "-3", "--topm", "4", "--v-dim", "8", "--group-size", "2"],
-     "positive integer"),
-    (["comm", "--tokens", "3", "--topm", "0", "--v-dim", "8", "--group-size", "2"],
-     "positive integer"),
-    (COMM + ["--cores", "3"], "divisible"),
-    (COMM + ["--slots", "16"], "cannot exceed"),
-    (COMM + ["--dedup"], "needs exactly one"),
-    (COMM + ["--frobnicate"], "unrecognized arguments"),
-    (["comm", "--tokens", "3"], "required"),
-    (["memory", "--slots", "64", "--dim", "4", "--group-size", "5"], "divisible by the group size"),
-    (["memory", "--slots", "10", "--dim", "4"], "not a square"),
-    (["memory", "--slots", "64", "--dim", "4", "--value-dtype", "int3"], "invalid choice"),
-    (["memory", "--slots", "64", "--dim", "4", "--reserve-gib", "90"], "reserve"),
-    (["memory", "--dim", "4"], "give --slots and --dim"),
-    (["memory", "--config", "configs/ultramem_tiny.yaml"], "--world-size"),
-    (["memory", "--config", "configs/ultramem_tiny.yaml", "--world-size", "2", "memory.partition=number",
-      "memory.group_size=3"],
-     "memory.group_size"),
-    (["memory", "--config", "configs/ultramem_tiny.yaml", "--slots", "64"], "come from the config"),
-    ([], "required"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["comm", "--tokens", "-3", "--topm", "4", "--v-dim", "8", "--group-size", "2"], "positive integer"),
+        (["comm", "--tokens", "3", "--topm", "0", "--v-dim", "8", "--group-size", "2"], "positive integer"),
+        (COMM + ["--cores", "3"], "divisible"),
+        (COMM + ["--slots", "16"], "cannot exceed"),
+        (COMM + ["--dedup"], "needs exactly one"),
+        (COMM + ["--frobnicate"], "unrecognized arguments"),
+        (["comm", "--tokens", "3"], "required"),
+        (["memory", "--slots", "64", "--dim", "4", "--group-size", "5"], "divisible by the group size"),
+        (["memory", "--slots", "10", "--dim", "4"], "not a square"),
+        (["memory", "--slots", "64", "--dim", "4", "--value-dtype", "int3"], "invalid choice"),
+        (["memory", "--slots", "64", "--dim", "4", "--reserve-gib", "90"], "reserve"),
+        (["memory", "--dim", "4"], "give --slots and --dim"),
+        (["memory", "--config", "configs/ultramem_tiny.yaml"], "--world-size"),
+        (
+            [
+                "memory",
+                "--config",
+                "configs/ultramem_tiny.yaml",
+                "--world-size",
+                "2",
+                "memory.partition=number",
+                "memory.group_size=3",
+            ],
+            "memory.group_size",
+        ),
+        (["memory", "--config", "configs/ultramem_tiny.yaml", "--slots", "64"], "come from the config"),
+        ([], "required"),
+    ],
+)
 def test_bad_input_exit_2_one_line(argv, match, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
@@ -125,8 +157,11 @@ def test_bad_input_exit_2_one_line(argv, match, capsys):
 def test_subprocess_entry_point(tmp_path):
     ok = run_module(*COMM, "--json", str(tmp_path / "c.json"))
     assert ok.returncode == 0 and "choice" in ok.stdout
-    for argv in (["comm", "--tokens", "0", "--topm", "1", "--v-dim", "1",
-                  "--group-size", "1"], COMM + ["--bogus"], COMM + ["--cores", "5"]):
+    for argv in (
+        ["comm", "--tokens", "0", "--topm", "1", "--v-dim", "1", "--group-size", "1"],
+        COMM + ["--bogus"],
+        COMM + ["--cores", "5"],
+    ):
         bad = run_module(*argv)
         assert bad.returncode == 2
         assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
@@ -153,8 +188,7 @@ def test_one_line_registration(monkeypatch, capsys):
         return 0
 
     monkeypatch.setattr(cli, "SUBCOMMANDS", list(cli.SUBCOMMANDS))
-    cli.SUBCOMMANDS.append(cli.Subcommand("example", "parameters and FLOPs", add_arguments,
-                                          run))
+    cli.SUBCOMMANDS.append(cli.Subcommand("example", "parameters and FLOPs", add_arguments, run))
     assert cli.main(["example", "--layers", "3"]) == 0
     assert "layers=3" in capsys.readouterr().out
     assert cli.main(["example", "--layers", "x"]) == 2

@@ -5,17 +5,17 @@ import random
 
 import pytest
 
-from rmt.planner.comm import (boundary_v_dim, choose_partition, comm_volume,
-                              expected_unique, plan_comm)
+from rmt.planner.comm import boundary_v_dim, choose_partition, comm_volume, expected_unique, plan_comm
 
 
 def appendix_d(T, K, D, P):
     """Appendix D's bullet formulas, transcribed (int = 4 bytes, bfloat16 = 2 bytes)."""
-    number = {"all_to_all_indices": 4 * T * K * (P - 1) / P,
-              "all_to_all_values": 2 * T * K * D * (P - 1) / P}
-    dimension = {"all_gather_indices": 4 * T * K * (P - 1),
-                 "all_gather_scores": 2 * T * K * (P - 1),
-                 "all_to_all_pooled": 2 * T * D * (P - 1) / P}
+    number = {"all_to_all_indices": 4 * T * K * (P - 1) / P, "all_to_all_values": 2 * T * K * D * (P - 1) / P}
+    dimension = {
+        "all_gather_indices": 4 * T * K * (P - 1),
+        "all_gather_scores": 2 * T * K * (P - 1),
+        "all_to_all_pooled": 2 * T * D * (P - 1) / P,
+    }
     return number, dimension
 
 
@@ -25,19 +25,21 @@ def test_appendix_d_hand_computed_shape():
     #   4*4096*32*7 = 3670016, 2*4096*32*7 = 1835008, 2*4096*64*7/8 = 458752.
     number = comm_volume("number", 4096, 32, 64, 8)
     dimension = comm_volume("dimension", 4096, 32, 64, 8)
-    assert number["forward"] == {"all_to_all_indices": 458752,
-                                 "all_to_all_values": 14680064}
-    assert dimension["forward"] == {"all_gather_indices": 3670016,
-                                    "all_gather_scores": 1835008,
-                                    "all_to_all_pooled": 458752}
+    assert number["forward"] == {"all_to_all_indices": 458752, "all_to_all_values": 14680064}
+    assert dimension["forward"] == {
+        "all_gather_indices": 3670016,
+        "all_gather_scores": 1835008,
+        "all_to_all_pooled": 458752,
+    }
     plan = plan_comm(4096, 32, 64, 8)
     assert plan["number_bytes"] == 458752 + 14680064
     assert plan["dimension_bytes"] == 3670016 + 1835008 + 458752
     assert plan["choice"] == "dimension"
 
 
-@pytest.mark.parametrize("T,K,D,P", [(1000, 16, 256, 4), (2048, 2, 8, 16), (64, 84, 448, 2),
-                                     (8192, 8, 1024, 32), (12, 3, 16, 3)])
+@pytest.mark.parametrize(
+    "T,K,D,P", [(1000, 16, 256, 4), (2048, 2, 8, 16), (64, 84, 448, 2), (8192, 8, 1024, 32), (12, 3, 16, 3)]
+)
 def test_appendix_d_formulas_exact(T, K, D, P):
     number, dimension = appendix_d(T, K, D, P)
     for part, expected in (("number", number), ("dimension", dimension)):
@@ -69,8 +71,10 @@ def test_backward_sends_gradients_of_received_floats():
     number = comm_volume("number", T, K, D, P)
     assert number["backward"] == {"all_to_all_value_grads": 2 * T * K * D * (P - 1) // P}
     dimension = comm_volume("dimension", T, K, D, P)
-    assert dimension["backward"] == {"all_to_all_pooled_grads": 2 * T * D * (P - 1) // P,
-                                     "reduce_scatter_score_grads": 2 * T * K * (P - 1)}
+    assert dimension["backward"] == {
+        "all_to_all_pooled_grads": 2 * T * D * (P - 1) // P,
+        "reduce_scatter_score_grads": 2 * T * K * (P - 1),
+    }
     for vol in (number, dimension):
         assert vol["forward_total"] == sum(vol["forward"].values())
         assert vol["backward_total"] == sum(vol["backward"].values())
@@ -87,8 +91,7 @@ def test_bytes_sent_excludes_local_chunk_by_simulation():
         assert vol["all_to_all_indices"] == 4 * remote_rows
         assert vol["all_to_all_values"] == 2 * D * remote_rows
         gathered_to_others = T * K * (P - 1)
-        assert comm_volume("dimension", T, K, D, P)["forward"]["all_gather_indices"] \
-            == 4 * gathered_to_others
+        assert comm_volume("dimension", T, K, D, P)["forward"]["all_gather_indices"] == 4 * gathered_to_others
 
 
 def test_decision_boundary_matches_fig9_closed_form():
@@ -104,7 +107,7 @@ def test_decision_boundary_matches_fig9_closed_form():
 
 def test_fig9_trends():
     # The boundary does not depend on the number of tokens.
-    for T in (1, 17, 4096, 10 ** 6):
+    for T in (1, 17, 4096, 10**6):
         assert choose_partition(T, 32, 64, 8) == "dimension"
         assert choose_partition(T, 32, 64, 64) == "number"
     # Larger groups favour number-wise, wider values favour dimension-wise.
@@ -126,18 +129,21 @@ def test_appendix_c_statements():
     assert double_k["dimension_bytes"] > base["dimension_bytes"]
     ive = plan_comm(T, K, D, P, ive=4)
     assert ive["number_bytes"] == base["number_bytes"]
-    assert ive["collectives"]["dimension"]["forward"]["all_to_all_pooled"] == \
-        2 * T * 4 * D * (P - 1) // P
+    assert ive["collectives"]["dimension"]["forward"]["all_to_all_pooled"] == 2 * T * 4 * D * (P - 1) // P
 
 
 def test_owner_reduce_hand_computed():
     T, K, D, P = 4096, 32, 64, 8
     vol = comm_volume("number", T, K, D, P, owner_reduce=True)
-    assert vol["forward"] == {"all_to_all_indices": 4 * T * K * 7 // 8,
-                              "all_to_all_scores": 2 * T * K * 7 // 8,
-                              "all_to_all_partial_sums": 2 * T * D * 7}
-    assert vol["backward"] == {"all_to_all_partial_sum_grads": 2 * T * D * 7,
-                               "all_to_all_score_grads": 2 * T * K * 7 // 8}
+    assert vol["forward"] == {
+        "all_to_all_indices": 4 * T * K * 7 // 8,
+        "all_to_all_scores": 2 * T * K * 7 // 8,
+        "all_to_all_partial_sums": 2 * T * D * 7,
+    }
+    assert vol["backward"] == {
+        "all_to_all_partial_sum_grads": 2 * T * D * 7,
+        "all_to_all_score_grads": 2 * T * K * 7 // 8,
+    }
 
 
 def test_owner_reduce_cheaper_exactly_when_derived_condition_holds():
@@ -145,13 +151,11 @@ def test_owner_reduce_cheaper_exactly_when_derived_condition_holds():
     # 2 T K C (P-1)/P plus partial sums 2 T E D (P-1) (same again in the backward), so
     # owner-reduce is cheaper iff K C / P + E D < K D / P, i.e. K (D - C) > P E D:
     # never for K <= P, and for K > P as soon as D > K C / (K - P E).
-    for K, P, D, C, E in itertools.product((1, 4, 8, 9, 16, 64), (2, 4, 8), (8, 64, 128),
-                                           (1, 2), (1, 2)):
+    for K, P, D, C, E in itertools.product((1, 4, 8, 9, 16, 64), (2, 4, 8), (8, 64, 128), (1, 2), (1, 2)):
         derived = K * (D - C) > P * E * D
         for phase in ("forward", "forward_backward"):
             plain = plan_comm(4096, K, D, P, cores=C, ive=E, phase=phase)["number_bytes"]
-            owner = plan_comm(4096, K, D, P, cores=C, ive=E, phase=phase,
-                              owner_reduce=True)["number_bytes"]
+            owner = plan_comm(4096, K, D, P, cores=C, ive=E, phase=phase, owner_reduce=True)["number_bytes"]
             assert (owner < plain) == derived, (K, P, D, C, E, phase)
         if K <= P:
             assert not derived
@@ -163,14 +167,12 @@ def test_expected_unique_hand_values_and_monte_carlo():
     assert expected_unique(2, 1, 2) == pytest.approx(1.5)  # 2 (1 - (1/2)^2)
     N, K, T = 50, 5, 20
     rng = random.Random(0)
-    trials = [len(set().union(*(rng.sample(range(N), K) for _ in range(T))))
-              for _ in range(2000)]
+    trials = [len(set().union(*(rng.sample(range(N), K) for _ in range(T)))) for _ in range(2000)]
     assert sum(trials) / len(trials) == pytest.approx(N * (1 - (1 - K / N) ** T), abs=0.3)
 
 
 def test_dedup_never_increases_bytes():
-    for T, K, D, P, N in itertools.product((1, 64, 4096), (1, 8, 32), (16, 64), (2, 8),
-                                           (32, 10 ** 4, 10 ** 9)):
+    for T, K, D, P, N in itertools.product((1, 64, 4096), (1, 8, 32), (16, 64), (2, 8), (32, 10**4, 10**9)):
         if K > N:
             continue
         for phase in ("forward", "forward_backward"):
@@ -184,12 +186,13 @@ def test_dedup_unique_fraction_and_scope():
     T, K, D, P = 4096, 32, 64, 8
     assert plan_comm(T, K, D, P, dedup=True, unique_fraction=1.0) == plan_comm(T, K, D, P)
     half = comm_volume("number", T, K, D, P, dedup=True, unique_fraction=0.5)
-    assert half["forward"] == {"all_to_all_indices": 4 * (T * K // 2) * 7 // 8,
-                               "all_to_all_values": 2 * (T * K // 2) * D * 7 // 8}
+    assert half["forward"] == {
+        "all_to_all_indices": 4 * (T * K // 2) * 7 // 8,
+        "all_to_all_values": 2 * (T * K // 2) * D * 7 // 8,
+    }
     assert half["backward"] == {"all_to_all_value_grads": 2 * (T * K // 2) * D * 7 // 8}
     owner = comm_volume("number", T, K, D, P, owner_reduce=True)
-    assert comm_volume("number", T, K, D, P, owner_reduce=True, dedup=True,
-                       unique_fraction=0.5) == owner
+    assert comm_volume("number", T, K, D, P, owner_reduce=True, dedup=True, unique_fraction=0.5) == owner
     # A small table saturates: T K = 131072 draws over 1000 slots -> ~1000 unique rows.
     tiny = comm_volume("number", T, K, D, P, dedup=True, slots=1000)
     assert tiny["forward"]["all_to_all_indices"] == round(4 * 1000 * 7 / 8)
@@ -200,35 +203,38 @@ def test_multi_core_scoring_and_ive_block_ids():
     plain = comm_volume("number", T, K, D, P)
     assert comm_volume("number", T, K, D, P, cores=2, ive=4) == plain
     dim = comm_volume("dimension", T, K, D, P, cores=2, ive=4)
-    assert dim["forward"] == {"all_gather_indices": 4 * T * K * 3,
-                              "all_gather_scores": 2 * T * K * 2 * 3,
-                              "all_to_all_pooled": 2 * T * 4 * D * 3 // 4}
+    assert dim["forward"] == {
+        "all_gather_indices": 4 * T * K * 3,
+        "all_gather_scores": 2 * T * K * 2 * 3,
+        "all_to_all_pooled": 2 * T * 4 * D * 3 // 4,
+    }
     sent = comm_volume("dimension", T, K, D, P, ive=4, block_id_bytes=4)
     assert sent["forward"]["all_gather_block_ids"] == 4 * T * K * 3
     owner = comm_volume("number", T, K, D, P, ive=4, block_id_bytes=1, owner_reduce=True)
     assert owner["forward"]["all_to_all_block_ids"] == T * K * 3 // 4
-    assert "all_gather_block_ids" not in comm_volume("dimension", T, K, D, P,
-                                                     block_id_bytes=4)["forward"]
+    assert "all_gather_block_ids" not in comm_volume("dimension", T, K, D, P, block_id_bytes=4)["forward"]
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(tokens=0), "tokens"),
-    (dict(topm=-1), "topm"),
-    (dict(v_dim=64, cores=3), "divisible"),
-    (dict(P=0), "group size"),
-    (dict(slots=8, topm=16), "exceed"),
-    (dict(dedup=True), "exactly one"),
-    (dict(dedup=True, slots=100, unique_fraction=0.5), "exactly one"),
-    (dict(unique_fraction=0.5), "only meaningful"),
-    (dict(dedup=True, unique_fraction=1.5), r"\(0, 1\]"),
-    (dict(block_id_bytes=-1), "block_id_bytes"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(tokens=0), "tokens"),
+        (dict(topm=-1), "topm"),
+        (dict(v_dim=64, cores=3), "divisible"),
+        (dict(P=0), "group size"),
+        (dict(slots=8, topm=16), "exceed"),
+        (dict(dedup=True), "exactly one"),
+        (dict(dedup=True, slots=100, unique_fraction=0.5), "exactly one"),
+        (dict(unique_fraction=0.5), "only meaningful"),
+        (dict(dedup=True, unique_fraction=1.5), r"\(0, 1\]"),
+        (dict(block_id_bytes=-1), "block_id_bytes"),
+    ],
+)
 def test_invalid_input_raises_value_error(kwargs, match):
     args = dict(tokens=16, topm=4, v_dim=64, P=4)
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
-        comm_volume("number", args.pop("tokens"), args.pop("topm"), args.pop("v_dim"),
-                    args.pop("P"), **args)
+        comm_volume("number", args.pop("tokens"), args.pop("topm"), args.pop("v_dim"), args.pop("P"), **args)
 
 
 def test_unknown_partition_and_phase():
@@ -254,18 +260,25 @@ def test_tensor_parallel_chunks_the_tokens():
 
 def test_virtual_addresses_must_fit_the_index_width():
     """The tables switch to int64 indices when E x N > 2^31 - 1; the planner must be told."""
-    assert comm_volume("number", 64, 8, 64, 4, dedup=True, slots=2 ** 28, ive=4)["forward_total"] > 0
+    assert comm_volume("number", 64, 8, 64, 4, dedup=True, slots=2**28, ive=4)["forward_total"] > 0
     with pytest.raises(ValueError, match=r"ive x slots \(2147483648\) virtual addresses do not fit 4-byte"):
-        comm_volume("number", 64, 8, 64, 4, dedup=True, slots=2 ** 29, ive=4)
-    assert comm_volume("number", 64, 8, 64, 4, dedup=True, slots=2 ** 29, ive=4, index_bytes=8)["forward_total"] > 0
+        comm_volume("number", 64, 8, 64, 4, dedup=True, slots=2**29, ive=4)
+    assert comm_volume("number", 64, 8, 64, 4, dedup=True, slots=2**29, ive=4, index_bytes=8)["forward_total"] > 0
 
 
 ROW_TERMS = {"all_to_all_values", "all_to_all_value_grads", "all_to_all_indices", "all_gather_indices"}
 
 
-@pytest.mark.parametrize("partition,options", [("number", {}), ("number", {"owner_reduce": True}),
-                                               ("dimension", {}), ("dimension", {"tensor_parallel": 2}),
-                                               ("number", {"owner_reduce": True, "tensor_parallel": 2})])
+@pytest.mark.parametrize(
+    "partition,options",
+    [
+        ("number", {}),
+        ("number", {"owner_reduce": True}),
+        ("dimension", {}),
+        ("dimension", {"tensor_parallel": 2}),
+        ("number", {"owner_reduce": True, "tensor_parallel": 2}),
+    ],
+)
 def test_activation_bytes_price_scores_and_pooled_outputs_only(partition, options):
     """A bf16 table trained in fp32 sends its rows (and row gradients) in 2 bytes but its scores,
     pooled slices, partial sums and their gradients in 4: each collective is priced as if the

@@ -6,20 +6,33 @@ import math
 import pytest
 import torch
 
-from rmt.planner.memory import (CHECKPOINT_CHUNK_BYTES, TablePlan, checkpoint_bytes, components, group_sizes,
-                                min_group_size, phases, plan_memory)
+from rmt.planner.memory import (
+    CHECKPOINT_CHUNK_BYTES,
+    TablePlan,
+    checkpoint_bytes,
+    components,
+    group_sizes,
+    min_group_size,
+    phases,
+    plan_memory,
+)
 
-GIB = 2 ** 30
+GIB = 2**30
 SMALL = dict(slots=64, dim=8, group_size=4, tokens=10, heads=2, topk=3, key_dim=4, tucker_rank=2, ive_blocks=4)
 
 
 def test_components_of_a_small_number_wise_adamw_table():
     c = components(TablePlan(**SMALL))
     rows, cols, n = 16, 8, 8 * 2  # 64 / 4 rows; grid side 8 keys x sqrt(4)
-    assert c == {"table": rows * cols * 4, "slot_stats": 16, "gradients": rows * cols * 4,
-                 "optimizer_states": 2 * rows * cols * 4, "keys": 2 * 2 * n * 4 * 4,
-                 "retrieval_activations": 2 * 10 * 2 * 2 * 2 * n * 4,
-                 "checkpoint_chunk": rows * cols * 4 // 4}  # its rows of each of the 4 dimension-wise files
+    assert c == {
+        "table": rows * cols * 4,
+        "slot_stats": 16,
+        "gradients": rows * cols * 4,
+        "optimizer_states": 2 * rows * cols * 4,
+        "keys": 2 * 2 * n * 4 * 4,
+        "retrieval_activations": 2 * 10 * 2 * 2 * 2 * n * 4,
+        "checkpoint_chunk": rows * cols * 4 // 4,
+    }  # its rows of each of the 4 dimension-wise files
     dim = components(TablePlan(**dict(SMALL, partition="dimension")))
     assert dim["checkpoint_chunk"] == dim["table"] == 64 * 2 * 4  # whole rows of the number-wise files
     two = components(TablePlan(**SMALL, microbatches=3))
@@ -55,16 +68,18 @@ def test_phases_compose_the_components():
     assert p["save"] == 3 * (trained + c["gradients"])
     assert p["load"] == 3 * trained + 2 * c["keys"]
     assert p["load_resharded"] == 3 * trained + max(2 * c["keys"], c["checkpoint_chunk"])
-    big = components(TablePlan(slots=4096 ** 2, dim=1024, group_size=2))
+    big = components(TablePlan(slots=4096**2, dim=1024, group_size=2))
     assert big["checkpoint_chunk"] == CHECKPOINT_CHUNK_BYTES
 
 
 def test_per_rank_bytes_fall_as_one_over_p_and_checkpoint_size_does_not_move():
-    sizes = [phases(TablePlan(slots=1024 ** 2, dim=64, group_size=P, value_optimizer="rowwise_adagrad"))["save"]
-             for P in (1, 2, 4, 8)]
+    sizes = [
+        phases(TablePlan(slots=1024**2, dim=64, group_size=P, value_optimizer="rowwise_adagrad"))["save"]
+        for P in (1, 2, 4, 8)
+    ]
     table_part = [s - sizes[-1] for s in sizes]  # the P-independent key grid cancels
     assert table_part[0] / table_part[1] == pytest.approx(2 * (1 - 1 / 8) / (1 - 1 / 4), rel=1e-6)
-    assert checkpoint_bytes(TablePlan(slots=1024 ** 2, dim=64, group_size=8)) == 3 * 1024 ** 2 * 64 * 4
+    assert checkpoint_bytes(TablePlan(slots=1024**2, dim=64, group_size=8)) == 3 * 1024**2 * 64 * 4
 
 
 def test_group_sizes_are_the_divisors_rmt_can_run():
@@ -73,7 +88,7 @@ def test_group_sizes_are_the_divisors_rmt_can_run():
 
 
 def test_min_group_size_is_the_smallest_runnable_fit():
-    plan = TablePlan(slots=100_000 ** 2, dim=64, group_size=64, value_optimizer="rowwise_adagrad")
+    plan = TablePlan(slots=100_000**2, dim=64, group_size=64, value_optimizer="rowwise_adagrad")
     budget = 80 * GIB
     P = min_group_size(plan, budget)
     assert P is not None and max(phases(TablePlan(**{**plan.__dict__, "group_size": P})).values()) <= budget
@@ -84,16 +99,19 @@ def test_min_group_size_is_the_smallest_runnable_fit():
     assert plan_memory(TablePlan(slots=64, dim=8), gpu_mem_gib=1e-9)["min_group_size"] is None
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(slots=10, dim=4), "not a square"),
-    (dict(slots=64, dim=4, group_size=3), "divisible by the group size"),
-    (dict(slots=64, dim=6, group_size=4, partition="dimension"), "value dim \\(6\\) divisible"),
-    (dict(slots=64, dim=8, partition="dimension", value_optimizer="rowwise_adagrad"), "number-wise"),
-    (dict(slots=64, dim=8, value_dtype="fp16"), "value dtype"),
-    (dict(slots=64, dim=8, value_optimizer="sgd"), "value optimizer"),
-    (dict(slots=64, dim=8, ive_blocks=2), "perfect square"),
-    (dict(slots=64, dim=8, tokens=0), "tokens must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(slots=10, dim=4), "not a square"),
+        (dict(slots=64, dim=4, group_size=3), "divisible by the group size"),
+        (dict(slots=64, dim=6, group_size=4, partition="dimension"), "value dim \\(6\\) divisible"),
+        (dict(slots=64, dim=8, partition="dimension", value_optimizer="rowwise_adagrad"), "number-wise"),
+        (dict(slots=64, dim=8, value_dtype="fp16"), "value dtype"),
+        (dict(slots=64, dim=8, value_optimizer="sgd"), "value optimizer"),
+        (dict(slots=64, dim=8, ive_blocks=2), "perfect square"),
+        (dict(slots=64, dim=8, tokens=0), "tokens must be a positive integer"),
+    ],
+)
 def test_layouts_rmt_cannot_run_are_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):
         phases(TablePlan(**kwargs))
@@ -113,8 +131,17 @@ def test_planned_tensors_match_a_built_layer():
     from rmt.memory.layer import MemoryLayer, MemorySpec
     from rmt.planner.memory import plan_from_config
 
-    config = load_config(None, ["model.hidden_size=32", "memory.type=ultramem", "memory.placement='1:2'",
-                                "memory.num_keys=16", "memory.key_dim=8", "memory.topk=4"])
+    config = load_config(
+        None,
+        [
+            "model.hidden_size=32",
+            "memory.type=ultramem",
+            "memory.placement='1:2'",
+            "memory.num_keys=16",
+            "memory.key_dim=8",
+            "memory.topk=4",
+        ],
+    )
     layer = MemoryLayer(MemorySpec.from_config(config))
     c = components(plan_from_config(config, group_size=1, layers=1, microbatches=1))
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
@@ -149,8 +176,11 @@ def test_fused_value_optimizer_holds_no_gradient_but_the_kept_lookups():
     bf16 = TablePlan(**dict(plan, group_size=1, precision="bf16", value_dtype="bf16"), fused=True)
     assert fused_kept_bytes(bf16) == 10 * (4 * 8 * 2 + 6 * (8 + 2 * 2 + 8))
     wide = TablePlan(**dict(plan, group_size=1, precision="bf16"), fused=True)
-    assert fused_kept_bytes(wide) == fused_kept_bytes(TablePlan(**dict(plan, group_size=1), fused=True)) \
+    assert (
+        fused_kept_bytes(wide)
+        == fused_kept_bytes(TablePlan(**dict(plan, group_size=1), fused=True))
         == 10 * (4 * 8 * 4 + 6 * (8 + 2 * 4 + 8))
+    )
     with pytest.raises(ValueError, match="fused value optimizer"):
         phases(TablePlan(**SMALL, fused=True))
 
@@ -164,17 +194,28 @@ def test_fused_kept_lookups_match_what_a_built_layer_keeps():
     from rmt.ops.sparse_optim import SparseAdam
     from rmt.planner.memory import fused_kept_bytes, plan_from_config
 
-    config = load_config(None, ["model.hidden_size=32", "memory.type=ultramem", "memory.placement='1:2'",
-                                "memory.num_keys=16", "memory.key_dim=8", "memory.topk=4",
-                                "memory.value_optimizer=sparse_adam", "memory.fused_value_optimizer=true"])
+    config = load_config(
+        None,
+        [
+            "model.hidden_size=32",
+            "memory.type=ultramem",
+            "memory.placement='1:2'",
+            "memory.num_keys=16",
+            "memory.key_dim=8",
+            "memory.topk=4",
+            "memory.value_optimizer=sparse_adam",
+            "memory.fused_value_optimizer=true",
+        ],
+    )
     layer = MemoryLayer(MemorySpec.from_config(config))
     weight = layer.values.weight
     weight.memory_fused_update = FusedValueUpdate(weight, SparseAdam([weight], lr=1e-3))
     weight.memory_fused_update.final = False  # an early micro-batch of the step
     T = config.train.micro_batch_size * config.model.seq_length
     layer(torch.randn(T, 1, 32)).sum().backward()
-    kept = sum(t.numel() * t.element_size() for entry in weight.memory_fused_update.stash
-               for t in entry[:4] if t is not None)
+    kept = sum(
+        t.numel() * t.element_size() for entry in weight.memory_fused_update.stash for t in entry[:4] if t is not None
+    )
     plan = plan_from_config(config, group_size=1, layers=1, microbatches=2)
     assert plan.fused and plan.cores == config.memory.num_cores
     assert kept == fused_kept_bytes(plan)

@@ -4,8 +4,8 @@
 import json
 
 import pytest
+from test_flops import CASES, COMMON, single_process  # noqa: F401  (a fixture)
 
-from conftest import load_script, run_python
 from rmt.config import load_config
 from rmt.config_checks import validate
 from rmt.models.build import build
@@ -14,7 +14,8 @@ from rmt.planner.dense import dense_bytes_per_param
 from rmt.planner.layouts import search
 from rmt.planner.rank import in_flight, layout_of, plan_rank, rank_phases, stage_params, with_vocabulary
 from rmt.training.optimizer import is_table
-from test_flops import CASES, COMMON, single_process  # noqa: F401  (a fixture)
+
+from conftest import load_script, run_python
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -63,8 +64,13 @@ def test_distributed_optimizer_state_falls_as_one_over_dp():
 def test_pipeline_stages_hold_the_schedule_in_flight_microbatches():
     """1F1B: stage s of PP holds min(PP - s, m) micro-batches; interleaved adds the warm-up of the
     virtual stages; the first and last stages differ (embedding, logits)."""
-    c = _config("model.num_layers=8", "parallel.pipeline_model_parallel_size=4", "train.micro_batch_size=1",
-                "train.global_batch_size=8", world=4)
+    c = _config(
+        "model.num_layers=8",
+        "parallel.pipeline_model_parallel_size=4",
+        "train.micro_batch_size=1",
+        "train.global_batch_size=8",
+        world=4,
+    )
     layout = layout_of(c, 4)
     assert [in_flight(layout, s) for s in range(4)] == [4, 3, 2, 1]
     doc = plan_rank(c, 4)
@@ -72,19 +78,26 @@ def test_pipeline_stages_hold_the_schedule_in_flight_microbatches():
     acts = [doc["stages"][str(s)]["phases"]["step"]["activations"] for s in range(4)]
     assert acts[1] > acts[2]  # more micro-batches in flight on the earlier middle stage
     assert doc["stages"]["3"]["phases"]["step"]["transient"] > 0 == doc["stages"]["0"]["phases"]["step"]["transient"]
-    v = _config("model.num_layers=8", "parallel.pipeline_model_parallel_size=2",
-                "parallel.virtual_pipeline_model_parallel_size=2", "train.micro_batch_size=1",
-                "train.global_batch_size=8", world=2)
+    v = _config(
+        "model.num_layers=8",
+        "parallel.pipeline_model_parallel_size=2",
+        "parallel.virtual_pipeline_model_parallel_size=2",
+        "train.micro_batch_size=1",
+        "train.global_batch_size=8",
+        world=2,
+    )
     assert [in_flight(layout_of(v, 2), s) for s in range(2)] == [5, 3]
 
 
 def test_recomputation_and_sequence_parallelism_lower_the_activations():
     base = _config("model.num_layers=4", "parallel.tensor_model_parallel_size=2", world=2)
     acts = {}
-    for name, extra in {"none": [], "selective": ["train.recompute_granularity=selective"],
-                        "full": ["train.recompute_granularity=full", "train.recompute_method=uniform",
-                                 "train.recompute_num_layers=1"],
-                        "sp": ["parallel.sequence_parallel=true"]}.items():
+    for name, extra in {
+        "none": [],
+        "selective": ["train.recompute_granularity=selective"],
+        "full": ["train.recompute_granularity=full", "train.recompute_method=uniform", "train.recompute_num_layers=1"],
+        "sp": ["parallel.sequence_parallel=true"],
+    }.items():
         c = _config("model.num_layers=4", "parallel.tensor_model_parallel_size=2", *extra, world=2)
         acts[name] = rank_phases(c, layout_of(c, 2), 0)["step"]["activations"]
     assert acts["none"] > acts["selective"] > acts["full"] and acts["none"] > acts["sp"]
@@ -103,19 +116,28 @@ def test_memory_from_a_config_prints_the_whole_rank(capsys, tmp_path):
 
 
 def test_memory_from_a_config_without_tables(capsys):
-    assert cli.main(["memory", "--config", "configs/tiny.yaml", "--world-size", "2",
-                     "parallel.pipeline_model_parallel_size=2"]) == 0
+    assert (
+        cli.main(
+            ["memory", "--config", "configs/tiny.yaml", "--world-size", "2", "parallel.pipeline_model_parallel_size=2"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "pipeline stage 0" in out and "pipeline stage 1" in out and "memory table(s)" not in out
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["memory", "--config", "configs/tiny.yaml", "--world-size", "3", "parallel.tensor_model_parallel_size=2"],
-     "not divisible by tensor x pipeline"),
-    (["memory", "--config", "configs/tiny.yaml", "--world-size", "2", "--reserve-gib", "1"], "every byte"),
-    (["layouts", "--config", "configs/tiny.yaml", "model.nonsense=1"], "nonsense"),
-    (["layouts", "--config", "configs/tiny.yaml", "--gpus", "0"], "positive integer"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (
+            ["memory", "--config", "configs/tiny.yaml", "--world-size", "3", "parallel.tensor_model_parallel_size=2"],
+            "not divisible by tensor x pipeline",
+        ),
+        (["memory", "--config", "configs/tiny.yaml", "--world-size", "2", "--reserve-gib", "1"], "every byte"),
+        (["layouts", "--config", "configs/tiny.yaml", "model.nonsense=1"], "nonsense"),
+        (["layouts", "--config", "configs/tiny.yaml", "--gpus", "0"], "positive integer"),
+    ],
+)
 def test_bad_input_exit_2_one_line(argv, match, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
@@ -131,4 +153,4 @@ def test_layout_search_lists_runnable_fitting_layouts_by_cost():
     assert costs == sorted(costs)
     for r in doc["fitting"][:5]:
         c = with_vocabulary(validate(load_config("configs/ultramem_tiny.yaml", r["overrides"]), world_size=4))
-        assert plan_rank(c, 4, "cpu")["peak"] == r["peak"] <= 80 * 2 ** 30
+        assert plan_rank(c, 4, "cpu")["peak"] == r["peak"] <= 80 * 2**30

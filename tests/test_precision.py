@@ -11,22 +11,49 @@ pytestmark = pytest.mark.slow
 
 # The RMT's logits start uniform and move slowly at the tiny default rate (3 steps: fp32 and bf16
 # losses equal to 6 digits); at its configs' rate 1e-2 and 8 steps its loss falls by 0.2
-ARCHS = {"transformer": [], "rmt": ["model.arch=rmt", "model.position=alibi", "model.dk=8",
-                                    "model.dv=8", "model.rank=4", "train.lr=0.01", "train.steps=8"],
-         "moe_mlp": ["memory.type=moe", "memory.moe_placement=mlp", "memory.placement=1-2", "memory.num_experts=4"],
-         "recurrent": ["model.arch=recurrent", "model.block_width=4", "model.seq_length=16"],
-         "mixer": ["model.arch=mixer", "model.seq_length=16"],
-         **{kind: [f"memory.type={kind}", "memory.placement='1:2'", "memory.key_dim=8", "memory.num_keys=8",
-                   "memory.topk=4"] for kind in ("ultramem", "pkm")},
-         "ultramem_v2": ["memory.type=ultramem_v2", "memory.num_heads=1", "memory.key_dim=8", "memory.num_keys=8",
-                         "memory.topk=4", "memory.pre_value_dim=8"]}
+ARCHS = {
+    "transformer": [],
+    "rmt": [
+        "model.arch=rmt",
+        "model.position=alibi",
+        "model.dk=8",
+        "model.dv=8",
+        "model.rank=4",
+        "train.lr=0.01",
+        "train.steps=8",
+    ],
+    "moe_mlp": ["memory.type=moe", "memory.moe_placement=mlp", "memory.placement=1-2", "memory.num_experts=4"],
+    "recurrent": ["model.arch=recurrent", "model.block_width=4", "model.seq_length=16"],
+    "mixer": ["model.arch=mixer", "model.seq_length=16"],
+    **{
+        kind: [
+            f"memory.type={kind}",
+            "memory.placement='1:2'",
+            "memory.key_dim=8",
+            "memory.num_keys=8",
+            "memory.topk=4",
+        ]
+        for kind in ("ultramem", "pkm")
+    },
+    "ultramem_v2": [
+        "memory.type=ultramem_v2",
+        "memory.num_heads=1",
+        "memory.key_dim=8",
+        "memory.num_keys=8",
+        "memory.topk=4",
+        "memory.pre_value_dim=8",
+    ],
+}
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_bf16_tracks_fp32(arch, cache_dir, tmp_path):
-    losses = {precision: train_steps(tmp_path / f"{precision}.pt",
-                                     tiny_overrides(cache_dir) + ARCHS[arch] + [f"train.precision={precision}"])["losses"]
-              for precision in ("fp32", "bf16")}
+    losses = {
+        precision: train_steps(
+            tmp_path / f"{precision}.pt", tiny_overrides(cache_dir) + ARCHS[arch] + [f"train.precision={precision}"]
+        )["losses"]
+        for precision in ("fp32", "bf16")
+    }
     assert losses["bf16"] != losses["fp32"]
     assert losses["bf16"] == pytest.approx(losses["fp32"], abs=0.05)
     if arch == "rmt":

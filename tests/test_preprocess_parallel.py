@@ -14,11 +14,12 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT, _env
 from rmt.data.blend import Blend, parse_blend
 from rmt.data.preprocess import main as preprocess_main
 from rmt.data.shards import merge_indexed, write_indexed
 from rmt.data.tokenizers import ByteTokenizer, HFTokenizer, train_bpe
+
+from conftest import ROOT, _env
 
 WORDS = "memory layers recall sparse slots ünïcode ✓ tokens attention blend".split()
 
@@ -87,8 +88,11 @@ def test_output_identical_whatever_workers_and_chunks(inputs, tmp_path):
     runs = {}
     for workers, chunk in ((1, None), (2, 0.004), (3, 0.001)):
         prefix = str(tmp_path / f"w{workers}" / "ds")
-        argv = ["--input"] + patterns + ["--output-prefix", prefix, "--workers", str(workers), "--tokenizer",
-                                         str(tmp_path / "bpe.json")]
+        argv = (
+            ["--input"]
+            + patterns
+            + ["--output-prefix", prefix, "--workers", str(workers), "--tokenizer", str(tmp_path / "bpe.json")]
+        )
         _run(argv + (["--chunk-mib", str(chunk)] if chunk else []))
         runs[workers] = _files(prefix)
         assert not os.path.exists(prefix + ".partial")
@@ -125,8 +129,18 @@ def test_one_dataset_per_input_with_its_blend(inputs, tmp_path):
 
     d, patterns, texts = inputs
     prefix = str(tmp_path / "out" / "mix")
-    _run(["--input", str(d / "part*.jsonl"), str(d / "saved"), "--output-prefix", prefix, "--per-input",
-          "--workers", "2"])
+    _run(
+        [
+            "--input",
+            str(d / "part*.jsonl"),
+            str(d / "saved"),
+            "--output-prefix",
+            prefix,
+            "--per-input",
+            "--workers",
+            "2",
+        ]
+    )
     names = ["part0", "part1", "saved"]
     tokens = []
     for name, key in zip(names, ["part0.jsonl", "part1.jsonl", "saved"]):
@@ -149,8 +163,20 @@ def test_interrupted_run_resumes(tmp_path):
     only the rest, and the output is that of an uninterrupted run."""
     src = _big_jsonl(tmp_path / "big.jsonl", 24)
     prefix = str(tmp_path / "ds")
-    argv = [sys.executable, "-m", "rmt.data.preprocess", "--input", src, "--output-prefix", prefix,
-            "--workers", "1", "--chunk-mib", "0.25", "--no-progress"]
+    argv = [
+        sys.executable,
+        "-m",
+        "rmt.data.preprocess",
+        "--input",
+        src,
+        "--output-prefix",
+        prefix,
+        "--workers",
+        "1",
+        "--chunk-mib",
+        "0.25",
+        "--no-progress",
+    ]
     proc = subprocess.Popen(argv, cwd=ROOT, env=_env(), stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
 
@@ -167,8 +193,10 @@ def test_interrupted_run_resumes(tmp_path):
     line = err.strip().splitlines()[-1]
     done = int(line.split("interrupted: ")[1].split(" of ")[0])
     total = -(-os.path.getsize(src) // (1 << 18))  # 0.25 MiB chunks
-    assert line == (f"rmt-preprocess: interrupted: {done} of {total} chunks are done and kept in "
-                    f"'{prefix}.partial'; the same command resumes with the other {total - done}")
+    assert line == (
+        f"rmt-preprocess: interrupted: {done} of {total} chunks are done and kept in "
+        f"'{prefix}.partial'; the same command resumes with the other {total - done}"
+    )
     assert 3 <= done < total and not os.path.exists(prefix + ".bin")
     again = subprocess.run(argv, cwd=ROOT, env=_env(), stderr=subprocess.PIPE, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
@@ -180,11 +208,14 @@ def test_interrupted_run_resumes(tmp_path):
 
 
 def _worker_peak_rss_mib(src, out):
-    code = ("import resource, sys; from rmt.data.preprocess import main; "
-            f"main(['--input', {src!r}, '--output-prefix', {out!r}, '--workers', '1', '--chunk-mib', '1', "
-            "'--no-progress']); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=300)
+    code = (
+        "import resource, sys; from rmt.data.preprocess import main; "
+        f"main(['--input', {src!r}, '--output-prefix', {out!r}, '--workers', '1', '--chunk-mib', '1', "
+        "'--no-progress']); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     return int(proc.stdout.split()[-1]) / 1024
 
@@ -209,21 +240,32 @@ def test_input_errors_are_one_sentence(inputs, tmp_path, capsys):
     d, patterns, texts = inputs
     out = ["--output-prefix", str(tmp_path / "o")]
     assert _error(["--input", str(tmp_path / "none*.jsonl")] + out, capsys) == (
-        2, f"rmt-preprocess: error: input pattern '{tmp_path}/none*.jsonl' matches no file")
+        2,
+        f"rmt-preprocess: error: input pattern '{tmp_path}/none*.jsonl' matches no file",
+    )
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a"]})}).save_to_disk(str(tmp_path / "dd"))
     capsys.readouterr()  # the test's own save_to_disk may draw HF's progress bar
     assert _error(["--input", str(tmp_path / "dd")] + out, capsys) == (
-        2, f"rmt-preprocess: error: input '{tmp_path}/dd' is a HF DatasetDict (splits: train); give the "
-           f"directory of one split, e.g. '{tmp_path}/dd/train'")
+        2,
+        f"rmt-preprocess: error: input '{tmp_path}/dd' is a HF DatasetDict (splits: train); give the "
+        f"directory of one split, e.g. '{tmp_path}/dd/train'",
+    )
     assert _error(["--input", str(d / "part0.jsonl"), str(d / "part*.jsonl")] + out, capsys) == (
-        2, f"rmt-preprocess: error: input '{d}/part0.jsonl' is given twice")
+        2,
+        f"rmt-preprocess: error: input '{d}/part0.jsonl' is given twice",
+    )
     assert _error(["--input", str(d / "part0.jsonl"), "--workers", "0"] + out, capsys) == (
-        2, "rmt-preprocess: error: --workers must be at least 1, got 0")
+        2,
+        "rmt-preprocess: error: --workers must be at least 1, got 0",
+    )
     assert _error(["--input", str(d / "table.parquet"), "--text-key", "body"] + out, capsys) == (
-        2, f"rmt-preprocess: error: input '{d}/table.parquet' has no 'body' field; its fields are: text")
+        2,
+        f"rmt-preprocess: error: input '{d}/table.parquet' has no 'body' field; its fields are: text",
+    )
     bad = tmp_path / "bad.jsonl"
     good = json.dumps({"text": "fine"}) + "\n"
     bad.write_text(good * 3000 + "{not json\n" + good)
     code, err = _error(["--input", str(bad), "--chunk-mib", "0.01", "--workers", "2"] + out, capsys)
-    assert code == 2 and err.startswith(f"rmt-preprocess: error: input '{bad}' is not JSON lines: the line at "
-                                        f"byte {len(good) * 3000} does not parse")
+    assert code == 2 and err.startswith(
+        f"rmt-preprocess: error: input '{bad}' is not JSON lines: the line at byte {len(good) * 3000} does not parse"
+    )

@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-from conftest import ROOT, _env
 from rmt import process
+
+from conftest import ROOT, _env
 
 SNAPSHOT = """
 import json, os, sys, warnings
@@ -34,8 +35,7 @@ from rmt.quiet import _FILTERS
 
 def _run(code):
     env = {k: v for k, v in _env().items() if k not in ("OMP_WAIT_POLICY", "PYTHONWARNINGS")}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -46,20 +46,35 @@ def test_importing_rmt_changes_nothing():
     imported, come first); with the models and the trainer imported too (megatron-core with
     them), no filter of rmt's and no finder of rmt's is installed, megatron-core's jit is its own
     and torch.cuda is torch's."""
-    out = _run(SNAPSHOT + "import torch, numpy\nbefore = snapshot()\n" + IMPORTS + "after = snapshot()\n" + HEAVY + """
+    out = _run(
+        SNAPSHOT
+        + "import torch, numpy\nbefore = snapshot()\n"
+        + IMPORTS
+        + "after = snapshot()\n"
+        + HEAVY
+        + """
 messages = {m for _, m, _ in _FILTERS}
 print(json.dumps({"light": before == after, "omp": os.environ.get("OMP_WAIT_POLICY"),
                   "rmt_finders": [type(f).__name__ for f in sys.meta_path if type(f).__module__.startswith("rmt")],
                   "rmt_filters": [f[1].pattern for f in warnings.filters if f[1] is not None and f[1].pattern in messages],
                   "jit_is_compile": jit.jit_fuser is torch.compile,
                   "cuda_current_device": torch.cuda.current_device.__module__}))
-""")
-    assert out == {"light": True, "omp": None, "rmt_finders": [], "rmt_filters": [], "jit_is_compile": True,
-                   "cuda_current_device": "torch.cuda"}
+"""
+    )
+    assert out == {
+        "light": True,
+        "omp": None,
+        "rmt_finders": [],
+        "rmt_filters": [],
+        "jit_is_compile": True,
+        "cuda_current_device": "torch.cuda",
+    }
 
 
 def test_setup_process_installs_once():
-    out = _run(SNAPSHOT + """
+    out = _run(
+        SNAPSHOT
+        + """
 import rmt
 rmt.setup_process()
 first = snapshot()
@@ -70,7 +85,8 @@ import megatron.core.jit as jit
 print(json.dumps({"same": first == second, "omp": first["environ"].get("OMP_WAIT_POLICY"),
                   "finder": first["meta_path"][0], "filters": len(first["filters"]),
                   "jit_is_compile": jit.jit_fuser is torch.compile}))
-""")
+"""
+    )
     from rmt.quiet import _FILTERS
 
     assert out["same"] and out["omp"] == "PASSIVE" and out["finder"] == "_JitFinder"
@@ -81,17 +97,24 @@ def test_untested_megatron_core_is_refused(monkeypatch):
     monkeypatch.setattr(process, "_megatron_core_version", lambda: "0.17.0")
     with pytest.raises(process.UserError) as err:
         process.require_tested_megatron_core()
-    assert str(err.value) == ("rmt's CPU shim of megatron-core was written for megatron-core 0.16.1, but this "
-                              "environment has 0.17.0; install megatron-core==0.16.1")
+    assert str(err.value) == (
+        "rmt's CPU shim of megatron-core was written for megatron-core 0.16.1, but this "
+        "environment has 0.17.0; install megatron-core==0.16.1"
+    )
     monkeypatch.setattr(process, "_megatron_core_version", lambda: "0.16.1")
     process.require_tested_megatron_core()
 
 
 def test_untested_megatron_core_exits_2_from_rmt_train_check():
-    code = ("import sys\nfrom rmt import process\nprocess._megatron_core_version = lambda: '0.15.0'\n"
-            "from rmt.training.cli import main\nsys.exit(main(['--check', '--config', 'configs/tiny.yaml']))\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=300)
+    code = (
+        "import sys\nfrom rmt import process\nprocess._megatron_core_version = lambda: '0.15.0'\n"
+        "from rmt.training.cli import main\nsys.exit(main(['--check', '--config', 'configs/tiny.yaml']))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 2
-    assert proc.stderr == ("rmt-train: error: rmt's CPU shim of megatron-core was written for megatron-core 0.16.1, "
-                           "but this environment has 0.15.0; install megatron-core==0.16.1\n")
+    assert proc.stderr == (
+        "rmt-train: error: rmt's CPU shim of megatron-core was written for megatron-core 0.16.1, "
+        "but this environment has 0.15.0; install megatron-core==0.16.1\n"
+    )

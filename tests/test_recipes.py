@@ -18,8 +18,14 @@ from rmt.training.optimizer import build_optimizer, build_scheduler, param_group
 
 warnings.filterwarnings("ignore")
 
-SCHEDULE = ["train.steps=40", "train.warmup_steps=10", "train.lr=1e-2", "train.min_lr_ratio=0.1",
-            "train.weight_decay=1e-4", "model.vocab_size=300"]
+SCHEDULE = [
+    "train.steps=40",
+    "train.warmup_steps=10",
+    "train.lr=1e-2",
+    "train.min_lr_ratio=0.1",
+    "train.weight_decay=1e-4",
+    "model.vocab_size=300",
+]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +36,7 @@ def single_process():
 
 
 def tanh_gelu(x):
-    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
 
 
 @pytest.mark.parametrize("mode", ["lr", "schedule"])
@@ -39,8 +45,19 @@ def test_weight_decay_shrink_per_step(single_process, mode):
     megatron's AdamW) or ``wd * lr_t / lr`` (decoupled: the RMT authors' 1e-4, 100x more at lr
     1e-2), on a decayed weight of a model trained through megatron's optimizer; an exempt one
     (a norm gain) stays put."""
-    config = validate(load_config(None, SCHEDULE + [f"train.weight_decay_mode={mode}", "model.num_layers=1",
-                                                    "model.hidden_size=16", "model.num_attention_heads=2"]), 1)
+    config = validate(
+        load_config(
+            None,
+            SCHEDULE
+            + [
+                f"train.weight_decay_mode={mode}",
+                "model.num_layers=1",
+                "model.hidden_size=16",
+                "model.num_attention_heads=2",
+            ],
+        ),
+        1,
+    )
     (chunk,) = wrap_chunks(build(config), config)
     named = dict(chunk.module.named_parameters())
     weight, gain = named["decoder.layers.0.mlp.linear_fc1.weight"], named["decoder.final_layernorm.weight"]
@@ -63,9 +80,16 @@ def test_weight_decay_shrink_per_step(single_process, mode):
 
 @pytest.mark.parametrize("decay_keys", [False, True])
 def test_rmt_decayed_parameters(single_process, decay_keys):
-    overrides = SCHEDULE + ["model.arch=rmt", "model.position=learned", "model.dk=4", "model.dv=4", "model.rank=2",
-                            "model.ffn_hidden_size=16", "train.weight_decay_mode=schedule",
-                            f"train.decay_rmt_keys={str(decay_keys).lower()}"]
+    overrides = SCHEDULE + [
+        "model.arch=rmt",
+        "model.position=learned",
+        "model.dk=4",
+        "model.dv=4",
+        "model.rank=2",
+        "model.ffn_hidden_size=16",
+        "train.weight_decay_mode=schedule",
+        f"train.decay_rmt_keys={str(decay_keys).lower()}",
+    ]
     config = validate(load_config(None, overrides), 1)
     chunks = build(config)
     names = {id(p): n for n, p in chunks[0].named_parameters()}
@@ -73,29 +97,47 @@ def test_rmt_decayed_parameters(single_process, decay_keys):
     assert decay["weight_decay"] == pytest.approx(1e-4 / 1e-2) and no_decay["weight_decay"] == 0.0
     decayed = {names[id(p)] for p in decay["params"]}
     keys = {"embedding.word_keys", "embedding.position_keys", "output_layer.read.weight"}
-    layers = {f"layers.{i}.{w}.weight" for i in range(2)
-              for w in ("attn_read", "attn_write", "ff_read", "fc1", "fc2", "ff_write")}
+    layers = {
+        f"layers.{i}.{w}.weight"
+        for i in range(2)
+        for w in ("attn_read", "attn_write", "ff_read", "fc1", "fc2", "ff_write")
+    }
     assert decayed == layers | (keys if decay_keys else set())
-    assert {"embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
-            "output_layer.linear.weight", "layers.0.attn_norm.weight"} <= {names[id(p)] for p in no_decay["params"]}
+    assert {
+        "embedding.word_embeddings.weight",
+        "embedding.position_embeddings.weight",
+        "output_layer.linear.weight",
+        "layers.0.attn_norm.weight",
+    } <= {names[id(p)] for p in no_decay["params"]}
 
 
 def test_recipe_keys_rejected():
     with pytest.raises(ConfigError, match="^train.weight_decay_mode must be one of 'lr', 'schedule', got 'adam'$"):
         validate(load_config(None, ["train.weight_decay_mode=adam"]), 1)
-    with pytest.raises(ConfigError, match=r"^train.decay_rmt_keys applies to model.arch 'rmt' \(its key "
-                                          r"matrices\), not 'transformer'$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^train.decay_rmt_keys applies to model.arch 'rmt' \(its key "
+        r"matrices\), not 'transformer'$",
+    ):
         validate(load_config(None, ["train.decay_rmt_keys=true"]), 1)
-    with pytest.raises(ConfigError, match=r"^model.activation must be one of 'gelu', 'gelu_tanh', 'silu', 'relu' or "
-                                          r"null, got 'swish'$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^model.activation must be one of 'gelu', 'gelu_tanh', 'silu', 'relu' or "
+        r"null, got 'swish'$",
+    ):
         validate(load_config(None, ["model.activation=swish"]), 1)
 
 
 ARCH = {
     "transformer": ["model.hidden_size=16", "model.num_attention_heads=2"],
     "rmt": ["model.arch=rmt", "model.dk=4", "model.dv=4", "model.rank=2", "model.ffn_hidden_size=16"],
-    "recurrent": ["model.arch=recurrent", "model.hidden_size=16", "model.num_attention_heads=2",
-                  "model.block_width=4", "model.seq_length=8"],
+    "recurrent": [
+        "model.arch=recurrent",
+        "model.hidden_size=16",
+        "model.num_attention_heads=2",
+        "model.block_width=4",
+        "model.seq_length=8",
+    ],
     "mixer": ["model.arch=mixer", "model.hidden_size=16", "model.num_attention_heads=2", "model.seq_length=8"],
 }
 

@@ -20,19 +20,37 @@ import torch
 
 from conftest import load_script, tiny_overrides
 
-MEMORY = ["memory.type=ultramem", "memory.placement='1:3'", "memory.key_dim=8", "memory.num_keys=4",
-          "memory.topk=3", "memory.init_samples=2"]
+MEMORY = [
+    "memory.type=ultramem",
+    "memory.placement='1:3'",
+    "memory.key_dim=8",
+    "memory.num_keys=4",
+    "memory.topk=3",
+    "memory.init_samples=2",
+]
 ARCHS = {
     "transformer": MEMORY,
     "transformer-async": MEMORY + ["memory.async_stream=true"],
     "transformer-bf16-dropout": MEMORY + ["train.precision=bf16", "model.dropout=0.1"],
-    "transformer-pkm": ["memory.type=pkm", "memory.placement='1:3'", "memory.key_dim=8", "memory.num_keys=4",
-                        "memory.topk=3"],
+    "transformer-pkm": [
+        "memory.type=pkm",
+        "memory.placement='1:3'",
+        "memory.key_dim=8",
+        "memory.num_keys=4",
+        "memory.topk=3",
+    ],
     "transformer-fused": MEMORY + ["memory.value_optimizer=sparse_adam", "memory.fused_value_optimizer=true"],
     "transformer-skip-moe": ["memory.type=moe", "memory.placement='1:3'", "memory.num_experts=4"],
     "transformer-moe": ["memory.type=moe", "memory.moe_placement=mlp", "memory.placement=2-3", "memory.num_experts=4"],
-    "rmt": MEMORY + ["model.arch=rmt", "model.position=alibi", "model.dk=8", "model.dv=8", "model.rank=4",
-                     "model.ffn_hidden_size=64"],
+    "rmt": MEMORY
+    + [
+        "model.arch=rmt",
+        "model.position=alibi",
+        "model.dk=8",
+        "model.dv=8",
+        "model.rank=4",
+        "model.ffn_hidden_size=64",
+    ],
     "recurrent": ["model.arch=recurrent", "model.block_width=8", "model.hidden_size=16"],
     "mixer": ["model.arch=mixer", "model.hidden_size=16"],
 }
@@ -82,7 +100,8 @@ def _record(cache_dir, monkeypatch, overrides):
         patch.setattr(CheckpointFunction, "backward", staticmethod(counted_backward))
         patch.setattr(MemoryLayer, "forward", counted_forward)
         record = load_script("tests/dist/train_steps.py").record(
-            tiny_overrides(cache_dir) + ["model.num_layers=4"] + list(overrides))
+            tiny_overrides(cache_dir) + ["model.num_layers=4"] + list(overrides)
+        )
     return record, counts
 
 
@@ -141,7 +160,9 @@ def saved_bytes(cache_dir, overrides) -> int:
         model = build(config)[0].to(device).train()
         weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
         s, b = config.model.seq_length, config.train.micro_batch_size
-        tokens = torch.randint(0, config.model.vocab_size, (b, s), generator=torch.Generator().manual_seed(0)).to(device)
+        tokens = torch.randint(0, config.model.vocab_size, (b, s), generator=torch.Generator().manual_seed(0)).to(
+            device
+        )
         positions = torch.arange(s, device=device)[None].expand(b, s)
         storages = {}
 
@@ -159,7 +180,7 @@ def saved_bytes(cache_dir, overrides) -> int:
         parallel.destroy()
 
 
-ACTIVATION_ARCHS = {"transformer": [], "rmt": ARCHS["rmt"][len(MEMORY):]}
+ACTIVATION_ARCHS = {"transformer": [], "rmt": ARCHS["rmt"][len(MEMORY) :]}
 
 
 @pytest.mark.parametrize("arch", ACTIVATION_ARCHS)
@@ -192,46 +213,80 @@ def test_memory_layer_activations_are_kept_under_full_recompute(cache_dir):
     four = ["model.num_layers=4"]
     dense_none, dense_full = (saved_bytes(cache_dir, four + s) for s in ([], full))
     memory_none, memory_full = (saved_bytes(cache_dir, four + MEMORY + s) for s in ([], full))
-    print(f"memory layer's saved bytes: {memory_none - dense_none} without, {memory_full - dense_full} with full recompute")
+    print(
+        f"memory layer's saved bytes: {memory_none - dense_none} without, {memory_full - dense_full} with full recompute"
+    )
     assert memory_none - dense_none > 0
     assert (memory_none - dense_none) - (memory_full - dense_full) == 32 * 2 * 32 * 4
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["train.recompute_granularity=partial"],
-     "train.recompute_granularity must be one of 'none', 'selective', 'full', got 'partial'"),
-    (["train.recompute_granularity=full", "train.recompute_num_layers=1"],
-     "train.recompute_granularity 'full' needs train.recompute_method 'uniform' or 'block', got None"),
-    (["train.recompute_granularity=full", "train.recompute_method=blocks", "train.recompute_num_layers=1"],
-     "train.recompute_method must be one of 'uniform', 'block' or null, got 'blocks'"),
-    (["train.recompute_granularity=full", "train.recompute_method=block"],
-     "train.recompute_num_layers must lie in [1, 4] (the layers per model chunk) with train.recompute_granularity "
-     "'full', got None"),
-    (["train.recompute_granularity=full", "train.recompute_method=block", "train.recompute_num_layers=3",
-      "parallel.pipeline_model_parallel_size=2"],
-     "train.recompute_num_layers must lie in [1, 2] (the layers per model chunk)"),
-    (["train.recompute_granularity=full", "train.recompute_method=uniform", "train.recompute_num_layers=3"],
-     "train.recompute_num_layers (3) must divide the layers per model chunk (4) with train.recompute_method 'uniform'"),
-    (["train.recompute_granularity=selective", "train.recompute_num_layers=2"],
-     "train.recompute_num_layers applies to train.recompute_granularity 'full' only (got 'selective'); set it to null"),
-    (["train.recompute_method=uniform"],
-     "train.recompute_method applies to train.recompute_granularity 'full' only (got 'none'); set it to null"),
-    (["train.recompute_granularity=selective", "model.arch=mixer"],
-     "train.recompute_granularity 'selective' recomputes core attention, which the mixer does not have; use 'full'"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["train.recompute_granularity=partial"],
+            "train.recompute_granularity must be one of 'none', 'selective', 'full', got 'partial'",
+        ),
+        (
+            ["train.recompute_granularity=full", "train.recompute_num_layers=1"],
+            "train.recompute_granularity 'full' needs train.recompute_method 'uniform' or 'block', got None",
+        ),
+        (
+            ["train.recompute_granularity=full", "train.recompute_method=blocks", "train.recompute_num_layers=1"],
+            "train.recompute_method must be one of 'uniform', 'block' or null, got 'blocks'",
+        ),
+        (
+            ["train.recompute_granularity=full", "train.recompute_method=block"],
+            "train.recompute_num_layers must lie in [1, 4] (the layers per model chunk) with train.recompute_granularity "
+            "'full', got None",
+        ),
+        (
+            [
+                "train.recompute_granularity=full",
+                "train.recompute_method=block",
+                "train.recompute_num_layers=3",
+                "parallel.pipeline_model_parallel_size=2",
+            ],
+            "train.recompute_num_layers must lie in [1, 2] (the layers per model chunk)",
+        ),
+        (
+            ["train.recompute_granularity=full", "train.recompute_method=uniform", "train.recompute_num_layers=3"],
+            "train.recompute_num_layers (3) must divide the layers per model chunk (4) with train.recompute_method 'uniform'",
+        ),
+        (
+            ["train.recompute_granularity=selective", "train.recompute_num_layers=2"],
+            "train.recompute_num_layers applies to train.recompute_granularity 'full' only (got 'selective'); set it to null",
+        ),
+        (
+            ["train.recompute_method=uniform"],
+            "train.recompute_method applies to train.recompute_granularity 'full' only (got 'none'); set it to null",
+        ),
+        (
+            ["train.recompute_granularity=selective", "model.arch=mixer"],
+            "train.recompute_granularity 'selective' recomputes core attention, which the mixer does not have; use 'full'",
+        ),
+    ],
+)
 def test_recompute_settings_rejected_in_one_sentence(overrides, message):
     from rmt.config import ConfigError, load_config
     from rmt.config_checks import validate
 
     with pytest.raises(ConfigError) as err:
-        validate(load_config(None, ["model.num_layers=4"] + overrides),
-                 world_size=2 if "parallel.pipeline_model_parallel_size=2" in overrides else 1)
+        validate(
+            load_config(None, ["model.num_layers=4"] + overrides),
+            world_size=2 if "parallel.pipeline_model_parallel_size=2" in overrides else 1,
+        )
     assert str(err.value) == message or str(err.value).startswith(message)
     assert "\n" not in str(err.value)
 
 
-PLAN_SHAPE = ["model.hidden_size=128", "model.num_attention_heads=4", "model.num_layers=4", "model.seq_length=256",
-              "train.micro_batch_size=4"]
+PLAN_SHAPE = [
+    "model.hidden_size=128",
+    "model.num_attention_heads=4",
+    "model.num_layers=4",
+    "model.seq_length=256",
+    "train.micro_batch_size=4",
+]
 
 
 @pytest.mark.parametrize("arch", ["transformer", "rmt"])
@@ -242,16 +297,23 @@ def test_activation_bytes_drop_as_rmt_plan_predicts(arch, cache_dir):
     from rmt.config import load_config
     from rmt.planner.flops import plan_model
 
-    base = PLAN_SHAPE + (["model.arch=rmt", "model.dk=16", "model.dv=32", "model.rank=4", "model.position=alibi"]
-                         if arch == "rmt" else [])
+    base = PLAN_SHAPE + (
+        ["model.arch=rmt", "model.dk=16", "model.dv=32", "model.rank=4", "model.position=alibi"]
+        if arch == "rmt"
+        else []
+    )
     tokens = 4 * 256
     measured, planned = {}, {}
-    for name, settings in (("none", []), ("selective", SELECTIVE),
-                           ("uniform2", UNIFORM + ["train.recompute_num_layers=2"]),
-                           ("block1", BLOCK + ["train.recompute_num_layers=1"])):
+    for name, settings in (
+        ("none", []),
+        ("selective", SELECTIVE),
+        ("uniform2", UNIFORM + ["train.recompute_num_layers=2"]),
+        ("block1", BLOCK + ["train.recompute_num_layers=1"]),
+    ):
         measured[name] = saved_bytes(cache_dir, base + settings) / tokens
         planned[name] = plan_model(load_config(None, base + settings + ["model.vocab_size=64"]))[
-            "recomputed_activation_bytes_per_token"]
+            "recomputed_activation_bytes_per_token"
+        ]
     print(f"{arch} bytes per token, measured {measured}, planned {planned}")
     for name in measured:
         assert planned[name] == pytest.approx(measured[name], rel=0.10), name

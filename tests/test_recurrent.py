@@ -16,8 +16,15 @@ from rmt.parallel.sharding import shards
 
 warnings.filterwarnings("ignore")
 
-BASE = ["model.arch=recurrent", "model.vocab_size=16", "model.seq_length=16", "model.hidden_size=16",
-        "model.num_attention_heads=2", "model.num_layers=1", "model.block_width=4"]
+BASE = [
+    "model.arch=recurrent",
+    "model.vocab_size=16",
+    "model.seq_length=16",
+    "model.hidden_size=16",
+    "model.num_attention_heads=2",
+    "model.num_layers=1",
+    "model.block_width=4",
+]
 
 
 @pytest.fixture
@@ -39,9 +46,9 @@ def test_two_blocks_follow_equations_6_to_8(built):
     layer = built("model.recurrent_alpha=0.3").layers[0]
     x = torch.randn(8, 2, 16)
     x1, x2 = x[:4], x[4:]
-    h1 = tau(layer, x1)                                      # eq. 6
+    h1 = tau(layer, x1)  # eq. 6
     y1, h2 = tau(layer, torch.cat([0.3 * x1 + h1, 0.3 * x1 + x2])).split(4)  # eq. 7
-    y2 = tau(layer, h2)                                      # eq. 8
+    y2 = tau(layer, h2)  # eq. 8
     torch.testing.assert_close(layer(x), torch.cat([y1, y2]), rtol=0, atol=1e-6)
 
 
@@ -114,14 +121,19 @@ def test_block_positions_make_every_block_alike(built):
         parallel.destroy()
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["model.block_width=32"], "must not exceed model.seq_length"),
-    (["model.recurrent_alpha=1.5"], "model.recurrent_alpha must be a finite number in \\[0, 1\\], got 1.5"),
-    (["model.recurrent_alpha=0.3", "model.recurrent_alpha_min=0.4"],
-     r"model.recurrent_alpha_min must lie in \[0, model.recurrent_alpha = 0.3\], got 0.4"),
-    (["parallel.pipeline_model_parallel_size=2", "model.num_layers=2"], "supports data parallelism only"),
-    (["model.position=rope"], "must be 'learned' or 'block'"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["model.block_width=32"], "must not exceed model.seq_length"),
+        (["model.recurrent_alpha=1.5"], "model.recurrent_alpha must be a finite number in \\[0, 1\\], got 1.5"),
+        (
+            ["model.recurrent_alpha=0.3", "model.recurrent_alpha_min=0.4"],
+            r"model.recurrent_alpha_min must lie in \[0, model.recurrent_alpha = 0.3\], got 0.4",
+        ),
+        (["parallel.pipeline_model_parallel_size=2", "model.num_layers=2"], "supports data parallelism only"),
+        (["model.position=rope"], "must be 'learned' or 'block'"),
+    ],
+)
 def test_validator_rejects(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(load_config(None, BASE + overrides), 2)

@@ -8,10 +8,23 @@ from conftest import train_runs
 
 pytestmark = pytest.mark.slow
 
-COMMON = ["model.num_layers=1", "model.hidden_size=16", "model.num_attention_heads=2", "model.seq_length=24",
-          "model.block_width=4", "data.task=copy", "data.task_tokens=4", "data.task_alphabet=8",
-          "data.noise_length=8", "train.steps=2", "train.warmup_steps=0", "train.micro_batch_size=2",
-          "train.global_batch_size=4", "train.eval_iters=1", "train.progress=false"]
+COMMON = [
+    "model.num_layers=1",
+    "model.hidden_size=16",
+    "model.num_attention_heads=2",
+    "model.seq_length=24",
+    "model.block_width=4",
+    "data.task=copy",
+    "data.task_tokens=4",
+    "data.task_alphabet=8",
+    "data.noise_length=8",
+    "train.steps=2",
+    "train.warmup_steps=0",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=4",
+    "train.eval_iters=1",
+    "train.progress=false",
+]
 ARCHS = ("recurrent", "mixer")
 
 

@@ -10,10 +10,13 @@ def test_formulas_exact():
     assert recurrent_ops_per_sample(2, 8, 16, 4) == 2 * (4 * 8 * 16 * 4 + 2 * 16 * 8 * 8)
 
 
-@pytest.mark.parametrize("layers,d,l,k,regular,recurrent", [
-    (1, 32, 1024, 32, 3.46e7, 6.29e6),   # Table 2 (long range image classification)
-    (1, 384, 256, 16, 6.3e7, 8.2e7),     # Table 6 (Shakespeare)
-])
+@pytest.mark.parametrize(
+    "layers,d,l,k,regular,recurrent",
+    [
+        (1, 32, 1024, 32, 3.46e7, 6.29e6),  # Table 2 (long range image classification)
+        (1, 384, 256, 16, 6.3e7, 8.2e7),  # Table 6 (Shakespeare)
+    ],
+)
 def test_paper_tables(layers, d, l, k, regular, recurrent):
     assert transformer_ops_per_sample(layers, d, l) == pytest.approx(regular, rel=0.01)
     assert recurrent_ops_per_sample(layers, d, l, k) == pytest.approx(recurrent, rel=0.01)
@@ -30,10 +33,9 @@ def test_rejects_bad_input():
 
 def test_rmt_plan_model_reports_recurrent_ops(tmp_path):
     import json
+    import os
 
     from rmt.planner.cli import main
-
-    import os
 
     config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "recurrent_tiny.yaml")
     out = tmp_path / "ops.json"

@@ -25,15 +25,19 @@ FAKE_SLURM = os.path.join(ROOT, "tests", "fake_slurm")
 
 def _config(cache_dir, tmp_path, steps):
     return tiny_overrides(cache_dir, steps=steps) + [
-        f"train.save={tmp_path}/ckpt", "train.save_interval=5", f"train.log_file={tmp_path}/log.jsonl"]
+        f"train.save={tmp_path}/ckpt",
+        "train.save_interval=5",
+        f"train.log_file={tmp_path}/log.jsonl",
+    ]
 
 
 def _start(cmd, **env):
     """``cmd`` in a session of its own, tagged so that every process of it can be found."""
     tag = uuid.uuid4().hex
     full_env = dict(_env(), RMT_TEST_JOB=tag, **env)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     proc.tag = tag
     return proc
 
@@ -125,7 +129,7 @@ def test_killed_rank_is_restarted_and_the_run_matches_an_uninterrupted_one(unint
     os.kill(victim, signal.SIGKILL)
     code, out, err = _finish(job)
     assert code == 0, err[-3000:]
-    assert f"rmt-launch: rank 1 was killed by SIGKILL; restarting the workers (restart 1 of 2)" in err
+    assert "rmt-launch: rank 1 was killed by SIGKILL; restarting the workers (restart 1 of 2)" in err
     resumed = [line for line in out.splitlines() if line.startswith("resumed from iteration ")]
     assert len(resumed) == 1 and int(resumed[0].split()[3]) >= 10
     log = _log(tmp_path)
@@ -144,8 +148,10 @@ def test_sigterm_to_the_launcher_saves_and_exits_0(cache_dir, tmp_path):
     assert "rmt-launch: received SIGTERM: asking the workers to save and stop" in err
     stopped = len(_log(tmp_path))
     assert stopped < 30
-    assert (f"stopped on SIGTERM after step {stopped} of 30; checkpoint "
-            f"'{tmp_path}/ckpt/iter_{stopped:07d}'; run the same command to continue") in out
+    assert (
+        f"stopped on SIGTERM after step {stopped} of 30; checkpoint "
+        f"'{tmp_path}/ckpt/iter_{stopped:07d}'; run the same command to continue"
+    ) in out
     assert (tmp_path / "ckpt" / f"iter_{stopped:07d}" / "manifest.json").is_file()
 
 
@@ -157,8 +163,7 @@ def test_killed_launcher_takes_its_workers_with_it(cache_dir, tmp_path):
     _kill_and_expect_no_survivors(job)
 
 
-CTRL_C = ("rmt: Ctrl-C: stopping after this step (with a checkpoint where train.save is set); "
-          "Ctrl-C again quits at once")
+CTRL_C = "rmt: Ctrl-C: stopping after this step (with a checkpoint where train.save is set); Ctrl-C again quits at once"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGINT])
@@ -196,8 +201,9 @@ def test_second_ctrl_c_quits_at_once_under_the_launcher(cache_dir, tmp_path):
 
 def test_killed_trainer_leaves_no_process_behind(cache_dir, tmp_path):
     """megatron-core's checkpoint writer used to leave a ~300 MB server process per kill."""
-    job = _start([sys.executable, "-m", "rmt.training.cli"] + _config(cache_dir, tmp_path, 200)
-                 + ["train.save_interval=1"])
+    job = _start(
+        [sys.executable, "-m", "rmt.training.cli"] + _config(cache_dir, tmp_path, 200) + ["train.save_interval=1"]
+    )
     _wait_for(lambda: (tmp_path / "ckpt" / "iter_0000003").is_dir(), job, "three checkpoints")
     _kill_and_expect_no_survivors(job)
 
@@ -207,33 +213,50 @@ def test_user_errors_under_the_launcher_are_said_once_with_exit_2(uninterrupted_
     code, out, err = _finish(_single_node(tiny_overrides(cache_dir) + ["parallel.tensor_model_parallel_size=3"]))
     assert code == 2 and "Traceback" not in err
     assert [line for line in err.splitlines() if "error" in line] == [
-        "rmt-train: error: world size 2 is not divisible by tensor x pipeline parallel size 3 x 1 = 3"]
+        "rmt-train: error: world size 2 is not divisible by tensor x pipeline parallel size 3 x 1 = 3"
+    ]
     # Found by the workers (a checkpoint of another model): rank 0 says it, nothing restarts.
     other = uninterrupted_run / "ckpt"
     code, out, err = _finish(_single_node(tiny_overrides(cache_dir) + ["model.hidden_size=48", f"train.load={other}"]))
     assert code == 2 and "Traceback" not in err and "restarting" not in err
     errors = [line for line in err.splitlines() if "error" in line]
-    assert errors == [f"rmt-train: error: model.hidden_size is 48 here but 32 in checkpoint '{other}/iter_0000030', "
-                      f"which holds another model; a checkpoint cannot change its model (train another in a "
-                      f"new train.save directory)"]
+    assert errors == [
+        f"rmt-train: error: model.hidden_size is 48 here but 32 in checkpoint '{other}/iter_0000030', "
+        f"which holds another model; a checkpoint cannot change its model (train another in a "
+        f"new train.save directory)"
+    ]
 
 
 def test_missing_node_is_named_when_the_join_timeout_expires(cache_dir):
-    node0 = _start(["bash", "launch/torchrun_multi_node.sh"] + tiny_overrides(cache_dir),
-                   NNODES="2", NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-                   NPROC="1", JOIN_TIMEOUT="3")
+    node0 = _start(
+        ["bash", "launch/torchrun_multi_node.sh"] + tiny_overrides(cache_dir),
+        NNODES="2",
+        NODE_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        NPROC="1",
+        JOIN_TIMEOUT="3",
+    )
     code, _, err = _finish(node0)
     assert code == 1 and "Traceback" not in err
-    assert err.strip().splitlines()[-1].startswith(
-        "rmt-launch: 1 of 2 nodes did not join the rendezvous at 127.0.0.1:")
+    assert err.strip().splitlines()[-1].startswith("rmt-launch: 1 of 2 nodes did not join the rendezvous at 127.0.0.1:")
     assert "within 3 s (JOIN_TIMEOUT / --join-timeout): node rank 1 missing (joined: 0 (" in err
 
 
 def test_two_nodes_on_one_machine_train_like_two_ranks(uninterrupted, cache_dir, tmp_path):
     port = str(_free_port())
-    nodes = [_start(["bash", "launch/torchrun_multi_node.sh"] + _config(cache_dir, tmp_path, 30),
-                    NNODES="2", NODE_RANK=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NPROC="1",
-                    JOIN_TIMEOUT="120") for n in (0, 1)]
+    nodes = [
+        _start(
+            ["bash", "launch/torchrun_multi_node.sh"] + _config(cache_dir, tmp_path, 30),
+            NNODES="2",
+            NODE_RANK=str(n),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            NPROC="1",
+            JOIN_TIMEOUT="120",
+        )
+        for n in (0, 1)
+    ]
     for node in nodes:
         code, _, err = _finish(node)
         assert code == 0, err[-3000:]
@@ -242,21 +265,45 @@ def test_two_nodes_on_one_machine_train_like_two_ranks(uninterrupted, cache_dir,
 
 def test_missing_rank_is_named_when_the_join_timeout_expires(cache_dir):
     """A SLURM task whose peer never starts: rank 0 names rank 1 and its node."""
-    env = dict(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_JOB_NODELIST="n[1-2]",
-               SLURM_TASKS_PER_NODE="1(x2)", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    code, _, err = _finish(_start([sys.executable, "-m", "rmt.training.cli"] + tiny_overrides(cache_dir)
-                                  + ["parallel.join_timeout_minutes=0.05"], **env))
+    env = dict(
+        SLURM_PROCID="0",
+        SLURM_NTASKS="2",
+        SLURM_LOCALID="0",
+        SLURM_JOB_NODELIST="n[1-2]",
+        SLURM_TASKS_PER_NODE="1(x2)",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+    )
+    code, _, err = _finish(
+        _start(
+            [sys.executable, "-m", "rmt.training.cli"]
+            + tiny_overrides(cache_dir)
+            + ["parallel.join_timeout_minutes=0.05"],
+            **env,
+        )
+    )
     assert code == 1 and "Traceback" not in err
     assert err.strip().splitlines()[-1] == (
         "rmt-train: rank 0: error: 1 of 2 ranks did not join the process group within 3 s "
-        "(parallel.join_timeout_minutes): rank 1, expected on node 1 (n2)")
+        "(parallel.join_timeout_minutes): rank 1, expected on node 1 (n2)"
+    )
 
 
 def _sbatch(args, tmp_path, **env):
-    slurm = dict(PATH=f"{FAKE_SLURM}:{os.environ['PATH']}", SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="127.0.0.1",
-                 SLURM_JOB_NUM_NODES="1", SLURM_NNODES="1", SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2",
-                 SLURM_TASKS_PER_NODE="2", SLURM_CPUS_PER_TASK="1", FAKE_SLURM_LOG=str(tmp_path / "slurm.log"),
-                 MASTER_PORT=str(_free_port()), PY=os.path.join(ROOT, ".venv", "bin", "python"))
+    slurm = dict(
+        PATH=f"{FAKE_SLURM}:{os.environ['PATH']}",
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NODELIST="127.0.0.1",
+        SLURM_JOB_NUM_NODES="1",
+        SLURM_NNODES="1",
+        SLURM_NTASKS="2",
+        SLURM_NTASKS_PER_NODE="2",
+        SLURM_TASKS_PER_NODE="2",
+        SLURM_CPUS_PER_TASK="1",
+        FAKE_SLURM_LOG=str(tmp_path / "slurm.log"),
+        MASTER_PORT=str(_free_port()),
+        PY=os.path.join(ROOT, ".venv", "bin", "python"),
+    )
     slurm.update(env)
     return _start(["bash", "launch/slurm.sbatch"] + args, **slurm)
 
@@ -280,8 +327,10 @@ def test_slurm_script_on_a_cpu_partition_requeues_after_sigusr1(uninterrupted, c
 
 
 def test_slurm_script_wants_one_task_per_gpu(tmp_path):
-    code, _, err = _finish(_sbatch(["--config", "configs/tiny.yaml"], tmp_path, SLURM_GPUS_ON_NODE="4",
-                                   SLURM_NTASKS_PER_NODE="1"))
+    code, _, err = _finish(
+        _sbatch(["--config", "configs/tiny.yaml"], tmp_path, SLURM_GPUS_ON_NODE="4", SLURM_NTASKS_PER_NODE="1")
+    )
     assert code == 2
-    assert err.strip() == ("slurm.sbatch: error: 4 GPUs per node but 1 tasks per node; submit with "
-                           "--ntasks-per-node=4 (one task per GPU)")
+    assert err.strip() == (
+        "slurm.sbatch: error: 4 GPUs per node but 1 tasks per node; submit with --ntasks-per-node=4 (one task per GPU)"
+    )

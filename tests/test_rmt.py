@@ -14,9 +14,17 @@ from rmt.errors import ConfigError
 from rmt.models.build import build
 from rmt.models.rmt import MatrixRMSNorm, RMTModel, alibi_slopes, write
 
-TINY = ["model.arch=rmt", "model.num_layers=2", "model.dk=6", "model.dv=4", "model.rank=3",
-        "model.ffn_hidden_size=20", "model.seq_length=12", "model.vocab_size=50",
-        "model.make_vocab_size_divisible_by=8"]
+TINY = [
+    "model.arch=rmt",
+    "model.num_layers=2",
+    "model.dk=6",
+    "model.dv=4",
+    "model.rank=3",
+    "model.ffn_hidden_size=20",
+    "model.seq_length=12",
+    "model.vocab_size=50",
+    "model.make_vocab_size_divisible_by=8",
+]
 
 
 def rmt_config(*extra):
@@ -42,14 +50,14 @@ def test_read_write_by_hand():
     out = norm.read(X[None], torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, -1.0]]))
     want = torch.tensor([[1.0, 4.0, -2.0], [2.0, 5.0, -1.0], [3.0, 6.0, 0.0]]) / math.sqrt(91 / 6)
     # float32: entries up to 2.1, two products and a sum each after the norm's rounding
-    torch.testing.assert_close(out, want, rtol=0, atol=16 * 2.0 ** -24 * 2.1)
+    torch.testing.assert_close(out, want, rtol=0, atol=16 * 2.0**-24 * 2.1)
     # A non-orthogonal pair of keys mixes the stored vectors: q1 = (1, 1), q2 = (0, 1).
     X = write(data, torch.tensor([[1.0, 0.0], [1.0, 1.0]]))
     assert torch.equal(X, torch.tensor([[1.0, 5.0], [2.0, 7.0], [3.0, 9.0]]))
 
 
 def test_alibi_slopes_are_geomspace():
-    assert torch.allclose(alibi_slopes(4), torch.tensor([2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8]))
+    assert torch.allclose(alibi_slopes(4), torch.tensor([2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8]))
     assert torch.allclose(alibi_slopes(12), torch.logspace(-8 / 12, -8, 12, base=2.0))
 
 
@@ -124,26 +132,35 @@ def test_shapes_of_pipeline_stages(single_process):
 
 
 def test_authors_init(single_process):
-    cfg = rmt_config("model.num_layers=2", "model.dk=32", "model.dv=16", "model.rank=8",
-                     "model.ffn_hidden_size=256")
+    cfg = rmt_config("model.num_layers=2", "model.dk=32", "model.dv=16", "model.rank=8", "model.ffn_hidden_size=256")
     model = build(cfg)[0]
     layer = model.layers[0]
     assert torch.count_nonzero(model.output_layer.linear.weight) == 0
     assert torch.equal(layer.attn_norm.weight, torch.ones(32 * 16))
-    expected = {layer.attn_read.weight: 0.02 / math.sqrt(32),
-                layer.fc1.weight: 0.02 / math.sqrt(8 * 16),
-                layer.fc2.weight: 0.02 / math.sqrt(256),
-                layer.attn_write.weight: 0.02 / math.sqrt(8) / 2.0,
-                model.embedding.word_embeddings.weight: 0.02}
+    expected = {
+        layer.attn_read.weight: 0.02 / math.sqrt(32),
+        layer.fc1.weight: 0.02 / math.sqrt(8 * 16),
+        layer.fc2.weight: 0.02 / math.sqrt(256),
+        layer.attn_write.weight: 0.02 / math.sqrt(8) / 2.0,
+        model.embedding.word_embeddings.weight: 0.02,
+    }
     for param, std in expected.items():
         assert abs(param.std().item() / std - 1) < 0.15
 
 
 def test_rank_not_divisible_by_tp_is_rejected():
-    with pytest.raises(ConfigError, match=r"model.rank \(3\) must be divisible by "
-                                          r"parallel.tensor_model_parallel_size \(2\)"):
-        validate(load_config(None, ["model.arch=rmt", "model.rank=3", "model.ffn_hidden_size=64",
-                                    "parallel.tensor_model_parallel_size=2"]), world_size=2)
+    with pytest.raises(
+        ConfigError,
+        match=r"model.rank \(3\) must be divisible by "
+        r"parallel.tensor_model_parallel_size \(2\)",
+    ):
+        validate(
+            load_config(
+                None,
+                ["model.arch=rmt", "model.rank=3", "model.ffn_hidden_size=64", "parallel.tensor_model_parallel_size=2"],
+            ),
+            world_size=2,
+        )
 
 
 def test_rmt_positions_and_dropout_are_checked():

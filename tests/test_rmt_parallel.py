@@ -10,12 +10,13 @@ import sys
 import pytest
 import torch
 
-from conftest import load_script
 from rmt import parallel
 from rmt.config import load_config
 from rmt.config_checks import validate
 from rmt.parallel.sharding import gather_full
 from rmt.training.trainer import Trainer
+
+from conftest import load_script
 
 pytestmark = pytest.mark.slow
 
@@ -37,9 +38,24 @@ def test_tp_pp_dp_equal_single_process(tmp_path):
     torch.save(ref, path)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     proc = subprocess.run(  # --standalone: the workers rendezvous at the store torchrun binds
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         os.path.join(HERE, "dist", "rmt_parallel.py"), str(path), "tp", "pp", "dp"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            os.path.join(HERE, "dist", "rmt_parallel.py"),
+            str(path),
+            "tp",
+            "pp",
+            "dp",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "all layouts equal the single-process run" in proc.stdout
 

@@ -23,8 +23,14 @@ def test_at_scale_config_validates_for_its_world_and_is_planned():
     from conftest import ROOT
 
     env = dict(_env(), WORLD_SIZE="512")
-    check = subprocess.run([sys.executable, "-m", "rmt.training.cli", "--config", SCALE, "--check"], cwd=ROOT,
-                           env=env, capture_output=True, text=True, timeout=300)
+    check = subprocess.run(
+        [sys.executable, "-m", "rmt.training.cli", "--config", SCALE, "--check"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert check.returncode == 0, check.stderr[-3000:]
     assert "config OK" in check.stdout + check.stderr
     plan = run_python(["-m", "rmt.planner.cli", "memory", "--config", SCALE, "--world-size", "512", "--device", "gpu"])
@@ -32,8 +38,17 @@ def test_at_scale_config_validates_for_its_world_and_is_planned():
 
 
 def test_tiny_twin_trains_and_resumes_on_four_ranks(cache_dir, tmp_path):
-    common = ["--config", TINY, f"data.cache_dir={cache_dir}", "data.max_documents=60", "train.progress=false",
-              f"train.save={tmp_path / 'ckpt'}", "train.steps=6", "train.eval_interval=3", "train.log_interval=1"]
+    common = [
+        "--config",
+        TINY,
+        f"data.cache_dir={cache_dir}",
+        "data.max_documents=60",
+        "train.progress=false",
+        f"train.save={tmp_path / 'ckpt'}",
+        "train.steps=6",
+        "train.eval_interval=3",
+        "train.log_interval=1",
+    ]
     first = rmt_train(common + ["train.exit_interval=3", "--json", str(tmp_path / "a.json")], nproc=4)
     assert "stopped at step 3 of 6" in first.stdout
     second = rmt_train(common + ["--json", str(tmp_path / "b.json")], nproc=4)

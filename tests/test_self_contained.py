@@ -25,8 +25,12 @@ def tracked_files():
     """The repository's files: git's (tracked, and untracked but not ignored) where this is a git
     checkout, else the tree without environments and build outputs."""
     try:
-        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                             capture_output=True, check=True).stdout
+        out = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        ).stdout
         files = [f for f in out.decode().split("\0") if f]
         if files:
             return [f for f in files if os.path.isfile(os.path.join(ROOT, f))]
@@ -80,8 +84,10 @@ def test_no_tracked_file_points_outside_the_repository():
     files = tracked_files()
     assert "rmt/__init__.py" in files and "tests/test_self_contained.py" in files
     found = outside_references(files)
-    assert not found, ("files point at paths outside the repository (a clone does not have them; "
-                       "write what the code relies on into docs/ and cite that):\n" + "\n".join(found))
+    assert not found, (
+        "files point at paths outside the repository (a clone does not have them; "
+        "write what the code relies on into docs/ and cite that):\n" + "\n".join(found)
+    )
 
 
 def test_no_markdown_link_leaves_the_repository():

@@ -33,15 +33,30 @@ SP = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"
 RECOMPUTE = ["train.recompute_granularity=full", "train.recompute_method=uniform", "train.recompute_num_layers=1"]
 # case: (memory, layout and settings, processes)
 CASES = {
-    "tp2-number-async-recompute": ("ultramem", SP + ["memory.partition=number", "memory.async_stream=true"] + RECOMPUTE, 2),
+    "tp2-number-async-recompute": (
+        "ultramem",
+        SP + ["memory.partition=number", "memory.async_stream=true"] + RECOMPUTE,
+        2,
+    ),
     "tp2-skip-moe": ("skip-moe", SP, 2),
     "tp2-mlp-moe": ("mlp-moe", SP, 2),
     "dp2xtp2": ("ultramem", SP, 4),
-    "pp2xtp2-async-recompute": ("ultramem-stage2", SP + ["parallel.pipeline_model_parallel_size=2",
-                                                         "memory.async_stream=true"] + RECOMPUTE, 4),
-    "pp2xvpp2xtp2-async-recompute": ("ultramem-interleaved", SP + [
-        "parallel.pipeline_model_parallel_size=2", "parallel.virtual_pipeline_model_parallel_size=2",
-        "memory.async_stream=true"] + RECOMPUTE, 4),
+    "pp2xtp2-async-recompute": (
+        "ultramem-stage2",
+        SP + ["parallel.pipeline_model_parallel_size=2", "memory.async_stream=true"] + RECOMPUTE,
+        4,
+    ),
+    "pp2xvpp2xtp2-async-recompute": (
+        "ultramem-interleaved",
+        SP
+        + [
+            "parallel.pipeline_model_parallel_size=2",
+            "parallel.virtual_pipeline_model_parallel_size=2",
+            "memory.async_stream=true",
+        ]
+        + RECOMPUTE,
+        4,
+    ),
 }
 
 
@@ -67,8 +82,21 @@ def test_generate_from_a_sequence_parallel_checkpoint(runs, tmp_path_factory, tm
     from rmt.generate import main
 
     out = tmp_path / "g.json"
-    assert main(["--checkpoint", str(_checkpoint_dir(tmp_path_factory)), "--prompt-ids", "1,2,3",
-                 "--max-new-tokens", "4", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--checkpoint",
+                str(_checkpoint_dir(tmp_path_factory)),
+                "--prompt-ids",
+                "1,2,3",
+                "--max-new-tokens",
+                "4",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     ids = json.loads(out.read_text())["samples"][0]["ids"]
     assert len(ids) == 7 and ids[:3] == [1, 2, 3]
 
@@ -90,19 +118,31 @@ def test_sequence_parallel_matches_single_process(case, runs):
         torch.testing.assert_close(got["params"][key], ref["params"][key], atol=1e-5, rtol=0, msg=key)
 
 
-@pytest.mark.parametrize("overrides, world, message", [
-    (["parallel.sequence_parallel=true"], 1,
-     "parallel.sequence_parallel shards the sequence over the tensor-parallel ranks and needs "
-     "parallel.tensor_model_parallel_size >= 2"),
-    (SP + ["model.arch=rmt", "model.rank=4"], 2,
-     "parallel.sequence_parallel needs model.arch 'transformer' (megatron's GPTModel): the rmt's layers have no "
-     "sequence-parallel all-gather / reduce-scatter mappings"),
-    (SP + ["model.arch=mixer"], 2, "parallel.sequence_parallel needs model.arch 'transformer'"),
-    (SP + ["model.arch=recurrent"], 2, "parallel.sequence_parallel needs model.arch 'transformer'"),
-    (SP + ["model.seq_length=33"], 2,
-     "model.seq_length (33) must be divisible by parallel.tensor_model_parallel_size (2) with "
-     "parallel.sequence_parallel"),
-])
+@pytest.mark.parametrize(
+    "overrides, world, message",
+    [
+        (
+            ["parallel.sequence_parallel=true"],
+            1,
+            "parallel.sequence_parallel shards the sequence over the tensor-parallel ranks and needs "
+            "parallel.tensor_model_parallel_size >= 2",
+        ),
+        (
+            SP + ["model.arch=rmt", "model.rank=4"],
+            2,
+            "parallel.sequence_parallel needs model.arch 'transformer' (megatron's GPTModel): the rmt's layers have no "
+            "sequence-parallel all-gather / reduce-scatter mappings",
+        ),
+        (SP + ["model.arch=mixer"], 2, "parallel.sequence_parallel needs model.arch 'transformer'"),
+        (SP + ["model.arch=recurrent"], 2, "parallel.sequence_parallel needs model.arch 'transformer'"),
+        (
+            SP + ["model.seq_length=33"],
+            2,
+            "model.seq_length (33) must be divisible by parallel.tensor_model_parallel_size (2) with "
+            "parallel.sequence_parallel",
+        ),
+    ],
+)
 def test_sequence_parallel_rejected_in_one_sentence(overrides, world, message):
     from rmt.config import ConfigError, load_config
     from rmt.config_checks import validate
@@ -111,4 +151,3 @@ def test_sequence_parallel_rejected_in_one_sentence(overrides, world, message):
         validate(load_config(None, overrides), world_size=world)
     assert str(err.value).startswith(message)
     assert "\n" not in str(err.value)
-

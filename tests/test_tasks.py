@@ -55,8 +55,9 @@ def test_noise_min_fraction_draws_one_length_per_step_in_every_layout():
     microbatches of 2 data-parallel ranks x 2 samples and of one rank x 4 see the same lengths."""
     from rmt.data.gpt_data import microbatches
 
-    config = load_config(None, ["data.task=selective_copy", "data.noise_length=64", "model.seq_length=96",
-                                "data.noise_min_fraction=0.5"])
+    config = load_config(
+        None, ["data.task=selective_copy", "data.noise_length=64", "model.seq_length=96", "data.noise_min_fraction=0.5"]
+    )
     ds = TaskDataset(config, "train", 400, global_batch=4)
     lengths = [{ds[4 * step + i]["tokens"].numel() - 32 for i in range(4)} for step in range(100)]
     assert all(len(one) == 1 for one in lengths)
@@ -75,19 +76,41 @@ def test_noise_mix_step_varies_only_the_block_count_from_a_stage_on():
     """noise_mix_step=32: the lengths of a step are N, N - 32, .. >= N/2, so the recall tokens keep
     their places in a block of 32; below noise_mix_from every step trains at N. Step 1 is the
     whole range, the draws of the plain mix unchanged."""
-    config = load_config(None, ["data.task=selective_copy", "data.noise_length=256", "model.seq_length=288",
-                                "data.noise_min_fraction=0.5", "data.noise_mix_step=32", "data.noise_mix_from=256"])
+    config = load_config(
+        None,
+        [
+            "data.task=selective_copy",
+            "data.noise_length=256",
+            "model.seq_length=288",
+            "data.noise_min_fraction=0.5",
+            "data.noise_mix_step=32",
+            "data.noise_mix_from=256",
+        ],
+    )
     ds = TaskDataset(config, "train", 400, global_batch=2)
     drawn = [ds.step_noise_length(2 * step) for step in range(200)]
     assert set(drawn) == {128, 160, 192, 224, 256}
     assert all(ds[2 * step + 1]["tokens"].numel() == 32 + n for step, n in enumerate(drawn))
     ds.noise_length = 128  # an earlier stage, below noise_mix_from
     assert {ds.step_noise_length(i) for i in range(0, 400, 2)} == {128}
-    plain = TaskDataset(load_config(None, ["data.task=selective_copy", "data.noise_length=256", "model.seq_length=288",
-                                           "data.noise_min_fraction=0.5"]), "train", 400, global_batch=2)
+    plain = TaskDataset(
+        load_config(
+            None,
+            [
+                "data.task=selective_copy",
+                "data.noise_length=256",
+                "model.seq_length=288",
+                "data.noise_min_fraction=0.5",
+            ],
+        ),
+        "train",
+        400,
+        global_batch=2,
+    )
     config.data.noise_mix_step, config.data.noise_mix_from = 1, 0
     assert [TaskDataset(config, "train", 400, 2).step_noise_length(i) for i in range(0, 400, 2)] == [
-        plain.step_noise_length(i) for i in range(0, 400, 2)]
+        plain.step_noise_length(i) for i in range(0, 400, 2)
+    ]
     assert len({plain.step_noise_length(i) for i in range(0, 400, 2)}) > 50
 
 
@@ -100,17 +123,32 @@ def test_recall_accuracy():
     assert recall_accuracy(logits, labels, mask, 6) == 0.5
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["data.task=paste"], "data.task must be"),
-    (["data.task=copy", "model.seq_length=40"], "must hold the longest task sample"),
-    (["data.task=copy", "data.curriculum_target=512", "model.seq_length=1024"], "set both"),
-    (["data.task=copy", "data.noise_length=64", "data.curriculum_target=32",
-      "data.curriculum_threshold=0.3", "model.seq_length=1024"], "is below data.noise_length"),
-    (["data.task=copy", "data.noise_min_fraction=1.5", "model.seq_length=1024"],
-     r"data.noise_min_fraction must be a finite number in \[0, 1\], got 1.5"),
-    (["data.task=copy", "data.noise_mix_step=0", "model.seq_length=1024"],
-     "data.noise_mix_step must be an integer >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["data.task=paste"], "data.task must be"),
+        (["data.task=copy", "model.seq_length=40"], "must hold the longest task sample"),
+        (["data.task=copy", "data.curriculum_target=512", "model.seq_length=1024"], "set both"),
+        (
+            [
+                "data.task=copy",
+                "data.noise_length=64",
+                "data.curriculum_target=32",
+                "data.curriculum_threshold=0.3",
+                "model.seq_length=1024",
+            ],
+            "is below data.noise_length",
+        ),
+        (
+            ["data.task=copy", "data.noise_min_fraction=1.5", "model.seq_length=1024"],
+            r"data.noise_min_fraction must be a finite number in \[0, 1\], got 1.5",
+        ),
+        (
+            ["data.task=copy", "data.noise_mix_step=0", "model.seq_length=1024"],
+            "data.noise_mix_step must be an integer >= 1, got 0",
+        ),
+    ],
+)
 def test_validate_task(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate_task(load_config(None, overrides))
@@ -120,12 +158,32 @@ def test_validate_task(overrides, message):
 def test_curriculum_doubles_noise_in_trainer(arch):
     from rmt.training.trainer import Trainer
 
-    config = validate(load_config(None, [
-        f"model.arch={arch}", "model.num_layers=1", "model.hidden_size=16", "model.num_attention_heads=2",
-        "model.seq_length=48", "model.block_width=8", "data.task=copy", "data.task_tokens=4",
-        "data.task_alphabet=8", "data.noise_length=4", "data.curriculum_threshold=100",
-        "data.curriculum_target=32", "train.steps=5", "train.warmup_steps=0", "train.micro_batch_size=2",
-        "train.eval_interval=1", "train.eval_iters=1", "train.progress=false"]), 1)
+    config = validate(
+        load_config(
+            None,
+            [
+                f"model.arch={arch}",
+                "model.num_layers=1",
+                "model.hidden_size=16",
+                "model.num_attention_heads=2",
+                "model.seq_length=48",
+                "model.block_width=8",
+                "data.task=copy",
+                "data.task_tokens=4",
+                "data.task_alphabet=8",
+                "data.noise_length=4",
+                "data.curriculum_threshold=100",
+                "data.curriculum_target=32",
+                "train.steps=5",
+                "train.warmup_steps=0",
+                "train.micro_batch_size=2",
+                "train.eval_interval=1",
+                "train.eval_iters=1",
+                "train.progress=false",
+            ],
+        ),
+        1,
+    )
     parallel.initialize(config)
     try:
         trainer = Trainer(config)
@@ -141,12 +199,26 @@ def test_curriculum_doubles_noise_in_trainer(arch):
 def test_curriculum_position_survives_resume(tmp_path):
     from rmt.training.trainer import Trainer
 
-    base = ["model.arch=transformer", "model.num_layers=1", "model.hidden_size=16",
-            "model.num_attention_heads=2", "model.seq_length=48", "data.task=copy", "data.task_tokens=4",
-            "data.task_alphabet=8", "data.noise_length=4", "data.curriculum_threshold=100",
-            "data.curriculum_target=32", "train.steps=4", "train.warmup_steps=0",
-            "train.micro_batch_size=2", "train.eval_interval=1", "train.eval_iters=1",
-            "train.progress=false", f"train.save={tmp_path}"]
+    base = [
+        "model.arch=transformer",
+        "model.num_layers=1",
+        "model.hidden_size=16",
+        "model.num_attention_heads=2",
+        "model.seq_length=48",
+        "data.task=copy",
+        "data.task_tokens=4",
+        "data.task_alphabet=8",
+        "data.noise_length=4",
+        "data.curriculum_threshold=100",
+        "data.curriculum_target=32",
+        "train.steps=4",
+        "train.warmup_steps=0",
+        "train.micro_batch_size=2",
+        "train.eval_interval=1",
+        "train.eval_iters=1",
+        "train.progress=false",
+        f"train.save={tmp_path}",
+    ]
     config = validate(load_config(None, base + ["train.exit_interval=2"]), 1)
     parallel.initialize(config)
     try:

@@ -12,8 +12,18 @@ from rmt.config_checks import validate
 
 @pytest.fixture(scope="module")
 def config():
-    cfg = validate(load_config(None, ["model.vocab_size=300", "train.steps=100", "train.warmup_steps=10",
-                                      "train.lr=1e-3", "train.min_lr_ratio=0.1"]))
+    cfg = validate(
+        load_config(
+            None,
+            [
+                "model.vocab_size=300",
+                "train.steps=100",
+                "train.warmup_steps=10",
+                "train.lr=1e-3",
+                "train.min_lr_ratio=0.1",
+            ],
+        )
+    )
     parallel.initialize(cfg)
     yield cfg
     parallel.destroy()
@@ -30,7 +40,7 @@ def test_lm_loss_with_z_loss_matches_formula(config):
     loss, ce = lm_loss(logits, labels, mask, z_loss=1e-2)
     lse = torch.logsumexp(logits, -1)
     ref_ce = ((lse - logits.gather(-1, labels[..., None])[..., 0]) * mask).sum() / mask.sum()
-    ref = ref_ce + 1e-2 * (lse ** 2 * mask).sum() / mask.sum()
+    ref = ref_ce + 1e-2 * (lse**2 * mask).sum() / mask.sum()
     torch.testing.assert_close(ce, ref_ce.detach())
     torch.testing.assert_close(loss, ref)
     loss.backward()
@@ -49,8 +59,9 @@ def test_param_groups_exclude_norms_biases_embeddings(config):
     decay, no_decay = param_groups(chunks, config)
     assert decay["weight_decay"] == config.train.weight_decay and no_decay["weight_decay"] == 0.0
     decayed = {names[id(p)] for p in decay["params"]}
-    assert decayed and all(n.endswith("weight") and "norm" not in n and "embedding" not in n
-                           and "output_layer" not in n for n in decayed)
+    assert decayed and all(
+        n.endswith("weight") and "norm" not in n and "embedding" not in n and "output_layer" not in n for n in decayed
+    )
     assert any("embedding" in names[id(p)] for p in no_decay["params"])
     assert len(decay["params"]) + len(no_decay["params"]) == len(names)
 
@@ -79,8 +90,9 @@ def test_clip_scales_every_gradient_to_max_norm(config):
     dense = type("Dense", (), {"chained_optimizers": [], "param_groups": []})()
     optimizers = Optimizers(dense, [torch.optim.SGD([params[0]], lr=1.0), torch.optim.SGD([params[1]], lr=1.0)])
     optimizers.clip(1.0, 5.0)
-    assert torch.linalg.vector_norm(torch.cat([params[0].grad, params[1].grad.to_dense()])).item() == \
-        pytest.approx(1.0, abs=1e-5)
+    assert torch.linalg.vector_norm(torch.cat([params[0].grad, params[1].grad.to_dense()])).item() == pytest.approx(
+        1.0, abs=1e-5
+    )
     optimizers.clip(2.0, 1.0)  # below the bound: unchanged
     assert params[0].grad.tolist() == pytest.approx([0.6, 0.0, 0.0], abs=1e-6)
 
@@ -90,10 +102,18 @@ def test_step_lines_printed_without_progress_bar(capsys):
     only on logging steps."""
     from rmt.training.trainer import _emit
 
-    m = {"step": 20, "lm loss": 3.25, "loss": 3.25, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1000.0,
-         "val_loss": 3.5}
+    m = {
+        "step": 20,
+        "lm loss": 3.25,
+        "loss": 3.25,
+        "lr": 1e-3,
+        "grad_norm": 0.5,
+        "tokens_per_s": 1000.0,
+        "val_loss": 3.5,
+    }
     _emit(dict(m, step=19), None, None, None, False)
     assert capsys.readouterr().out == ""
     _emit(m, None, None, None, True)
-    assert capsys.readouterr().out == ("step    20 loss 3.2500 val_loss 3.5000 lr 1.000e-03 grad_norm 0.500 "
-                                       "tok/s 1000\n")
+    assert capsys.readouterr().out == (
+        "step    20 loss 3.2500 val_loss 3.5000 lr 1.000e-03 grad_norm 0.500 tok/s 1000\n"
+    )

@@ -11,8 +11,19 @@ from rmt.memory.retrieval import expected_topm_mean, product_topk, tucker_aux_lo
 
 
 def _spec(**kw):
-    base = dict(hidden_size=16, num_layers=2, num_heads=2, topk=4, side_dim=8, num_keys=6,
-                retrieval="tucker", tucker_rank=2, num_cores=2, ive_blocks=4, init_samples=2)
+    base = dict(
+        hidden_size=16,
+        num_layers=2,
+        num_heads=2,
+        topk=4,
+        side_dim=8,
+        num_keys=6,
+        retrieval="tucker",
+        tucker_rank=2,
+        num_cores=2,
+        ive_blocks=4,
+        init_samples=2,
+    )
     base.update(kw)
     return MemorySpec(**base)
 
@@ -81,17 +92,30 @@ def _naive_output(layer, h, softmax=False):
     for c in range(C):
         sl = slice(c * cols, (c + 1) * cols)
         expanded = torch.cat([V[:, sl] @ W[p, sl] for p in range(E)])  # [E*N, hidden], block-major
-        out = out + (scores[..., c:c + 1] * expanded[virtual]).sum(1)
+        out = out + (scores[..., c : c + 1] * expanded[virtual]).sum(1)
     return out
 
 
-@pytest.mark.parametrize("kw", [
-    dict(),                                                   # TDQKR + MCS + IVE (shuffled)
-    dict(ive_shuffle=False),
-    dict(num_cores=1, ive_blocks=1),                          # half value dim + output projection
-    dict(retrieval="product", tucker_rank=1, num_cores=1, softmax=True, value_dim=16, ive_blocks=1,
-         share_query=False, query_key_norm=False, conv_kernel=0, improved_init=False),  # PKM
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),  # TDQKR + MCS + IVE (shuffled)
+        dict(ive_shuffle=False),
+        dict(num_cores=1, ive_blocks=1),  # half value dim + output projection
+        dict(
+            retrieval="product",
+            tucker_rank=1,
+            num_cores=1,
+            softmax=True,
+            value_dim=16,
+            ive_blocks=1,
+            share_query=False,
+            query_key_norm=False,
+            conv_kernel=0,
+            improved_init=False,
+        ),  # PKM
+    ],
+)
 def test_layer_equals_expanded_split_tables(kw):
     kw.setdefault("value_dim", 8)
     layer = _layer(**kw)
@@ -102,8 +126,18 @@ def test_layer_equals_expanded_split_tables(kw):
 
 
 def test_pkm_against_full_dense_scores_with_softmax():
-    layer = _layer(retrieval="product", tucker_rank=1, num_cores=1, softmax=True, value_dim=16, ive_blocks=1,
-                   share_query=False, query_key_norm=False, conv_kernel=0, improved_init=False)
+    layer = _layer(
+        retrieval="product",
+        tucker_rank=1,
+        num_cores=1,
+        softmax=True,
+        value_dim=16,
+        ive_blocks=1,
+        share_query=False,
+        query_key_norm=False,
+        conv_kernel=0,
+        improved_init=False,
+    )
     assert not layer.has_proj
     x = torch.randn(3, 1, 16, dtype=torch.float64)
     h = layer.norm(x).reshape(3, 16)
@@ -136,15 +170,24 @@ def test_query_conv_is_causal_and_decoding_matches():
     torch.testing.assert_close(layer(changed)[:4], full[:4])
     assert not torch.allclose(layer(changed)[4:], full[4:])
     state = {}
-    steps = torch.cat([layer(x[t:t + 1], state) for t in range(7)])
+    steps = torch.cat([layer(x[t : t + 1], state) for t in range(7)])
     torch.testing.assert_close(steps, full)
 
 
 def test_gradients_reach_every_parameter():
     layer = _layer()
     layer(torch.randn(4, 2, 16, dtype=torch.float64)).square().sum().backward()
-    for name in ("keys", "cores", "proj", "values.weight", "query.weight", "conv", "query_norm.weight",
-                 "key_norm.weight", "norm.weight"):
+    for name in (
+        "keys",
+        "cores",
+        "proj",
+        "values.weight",
+        "query.weight",
+        "conv",
+        "query_norm.weight",
+        "key_norm.weight",
+        "norm.weight",
+    ):
         g = dict(layer.named_parameters())[name].grad
         assert g is not None and g.abs().sum() > 0, name
 
@@ -163,7 +206,7 @@ def test_aux_loss_eq12():
 def test_improved_init_appendix_a():
     s = _spec()
     layer = MemoryLayer(s)
-    E_Y = expected_topm_mean(s.grid ** 2, s.topk, s.init_samples, seed=s.seed)
+    E_Y = expected_topm_mean(s.grid**2, s.topk, s.init_samples, seed=s.seed)
     assert layer.query_norm.weight[0].item() == pytest.approx(1 / math.sqrt(E_Y))
     assert layer.key_norm.weight[0].item() == pytest.approx(1 / math.sqrt(s.side_dim // s.tucker_rank))
     assert s.value_std == pytest.approx(math.sqrt(4 / (2 * 4 * 2 * 2)))
@@ -182,13 +225,15 @@ def test_tiny_config_memory_output_at_init_is_the_mlps_scale():
     sqrt(E / (2 m H L)) = 0.25: the output is linear in the values, so it is 0.02 / 0.25 of the
     Appendix A layer's on the same draw, ~0.04 RMS (the dense MLP's output at init is ~0.026,
     the residual stream ~0.04) instead of Appendix A's sqrt(1 / (2L)) = 0.5."""
-    from conftest import ROOT
     from rmt.config import load_config
     from rmt.config_checks import validate
 
+    from conftest import ROOT
+
     def layer(*overrides):
-        config = validate(load_config(os.path.join(ROOT, "configs", "ultramem_tiny.yaml"), list(overrides)),
-                          world_size=1)
+        config = validate(
+            load_config(os.path.join(ROOT, "configs", "ultramem_tiny.yaml"), list(overrides)), world_size=1
+        )
         torch.manual_seed(0)
         return MemoryLayer(MemorySpec.from_config(config))
 

@@ -78,11 +78,26 @@ def authors_forward(hidden, w, knn, value_num, all_value_num, offset, use_glu_ac
 def _layer(dtype, pre_value_dim=6, ive_blocks=4, num_cores=2, topk=None, activation="none", seed=0):
     num_keys = 3
     n = num_keys * math.isqrt(ive_blocks)
-    spec = MemorySpec(version=2, hidden_size=12, num_layers=2, num_heads=1, topk=topk or n, side_dim=5,
-                      num_keys=num_keys, retrieval="tucker", tucker_rank=2, num_cores=num_cores,
-                      ive_blocks=ive_blocks, value_dim=8, share_query=False, conv_kernel=0,
-                      improved_init=False, pre_value_dim=pre_value_dim, pre_value_activation=activation,
-                      seed=seed)
+    spec = MemorySpec(
+        version=2,
+        hidden_size=12,
+        num_layers=2,
+        num_heads=1,
+        topk=topk or n,
+        side_dim=5,
+        num_keys=num_keys,
+        retrieval="tucker",
+        tucker_rank=2,
+        num_cores=num_cores,
+        ive_blocks=ive_blocks,
+        value_dim=8,
+        share_query=False,
+        conv_kernel=0,
+        improved_init=False,
+        pre_value_dim=pre_value_dim,
+        pre_value_activation=activation,
+        seed=seed,
+    )
     torch.manual_seed(seed)
     layer = UltraMemV2Layer(spec).to(dtype)
     with torch.no_grad():
@@ -101,20 +116,24 @@ def _authors_weights(layer, layer_id, num_layers, gen):
 
     def around(table):
         full = torch.randn(N * num_layers, table.shape[1], generator=gen, dtype=dtype)
-        full[layer_id * N:(layer_id + 1) * N] = table
+        full[layer_id * N : (layer_id + 1) * N] = table
         return full.requires_grad_()
 
     unused = torch.randn(2 * s.side_dim, s.hidden_size, generator=gen, dtype=dtype)
     n = s.grid
     shuffle = layer.shuffle(torch.arange(n * n)) if layer.shuffle is not None else torch.arange(n * n)
-    w = {"query_proj": torch.cat([layer.query.weight.detach(), unused]).requires_grad_(),
-         "keys": layer.keys.detach().permute(0, 1, 3, 4, 2).clone().requires_grad_(),
-         "query_norm": layer.query_norm.weight.detach().clone().requires_grad_(),
-         "keys_norm": layer.key_norm.weight.detach().clone().requires_grad_(),
-         "tucker_core": [layer.cores[:, c].detach().clone().requires_grad_() for c in range(s.num_cores)],
-         "tucker_core_u": u[None, :, None, :], "tucker_core_v": t[None, :, None, :],
-         "shuffle_index": shuffle, "values": around(layer.values.weight.detach()),
-         "values_proj": layer.proj.weight.detach().clone().requires_grad_()}
+    w = {
+        "query_proj": torch.cat([layer.query.weight.detach(), unused]).requires_grad_(),
+        "keys": layer.keys.detach().permute(0, 1, 3, 4, 2).clone().requires_grad_(),
+        "query_norm": layer.query_norm.weight.detach().clone().requires_grad_(),
+        "keys_norm": layer.key_norm.weight.detach().clone().requires_grad_(),
+        "tucker_core": [layer.cores[:, c].detach().clone().requires_grad_() for c in range(s.num_cores)],
+        "tucker_core_u": u[None, :, None, :],
+        "tucker_core_v": t[None, :, None, :],
+        "shuffle_index": shuffle,
+        "values": around(layer.values.weight.detach()),
+        "values_proj": layer.proj.weight.detach().clone().requires_grad_(),
+    }
     if s.pre_value_dim:
         w["pre_values"] = around(layer.pre_values.weight.detach())
         w["pre_values_proj"] = layer.pre_proj.weight.detach().clone().requires_grad_()
@@ -145,22 +164,32 @@ def test_equals_authors_layer_on_identical_weights(case, dtype, tol):
     x_ref = x.reshape(10, -1).clone().requires_grad_()
     x = x.requires_grad_()
     out = layer(x)
-    ref = authors_forward(x_ref, w, s.topk, s.num_values, s.num_values * num_layers, layer_id * s.num_values,
-                          s.pre_value_activation == "gelu", s.norm_eps)
+    ref = authors_forward(
+        x_ref,
+        w,
+        s.topk,
+        s.num_values,
+        s.num_values * num_layers,
+        layer_id * s.num_values,
+        s.pre_value_activation == "gelu",
+        s.norm_eps,
+    )
     torch.testing.assert_close(out.reshape(10, -1), ref, atol=tol, rtol=tol)
     g = torch.randn(ref.shape, generator=gen, dtype=dtype)
     out.reshape(10, -1).backward(g)
     ref.backward(g)
     N = s.num_values
     window = slice(layer_id * N, (layer_id + 1) * N)
-    pairs = {"input": (x.grad.reshape(10, -1), x_ref.grad),
-             "query": (layer.query.weight.grad, w["query_proj"].grad[:2 * s.side_dim]),
-             "keys": (layer.keys.grad, w["keys"].grad.permute(0, 1, 4, 2, 3)),
-             "query_norm": (layer.query_norm.weight.grad, w["query_norm"].grad),
-             "key_norm": (layer.key_norm.weight.grad, w["keys_norm"].grad),
-             "cores": (layer.cores.grad, torch.stack([c.grad for c in w["tucker_core"]], 1)),
-             "values": (layer.values.weight.grad, w["values"].grad[window]),
-             "proj": (layer.proj.weight.grad, w["values_proj"].grad)}
+    pairs = {
+        "input": (x.grad.reshape(10, -1), x_ref.grad),
+        "query": (layer.query.weight.grad, w["query_proj"].grad[: 2 * s.side_dim]),
+        "keys": (layer.keys.grad, w["keys"].grad.permute(0, 1, 4, 2, 3)),
+        "query_norm": (layer.query_norm.weight.grad, w["query_norm"].grad),
+        "key_norm": (layer.key_norm.weight.grad, w["keys_norm"].grad),
+        "cores": (layer.cores.grad, torch.stack([c.grad for c in w["tucker_core"]], 1)),
+        "values": (layer.values.weight.grad, w["values"].grad[window]),
+        "proj": (layer.proj.weight.grad, w["values_proj"].grad),
+    }
     if s.pre_value_dim:
         pairs["pre_values"] = (layer.pre_values.weight.grad, w["pre_values"].grad[window])
         pairs["pre_proj"] = (layer.pre_proj.weight.grad, w["pre_values_proj"].grad)
@@ -168,9 +197,9 @@ def test_equals_authors_layer_on_identical_weights(case, dtype, tol):
         assert want.abs().max() > 0, name
         torch.testing.assert_close(got, want, atol=tol * max(1.0, want.abs().max().item()), rtol=tol, msg=name)
     # the authors' second query block (heads 2, 3) gets no gradient with one head: rmt omits it
-    assert w["query_proj"].grad[2 * s.side_dim:].abs().max() == 0
+    assert w["query_proj"].grad[2 * s.side_dim :].abs().max() == 0
     # the other layers' rows of their global tables get none either
-    assert w["values"].grad[:layer_id * N].abs().max() == 0 and w["values"].grad[(layer_id + 1) * N:].abs().max() == 0
+    assert w["values"].grad[: layer_id * N].abs().max() == 0 and w["values"].grad[(layer_id + 1) * N :].abs().max() == 0
 
 
 def test_selection_is_at_least_the_authors():
@@ -204,15 +233,28 @@ def test_selection_is_at_least_the_authors():
 
 
 def test_initialization_follows_the_authors():
-    spec = MemorySpec(version=2, hidden_size=64, num_layers=2, num_heads=1, topk=4, side_dim=16, num_keys=8,
-                      tucker_rank=2, num_cores=2, ive_blocks=4, value_dim=32, pre_value_dim=16, seed=5)
+    spec = MemorySpec(
+        version=2,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=1,
+        topk=4,
+        side_dim=16,
+        num_keys=8,
+        tucker_rank=2,
+        num_cores=2,
+        ive_blocks=4,
+        value_dim=32,
+        pre_value_dim=16,
+        seed=5,
+    )
     layer = UltraMemV2Layer(spec)
-    assert layer.query.weight.memory_init_std == pytest.approx(16 ** -0.5)
-    assert layer.keys.memory_init_std == pytest.approx(16 ** -0.5)
-    assert layer.proj.weight.memory_init_std == pytest.approx(32 ** -0.5)
-    assert layer.pre_proj.weight.memory_init_std == pytest.approx(64 ** -0.5)
-    assert torch.equal(layer.query_norm.weight, torch.full((16,), 16 ** -0.4))
-    assert torch.equal(layer.key_norm.weight, torch.full((16,), 16 ** -0.4))
+    assert layer.query.weight.memory_init_std == pytest.approx(16**-0.5)
+    assert layer.keys.memory_init_std == pytest.approx(16**-0.5)
+    assert layer.proj.weight.memory_init_std == pytest.approx(32**-0.5)
+    assert layer.pre_proj.weight.memory_init_std == pytest.approx(64**-0.5)
+    assert torch.equal(layer.query_norm.weight, torch.full((16,), 16**-0.4))
+    assert torch.equal(layer.key_norm.weight, torch.full((16,), 16**-0.4))
     assert layer.cores.memory_init_std is None and 0 <= layer.cores.min() and layer.cores.max() <= 1
     assert torch.equal(layer.cores, UltraMemV2Layer(spec).cores)  # drawn from the layer's seed
     for table in (layer.values.weight, layer.pre_values.weight):
@@ -222,12 +264,29 @@ def test_initialization_follows_the_authors():
 
 # -- in the model: every block, beside the FFN -------------------------------------------------
 
-V2 = ["memory.type=ultramem_v2", "memory.num_heads=1", "memory.topk=4", "memory.key_dim=8", "memory.num_keys=4",
-      "memory.value_dim=8", "memory.pre_value_dim=4", "model.vocab_size=64", "model.seq_length=8",
-      "model.num_layers=2"]
-ARCHS = {"transformer": ["model.hidden_size=16", "model.num_attention_heads=2"],
-         "rmt": ["model.arch=rmt", "model.position=alibi", "model.dk=4", "model.dv=4", "model.rank=2",
-                 "model.ffn_hidden_size=16"]}
+V2 = [
+    "memory.type=ultramem_v2",
+    "memory.num_heads=1",
+    "memory.topk=4",
+    "memory.key_dim=8",
+    "memory.num_keys=4",
+    "memory.value_dim=8",
+    "memory.pre_value_dim=4",
+    "model.vocab_size=64",
+    "model.seq_length=8",
+    "model.num_layers=2",
+]
+ARCHS = {
+    "transformer": ["model.hidden_size=16", "model.num_attention_heads=2"],
+    "rmt": [
+        "model.arch=rmt",
+        "model.position=alibi",
+        "model.dk=4",
+        "model.dv=4",
+        "model.rank=2",
+        "model.ffn_hidden_size=16",
+    ],
+}
 
 
 @pytest.fixture(scope="module")
@@ -258,14 +317,15 @@ def test_memory_reads_the_ffn_input_and_adds_to_the_block_output(single_process,
     model = _build(arch)
     dense = _build(arch, "memory.type=none")
     dense.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("memory.")})
-    layers, _ = (model.memory_hook_layers() if arch == "rmt" else (model.decoder.layers, 0))
-    dense_layers, _ = (dense.memory_hook_layers() if arch == "rmt" else (dense.decoder.layers, 0))
+    layers, _ = model.memory_hook_layers() if arch == "rmt" else (model.decoder.layers, 0)
+    dense_layers, _ = dense.memory_hook_layers() if arch == "rmt" else (dense.decoder.layers, 0)
     assert len(model.memory) == 2
     seen = {}
 
     def keep(name):
         def hook(module, args, output):
-            seen[name] = (args[0] if name.startswith("in") else output[0] if isinstance(output, tuple) else output)
+            seen[name] = args[0] if name.startswith("in") else output[0] if isinstance(output, tuple) else output
+
         return hook
 
     for k in (0, 1):
@@ -316,14 +376,17 @@ def test_placement_lists_layers(single_process):
     assert model.memory_wiring.placement == {0: (1, 1), 1: (3, 3)}
 
 
-@pytest.mark.parametrize("override,message", [
-    ("memory.placement='1:2'", "must be a layer 'i' or a range 'i-j'"),
-    ("memory.topk=9", r"memory.topk \(9\) exceeds the 8 keys per side"),
-    ("memory.num_cores=3", r"the value dim \(8\) must be divisible by memory.num_cores \(3\)"),
-    ("memory.softmax=true", "has RMS-normed queries without bias and no softmax"),
-    ("memory.pre_value_activation=relu", "memory.pre_value_activation must be one of 'none', 'gelu', got 'relu'"),
-    ("memory.ive_blocks=2", "must be a perfect square"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("memory.placement='1:2'", "must be a layer 'i' or a range 'i-j'"),
+        ("memory.topk=9", r"memory.topk \(9\) exceeds the 8 keys per side"),
+        ("memory.num_cores=3", r"the value dim \(8\) must be divisible by memory.num_cores \(3\)"),
+        ("memory.softmax=true", "has RMS-normed queries without bias and no softmax"),
+        ("memory.pre_value_activation=relu", "memory.pre_value_activation must be one of 'none', 'gelu', got 'relu'"),
+        ("memory.ive_blocks=2", "must be a perfect square"),
+    ],
+)
 def test_config_errors(override, message):
     from rmt.config import load_config
     from rmt.config_checks import validate

@@ -32,8 +32,7 @@ def _module(module, args, **kw):
 def checkpoint(cache_dir, tmp_path_factory):
     """A 2-step run of the tiny transformer with a checkpoint (and validation data)."""
     ckpt = tmp_path_factory.mktemp("ckpt") / "ckpt"
-    rmt_train(tiny_overrides(cache_dir, steps=2) + [f"train.save={ckpt}", "train.eval_iters=1",
-                                                   "data.split=80,20,0"])
+    rmt_train(tiny_overrides(cache_dir, steps=2) + [f"train.save={ckpt}", "train.eval_iters=1", "data.split=80,20,0"])
     return ckpt
 
 
@@ -54,17 +53,31 @@ def test_memory_floor_counts_what_training_certainly_allocates():
     config = validate(load_config(TINY_YAML, ["model.vocab_size=257"]), 1)
     floor = memory_floor(config)
     doc = plan_model(config)
-    assert floor == {"state": 16 * doc["params"], "mask": 128 * 128,
-                     "activations": doc["activation_bytes_per_token"] * 8 * 128}
+    assert floor == {
+        "state": 16 * doc["params"],
+        "mask": 128 * 128,
+        "activations": doc["activation_bytes_per_token"] * 8 * 128,
+    }
     check_fits(config, available=sum(floor.values()))  # exactly enough: accepted
     with pytest.raises(Exception, match="needs at least"):
         check_fits(config, available=sum(floor.values()) - 1)
     # bf16 with the distributed optimizer over DP = 4: 6 + 12 / 4 bytes per parameter; no
     # activations counted under recomputation (it keeps less, by an amount the bound does not model)
-    scaled = validate(load_config(TINY_YAML, ["model.vocab_size=257", "train.precision=bf16",
-                                              "train.distributed_optimizer=true", "parallel.data_parallel_size=4",
-                                              "train.recompute_granularity=full", "train.recompute_method=uniform",
-                                              "train.recompute_num_layers=1"]), 4)
+    scaled = validate(
+        load_config(
+            TINY_YAML,
+            [
+                "model.vocab_size=257",
+                "train.precision=bf16",
+                "train.distributed_optimizer=true",
+                "parallel.data_parallel_size=4",
+                "train.recompute_granularity=full",
+                "train.recompute_method=uniform",
+                "train.recompute_num_layers=1",
+            ],
+        ),
+        4,
+    )
     assert memory_floor(scaled) == {"state": 9 * doc["params"], "mask": 128 * 128, "activations": 0}
 
 
@@ -83,7 +96,7 @@ def test_a_run_over_the_whole_rank_plan_is_said_once_and_goes_ahead(capsys, monk
     assert capsys.readouterr().err == ""
     check_fits(config, available=peak - 1, device="cpu")
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith(f"rmt-train: rmt-plan counts {peak / 2 ** 30:,.1f} GiB per rank for this run")
+    assert line.startswith(f"rmt-train: rmt-plan counts {peak / 2**30:,.1f} GiB per rank for this run")
     monkeypatch.setenv("RANK", "1")
     check_fits(config, available=peak - 1, device="cpu")
     assert capsys.readouterr().err == ""
@@ -92,7 +105,8 @@ def test_a_run_over_the_whole_rank_plan_is_said_once_and_goes_ahead(capsys, monk
 def test_config_naming_a_directory(tmp_path):
     proc = _module("rmt.training.cli", ["--config", str(tmp_path)])
     assert _one_sentence(proc, "rmt-train", "") == (
-        f"rmt-train: error: config file '{tmp_path}' is a directory; --config takes a YAML file")
+        f"rmt-train: error: config file '{tmp_path}' is a directory; --config takes a YAML file"
+    )
 
 
 @pytest.fixture
@@ -117,7 +131,10 @@ def test_unwritable_checkpoint_directory_is_refused_at_start(cache_dir, tmp_path
         for name in dirs + files:
             os.chmod(os.path.join(folder, name), 0o777)
     os.chmod(cache, 0o777)
-    overrides = tiny_overrides(str(cache), steps=50) + [f"train.save={readonly}", f"train.log_file={open_dir}/log.jsonl"]
+    overrides = tiny_overrides(str(cache), steps=50) + [
+        f"train.save={readonly}",
+        f"train.log_file={open_dir}/log.jsonl",
+    ]
     cmd = [sys.executable, "-m", "rmt.training.cli"] + overrides
     env = dict(_env(), HOME=str(open_dir))
     if os.geteuid() == 0:
@@ -129,7 +146,8 @@ def test_unwritable_checkpoint_directory_is_refused_at_start(cache_dir, tmp_path
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert _one_sentence(proc, "rmt-train", "") == (
         f"rmt-train: error: cannot write to checkpoint directory '{readonly}' (Permission denied); "
-        f"train.save must name a writable directory")
+        f"train.save must name a writable directory"
+    )
     assert not os.path.exists(open_dir / "log.jsonl")  # no step ran
     (tmp_path / "file").write_text("")
     below_file = rmt_train(tiny_overrides(cache_dir) + [f"train.save={tmp_path}/file/ckpt"], check=False)
@@ -138,14 +156,17 @@ def test_unwritable_checkpoint_directory_is_refused_at_start(cache_dir, tmp_path
 
 @pytest.mark.slow
 def test_resuming_with_another_model_shape_or_architecture(checkpoint, cache_dir):
-    for override, key, ours, theirs in [("model.hidden_size=64", "model.hidden_size", 64, 32),
-                                        ("model.num_attention_heads=8", "model.num_attention_heads", 8, 4),
-                                        ("model.arch=mixer", "model.arch", "'mixer'", "'transformer'")]:
+    for override, key, ours, theirs in [
+        ("model.hidden_size=64", "model.hidden_size", 64, 32),
+        ("model.num_attention_heads=8", "model.num_attention_heads", 8, 4),
+        ("model.arch=mixer", "model.arch", "'mixer'", "'transformer'"),
+    ]:
         proc = rmt_train(tiny_overrides(cache_dir, steps=4) + [f"train.save={checkpoint}", override], check=False)
         assert _one_sentence(proc, "rmt-train", "") == (
             f"rmt-train: error: {key} is {ours} here but {theirs} in checkpoint '{checkpoint}/iter_0000002', "
             f"which holds another model; a checkpoint cannot change its model (train another in a new "
-            f"train.save directory)")
+            f"train.save directory)"
+        )
     gen = _module("rmt.generate", ["--checkpoint", str(checkpoint), "model.num_attention_heads=8"])
     _one_sentence(gen, "rmt-generate", "model.num_attention_heads is 8 here but 4 in checkpoint")
 
@@ -157,14 +178,19 @@ def test_truncated_checkpoint_in_generate_and_training(checkpoint, cache_dir, tm
     shard = broken / "iter_0000002" / "__0_0.distcp"
     size = os.path.getsize(shard)
     os.truncate(shard, 100)
-    expected = (f"checkpoint '{broken}/iter_0000002' is incomplete or corrupt: its file '__0_0.distcp' "
-                f"has 100 bytes where the manifest records {size}")
+    expected = (
+        f"checkpoint '{broken}/iter_0000002' is incomplete or corrupt: its file '__0_0.distcp' "
+        f"has 100 bytes where the manifest records {size}"
+    )
     gen = _module("rmt.generate", ["--checkpoint", str(broken / "iter_0000002")])
     assert _one_sentence(gen, "rmt-generate", "") == f"rmt-generate: error: {expected}"
     gen_root = _module("rmt.generate", ["--checkpoint", str(broken)])
     _one_sentence(gen_root, "rmt-generate", f"'{broken}' holds no complete checkpoint")
-    train = rmt_train(tiny_overrides(cache_dir, steps=4) + [f"train.load={broken}/iter_0000002", "--eval-only",
-                                                           "train.eval_iters=1", "data.split=80,20,0"], check=False)
+    train = rmt_train(
+        tiny_overrides(cache_dir, steps=4)
+        + [f"train.load={broken}/iter_0000002", "--eval-only", "train.eval_iters=1", "data.split=80,20,0"],
+        check=False,
+    )
     assert _one_sentence(train, "rmt-train", "") == f"rmt-train: error: {expected}"
 
 
@@ -173,10 +199,12 @@ def test_empty_or_contentless_preprocess_inputs(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "blank.txt").write_text("\n \n\n")
     (tmp_path / "blank.jsonl").write_text(json.dumps({"text": ""}) + "\n" + json.dumps({"text": None}) + "\n")
-    for name, sentence in [("empty.jsonl", f"input file '{tmp_path}/empty.jsonl' is empty"),
-                           ("empty.txt", f"input file '{tmp_path}/empty.txt' is empty"),
-                           ("blank.txt", f"input file '{tmp_path}/blank.txt' holds nothing but white space"),
-                           ("blank.jsonl", "the inputs hold no text: every 'text' is empty")]:
+    for name, sentence in [
+        ("empty.jsonl", f"input file '{tmp_path}/empty.jsonl' is empty"),
+        ("empty.txt", f"input file '{tmp_path}/empty.txt' is empty"),
+        ("blank.txt", f"input file '{tmp_path}/blank.txt' holds nothing but white space"),
+        ("blank.jsonl", "the inputs hold no text: every 'text' is empty"),
+    ]:
         proc = _module("rmt.data.preprocess", ["--input", str(tmp_path / name), "--output-prefix", str(tmp_path / "o")])
         assert _one_sentence(proc, "rmt-preprocess", "") == f"rmt-preprocess: error: {sentence}"
     assert not [n for n in os.listdir(tmp_path) if n.startswith("o.")]  # nothing written
@@ -197,25 +225,36 @@ def test_metadata_understating_the_vocabulary(cache_dir, tmp_path):
     proc = rmt_train(tiny_overrides(cache_dir) + [f"data.path={prefix}"], check=False)
     assert _one_sentence(proc, "rmt-train", "") == (
         f"rmt-train: error: dataset metadata '{prefix}.json' understates the vocabulary: vocab_size 100 but "
-        f"eod 256; re-run rmt-preprocess to rewrite it")
+        f"eod 256; re-run rmt-preprocess to rewrite it"
+    )
 
 
 def test_prompt_that_is_not_utf8(checkpoint):
-    cmd = [sys.executable.encode(), b"-m", b"rmt.generate", b"--checkpoint", str(checkpoint).encode(),
-           b"--prompt", b"caf\xe9"]
+    cmd = [
+        sys.executable.encode(),
+        b"-m",
+        b"rmt.generate",
+        b"--checkpoint",
+        str(checkpoint).encode(),
+        b"--prompt",
+        b"caf\xe9",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert _one_sentence(proc, "rmt-generate", "") == (
         "rmt-generate: error: the prompt is not valid UTF-8 (character 3 is an undecodable byte); "
-        "pass UTF-8 text or token ids with --prompt-ids")
+        "pass UTF-8 text or token ids with --prompt-ids"
+    )
 
 
 @pytest.mark.slow
 def test_output_piped_into_head_is_cut_off_quietly(checkpoint):
     """The reader leaves after one line: no 'Broken pipe' error, exit status 0, work finished."""
-    cmd = (f"{sys.executable} -m rmt.planner.cli model --config {TINY_YAML} | head -c 10; "
-           f"echo \" rc=${{PIPESTATUS[0]}}\"; "
-           f"{sys.executable} -m rmt.generate --checkpoint {checkpoint} --prompt-ids 1 --max-new-tokens 16 "
-           f"--num-samples 8000 --json {checkpoint}/../g.json | head -c 1; echo \" rc=${{PIPESTATUS[0]}}\"")
+    cmd = (
+        f"{sys.executable} -m rmt.planner.cli model --config {TINY_YAML} | head -c 10; "
+        f'echo " rc=${{PIPESTATUS[0]}}"; '
+        f"{sys.executable} -m rmt.generate --checkpoint {checkpoint} --prompt-ids 1 --max-new-tokens 16 "
+        f'--num-samples 8000 --json {checkpoint}/../g.json | head -c 1; echo " rc=${{PIPESTATUS[0]}}"'
+    )
     proc = subprocess.run(["bash", "-c", cmd], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.stdout == "transforme rc=0\n1 rc=0\n" and proc.stderr == "", proc.stderr
     with open(checkpoint / ".." / "g.json") as f:
@@ -224,12 +263,16 @@ def test_output_piped_into_head_is_cut_off_quietly(checkpoint):
 
 @pytest.mark.slow
 def test_overrides_after_eval_only(checkpoint, cache_dir):
-    proc = rmt_train(["--eval-only", f"train.load={checkpoint}"] + tiny_overrides(cache_dir)
-                     + ["train.eval_iters=1", "data.split=80,20,0", "--json", f"{checkpoint}/../e.json"])
+    proc = rmt_train(
+        ["--eval-only", f"train.load={checkpoint}"]
+        + tiny_overrides(cache_dir)
+        + ["train.eval_iters=1", "data.split=80,20,0", "--json", f"{checkpoint}/../e.json"]
+    )
     assert "validation loss " in proc.stdout and "at iteration 2" in proc.stdout
     no_batches = rmt_train(tiny_overrides(cache_dir) + ["--eval-only", f"train.load={checkpoint}"], check=False)
     assert _one_sentence(no_batches, "rmt-train", "") == (
-        "rmt-train: error: --eval-only needs train.eval_iters > 0 (validation batches to evaluate)")
+        "rmt-train: error: --eval-only needs train.eval_iters > 0 (validation batches to evaluate)"
+    )
 
 
 @pytest.mark.slow
@@ -238,12 +281,18 @@ def test_mistake_under_torchrun_is_said_once(cache_dir, tmp_path):
     exist (a checkpoint directory that cannot be created): rank 0 says it once, exit status 2,
     no traceback, no restart."""
     (tmp_path / "file").write_text("")
-    proc = subprocess.run(["bash", "launch/torchrun_single_node.sh"] + tiny_overrides(cache_dir)
-                          + [f"train.save={tmp_path}/file/ckpt"], cwd=ROOT, env=dict(_env(), NPROC="2"),
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        ["bash", "launch/torchrun_single_node.sh"] + tiny_overrides(cache_dir) + [f"train.save={tmp_path}/file/ckpt"],
+        cwd=ROOT,
+        env=dict(_env(), NPROC="2"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "restarting" not in proc.stderr
     assert [l for l in proc.stderr.splitlines() if "error" in l] == [
-        f"rmt-train: error: cannot create '{tmp_path}/file/ckpt': Not a directory"], proc.stderr[-3000:]
+        f"rmt-train: error: cannot create '{tmp_path}/file/ckpt': Not a directory"
+    ], proc.stderr[-3000:]
 
 
 def test_unwritable_cache_directory(tmp_path):
@@ -255,5 +304,7 @@ def test_unwritable_cache_directory(tmp_path):
     config = load_config(None, [f"data.cache_dir={tmp_path}/file/cache", "data.max_documents=2"])
     with pytest.raises(UserError) as err:
         prepare_default_corpus(config)
-    assert str(err.value) == (f"cannot write the tokenized default corpus into data.cache_dir '{tmp_path}/file/cache' "
-                              f"(Not a directory); set data.cache_dir to a writable directory")
+    assert str(err.value) == (
+        f"cannot write the tokenized default corpus into data.cache_dir '{tmp_path}/file/cache' "
+        f"(Not a directory); set data.cache_dir to a writable directory"
+    )

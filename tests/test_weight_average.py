@@ -16,10 +16,24 @@ from rmt.training.weight_average import WeightAverage
 
 warnings.filterwarnings("ignore")
 
-TASK = ["model.arch=transformer", "model.num_layers=1", "model.hidden_size=16", "model.num_attention_heads=2",
-        "model.seq_length=48", "data.task=copy", "data.task_tokens=4", "data.task_alphabet=8",
-        "data.noise_length=4", "train.warmup_steps=0", "train.lr=1e-2", "train.lr_decay_style=constant",
-        "train.micro_batch_size=2", "train.eval_interval=1", "train.eval_iters=1", "train.progress=false"]
+TASK = [
+    "model.arch=transformer",
+    "model.num_layers=1",
+    "model.hidden_size=16",
+    "model.num_attention_heads=2",
+    "model.seq_length=48",
+    "data.task=copy",
+    "data.task_tokens=4",
+    "data.task_alphabet=8",
+    "data.noise_length=4",
+    "train.warmup_steps=0",
+    "train.lr=1e-2",
+    "train.lr_decay_style=constant",
+    "train.micro_batch_size=2",
+    "train.eval_interval=1",
+    "train.eval_iters=1",
+    "train.progress=false",
+]
 
 
 def test_average_follows_the_formula_leaves_tables_out_and_swaps_back():
@@ -74,8 +88,9 @@ def test_trainer_steps_the_average_after_every_optimizer_step():
 
 
 def test_a_curriculum_doubling_restarts_the_average():
-    trainer = trainer_for(["train.steps=2", "train.ema_decay=0.9", "data.curriculum_threshold=100",
-                           "data.curriculum_target=32"])
+    trainer = trainer_for(
+        ["train.steps=2", "train.ema_decay=0.9", "data.curriculum_threshold=100", "data.curriculum_target=32"]
+    )
     try:
         history = trainer.train()
         assert [m["noise_length"] for m in history] == [8, 16]  # a doubling at every evaluation
@@ -105,8 +120,10 @@ def test_a_checkpoint_without_average_starts_it_at_the_loaded_weights(tmp_path, 
     run(["train.steps=4", f"train.save={tmp_path}", "train.exit_interval=2"])
     trainer = trainer_for(["train.steps=4", "train.ema_decay=0.5", f"train.save={tmp_path}"])
     try:
-        assert "the checkpoint has no weight average (train.ema_decay): it starts at the loaded weights" \
+        assert (
+            "the checkpoint has no weight average (train.ema_decay): it starts at the loaded weights"
             in capsys.readouterr().out
+        )
         assert trainer.iteration == 2
         assert all(torch.equal(a, p) for a, p in zip(trainer.average.averages, trainer.average.params))
     finally:
@@ -119,8 +136,12 @@ def test_generate_loads_the_average_on_request(tmp_path, capsys):
     trainer = trainer_for(["train.steps=3", "train.ema_decay=0.5", f"train.save={tmp_path}/ema"])
     try:
         trainer.train()
-        averages = {n: a.clone() for (n, p) in trainer.chunks[0].module.named_parameters()
-                    for q, a in trainer.average.by_param().items() if q is p}
+        averages = {
+            n: a.clone()
+            for (n, p) in trainer.chunks[0].module.named_parameters()
+            for q, a in trainer.average.by_param().items()
+            if q is p
+        }
         trained = {n: p.detach().clone() for n, p in trainer.chunks[0].module.named_parameters()}
     finally:
         parallel.destroy()
@@ -137,5 +158,7 @@ def test_generate_loads_the_average_on_request(tmp_path, capsys):
     with pytest.raises(SystemExit) as err:
         main(["--checkpoint", str(tmp_path / "plain"), "--average"])
     assert err.value.code == 2
-    assert f"'{tmp_path}/plain/iter_0000001' has no weight average (it was trained without train.ema_decay); " \
-           "leave out --average" in capsys.readouterr().err
+    assert (
+        f"'{tmp_path}/plain/iter_0000001' has no weight average (it was trained without train.ema_decay); "
+        "leave out --average" in capsys.readouterr().err
+    )

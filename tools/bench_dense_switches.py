@@ -65,9 +65,21 @@ def kept_bytes(trainer: Trainer) -> int:
 
 
 def run_variant(config_path: str, overrides, steps: int, warmup: int) -> dict:
-    config = validate(load_config(config_path, list(overrides) + [
-        f"train.steps={steps + warmup + 1}", "train.eval_iters=0", "train.progress=false", "train.save=null",
-        "train.tensorboard_dir=null", "train.log_interval=1000000"]), world_size=1)
+    config = validate(
+        load_config(
+            config_path,
+            list(overrides)
+            + [
+                f"train.steps={steps + warmup + 1}",
+                "train.eval_iters=0",
+                "train.progress=false",
+                "train.save=null",
+                "train.tensorboard_dir=null",
+                "train.log_interval=1000000",
+            ],
+        ),
+        world_size=1,
+    )
     parallel.initialize(config)
     try:
         trainer = Trainer(config)
@@ -81,17 +93,26 @@ def run_variant(config_path: str, overrides, steps: int, warmup: int) -> dict:
                 times.append(time.perf_counter() - start)
         peak = profiling.step_peak_bytes(trainer.train_step, trainer.device)
         kept = kept_bytes(trainer)
-        return {"step_s": statistics.median(times), "step_s_all": times, "kept_bytes": kept,
-                "peak_bytes": kept + peak, "step_peak_bytes": peak,
-                "params": sum(p.numel() for c in trainer.chunks for p in c.parameters())}
+        return {
+            "step_s": statistics.median(times),
+            "step_s_all": times,
+            "kept_bytes": kept,
+            "peak_bytes": kept + peak,
+            "step_peak_bytes": peak,
+            "params": sum(p.numel() for c in trainer.chunks for p in c.parameters()),
+        }
     finally:
         parallel.destroy()
 
 
 def final_val_loss(config_path: str, overrides) -> float:
     """Train ``config_path`` to its end and return its last validation loss."""
-    config = validate(load_config(config_path, list(overrides) + [
-        "train.progress=false", "train.save=null", "train.tensorboard_dir=null"]), world_size=1)
+    config = validate(
+        load_config(
+            config_path, list(overrides) + ["train.progress=false", "train.save=null", "train.tensorboard_dir=null"]
+        ),
+        world_size=1,
+    )
     parallel.initialize(config)
     try:
         history = Trainer(config).train()
@@ -106,9 +127,15 @@ def loss_band(config_path: str, overrides, seeds) -> dict:
     told from), bf16's for the first seed."""
     fp32 = [final_val_loss(config_path, list(overrides) + [f"train.seed={s}"]) for s in seeds]
     bf16 = final_val_loss(config_path, list(overrides) + [f"train.seed={seeds[0]}", "train.precision=bf16"])
-    return {"config": config_path, "seeds": list(seeds), "fp32_val_loss": fp32, "bf16_val_loss": bf16,
-            "band": [min(fp32), max(fp32)], "bf16_in_band": min(fp32) <= bf16 <= max(fp32),
-            "bf16_minus_fp32_same_seed": bf16 - fp32[0]}
+    return {
+        "config": config_path,
+        "seeds": list(seeds),
+        "fp32_val_loss": fp32,
+        "bf16_val_loss": bf16,
+        "band": [min(fp32), max(fp32)],
+        "bf16_in_band": min(fp32) <= bf16 <= max(fp32),
+        "bf16_minus_fp32_same_seed": bf16 - fp32[0],
+    }
 
 
 def main() -> None:
@@ -116,12 +143,18 @@ def main() -> None:
     parser.add_argument("--config", default="configs/ultramem_151m_x12.yaml")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ", ".join(VARIANTS))
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ", ".join(VARIANTS)
+    )
     parser.add_argument("--quick", action="store_true", help="configs/ultramem_tiny.yaml, 5 steps")
-    parser.add_argument("--loss-band", metavar="CONFIGS", default=None,
-                        help="instead: train each of these comma-separated configs to the end in fp32 for every "
-                             "--seeds and in bf16 for the first, and report bf16's final validation loss against "
-                             "fp32's seed range")
+    parser.add_argument(
+        "--loss-band",
+        metavar="CONFIGS",
+        default=None,
+        help="instead: train each of these comma-separated configs to the end in fp32 for every "
+        "--seeds and in bf16 for the first, and report bf16's final validation loss against "
+        "fp32's seed range",
+    )
     parser.add_argument("--seeds", default="1,2,3")
     parser.add_argument("--json", default=None)
     parser.add_argument("overrides", nargs="*", help="config overrides for every variant")
@@ -138,10 +171,15 @@ def main() -> None:
         for path in args.loss_band.split(","):
             row = loss_band(path, overrides, seeds)
             rows.append(row)
-            print(f"{path:32s} {' '.join(f'{v:.4f}' for v in row['fp32_val_loss']):>28s} "
-                  f"{row['bf16_val_loss']:8.4f} {str(row['bf16_in_band']):>8s}", flush=True)
-        summary = {"bf16_in_band_fraction": sum(r["bf16_in_band"] for r in rows) / len(rows),
-                   "max_abs_bf16_minus_fp32": max(abs(r["bf16_minus_fp32_same_seed"]) for r in rows)}
+            print(
+                f"{path:32s} {' '.join(f'{v:.4f}' for v in row['fp32_val_loss']):>28s} "
+                f"{row['bf16_val_loss']:8.4f} {str(row['bf16_in_band']):>8s}",
+                flush=True,
+            )
+        summary = {
+            "bf16_in_band_fraction": sum(r["bf16_in_band"] for r in rows) / len(rows),
+            "max_abs_bf16_minus_fp32": max(abs(r["bf16_minus_fp32_same_seed"]) for r in rows),
+        }
         _write(args.json, "bench_dense_switches_loss_band", rows, summary, config, overrides)
         return
     if args.quick:
@@ -151,18 +189,26 @@ def main() -> None:
     run_variant(config, overrides + VARIANTS[names[0]], 1, 1)
     print(f"{'variant':24s} {'step ms':>9s} {'peak MiB':>10s} {'kept MiB':>10s}", flush=True)
     for name in names:
-        row = {"variant": name, "overrides": VARIANTS[name], **run_variant(config, overrides + VARIANTS[name],
-                                                                          args.steps, args.warmup)}
+        row = {
+            "variant": name,
+            "overrides": VARIANTS[name],
+            **run_variant(config, overrides + VARIANTS[name], args.steps, args.warmup),
+        }
         rows.append(row)
-        print(f"{name:24s} {row['step_s'] * 1e3:9.1f} {row['peak_bytes'] / 2**20:10.1f} "
-              f"{row['kept_bytes'] / 2**20:10.1f}", flush=True)
+        print(
+            f"{name:24s} {row['step_s'] * 1e3:9.1f} {row['peak_bytes'] / 2**20:10.1f} "
+            f"{row['kept_bytes'] / 2**20:10.1f}",
+            flush=True,
+        )
     by = {r["variant"]: r for r in rows}
     summary = {}
-    for key, (a, b, what) in {"bf16_over_fp32_step_time": ("bf16", "fp32", "step_s"),
-                              "bf16_over_fp32_peak": ("bf16", "fp32", "peak_bytes"),
-                              "recompute_full_over_none_peak": ("recompute_full", "fp32", "peak_bytes"),
-                              "all_over_fp32_peak": ("all", "fp32", "peak_bytes"),
-                              "all_over_fp32_step_time": ("all", "fp32", "step_s")}.items():
+    for key, (a, b, what) in {
+        "bf16_over_fp32_step_time": ("bf16", "fp32", "step_s"),
+        "bf16_over_fp32_peak": ("bf16", "fp32", "peak_bytes"),
+        "recompute_full_over_none_peak": ("recompute_full", "fp32", "peak_bytes"),
+        "all_over_fp32_peak": ("all", "fp32", "peak_bytes"),
+        "all_over_fp32_step_time": ("all", "fp32", "step_s"),
+    }.items():
         if a in by and b in by:
             summary[key] = by[a][what] / by[b][what]
     for key, value in summary.items():
@@ -173,12 +219,25 @@ def main() -> None:
 def _write(path, name: str, rows, summary, config, overrides) -> None:
     if not path:
         return
-    machine = {"platform": platform.platform(), "torch": torch.__version__,
-               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
-               "threads": torch.get_num_threads()}
+    machine = {
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
+        "threads": torch.get_num_threads(),
+    }
     with open(path, "w") as f:
-        json.dump({"benchmark": name, "machine": machine, "config": config, "overrides": overrides,
-                   "rows": rows, "summary": summary}, f, indent=1)
+        json.dump(
+            {
+                "benchmark": name,
+                "machine": machine,
+                "config": config,
+                "overrides": overrides,
+                "rows": rows,
+                "summary": summary,
+            },
+            f,
+            indent=1,
+        )
     print(f"wrote {path}")
 
 

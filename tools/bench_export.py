@@ -28,9 +28,20 @@ HIDDEN = 256
 
 
 def overrides(keys: int):
-    return ["model.arch=transformer", "model.num_layers=2", f"model.hidden_size={HIDDEN}", "model.num_attention_heads=4",
-            "model.seq_length=64", "model.vocab_size=257", "memory.type=pkm", "memory.placement='1:2'",
-            f"memory.num_keys={keys}", "memory.num_heads=2", "memory.topk=8", "memory.key_dim=32"]
+    return [
+        "model.arch=transformer",
+        "model.num_layers=2",
+        f"model.hidden_size={HIDDEN}",
+        "model.num_attention_heads=4",
+        "model.seq_length=64",
+        "model.vocab_size=257",
+        "memory.type=pkm",
+        "memory.placement='1:2'",
+        f"memory.num_keys={keys}",
+        "memory.num_heads=2",
+        "memory.topk=8",
+        "memory.key_dim=32",
+    ]
 
 
 def save(ckpt: str, keys: int) -> None:
@@ -44,8 +55,9 @@ def save(ckpt: str, keys: int) -> None:
     config = validate(load_config(None, overrides(keys)), 1)
     parallel.initialize(config)
     try:
-        save_checkpoint(ckpt, 0, build(config), None, {"config": to_dict(config), "iteration": 0,
-                                                       "consumed_samples": 0})
+        save_checkpoint(
+            ckpt, 0, build(config), None, {"config": to_dict(config), "iteration": 0, "consumed_samples": 0}
+        )
     finally:
         parallel.destroy()
 
@@ -69,8 +81,9 @@ def child(mode: str, ckpt: str, out: str) -> None:
 
 def run_child(mode: str, a: str, b: str) -> str:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, __file__, "--child", mode, a, b], env=env, cwd=ROOT,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", mode, a, b], env=env, cwd=ROOT, capture_output=True, text=True
+    )
     if proc.returncode:
         raise SystemExit(f"bench_export: the {mode} step failed:\n{proc.stderr[-3000:]}")
     return proc.stdout
@@ -92,7 +105,7 @@ def check(out: str, ckpt: str) -> None:
     rows, cols = block["rows"], block["cols"]
     with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
         table = f.get_slice("model.memory.0.values.weight")
-        first, last = table[:4], table[rows - 4:rows]
+        first, last = table[:4], table[rows - 4 : rows]
     raw = torch.from_file(block["path"], size=rows * cols, dtype=torch.float32).view(rows, cols)
     assert torch.equal(first, raw[:4]) and torch.equal(last, raw[-4:]), "exported table differs from the saved one"
 
@@ -123,22 +136,38 @@ def main(argv=None) -> int:
                 out = os.path.join(tmp, f"hf_{mode}")
                 result = measure(f"{mode}:{chunk}", ckpt, out)
                 check(out, ckpt)
-                rows.append({"mode": mode, "table_bytes": keys * keys * HIDDEN * 4, "chunk_bytes": chunk << 20,
-                             **result})
+                rows.append(
+                    {"mode": mode, "table_bytes": keys * keys * HIDDEN * 4, "chunk_bytes": chunk << 20, **result}
+                )
     print(f"{'export':<10}{'table GiB':>11}{'peak RSS GiB':>14}{'seconds':>10}")
     for r in rows:
-        print(f"{r['mode']:<10}{r['table_bytes'] / 2**30:>11.3f}{r['peak_rss_bytes'] / 2**30:>14.2f}{r['seconds']:>10.1f}")
+        print(
+            f"{r['mode']:<10}{r['table_bytes'] / 2**30:>11.3f}{r['peak_rss_bytes'] / 2**30:>14.2f}{r['seconds']:>10.1f}"
+        )
     growth = {}
     for mode in ("streamed", "whole"):
         small, large = [r for r in rows if r["mode"] == mode]
-        growth[mode] = (large["peak_rss_bytes"] - small["peak_rss_bytes"]) / (large["table_bytes"] - small["table_bytes"])
+        growth[mode] = (large["peak_rss_bytes"] - small["peak_rss_bytes"]) / (
+            large["table_bytes"] - small["table_bytes"]
+        )
     print(f"peak RSS growth per table byte: streamed {growth['streamed']:.3f}, whole {growth['whole']:.3f}")
-    summary = {"table_gib": rows[-1]["table_bytes"] / 2**30, "streamed_rss_per_table_byte": growth["streamed"],
-               "whole_rss_per_table_byte": growth["whole"]}
+    summary = {
+        "table_gib": rows[-1]["table_bytes"] / 2**30,
+        "streamed_rss_per_table_byte": growth["streamed"],
+        "whole_rss_per_table_byte": growth["whole"],
+    }
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "bench_export", "machine": platform.node() + " " + platform.processor(),
-                       "rows": rows, "summary": summary}, f, indent=1)
+            json.dump(
+                {
+                    "benchmark": "bench_export",
+                    "machine": platform.node() + " " + platform.processor(),
+                    "rows": rows,
+                    "summary": summary,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

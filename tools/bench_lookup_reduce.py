@@ -211,14 +211,16 @@ def methods(shape, backends):
     out = {}
     for backend in backends:
         for kind, sparse in (("sparse", True), ("dense", False)):
-            out[f"lookup_reduce[{backend}] {kind} grad"] = (
-                lambda t, i, s, b, backend=backend, sparse=sparse: lookup_reduce(
-                    t, i, s, b, E, backend=backend, sparse_grad=sparse, validate=False))
+            out[f"lookup_reduce[{backend}] {kind} grad"] = lambda t, i, s, b, backend=backend, sparse=sparse: (
+                lookup_reduce(t, i, s, b, E, backend=backend, sparse_grad=sparse, validate=False)
+            )
     if C == 1 and E == 1:  # embedding_bag's per-sample weights must have the table's dtype
         out["embedding_bag dense"] = lambda t, i, s, b: F.embedding_bag(
-            i, t, per_sample_weights=s[..., 0].to(t.dtype), mode="sum").unsqueeze(1)
+            i, t, per_sample_weights=s[..., 0].to(t.dtype), mode="sum"
+        ).unsqueeze(1)
         out["embedding_bag sparse"] = lambda t, i, s, b: F.embedding_bag(
-            i, t, per_sample_weights=s[..., 0].to(t.dtype), mode="sum", sparse=True).unsqueeze(1)
+            i, t, per_sample_weights=s[..., 0].to(t.dtype), mode="sum", sparse=True
+        ).unsqueeze(1)
         out["naive gather+sum"] = lambda t, i, s, b: (t[i] * s).sum(1, keepdim=True)
     return out
 
@@ -248,8 +250,9 @@ def make_inputs(shape, seed, device, table_dtype=torch.float32):
     return table, indices, scores, block_ids, grad_out
 
 
-def bench_shape(shape, repeats, backends, timer, seed=0, flush=lambda: None, device=torch.device("cpu"),
-                table_dtype=torch.float32):
+def bench_shape(
+    shape, repeats, backends, timer, seed=0, flush=lambda: None, device=torch.device("cpu"), table_dtype=torch.float32
+):
     N, D, T, K, C, E = (shape[k] for k in ("N", "D", "T", "K", "C", "E"))
     table, indices, scores, block_ids, grad_out = make_inputs(shape, seed, device, table_dtype)
     unique = torch.unique(indices).numel()
@@ -266,22 +269,35 @@ def bench_shape(shape, repeats, backends, timer, seed=0, flush=lambda: None, dev
         fwd = statistics.median(x[0] for x in s)
         bwd = statistics.median(x[1] for x in s)
         total = statistics.median(x[0] + x[1] for x in s)
-        rows.append(dict(shape, method=name, unique_rows=unique, fwd_s=fwd, bwd_s=bwd, fwd_bwd_s=total,
-                         fwd_gbps=fwd_bytes / fwd / 1e9, bwd_gbps=bwd_bytes / bwd / 1e9,
-                         fwd_bwd_gbps=(fwd_bytes + bwd_bytes) / total / 1e9))
+        rows.append(
+            dict(
+                shape,
+                method=name,
+                unique_rows=unique,
+                fwd_s=fwd,
+                bwd_s=bwd,
+                fwd_bwd_s=total,
+                fwd_gbps=fwd_bytes / fwd / 1e9,
+                bwd_gbps=bwd_bytes / bwd / 1e9,
+                fwd_bwd_gbps=(fwd_bytes + bwd_bytes) / total / 1e9,
+            )
+        )
     return rows
 
 
 def step_methods(backend):
     """name -> (forward(table, indices, scores, update) -> [T, 1, D], optimizer class, fused) at
     C = E = 1; a fused method steps the table in its backward (rmt.ops.fused_update)."""
+
     def ours(sparse):
-        return lambda t, i, s, u=None: lookup_reduce(t, i, s, None, 1, backend=backend, sparse_grad=sparse,
-                                                     validate=False, update=u)
+        return lambda t, i, s, u=None: lookup_reduce(
+            t, i, s, None, 1, backend=backend, sparse_grad=sparse, validate=False, update=u
+        )
 
     def bag(sparse):
-        return lambda t, i, s: F.embedding_bag(i, t, per_sample_weights=s[..., 0].to(t.dtype), mode="sum",
-                                               sparse=sparse).unsqueeze(1)
+        return lambda t, i, s: F.embedding_bag(
+            i, t, per_sample_weights=s[..., 0].to(t.dtype), mode="sum", sparse=sparse
+        ).unsqueeze(1)
 
     return {
         f"lookup_reduce[{backend}] fused SparseAdam": (ours(True), SparseAdam, True),
@@ -294,14 +310,17 @@ def step_methods(backend):
     }
 
 
-def bench_step(shape, repeats, backend, timer, seed=0, flush=lambda: None, device=torch.device("cpu"),
-               table_dtype=torch.float32):
+def bench_step(
+    shape, repeats, backend, timer, seed=0, flush=lambda: None, device=torch.device("cpu"), table_dtype=torch.float32
+):
     """Medians of one training step (fwd + bwd + optimizer step; zero_grad untimed) per method."""
     N, D, T, K = (shape[k] for k in ("N", "D", "T", "K"))
     gen = torch.Generator().manual_seed(seed)
     init = torch.randn(N, D, generator=gen).to(device, table_dtype)
-    batches = [(torch.randint(0, N, (T, K), generator=gen).to(device),
-                torch.randn(T, K, 1, generator=gen).to(device)) for _ in range(repeats + 1)]
+    batches = [
+        (torch.randint(0, N, (T, K), generator=gen).to(device), torch.randn(T, K, 1, generator=gen).to(device))
+        for _ in range(repeats + 1)
+    ]
     grad_out = torch.randn(T, 1, D, generator=gen).to(device)
     rows = []
     for name, (forward, optimizer_class, fused) in step_methods(backend).items():
@@ -331,7 +350,8 @@ def fbgemm_missing():
     ``fbgemm-gpu-cpu==1.8.0``, built for torch 2.13), else why not."""
     try:
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # noqa: F401
-            SplitTableBatchedEmbeddingBagsCodegen)
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
     except (ImportError, OSError) as exc:  # OSError: a build for another torch (undefined symbol)
         return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     return None
@@ -349,8 +369,17 @@ class RmtRowwiseStep:
 
     def forward(self, indices, scores):
         self.scores = scores.clone().requires_grad_(True)
-        return lookup_reduce(self.table, indices, self.scores, None, 1, backend=self.backend, sparse_grad=True,
-                             validate=False, update=self.update)
+        return lookup_reduce(
+            self.table,
+            indices,
+            self.scores,
+            None,
+            1,
+            backend=self.backend,
+            sparse_grad=True,
+            validate=False,
+            update=self.update,
+        )
 
     def backward_step(self, out, grad_out):
         out.backward(grad_out)
@@ -373,13 +402,21 @@ class FbgemmRowwiseStep:
         from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-            ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
+            ComputeDevice,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
 
         N, D = init.shape
         self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
-            [(N, D, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-            learning_rate=ROWWISE_LR, eps=ROWWISE_EPS, pooling_mode=PoolingMode.SUM, weights_precision=SparseType.FP32,
-            output_dtype=SparseType.FP32, stochastic_rounding=False)
+            [(N, D, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+            optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+            learning_rate=ROWWISE_LR,
+            eps=ROWWISE_EPS,
+            pooling_mode=PoolingMode.SUM,
+            weights_precision=SparseType.FP32,
+            output_dtype=SparseType.FP32,
+            stochastic_rounding=False,
+        )
         with torch.no_grad():
             self.tbe.split_embedding_weights()[0].copy_(init)
 
@@ -431,8 +468,9 @@ def bench_rowwise_peers(shapes, threads, repeats, backend, timer, flush, table_d
         N, D, T, K = (shape[k] for k in ("N", "D", "T", "K"))
         gen = torch.Generator().manual_seed(seed)
         init = torch.randn(N, D, generator=gen).to(table_dtype)
-        batches = [(torch.randint(0, N, (T, K), generator=gen), torch.rand(T, K, 1, generator=gen))
-                   for _ in range(repeats + 1)]
+        batches = [
+            (torch.randint(0, N, (T, K), generator=gen), torch.rand(T, K, 1, generator=gen)) for _ in range(repeats + 1)
+        ]
         grad_out = torch.randn(T, 1, D, generator=gen)
         for n in threads:
             torch.set_num_threads(n)
@@ -459,12 +497,21 @@ def bench_rowwise_peers(shapes, threads, repeats, backend, timer, flush, table_d
             for name, s in samples.items():
                 got = diffs[name]
                 fwd = statistics.median(x[0] for x in s)
-                rows.append(dict(shape, method=name, threads=n, unique_rows=unique, fwd_s=fwd,
-                                 fwd_gbps=fwd_bytes / fwd / 1e9, bwd_opt_s=statistics.median(x[1] for x in s),
-                                 step_s=statistics.median(x[0] + x[1] for x in s),
-                                 max_diff_output=float((got[0].float() - ref[0].float()).abs().max()),
-                                 max_diff_score_grad=float((got[1].float() - ref[1].float()).abs().max()),
-                                 max_diff_table=float((got[2].float() - ref[2].float()).abs().max())))
+                rows.append(
+                    dict(
+                        shape,
+                        method=name,
+                        threads=n,
+                        unique_rows=unique,
+                        fwd_s=fwd,
+                        fwd_gbps=fwd_bytes / fwd / 1e9,
+                        bwd_opt_s=statistics.median(x[1] for x in s),
+                        step_s=statistics.median(x[0] + x[1] for x in s),
+                        max_diff_output=float((got[0].float() - ref[0].float()).abs().max()),
+                        max_diff_score_grad=float((got[1].float() - ref[1].float()).abs().max()),
+                        max_diff_table=float((got[2].float() - ref[2].float()).abs().max()),
+                    )
+                )
             del steps
     torch.set_num_threads(before)
     return rows
@@ -472,14 +519,15 @@ def bench_rowwise_peers(shapes, threads, repeats, backend, timer, flush, table_d
 
 def print_rowwise_peers(rows, note):
     print("\nrow-wise Adagrad training step side by side (interleaved), ms:" + (f" ({note})" if note else ""))
-    header = (f"{'K':>4} {'thr':>3}  {'method':<34} {'fwd':>8} {'bwd+opt':>8} {'step':>8} {'x fused':>8}"
-              f" {'max|dW|':>9}")
+    header = f"{'K':>4} {'thr':>3}  {'method':<34} {'fwd':>8} {'bwd+opt':>8} {'step':>8} {'x fused':>8} {'max|dW|':>9}"
     print(header)
     print("-" * len(header))
     fused = {(r["K"], r["threads"]): r["step_s"] for r in rows if r["method"] == "rmt fused RowWiseAdagrad"}
     for r in rows:
-        print(f"{r['K']:>4} {r['threads']:>3}  {r['method']:<34} {r['fwd_s'] * 1e3:8.3f} {r['bwd_opt_s'] * 1e3:8.3f} "
-              f"{r['step_s'] * 1e3:8.3f} {r['step_s'] / fused[(r['K'], r['threads'])]:8.2f} {r['max_diff_table']:9.2e}")
+        print(
+            f"{r['K']:>4} {r['threads']:>3}  {r['method']:<34} {r['fwd_s'] * 1e3:8.3f} {r['bwd_opt_s'] * 1e3:8.3f} "
+            f"{r['step_s'] * 1e3:8.3f} {r['step_s'] / fused[(r['K'], r['threads'])]:8.2f} {r['max_diff_table']:9.2e}"
+        )
 
 
 def profile_headline(backends, device, headline, rows=12, table_dtype=torch.float32):
@@ -517,19 +565,27 @@ def shapes(quick, device, headline):
     if quick:
         return [headline, dict(headline, K=128, C=2, E=4)]
     grid = [dict(headline, K=k, C=c, E=e) for k in (32, 128) for c in (1, 2) for e in (1, 4)]
-    larger = [dict(headline, N=4 * headline["N"])] + ([dict(headline, N=16 * headline["N"])] if device.type == "cuda" else [])
+    larger = [dict(headline, N=4 * headline["N"])] + (
+        [dict(headline, N=16 * headline["N"])] if device.type == "cuda" else []
+    )
     return grid + larger
 
 
 def print_table(rows, bandwidth, huge_pages, clock, cache, device):
-    print(f"device: {device}; memory bandwidth (copy): {bandwidth:.1f} GB/s; huge pages (THP_MEM_ALLOC_ENABLE): "
-          f"{huge_pages}; clock: {clock}; cache: {cache}")
-    header = f"{'N':>8} {'K':>4} {'C':>2} {'E':>2}  {'method':<34} {'fwd ms':>8} {'bwd ms':>8} {'f+b ms':>8} {'f+b GB/s':>9}"
+    print(
+        f"device: {device}; memory bandwidth (copy): {bandwidth:.1f} GB/s; huge pages (THP_MEM_ALLOC_ENABLE): "
+        f"{huge_pages}; clock: {clock}; cache: {cache}"
+    )
+    header = (
+        f"{'N':>8} {'K':>4} {'C':>2} {'E':>2}  {'method':<34} {'fwd ms':>8} {'bwd ms':>8} {'f+b ms':>8} {'f+b GB/s':>9}"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['N']:>8} {r['K']:>4} {r['C']:>2} {r['E']:>2}  {r['method']:<34} {r['fwd_s'] * 1e3:8.3f} "
-              f"{r['bwd_s'] * 1e3:8.3f} {r['fwd_bwd_s'] * 1e3:8.3f} {r['fwd_bwd_gbps']:9.2f}")
+        print(
+            f"{r['N']:>8} {r['K']:>4} {r['C']:>2} {r['E']:>2}  {r['method']:<34} {r['fwd_s'] * 1e3:8.3f} "
+            f"{r['bwd_s'] * 1e3:8.3f} {r['fwd_bwd_s'] * 1e3:8.3f} {r['fwd_bwd_gbps']:9.2f}"
+        )
 
 
 def print_steps(step_rows):
@@ -561,10 +617,10 @@ def summarize(rows, bandwidth, backend, step_rows, headline, table_elem=4):
     step = {r["method"]: r["step_s"] for r in step_rows}
     gather_gbps, best = best_case_s(head, bandwidth, table_elem)
     return {
-        "step_speedup_sparse_adam_vs_embedding_bag_sparse_adam":
-            step["embedding_bag sparse + torch SparseAdam"] / step[f"lookup_reduce[{backend}] sparse + rmt SparseAdam"],
-        "step_speedup_sparse_adam_vs_dense_adamw":
-            step[f"lookup_reduce[{backend}] dense + AdamW"] / step[f"lookup_reduce[{backend}] sparse + rmt SparseAdam"],
+        "step_speedup_sparse_adam_vs_embedding_bag_sparse_adam": step["embedding_bag sparse + torch SparseAdam"]
+        / step[f"lookup_reduce[{backend}] sparse + rmt SparseAdam"],
+        "step_speedup_sparse_adam_vs_dense_adamw": step[f"lookup_reduce[{backend}] dense + AdamW"]
+        / step[f"lookup_reduce[{backend}] sparse + rmt SparseAdam"],
         "speedup_vs_embedding_bag_sparse": head["embedding_bag sparse"]["fwd_bwd_s"] / ours["fwd_bwd_s"],
         "speedup_vs_embedding_bag_dense": head["embedding_bag dense"]["fwd_bwd_s"] / ours["fwd_bwd_s"],
         "fraction_of_bandwidth": ours["fwd_bwd_gbps"] / bandwidth,
@@ -601,30 +657,66 @@ def main(argv=None):
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per method (default 5, quick 3)")
     parser.add_argument("--backend", default=None, help="lookup_reduce backend (default: auto / $RMT_LOOKUP_BACKEND)")
-    parser.add_argument("--huge-pages", choices=("on", "off"), default="on",
-                        help="THP_MEM_ALLOC_ENABLE for every tensor of the run (default on)")
-    parser.add_argument("--clock", choices=(*CLOCKS, "events", "device"), default=None,
-                        help="wall: elapsed time (on a GPU between device syncs); thread: CPU time of the "
-                             "calling thread, which other jobs' load barely changes (needs OMP_NUM_THREADS=1); "
-                             "events: CUDA events around each isolated phase, host issue time included; "
-                             "device: CUDA events with the host ahead of the device (default on a GPU; wall "
-                             "on the CPU)")
-    parser.add_argument("--cache", choices=("cold", "warm"), default="cold",
-                        help="cold: evict the caches before every timed forward and backward (default)")
-    parser.add_argument("--profile", action="store_true",
-                        help="also print torch.profiler's table of one fwd+bwd per method at the headline shape")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                        help="where the tensors live (default: cuda where torch sees a GPU, else cpu)")
-    parser.add_argument("--table-dtype", choices=tuple(TABLE_DTYPES), default="fp32",
-                        help="the value table's storage dtype (scores and outputs stay fp32; default fp32)")
-    parser.add_argument("--threads", default=None,
-                        help="thread counts of the row-wise Adagrad side-by-side table, comma-separated (default "
-                             "1,2 on the CPU; 1 with --clock thread)")
-    parser.add_argument("--load", type=int, default=0, metavar="N",
-                        help="run N competing busy processes during the whole benchmark (a loaded machine)")
-    parser.add_argument("--rows", type=int, default=HEADLINE["N"], metavar="N",
-                        help=f"value table rows of the headline shape (default {HEADLINE['N']}; the other shapes "
-                             "scale with it): a small table runs every path in seconds, with cache-resident timings")
+    parser.add_argument(
+        "--huge-pages",
+        choices=("on", "off"),
+        default="on",
+        help="THP_MEM_ALLOC_ENABLE for every tensor of the run (default on)",
+    )
+    parser.add_argument(
+        "--clock",
+        choices=(*CLOCKS, "events", "device"),
+        default=None,
+        help="wall: elapsed time (on a GPU between device syncs); thread: CPU time of the "
+        "calling thread, which other jobs' load barely changes (needs OMP_NUM_THREADS=1); "
+        "events: CUDA events around each isolated phase, host issue time included; "
+        "device: CUDA events with the host ahead of the device (default on a GPU; wall "
+        "on the CPU)",
+    )
+    parser.add_argument(
+        "--cache",
+        choices=("cold", "warm"),
+        default="cold",
+        help="cold: evict the caches before every timed forward and backward (default)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print torch.profiler's table of one fwd+bwd per method at the headline shape",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="where the tensors live (default: cuda where torch sees a GPU, else cpu)",
+    )
+    parser.add_argument(
+        "--table-dtype",
+        choices=tuple(TABLE_DTYPES),
+        default="fp32",
+        help="the value table's storage dtype (scores and outputs stay fp32; default fp32)",
+    )
+    parser.add_argument(
+        "--threads",
+        default=None,
+        help="thread counts of the row-wise Adagrad side-by-side table, comma-separated (default "
+        "1,2 on the CPU; 1 with --clock thread)",
+    )
+    parser.add_argument(
+        "--load",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run N competing busy processes during the whole benchmark (a loaded machine)",
+    )
+    parser.add_argument(
+        "--rows",
+        type=int,
+        default=HEADLINE["N"],
+        metavar="N",
+        help=f"value table rows of the headline shape (default {HEADLINE['N']}; the other shapes "
+        "scale with it): a small table runs every path in seconds, with cache-resident timings",
+    )
     args = parser.parse_args(argv)
     if args.rows < 1024:
         parser.error(f"--rows must be at least 1024; got {args.rows}")
@@ -641,7 +733,9 @@ def main(argv=None):
     backend = backends[0]
     args.clock = args.clock or ("device" if device.type == "cuda" else "wall")
     if args.clock == "thread" and (torch.get_num_threads() != 1 or device.type == "cuda"):
-        parser.error("--clock thread measures the calling thread's CPU time only: run on the CPU with OMP_NUM_THREADS=1")
+        parser.error(
+            "--clock thread measures the calling thread's CPU time only: run on the CPU with OMP_NUM_THREADS=1"
+        )
     if args.clock in ("events", "device") and device.type != "cuda":
         parser.error(f"--clock {args.clock} times CUDA events: it needs --device cuda")
     try:
@@ -658,8 +752,9 @@ def main(argv=None):
     bandwidth = measure_bandwidth(probe_mib, 7, timer, device)
     flush = CacheFlusher(args.cache == "cold", device)
     with CompetingLoad(args.load):
-        rows, step_rows, peer_rows, fbgemm_note, kernel_s = run_all(args, device, backends, backend, timer, flush,
-                                                                    repeats, table_dtype, threads, headline)
+        rows, step_rows, peer_rows, fbgemm_note, kernel_s = run_all(
+            args, device, backends, backend, timer, flush, repeats, table_dtype, threads, headline
+        )
     print_table(rows, bandwidth, args.huge_pages, args.clock, args.cache, device)
     print_steps(step_rows)
     print_rowwise_peers(peer_rows, fbgemm_note)
@@ -670,30 +765,58 @@ def main(argv=None):
         summary["kernel_time_speedup_vs_embedding_bag_sparse"] = kernel_s["embedding_bag sparse"] / ours
         summary["kernel_time_speedup_vs_embedding_bag_dense"] = kernel_s["embedding_bag dense"] / ours
     shape = ", ".join(f"{k}={v}" for k, v in headline.items())
-    print(f"summary ({backend}; fwd+bwd at {shape}, {args.table_dtype} table, fp32 scores; "
-          f"competing processes: {args.load}):")
+    print(
+        f"summary ({backend}; fwd+bwd at {shape}, {args.table_dtype} table, fp32 scores; "
+        f"competing processes: {args.load}):"
+    )
     for key, value in summary.items():
         print(f"  {key}: {value:.3f}")
     if args.json:
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-        machine = dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
-                       torch=torch.__version__, threads=torch.get_num_threads(), backend=backend,
-                       backends=backends, device=str(device), gpu=gpu,
-                       copy_bandwidth_gbps=bandwidth, huge_pages=args.huge_pages, clock=args.clock,
-                       cache=args.cache, table_dtype=args.table_dtype, load=args.load, peer_threads=threads,
-                       omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
-                       sort_digit_bits=cpu_backend._ext().sort_digit_bits(torch.get_num_threads()) if "cpu" in backends else None,
-                       fbgemm=fbgemm_note or "fbgemm-gpu-cpu")
+        machine = dict(
+            platform=platform.platform(),
+            processor=platform.processor() or platform.machine(),
+            torch=torch.__version__,
+            threads=torch.get_num_threads(),
+            backend=backend,
+            backends=backends,
+            device=str(device),
+            gpu=gpu,
+            copy_bandwidth_gbps=bandwidth,
+            huge_pages=args.huge_pages,
+            clock=args.clock,
+            cache=args.cache,
+            table_dtype=args.table_dtype,
+            load=args.load,
+            peer_threads=threads,
+            omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
+            sort_digit_bits=cpu_backend._ext().sort_digit_bits(torch.get_num_threads()) if "cpu" in backends else None,
+            fbgemm=fbgemm_note or "fbgemm-gpu-cpu",
+        )
         with open(args.json, "w") as f:
-            json.dump(dict(benchmark="bench_lookup_reduce", machine=machine, rows=rows, step_rows=step_rows,
-                           peer_rows=peer_rows, kernel_s=kernel_s, summary=summary), f, indent=1)
+            json.dump(
+                dict(
+                    benchmark="bench_lookup_reduce",
+                    machine=machine,
+                    rows=rows,
+                    step_rows=step_rows,
+                    peer_rows=peer_rows,
+                    kernel_s=kernel_s,
+                    summary=summary,
+                ),
+                f,
+                indent=1,
+            )
 
 
 def run_all(args, device, backends, backend, timer, flush, repeats, table_dtype, threads, headline):
     """Every timed table of the run: (fwd/bwd rows, training-step rows, row-wise peer rows, the
     note on FBGEMM ('' when it ran), profiled kernel seconds)."""
-    rows = [r for shape in shapes(args.quick, device, headline)
-            for r in bench_shape(shape, repeats, backends, timer, flush=flush, device=device, table_dtype=table_dtype)]
+    rows = [
+        r
+        for shape in shapes(args.quick, device, headline)
+        for r in bench_shape(shape, repeats, backends, timer, flush=flush, device=device, table_dtype=table_dtype)
+    ]
     step_rows = bench_step(headline, repeats, backend, timer, flush=flush, device=device, table_dtype=table_dtype)
     note = fbgemm_missing() if device.type == "cpu" else "FBGEMM's CPU build only (fbgemm-gpu-cpu)"
     if note and device.type == "cpu":
@@ -704,9 +827,16 @@ def run_all(args, device, backends, backend, timer, flush, repeats, table_dtype,
         print(note)
     peer_rows = []
     if device.type == "cpu":
-        peer_rows = bench_rowwise_peers((headline, dict(headline, K=128)), threads, repeats, backend, timer, flush,
-                                        table_dtype,
-                                        with_fbgemm=not note)
+        peer_rows = bench_rowwise_peers(
+            (headline, dict(headline, K=128)),
+            threads,
+            repeats,
+            backend,
+            timer,
+            flush,
+            table_dtype,
+            with_fbgemm=not note,
+        )
     kernel_s = profile_headline(backends, device, headline, table_dtype=table_dtype) if args.profile else {}
     return rows, step_rows, peer_rows, note, kernel_s
 
@@ -724,8 +854,9 @@ def summarize_peers(peer_rows, bandwidth, table_elem=4):
         if method != "rmt fused RowWiseAdagrad" or K != HEADLINE["K"]:
             continue
         out[f"fused_step_speedup_vs_unfused_t{n}"] = step[("rmt sparse + RowWiseAdagrad", K, n)] / value
-        _, best = best_case_s({r["method"]: r for r in peer_rows if (r["K"], r["threads"]) == (K, n)},
-                              bandwidth, table_elem)
+        _, best = best_case_s(
+            {r["method"]: r for r in peer_rows if (r["K"], r["threads"]) == (K, n)}, bandwidth, table_elem
+        )
         out[f"fused_step_fraction_of_best_case_t{n}"] = best / value
         if ("FBGEMM TBE EXACT_ROWWISE_ADAGRAD", K, n) in step:
             tbe = step[("FBGEMM TBE EXACT_ROWWISE_ADAGRAD", K, n)]

@@ -116,16 +116,41 @@ class DecodeModel(torch.nn.Module):
 
 
 def _ultramem(d, layers, num_keys, topk, seed):
-    spec = MemorySpec(hidden_size=d, num_layers=layers, num_heads=2, topk=topk, side_dim=d // 4,
-                      num_keys=num_keys, tucker_rank=2, num_cores=2, ive_blocks=4, init_samples=1,
-                      seed=seed)
+    spec = MemorySpec(
+        hidden_size=d,
+        num_layers=layers,
+        num_heads=2,
+        topk=topk,
+        side_dim=d // 4,
+        num_keys=num_keys,
+        tucker_rank=2,
+        num_cores=2,
+        ive_blocks=4,
+        init_samples=1,
+        seed=seed,
+    )
     return MemoryLayer(spec).eval()
 
 
 def _ultramem_v2(d, layers, num_keys, topk, seed):
-    spec = MemorySpec(version=2, hidden_size=d, num_layers=layers, num_heads=1, topk=topk, side_dim=d // 4,
-                      num_keys=num_keys, tucker_rank=2, num_cores=2, ive_blocks=1, value_dim=d // 4,
-                      pre_value_dim=d // 4, share_query=False, conv_kernel=0, improved_init=False, seed=seed)
+    spec = MemorySpec(
+        version=2,
+        hidden_size=d,
+        num_layers=layers,
+        num_heads=1,
+        topk=topk,
+        side_dim=d // 4,
+        num_keys=num_keys,
+        tucker_rank=2,
+        num_cores=2,
+        ive_blocks=1,
+        value_dim=d // 4,
+        pre_value_dim=d // 4,
+        share_query=False,
+        conv_kernel=0,
+        improved_init=False,
+        seed=seed,
+    )
     return UltraMemV2Layer(spec).eval()
 
 
@@ -135,10 +160,14 @@ def ultramem_macs(spec: MemorySpec) -> int:
     16), weighted pooling of the H*m values and the E per-block projectors (Eq. 15)."""
     s = spec
     n, sides = s.grid, 1 if s.share_query else 2
-    return (s.hidden_size * s.conv_kernel + s.hidden_size * s.num_heads * sides * s.side_dim
-            + s.num_heads * 2 * n * s.side_dim
-            + s.num_heads * s.num_cores * s.tucker_rank * (2 * s.topk) * (2 * s.topk + s.tucker_rank)
-            + s.num_heads * s.topk * s.value_dim + s.ive_blocks * s.value_dim * s.hidden_size)
+    return (
+        s.hidden_size * s.conv_kernel
+        + s.hidden_size * s.num_heads * sides * s.side_dim
+        + s.num_heads * 2 * n * s.side_dim
+        + s.num_heads * s.num_cores * s.tucker_rank * (2 * s.topk) * (2 * s.topk + s.tucker_rank)
+        + s.num_heads * s.topk * s.value_dim
+        + s.ive_blocks * s.value_dim * s.hidden_size
+    )
 
 
 def megatron_moe(d, heads, layers, experts, inner):
@@ -151,10 +180,23 @@ def megatron_moe(d, heads, layers, experts, inner):
     from rmt.config_checks import validate
     from rmt.models.megatron_config import transformer_config
 
-    cfg = validate(load_config(None, [
-        f"model.hidden_size={d}", f"model.num_attention_heads={heads}", f"model.num_layers={layers}",
-        "model.vocab_size=256", "memory.type=moe", "memory.placement='1:1'", f"memory.num_experts={experts}",
-        "memory.moe_topk=2", f"memory.expert_hidden_size={inner}"]), world_size=1)
+    cfg = validate(
+        load_config(
+            None,
+            [
+                f"model.hidden_size={d}",
+                f"model.num_attention_heads={heads}",
+                f"model.num_layers={layers}",
+                "model.vocab_size=256",
+                "memory.type=moe",
+                "memory.placement='1:1'",
+                f"memory.num_experts={experts}",
+                "memory.moe_topk=2",
+                f"memory.expert_hidden_size={inner}",
+            ],
+        ),
+        world_size=1,
+    )
     if not parallel_state.model_parallel_is_initialized():
         parallel.initialize(cfg)
     return SkipMoE(cfg, transformer_config(cfg)).eval()
@@ -170,8 +212,14 @@ def build_models(d, heads, layers, expansion, topk, seed=0):
     num_keys = round(math.sqrt(expansion * dense_params / (len(placement) * value_dim)))
 
     def ultramem(keys):
-        m = DecodeModel(d, heads, layers, lambda: DenseFFN(d, inner),
-                        [_ultramem(d, layers, keys, topk, seed + k) for k in range(len(placement))], placement)
+        m = DecodeModel(
+            d,
+            heads,
+            layers,
+            lambda: DenseFFN(d, inner),
+            [_ultramem(d, layers, keys, topk, seed + k) for k in range(len(placement))],
+            placement,
+        )
         m.load_state_dict(dense.state_dict(), strict=False)
         return m
 
@@ -186,20 +234,35 @@ def build_models(d, heads, layers, expansion, topk, seed=0):
     moe = DecodeModel(d, heads, layers, lambda: megatron_moe(d, heads, layers, experts, expert_inner))
     tenth_keys = round(num_keys / math.sqrt(10))
     v2_dims = 2 * (d // 4)  # value + pre-value rows
-    v2_keys = round(math.sqrt(len(placement) * num_keys ** 2 * value_dim / (layers * v2_dims)))
-    v2 = DecodeModel(d, heads, layers, lambda: DenseFFN(d, inner),
-                     [_ultramem_v2(d, layers, v2_keys, 2 * topk, seed + k) for k in range(layers)], beside_ffn=True)
+    v2_keys = round(math.sqrt(len(placement) * num_keys**2 * value_dim / (layers * v2_dims)))
+    v2 = DecodeModel(
+        d,
+        heads,
+        layers,
+        lambda: DenseFFN(d, inner),
+        [_ultramem_v2(d, layers, v2_keys, 2 * topk, seed + k) for k in range(layers)],
+        beside_ffn=True,
+    )
     v2.load_state_dict(dense.state_dict(), strict=False)
-    return {"dense": dense, "moe": moe, "ultramem": um, "ultramem_tenth": ultramem(tenth_keys),
-            "ultramem_v2": v2}, {
-        "hidden": d, "layers": layers, "dense_params": dense_params, "ultramem_params": um_params,
-        "moe_params": sum(p.numel() for p in moe.parameters()), "moe_experts": experts,
-        "moe_expert_inner": expert_inner, "ultramem_memory_macs_per_token": memory_macs,
+    return {"dense": dense, "moe": moe, "ultramem": um, "ultramem_tenth": ultramem(tenth_keys), "ultramem_v2": v2}, {
+        "hidden": d,
+        "layers": layers,
+        "dense_params": dense_params,
+        "ultramem_params": um_params,
+        "moe_params": sum(p.numel() for p in moe.parameters()),
+        "moe_experts": experts,
+        "moe_expert_inner": expert_inner,
+        "ultramem_memory_macs_per_token": memory_macs,
         "dense_ffn_macs_per_token": layers * 2 * d * inner,
-        "ultramem_num_keys": num_keys, "ultramem_slots_per_layer": num_keys ** 2, "ultramem_topk": topk,
-        "ultramem_tenth_slots_per_layer": tenth_keys ** 2, "placement": placement,
-        "ultramem_v2_params": sum(p.numel() for p in v2.parameters()), "ultramem_v2_slots_per_layer": v2_keys ** 2,
-        "ultramem_v2_topk": 2 * topk}
+        "ultramem_num_keys": num_keys,
+        "ultramem_slots_per_layer": num_keys**2,
+        "ultramem_topk": topk,
+        "ultramem_tenth_slots_per_layer": tenth_keys**2,
+        "placement": placement,
+        "ultramem_v2_params": sum(p.numel() for p in v2.parameters()),
+        "ultramem_v2_slots_per_layer": v2_keys**2,
+        "ultramem_v2_topk": 2 * topk,
+    }
 
 
 def _tables(layer):
@@ -224,7 +287,7 @@ def bytes_touched(model, x, caches, states):
     touched = []
     hooks = []
     for m in model.modules():
-        for table in (_tables(m) if isinstance(m, MemoryLayer) else []):
+        for table in _tables(m) if isinstance(m, MemoryLayer) else []:
             orig = table.lookup_reduce
 
             def counting(indices, scores, block_ids, num_blocks, _orig=orig, _t=table, **kwargs):
@@ -234,10 +297,12 @@ def bytes_touched(model, x, caches, states):
             table.lookup_reduce = counting
             hooks.append((table, orig))
         if isinstance(m, SkipMoE):
+
             def route(mod, args, out, _m=m):
                 expert = list(_m.moe.experts.local_experts[0].parameters())
                 used = int(out[1].any(0).sum())  # routing map [tokens, experts]
                 touched.append(used * sum(p.numel() * p.element_size() for p in expert))
+
             hooks.append(m.moe.router.register_forward_hook(route))
     model.step(x, caches, states)
     for h in hooks:
@@ -253,8 +318,7 @@ def measure(models, batch, d, heads, layers, kv_len, reps):
     each per round, so load changes on a shared machine hit them alike."""
     gen = torch.Generator().manual_seed(batch)
     hd = d // heads
-    caches = [tuple(torch.randn(batch, heads, kv_len + 1, hd, generator=gen) for _ in range(2))
-              for _ in range(layers)]
+    caches = [tuple(torch.randn(batch, heads, kv_len + 1, hd, generator=gen) for _ in range(2)) for _ in range(layers)]
     states = {name: [{} for _ in m.memory] for name, m in models.items()}
     x = torch.randn(1, batch, d, generator=gen)
     nbytes = {name: bytes_touched(m, x, caches, states[name]) for name, m in models.items()}
@@ -298,14 +362,17 @@ def main(argv=None):
             row[f"{name}_latency_ms"] = lat * 1e3
             row[f"{name}_bytes"] = nbytes
         rows.append(row)
-        print(f"{b:>6} " + " ".join(f"{row[n + '_latency_ms']:>15.2f} {row[n + '_bytes'] / 1e6:>15.1f}" for n in models),
-              flush=True)
+        print(
+            f"{b:>6} " + " ".join(f"{row[n + '_latency_ms']:>15.2f} {row[n + '_bytes'] / 1e6:>15.1f}" for n in models),
+            flush=True,
+        )
     ref = next((r for r in rows if r["batch"] == 64), rows[-1])
     summary = {
         "ultramem_over_dense_latency_b64": ref["ultramem_latency_ms"] / ref["dense_latency_ms"],
         "moe_over_ultramem_latency_b64": ref["moe_latency_ms"] / ref["ultramem_latency_ms"],
         "ultramem_latency_growth_10x_slots": statistics.median(
-            r["ultramem_latency_ms"] / r["ultramem_tenth_latency_ms"] for r in rows),
+            r["ultramem_latency_ms"] / r["ultramem_tenth_latency_ms"] for r in rows
+        ),
         "ultramem_v2_over_dense_latency_b64": ref["ultramem_v2_latency_ms"] / ref["dense_latency_ms"],
         "ultramem_v2_over_ultramem_latency_b64": ref["ultramem_v2_latency_ms"] / ref["ultramem_latency_ms"],
         "moe_over_ultramem_v2_latency_b64": ref["moe_latency_ms"] / ref["ultramem_v2_latency_ms"],
@@ -314,11 +381,22 @@ def main(argv=None):
     print(json.dumps({"shapes": shapes, "summary": summary}, indent=1))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "bench_memory_inference",
-                       "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                                   "threads": args.threads, "torch": torch.__version__},
-                       "config": {**shapes, "kv_len": kv, "reps": reps, "expansion": args.expansion},
-                       "rows": rows, "summary": summary}, f, indent=1)
+            json.dump(
+                {
+                    "benchmark": "bench_memory_inference",
+                    "machine": {
+                        "platform": platform.platform(),
+                        "processor": platform.processor(),
+                        "threads": args.threads,
+                        "torch": torch.__version__,
+                    },
+                    "config": {**shapes, "kv_len": kv, "reps": reps, "expansion": args.expansion},
+                    "rows": rows,
+                    "summary": summary,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

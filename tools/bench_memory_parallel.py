@@ -26,17 +26,35 @@ import subprocess
 import sys
 import time
 
-VARIANTS = [("local", False, False), ("number", False, False), ("number", False, True),
-            ("number", True, False), ("number", True, True), ("dimension", False, False),
-            ("dimension", False, True)]
+VARIANTS = [
+    ("local", False, False),
+    ("number", False, False),
+    ("number", False, True),
+    ("number", True, False),
+    ("number", True, True),
+    ("dimension", False, False),
+    ("dimension", False, True),
+]
 
 
 def overrides(args):
-    return [f"data.max_documents={args.documents}", "model.num_layers=4", f"model.hidden_size={args.hidden}",
-            "model.num_attention_heads=4", f"model.seq_length={args.seq}", f"train.steps={args.steps}",
-            "train.warmup_steps=1", f"train.micro_batch_size={args.batch}", "train.eval_iters=0",
-            "train.progress=false", "memory.type=ultramem", "memory.placement='1:4'",
-            f"memory.num_keys={args.keys}", "memory.topk=8", "memory.key_dim=32"]
+    return [
+        f"data.max_documents={args.documents}",
+        "model.num_layers=4",
+        f"model.hidden_size={args.hidden}",
+        "model.num_attention_heads=4",
+        f"model.seq_length={args.seq}",
+        f"train.steps={args.steps}",
+        "train.warmup_steps=1",
+        f"train.micro_batch_size={args.batch}",
+        "train.eval_iters=0",
+        "train.progress=false",
+        "memory.type=ultramem",
+        "memory.placement='1:4'",
+        f"memory.num_keys={args.keys}",
+        "memory.topk=8",
+        "memory.key_dim=32",
+    ]
 
 
 def _hidden(busy: float, waited: float) -> float:
@@ -56,9 +74,17 @@ def worker(args):
     parallel.initialize(validate(load_config(None, base)))
     rows = []
     for partition, owner_reduce, async_stream in VARIANTS:
-        config = validate(load_config(None, base + [
-            f"memory.partition={partition}", f"memory.owner_reduce={str(owner_reduce).lower()}",
-            f"memory.async_stream={str(async_stream).lower()}"]))
+        config = validate(
+            load_config(
+                None,
+                base
+                + [
+                    f"memory.partition={partition}",
+                    f"memory.owner_reduce={str(owner_reduce).lower()}",
+                    f"memory.async_stream={str(async_stream).lower()}",
+                ],
+            )
+        )
         trainer = Trainer(config)
         wiring = trainer.chunks[0].module.memory_wiring
         for _ in range(args.warmup):
@@ -81,11 +107,20 @@ def worker(args):
             back_hidden = _hidden(back, back_waited)
         else:
             busy = waited = wiring.sync_s / timed
-        rows.append({"partition": partition, "owner_reduce": owner_reduce, "async": async_stream,
-                     "step_s": step_s, "memory_forward_s": busy, "memory_waited_s": waited,
-                     "hidden_fraction": _hidden(busy, waited),
-                     "memory_backward_s": back, "memory_backward_waited_s": back_waited,
-                     "hidden_backward_fraction": back_hidden})
+        rows.append(
+            {
+                "partition": partition,
+                "owner_reduce": owner_reduce,
+                "async": async_stream,
+                "step_s": step_s,
+                "memory_forward_s": busy,
+                "memory_waited_s": waited,
+                "hidden_fraction": _hidden(busy, waited),
+                "memory_backward_s": back,
+                "memory_backward_waited_s": back_waited,
+                "hidden_backward_fraction": back_hidden,
+            }
+        )
         if dist.get_rank() == 0:
             print(json.dumps(rows[-1]), flush=True)
     if dist.get_rank() == 0:
@@ -114,11 +149,25 @@ def main(argv=None):
     out = os.path.abspath((args.json or "bench_memory_parallel") + ".rows.tmp")
     # --standalone: torchrun's store binds a free port itself and the workers join it (no port
     # picked here that another process could take first)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           os.path.abspath(__file__), f"--worker-out={out}", f"--steps={args.steps}", f"--hidden={args.hidden}",
-           f"--seq={args.seq}", f"--batch={args.batch}", f"--keys={args.keys}", f"--documents={args.documents}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.nproc}",
+        os.path.abspath(__file__),
+        f"--worker-out={out}",
+        f"--steps={args.steps}",
+        f"--hidden={args.hidden}",
+        f"--seq={args.seq}",
+        f"--batch={args.batch}",
+        f"--keys={args.keys}",
+        f"--documents={args.documents}",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = (
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.pathsep + env.get("PYTHONPATH", "")
+    )
     subprocess.run(cmd, check=True, env=env)
     with open(out) as f:
         rows = json.load(f)
@@ -126,32 +175,58 @@ def main(argv=None):
     ratios, hidden, hidden_back = [], [], []
     for r in rows:
         if r["async"] and r["partition"] != "local":
-            sync = next(s for s in rows if not s["async"] and s["partition"] == r["partition"]
-                        and s["owner_reduce"] == r["owner_reduce"])
+            sync = next(
+                s
+                for s in rows
+                if not s["async"] and s["partition"] == r["partition"] and s["owner_reduce"] == r["owner_reduce"]
+            )
             r["async_over_sync_step_time"] = r["step_s"] / sync["step_s"]
             ratios.append(r["async_over_sync_step_time"])
             hidden.append(r["hidden_fraction"])
             hidden_back.append(r["hidden_backward_fraction"])
-    summary = {"async_over_sync_step_time": sum(ratios) / len(ratios), "hidden_fraction": sum(hidden) / len(hidden),
-               "hidden_backward_fraction": sum(hidden_back) / len(hidden_back)}
-    print(f"{'partition':<10} {'owner':<6} {'async':<6} {'step ms':>8} {'mem fwd ms':>10} {'waited ms':>9} {'hidden':>7} "
-          f"{'mem bwd ms':>10} {'waited ms':>9} {'hidden':>7}")
+    summary = {
+        "async_over_sync_step_time": sum(ratios) / len(ratios),
+        "hidden_fraction": sum(hidden) / len(hidden),
+        "hidden_backward_fraction": sum(hidden_back) / len(hidden_back),
+    }
+    print(
+        f"{'partition':<10} {'owner':<6} {'async':<6} {'step ms':>8} {'mem fwd ms':>10} {'waited ms':>9} {'hidden':>7} "
+        f"{'mem bwd ms':>10} {'waited ms':>9} {'hidden':>7}"
+    )
     for r in rows:
-        backward = "".join(f"{'-' if r[k] is None else format(scale * r[k], fmt):>{width}}" for k, scale, fmt, width in (
-            ("memory_backward_s", 1e3, ".1f", 11), ("memory_backward_waited_s", 1e3, ".1f", 10),
-            ("hidden_backward_fraction", 1, ".2f", 8)))
-        print(f"{r['partition']:<10} {str(r['owner_reduce']):<6} {str(r['async']):<6} {1e3 * r['step_s']:8.1f} "
-              f"{1e3 * r['memory_forward_s']:10.1f} {1e3 * r['memory_waited_s']:9.1f} {r['hidden_fraction']:7.2f}"
-              f"{backward}")
+        backward = "".join(
+            f"{'-' if r[k] is None else format(scale * r[k], fmt):>{width}}"
+            for k, scale, fmt, width in (
+                ("memory_backward_s", 1e3, ".1f", 11),
+                ("memory_backward_waited_s", 1e3, ".1f", 10),
+                ("hidden_backward_fraction", 1, ".2f", 8),
+            )
+        )
+        print(
+            f"{r['partition']:<10} {str(r['owner_reduce']):<6} {str(r['async']):<6} {1e3 * r['step_s']:8.1f} "
+            f"{1e3 * r['memory_forward_s']:10.1f} {1e3 * r['memory_waited_s']:9.1f} {r['hidden_fraction']:7.2f}"
+            f"{backward}"
+        )
     print(json.dumps(summary))
     if args.json:
         import torch
 
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "bench_memory_parallel",
-                       "machine": {"platform": platform.platform(), "torch": torch.__version__,
-                                   "cpus": os.cpu_count(), "nproc": args.nproc},
-                       "rows": rows, "summary": summary}, f, indent=1)
+            json.dump(
+                {
+                    "benchmark": "bench_memory_parallel",
+                    "machine": {
+                        "platform": platform.platform(),
+                        "torch": torch.__version__,
+                        "cpus": os.cpu_count(),
+                        "nproc": args.nproc,
+                    },
+                    "rows": rows,
+                    "summary": summary,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -76,21 +76,36 @@ def _reset_peak() -> None:
 def num_keys_for(mib: float, dtype_bytes: int) -> int:
     """Keys per side whose num_keys^2 x VALUE_DIM table is closest to ``mib`` MiB (a multiple of 8)."""
     slots = mib * MIB / (VALUE_DIM * dtype_bytes)
-    return max(8, int(round(slots ** 0.5 / 8)) * 8)
+    return max(8, int(round(slots**0.5 / 8)) * 8)
 
 
 def overrides(run: dict, documents: int) -> list:
-    return [f"data.max_documents={documents}", "model.num_layers=2", f"model.hidden_size={HIDDEN}",
-            "model.num_attention_heads=4", "model.seq_length=64", f"train.steps={run['steps']}",
-            "train.warmup_steps=0", "train.micro_batch_size=2", f"train.global_batch_size={2 * run['P']}",
-            "train.eval_iters=0", "train.progress=false", "train.log_interval=1000",
-            "memory.type=ultramem", "memory.placement='1:2'", f"memory.num_keys={run['num_keys']}",
-            "memory.topk=8", "memory.key_dim=32", "memory.num_heads=2",
-            f"memory.partition={run['partition']}", f"memory.value_optimizer={run['optimizer']}",
-            f"memory.value_dtype={run['dtype']}",
-            # freed memory goes back to the OS at once (as MALLOC_MMAP_THRESHOLD_ in launch() asks;
-            # the trainer's default keeps up to 256 MiB of it for the next step)
-            "train.host_heap_retain_mib=0"]
+    return [
+        f"data.max_documents={documents}",
+        "model.num_layers=2",
+        f"model.hidden_size={HIDDEN}",
+        "model.num_attention_heads=4",
+        "model.seq_length=64",
+        f"train.steps={run['steps']}",
+        "train.warmup_steps=0",
+        "train.micro_batch_size=2",
+        f"train.global_batch_size={2 * run['P']}",
+        "train.eval_iters=0",
+        "train.progress=false",
+        "train.log_interval=1000",
+        "memory.type=ultramem",
+        "memory.placement='1:2'",
+        f"memory.num_keys={run['num_keys']}",
+        "memory.topk=8",
+        "memory.key_dim=32",
+        "memory.num_heads=2",
+        f"memory.partition={run['partition']}",
+        f"memory.value_optimizer={run['optimizer']}",
+        f"memory.value_dtype={run['dtype']}",
+        # freed memory goes back to the OS at once (as MALLOC_MMAP_THRESHOLD_ in launch() asks;
+        # the trainer's default keeps up to 256 MiB of it for the next step)
+        "train.host_heap_retain_mib=0",
+    ]
 
 
 # -- worker (one rank) ---------------------------------------------------------------------------
@@ -141,8 +156,9 @@ def worker(args) -> None:
         record["shard_bytes"] = shard.numel() * shard.element_size()
         _measure("save", trainer.save, record)
     else:
-        config = validate(load_config(None, base + [f"train.load={args.ckpt}",
-                                                    f"memory.partition={args.load_partition}"]))
+        config = validate(
+            load_config(None, base + [f"train.load={args.ckpt}", f"memory.partition={args.load_partition}"])
+        )
         parallel.initialize(config)
         trainer = _measure("load", lambda: Trainer(config), record)
         record["loaded_iteration"] = trainer.iteration
@@ -156,17 +172,31 @@ def worker(args) -> None:
 
 
 # -- driver --------------------------------------------------------------------------------------
-def launch(args, run: dict, phase: str, load_partition: str = "", cap_gib: float = 0.0, tries: int = 2,
-           quiet: bool = False) -> list:
+def launch(
+    args, run: dict, phase: str, load_partition: str = "", cap_gib: float = 0.0, tries: int = 2, quiet: bool = False
+) -> list:
     """Run one phase on ``run["P"]`` ranks (torchrun --standalone: its rendezvous takes a free port
     from the OS, so concurrent jobs cannot race for one); one retry of a failed launch; ``quiet``:
     a failure is expected, print nothing of it."""
     out = os.path.join(args.workdir, f"worker-{os.getpid()}.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={run['P']}",
-           os.path.abspath(__file__), f"--worker-out={out}", f"--run-spec={json.dumps(run)}", f"--phase={phase}",
-           f"--ckpt={os.path.join(args.workdir, 'ckpt')}", f"--cache-dir={args.cache_dir}",
-           f"--documents={args.documents}", f"--load-partition={load_partition or run['partition']}",
-           f"--cap-gib={cap_gib}", f"--cap-kind={args.cap_kind}", f"--t0={time.time()}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={run['P']}",
+        os.path.abspath(__file__),
+        f"--worker-out={out}",
+        f"--run-spec={json.dumps(run)}",
+        f"--phase={phase}",
+        f"--ckpt={os.path.join(args.workdir, 'ckpt')}",
+        f"--cache-dir={args.cache_dir}",
+        f"--documents={args.documents}",
+        f"--load-partition={load_partition or run['partition']}",
+        f"--cap-gib={cap_gib}",
+        f"--cap-kind={args.cap_kind}",
+        f"--t0={time.time()}",
+    ]
     # Freed tensors go back to the OS at once, so that a phase's resident peak shows the live bytes
     # (glibc keeps freed blocks below its dynamic mmap threshold, up to 32 MiB, resident: the
     # previous phase's activations would count in the next phase's window).
@@ -177,8 +207,12 @@ def launch(args, run: dict, phase: str, load_partition: str = "", cap_gib: float
         if proc.returncode == 0:
             break
         if not quiet:
-            print(f"bench_memory_scale: {phase} run {run} failed (exit {proc.returncode})"
-                  + ("; retrying" if attempt + 1 < tries else ""), file=sys.stderr, flush=True)
+            print(
+                f"bench_memory_scale: {phase} run {run} failed (exit {proc.returncode})"
+                + ("; retrying" if attempt + 1 < tries else ""),
+                file=sys.stderr,
+                flush=True,
+            )
     else:
         if not quiet:
             sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
@@ -216,13 +250,19 @@ def measure_run(args, run: dict) -> dict:
     peak["load"] = max(r["load"]["peak"] for r in load)
     above = {name: _above_start(train, "init", name) for name in ("init", "step", "save")}
     above["load"] = _above_start(load, "load", "load")
-    out = dict(run, peak=peak, above_start=above, seconds={name: max(r[name]["s"] for r in (load if name == "load" else train))
-                                        for name in PHASES},
-               first_step_end_s=train[0]["first_step_end_s"], shard_bytes=train[0]["shard_bytes"],
-               whole_bytes=train[0]["shard_bytes"] * run["P"],
-               init_gbps=train[0]["shard_bytes"] / max(r["fill_s"] for r in train) / 1e9,
-               vm_peak=max(r["vm_peak"] for r in train + load),
-               loaded_iteration=load[0]["loaded_iteration"], predicted=predict(run))
+    out = dict(
+        run,
+        peak=peak,
+        above_start=above,
+        seconds={name: max(r[name]["s"] for r in (load if name == "load" else train)) for name in PHASES},
+        first_step_end_s=train[0]["first_step_end_s"],
+        shard_bytes=train[0]["shard_bytes"],
+        whole_bytes=train[0]["shard_bytes"] * run["P"],
+        init_gbps=train[0]["shard_bytes"] / max(r["fill_s"] for r in train) / 1e9,
+        vm_peak=max(r["vm_peak"] for r in train + load),
+        loaded_iteration=load[0]["loaded_iteration"],
+        predicted=predict(run),
+    )
     if reshards(args, run):
         other = "dimension" if run["partition"] == "number" else "number"
         resharded = launch(args, run, "load", load_partition=other, cap_gib=args.cap_gib)
@@ -255,7 +295,9 @@ def compare(rows: list) -> None:
     """``measured`` and ``predicted`` bytes growing with the table (against the base run of the same
     layout) and their ``error`` per phase, in place."""
     for r in rows:
-        base = next(b for b in rows if b["base"] and all(b[k] == r[k] for k in ("P", "partition", "optimizer", "dtype")))
+        base = next(
+            b for b in rows if b["base"] and all(b[k] == r[k] for k in ("P", "partition", "optimizer", "dtype"))
+        )
         r["growth"] = {}
         for phase in _grown(r):
             if r["base"] or phase not in _grown(base):
@@ -274,28 +316,46 @@ def summarize(rows: list) -> dict:
         over_p = [r["growth"]["step"]["measured"] * r["P"] for r in at_size if r["optimizer"] == opt]
         if len({r["P"] for r in at_size if r["optimizer"] == opt}) > 1:
             summary[f"peak_times_P_spread_{opt}"] = (max(over_p) - min(over_p)) / max(over_p)
-    ada = sorted((r for r in rows if r["P"] == 4 and r["optimizer"] == "rowwise_adagrad"
-                  and r["partition"] == "number" and r["dtype"] == "fp32"), key=lambda r: r["whole_bytes"])
+    ada = sorted(
+        (
+            r
+            for r in rows
+            if r["P"] == 4
+            and r["optimizer"] == "rowwise_adagrad"
+            and r["partition"] == "number"
+            and r["dtype"] == "fp32"
+        ),
+        key=lambda r: r["whole_bytes"],
+    )
     if len(ada) >= 2:
         a, b = ada[-2], ada[-1]
         summary["rowwise_adagrad_mib_per_mib_at_P4"] = (max(_grown(b).values()) - max(_grown(a).values())) / (
-            b["whole_bytes"] - a["whole_bytes"])
+            b["whole_bytes"] - a["whole_bytes"]
+        )
     return summary
 
 
 def print_table(rows: list) -> None:
-    print(f"{'partition':<9} {'optimizer':<15} {'dtype':<5} {'P':>2} {'whole MiB':>9} {'shard MiB':>9}  "
-          + "  ".join(f"{p + ' meas/pred MiB (err)':>30}" for p in PHASES + ("load_resharded",))
-          + f" {'init GB/s':>9} {'1st step s':>10}")
+    print(
+        f"{'partition':<9} {'optimizer':<15} {'dtype':<5} {'P':>2} {'whole MiB':>9} {'shard MiB':>9}  "
+        + "  ".join(f"{p + ' meas/pred MiB (err)':>30}" for p in PHASES + ("load_resharded",))
+        + f" {'init GB/s':>9} {'1st step s':>10}"
+    )
     for r in rows:
         cells = []
         for phase in PHASES + ("load_resharded",):
             g = r["growth"].get(phase)
-            cells.append(f"{'base' if r['base'] and phase in r['peak'] else '-':>30}" if g is None else
-                         f"{g['measured'] / MIB:>11.1f} / {g['predicted'] / MIB:>8.1f} ({g['error']:+6.1%})")
-        print(f"{r['partition']:<9} {r['optimizer']:<15} {r['dtype']:<5} {r['P']:>2} {r['whole_bytes'] / MIB:>9.1f} "
-              f"{r['shard_bytes'] / MIB:>9.1f}  " + "  ".join(cells)
-              + f" {r['init_gbps']:>9.2f} {r['first_step_end_s']:>10.1f}")
+            cells.append(
+                f"{'base' if r['base'] and phase in r['peak'] else '-':>30}"
+                if g is None
+                else f"{g['measured'] / MIB:>11.1f} / {g['predicted'] / MIB:>8.1f} ({g['error']:+6.1%})"
+            )
+        print(
+            f"{r['partition']:<9} {r['optimizer']:<15} {r['dtype']:<5} {r['P']:>2} {r['whole_bytes'] / MIB:>9.1f} "
+            f"{r['shard_bytes'] / MIB:>9.1f}  "
+            + "  ".join(cells)
+            + f" {r['init_gbps']:>9.2f} {r['first_step_end_s']:>10.1f}"
+        )
 
 
 def runs(args) -> list:
@@ -312,8 +372,19 @@ def runs(args) -> list:
                     if len(sizes) < 2:
                         continue
                     for mib in sizes:
-                        out.append((dict(P=P, partition=partition, optimizer=opt, dtype=dtype, steps=args.steps,
-                                         num_keys=num_keys_for(mib, b)), mib == args.base_mib))
+                        out.append(
+                            (
+                                dict(
+                                    P=P,
+                                    partition=partition,
+                                    optimizer=opt,
+                                    dtype=dtype,
+                                    steps=args.steps,
+                                    num_keys=num_keys_for(mib, b),
+                                ),
+                                mib == args.base_mib,
+                            )
+                        )
     return out
 
 
@@ -329,12 +400,20 @@ def main(argv=None):
     ap.add_argument("--dtypes", nargs="+", default=["fp32"], choices=("fp32", "bf16"))
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--reshard", action="store_true", help="also load each checkpoint under the other partition")
-    ap.add_argument("--repredict", metavar="JSON", help="measure nothing: compare the rows of an earlier --json "
-                    "file with the planner as it is now, print the table (and write --json)")
+    ap.add_argument(
+        "--repredict",
+        metavar="JSON",
+        help="measure nothing: compare the rows of an earlier --json "
+        "file with the planner as it is now, print the table (and write --json)",
+    )
     ap.add_argument("--demo", action="store_true", help="the RLIMIT_AS-capped demonstration (see above)")
     ap.add_argument("--cap-gib", type=float, default=0.0, help="--demo: the per-rank cap in GiB (default 4)")
-    ap.add_argument("--cap-kind", choices=sorted(CAP_LIMITS), default="data",
-                    help="--demo: RLIMIT_DATA (default) or RLIMIT_AS; see CAP_LIMITS")
+    ap.add_argument(
+        "--cap-kind",
+        choices=sorted(CAP_LIMITS),
+        default="data",
+        help="--demo: RLIMIT_DATA (default) or RLIMIT_AS; see CAP_LIMITS",
+    )
     ap.add_argument("--documents", type=int, default=20)
     ap.add_argument("--cache-dir", default=os.path.join(ROOT, ".rmt_cache"))
     ap.add_argument("--workdir", default=None, help="scratch directory for checkpoints (default: a temp dir)")
@@ -408,8 +487,12 @@ def measured_before(args) -> dict:
 
 
 def measure_in(args, run: dict) -> dict:
-    print(f"measuring {run['partition']}-wise {run['optimizer']} {run['dtype']} P={run['P']} "
-          f"num_keys={run['num_keys']} ...", file=sys.stderr, flush=True)
+    print(
+        f"measuring {run['partition']}-wise {run['optimizer']} {run['dtype']} P={run['P']} "
+        f"num_keys={run['num_keys']} ...",
+        file=sys.stderr,
+        flush=True,
+    )
     out = measure_run(args, run)
     return {k: v for k, v in out.items() if k not in run}
 
@@ -421,12 +504,22 @@ def demo(args) -> int:
     rows = []
     for opt, per_byte in (("rowwise_adagrad", 1), ("sparse_adam", 3)):  # bytes counted per table byte
         whole_mib = args.cap_fraction * cap * 1024 / per_byte
-        run = dict(P=4, partition="number", optimizer=opt, dtype="fp32", steps=args.steps,
-                   num_keys=num_keys_for(whole_mib, 4) + 8)
+        run = dict(
+            P=4,
+            partition="number",
+            optimizer=opt,
+            dtype="fp32",
+            steps=args.steps,
+            num_keys=num_keys_for(whole_mib, 4) + 8,
+        )
         args.cap_gib = cap
         r = dict(run, base=False, **measure_in(args, run))
-        r.update(cap_bytes=int(cap * (1 << 30)), counted_bytes=r["whole_bytes"] * per_byte,
-                 counted_over_cap=r["whole_bytes"] * per_byte / (cap * (1 << 30)), growth={})
+        r.update(
+            cap_bytes=int(cap * (1 << 30)),
+            counted_bytes=r["whole_bytes"] * per_byte,
+            counted_over_cap=r["whole_bytes"] * per_byte / (cap * (1 << 30)),
+            growth={},
+        )
         alone = dict(run, P=1)
         try:
             launch(args, alone, "train", cap_gib=cap, tries=1, quiet=True)  # expected to fail
@@ -434,24 +527,40 @@ def demo(args) -> int:
         except SystemExit:
             r["one_rank_alone"] = "failed under the cap"
         rows.append(r)
-        print(f"{opt}: cap {cap:g} GiB per rank; whole table {r['whole_bytes'] / (1 << 30):.2f} GiB"
-              f"{' (+ moments: ' + format(r['counted_bytes'] / (1 << 30), '.2f') + ' GiB)' if per_byte > 1 else ''}"
-              f" = {r['counted_over_cap']:.2f}x the cap; per-rank peak RSS by phase (GiB): "
-              + ", ".join(f"{k} {v / (1 << 30):.2f}" for k, v in r["peak"].items())
-              + f"; VmPeak {r['vm_peak'] / (1 << 30):.2f}; resumed at iteration {r['loaded_iteration']}; "
-              f"one rank alone under the cap: {r['one_rank_alone']}", flush=True)
-    summary = {"min_counted_over_cap": min(r["counted_over_cap"] for r in rows),
-               "all_resumed": all(r["loaded_iteration"] == args.steps for r in rows),
-               "one_rank_alone_failed": all(r["one_rank_alone"] != "ran" for r in rows)}
+        print(
+            f"{opt}: cap {cap:g} GiB per rank; whole table {r['whole_bytes'] / (1 << 30):.2f} GiB"
+            f"{' (+ moments: ' + format(r['counted_bytes'] / (1 << 30), '.2f') + ' GiB)' if per_byte > 1 else ''}"
+            f" = {r['counted_over_cap']:.2f}x the cap; per-rank peak RSS by phase (GiB): "
+            + ", ".join(f"{k} {v / (1 << 30):.2f}" for k, v in r["peak"].items())
+            + f"; VmPeak {r['vm_peak'] / (1 << 30):.2f}; resumed at iteration {r['loaded_iteration']}; "
+            f"one rank alone under the cap: {r['one_rank_alone']}",
+            flush=True,
+        )
+    summary = {
+        "min_counted_over_cap": min(r["counted_over_cap"] for r in rows),
+        "all_resumed": all(r["loaded_iteration"] == args.steps for r in rows),
+        "one_rank_alone_failed": all(r["one_rank_alone"] != "ran" for r in rows),
+    }
     print(json.dumps(summary))
     if args.json:
         import torch
 
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "bench_memory_scale_demo",
-                       "machine": {"platform": platform.platform(), "torch": torch.__version__,
-                                   "cpus": os.cpu_count(), "argv": sys.argv[1:]}, "rows": rows,
-                       "summary": summary}, f, indent=1)
+            json.dump(
+                {
+                    "benchmark": "bench_memory_scale_demo",
+                    "machine": {
+                        "platform": platform.platform(),
+                        "torch": torch.__version__,
+                        "cpus": os.cpu_count(),
+                        "argv": sys.argv[1:],
+                    },
+                    "rows": rows,
+                    "summary": summary,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 
@@ -465,10 +574,13 @@ def report(args, rows: list, name: str, machine: dict | None = None) -> int:
     print(json.dumps(summary))
     if args.json:
         with open(args.json, "w") as f:
-            machine = machine or {"platform": platform.platform(), "torch": torch.__version__,
-                                  "cpus": os.cpu_count(), "argv": sys.argv[1:]}
-            json.dump({"benchmark": name, "machine": machine,
-                       "rows": rows, "summary": summary}, f, indent=1)
+            machine = machine or {
+                "platform": platform.platform(),
+                "torch": torch.__version__,
+                "cpus": os.cpu_count(),
+                "argv": sys.argv[1:],
+            }
+            json.dump({"benchmark": name, "machine": machine, "rows": rows, "summary": summary}, f, indent=1)
         if os.path.exists(args.json + ".partial"):  # complete now: a rerun measures afresh
             os.remove(args.json + ".partial")
         print(f"wrote {args.json}", file=sys.stderr)

@@ -34,8 +34,13 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 FUSED = ["memory.value_optimizer=sparse_adam", "memory.fused_value_optimizer=true"]
-VARIANTS = {"dense": ["memory.type=none"], "sync": ["memory.async_stream=false"], "async": ["memory.async_stream=true"],
-            "sync_fused": ["memory.async_stream=false"] + FUSED, "async_fused": ["memory.async_stream=true"] + FUSED}
+VARIANTS = {
+    "dense": ["memory.type=none"],
+    "sync": ["memory.async_stream=false"],
+    "async": ["memory.async_stream=true"],
+    "sync_fused": ["memory.async_stream=false"] + FUSED,
+    "async_fused": ["memory.async_stream=true"] + FUSED,
+}
 PAIRS = [("sync", "async"), ("sync_fused", "async_fused")]
 
 
@@ -45,9 +50,17 @@ def fail(sentence: str) -> int:
 
 
 def base_overrides(args):
-    steps = [f"model.seq_length={args.seq}", f"train.micro_batch_size={args.batch}",
-             f"train.global_batch_size={args.batch}", f"train.steps={args.steps}", "train.warmup_steps=1",
-             "train.eval_iters=0", "train.progress=false", "model.dropout=0.0", f"data.max_documents={args.documents}"]
+    steps = [
+        f"model.seq_length={args.seq}",
+        f"train.micro_batch_size={args.batch}",
+        f"train.global_batch_size={args.batch}",
+        f"train.steps={args.steps}",
+        "train.warmup_steps=1",
+        "train.eval_iters=0",
+        "train.progress=false",
+        "model.dropout=0.0",
+        f"data.max_documents={args.documents}",
+    ]
     return steps + list(args.override)
 
 
@@ -81,9 +94,14 @@ def worker(args):
         sync()
         times.append(time.perf_counter() - start)
     times.sort()
-    row = {"variant": args.variant, "step_s": sum(times) / len(times), "median_step_s": times[len(times) // 2],
-           "loss": float(loss), "device": str(compat.device()),
-           "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None}
+    row = {
+        "variant": args.variant,
+        "step_s": sum(times) / len(times),
+        "median_step_s": times[len(times) // 2],
+        "loss": float(loss),
+        "device": str(compat.device()),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+    }
     if args.profile:
         row.update(profile(trainer, args.profile, cuda, sync))
     print(json.dumps(row), flush=True)
@@ -136,9 +154,13 @@ def profile(trainer, steps, cuda, sync):
             print(f"  {n / steps:8.1f}  {op}", flush=True)
     if not cuda:
         return audit_host_waits(trainer)
-    return {"kernel_s": sum(b - a for a, b in kernels) * 1e-6 / steps,
-            "device_busy_s": busy_union(kernels) * 1e-6 / steps, "launches": len(kernels) / steps,
-            "host_waits": len(waits) / steps, "host_wait_s": sum(b - a for a, b, *_ in waits) * 1e-6 / steps}
+    return {
+        "kernel_s": sum(b - a for a, b in kernels) * 1e-6 / steps,
+        "device_busy_s": busy_union(kernels) * 1e-6 / steps,
+        "launches": len(kernels) / steps,
+        "host_waits": len(waits) / steps,
+        "host_wait_s": sum(b - a for a, b, *_ in waits) * 1e-6 / steps,
+    }
 
 
 def audit_host_waits(trainer):
@@ -153,8 +175,7 @@ def audit_host_waits(trainer):
     print("operations that would wait for a GPU, per step, by caller:", flush=True)
     for (op, where), n in waits.most_common(12):
         print(f"  {n:4d}  {op:22s} {where}", flush=True)
-    return {"host_waits_on_gpu": sum(waits.values()),
-            "host_wait_callers_on_gpu": sorted({where for _, where in waits})}
+    return {"host_waits_on_gpu": sum(waits.values()), "host_wait_callers_on_gpu": sorted({where for _, where in waits})}
 
 
 def outermost_op(event) -> str:
@@ -193,26 +214,41 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=None, help="steps per variant (default 30; --quick 4)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 10; --quick 2)")
     ap.add_argument("--documents", type=int, default=200, help="data.max_documents of the default corpus")
-    ap.add_argument("--fused", action="store_true", help="also the pair with the value optimizer fused into the backward")
-    ap.add_argument("--variants", help=f"comma-separated subset of {','.join(VARIANTS)} (default: dense,sync,async "
-                                       "and with --fused the fused pair)")
-    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                    help="profile STEPS more steps per variant: kernel time, device busy time, launches, host waits, "
-                         "top kernels (on the CPU: top operators, and one more step's operations that would wait "
-                         "for a GPU)")
+    ap.add_argument(
+        "--fused", action="store_true", help="also the pair with the value optimizer fused into the backward"
+    )
+    ap.add_argument(
+        "--variants",
+        help=f"comma-separated subset of {','.join(VARIANTS)} (default: dense,sync,async "
+        "and with --fused the fused pair)",
+    )
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="profile STEPS more steps per variant: kernel time, device busy time, launches, host waits, "
+        "top kernels (on the CPU: top operators, and one more step's operations that would wait "
+        "for a GPU)",
+    )
     ap.add_argument("--json", help="write {benchmark, machine, rows, summary} here")
     ap.add_argument("override", nargs="*", help="config overrides for every variant (key=value)")
     ap.add_argument("--variant", choices=list(VARIANTS), help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    args.config = args.config or os.path.join(ROOT, "configs", "ultramem_tiny.yaml" if args.quick else "ultramem_151m_x12.yaml")
+    args.config = args.config or os.path.join(
+        ROOT, "configs", "ultramem_tiny.yaml" if args.quick else "ultramem_151m_x12.yaml"
+    )
     args.seq = args.seq or (128 if args.quick else 2048)
     args.steps = args.steps or (4 if args.quick else 30)
     args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 10)
     if args.worker_out:
         return worker(args)
-    names = args.variants.split(",") if args.variants else (
-        ["dense", "sync", "async"] + (["sync_fused", "async_fused"] if args.fused else []))
+    names = (
+        args.variants.split(",")
+        if args.variants
+        else (["dense", "sync", "async"] + (["sync_fused", "async_fused"] if args.fused else []))
+    )
     if not 0 <= args.warmup < args.steps:
         return fail("--warmup must be at least 0 and less than --steps")
     if not set(names) <= set(VARIANTS):
@@ -230,34 +266,72 @@ def main(argv=None):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     rows = []
     for name in names:
-        cmd = [sys.executable, os.path.abspath(__file__), f"--variant={name}", f"--worker-out={out}",
-               f"--config={args.config}", f"--seq={args.seq}", f"--batch={args.batch}", f"--steps={args.steps}",
-               f"--warmup={args.warmup}", f"--documents={args.documents}", f"--profile={args.profile}", *args.override]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            f"--variant={name}",
+            f"--worker-out={out}",
+            f"--config={args.config}",
+            f"--seq={args.seq}",
+            f"--batch={args.batch}",
+            f"--steps={args.steps}",
+            f"--warmup={args.warmup}",
+            f"--documents={args.documents}",
+            f"--profile={args.profile}",
+            *args.override,
+        ]
         print(f"bench_memory_stream: {name} ({args.steps} steps)", flush=True)
         subprocess.run(cmd, check=True, env=env)
         with open(out) as f:
             rows.append(json.load(f))
         os.remove(out)
     summary = summarize(rows)
-    print(f"{'variant':<12} {'step ms':>9} {'median ms':>10} {'peak GiB':>9} {'loss':>8} {'kernel ms':>10} "
-          f"{'busy ms':>8} {'launches':>9} {'waits':>6} {'wait ms':>8}")
+    print(
+        f"{'variant':<12} {'step ms':>9} {'median ms':>10} {'peak GiB':>9} {'loss':>8} {'kernel ms':>10} "
+        f"{'busy ms':>8} {'launches':>9} {'waits':>6} {'wait ms':>8}"
+    )
     for r in rows:
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
-        prof = "".join(f"{'-' if r.get(k) is None else format(scale * r[k], fmt):>{w}}" for k, scale, fmt, w in (
-            ("kernel_s", 1e3, ".2f", 11), ("device_busy_s", 1e3, ".2f", 9), ("launches", 1, ".0f", 10),
-            ("host_waits", 1, ".0f", 7), ("host_wait_s", 1e3, ".2f", 9)))
-        print(f"{r['variant']:<12} {1e3 * r['step_s']:9.2f} {1e3 * r['median_step_s']:10.2f} {peak:>9} {r['loss']:8.4f}"
-              f"{prof}")
+        prof = "".join(
+            f"{'-' if r.get(k) is None else format(scale * r[k], fmt):>{w}}"
+            for k, scale, fmt, w in (
+                ("kernel_s", 1e3, ".2f", 11),
+                ("device_busy_s", 1e3, ".2f", 9),
+                ("launches", 1, ".0f", 10),
+                ("host_waits", 1, ".0f", 7),
+                ("host_wait_s", 1e3, ".2f", 9),
+            )
+        )
+        print(
+            f"{r['variant']:<12} {1e3 * r['step_s']:9.2f} {1e3 * r['median_step_s']:10.2f} {peak:>9} {r['loss']:8.4f}"
+            f"{prof}"
+        )
     print(json.dumps(summary))
     if args.json:
         import torch
 
-        machine = {"platform": platform.platform(), "torch": torch.__version__, "cpus": os.cpu_count(),
-                   "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+        machine = {
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "cpus": os.cpu_count(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        }
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "bench_memory_stream", "machine": machine, "config": args.config, "seq": args.seq,
-                       "batch": args.batch, "steps": args.steps, "warmup": args.warmup, "rows": rows,
-                       "summary": summary}, f, indent=1)
+            json.dump(
+                {
+                    "benchmark": "bench_memory_stream",
+                    "machine": machine,
+                    "config": args.config,
+                    "seq": args.seq,
+                    "batch": args.batch,
+                    "steps": args.steps,
+                    "warmup": args.warmup,
+                    "rows": rows,
+                    "summary": summary,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -55,9 +55,11 @@ def optimizers():
         with deepspeed_build_guard("cpu_adam"):
             return DeepSpeedCPUAdam(params, adamw_mode=True, **kw)
 
-    return {"torch_foreach": lambda p: torch.optim.AdamW(p, foreach=True, **kw),
-            "torch_fused": lambda p: torch.optim.AdamW(p, fused=True, **kw),
-            "deepspeed_cpu_adam": deepspeed}
+    return {
+        "torch_foreach": lambda p: torch.optim.AdamW(p, foreach=True, **kw),
+        "torch_fused": lambda p: torch.optim.AdamW(p, fused=True, **kw),
+        "deepspeed_cpu_adam": deepspeed,
+    }
 
 
 def run(shapes, steps: int, threads: int):
@@ -81,7 +83,9 @@ def run(shapes, steps: int, threads: int):
             spent.append(time.perf_counter() - t0)
         times[name] = statistics.median(spent)
         final[name] = params
-    worst = max(float((a - b).detach().abs().max()) for name in final for a, b in zip(final[name], final["torch_foreach"]))
+    worst = max(
+        float((a - b).detach().abs().max()) for name in final for a, b in zip(final[name], final["torch_foreach"])
+    )
     return times, worst
 
 
@@ -95,7 +99,12 @@ def main(argv=None):
     args = ap.parse_args(argv)
     overrides = ["model.vocab_size=50304"]
     if args.quick:
-        overrides = ["model.vocab_size=512", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4"]
+        overrides = [
+            "model.vocab_size=512",
+            "model.num_layers=2",
+            "model.hidden_size=64",
+            "model.num_attention_heads=4",
+        ]
     shapes = model_shapes(args.config, overrides)
     count = sum(torch.Size(s).numel() for s in shapes)
     steps = args.steps or (3 if args.quick else 10)
@@ -104,24 +113,43 @@ def main(argv=None):
     print(f"{'threads':>7} {'torch foreach ms':>17} {'torch fused ms':>15} {'DeepSpeed CPU Adam ms':>22}")
     for threads in (int(t) for t in args.threads.split(",")):
         times, worst = run(shapes, steps, threads)
-        row = {"threads": threads, "params": count, "max_param_difference": worst,
-               **{f"{k}_ms": v * 1e3 for k, v in times.items()}}
+        row = {
+            "threads": threads,
+            "params": count,
+            "max_param_difference": worst,
+            **{f"{k}_ms": v * 1e3 for k, v in times.items()},
+        }
         rows.append(row)
-        print(f"{threads:>7} {row['torch_foreach_ms']:>17.1f} {row['torch_fused_ms']:>15.1f} "
-              f"{row['deepspeed_cpu_adam_ms']:>22.1f}", flush=True)
-    summary = {"deepspeed_over_torch_foreach": statistics.median(r["deepspeed_cpu_adam_ms"] / r["torch_foreach_ms"]
-                                                                for r in rows),
-               "torch_fused_over_torch_foreach": statistics.median(r["torch_fused_ms"] / r["torch_foreach_ms"]
-                                                                   for r in rows),
-               "max_param_difference": max(r["max_param_difference"] for r in rows)}
+        print(
+            f"{threads:>7} {row['torch_foreach_ms']:>17.1f} {row['torch_fused_ms']:>15.1f} "
+            f"{row['deepspeed_cpu_adam_ms']:>22.1f}",
+            flush=True,
+        )
+    summary = {
+        "deepspeed_over_torch_foreach": statistics.median(
+            r["deepspeed_cpu_adam_ms"] / r["torch_foreach_ms"] for r in rows
+        ),
+        "torch_fused_over_torch_foreach": statistics.median(r["torch_fused_ms"] / r["torch_foreach_ms"] for r in rows),
+        "max_param_difference": max(r["max_param_difference"] for r in rows),
+    }
     print(json.dumps(summary))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "bench_optimizer",
-                       "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                                   "torch": torch.__version__},
-                       "config": {"model": args.config, "steps": steps, "quick": args.quick},
-                       "rows": rows, "summary": summary}, f, indent=1)
+            json.dump(
+                {
+                    "benchmark": "bench_optimizer",
+                    "machine": {
+                        "platform": platform.platform(),
+                        "processor": platform.processor(),
+                        "torch": torch.__version__,
+                    },
+                    "config": {"model": args.config, "steps": steps, "quick": args.quick},
+                    "rows": rows,
+                    "summary": summary,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

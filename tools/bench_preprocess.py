@@ -41,7 +41,7 @@ def make_corpus(path: str, mib: float, doc_chars: int = 2400) -> int:
     """jsonl of default-corpus documents of ``doc_chars`` characters, ``mib`` MiB; its documents."""
     from rmt.data.corpus import corpus_documents
 
-    pieces = [t[i:i + doc_chars] for t in corpus_documents() for i in range(0, len(t), doc_chars)]
+    pieces = [t[i : i + doc_chars] for t in corpus_documents() for i in range(0, len(t), doc_chars)]
     size, n = 0, 0
     with open(path, "w") as f:
         while size < mib * (1 << 20):
@@ -61,13 +61,17 @@ def baseline(src: str, prefix: str, tokenizer) -> int:
     from rmt.data.shards import token_dtype
 
     datasets.disable_progress_bars()
-    ds = datasets.load_dataset("json", data_files=[src], split="train",
-                               cache_dir=tempfile.mkdtemp(dir=os.path.dirname(prefix)))
+    ds = datasets.load_dataset(
+        "json", data_files=[src], split="train", cache_dir=tempfile.mkdtemp(dir=os.path.dirname(prefix))
+    )
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=token_dtype(tokenizer.vocab_size).type)
     tokens = 0
     # as it was: HF tokenizers batch-encoded, the byte tokenizer went text by text
-    encode = tokenizer.tokenize_batch if isinstance(tokenizer, HFTokenizer) else (
-        lambda texts: [tokenizer.tokenize(t) for t in texts])
+    encode = (
+        tokenizer.tokenize_batch
+        if isinstance(tokenizer, HFTokenizer)
+        else (lambda texts: [tokenizer.tokenize(t) for t in texts])
+    )
     for batch in ds.iter(batch_size=1024):
         for ids in encode([t for t in batch["text"] if t]):
             ids = list(ids) + [tokenizer.eod]
@@ -99,8 +103,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="2 MiB of input, one run each (the code path of the full run)")
     ap.add_argument("--mib", type=float, help="input size for the BPE, MiB (default 47, quick 2)")
-    ap.add_argument("--byte-mib", type=float,
-                    help="input size for the byte tokenizer, MiB (default 256, quick 2: it is ~30x faster)")
+    ap.add_argument(
+        "--byte-mib",
+        type=float,
+        help="input size for the byte tokenizer, MiB (default 256, quick 2: it is ~30x faster)",
+    )
     ap.add_argument("--workers", help=f"comma-separated worker counts (default 1..{usable_cores()}, the usable cores)")
     ap.add_argument("--tokenizers", default="byte,bpe", help="comma-separated: byte, bpe (default both)")
     ap.add_argument("--repeat", type=int, help="runs per figure, the best kept (default 3, quick 1)")
@@ -114,34 +121,62 @@ def main(argv=None):
     work = tempfile.mkdtemp(prefix="bench_preprocess_")
     load = os.getloadavg()[0]
     print(f"{usable_cores()} usable cores, load average {load:.2f} at the start; best of {repeat}")
-    print(f"{'tokenizer':>9} {'input MiB':>10} {'workers':>8} {'tokens':>11} {'seconds':>8} {'M tokens/s':>11} "
-          f"{'vs 1 worker':>12} {'M tokens/CPU s':>14}")
+    print(
+        f"{'tokenizer':>9} {'input MiB':>10} {'workers':>8} {'tokens':>11} {'seconds':>8} {'M tokens/s':>11} "
+        f"{'vs 1 worker':>12} {'M tokens/CPU s':>14}"
+    )
     rows, outputs, docs = [], {}, {}
     for name in args.tokenizers.split(","):
         tok = build_tokenizer(name, args.cache_dir)
         src = os.path.join(work, f"corpus_{name}.jsonl")
         docs[name] = make_corpus(src, mib[name])
         size = f"{os.path.getsize(src) / (1 << 20):.1f}"
-        seconds, cpu, tokens = best_seconds(lambda: baseline(src, os.path.join(work, f"base_{name}"), tok),
-                                            args.baseline_repeat)
-        rows.append({"tokenizer": name, "workers": "baseline", "tokens": tokens, "seconds": seconds,
-                     "tokens_per_s": tokens / seconds, "cpu_seconds": cpu, "tokens_per_cpu_s": tokens / cpu})
-        print(f"{name:>9} {size:>10} {'baseline':>8} {tokens:>11} {seconds:>8.2f} {tokens / seconds / 1e6:>11.2f} "
-              f"{'':>12} {tokens / cpu / 1e6:>13.2f}", flush=True)
+        seconds, cpu, tokens = best_seconds(
+            lambda: baseline(src, os.path.join(work, f"base_{name}"), tok), args.baseline_repeat
+        )
+        rows.append(
+            {
+                "tokenizer": name,
+                "workers": "baseline",
+                "tokens": tokens,
+                "seconds": seconds,
+                "tokens_per_s": tokens / seconds,
+                "cpu_seconds": cpu,
+                "tokens_per_cpu_s": tokens / cpu,
+            }
+        )
+        print(
+            f"{name:>9} {size:>10} {'baseline':>8} {tokens:>11} {seconds:>8.2f} {tokens / seconds / 1e6:>11.2f} "
+            f"{'':>12} {tokens / cpu / 1e6:>13.2f}",
+            flush=True,
+        )
         one = None
         for w in counts:
             prefix = os.path.join(work, f"{name}_{w}", "ds")
-            seconds, cpu, written = best_seconds(lambda: preprocess([src], prefix, tok.spec, cache_dir=args.cache_dir,
-                                                               workers=w, progress=False), repeat)
+            seconds, cpu, written = best_seconds(
+                lambda: preprocess([src], prefix, tok.spec, cache_dir=args.cache_dir, workers=w, progress=False), repeat
+            )
             tokens = written[0][1]["num_tokens"]
             with open(prefix + ".bin", "rb") as a, open(prefix + ".idx", "rb") as b:
                 outputs.setdefault(name, set()).add((hash(a.read()), hash(b.read())))
             one = one or tokens / seconds
-            rows.append({"tokenizer": name, "workers": w, "tokens": tokens, "seconds": seconds,
-                         "tokens_per_s": tokens / seconds, "speedup": tokens / seconds / one,
-                         "cpu_seconds": cpu, "tokens_per_cpu_s": tokens / cpu})
-            print(f"{name:>9} {size:>10} {w:>8} {tokens:>11} {seconds:>8.2f} {tokens / seconds / 1e6:>11.2f} "
-                  f"{tokens / seconds / one:>11.2f}x {tokens / cpu / 1e6:>13.2f}", flush=True)
+            rows.append(
+                {
+                    "tokenizer": name,
+                    "workers": w,
+                    "tokens": tokens,
+                    "seconds": seconds,
+                    "tokens_per_s": tokens / seconds,
+                    "speedup": tokens / seconds / one,
+                    "cpu_seconds": cpu,
+                    "tokens_per_cpu_s": tokens / cpu,
+                }
+            )
+            print(
+                f"{name:>9} {size:>10} {w:>8} {tokens:>11} {seconds:>8.2f} {tokens / seconds / 1e6:>11.2f} "
+                f"{tokens / seconds / one:>11.2f}x {tokens / cpu / 1e6:>13.2f}",
+                flush=True,
+            )
         if len({r["tokens"] for r in rows if r["tokenizer"] == name}) != 1:
             raise SystemExit(f"{name}: the baseline and rmt-preprocess wrote different numbers of tokens")
     if any(len(v) != 1 for v in outputs.values()):
@@ -152,17 +187,30 @@ def main(argv=None):
         if (name, 1) in by and (name, 2) in by:
             summary[f"{name}_speedup_1_to_2"] = by[(name, 2)]["tokens_per_s"] / by[(name, 1)]["tokens_per_s"]
         if (name, 1) in by:
-            summary[f"{name}_1_worker_over_baseline"] = by[(name, 1)]["tokens_per_s"] / by[(name, "baseline")]["tokens_per_s"]
+            summary[f"{name}_1_worker_over_baseline"] = (
+                by[(name, 1)]["tokens_per_s"] / by[(name, "baseline")]["tokens_per_s"]
+            )
     if ("bpe", 1) in by:
         summary["bpe_1_worker_tokens_per_s"] = by[("bpe", 1)]["tokens_per_s"]
     print(json.dumps(summary))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "bench_preprocess",
-                       "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                                   "usable_cores": usable_cores(), "load_average_at_start": load},
-                       "config": {"mib": mib, "documents": docs, "repeat": repeat, "quick": args.quick},
-                       "rows": rows, "summary": summary}, f, indent=1)
+            json.dump(
+                {
+                    "benchmark": "bench_preprocess",
+                    "machine": {
+                        "platform": platform.platform(),
+                        "processor": platform.processor(),
+                        "usable_cores": usable_cores(),
+                        "load_average_at_start": load,
+                    },
+                    "config": {"mib": mib, "documents": docs, "repeat": repeat, "quick": args.quick},
+                    "rows": rows,
+                    "summary": summary,
+                },
+                f,
+                indent=1,
+            )
     import shutil
 
     shutil.rmtree(work, ignore_errors=True)

@@ -43,43 +43,95 @@ from bench_memory_scale import _measure, _status  # noqa: E402
 
 MIB = 1 << 20
 PHASES = ("init", "step", "save", "load")
-BASE = ["model.num_layers=4", "model.hidden_size=384", "model.num_attention_heads=4", "model.seq_length=128",
-        "train.micro_batch_size=4", "train.warmup_steps=0", "train.eval_iters=0", "train.progress=false",
-        "train.log_interval=1000", "train.host_heap_retain_mib=0", "data.max_documents=40"]
-RMT = ["model.arch=rmt", "model.dk=32", "model.dv=32", "model.rank=8", "model.position=alibi",
-       "model.ffn_hidden_size=512"]
-ULTRAMEM = ["memory.type=ultramem", "memory.placement='2:3'", "memory.num_keys=256", "memory.topk=8",
-            "memory.key_dim=32", "memory.num_heads=2", "memory.partition=number"]
+BASE = [
+    "model.num_layers=4",
+    "model.hidden_size=384",
+    "model.num_attention_heads=4",
+    "model.seq_length=128",
+    "train.micro_batch_size=4",
+    "train.warmup_steps=0",
+    "train.eval_iters=0",
+    "train.progress=false",
+    "train.log_interval=1000",
+    "train.host_heap_retain_mib=0",
+    "data.max_documents=40",
+]
+RMT = [
+    "model.arch=rmt",
+    "model.dk=32",
+    "model.dv=32",
+    "model.rank=8",
+    "model.position=alibi",
+    "model.ffn_hidden_size=512",
+]
+ULTRAMEM = [
+    "memory.type=ultramem",
+    "memory.placement='2:3'",
+    "memory.num_keys=256",
+    "memory.topk=8",
+    "memory.key_dim=32",
+    "memory.num_heads=2",
+    "memory.partition=number",
+]
 # name, ranks, overrides
 LAYOUTS = [
     ("dp1", 1, []),
     ("tiny", 1, ["model.num_layers=1", "model.hidden_size=64"]),
     ("dp1_bf16_distopt", 1, ["train.precision=bf16", "train.distributed_optimizer=true"]),
-    ("dp1_recompute_full", 1, ["train.recompute_granularity=full", "train.recompute_method=uniform",
-                               "train.recompute_num_layers=1"]),
+    (
+        "dp1_recompute_full",
+        1,
+        ["train.recompute_granularity=full", "train.recompute_method=uniform", "train.recompute_num_layers=1"],
+    ),
     ("dp2", 2, []),
     ("dp2_distopt_bf16", 2, ["train.distributed_optimizer=true", "train.precision=bf16"]),
     ("dp4_distopt", 4, ["train.distributed_optimizer=true", "train.micro_batch_size=2"]),
     ("tp2", 2, ["parallel.tensor_model_parallel_size=2"]),
     ("tp2_sp", 2, ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]),
-    ("pp2_1f1b", 2, ["parallel.pipeline_model_parallel_size=2", "train.micro_batch_size=2",
-                     "train.global_batch_size=8"]),
-    ("pp2_vpp2", 2, ["parallel.pipeline_model_parallel_size=2", "parallel.virtual_pipeline_model_parallel_size=2",
-                     "train.micro_batch_size=2", "train.global_batch_size=8"]),
-    ("dp2_recompute_full", 2, ["train.recompute_granularity=full", "train.recompute_method=uniform",
-                               "train.recompute_num_layers=1"]),
+    (
+        "pp2_1f1b",
+        2,
+        ["parallel.pipeline_model_parallel_size=2", "train.micro_batch_size=2", "train.global_batch_size=8"],
+    ),
+    (
+        "pp2_vpp2",
+        2,
+        [
+            "parallel.pipeline_model_parallel_size=2",
+            "parallel.virtual_pipeline_model_parallel_size=2",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=8",
+        ],
+    ),
+    (
+        "dp2_recompute_full",
+        2,
+        ["train.recompute_granularity=full", "train.recompute_method=uniform", "train.recompute_num_layers=1"],
+    ),
     ("dp2_ultramem", 2, ULTRAMEM),
     ("rmt_dp2", 2, RMT),
-    ("rmt_tp2_ultramem_distopt", 4, RMT + ULTRAMEM + ["parallel.tensor_model_parallel_size=2",
-                                                      "train.distributed_optimizer=true"]),
+    (
+        "rmt_tp2_ultramem_distopt",
+        4,
+        RMT + ULTRAMEM + ["parallel.tensor_model_parallel_size=2", "train.distributed_optimizer=true"],
+    ),
 ]
 QUICK = ["tiny"]
 
 
 def overrides(extra: list, steps: int, cache: str, config: str | None = None) -> list:
     """The run's overrides: the CPU shape (``BASE``), or with ``config`` only the run length."""
-    return ([] if config else BASE) + [f"train.steps={steps}", f"data.cache_dir={cache}", "train.eval_iters=0",
-                                       "train.progress=false", "train.log_interval=1000"] + extra
+    return (
+        ([] if config else BASE)
+        + [
+            f"train.steps={steps}",
+            f"data.cache_dir={cache}",
+            "train.eval_iters=0",
+            "train.progress=false",
+            "train.log_interval=1000",
+        ]
+        + extra
+    )
 
 
 class _Peak:
@@ -146,10 +198,20 @@ def worker(args) -> None:
 # -- driver --------------------------------------------------------------------------------------
 def launch(args, ranks: int, extra: list, phase: str) -> list:
     out = os.path.join(args.workdir, f"worker-{os.getpid()}.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-           os.path.abspath(__file__), f"--worker-out={out}", f"--run-overrides={json.dumps(extra)}",
-           f"--phase={phase}", f"--ckpt={os.path.join(args.workdir, 'ckpt')}", f"--steps={args.steps}",
-           f"--device={args.device}"] + ([f"--config={args.config}"] if args.config else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={ranks}",
+        os.path.abspath(__file__),
+        f"--worker-out={out}",
+        f"--run-overrides={json.dumps(extra)}",
+        f"--phase={phase}",
+        f"--ckpt={os.path.join(args.workdir, 'ckpt')}",
+        f"--steps={args.steps}",
+        f"--device={args.device}",
+    ] + ([f"--config={args.config}"] if args.config else [])
     # freed tensors go back to the OS at once (see bench_memory_scale.launch)
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
@@ -163,8 +225,9 @@ def launch(args, ranks: int, extra: list, phase: str) -> list:
     return every
 
 
-def predict(extra: list, ranks: int, steps: int, cache: str, config_path: str | None = None,
-            device: str = "cpu") -> dict:
+def predict(
+    extra: list, ranks: int, steps: int, cache: str, config_path: str | None = None, device: str = "cpu"
+) -> dict:
     """The planner's terms and phases per (pipeline stage, whether data-parallel rank 0)."""
     from rmt.config import load_config
     from rmt.planner.rank import layout_of, rank_phases, stage_params, with_vocabulary
@@ -175,8 +238,11 @@ def predict(extra: list, ranks: int, steps: int, cache: str, config_path: str | 
     for s in range(layout.pp):
         for writer in (True, False):
             ph = rank_phases(config, layout, s, writer)
-            out[s, writer] = {"params": stage_params(config, layout, s), "terms": ph,
-                              "phases": {p: sum(v for k, v in t.items() if k != "process") for p, t in ph.items()}}
+            out[s, writer] = {
+                "params": stage_params(config, layout, s),
+                "terms": ph,
+                "phases": {p: sum(v for k, v in t.items() if k != "process") for p, t in ph.items()},
+            }
     return out
 
 
@@ -194,25 +260,40 @@ def measure(args, name: str, ranks: int, extra: list) -> dict:
         above = {p: tr[p]["peak"] - tr["init"]["start"] for p in ("init", "step", "save")}
         above["load"] = ld["load"]["peak"] - ld["load"]["start"]
         predicted = pred[key]["phases"]
-        rows.append({"layout": name, "rank": r, "stage": stage, "start": tr["init"]["start"],
-                     "measured": above, "predicted": predicted,
-                     "error": {p: above[p] / predicted[p] - 1 for p in PHASES},
-                     "params": tr["dense_params"], "predicted_params": pred[key]["params"],
-                     "optimizer_bytes": tr["optimizer_bytes"],
-                     "terms": pred[key]["terms"]})
+        rows.append(
+            {
+                "layout": name,
+                "rank": r,
+                "stage": stage,
+                "start": tr["init"]["start"],
+                "measured": above,
+                "predicted": predicted,
+                "error": {p: above[p] / predicted[p] - 1 for p in PHASES},
+                "params": tr["dense_params"],
+                "predicted_params": pred[key]["params"],
+                "optimizer_bytes": tr["optimizer_bytes"],
+                "terms": pred[key]["terms"],
+            }
+        )
     print(f"  {name}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     return rows
 
 
 def print_table(rows: list) -> None:
-    print(f"{'layout':<26}{'rank':>4}{'stage':>6}  " + "  ".join(f"{p + ' MiB meas/pred':>22}" for p in PHASES)
-          + f"{'max err':>9}{'params':>8}")
+    print(
+        f"{'layout':<26}{'rank':>4}{'stage':>6}  "
+        + "  ".join(f"{p + ' MiB meas/pred':>22}" for p in PHASES)
+        + f"{'max err':>9}{'params':>8}"
+    )
     for r in rows:
-        cells = "  ".join(f"{r['measured'][p] / MIB:>8.1f} /{r['predicted'][p] / MIB:>7.1f} {r['error'][p]:>+5.0%}"
-                          for p in PHASES)
+        cells = "  ".join(
+            f"{r['measured'][p] / MIB:>8.1f} /{r['predicted'][p] / MIB:>7.1f} {r['error'][p]:>+5.0%}" for p in PHASES
+        )
         worst = max(abs(e) for e in r["error"].values())
-        print(f"{r['layout']:<26}{r['rank']:>4}{r['stage']:>6}  {cells}{worst:>9.1%}"
-              f"{'exact' if r['params'] == r['predicted_params'] else 'DIFF':>8}")
+        print(
+            f"{r['layout']:<26}{r['rank']:>4}{r['stage']:>6}  {cells}{worst:>9.1%}"
+            f"{'exact' if r['params'] == r['predicted_params'] else 'DIFF':>8}"
+        )
 
 
 def summarize(rows: list) -> dict:
@@ -227,12 +308,15 @@ def summarize(rows: list) -> dict:
             distopt[r["layout"]] = r["optimizer_bytes"] * dp / r["params"]
             planned = r["terms"]["step"]["optimizer_states"] + r["terms"]["step"]["main_params"]
             exact &= r["optimizer_bytes"] == planned
-    return {"max_abs_error": max(abs(e) for r in rows for e in r["error"].values()),
-            "within_10_percent": sum(abs(e) <= 0.10 for r in rows for e in r["error"].values()),
-            "rank_phases": sum(len(r["error"]) for r in rows),
-            "params_exact": all(r["params"] == r["predicted_params"] for r in rows),
-            "start_mib": statistics.median(r["start"] for r in rows) / MIB,
-            "optimizer_bytes_per_param_times_dp": distopt, "optimizer_bytes_exact": exact}
+    return {
+        "max_abs_error": max(abs(e) for r in rows for e in r["error"].values()),
+        "within_10_percent": sum(abs(e) <= 0.10 for r in rows for e in r["error"].values()),
+        "rank_phases": sum(len(r["error"]) for r in rows),
+        "params_exact": all(r["params"] == r["predicted_params"] for r in rows),
+        "start_mib": statistics.median(r["start"] for r in rows) / MIB,
+        "optimizer_bytes_per_param_times_dp": distopt,
+        "optimizer_bytes_exact": exact,
+    }
 
 
 def main(argv=None) -> int:
@@ -243,11 +327,18 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", metavar="section.key=value", help="applied to every layout")
     ap.add_argument("--json", help="write {benchmark, machine, rows, summary} here")
     ap.add_argument("--cache-dir", default=os.path.join(ROOT, ".rmt_cache"))
-    ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
-                    help="gpu: one rank per GPU, torch.cuda.max_memory_allocated per phase (the planner's fixed "
-                         "process bytes, the CUDA context, left out)")
-    ap.add_argument("--config", help="train this config (with the layouts' overrides) instead of the CPU shape, "
-                                     "e.g. configs/ultramem_151m_x12.yaml on a GPU")
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "gpu"),
+        default="cpu",
+        help="gpu: one rank per GPU, torch.cuda.max_memory_allocated per phase (the planner's fixed "
+        "process bytes, the CUDA context, left out)",
+    )
+    ap.add_argument(
+        "--config",
+        help="train this config (with the layouts' overrides) instead of the CPU shape, "
+        "e.g. configs/ultramem_151m_x12.yaml on a GPU",
+    )
     ap.add_argument("--workdir", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     ap.add_argument("--run-overrides", help=argparse.SUPPRESS)
@@ -274,10 +365,21 @@ def main(argv=None) -> int:
         import torch
 
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "bench_rank_memory",
-                       "machine": {"platform": platform.platform(), "torch": torch.__version__,
-                                   "cpus": os.cpu_count(), "argv": sys.argv[1:]},
-                       "rows": rows, "summary": summary}, f, indent=1)
+            json.dump(
+                {
+                    "benchmark": "bench_rank_memory",
+                    "machine": {
+                        "platform": platform.platform(),
+                        "torch": torch.__version__,
+                        "cpus": os.cpu_count(),
+                        "argv": sys.argv[1:],
+                    },
+                    "rows": rows,
+                    "summary": summary,
+                },
+                f,
+                indent=1,
+            )
     shutil.rmtree(args.workdir, ignore_errors=True)
     return 0
 

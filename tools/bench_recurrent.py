@@ -87,24 +87,45 @@ POSITIONS = (128, 256, 512, 1024, 2048)
 
 def task_config(task: str, args):
     """The validated config of one curriculum run (ConfigError on a bad override)."""
-    overrides = [
-        "model.arch=recurrent", f"model.hidden_size={args.hidden}", f"model.num_attention_heads={args.heads}",
-        "model.num_layers=1", f"model.block_width={args.block}", f"model.seq_length={32 + args.noise_target}",
-        f"model.recurrent_alpha={args.alpha}", f"model.recurrent_alpha_learned={str(args.learn_alpha).lower()}",
-        f"model.recurrent_alpha_min={args.alpha_min}",
-        "model.position=block", f"model.init_std={args.init_std}", f"data.task={task}",
-        "data.task_tokens=16", "data.task_alphabet=16",
-        f"data.noise_length={args.noise_start}", "data.curriculum_threshold=0.3",
-        f"data.curriculum_target={args.noise_target}", f"train.steps={args.max_steps}",
-        f"train.warmup_steps={min(20, args.max_steps - 1)}",
-        "train.lr_decay_style=constant", f"train.lr={args.lr}", f"train.lr_curriculum_decay={args.lr_curriculum_decay}",
-        f"train.lr_target_decay={args.lr_target_decay}",
-        f"train.min_lr_ratio={args.min_lr_ratio}", f"train.lr_plateau_decay={args.lr_plateau_decay}",
-        f"train.lr_plateau_patience={args.lr_plateau_patience}",
-        f"train.lr_plateau_smoothing={args.lr_plateau_smoothing}", f"train.micro_batch_size={args.batch}",
-        f"train.eval_interval={args.eval_interval}", "train.eval_iters=1", "train.weight_decay=0.0",
-        "train.progress=false", f"train.threads={args.threads}"] + (
-        [f"train.ema_decay={args.ema_decay}"] if args.ema_decay else []) + args.overrides
+    overrides = (
+        [
+            "model.arch=recurrent",
+            f"model.hidden_size={args.hidden}",
+            f"model.num_attention_heads={args.heads}",
+            "model.num_layers=1",
+            f"model.block_width={args.block}",
+            f"model.seq_length={32 + args.noise_target}",
+            f"model.recurrent_alpha={args.alpha}",
+            f"model.recurrent_alpha_learned={str(args.learn_alpha).lower()}",
+            f"model.recurrent_alpha_min={args.alpha_min}",
+            "model.position=block",
+            f"model.init_std={args.init_std}",
+            f"data.task={task}",
+            "data.task_tokens=16",
+            "data.task_alphabet=16",
+            f"data.noise_length={args.noise_start}",
+            "data.curriculum_threshold=0.3",
+            f"data.curriculum_target={args.noise_target}",
+            f"train.steps={args.max_steps}",
+            f"train.warmup_steps={min(20, args.max_steps - 1)}",
+            "train.lr_decay_style=constant",
+            f"train.lr={args.lr}",
+            f"train.lr_curriculum_decay={args.lr_curriculum_decay}",
+            f"train.lr_target_decay={args.lr_target_decay}",
+            f"train.min_lr_ratio={args.min_lr_ratio}",
+            f"train.lr_plateau_decay={args.lr_plateau_decay}",
+            f"train.lr_plateau_patience={args.lr_plateau_patience}",
+            f"train.lr_plateau_smoothing={args.lr_plateau_smoothing}",
+            f"train.micro_batch_size={args.batch}",
+            f"train.eval_interval={args.eval_interval}",
+            "train.eval_iters=1",
+            "train.weight_decay=0.0",
+            "train.progress=false",
+            f"train.threads={args.threads}",
+        ]
+        + ([f"train.ema_decay={args.ema_decay}"] if args.ema_decay else [])
+        + args.overrides
+    )
     return validate(load_config(None, overrides), 1)
 
 
@@ -160,8 +181,10 @@ def recall_eval(model, ds, noise: int, args) -> tuple:
     """Recall accuracy and :func:`accuracy_by_block` of ``model`` on ``--eval-samples`` validation
     samples with ``noise`` noise tokens."""
     logits, stacked = validation_logits(model, ds, noise, 10_000, args.eval_samples)
-    return (recall_accuracy(logits, stacked["labels"], stacked["loss_mask"], 16),
-            accuracy_by_block(logits, stacked, args.block))
+    return (
+        recall_accuracy(logits, stacked["labels"], stacked["loss_mask"], 16),
+        accuracy_by_block(logits, stacked, args.block),
+    )
 
 
 def delivered(trainer):
@@ -185,16 +208,26 @@ def stop_confirmed(trainer, args, task: str, rows: list) -> bool:
     model.eval()
     try:
         for first in range(30_000, 30_000 + args.stop_confirm, 256):
-            logits, stacked = validation_logits(model, ds, ds.noise_length, first,
-                                                min(256, 30_000 + args.stop_confirm - first))
+            logits, stacked = validation_logits(
+                model, ds, ds.noise_length, first, min(256, 30_000 + args.stop_confirm - first)
+            )
             recalls = float(stacked["loss_mask"].sum())
             hits += recall_accuracy(logits, stacked["labels"], stacked["loss_mask"], 16) * recalls
             total += recalls
     finally:
         model.train()
     accuracy = hits / total
-    rows.append({"part": "stop_check", "task": task, "seed": trainer.config.train.seed, "step": trainer.iteration,
-                 "heldout_accuracy": accuracy, "samples": args.stop_confirm, "stop": accuracy >= args.stop_accuracy})
+    rows.append(
+        {
+            "part": "stop_check",
+            "task": task,
+            "seed": trainer.config.train.seed,
+            "step": trainer.iteration,
+            "heldout_accuracy": accuracy,
+            "samples": args.stop_confirm,
+            "stop": accuracy >= args.stop_accuracy,
+        }
+    )
     print(json.dumps(rows[-1]), flush=True)
     return rows[-1]["stop"]
 
@@ -208,8 +241,9 @@ def train_task(task: str, args, rows: list) -> dict:
         params = sum(p.numel() for p in trainer.params)
         start, cpu = time.perf_counter(), time.process_time()
         noise, val, arrived = args.noise_start, float("inf"), None
-        while (spent := budget_spent(args, trainer.iteration, time.perf_counter() - start,
-                                     time.process_time() - cpu)) < 1.0:
+        while (
+            spent := budget_spent(args, trainer.iteration, time.perf_counter() - start, time.process_time() - cpu)
+        ) < 1.0:
             if arrived is None and noise == args.noise_target:
                 arrived = spent
             cool_down(trainer, args, spent, arrived)
@@ -219,10 +253,21 @@ def train_task(task: str, args, rows: list) -> dict:
                 if trainer.average is not None:
                     m["val_loss_ema"] = val = trainer.evaluate_average()
                 trainer.after_evaluation(m)  # the trained weights' loss drives the curriculum
-                rows.append({"part": "curriculum", "task": task, "seed": config.train.seed, "step": trainer.iteration,
-                             "noise_length": noise, "val_loss": m["val_loss"], "val_loss_ema": m.get("val_loss_ema"),
-                             "lr": m["lr"], "alpha": trainer.chunks[0].module.layers[0].alpha.item(),
-                             "elapsed_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu})
+                rows.append(
+                    {
+                        "part": "curriculum",
+                        "task": task,
+                        "seed": config.train.seed,
+                        "step": trainer.iteration,
+                        "noise_length": noise,
+                        "val_loss": m["val_loss"],
+                        "val_loss_ema": m.get("val_loss_ema"),
+                        "lr": m["lr"],
+                        "alpha": trainer.chunks[0].module.layers[0].alpha.item(),
+                        "elapsed_s": time.perf_counter() - start,
+                        "cpu_s": time.process_time() - cpu,
+                    }
+                )
                 print(json.dumps(rows[-1]), flush=True)
                 if noise == m["noise_length"] == args.noise_target and val < args.stop_loss:
                     with delivered(trainer):
@@ -240,22 +285,45 @@ def train_task(task: str, args, rows: list) -> dict:
                 torch.save(model.state_dict(), os.path.join(args.save_model, f"{task}_seed{config.train.seed}.pt"))
         # without an average the delivered model is the trained one: no second evaluation
         trained_acc = recall_eval(model, ds, reached, args)[0] if trainer.average is not None else acc
-        return {"accuracy": acc, "accuracy_trained_weights": trained_acc, "accuracy_by_block": by_block,
-                "accuracy_at_noise": at_noise,
-                "seed": config.train.seed, "noise_length": reached, "steps": trainer.iteration,
-                "parameters": params, "final_val_loss": val, "train_s": time.perf_counter() - start,
-                "train_cpu_s": time.process_time() - cpu}
+        return {
+            "accuracy": acc,
+            "accuracy_trained_weights": trained_acc,
+            "accuracy_by_block": by_block,
+            "accuracy_at_noise": at_noise,
+            "seed": config.train.seed,
+            "noise_length": reached,
+            "steps": trainer.iteration,
+            "parameters": params,
+            "final_val_loss": val,
+            "train_s": time.perf_counter() - start,
+            "train_cpu_s": time.process_time() - cpu,
+        }
     finally:
         parallel.destroy()
 
 
 def decode_profile(arch: str, args, rows: list) -> dict:
     """Greedy-feed decoding from position 0 to 2048; per-token time and cache bytes at POSITIONS."""
-    extra = {"mixer": ["model.mixer_kind=mixed", "model.mixer_decay=true"],
-             "recurrent": [f"model.block_width={args.block}"]}.get(arch, [])
-    config = validate(load_config(None, [
-        f"model.arch={arch}", "model.vocab_size=257", "model.hidden_size=64", "model.num_attention_heads=4",
-        "model.num_layers=2", f"model.seq_length={POSITIONS[-1]}", f"train.threads={args.threads}"] + extra), 1)
+    extra = {
+        "mixer": ["model.mixer_kind=mixed", "model.mixer_decay=true"],
+        "recurrent": [f"model.block_width={args.block}"],
+    }.get(arch, [])
+    config = validate(
+        load_config(
+            None,
+            [
+                f"model.arch={arch}",
+                "model.vocab_size=257",
+                "model.hidden_size=64",
+                "model.num_attention_heads=4",
+                "model.num_layers=2",
+                f"model.seq_length={POSITIONS[-1]}",
+                f"train.threads={args.threads}",
+            ]
+            + extra,
+        ),
+        1,
+    )
     parallel.initialize(config)
     try:
         model = build(config)[0].eval()
@@ -275,15 +343,24 @@ def decode_profile(arch: str, args, rows: list) -> dict:
                         mem = sum(t.numel() * t.element_size() for t in held)
                     else:
                         kv = decoder.context.key_value_memory_dict
-                        per_pos = sum(t.numel() * t.element_size() for pair in kv.values() for t in pair) / POSITIONS[-1]
+                        per_pos = (
+                            sum(t.numel() * t.element_size() for pair in kv.values() for t in pair) / POSITIONS[-1]
+                        )
                         mem = int(per_pos * (pos + 1))
                     out[pos + 1] = mem
                 if (pos + 1) % window == 0:
                     rate = window / (time.perf_counter() - tic)
                     tic = time.perf_counter()
                     if pos + 1 in POSITIONS:
-                        rows.append({"part": "decode", "arch": arch, "position": pos + 1,
-                                     "tokens_per_s": rate, "cache_bytes": out[pos + 1]})
+                        rows.append(
+                            {
+                                "part": "decode",
+                                "arch": arch,
+                                "position": pos + 1,
+                                "tokens_per_s": rate,
+                                "cache_bytes": out[pos + 1],
+                            }
+                        )
                         print(json.dumps(rows[-1]), flush=True)
         return out
     finally:
@@ -314,8 +391,10 @@ def run_seeds(argv: list, seeds: list, slots: list) -> tuple:
             while pending and free:
                 seed, cores = pending.pop(0), free.pop(0)
                 path = os.path.join(tmp, f"seed{seed}.json")
-                proc = subprocess.Popen([sys.executable, os.path.abspath(__file__)] + base + [
-                    "--seeds", str(seed), "--json", path], preexec_fn=lambda c=cores: os.sched_setaffinity(0, c))
+                proc = subprocess.Popen(
+                    [sys.executable, os.path.abspath(__file__)] + base + ["--seeds", str(seed), "--json", path],
+                    preexec_fn=lambda c=cores: os.sched_setaffinity(0, c),
+                )
                 print(f"bench_recurrent: seed {seed} started on cores {cores} (pid {proc.pid})", flush=True)
                 running.append((seed, proc, cores, path))
             seed, proc, cores, path = running.pop(0)
@@ -347,9 +426,13 @@ def parse_args(argv):
     ap.add_argument("--noise-target", type=int, default=None)
     ap.add_argument("--max-steps", type=int, default=None)
     ap.add_argument("--time-budget", type=float, default=None, help="wall-clock seconds of training per task")
-    ap.add_argument("--cpu-budget", type=float, default=float("inf"),
-                    help="CPU seconds (all threads of this process) of training per task; on a shared machine "
-                         "the budget that compares runs")
+    ap.add_argument(
+        "--cpu-budget",
+        type=float,
+        default=float("inf"),
+        help="CPU seconds (all threads of this process) of training per task; on a shared machine "
+        "the budget that compares runs",
+    )
     ap.add_argument("--tasks", default="copy,selective_copy", help="comma-separated subset of copy,selective_copy")
     ap.add_argument("--no-decode", action="store_true", help="skip part (b), the decoding profile")
     ap.add_argument("--hidden", type=int, help="default 96 (quick 32)")
@@ -357,59 +440,131 @@ def parse_args(argv):
     ap.add_argument("--block", type=int, help="block width, default 32 (quick 8)")
     ap.add_argument("--batch", type=int, help="samples per step, default 32 (the paper: 64; quick 16)")
     ap.add_argument("--lr", type=float, default=1e-3, help="learning rate at the first noise length")
-    ap.add_argument("--init-std", type=float, default=0.06,
-                    help="standard deviation of the weight init (model.init_std); megatron's 0.02 passes the "
-                         "curriculum's stages 2-3x slower (docs/recipes.md)")
-    ap.add_argument("--alpha", type=float, default=0.5,
-                    help="the accumulation scalar α of eq. 7 at the start (model.recurrent_alpha)")
-    ap.add_argument("--learn-alpha", action=argparse.BooleanOptionalAction, default=True,
-                    help="learn α from --alpha (--no-learn-alpha: keep it fixed; model.recurrent_alpha_learned)")
-    ap.add_argument("--alpha-min", type=float, default=0.0,
-                    help="the floor the learned α is clamped to (model.recurrent_alpha_min)")
-    ap.add_argument("--lr-curriculum-decay", type=float, default=0.8,
-                    help="factor on the learning rate at each doubling of the noise length (train.lr_curriculum_decay)")
-    ap.add_argument("--lr-target-decay", type=float, default=1.0,
-                    help="a further factor at the doubling that reaches --noise-target (train.lr_target_decay)")
-    ap.add_argument("--lr-plateau-decay", type=float, default=0.5,
-                    help="factor on the learning rate at the target noise length after --lr-plateau-patience "
-                         "evaluations without a new lowest validation loss (train.lr_plateau_decay)")
-    ap.add_argument("--lr-plateau-patience", type=int, default=40,
-                    help="evaluations (of --eval-interval steps) without a new lowest validation loss that "
-                         "make a plateau (train.lr_plateau_patience)")
-    ap.add_argument("--lr-plateau-smoothing", type=float, default=0.0,
-                    help="the plateau rule judges a moving average of the validation loss with this weight on "
-                         "the previous average, in [0, 1) (train.lr_plateau_smoothing)")
-    ap.add_argument("--lr-cooldown", type=float, default=0.25,
-                    help="over this last fraction of the budget (steps, wall or CPU seconds, whichever runs "
-                         "out first) the learning rate falls linearly to the floor --min-lr-ratio; 0 = none")
-    ap.add_argument("--lr-cooldown-from", choices=("budget", "target"), default="budget",
-                    help="budget: the cooldown is the last --lr-cooldown fraction of the budget; target: it "
-                         "runs from the arrival at --noise-target to the end of the budget")
-    ap.add_argument("--ema-decay", type=float, default=0.99,
-                    help="the run delivers, and its stop rule judges, an exponential moving average of the weights "
-                         "with this decay (train.ema_decay), restarted at each doubling; 0 = the trained weights")
-    ap.add_argument("--min-lr-ratio", type=float, default=0.02,
-                    help="the lowest the learning rate falls to, as a fraction of --lr (train.min_lr_ratio)")
+    ap.add_argument(
+        "--init-std",
+        type=float,
+        default=0.06,
+        help="standard deviation of the weight init (model.init_std); megatron's 0.02 passes the "
+        "curriculum's stages 2-3x slower (docs/recipes.md)",
+    )
+    ap.add_argument(
+        "--alpha",
+        type=float,
+        default=0.5,
+        help="the accumulation scalar α of eq. 7 at the start (model.recurrent_alpha)",
+    )
+    ap.add_argument(
+        "--learn-alpha",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="learn α from --alpha (--no-learn-alpha: keep it fixed; model.recurrent_alpha_learned)",
+    )
+    ap.add_argument(
+        "--alpha-min", type=float, default=0.0, help="the floor the learned α is clamped to (model.recurrent_alpha_min)"
+    )
+    ap.add_argument(
+        "--lr-curriculum-decay",
+        type=float,
+        default=0.8,
+        help="factor on the learning rate at each doubling of the noise length (train.lr_curriculum_decay)",
+    )
+    ap.add_argument(
+        "--lr-target-decay",
+        type=float,
+        default=1.0,
+        help="a further factor at the doubling that reaches --noise-target (train.lr_target_decay)",
+    )
+    ap.add_argument(
+        "--lr-plateau-decay",
+        type=float,
+        default=0.5,
+        help="factor on the learning rate at the target noise length after --lr-plateau-patience "
+        "evaluations without a new lowest validation loss (train.lr_plateau_decay)",
+    )
+    ap.add_argument(
+        "--lr-plateau-patience",
+        type=int,
+        default=40,
+        help="evaluations (of --eval-interval steps) without a new lowest validation loss that "
+        "make a plateau (train.lr_plateau_patience)",
+    )
+    ap.add_argument(
+        "--lr-plateau-smoothing",
+        type=float,
+        default=0.0,
+        help="the plateau rule judges a moving average of the validation loss with this weight on "
+        "the previous average, in [0, 1) (train.lr_plateau_smoothing)",
+    )
+    ap.add_argument(
+        "--lr-cooldown",
+        type=float,
+        default=0.25,
+        help="over this last fraction of the budget (steps, wall or CPU seconds, whichever runs "
+        "out first) the learning rate falls linearly to the floor --min-lr-ratio; 0 = none",
+    )
+    ap.add_argument(
+        "--lr-cooldown-from",
+        choices=("budget", "target"),
+        default="budget",
+        help="budget: the cooldown is the last --lr-cooldown fraction of the budget; target: it "
+        "runs from the arrival at --noise-target to the end of the budget",
+    )
+    ap.add_argument(
+        "--ema-decay",
+        type=float,
+        default=0.99,
+        help="the run delivers, and its stop rule judges, an exponential moving average of the weights "
+        "with this decay (train.ema_decay), restarted at each doubling; 0 = the trained weights",
+    )
+    ap.add_argument(
+        "--min-lr-ratio",
+        type=float,
+        default=0.02,
+        help="the lowest the learning rate falls to, as a fraction of --lr (train.min_lr_ratio)",
+    )
     ap.add_argument("--eval-interval", type=int, help="default 25 (quick 10)")
     ap.add_argument("--eval-samples", type=int, default=64)
-    ap.add_argument("--stop-loss", type=float, default=0.01,
-                    help="end a task's run at the first evaluation at --noise-target whose validation loss is "
-                         "below this (the paper trains \"down to the desired minimal level for completion\")")
-    ap.add_argument("--stop-confirm", type=int, default=1024,
-                    help="held-out validation samples on which the recall accuracy must also reach --stop-accuracy "
-                         "for the run to end (0: the evaluation's validation loss alone decides)")
-    ap.add_argument("--stop-accuracy", type=float, default=0.993,
-                    help="the held-out recall accuracy that confirms a stop (--stop-confirm)")
+    ap.add_argument(
+        "--stop-loss",
+        type=float,
+        default=0.01,
+        help="end a task's run at the first evaluation at --noise-target whose validation loss is "
+        'below this (the paper trains "down to the desired minimal level for completion")',
+    )
+    ap.add_argument(
+        "--stop-confirm",
+        type=int,
+        default=1024,
+        help="held-out validation samples on which the recall accuracy must also reach --stop-accuracy "
+        "for the run to end (0: the evaluation's validation loss alone decides)",
+    )
+    ap.add_argument(
+        "--stop-accuracy",
+        type=float,
+        default=0.993,
+        help="the held-out recall accuracy that confirms a stop (--stop-confirm)",
+    )
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--eval-noise", default="",
-                    help="comma-separated noise lengths at which the trained model's recall accuracy is also "
-                         "measured (result: accuracy_at_noise); above --noise-target only with block positions")
-    ap.add_argument("--save-model", metavar="DIR",
-                    help="keep each task's trained model's state dict as DIR/<task>_seed<seed>.pt")
-    ap.add_argument("--seeds", help="comma-separated seeds (train.seed): one run per seed, each in a process "
-                                    "of its own, and the accuracies summarized over them")
-    ap.add_argument("--jobs", type=int, default=1,
-                    help="with --seeds: seed runs at a time, each pinned to --threads cores of its own")
+    ap.add_argument(
+        "--eval-noise",
+        default="",
+        help="comma-separated noise lengths at which the trained model's recall accuracy is also "
+        "measured (result: accuracy_at_noise); above --noise-target only with block positions",
+    )
+    ap.add_argument(
+        "--save-model", metavar="DIR", help="keep each task's trained model's state dict as DIR/<task>_seed<seed>.pt"
+    )
+    ap.add_argument(
+        "--seeds",
+        help="comma-separated seeds (train.seed): one run per seed, each in a process "
+        "of its own, and the accuracies summarized over them",
+    )
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="with --seeds: seed runs at a time, each pinned to --threads cores of its own",
+    )
     ap.add_argument("overrides", nargs="*", help="dotted config overrides for the task runs")
     args = ap.parse_args(argv)
     tasks = [t for t in args.tasks.split(",") if t]
@@ -438,8 +593,10 @@ def parse_args(argv):
         raise UsageError(f"--eval-noise must list non-negative noise lengths, got '{raw_noise}'")
     cores = sorted(os.sched_getaffinity(0))
     if args.jobs < 1 or (len(seeds) > 1 and args.jobs * args.threads > len(cores)):
-        raise UsageError(f"--jobs x --threads must lie in [1, {len(cores)}] (the cores this process may use), "
-                         f"got {args.jobs} x {args.threads}")
+        raise UsageError(
+            f"--jobs x --threads must lie in [1, {len(cores)}] (the cores this process may use), "
+            f"got {args.jobs} x {args.threads}"
+        )
     if len(seeds) == 1:
         args.overrides = args.overrides + [f"train.seed={seeds[0]}"]
     q = args.quick
@@ -447,15 +604,25 @@ def parse_args(argv):
     args.noise_target = args.noise_target or (16 if q else 512)
     args.max_steps = args.max_steps or (300 if q else 200_000)
     args.time_budget = args.time_budget or (60.0 if q else 4 * 3600.0)
-    for name, full, quick in (("hidden", 96, 32), ("heads", 6, 4), ("batch", 32, 16), ("block", 32, 8),
-                              ("eval_interval", 25, 10)):
+    for name, full, quick in (
+        ("hidden", 96, 32),
+        ("heads", 6, 4),
+        ("batch", 32, 16),
+        ("block", 32, 8),
+        ("eval_interval", 25, 10),
+    ):
         if getattr(args, name) is None:
             setattr(args, name, quick if q else full)
     try:
         for task in tasks:
-            if task_config(task, args).model.position != "block" and max(args.eval_noise, default=0) > args.noise_target:
-                raise ConfigError(f"--eval-noise above --noise-target ({args.noise_target}) needs model.position=block "
-                                  f"(a learned position table has no rows past the longest training sample)")
+            if (
+                task_config(task, args).model.position != "block"
+                and max(args.eval_noise, default=0) > args.noise_target
+            ):
+                raise ConfigError(
+                    f"--eval-noise above --noise-target ({args.noise_target}) needs model.position=block "
+                    f"(a learned position table has no rows past the longest training sample)"
+                )
     except ConfigError as err:
         raise UsageError(str(err)) from None
     return args, tasks, seeds
@@ -471,7 +638,7 @@ def main(argv=None) -> int:
     q, cores = args.quick, sorted(os.sched_getaffinity(0))
     rows: list = []
     if len(seeds) > 1:
-        slots = [set(cores[i * args.threads:(i + 1) * args.threads]) for i in range(args.jobs)]
+        slots = [set(cores[i * args.threads : (i + 1) * args.threads]) for i in range(args.jobs)]
         try:
             rows, per_seed = run_seeds(argv, seeds, slots)
         except RuntimeError as err:
@@ -481,10 +648,14 @@ def main(argv=None) -> int:
         for task in tasks:
             accuracies = [per_seed[task][s]["accuracy"] for s in seeds]
             mean, low = statistics.mean(accuracies), min(accuracies)
-            summary.update({f"{task}_accuracy": mean, f"{task}_accuracy_min": low,
-                            f"{task}_accuracy_per_seed": accuracies})
-            print(f"{task}: accuracy per seed {', '.join(f'{s}: {a:.3f}' for s, a in zip(seeds, accuracies))}; "
-                  f"mean {mean:.3f}, min {low:.3f}", flush=True)
+            summary.update(
+                {f"{task}_accuracy": mean, f"{task}_accuracy_min": low, f"{task}_accuracy_per_seed": accuracies}
+            )
+            print(
+                f"{task}: accuracy per seed {', '.join(f'{s}: {a:.3f}' for s, a in zip(seeds, accuracies))}; "
+                f"mean {mean:.3f}, min {low:.3f}",
+                flush=True,
+            )
         summary["max_noise_tokens"] = min(r["noise_length"] for task in tasks for r in per_seed[task].values())
     else:
         results = {task: train_task(task, args, rows) for task in tasks}
@@ -498,10 +669,18 @@ def main(argv=None) -> int:
         summary.update({f"{arch}_decode_mem_growth": mem[arch][2048] / mem[arch][128] for arch in mem})
     print(json.dumps(summary, indent=1))
     if args.json:
-        machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                   "threads": args.threads, "jobs": args.jobs, "quick": q}
+        machine = {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "threads": args.threads,
+            "jobs": args.jobs,
+            "quick": q,
+        }
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "bench_recurrent", "machine": machine, "rows": rows, "summary": summary}, f, indent=1)
+            json.dump(
+                {"benchmark": "bench_recurrent", "machine": machine, "rows": rows, "summary": summary}, f, indent=1
+            )
     return 0
 
 

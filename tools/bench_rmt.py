@@ -29,7 +29,6 @@ import statistics
 import sys
 import time
 
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -57,14 +56,25 @@ QUICK_SIZES = ("tiny", "small")
 
 def twin_overrides(size: str, steps: int, extra=()):
     L, R, Dv, Dk, Dff, seq, mbs = SIZES[size]
-    common = [f"model.num_layers={L}", f"model.ffn_hidden_size={Dff}", f"model.seq_length={seq}",
-              f"train.micro_batch_size={mbs}", f"train.steps={steps}", "train.warmup_steps=1",
-              "train.z_loss=1e-4", "train.eval_iters=1",
-              "train.eval_interval=100000", "train.progress=false"]
-    rmt = common + ["model.arch=rmt", f"model.rank={R}", f"model.dv={Dv}", f"model.dk={Dk}",
-                    "model.position=alibi"]
-    transformer = common + ["model.arch=transformer", f"model.hidden_size={R * Dv}",
-                            f"model.num_attention_heads={R}", "model.position=learned"]
+    common = [
+        f"model.num_layers={L}",
+        f"model.ffn_hidden_size={Dff}",
+        f"model.seq_length={seq}",
+        f"train.micro_batch_size={mbs}",
+        f"train.steps={steps}",
+        "train.warmup_steps=1",
+        "train.z_loss=1e-4",
+        "train.eval_iters=1",
+        "train.eval_interval=100000",
+        "train.progress=false",
+    ]
+    rmt = common + ["model.arch=rmt", f"model.rank={R}", f"model.dv={Dv}", f"model.dk={Dk}", "model.position=alibi"]
+    transformer = common + [
+        "model.arch=transformer",
+        f"model.hidden_size={R * Dv}",
+        f"model.num_attention_heads={R}",
+        "model.position=learned",
+    ]
     return {"rmt": rmt + list(extra), "transformer": transformer + list(extra)}
 
 
@@ -82,8 +92,10 @@ def step_peak_bytes(trainer: Trainer) -> int:
 
 
 def bench_size(size: str, steps: int, warmup: int, extra=()) -> dict:
-    trainers = {name: Trainer(validate(load_config(None, ov), world_size=1))
-                for name, ov in twin_overrides(size, steps + warmup + 2, extra).items()}
+    trainers = {
+        name: Trainer(validate(load_config(None, ov), world_size=1))
+        for name, ov in twin_overrides(size, steps + warmup + 2, extra).items()
+    }
     times = {name: [] for name in trainers}
     for i in range(warmup + steps):
         for name, trainer in trainers.items():
@@ -91,17 +103,24 @@ def bench_size(size: str, steps: int, warmup: int, extra=()) -> dict:
             trainer.train_step()
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
-    row = {"size": size, "dims": dict(zip(("L", "R", "Dv", "Dk", "D_FF", "seq", "micro_batch"),
-                                          SIZES[size])), "overrides": list(extra)}
+    row = {
+        "size": size,
+        "dims": dict(zip(("L", "R", "Dv", "Dk", "D_FF", "seq", "micro_batch"), SIZES[size])),
+        "overrides": list(extra),
+    }
     for name, trainer in trainers.items():
         persist = persistent_bytes(trainer)
         m, t = trainer.config.model, trainer.config.train
-        row[name] = {"step_s": statistics.median(times[name]), "step_s_all": times[name],
-                     "params": sum(p.numel() for p in trainer.params),
-                     "peak_bytes": persist + step_peak_bytes(trainer),
-                     "persistent_bytes": persist,
-                     "planned_activation_bytes": plan_model(trainer.config)["activation_bytes_per_token"]
-                     * m.seq_length * t.micro_batch_size}
+        row[name] = {
+            "step_s": statistics.median(times[name]),
+            "step_s_all": times[name],
+            "params": sum(p.numel() for p in trainer.params),
+            "peak_bytes": persist + step_peak_bytes(trainer),
+            "persistent_bytes": persist,
+            "planned_activation_bytes": plan_model(trainer.config)["activation_bytes_per_token"]
+            * m.seq_length
+            * t.micro_batch_size,
+        }
     row["step_time_ratio"] = row["rmt"]["step_s"] / row["transformer"]["step_s"]
     row["peak_mem_ratio"] = row["rmt"]["peak_bytes"] / row["transformer"]["peak_bytes"]
     return row
@@ -123,14 +142,25 @@ def train_twins(quick: bool) -> list:
             start = time.perf_counter()
             history = Trainer(config).train()
             vals = [(h["step"], h["val_loss"]) for h in history if "val_loss" in h]
-            rows.append({"model": name, "config": path, "lr": lr, "steps": config.train.steps,
-                         "tokens": config.train.steps * config.train.micro_batch_size * config.model.seq_length,
-                         "val_loss": vals[-1][1], "val_curve": vals,
-                         "final_train_loss": history[-1]["lm loss"],
-                         "wall_s": time.perf_counter() - start})
+            rows.append(
+                {
+                    "model": name,
+                    "config": path,
+                    "lr": lr,
+                    "steps": config.train.steps,
+                    "tokens": config.train.steps * config.train.micro_batch_size * config.model.seq_length,
+                    "val_loss": vals[-1][1],
+                    "val_curve": vals,
+                    "final_train_loss": history[-1]["lm loss"],
+                    "wall_s": time.perf_counter() - start,
+                }
+            )
             r = rows[-1]
-            print(f"{name:<12} {lr:>7.0e} {r['tokens']:>9} {r['val_loss']:>9.4f} "
-                  f"{r['final_train_loss']:>10.4f} {r['wall_s']:>7.1f}", flush=True)
+            print(
+                f"{name:<12} {lr:>7.0e} {r['tokens']:>9} {r['val_loss']:>9.4f} "
+                f"{r['final_train_loss']:>10.4f} {r['wall_s']:>7.1f}",
+                flush=True,
+            )
     return rows
 
 
@@ -138,11 +168,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="sizes tiny and small, fewer steps")
     ap.add_argument("--steps", type=int, help="timed steps per model (default 10, quick 5)")
-    ap.add_argument("--sizes", nargs="+", choices=list(SIZES),
-                    help=f"twin sizes to run (default all, quick {' '.join(QUICK_SIZES)})")
-    ap.add_argument("--train", action="store_true",
-                    help="instead: train the tiny twins for the same tokens at LRs 1e-3, 3e-3, "
-                         "1e-2 and compare validation losses")
+    ap.add_argument(
+        "--sizes",
+        nargs="+",
+        choices=list(SIZES),
+        help=f"twin sizes to run (default all, quick {' '.join(QUICK_SIZES)})",
+    )
+    ap.add_argument(
+        "--train",
+        action="store_true",
+        help="instead: train the tiny twins for the same tokens at LRs 1e-3, 3e-3, 1e-2 and compare validation losses",
+    )
     ap.add_argument("--json", metavar="FILE", help="write the results as JSON")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides for both twins of the step-time run")
     args = ap.parse_args(argv)
@@ -158,39 +194,55 @@ def main(argv=None) -> int:
         print(f"bench_rmt: {err}", file=sys.stderr)
         return 2
     parallel.initialize(validate(load_config(None, []), world_size=1))
-    machine = {"platform": platform.platform(), "cpus": os.cpu_count(),
-               "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-               "device": "cuda" if torch.cuda.is_available() else "cpu"}
+    machine = {
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+    }
     try:
         if args.train:
             print(f"{'model':<12} {'lr':>7} {'tokens':>9} {'val loss':>9} {'train loss':>10} {'wall s':>7}")
             rows = train_twins(args.quick)
-            best = {name: min((r for r in rows if r["model"] == name), key=lambda r: r["val_loss"])
-                    for name in ("rmt", "transformer")}
-            summary = {"val_loss_rmt": best["rmt"]["val_loss"], "lr_rmt": best["rmt"]["lr"],
-                       "val_loss_transformer": best["transformer"]["val_loss"],
-                       "lr_transformer": best["transformer"]["lr"]}
+            best = {
+                name: min((r for r in rows if r["model"] == name), key=lambda r: r["val_loss"])
+                for name in ("rmt", "transformer")
+            }
+            summary = {
+                "val_loss_rmt": best["rmt"]["val_loss"],
+                "lr_rmt": best["rmt"]["lr"],
+                "val_loss_transformer": best["transformer"]["val_loss"],
+                "lr_transformer": best["transformer"]["lr"],
+            }
         else:
             steps = args.steps or (5 if args.quick else 10)
             rows = []
-            print(f"{'size':<10} {'rmt s/step':>10} {'tf s/step':>10} {'ratio':>6} "
-                  f"{'rmt MiB':>8} {'tf MiB':>8} {'mem ratio':>9} {'planned act MiB':>15} "
-                  f"{'rmt params':>11} {'tf params':>11}")
+            print(
+                f"{'size':<10} {'rmt s/step':>10} {'tf s/step':>10} {'ratio':>6} "
+                f"{'rmt MiB':>8} {'tf MiB':>8} {'mem ratio':>9} {'planned act MiB':>15} "
+                f"{'rmt params':>11} {'tf params':>11}"
+            )
             for size in sizes:
                 r = bench_size(size, steps, warmup=2, extra=args.overrides)
                 rows.append(r)
-                print(f"{size:<10} {r['rmt']['step_s']:>10.4f} {r['transformer']['step_s']:>10.4f} "
-                      f"{r['step_time_ratio']:>6.2f} {r['rmt']['peak_bytes'] / 2**20:>8.1f} "
-                      f"{r['transformer']['peak_bytes'] / 2**20:>8.1f} {r['peak_mem_ratio']:>9.2f} "
-                      f"{r['rmt']['planned_activation_bytes'] / 2**20:>7.1f} /{r['transformer']['planned_activation_bytes'] / 2**20:>6.1f} "
-                      f"{r['rmt']['params']:>11,} {r['transformer']['params']:>11,}", flush=True)
-            summary = {"step_time_ratio_rmt_over_transformer": rows[-1]["step_time_ratio"],
-                       "peak_mem_ratio": rows[-1]["peak_mem_ratio"], "largest_size": rows[-1]["size"]}
+                print(
+                    f"{size:<10} {r['rmt']['step_s']:>10.4f} {r['transformer']['step_s']:>10.4f} "
+                    f"{r['step_time_ratio']:>6.2f} {r['rmt']['peak_bytes'] / 2**20:>8.1f} "
+                    f"{r['transformer']['peak_bytes'] / 2**20:>8.1f} {r['peak_mem_ratio']:>9.2f} "
+                    f"{r['rmt']['planned_activation_bytes'] / 2**20:>7.1f} /{r['transformer']['planned_activation_bytes'] / 2**20:>6.1f} "
+                    f"{r['rmt']['params']:>11,} {r['transformer']['params']:>11,}",
+                    flush=True,
+                )
+            summary = {
+                "step_time_ratio_rmt_over_transformer": rows[-1]["step_time_ratio"],
+                "peak_mem_ratio": rows[-1]["peak_mem_ratio"],
+                "largest_size": rows[-1]["size"],
+            }
         print(json.dumps(summary))
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"benchmark": "bench_rmt", "machine": machine, "rows": rows,
-                           "summary": summary}, f, indent=1)
+                json.dump({"benchmark": "bench_rmt", "machine": machine, "rows": rows, "summary": summary}, f, indent=1)
     finally:
         parallel.destroy()
     return 0

@@ -55,9 +55,13 @@ def field_docstrings(source: Optional[str] = None) -> Dict[str, Dict[str, str]]:
             continue
         fields = docs.setdefault(node.name, {})
         for stmt, following in zip(node.body, node.body[1:] + [None]):
-            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                    and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
-                    and isinstance(following.value.value, str)):
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and isinstance(following, ast.Expr)
+                and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)
+            ):
                 fields[stmt.target.id] = inspect.cleandoc(following.value.value)
     return docs
 
@@ -108,28 +112,36 @@ def render() -> str:
             a = allowed[f"{name}.{f.name}"]
             kind = getattr(a.kind, "__name__", "any").lower()
             kind = f"Optional[{kind}]" if a.nullable else kind
-            out.append(f"| `{name}.{f.name}` | `{kind}` | {_default(f.default)} | {_cell(a.describe())} | "
-                       f"{_cell(docs[cls.__name__].get(f.name, ''))} |")
+            out.append(
+                f"| `{name}.{f.name}` | `{kind}` | {_default(f.default)} | {_cell(a.describe())} | "
+                f"{_cell(docs[cls.__name__].get(f.name, ''))} |"
+            )
         out.append("")
     return "\n".join(out)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 if a field has no docstring or docs/config.md is stale")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 if a field has no docstring or docs/config.md is stale",
+    )
     args = parser.parse_args()
     missing = undocumented()
     if missing:
-        print(f"gen_config_docs: config fields without a docstring in rmt/config.py: {', '.join(missing)}",
-              file=sys.stderr)
+        print(
+            f"gen_config_docs: config fields without a docstring in rmt/config.py: {', '.join(missing)}",
+            file=sys.stderr,
+        )
         return 1
     text = render()
     if args.check:
         current = open(OUTPUT).read() if os.path.isfile(OUTPUT) else None
         if current != text:
-            print(f"gen_config_docs: docs/config.md is out of date with rmt/config.py; run `{COMMAND}`",
-                  file=sys.stderr)
+            print(
+                f"gen_config_docs: docs/config.md is out of date with rmt/config.py; run `{COMMAND}`", file=sys.stderr
+            )
             return 1
         return 0
     os.makedirs(os.path.dirname(OUTPUT), exist_ok=True)

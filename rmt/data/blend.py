@@ -72,24 +72,30 @@ def parse_blend(value, key: str = "data.path") -> Blend:
     if numbers[0] is None:
         bad = [str(x) for x, n in zip(items, numbers) if n is not None]
         if bad:
-            raise ConfigError(f"{origin} mixes prefixes with the number {bad[0]}: give a weight before "
-                              f"every prefix ('W1 P1 W2 P2 ...') or none at all")
+            raise ConfigError(
+                f"{origin} mixes prefixes with the number {bad[0]}: give a weight before "
+                f"every prefix ('W1 P1 W2 P2 ...') or none at all"
+            )
         weights = None
         prefixes = [str(x) for x in items]
     else:
         if len(items) % 2:
-            raise ConfigError(f"{origin} has {len(items)} items: weights and prefixes must alternate "
-                              f"('W1 P1 W2 P2 ...')")
+            raise ConfigError(
+                f"{origin} has {len(items)} items: weights and prefixes must alternate ('W1 P1 W2 P2 ...')"
+            )
         for i in range(0, len(items), 2):
             if numbers[i] is None:
-                raise ConfigError(f"{origin}: '{items[i]}' stands where a weight belongs; weights and "
-                                  f"prefixes must alternate ('W1 P1 W2 P2 ...')")
+                raise ConfigError(
+                    f"{origin}: '{items[i]}' stands where a weight belongs; weights and "
+                    f"prefixes must alternate ('W1 P1 W2 P2 ...')"
+                )
             if numbers[i + 1] is not None:
-                raise ConfigError(f"{origin}: '{items[i + 1]}' stands where a prefix belongs; weights and "
-                                  f"prefixes must alternate ('W1 P1 W2 P2 ...')")
+                raise ConfigError(
+                    f"{origin}: '{items[i + 1]}' stands where a prefix belongs; weights and "
+                    f"prefixes must alternate ('W1 P1 W2 P2 ...')"
+                )
             if not math.isfinite(numbers[i]) or numbers[i] <= 0:
-                raise ConfigError(f"{origin}: the weight of '{items[i + 1]}' must be a positive number, "
-                                  f"got {items[i]}")
+                raise ConfigError(f"{origin}: the weight of '{items[i + 1]}' must be a positive number, got {items[i]}")
         weights, prefixes = numbers[0::2], items[1::2]
         prefixes = [str(p) for p in prefixes]
     if base:
@@ -108,8 +114,10 @@ def data_blends(d) -> Optional[Dict[str, Blend]]:
     per_split = {name: getattr(d, f"{name}_path") for name in ("train", "valid")}
     if d.path is not None:
         if any(v is not None for v in per_split.values()):
-            raise ConfigError("data.path and data.train_path / data.valid_path exclude each other: "
-                              "either one blend split by data.split, or a blend per split")
+            raise ConfigError(
+                "data.path and data.train_path / data.valid_path exclude each other: "
+                "either one blend split by data.split, or a blend per split"
+            )
         return {"all": parse_blend(d.path)}
     if per_split["train"] is None:
         if per_split["valid"] is not None:

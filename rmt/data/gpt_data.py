@@ -26,8 +26,8 @@ from rmt.config import RMTConfig
 from rmt.data.blend import Blend, blend_prefixes, data_blends
 from rmt.data.corpus import corpus_documents
 from rmt.data.indexed import max_token_id, open_indexed
-from rmt.data.shards import write_indexed
 from rmt.data.metadata import DEFAULT, dataset_tokenizer, read_metadata, shared_tokenizer
+from rmt.data.shards import write_indexed
 from rmt.data.tokenizers import build_tokenizer
 from rmt.errors import UserError
 
@@ -71,8 +71,10 @@ def prepare_default_corpus(config: RMTConfig) -> str:
         try:
             write_indexed(prefix, ids, tok)
         except OSError as err:
-            raise UserError(f"cannot write the tokenized default corpus into data.cache_dir '{d.cache_dir}' "
-                            f"({err.strerror or err}); set data.cache_dir to a writable directory") from None
+            raise UserError(
+                f"cannot write the tokenized default corpus into data.cache_dir '{d.cache_dir}' "
+                f"({err.strerror or err}); set data.cache_dir to a writable directory"
+            ) from None
     return prefix
 
 
@@ -104,13 +106,17 @@ def resolve_data(config: RMTConfig) -> DataSpec:
         top = max_token_id(prefix, ds)
         if top >= config.model.vocab_size:
             raise UserError(
-                f"dataset '{prefix}' holds token id {top}, out of range for model.vocab_size "
-                f"{config.model.vocab_size}")
+                f"dataset '{prefix}' holds token id {top}, out of range for model.vocab_size {config.model.vocab_size}"
+            )
     # prefixes without weights: weights in proportion to their tokens (megatron-core itself
     # would blend one epoch of each and no more, whatever the number of samples asked for)
     tokens = {p: int(ds.index.sequence_lengths.sum(dtype=np.int64)) for p, ds in zip(prefixes, datasets)}
-    blends = {k: b if b.weights is not None or len(b.prefixes) == 1 else
-              Blend(b.prefixes, tuple(float(tokens[p]) for p in b.prefixes)) for k, b in blends.items()}
+    blends = {
+        k: b
+        if b.weights is not None or len(b.prefixes) == 1
+        else Blend(b.prefixes, tuple(float(tokens[p]) for p in b.prefixes))
+        for k, b in blends.items()
+    }
     return DataSpec(blends, config.model.vocab_size, eod)
 
 
@@ -126,9 +132,14 @@ def build_datasets(config: RMTConfig, spec: DataSpec, num_train: int, num_valid:
             _check_split(prefix, config.data.split, bool(num_valid))
         where = dict(blend=blends["all"].as_megatron(), split=config.data.split)
     else:
-        where = dict(blend_per_split=[blends["train"].as_megatron(),
-                                      blends["valid"].as_megatron() if num_valid and "valid" in blends else None,
-                                      None], split=None)
+        where = dict(
+            blend_per_split=[
+                blends["train"].as_megatron(),
+                blends["valid"].as_megatron() if num_valid and "valid" in blends else None,
+                None,
+            ],
+            split=None,
+        )
     weighted = any(b.weights is not None for b in blends.values())
     gcfg = GPTDatasetConfig(
         random_seed=t.seed,
@@ -160,7 +171,9 @@ def _check_split(prefix: str, split: str, need_valid: bool) -> None:
     """Reject splits that leave the train (or a needed validation) part without documents;
     megatron-core would loop forever looking for tokens there. Bounds as megatron computes them."""
     from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix, parse_and_normalize_split)
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
 
     num_docs = len(open_indexed(prefix))
     matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
@@ -172,11 +185,13 @@ def _check_split(prefix: str, split: str, need_valid: bool) -> None:
         if count == 0:
             raise UserError(
                 f"data.split '{split}' leaves no {name} documents out of the {num_docs} in "
-                f"'{prefix}'; use more data or a larger {name} share")
+                f"'{prefix}'; use more data or a larger {name} share"
+            )
 
 
-def microbatches(dataset, first_sample: int, micro_batch_size: int, num_microbatches: int,
-                 dp_rank: int, dp_size: int) -> List[Dict[str, torch.Tensor]]:
+def microbatches(
+    dataset, first_sample: int, micro_batch_size: int, num_microbatches: int, dp_rank: int, dp_size: int
+) -> List[Dict[str, torch.Tensor]]:
     """The microbatches of the global batch that starts at sample ``first_sample``, for one
     data-parallel rank: microbatch j holds samples ``first + j*mbs*dp + dp_rank*mbs + [0, mbs)``
     (megatron's pretraining sampler order)."""
@@ -187,4 +202,3 @@ def microbatches(dataset, first_sample: int, micro_batch_size: int, num_microbat
         # a blend's samples also carry the index of their dataset ("dataset_id", an integer)
         out.append({k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in samples[0]})
     return out
-

@@ -22,7 +22,9 @@ def _check_idx(path: str) -> None:
     with open(path, "rb") as f:
         head = f.read(IDX_HEADER.size)
     if len(head) < IDX_HEADER.size:
-        raise UserError(f"dataset index '{path}' is corrupt or truncated ({size} bytes, header needs {IDX_HEADER.size})")
+        raise UserError(
+            f"dataset index '{path}' is corrupt or truncated ({size} bytes, header needs {IDX_HEADER.size})"
+        )
     magic, version, _, sequences, documents = IDX_HEADER.unpack(head)
     if magic != IDX_MAGIC or version != 1:
         raise UserError(f"dataset index '{path}' is corrupt or truncated (not a megatron-core index file)")
@@ -46,7 +48,8 @@ def open_indexed(prefix: str) -> IndexedDataset:
     if actual != expected:
         raise UserError(
             f"dataset '{prefix}.bin' has {actual} bytes but its index describes {expected}: "
-            "the files are truncated or do not belong together")
+            "the files are truncated or do not belong together"
+        )
     return ds
 
 

@@ -48,8 +48,10 @@ def check_metadata(prefix: str, meta: dict) -> None:
     for key in ("eod", "max_token_id"):
         value = meta.get(key)
         if isinstance(value, int) and value >= vocab:
-            raise UserError(f"dataset metadata '{path}' understates the vocabulary: vocab_size {vocab} "
-                            f"but {key} {value}; re-run rmt-preprocess to rewrite it")
+            raise UserError(
+                f"dataset metadata '{path}' understates the vocabulary: vocab_size {vocab} "
+                f"but {key} {value}; re-run rmt-preprocess to rewrite it"
+            )
 
 
 def _same_tokenizer(setting: str, recorded: str) -> bool:
@@ -87,9 +89,11 @@ def shared_tokenizer(prefixes: Sequence[str]) -> Optional[Tuple[str, str]]:
         if first is None:
             first = (prefix, meta["tokenizer"])
         elif not _same_recorded(first[1], meta["tokenizer"]):
-            raise UserError(f"the datasets of the blend were made with different tokenizers: '{first[0]}' "
-                            f"with '{first[1]}' and '{prefix}' with '{meta['tokenizer']}'; every dataset of "
-                            f"a blend must share one tokenizer (re-run rmt-preprocess with one of them)")
+            raise UserError(
+                f"the datasets of the blend were made with different tokenizers: '{first[0]}' "
+                f"with '{first[1]}' and '{prefix}' with '{meta['tokenizer']}'; every dataset of "
+                f"a blend must share one tokenizer (re-run rmt-preprocess with one of them)"
+            )
     return first
 
 
@@ -104,11 +108,15 @@ def dataset_tokenizer(setting: Optional[str], prefixes: Union[str, Sequence[str]
         return setting or DEFAULT
     prefix, recorded = found
     if setting is not None and not _same_tokenizer(setting, recorded):
-        raise ConfigError(f"data.tokenizer '{setting}' contradicts the tokenizer '{recorded}' that "
-                          f"'{prefix}.json' records for the data; leave data.tokenizer unset to use the data's own")
+        raise ConfigError(
+            f"data.tokenizer '{setting}' contradicts the tokenizer '{recorded}' that "
+            f"'{prefix}.json' records for the data; leave data.tokenizer unset to use the data's own"
+        )
     if recorded != DEFAULT and not os.path.isfile(recorded):
-        raise UserError(f"the tokenizer '{recorded}' that '{prefix}.json' records for the data does not exist "
-                        f"(the dataset was made on another machine or its tokenizer cache was removed)")
+        raise UserError(
+            f"the tokenizer '{recorded}' that '{prefix}.json' records for the data does not exist "
+            f"(the dataset was made on another machine or its tokenizer cache was removed)"
+        )
     return recorded
 
 

@@ -45,10 +45,18 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def preprocess(inputs: List[str], output_prefix: str, tokenizer_spec: str = "byte",
-               text_key: str = "text", cache_dir: str = ".rmt_cache", bpe_vocab_size: int = 2048,
-               workers: Optional[int] = None, per_input: bool = False, chunk_mib: Optional[float] = None,
-               progress: bool = True) -> List[Tuple[str, dict]]:
+def preprocess(
+    inputs: List[str],
+    output_prefix: str,
+    tokenizer_spec: str = "byte",
+    text_key: str = "text",
+    cache_dir: str = ".rmt_cache",
+    bpe_vocab_size: int = 2048,
+    workers: Optional[int] = None,
+    per_input: bool = False,
+    chunk_mib: Optional[float] = None,
+    progress: bool = True,
+) -> List[Tuple[str, dict]]:
     """Tokenize ``inputs`` (files, globs, saved-dataset directories) into ``output_prefix`` (one
     merged dataset), or with ``per_input`` into ``output_prefix_NAME`` per input plus the blend
     ``output_prefix.blend``. Returns ``[(prefix, metadata)]`` of the datasets written."""
@@ -59,9 +67,14 @@ def preprocess(inputs: List[str], output_prefix: str, tokenizer_spec: str = "byt
     tokenizer = build_tokenizer(tokenizer_spec, cache_dir, bpe_vocab_size)
     workers = workers or usable_cores()
     work = output_prefix + ".partial"
-    identity = {"version": _PLAN_VERSION, "inputs": [_fingerprint(s) for s in sources], "text_key": text_key,
-                "tokenizer": tokenizer.spec, "tokenizer_sha256": _file_sha256(tokenizer.spec),
-                "per_input": per_input}
+    identity = {
+        "version": _PLAN_VERSION,
+        "inputs": [_fingerprint(s) for s in sources],
+        "text_key": text_key,
+        "tokenizer": tokenizer.spec,
+        "tokenizer_sha256": _file_sha256(tokenizer.spec),
+        "per_input": per_input,
+    }
     chunks = _resumable_chunks(work, identity)
     if chunks is None:
         if chunk_mib is None:  # some 16 chunks per worker (balance), 1 to 256 MiB each
@@ -74,29 +87,38 @@ def preprocess(inputs: List[str], output_prefix: str, tokenizer_spec: str = "byt
     shard = lambda k: os.path.join(work, f"{k:06d}")  # noqa: E731
     done = {k for k in range(len(chunks)) if all(os.path.isfile(shard(k) + e) for e in (".bin", ".idx", ".json"))}
     if done:
-        print(f"rmt-preprocess: resuming the run in '{work}': {len(done)} of {len(chunks)} chunks are done",
-              file=sys.stderr, flush=True)
+        print(
+            f"rmt-preprocess: resuming the run in '{work}': {len(done)} of {len(chunks)} chunks are done",
+            file=sys.stderr,
+            flush=True,
+        )
     from rmt.data.metadata import read_metadata
     from rmt.data.shards import merge_indexed
 
     todo = [(k, c, shard(k)) for k, c in enumerate(chunks) if k not in done]
     if todo:
-        _run(todo, sources, chunks, done, tokenizer.spec, text_key,
-             min(workers, len(todo)), progress, work)
+        _run(todo, sources, chunks, done, tokenizer.spec, text_key, min(workers, len(todo)), progress, work)
     metas = {k: read_metadata(shard(k)) for k in range(len(chunks))}
     groups = [[k for k, c in enumerate(chunks) if not per_input or c.source == i] for i in range(len(outputs))]
     for i, group in enumerate(groups):
         if not sum(metas[k]["num_documents"] for k in group):
             shutil.rmtree(work, ignore_errors=True)
-            raise UserError(f"input '{sources[i].path}' holds no text: every '{text_key}' is empty" if per_input
-                            else f"the inputs hold no text: every '{text_key}' is empty")
+            raise UserError(
+                f"input '{sources[i].path}' holds no text: every '{text_key}' is empty"
+                if per_input
+                else f"the inputs hold no text: every '{text_key}' is empty"
+            )
     written = [(out, merge_indexed(out, [shard(k) for k in group])) for out, group in zip(outputs, groups)]
     if per_input:
         blend = output_prefix + BLEND_SUFFIX
         base = os.path.dirname(os.path.abspath(blend))
         with open(blend + ".tmp", "w") as f:
-            f.write(format_blend([m["num_tokens"] for _, m in written],
-                                 [os.path.relpath(os.path.abspath(p), base) for p, _ in written]))
+            f.write(
+                format_blend(
+                    [m["num_tokens"] for _, m in written],
+                    [os.path.relpath(os.path.abspath(p), base) for p, _ in written],
+                )
+            )
         os.replace(blend + ".tmp", blend)
     shutil.rmtree(work)
     return written
@@ -108,15 +130,20 @@ def _output_prefixes(sources: List[Source], output_prefix: str, per_input: bool)
     outputs = [f"{output_prefix}_{s.name}" for s in sources]
     for i, out in enumerate(outputs):
         if out in outputs[:i]:
-            raise UserError(f"inputs '{sources[outputs.index(out)].path}' and '{sources[i].path}' would both "
-                            f"write '{out}' with --per-input; rename one")
+            raise UserError(
+                f"inputs '{sources[outputs.index(out)].path}' and '{sources[i].path}' would both "
+                f"write '{out}' with --per-input; rename one"
+            )
     return outputs
 
 
 def _fingerprint(source: Source) -> list:
     """What identifies an input's contents for resuming: path, format, sizes and times."""
-    files = [source.path] if source.fmt != "arrow" else sorted(
-        os.path.join(source.path, n) for n in os.listdir(source.path))
+    files = (
+        [source.path]
+        if source.fmt != "arrow"
+        else sorted(os.path.join(source.path, n) for n in os.listdir(source.path))
+    )
     stats = [os.stat(f) for f in files]
     return [source.path, source.fmt, sum(s.st_size for s in stats), max(s.st_mtime_ns for s in stats)]
 
@@ -140,8 +167,11 @@ def _resumable_chunks(work: str, identity: dict) -> Optional[List[Chunk]]:
     except (OSError, ValueError, KeyError, AttributeError):
         plan = None
     if plan != identity:
-        print(f"rmt-preprocess: starting afresh: '{work}' holds an unfinished run of other inputs or settings",
-              file=sys.stderr, flush=True)
+        print(
+            f"rmt-preprocess: starting afresh: '{work}' holds an unfinished run of other inputs or settings",
+            file=sys.stderr,
+            flush=True,
+        )
         return None
     return [Chunk(*c) for c in chunks]
 
@@ -205,25 +235,36 @@ def _run(todo, sources, chunks, done, tokenizer_spec, text_key, workers, progres
     # runner's) may inherit a held lock and hang; the workers import numpy and tokenizers only
     ctx = multiprocessing.get_context("spawn")
     tasks, events = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_work, args=(tokenizer_spec, sources, text_key, tasks, events, os.getpid()),
-                         daemon=True)
-             for _ in range(workers)]
+    procs = [
+        ctx.Process(target=_work, args=(tokenizer_spec, sources, text_key, tasks, events, os.getpid()), daemon=True)
+        for _ in range(workers)
+    ]
     for p in procs:
         p.start()
     for task in todo:
         tasks.put(task)
     for _ in procs:
         tasks.put(None)
-    bar = tqdm(total=sum(c.size for c in chunks), initial=sum(chunks[k].size for k in done), unit="B",
-               unit_scale=True, unit_divisor=1024, desc="rmt-preprocess", disable=None if progress else True,
-               file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(
+        total=sum(c.size for c in chunks),
+        initial=sum(chunks[k].size for k in done),
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc="rmt-preprocess",
+        disable=None if progress else True,
+        file=sys.stderr,
+        dynamic_ncols=True,
+    )
     docs = tokens = 0
     start, finished = time.perf_counter(), 0
 
     def left() -> str:
         count = len(chunks) - len(done) - finished
-        return (f"{len(chunks) - count} of {len(chunks)} chunks are done and kept in '{work}'; the same "
-                f"command resumes with the other {count}")
+        return (
+            f"{len(chunks) - count} of {len(chunks)} chunks are done and kept in '{work}'; the same "
+            f"command resumes with the other {count}"
+        )
 
     try:
         while finished < len(todo):
@@ -232,9 +273,12 @@ def _run(todo, sources, chunks, done, tokenizer_spec, text_key, workers, progres
             except queue.Empty:
                 dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
                 if dead:
-                    how = (f"was killed by signal {-dead[0]} ({signal.Signals(-dead[0]).name}"
-                           f"{', often the system out of memory' if -dead[0] == signal.SIGKILL else ''})"
-                           if dead[0] < 0 else f"exited with status {dead[0]}")
+                    how = (
+                        f"was killed by signal {-dead[0]} ({signal.Signals(-dead[0]).name}"
+                        f"{', often the system out of memory' if -dead[0] == signal.SIGKILL else ''})"
+                        if dead[0] < 0
+                        else f"exited with status {dead[0]}"
+                    )
                     raise JobError(f"a worker process {how}; {left()}")
                 continue
             if kind == "progress":
@@ -242,8 +286,9 @@ def _run(todo, sources, chunks, done, tokenizer_spec, text_key, workers, progres
                 tokens += rest[1]
                 bar.update(rest[2])
                 rate = tokens / max(time.perf_counter() - start, 1e-9)
-                bar.set_postfix_str(f"{docs:,} docs, {tokens / 1e6:,.1f}M tokens, {rate / 1e6:.2f}M tokens/s",
-                                    refresh=False)
+                bar.set_postfix_str(
+                    f"{docs:,} docs, {tokens / 1e6:,.1f}M tokens, {rate / 1e6:.2f}M tokens/s", refresh=False
+                )
             elif kind == "done":
                 finished += 1
             elif kind == "error":
@@ -265,26 +310,45 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="rmt-preprocess",
         description="Tokenize jsonl/txt/parquet files and saved HF datasets into megatron-core indexed "
-                    "datasets, on every core.")
-    ap.add_argument("--input", nargs="+", required=True,
-                    help="input files or globs: .jsonl/.json (one object per line), .txt (one document per "
-                         "line), .parquet, or directories written by HF datasets' save_to_disk")
-    ap.add_argument("--output-prefix", required=True,
-                    help="writes PREFIX.bin, PREFIX.idx and PREFIX.json (tokenizer metadata)")
-    ap.add_argument("--per-input", action="store_true",
-                    help="one dataset per input, PREFIX_NAME (NAME: the input's file name without extension), "
-                         "and PREFIX.blend, their blend by tokens, for data.path")
-    ap.add_argument("--workers", type=int, default=None,
-                    help=f"worker processes, each one core (default: the usable cores, {usable_cores()} here)")
-    ap.add_argument("--tokenizer", default="byte",
-                    help="'byte' (default), 'bpe' (trained on the default corpus) or a path to a "
-                         "HF tokenizer.json / directory")
+        "datasets, on every core.",
+    )
+    ap.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        help="input files or globs: .jsonl/.json (one object per line), .txt (one document per "
+        "line), .parquet, or directories written by HF datasets' save_to_disk",
+    )
+    ap.add_argument(
+        "--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx and PREFIX.json (tokenizer metadata)"
+    )
+    ap.add_argument(
+        "--per-input",
+        action="store_true",
+        help="one dataset per input, PREFIX_NAME (NAME: the input's file name without extension), "
+        "and PREFIX.blend, their blend by tokens, for data.path",
+    )
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help=f"worker processes, each one core (default: the usable cores, {usable_cores()} here)",
+    )
+    ap.add_argument(
+        "--tokenizer",
+        default="byte",
+        help="'byte' (default), 'bpe' (trained on the default corpus) or a path to a HF tokenizer.json / directory",
+    )
     ap.add_argument("--text-key", default="text", help="field holding the text (jsonl, parquet, saved datasets)")
     ap.add_argument("--bpe-vocab-size", type=int, default=2048, help="vocabulary of the 'bpe' tokenizer")
     ap.add_argument("--cache-dir", default=".rmt_cache", help="where trained tokenizers live")
-    ap.add_argument("--chunk-mib", type=float, default=None,
-                    help="input per unit of work, MiB (default: about 1/16 of a worker's share, 1 to 256; "
-                         "parquet: one row group); the output does not depend on it")
+    ap.add_argument(
+        "--chunk-mib",
+        type=float,
+        default=None,
+        help="input per unit of work, MiB (default: about 1/16 of a worker's share, 1 to 256; "
+        "parquet: one row group); the output does not depend on it",
+    )
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap
 
@@ -302,9 +366,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     start = time.perf_counter()
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops as Ctrl-C does
     try:
-        written = preprocess(args.input, args.output_prefix, args.tokenizer, args.text_key, args.cache_dir,
-                             args.bpe_vocab_size, args.workers, args.per_input, args.chunk_mib,
-                             not args.no_progress)
+        written = preprocess(
+            args.input,
+            args.output_prefix,
+            args.tokenizer,
+            args.text_key,
+            args.cache_dir,
+            args.bpe_vocab_size,
+            args.workers,
+            args.per_input,
+            args.chunk_mib,
+            not args.no_progress,
+        )
     except Interrupted as err:
         print(f"rmt-preprocess: interrupted: {err}", file=sys.stderr, flush=True)
         return 130
@@ -312,12 +385,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         signal.signal(signal.SIGTERM, previous)
     seconds = time.perf_counter() - start
     for prefix, meta in written:
-        print(f"wrote {prefix}.bin/.idx: {meta['num_documents']} documents, {meta['num_tokens']} tokens, "
-              f"vocab {meta['vocab_size']}", file=sys.stderr)
+        print(
+            f"wrote {prefix}.bin/.idx: {meta['num_documents']} documents, {meta['num_tokens']} tokens, "
+            f"vocab {meta['vocab_size']}",
+            file=sys.stderr,
+        )
     total = sum(m["num_tokens"] for _, m in written)
-    print(f"{total} tokens in {seconds:.1f} s ({total / seconds / 1e6:.2f}M tokens/s)"
-          + (f"; blend for data.path: {args.output_prefix}{BLEND_SUFFIX}" if args.per_input else ""),
-          file=sys.stderr)
+    print(
+        f"{total} tokens in {seconds:.1f} s ({total / seconds / 1e6:.2f}M tokens/s)"
+        + (f"; blend for data.path: {args.output_prefix}{BLEND_SUFFIX}" if args.per_input else ""),
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -36,8 +36,9 @@ def resolve_from_data(config: RMTConfig) -> Tuple[RMTConfig, List[str]]:
     if blends is not None:
         tokenizer = dataset_tokenizer(d.tokenizer, blend_prefixes(blends))
         if tokenizer != d.tokenizer:
-            notes.append(f"data.tokenizer = {tokenizer!r} (what the data records, or the default for data "
-                         f"without a record)")
+            notes.append(
+                f"data.tokenizer = {tokenizer!r} (what the data records, or the default for data without a record)"
+            )
             d.tokenizer = tokenizer
     if d.task != "none" and m.vocab_size is None:
         m.vocab_size = d.task_alphabet

@@ -30,8 +30,14 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def metadata(tokenizer_spec: str, vocab_size: int, eod: int, num_docs: int, num_tokens: int, max_id: int) -> dict:
-    return {"tokenizer": tokenizer_spec, "vocab_size": vocab_size, "eod": eod,
-            "num_documents": num_docs, "num_tokens": num_tokens, "max_token_id": max_id}
+    return {
+        "tokenizer": tokenizer_spec,
+        "vocab_size": vocab_size,
+        "eod": eod,
+        "num_documents": num_docs,
+        "num_tokens": num_tokens,
+        "max_token_id": max_id,
+    }
 
 
 def publish(tmp: str, prefix: str, meta: dict) -> dict:
@@ -71,8 +77,9 @@ def write_indexed(prefix: str, documents: Iterable[Sequence[int]], tokenizer) ->
         f.write(sizes.astype(np.int32).tobytes())
         f.write(((np.cumsum(sizes) - sizes) * dtype.itemsize).tobytes())  # byte offset of each
         f.write(np.arange(sizes.size + 1, dtype=np.int64).tobytes())
-    return publish(tmp, prefix, metadata(tokenizer.spec, tokenizer.vocab_size, tokenizer.eod,
-                                         sizes.size, num_tokens, max_id))
+    return publish(
+        tmp, prefix, metadata(tokenizer.spec, tokenizer.vocab_size, tokenizer.eod, sizes.size, num_tokens, max_id)
+    )
 
 
 def _index(prefix: str):
@@ -80,8 +87,8 @@ def _index(prefix: str):
     with open(prefix + ".idx", "rb") as f:
         n = IDX_HEADER.unpack(f.read(IDX_HEADER.size))[3]
     raw = np.memmap(prefix + ".idx", dtype=np.uint8, mode="r")
-    lengths = raw[IDX_HEADER.size:IDX_HEADER.size + 4 * n].view(np.int32)
-    pointers = raw[IDX_HEADER.size + 4 * n:IDX_HEADER.size + 12 * n].view(np.int64)
+    lengths = raw[IDX_HEADER.size : IDX_HEADER.size + 4 * n].view(np.int32)
+    pointers = raw[IDX_HEADER.size + 4 * n : IDX_HEADER.size + 12 * n].view(np.int64)
     return lengths, pointers
 
 
@@ -131,6 +138,15 @@ def merge_indexed(prefix: str, parts: List[str]) -> dict:
     with open(tmp + ".bin", "wb") as out:
         for part in parts:
             _append(part + ".bin", out)
-    return publish(tmp, prefix, metadata(first["tokenizer"], first["vocab_size"], first["eod"], sequences,
-                                         sum(int(m["num_tokens"]) for m in metas),
-                                         max(int(m["max_token_id"]) for m in metas)))
+    return publish(
+        tmp,
+        prefix,
+        metadata(
+            first["tokenizer"],
+            first["vocab_size"],
+            first["eod"],
+            sequences,
+            sum(int(m["num_tokens"]) for m in metas),
+            max(int(m["max_token_id"]) for m in metas),
+        ),
+    )

@@ -74,16 +74,20 @@ def resolve_inputs(patterns: List[str]) -> List[Source]:
         if os.path.isdir(path):
             if os.path.isfile(os.path.join(path, "dataset_dict.json")):
                 splits = sorted(n for n in os.listdir(path) if _is_saved_dataset(os.path.join(path, n)))
-                raise UserError(f"input '{path}' is a HF DatasetDict (splits: {', '.join(splits)}); give the "
-                                f"directory of one split, e.g. '{os.path.join(path, splits[0] if splits else 'train')}'")
+                raise UserError(
+                    f"input '{path}' is a HF DatasetDict (splits: {', '.join(splits)}); give the "
+                    f"directory of one split, e.g. '{os.path.join(path, splits[0] if splits else 'train')}'"
+                )
             if not _is_saved_dataset(path):
                 raise UserError(f"input '{path}' is a directory but not a HF dataset saved with save_to_disk")
             sources.append(Source(os.path.abspath(path), "arrow"))
             continue
         fmt = _FORMATS.get(os.path.splitext(path)[1].lower())
         if fmt is None:
-            raise UserError(f"input '{path}' is not .jsonl, .json, .txt or .parquet (nor a directory "
-                            f"written by HF datasets' save_to_disk)")
+            raise UserError(
+                f"input '{path}' is not .jsonl, .json, .txt or .parquet (nor a directory "
+                f"written by HF datasets' save_to_disk)"
+            )
         sources.append(Source(os.path.abspath(path), fmt))
     return sources
 
@@ -126,8 +130,11 @@ def _check_has_text(path: str) -> None:
         while True:
             block = f.read(_BLOCK)
             if not block:
-                raise UserError(f"input file '{path}' is empty" if f.tell() == 0 else
-                                f"input file '{path}' holds nothing but white space")
+                raise UserError(
+                    f"input file '{path}' is empty"
+                    if f.tell() == 0
+                    else f"input file '{path}' holds nothing but white space"
+                )
             if block.strip():
                 return
 
@@ -161,8 +168,10 @@ def plan_chunks(sources: List[Source], chunk_bytes: int) -> List[Chunk]:
             ds = open_saved_dataset(source.path)
             rows, nbytes = len(ds), max(1, ds.data.nbytes)
             step = max(1, int(rows * chunk_bytes // nbytes))
-            chunks += [Chunk(i, a, min(a + step, rows), (min(a + step, rows) - a) * nbytes // max(rows, 1))
-                       for a in range(0, rows, step)]
+            chunks += [
+                Chunk(i, a, min(a + step, rows), (min(a + step, rows) - a) * nbytes // max(rows, 1))
+                for a in range(0, rows, step)
+            ]
     return chunks
 
 
@@ -200,8 +209,9 @@ def _parse_line(line: bytes, path: str, offset: int) -> dict:
     except ValueError as err:
         raise UserError(f"input '{path}' is not JSON lines: the line at byte {offset} does not parse ({err})") from None
     if not isinstance(record, dict):
-        raise UserError(f"input '{path}' is not JSON lines of objects: the line at byte {offset} is a "
-                        f"{type(record).__name__}")
+        raise UserError(
+            f"input '{path}' is not JSON lines of objects: the line at byte {offset} is a {type(record).__name__}"
+        )
     return record
 
 

@@ -43,8 +43,9 @@ def recall_token(alphabet: int) -> int:
     return alphabet - 1
 
 
-def make_sample(task: str, generator: torch.Generator, tokens: int, alphabet: int,
-                noise_length: int) -> Dict[str, torch.Tensor]:
+def make_sample(
+    task: str, generator: torch.Generator, tokens: int, alphabet: int, noise_length: int
+) -> Dict[str, torch.Tensor]:
     """One sample: ``tokens``, ``labels`` and ``loss_mask`` ``[2n + N]``, ``position_ids``."""
     n = tokens
     data = torch.randint(0, alphabet - 2, (n,), generator=generator)
@@ -59,8 +60,7 @@ def make_sample(task: str, generator: torch.Generator, tokens: int, alphabet: in
     labels[-n:] = data
     loss_mask = torch.zeros(seq.shape, dtype=torch.float32)
     loss_mask[-n:] = 1.0
-    return {"tokens": seq, "labels": labels, "loss_mask": loss_mask,
-            "position_ids": torch.arange(seq.numel())}
+    return {"tokens": seq, "labels": labels, "loss_mask": loss_mask, "position_ids": torch.arange(seq.numel())}
 
 
 class TaskDataset:
@@ -113,22 +113,27 @@ def validate_task(config: RMTConfig) -> None:
         raise ConfigError("set both data.curriculum_threshold and data.curriculum_target, or neither")
     longest = 2 * d.task_tokens + target
     if m.seq_length < longest:
-        raise ConfigError(f"model.seq_length ({m.seq_length}) must hold the longest task sample "
-                          f"2 x data.task_tokens + {target} noise tokens = {longest}")
+        raise ConfigError(
+            f"model.seq_length ({m.seq_length}) must hold the longest task sample "
+            f"2 x data.task_tokens + {target} noise tokens = {longest}"
+        )
     if m.vocab_size is not None and m.vocab_size < d.task_alphabet:
         raise ConfigError(f"model.vocab_size ({m.vocab_size}) is smaller than data.task_alphabet ({d.task_alphabet})")
 
 
-def build_task_datasets(config: RMTConfig, num_train: int, num_valid: int,
-                        global_batch: int) -> Tuple[TaskDataset, TaskDataset]:
+def build_task_datasets(
+    config: RMTConfig, num_train: int, num_valid: int, global_batch: int
+) -> Tuple[TaskDataset, TaskDataset]:
     """Training and validation datasets; ``global_batch`` samples make one step (the unit that
     shares a noise length under ``data.noise_min_fraction``). Fills an unset ``model.vocab_size``
     with the task's alphabet, as :func:`rmt.data.resolution.resolve_from_data` does."""
     validate_task(config)
     if config.model.vocab_size is None:
         config.model.vocab_size = config.data.task_alphabet
-    return (TaskDataset(config, "train", num_train, global_batch),
-            TaskDataset(config, "valid", max(num_valid, 1), global_batch))
+    return (
+        TaskDataset(config, "train", num_train, global_batch),
+        TaskDataset(config, "valid", max(num_valid, 1), global_batch),
+    )
 
 
 def curriculum_hook(config: RMTConfig) -> Optional[Callable]:
@@ -149,8 +154,7 @@ def curriculum_hook(config: RMTConfig) -> Optional[Callable]:
     return hook
 
 
-def recall_accuracy(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
-                    alphabet: int) -> float:
+def recall_accuracy(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor, alphabet: int) -> float:
     """Fraction of recall positions whose argmax over the task alphabet is the target."""
     pred = logits[..., :alphabet].argmax(-1)
     hits = ((pred == labels).float() * loss_mask).sum()

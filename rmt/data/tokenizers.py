@@ -80,8 +80,11 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_file: str) -> str:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     tmp = out_file + ".tmp"
     try:
@@ -89,13 +92,14 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_file: str) -> str:
         tok.save(tmp)
         os.replace(tmp, out_file)
     except Exception as err:  # OSError, or the Rust side's own error for an unwritable file
-        raise UserError(f"cannot write the trained tokenizer '{out_file}' ({getattr(err, 'strerror', None) or err}); "
-                        f"the cache directory must be writable") from None
+        raise UserError(
+            f"cannot write the trained tokenizer '{out_file}' ({getattr(err, 'strerror', None) or err}); "
+            f"the cache directory must be writable"
+        ) from None
     return out_file
 
 
-def build_tokenizer(spec: str, cache_dir: str = ".rmt_cache", bpe_vocab_size: int = 2048,
-                    max_documents=None):
+def build_tokenizer(spec: str, cache_dir: str = ".rmt_cache", bpe_vocab_size: int = 2048, max_documents=None):
     """``byte`` | ``bpe`` (trained on the default corpus once, cached) | a HF tokenizer path."""
     if spec == "byte":
         return ByteTokenizer()

@@ -21,8 +21,9 @@ class TrainingData:
     data-parallel rank ``dp_rank`` of ``dp_size``. Data problems raise ``UserError`` here, before
     any step runs."""
 
-    def __init__(self, config: RMTConfig, train_samples: int, valid_samples: int, global_batch: int,
-                 dp_rank: int, dp_size: int):
+    def __init__(
+        self, config: RMTConfig, train_samples: int, valid_samples: int, global_batch: int, dp_rank: int, dp_size: int
+    ):
         self.config = config
         self.dp_rank, self.dp_size = dp_rank, dp_size
         if config.data.task != "none":
@@ -31,8 +32,9 @@ class TrainingData:
             self.train_ds, self.valid_ds = build_datasets(config, resolve_data(config), train_samples, valid_samples)
         self._curriculum = curriculum_hook(config)
 
-    def batches(self, split: str, first_sample: int, micro_batch_size: int,
-                num_microbatches: int) -> List[Dict[str, torch.Tensor]]:
+    def batches(
+        self, split: str, first_sample: int, micro_batch_size: int, num_microbatches: int
+    ) -> List[Dict[str, torch.Tensor]]:
         """This rank's micro-batches of the ``split`` (``train`` or ``valid``) global batch that
         starts at sample ``first_sample``."""
         dataset = self.train_ds if split == "train" else self.valid_ds

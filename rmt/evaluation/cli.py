@@ -29,25 +29,46 @@ LOCAL_TASKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks")
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="rmt-eval", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--checkpoint", required=True,
-                    help="a save root (its newest complete checkpoint is used) or one iter_* directory")
+    ap.add_argument(
+        "--checkpoint",
+        required=True,
+        help="a save root (its newest complete checkpoint is used) or one iter_* directory",
+    )
     ap.add_argument("--tasks", required=True, help="comma-separated lm-eval task or group names (globs allowed)")
-    ap.add_argument("--include-path", action="append", default=[], metavar="DIR",
-                    help="another folder of task YAMLs (repeatable); the shipped local tasks are always included")
+    ap.add_argument(
+        "--include-path",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="another folder of task YAMLs (repeatable); the shipped local tasks are always included",
+    )
     ap.add_argument("--batch-size", type=int, default=8, help="rows per forward pass (default 8)")
     ap.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per prompt (default: the task's)")
-    ap.add_argument("--limit", type=float, default=None,
-                    help="evaluate only this many documents per task (a fraction when < 1); for checks, not scores")
+    ap.add_argument(
+        "--limit",
+        type=float,
+        default=None,
+        help="evaluate only this many documents per task (a fraction when < 1); for checks, not scores",
+    )
     ap.add_argument("--max-gen-toks", type=int, default=256, help="default cap on generated tokens (default 256)")
     ap.add_argument("--device", default=None, help="torch device to evaluate on (default: where the model is built)")
-    ap.add_argument("--average", action="store_true",
-                    help="evaluate the checkpoint's weight average (train.ema_decay) instead of the trained weights")
+    ap.add_argument(
+        "--average",
+        action="store_true",
+        help="evaluate the checkpoint's weight average (train.ema_decay) instead of the trained weights",
+    )
     ap.add_argument("--seed", type=int, default=0, help="seed of few-shot sampling and of sampled generation")
-    ap.add_argument("--bootstrap-iters", type=int, default=1000, help="bootstrap resamples for standard errors (0: none)")
+    ap.add_argument(
+        "--bootstrap-iters", type=int, default=1000, help="bootstrap resamples for standard errors (0: none)"
+    )
     ap.add_argument("--log-samples", action="store_true", help="keep every request's answers in the --json output")
     ap.add_argument("--json", metavar="FILE", help="write lm-eval's results (and samples) as JSON")
-    ap.add_argument("overrides", nargs="*", metavar="section.key=value",
-                    help="overrides of the saved config (e.g. train.precision=fp32)")
+    ap.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
+        help="overrides of the saved config (e.g. train.precision=fp32)",
+    )
     return ap
 
 
@@ -62,8 +83,9 @@ def _check_args(args) -> None:
         if not os.path.isdir(path):
             raise UserError(f"--include-path '{path}' is not a directory")
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-        raise UserError("rmt-eval runs on one process (the checkpoint is resharded onto one device); "
-                        "launch it without torchrun")
+        raise UserError(
+            "rmt-eval runs on one process (the checkpoint is resharded onto one device); launch it without torchrun"
+        )
 
 
 def task_manager(include_paths: List[str], defaults: bool = True):
@@ -87,8 +109,10 @@ def resolve_tasks(spec: str, include_paths: List[str]):
         manager = task_manager(include_paths)
     unknown = [n for n in names if not manager.match_tasks([n])]
     if unknown:
-        raise UserError(f"unknown lm-eval task {', '.join(repr(n) for n in unknown)} (the local ones are "
-                        f"rmt_local, rmt_local_mc, rmt_local_cloze, rmt_local_gen and rmt_local_rolling)")
+        raise UserError(
+            f"unknown lm-eval task {', '.join(repr(n) for n in unknown)} (the local ones are "
+            f"rmt_local, rmt_local_mc, rmt_local_cloze, rmt_local_gen and rmt_local_rolling)"
+        )
     return manager, manager.match_tasks(names)
 
 
@@ -106,20 +130,38 @@ def main(argv: Optional[List[str]] = None) -> int:
     from rmt.evaluation.harness import RMTLM
 
     try:
-        lm = RMTLM(checkpoint=args.checkpoint, batch_size=args.batch_size, max_gen_toks=args.max_gen_toks,
-                   overrides=args.overrides, average=args.average, device=args.device)
+        lm = RMTLM(
+            checkpoint=args.checkpoint,
+            batch_size=args.batch_size,
+            max_gen_toks=args.max_gen_toks,
+            overrides=args.overrides,
+            average=args.average,
+            device=args.device,
+        )
         results = lm_eval.simple_evaluate(
-            model=lm, tasks=tasks, num_fewshot=args.num_fewshot, limit=args.limit, task_manager=manager,
-            log_samples=args.log_samples, bootstrap_iters=args.bootstrap_iters, random_seed=args.seed,
-            numpy_random_seed=args.seed, torch_random_seed=args.seed, fewshot_random_seed=args.seed)
+            model=lm,
+            tasks=tasks,
+            num_fewshot=args.num_fewshot,
+            limit=args.limit,
+            task_manager=manager,
+            log_samples=args.log_samples,
+            bootstrap_iters=args.bootstrap_iters,
+            random_seed=args.seed,
+            numpy_random_seed=args.seed,
+            torch_random_seed=args.seed,
+            fewshot_random_seed=args.seed,
+        )
     finally:
         parallel.destroy()
     print(make_table(results))
     if "groups" in results:
         print(make_table(results, "groups"))
     if args.json:
-        results["rmt"] = {"checkpoint": os.path.abspath(args.checkpoint), "overrides": args.overrides,
-                          "average": args.average}
+        results["rmt"] = {
+            "checkpoint": os.path.abspath(args.checkpoint),
+            "overrides": args.overrides,
+            "average": args.average,
+        }
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1, default=handle_non_serializable)
     return 0

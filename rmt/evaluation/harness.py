@@ -42,9 +42,19 @@ class RMTLM(TemplateLM):
     space-separated string) of ``section.key=value`` overrides of the saved config;
     ``average`` evaluates the checkpoint's weight average."""
 
-    def __init__(self, checkpoint: Optional[str] = None, batch_size=8, max_gen_toks: int = 256,
-                 overrides=(), average: bool = False, device: Optional[str] = None,
-                 model=None, config=None, tokenizer=None, **_ignored):
+    def __init__(
+        self,
+        checkpoint: Optional[str] = None,
+        batch_size=8,
+        max_gen_toks: int = 256,
+        overrides=(),
+        average: bool = False,
+        device: Optional[str] = None,
+        model=None,
+        config=None,
+        tokenizer=None,
+        **_ignored,
+    ):
         super().__init__()
         if (checkpoint is None) == (model is None):
             raise UserError("the rmt lm-eval model needs either checkpoint=DIR or a built model")
@@ -86,16 +96,18 @@ class RMTLM(TemplateLM):
     def _row(self, context: Sequence[int], continuation: Sequence[int]) -> Tuple[List[int], int]:
         """The scored row: the last ``seq_length + 1`` tokens, the continuation's scored."""
         whole = list(context) + list(continuation)
-        whole = whole[-(self.max_length + 1):]
+        whole = whole[-(self.max_length + 1) :]
         return whole, min(len(continuation), len(whole) - 1)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> List[Tuple[float, bool]]:
         rows = [self._row(ctx, cont) for _, ctx, cont in requests]
         results: List[Optional[Tuple[float, bool]]] = [None] * len(rows)
-        for batch in tqdm(batches(self.model, rows, self.batch_size), desc="rmt loglikelihood",
-                          disable=disable_tqdm or self.rank != 0):
-            for i, answer in zip(batch, score_rows(self.model, [rows[i] for i in batch], self.vocab_size,
-                                                    self.eot_token_id)):
+        for batch in tqdm(
+            batches(self.model, rows, self.batch_size), desc="rmt loglikelihood", disable=disable_tqdm or self.rank != 0
+        ):
+            for i, answer in zip(
+                batch, score_rows(self.model, [rows[i] for i in batch], self.vocab_size, self.eot_token_id)
+            ):
                 results[i] = answer
         for (key, _, _), answer in zip(requests, results):
             if key is not None:
@@ -106,9 +118,12 @@ class RMTLM(TemplateLM):
         windows, owner = [], []
         for i, req in enumerate(requests):
             tokens = self.tok_encode(req.args[0])
-            for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(
-                    token_list=tokens, prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
-                    context_len=1)):
+            for ctx, cont in map(
+                make_disjoint_window,
+                get_rolling_token_windows(
+                    token_list=tokens, prefix_token=self.prefix_token_id, max_seq_len=self.max_length, context_len=1
+                ),
+            ):
                 windows.append((None, ctx, cont))
                 owner.append(i)
         scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
@@ -126,18 +141,32 @@ class RMTLM(TemplateLM):
             kw = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
             until = tuple(handle_stop_sequences(kw.get("until"), None))
             new = max(1, min(kw["max_gen_toks"], self.max_length - 1))
-            ids = self.tok_encode(context)[-(self.max_length - new):] or [self.eot_token_id]
+            ids = self.tok_encode(context)[-(self.max_length - new) :] or [self.eot_token_id]
             temperature = float(kw.get("temperature", 0.0)) if kw.get("do_sample") else 0.0
             key = (len(ids), new, temperature, int(kw.get("top_k", 0) or 0), int(kw.get("seed", 0) or 0), until)
             groups.setdefault(key, []).append((i, ids))
         results: List[Optional[str]] = [None] * len(requests)
-        prompts = [(key, members[j:j + self.batch_size]) for key, members in sorted(groups.items(), key=lambda g: -g[0][0])
-                   for j in range(0, len(members), self.batch_size)]
+        prompts = [
+            (key, members[j : j + self.batch_size])
+            for key, members in sorted(groups.items(), key=lambda g: -g[0][0])
+            for j in range(0, len(members), self.batch_size)
+        ]
         for (length, new, temperature, top_k, seed, until), batch in tqdm(
-                prompts, desc="rmt generate_until", disable=disable_tqdm or self.rank != 0):
+            prompts, desc="rmt generate_until", disable=disable_tqdm or self.rank != 0
+        ):
             prompt = torch.tensor([ids for _, ids in batch], device=self.device)
-            out = generate(self.model, prompt, new, self.vocab_size, self.max_length, True, temperature, top_k, seed,
-                           stop=lambda tokens: all(self._finished(row[length:], until) for row in tokens.tolist()))
+            out = generate(
+                self.model,
+                prompt,
+                new,
+                self.vocab_size,
+                self.max_length,
+                True,
+                temperature,
+                top_k,
+                seed,
+                stop=lambda tokens: all(self._finished(row[length:], until) for row in tokens.tolist()),
+            )
             for (i, _), row in zip(batch, out.tolist()):
                 results[i] = self._text(row[length:], until)
                 self.cache_hook.add_partial("generate_until", requests[i].args, results[i])
@@ -149,7 +178,7 @@ class RMTLM(TemplateLM):
     def _text(self, generated: List[int], until: Sequence[str]) -> str:
         """The generated text up to the end-of-document token and the first stop sequence."""
         if self.eot_token_id in generated:
-            generated = generated[:generated.index(self.eot_token_id)]
+            generated = generated[: generated.index(self.eot_token_id)]
         text = self.tok_decode(generated)
         for s in until:
             text = text.split(s)[0]

@@ -47,7 +47,7 @@ def batches(model, rows: Sequence[Tuple[Sequence[int], int]], size: int) -> List
     groups = {}
     for i in order:
         groups.setdefault(padding_class(model, len(rows[i][0]) - 1), []).append(i)
-    return [members[j:j + size] for members in groups.values() for j in range(0, len(members), size)]
+    return [members[j : j + size] for members in groups.values() for j in range(0, len(members), size)]
 
 
 @torch.no_grad()
@@ -58,8 +58,9 @@ def token_logprobs(model, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor
     return torch.log_softmax(logits[..., :vocab_size].float(), -1)
 
 
-def score_rows(model, rows: Sequence[Tuple[Sequence[int], int]], vocab_size: int,
-               pad_id: int = 0) -> List[Tuple[float, bool]]:
+def score_rows(
+    model, rows: Sequence[Tuple[Sequence[int], int]], vocab_size: int, pad_id: int = 0
+) -> List[Tuple[float, bool]]:
     """``(summed log-probability, greedy)`` of the last ``n`` tokens of each ``(tokens, n)``,
     the rows run as one right-padded batch; ``greedy`` is True where every scored token is the
     model's argmax."""
@@ -67,12 +68,12 @@ def score_rows(model, rows: Sequence[Tuple[Sequence[int], int]], vocab_size: int
     length = max(len(t) - 1 for t, _ in rows)
     batch = torch.full((len(rows), length), pad_id, dtype=torch.long)
     for i, (t, _) in enumerate(rows):
-        batch[i, :len(t) - 1] = torch.as_tensor(t[:-1])
+        batch[i, : len(t) - 1] = torch.as_tensor(t[:-1])
     logp = token_logprobs(model, batch.to(device), vocab_size)
     out = []
     for i, (t, n) in enumerate(rows):
         end = len(t) - 1
-        lp = logp[i, end - n:end]
+        lp = logp[i, end - n : end]
         target = torch.as_tensor(t[-n:], device=device)
         out.append((float(lp.gather(-1, target[:, None]).sum()), bool(torch.equal(lp.argmax(-1), target))))
     return out

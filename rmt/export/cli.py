@@ -30,14 +30,24 @@ WEIGHTS = "model.safetensors"
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="rmt-export", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--checkpoint", required=True,
-                    help="a save root (its newest complete checkpoint is used) or one iter_* directory")
+    ap.add_argument(
+        "--checkpoint",
+        required=True,
+        help="a save root (its newest complete checkpoint is used) or one iter_* directory",
+    )
     ap.add_argument("--out", required=True, help="the Hugging Face model directory to write (new or empty)")
-    ap.add_argument("--format", choices=("auto", "standard", "remote"), default="auto",
-                    help="standard: a standard transformers architecture (the transformer baseline); remote: "
-                         "rmt's own classes, loaded with trust_remote_code=True; auto (default): standard where one matches")
-    ap.add_argument("--average", action="store_true",
-                    help="export the checkpoint's weight average (train.ema_decay) instead of the trained weights")
+    ap.add_argument(
+        "--format",
+        choices=("auto", "standard", "remote"),
+        default="auto",
+        help="standard: a standard transformers architecture (the transformer baseline); remote: "
+        "rmt's own classes, loaded with trust_remote_code=True; auto (default): standard where one matches",
+    )
+    ap.add_argument(
+        "--average",
+        action="store_true",
+        help="export the checkpoint's weight average (train.ema_decay) instead of the trained weights",
+    )
     return ap
 
 
@@ -46,16 +56,22 @@ def _check_out(out: str) -> None:
         raise UserError(f"--out '{out}' exists and is not an empty directory; pick a new one")
 
 
-def export(checkpoint: str, out: str, average: bool = False, fmt: str = "auto",
-           chunk_bytes: int = 64 << 20, stream_tables: bool = True) -> str:
+def export(
+    checkpoint: str,
+    out: str,
+    average: bool = False,
+    fmt: str = "auto",
+    chunk_bytes: int = 64 << 20,
+    stream_tables: bool = True,
+) -> str:
     """Write ``checkpoint`` as a Hugging Face model directory ``out``; returns its model type.
     Memory tables pass through host memory ``chunk_bytes`` at a time (``stream_tables=False``:
     loaded whole, the plain path ``tools/bench_export.py`` compares against)."""
     from rmt import parallel
     from rmt.config import from_dict, to_dict
-    from rmt.export.weights import write_safetensors
     from rmt.export.standard import standard_architecture
     from rmt.export.tokenizer import hf_tokenizer
+    from rmt.export.weights import write_safetensors
     from rmt.generate import checkpoint_tokenizer, load_model
     from rmt.training.checkpoint import find_checkpoint, load_common
 

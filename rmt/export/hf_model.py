@@ -56,14 +56,28 @@ def build_rmt_module(rmt: dict) -> torch.nn.Module:
     from rmt.config_checks import validate
     from rmt.models.build import build
 
-    data = {**rmt, "parallel": {**rmt["parallel"], "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
-                                "virtual_pipeline_model_parallel_size": None, "data_parallel_size": None,
-                                "expert_model_parallel_size": 1, "expert_tensor_parallel_size": None}}
+    data = {
+        **rmt,
+        "parallel": {
+            **rmt["parallel"],
+            "tensor_model_parallel_size": 1,
+            "pipeline_model_parallel_size": 1,
+            "virtual_pipeline_model_parallel_size": None,
+            "data_parallel_size": None,
+            "expert_model_parallel_size": 1,
+            "expert_tensor_parallel_size": None,
+        },
+    }
     config = validate(from_dict(data), 1)
     if not parallel_state.model_parallel_is_initialized():
         parallel.initialize(config)
-    if parallel_state.get_tensor_model_parallel_world_size() != 1 or parallel_state.get_pipeline_model_parallel_world_size() != 1:
-        raise ValueError("an exported rmt model runs on one process; this process already holds a model-parallel layout")
+    if (
+        parallel_state.get_tensor_model_parallel_world_size() != 1
+        or parallel_state.get_pipeline_model_parallel_world_size() != 1
+    ):
+        raise ValueError(
+            "an exported rmt model runs on one process; this process already holds a model-parallel layout"
+        )
     return build(config)[0]
 
 
@@ -85,8 +99,10 @@ class RMTForCausalLM(PreTrainedModel, GenerationMixin):
             self.model = build_rmt_module(config.rmt)
         # transformers empties non-persistent buffers (ALiBi slopes, ...) while loading and
         # leaves them to _init_weights: their values as built, by module
-        self._built_buffers = {id(mod): {n: b.clone() for n, b in mod.named_buffers(recurse=False)
-                                         if n in mod._non_persistent_buffers_set} for mod in self.modules()}
+        self._built_buffers = {
+            id(mod): {n: b.clone() for n, b in mod.named_buffers(recurse=False) if n in mod._non_persistent_buffers_set}
+            for mod in self.modules()
+        }
         self.post_init()
 
     def state_dict(self, *args, **kwargs):
@@ -100,21 +116,30 @@ class RMTForCausalLM(PreTrainedModel, GenerationMixin):
         for name, value in self._built_buffers.get(id(module), {}).items():
             module._buffers[name] = value.to(module._buffers[name].device).clone()
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None, **kwargs) -> CausalLMOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        **kwargs,
+    ) -> CausalLMOutput:
         from rmt.decoding import positions
         from rmt.models.documents import causal_mask
 
-        if attention_mask is not None and attention_mask.shape[1] > 1 and \
-                bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
+        if (
+            attention_mask is not None
+            and attention_mask.shape[1] > 1
+            and bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any())
+        ):
             raise ValueError("rmt models take right-padded batches only (an attention_mask of ones, then zeros)")
         b, s = input_ids.shape
         logits = self.model(input_ids, positions(0, s, b, input_ids.device), causal_mask(s, input_ids.device))
-        logits = logits[..., :self.config.vocab_size].float()
+        logits = logits[..., : self.config.vocab_size].float()
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
-                                   ignore_index=-100)
+            loss = F.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+            )
         return CausalLMOutput(loss=loss, logits=logits)
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):

@@ -42,11 +42,15 @@ def standard_architecture(config: RMTConfig) -> str:
     """``gpt2`` or ``gpt_neox`` for a transformer baseline, or a one-sentence UserError."""
     m = config.model
     if m.arch != "transformer" or config.memory.type != "none":
-        raise UserError(f"only the plain transformer baseline exports as a standard architecture (this is "
-                        f"model.arch '{m.arch}' with memory.type '{config.memory.type}'); export it with --format remote")
+        raise UserError(
+            f"only the plain transformer baseline exports as a standard architecture (this is "
+            f"model.arch '{m.arch}' with memory.type '{config.memory.type}'); export it with --format remote"
+        )
     if m.normalization != "LayerNorm":
-        raise UserError(f"no standard Hugging Face architecture matches model.normalization '{m.normalization}' with "
-                        f"a biased GELU MLP (GPT-2 and GPT-NeoX use LayerNorm); export it with --format remote")
+        raise UserError(
+            f"no standard Hugging Face architecture matches model.normalization '{m.normalization}' with "
+            f"a biased GELU MLP (GPT-2 and GPT-NeoX use LayerNorm); export it with --format remote"
+        )
     return {"learned": "gpt2", "rope": "gpt_neox"}[m.position]
 
 
@@ -55,24 +59,43 @@ def hf_config(config: RMTConfig, eod: int):
     from transformers import GPT2Config, GPTNeoXConfig
 
     m = config.model
-    common = dict(vocab_size=m.vocab_size, bos_token_id=eod, eos_token_id=eod, tie_word_embeddings=False,
-                  architectures=None)
+    common = dict(
+        vocab_size=m.vocab_size, bos_token_id=eod, eos_token_id=eod, tie_word_embeddings=False, architectures=None
+    )
     ffn = m.ffn_hidden_size or 4 * m.hidden_size
     act = HF_ACTIVATIONS[activation_name(config)]
     if standard_architecture(config) == "gpt2":
-        cfg = GPT2Config(n_positions=m.seq_length, n_embd=m.hidden_size, n_layer=m.num_layers,
-                         n_head=m.num_attention_heads, n_inner=ffn, activation_function=act,
-                         layer_norm_epsilon=m.layernorm_epsilon, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                         scale_attn_weights=True, **common)
+        cfg = GPT2Config(
+            n_positions=m.seq_length,
+            n_embd=m.hidden_size,
+            n_layer=m.num_layers,
+            n_head=m.num_attention_heads,
+            n_inner=ffn,
+            activation_function=act,
+            layer_norm_epsilon=m.layernorm_epsilon,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            scale_attn_weights=True,
+            **common,
+        )
         cfg.architectures = ["GPT2LMHeadModel"]
     else:
-        cfg = GPTNeoXConfig(hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
-                            num_attention_heads=m.num_attention_heads, intermediate_size=ffn, hidden_act=act,
-                            max_position_embeddings=m.seq_length, layer_norm_eps=m.layernorm_epsilon,
-                            use_parallel_residual=False, attention_bias=True, attention_dropout=0.0,
-                            hidden_dropout=0.0,
-                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                             "partial_rotary_factor": 1.0}, **common)
+        cfg = GPTNeoXConfig(
+            hidden_size=m.hidden_size,
+            num_hidden_layers=m.num_layers,
+            num_attention_heads=m.num_attention_heads,
+            intermediate_size=ffn,
+            hidden_act=act,
+            max_position_embeddings=m.seq_length,
+            layer_norm_eps=m.layernorm_epsilon,
+            use_parallel_residual=False,
+            attention_bias=True,
+            attention_dropout=0.0,
+            hidden_dropout=0.0,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
+            **common,
+        )
         cfg.architectures = ["GPTNeoXForCausalLM"]
     return cfg
 
@@ -97,9 +120,12 @@ def hf_state_dict(config: RMTConfig, weights: Dict[str, torch.Tensor]) -> Dict[s
         out["transformer.wte.weight"] = w["embedding.word_embeddings.weight"][:v]
         out["transformer.wpe.weight"] = w["embedding.position_embeddings.weight"]
         names: Tuple[Tuple[str, str, bool], ...] = (
-            ("ln_1", "input_layernorm", False), ("attn.c_proj", "self_attention.linear_proj", True),
-            ("ln_2", "pre_mlp_layernorm", False), ("mlp.c_fc", "mlp.linear_fc1", True),
-            ("mlp.c_proj", "mlp.linear_fc2", True))
+            ("ln_1", "input_layernorm", False),
+            ("attn.c_proj", "self_attention.linear_proj", True),
+            ("ln_2", "pre_mlp_layernorm", False),
+            ("mlp.c_fc", "mlp.linear_fc1", True),
+            ("mlp.c_proj", "mlp.linear_fc2", True),
+        )
         for i in range(m.num_layers):
             p = f"transformer.h.{i}."
             for hf, mg, conv in names:
@@ -112,11 +138,14 @@ def hf_state_dict(config: RMTConfig, weights: Dict[str, torch.Tensor]) -> Dict[s
         out["lm_head.weight"] = w["output_layer.weight"][:v]
     else:
         out["gpt_neox.embed_in.weight"] = w["embedding.word_embeddings.weight"][:v]
-        names = (("input_layernorm", "input_layernorm", False),
-                 ("attention.query_key_value", "self_attention.linear_qkv", False),
-                 ("attention.dense", "self_attention.linear_proj", False),
-                 ("post_attention_layernorm", "pre_mlp_layernorm", False),
-                 ("mlp.dense_h_to_4h", "mlp.linear_fc1", False), ("mlp.dense_4h_to_h", "mlp.linear_fc2", False))
+        names = (
+            ("input_layernorm", "input_layernorm", False),
+            ("attention.query_key_value", "self_attention.linear_qkv", False),
+            ("attention.dense", "self_attention.linear_proj", False),
+            ("post_attention_layernorm", "pre_mlp_layernorm", False),
+            ("mlp.dense_h_to_4h", "mlp.linear_fc1", False),
+            ("mlp.dense_4h_to_h", "mlp.linear_fc2", False),
+        )
         for i in range(m.num_layers):
             p = f"gpt_neox.layers.{i}."
             for hf, mg, _ in names:

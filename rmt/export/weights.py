@@ -20,8 +20,16 @@ import torch
 
 from rmt.errors import UserError
 
-_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-           torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 class Streamed(NamedTuple):
@@ -37,8 +45,9 @@ def _bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def write_safetensors(path: str, tensors: Dict[str, torch.Tensor], streamed: Dict[str, Streamed],
-                      metadata: Dict[str, str]) -> None:
+def write_safetensors(
+    path: str, tensors: Dict[str, torch.Tensor], streamed: Dict[str, Streamed], metadata: Dict[str, str]
+) -> None:
     """``tensors`` and ``streamed`` as one safetensors file ``path`` (written atomically)."""
     specs = {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()}
     specs.update((k, (s.shape, s.dtype)) for k, s in streamed.items())
@@ -71,7 +80,8 @@ def write_safetensors(path: str, tensors: Dict[str, torch.Tensor], streamed: Dic
 def table_rows(root: str, key: str, shape: Tuple[int, int], chunk_bytes: int) -> Streamed:
     """The value table ``key`` of the checkpoint directory ``root`` (its saved row blocks, under
     any layout that saved them), in row chunks of at most ``chunk_bytes``."""
-    from rmt.training.table_checkpoint import _DTYPES as SAVED, _read_overlap, _saved_blocks
+    from rmt.training.table_checkpoint import _DTYPES as SAVED
+    from rmt.training.table_checkpoint import _read_overlap, _saved_blocks
 
     blocks = _saved_blocks(root, key, "weight")
     if not blocks:
@@ -83,11 +93,13 @@ def table_rows(root: str, key: str, shape: Tuple[int, int], chunk_bytes: int) ->
         step = max(1, chunk_bytes // (cols * torch.empty((), dtype=dtype).element_size()))
         buffer = torch.empty(min(step, rows), cols, dtype=dtype)
         for r in range(0, rows, step):
-            target = buffer[:min(step, rows - r)]
+            target = buffer[: min(step, rows - r)]
             copied = sum(_read_overlap(b, target, r, 0, chunk_bytes) for b in blocks)
             if copied != target.numel():
-                raise UserError(f"checkpoint '{root}' covers {copied} of the {target.numel()} values of rows "
-                                f"{r}..{r + target.shape[0]} of memory table '{key}'")
+                raise UserError(
+                    f"checkpoint '{root}' covers {copied} of the {target.numel()} values of rows "
+                    f"{r}..{r + target.shape[0]} of memory table '{key}'"
+                )
             yield target
 
     return Streamed((rows, cols), dtype, pieces)

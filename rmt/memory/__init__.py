@@ -7,10 +7,22 @@ config checks and the shapes, which the CLIs read before any work) do not import
 
 import importlib
 
-_WHERE = {"attach_memory": "attach", "build_memory_layer": "attach", "memory_modules": "attach",
-          "pop_aux_loss": "attach", "pop_memory_stats": "attach", "MemoryLayer": "layer", "MemorySpec": "layer",
-          "MoE": "moe", "SkipMoE": "moe", "ValueLRScheduler": "optim", "split_value_group": "optim",
-          "value_lr_multiplier": "optim", "MemoryTable": "table", "parse_placement": "shapes"}
+_WHERE = {
+    "attach_memory": "attach",
+    "build_memory_layer": "attach",
+    "memory_modules": "attach",
+    "pop_aux_loss": "attach",
+    "pop_memory_stats": "attach",
+    "MemoryLayer": "layer",
+    "MemorySpec": "layer",
+    "MoE": "moe",
+    "SkipMoE": "moe",
+    "ValueLRScheduler": "optim",
+    "split_value_group": "optim",
+    "value_lr_multiplier": "optim",
+    "MemoryTable": "table",
+    "parse_placement": "shapes",
+}
 
 __all__ = sorted(_WHERE)
 

@@ -44,8 +44,10 @@ from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
-                                                    scatter_to_sequence_parallel_region)
+from megatron.core.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from megatron.core.tensor_parallel.random import is_checkpointing
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
@@ -54,9 +56,9 @@ from rmt.memory.groups import memory_parallel_groups
 from rmt.memory.layer import MemoryLayer, MemorySpec
 from rmt.memory.layer_v2 import UltraMemV2Layer
 from rmt.memory.moe import SkipMoE, moe_modules, set_aux_loss_scale
+from rmt.memory.shapes import memory_placement, stage_layers
 from rmt.memory.stream import ForkMemory, InlineStream, JoinMemory, MemoryLink, MemoryStream
 from rmt.memory.table import MemoryTable
-from rmt.memory.shapes import memory_placement, stage_layers
 from rmt.models.documents import document_starts
 from rmt.parallel import compat
 from rmt.planner.memory import lookup_bytes
@@ -76,16 +78,30 @@ def build_memory_layer(config, index: int, base=None) -> torch.nn.Module:
         group, replica_group, replica_index, split_group = memory_parallel_groups(mem.group_size)
         tokens, topm = config.train.micro_batch_size * m.seq_length, spec.num_heads * spec.topk
         activation_bytes = lookup_bytes(config.train.precision, mem.value_dtype)
-        sharding.update(partition=mem.partition, group=group, owner_reduce=mem.owner_reduce,
-                        replica_index=replica_index, replica_group=replica_group, split_group=split_group,
-                        plan={"tokens": tokens, "topm": topm, "ive": 1 if v2 else spec.ive_blocks,
-                              "cores": spec.num_cores, "activation_bytes": activation_bytes})
+        sharding.update(
+            partition=mem.partition,
+            group=group,
+            owner_reduce=mem.owner_reduce,
+            replica_index=replica_index,
+            replica_group=replica_group,
+            split_group=split_group,
+            plan={
+                "tokens": tokens,
+                "topm": topm,
+                "ive": 1 if v2 else spec.ive_blocks,
+                "cores": spec.num_cores,
+                "activation_bytes": activation_bytes,
+            },
+        )
         # UltraMemV2's pre-values: one lookup of score 1 per retrieved row (UltraMemV2Layer.gates)
-        pre_sharding = dict(sharding, plan={"tokens": tokens * topm, "topm": 1, "ive": 1, "cores": 1,
-                                            "activation_bytes": activation_bytes})
+        pre_sharding = dict(
+            sharding,
+            plan={"tokens": tokens * topm, "topm": 1, "ive": 1, "cores": 1, "activation_bytes": activation_bytes},
+        )
     if v2:
-        return UltraMemV2Layer(spec, spec.table(**sharding),
-                               spec.pre_table(**pre_sharding) if spec.pre_value_dim else None)
+        return UltraMemV2Layer(
+            spec, spec.table(**sharding), spec.pre_table(**pre_sharding) if spec.pre_value_dim else None
+        )
     return MemoryLayer(spec, spec.table(**sharding))
 
 
@@ -122,8 +138,11 @@ class MemoryModules(torch.nn.Module):
                 out.update(module.sharded_state_dict(sub, sharded_offsets, metadata))
             else:
                 own = dict(module.named_parameters(prefix="", recurse=False))
-                own.update((n, b) for n, b in module.named_buffers(recurse=False)
-                           if n not in module._non_persistent_buffers_set)
+                own.update(
+                    (n, b)
+                    for n, b in module.named_buffers(recurse=False)
+                    if n not in module._non_persistent_buffers_set
+                )
                 out.update(make_sharded_tensors_for_checkpoint(own, sub, {}, sharded_offsets))
         return out
 
@@ -182,10 +201,18 @@ class MemoryWiring:
     inside layer i (:func:`_ffn_input`) instead of layer i's output, and ``transform`` (or
     None) is applied to it on the memory's side."""
 
-    def __init__(self, chunk: torch.nn.Module, placement: Dict[int, Tuple[int, int]], seq_dim: int,
-                 layers, stream: Optional[MemoryStream] = None, aux_scale: Optional[float] = None,
-                 loss_scale: float = 1.0, sequence_parallel: bool = False,
-                 inputs: Optional[Dict[int, Tuple[torch.nn.Module, Callable]]] = None):
+    def __init__(
+        self,
+        chunk: torch.nn.Module,
+        placement: Dict[int, Tuple[int, int]],
+        seq_dim: int,
+        layers,
+        stream: Optional[MemoryStream] = None,
+        aux_scale: Optional[float] = None,
+        loss_scale: float = 1.0,
+        sequence_parallel: bool = False,
+        inputs: Optional[Dict[int, Tuple[torch.nn.Module, Callable]]] = None,
+    ):
         self.placement, self.seq_dim, self.stream, self.aux_scale = placement, seq_dim, stream, aux_scale
         self.loss_scale, self.sequence_parallel = loss_scale, sequence_parallel
         self.modules = chunk.memory
@@ -200,8 +227,9 @@ class MemoryWiring:
         self.relink: Dict[int, Deque[List[Tuple[int, MemoryLink]]]] = defaultdict(deque)
         self.handles = [chunk.register_forward_pre_hook(self.capture_documents, with_kwargs=True)]
         inputs = inputs or {}
-        self.transforms = {k: inputs[i][1] for k, (i, _) in placement.items()
-                           if i in inputs and inputs[i][1] is not None}
+        self.transforms = {
+            k: inputs[i][1] for k, (i, _) in placement.items() if i in inputs and inputs[i][1] is not None
+        }
         starts = {i for i, _ in placement.values()}
         for number in sorted(starts | {j for _, j in placement.values()}):
             keep = number in starts
@@ -351,8 +379,7 @@ class MemoryWiring:
         return hook
 
 
-def attach_memory(chunks: List[torch.nn.Module], config,
-                  std_rule: Callable[[str, torch.Tensor], Optional[float]]):
+def attach_memory(chunks: List[torch.nn.Module], config, std_rule: Callable[[str, torch.Tensor], Optional[float]]):
     """Add the ``config.memory`` layers of this pipeline stage to every chunk (as
     ``chunk.memory``, :class:`MemoryModules`, so they are in the chunk's parameters and
     ``sharded_state_dict``) and return the init rule that
@@ -373,8 +400,11 @@ def attach_memory(chunks: List[torch.nn.Module], config,
     # the schedule's order, the same on every rank of a memory-parallel group.
     # Recomputed spans (train.recompute_granularity: full) need every memory layer on a graph of
     # its own, as the stream makes them: InlineStream, in order, without the async stream.
-    stream = MemoryStream(compat.device()) if mem.async_stream else (
-        InlineStream() if t.recompute_granularity == "full" else None)
+    stream = (
+        MemoryStream(compat.device())
+        if mem.async_stream
+        else (InlineStream() if t.recompute_granularity == "full" else None)
+    )
     rank = parallel_state.get_pipeline_model_parallel_rank()
     vpp = config.parallel.virtual_pipeline_model_parallel_size
     for vp_stage, chunk in enumerate(chunks):
@@ -384,11 +414,18 @@ def attach_memory(chunks: List[torch.nn.Module], config,
         if own:
             layers, seq_dim = _hook_layers(chunk)
             loss_chunk = parallel_state.is_pipeline_last_stage(ignore_virtual=True) and vp_stage == len(chunks) - 1
-            inputs = ({i: _ffn_input(layers[i - 1]) for i, _ in own.values()}
-                      if mem.type == "ultramem_v2" else None)
-            chunk.memory_wiring = MemoryWiring(chunk, own, seq_dim, layers, stream,
-                                               None if loss_chunk else loss_scale, loss_scale,
-                                               config.parallel.sequence_parallel, inputs)
+            inputs = {i: _ffn_input(layers[i - 1]) for i, _ in own.values()} if mem.type == "ultramem_v2" else None
+            chunk.memory_wiring = MemoryWiring(
+                chunk,
+                own,
+                seq_dim,
+                layers,
+                stream,
+                None if loss_chunk else loss_scale,
+                loss_scale,
+                config.parallel.sequence_parallel,
+                inputs,
+            )
 
     def rule(key: str, param: torch.Tensor) -> Optional[float]:
         if getattr(param, "memory_value", False):
@@ -420,8 +457,14 @@ def pop_memory_stats(chunks: List[torch.nn.Module], group=None) -> Dict[str, flo
     slot usage of UltraMem/PKM layers and load of skip-placed MoE layers, k the global placement
     index; ``moe/layer{n}/<stat>`` of the MoE MLP of transformer layer n."""
     out = {}
-    layers = [(k, m) for c in chunks for own in c.modules() if isinstance(own, MemoryModules)
-              for k, m in own._modules.items() if isinstance(m, (MemoryLayer, SkipMoE))]
+    layers = [
+        (k, m)
+        for c in chunks
+        for own in c.modules()
+        if isinstance(own, MemoryModules)
+        for k, m in own._modules.items()
+        if isinstance(m, (MemoryLayer, SkipMoE))
+    ]
     skip = set()
     for k, layer in layers:
         stats = layer.pop_stats(group) if isinstance(layer, MemoryLayer) else layer.moe.pop_stats(group)

@@ -49,8 +49,7 @@ class QueryBatchNorm(torch.nn.Module):
 
     def forward(self, q: torch.Tensor) -> torch.Tensor:
         if not self.training:
-            return F.batch_norm(q, self.running_mean, self.running_var, self.weight, self.bias,
-                                False, 0.0, self.eps)
+            return F.batch_norm(q, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
         with torch.no_grad():
             var, mean = torch.var_mean(q.detach().float(), dim=0, correction=1)
             self.pending.append(torch.stack([mean, var]))

@@ -45,7 +45,7 @@ def memory_parallel_groups(group_size: int = 0):
         found = None
         for ranks in sorted({tuple(s) for s in stages}):
             G = group_size or len(ranks)
-            subgroups = [ranks[i:i + G] for i in range(0, len(ranks), G)]
+            subgroups = [ranks[i : i + G] for i in range(0, len(ranks), G)]
             made = [dist.new_group(list(s)) for s in subgroups]
             replicas = [dist.new_group([s[i] for s in subgroups]) for i in range(G)]
             for index, s in enumerate(subgroups):
@@ -93,8 +93,11 @@ def self_reduced(p: torch.nn.Parameter) -> bool:
     """Whether the memory code, not megatron DDP, reduces ``p``'s gradient: sharded tables
     (gradients through the collectives), tables with sparse touched-row gradients, and the
     tables :func:`reduce_tables_outside_ddp` marked."""
-    return (getattr(p, "memory_sharded", False) or getattr(p, "memory_sparse_grad", False)
-            or getattr(p, "memory_self_reduced", False))
+    return (
+        getattr(p, "memory_sharded", False)
+        or getattr(p, "memory_sparse_grad", False)
+        or getattr(p, "memory_self_reduced", False)
+    )
 
 
 def reduce_tables_outside_ddp(module: torch.nn.Module) -> None:
@@ -200,7 +203,7 @@ def square_sum(values: torch.Tensor, chunk_elements: int = 1 << 18) -> torch.Ten
     step = max(1, chunk_elements // max(rows.shape[1], 1))
     total = torch.zeros((), dtype=torch.float64, device=values.device)
     for r in range(0, rows.shape[0], step):
-        total += rows[r:r + step].double().pow(2).sum()
+        total += rows[r : r + step].double().pow(2).sum()
     return total
 
 
@@ -214,7 +217,10 @@ def memory_grad_sq_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
     (:func:`fused_update`) counts the squared norm of the gradient it stepped with. A one-element
     fp64 tensor on the compute device: nothing here waits for the device."""
     device = compat.device()
-    sharded, local = torch.zeros(1, dtype=torch.float64, device=device), torch.zeros(1, dtype=torch.float64, device=device)
+    sharded, local = (
+        torch.zeros(1, dtype=torch.float64, device=device),
+        torch.zeros(1, dtype=torch.float64, device=device),
+    )
     group = None
     for p in params:
         if not (self_reduced(p) or getattr(p, "memory_value", False)) or (p.grad is None and fused_update(p) is None):

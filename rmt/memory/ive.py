@@ -30,7 +30,7 @@ class AddressShuffle:
     """The keyed bijection of ``[0, n * n)`` for the grid side ``n`` (see the module docstring)."""
 
     def __init__(self, n: int, seed: int):
-        if not 0 < n < 2 ** 31:
+        if not 0 < n < 2**31:
             raise ValueError(f"AddressShuffle: the grid side must be in [1, 2^31), got {n}")
         self.n = n
         self.keys = [_signed(mix64(stream_key(seed, "ive_shuffle") + i)) for i in range(ROUNDS)]

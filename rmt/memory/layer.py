@@ -27,13 +27,19 @@ import torch.nn.functional as F
 
 from rmt.config import MemoryConfig as _MEM
 from rmt.config import ModelConfig
-from rmt.memory.retrieval import (expected_topm_mean, grid_side, product_topk, rank1_selector,
-                                  tucker_aux_loss, tucker_topk)
 from rmt.memory.batchnorm import QueryBatchNorm
 from rmt.memory.ive import AddressShuffle
-from rmt.memory.table import MemoryTable
+from rmt.memory.retrieval import (
+    expected_topm_mean,
+    grid_side,
+    product_topk,
+    rank1_selector,
+    tucker_aux_loss,
+    tucker_topk,
+)
 from rmt.memory.shapes import memory_width
 from rmt.memory.shapes import value_dim as config_value_dim
+from rmt.memory.table import MemoryTable
 from rmt.ops.counter_normal import stream_key
 
 
@@ -78,7 +84,7 @@ class MemorySpec:
             self.value_dim = self.hidden_size // 2
 
     @classmethod
-    def from_config(cls, config, index: int = 0) -> "MemorySpec":
+    def from_config(cls, config, index: int = 0) -> MemorySpec:
         """``memory.type`` ultramem (every switch from ``memory.*``), ultramem_v2 (version 2,
         :mod:`rmt.memory.layer_v2`: its value and pre-value widths, no softmax, conv or Table 2
         switches) or pkm (Lample et al.: product keys split in row/column halves, softmax, value
@@ -86,37 +92,78 @@ class MemorySpec:
         The hidden width is :func:`~rmt.memory.shapes.memory_width` (``dk * dv`` for the RMT)."""
         mem, m = config.memory, config.model
         width = memory_width(config)
-        common = dict(hidden_size=width, num_layers=m.num_layers, num_heads=mem.num_heads,
-                      topk=mem.topk, num_keys=mem.num_keys, init_std=m.init_std,
-                      sparse_grad=mem.value_optimizer != "adamw", seed=config.train.seed * 1000 + index,
-                      query_batchnorm=mem.query_batchnorm, query_bias=mem.query_bias,
-                      value_init_std=mem.value_init_std,
-                      value_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[mem.value_dtype])
+        common = dict(
+            hidden_size=width,
+            num_layers=m.num_layers,
+            num_heads=mem.num_heads,
+            topk=mem.topk,
+            num_keys=mem.num_keys,
+            init_std=m.init_std,
+            sparse_grad=mem.value_optimizer != "adamw",
+            seed=config.train.seed * 1000 + index,
+            query_batchnorm=mem.query_batchnorm,
+            query_bias=mem.query_bias,
+            value_init_std=mem.value_init_std,
+            value_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[mem.value_dtype],
+        )
         if mem.type == "ultramem_v2":
-            return cls(version=2, side_dim=mem.key_dim, retrieval=mem.retrieval,
-                       tucker_rank=1 if mem.retrieval == "product" else mem.tucker_rank,
-                       num_cores=mem.num_cores, ive_blocks=mem.ive_blocks, ive_shuffle=mem.ive_shuffle,
-                       softmax=False, value_dim=config_value_dim(config), share_query=False,
-                       query_key_norm=True, conv_kernel=0, improved_init=False,
-                       aux_loss_weight=0.0 if mem.retrieval == "product" else mem.aux_loss_weight,
-                       aux_loss_margin=mem.aux_loss_margin, pre_value_dim=mem.pre_value_dim,
-                       pre_value_activation=mem.pre_value_activation, norm_eps=m.layernorm_epsilon,
-                       **common)
+            return cls(
+                version=2,
+                side_dim=mem.key_dim,
+                retrieval=mem.retrieval,
+                tucker_rank=1 if mem.retrieval == "product" else mem.tucker_rank,
+                num_cores=mem.num_cores,
+                ive_blocks=mem.ive_blocks,
+                ive_shuffle=mem.ive_shuffle,
+                softmax=False,
+                value_dim=config_value_dim(config),
+                share_query=False,
+                query_key_norm=True,
+                conv_kernel=0,
+                improved_init=False,
+                aux_loss_weight=0.0 if mem.retrieval == "product" else mem.aux_loss_weight,
+                aux_loss_margin=mem.aux_loss_margin,
+                pre_value_dim=mem.pre_value_dim,
+                pre_value_activation=mem.pre_value_activation,
+                norm_eps=m.layernorm_epsilon,
+                **common,
+            )
         if mem.type == "pkm":
-            return cls(side_dim=mem.key_dim // 2, retrieval="product", tucker_rank=1, num_cores=1,
-                       ive_blocks=1, ive_shuffle=False, softmax=True, value_dim=width,
-                       share_query=False, query_key_norm=False, conv_kernel=0, improved_init=False,
-                       aux_loss_weight=0.0, **common)
+            return cls(
+                side_dim=mem.key_dim // 2,
+                retrieval="product",
+                tucker_rank=1,
+                num_cores=1,
+                ive_blocks=1,
+                ive_shuffle=False,
+                softmax=True,
+                value_dim=width,
+                share_query=False,
+                query_key_norm=False,
+                conv_kernel=0,
+                improved_init=False,
+                aux_loss_weight=0.0,
+                **common,
+            )
         product = mem.retrieval == "product"
-        return cls(side_dim=mem.key_dim, retrieval=mem.retrieval,
-                   tucker_rank=1 if product else mem.tucker_rank, num_cores=mem.num_cores,
-                   ive_blocks=mem.ive_blocks, ive_shuffle=mem.ive_shuffle, softmax=mem.softmax,
-                   value_dim=width // 2 if mem.half_value_dim else width,
-                   share_query=mem.share_query, query_key_norm=mem.query_key_norm,
-                   conv_kernel=mem.conv_kernel if mem.query_conv else 0,
-                   improved_init=mem.improved_init, init_samples=mem.init_samples,
-                   aux_loss_weight=0.0 if product else mem.aux_loss_weight,
-                   aux_loss_margin=mem.aux_loss_margin, **common)
+        return cls(
+            side_dim=mem.key_dim,
+            retrieval=mem.retrieval,
+            tucker_rank=1 if product else mem.tucker_rank,
+            num_cores=mem.num_cores,
+            ive_blocks=mem.ive_blocks,
+            ive_shuffle=mem.ive_shuffle,
+            softmax=mem.softmax,
+            value_dim=width // 2 if mem.half_value_dim else width,
+            share_query=mem.share_query,
+            query_key_norm=mem.query_key_norm,
+            conv_kernel=mem.conv_kernel if mem.query_conv else 0,
+            improved_init=mem.improved_init,
+            init_samples=mem.init_samples,
+            aux_loss_weight=0.0 if product else mem.aux_loss_weight,
+            aux_loss_margin=mem.aux_loss_margin,
+            **common,
+        )
 
     @property
     def grid(self) -> int:
@@ -147,15 +194,28 @@ class MemorySpec:
 
     def table(self, **sharding) -> MemoryTable:
         """This layer's value table; ``sharding``: :class:`MemoryTable`'s partition arguments."""
-        return MemoryTable(self.num_values, self.value_dim, self.value_std, sparse_grad=self.sparse_grad,
-                           init_key=self.value_init_key, dtype=self.value_dtype, **sharding)
+        return MemoryTable(
+            self.num_values,
+            self.value_dim,
+            self.value_std,
+            sparse_grad=self.sparse_grad,
+            init_key=self.value_init_key,
+            dtype=self.value_dtype,
+            **sharding,
+        )
 
     def pre_table(self, **sharding) -> MemoryTable:
         """UltraMemV2's pre-value table (``pre_value_dim`` wide, one row per value slot), drawn
         like the values from its own counter stream."""
-        return MemoryTable(self.num_values, self.pre_value_dim, self.value_std, sparse_grad=self.sparse_grad,
-                           init_key=stream_key(self.seed, "memory.pre_values"), dtype=self.value_dtype,
-                           **sharding)
+        return MemoryTable(
+            self.num_values,
+            self.pre_value_dim,
+            self.value_std,
+            sparse_grad=self.sparse_grad,
+            init_key=stream_key(self.seed, "memory.pre_values"),
+            dtype=self.value_dtype,
+            **sharding,
+        )
 
 
 def _tag(param: torch.nn.Parameter, std: Optional[float]) -> torch.nn.Parameter:
@@ -207,8 +267,9 @@ class MemoryLayer(torch.nn.Module):
         self.values = values if values is not None else s.table()
         self.has_proj = E > 1 or s.value_dim != s.hidden_size
         if self.has_proj:
-            proj_std = (1.0 / math.sqrt(E * s.value_dim) if s.improved_init
-                        else s.init_std / math.sqrt(2.0 * s.num_layers))
+            proj_std = (
+                1.0 / math.sqrt(E * s.value_dim) if s.improved_init else s.init_std / math.sqrt(2.0 * s.num_layers)
+            )
             self.proj = _tag(torch.nn.Parameter(torch.randn(E, s.value_dim, s.hidden_size) * proj_std), proj_std)
         self.shuffle = AddressShuffle(n, s.seed) if s.ive_shuffle and E > 1 else None
         self.register_buffer("score_stats", torch.zeros(4, dtype=torch.float64), persistent=False)
@@ -217,8 +278,9 @@ class MemoryLayer(torch.nn.Module):
         self._frozen = None
 
     # -- pieces ----------------------------------------------------------------------------
-    def query_input(self, x: torch.Tensor, state: Optional[Dict] = None,
-                    documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def query_input(
+        self, x: torch.Tensor, state: Optional[Dict] = None, documents: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """Normed (and causally convolved) input ``[s, b, hidden]``. ``state`` (decoding) keeps
         the last ``kernel - 1`` normed inputs between calls. ``documents`` (``[b, s]`` document
         starts, :func:`~rmt.models.documents.document_starts`): the convolution's taps stop at
@@ -234,12 +296,12 @@ class MemoryLayer(torch.nn.Module):
             if past is None:
                 past = h.new_zeros(k - 1, *h.shape[1:])
             full = torch.cat([past, h], 0)
-            state["conv"] = full[-(k - 1):] if k > 1 else full[:0]
+            state["conv"] = full[-(k - 1) :] if k > 1 else full[:0]
             left = 0
         else:
             full, left = h, k - 1
         y = F.conv1d(F.pad(full.permute(1, 2, 0), (left, 0)), self.conv, groups=self.spec.hidden_size)
-        return y[..., -h.shape[0]:].permute(2, 0, 1)
+        return y[..., -h.shape[0] :].permute(2, 0, 1)
 
     def _document_conv(self, h: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
         """The causal depthwise convolution as a sum of shifted inputs, each tap zeroed where it
@@ -289,8 +351,9 @@ class MemoryLayer(torch.nn.Module):
             q = self.query_norm(q)
         # One product per side (a shared query serves both): slices of one [T, H, 2, r, n] product
         # would backpropagate through two zero-filled copies of it and their sum.
-        return tuple(torch.einsum("thrd,hrnd->thrn", q[:, :, min(side, q.shape[2] - 1)], keys[:, side])
-                     for side in (0, 1))
+        return tuple(
+            torch.einsum("thrd,hrnd->thrn", q[:, :, min(side, q.shape[2] - 1)], keys[:, side]) for side in (0, 1)
+        )
 
     def retrieve(self, h: torch.Tensor):
         """Flat ``[T, H*m]`` virtual addresses and ``[T, H*m, C]`` scores."""
@@ -317,8 +380,9 @@ class MemoryLayer(torch.nn.Module):
             return addr, None
         return addr % s.num_values, addr // s.num_values
 
-    def forward(self, x: torch.Tensor, state: Optional[Dict] = None,
-                documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, state: Optional[Dict] = None, documents: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """``x [s, b, hidden]`` -> ``[s, b, hidden]``; ``documents``: see :meth:`query_input`."""
         s = self.spec
         seq, b = x.shape[:2]
@@ -331,8 +395,11 @@ class MemoryLayer(torch.nn.Module):
         else:
             out = pooled[:, 0]
         # Eq. 12 only regularises training: not computed without autograd (decoding, evaluation).
-        self.aux_loss = (tucker_aux_loss(self.cores, s.aux_loss_weight, s.aux_loss_margin)
-                         if s.retrieval == "tucker" and torch.is_grad_enabled() else None)
+        self.aux_loss = (
+            tucker_aux_loss(self.cores, s.aux_loss_weight, s.aux_loss_margin)
+            if s.retrieval == "tucker" and torch.is_grad_enabled()
+            else None
+        )
         return out.reshape(seq, b, s.hidden_size).to(x.dtype)  # a table's dtype is its own (memory.value_dtype)
 
     # -- slot usage ------------------------------------------------------------------------
@@ -362,6 +429,9 @@ class MemoryLayer(torch.nn.Module):
             stats = torch.stack([sums[0], mx[0], sums[1], sums[2]])
         self._reset_stats()
         count = max(float(stats[3]), 1.0)
-        return {"slot_hit_fraction": self.values.pop_hit_fraction(group),
-                "top1_score_mean": float(stats[0]) / count,
-                "top1_score_max": float(stats[1]), "topm_score_mean": float(stats[2]) / count}
+        return {
+            "slot_hit_fraction": self.values.pop_hit_fraction(group),
+            "top1_score_mean": float(stats[0]) / count,
+            "top1_score_max": float(stats[1]),
+            "topm_score_mean": float(stats[2]) / count,
+        }

@@ -53,8 +53,9 @@ class UltraMemV2Layer(MemoryLayer):
     pre-value tables (``spec.table(...)``, ``spec.pre_table(...)``, e.g. sharded); default local
     ones. Reuses :class:`MemoryLayer`'s retrieval, IVE addressing and slot statistics."""
 
-    def __init__(self, spec: MemorySpec, values: Optional[MemoryTable] = None,
-                 pre_values: Optional[MemoryTable] = None):
+    def __init__(
+        self, spec: MemorySpec, values: Optional[MemoryTable] = None, pre_values: Optional[MemoryTable] = None
+    ):
         torch.nn.Module.__init__(self)
         if spec.version != 2:
             raise ValueError(f"UltraMemV2Layer needs a version-2 MemorySpec, got version {spec.version}")
@@ -67,12 +68,12 @@ class UltraMemV2Layer(MemoryLayer):
         self.query_norm = torch.nn.RMSNorm(Kd, eps=s.norm_eps)
         self.key_norm = torch.nn.RMSNorm(Kd, eps=s.norm_eps)
         with torch.no_grad():
-            self.query_norm.weight.fill_(Kd ** -0.4)
-            self.key_norm.weight.fill_(Kd ** -0.4)
+            self.query_norm.weight.fill_(Kd**-0.4)
+            self.key_norm.weight.fill_(Kd**-0.4)
         if s.retrieval == "tucker":
             # U(0, 1) from the layer's own seed (the model's init rule leaves a None-tagged tensor
             # as built), so every layout draws the same cores.
-            gen = torch.Generator().manual_seed(stream_key(s.seed, "memory.cores") % 2 ** 63)
+            gen = torch.Generator().manual_seed(stream_key(s.seed, "memory.cores") % 2**63)
             self.cores = _tag(torch.nn.Parameter(torch.rand(H, C, r, r, generator=gen)), None)
         self.values = values if values is not None else s.table()
         self.pre_values = None
@@ -88,8 +89,9 @@ class UltraMemV2Layer(MemoryLayer):
         self.aux_loss: Optional[torch.Tensor] = None
         self._frozen = None
 
-    def query_input(self, x: torch.Tensor, state: Optional[Dict] = None,
-                    documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def query_input(
+        self, x: torch.Tensor, state: Optional[Dict] = None, documents: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """The input itself (the block's normed FFN input: no norm, no convolution here)."""
         return x
 
@@ -113,8 +115,9 @@ class UltraMemV2Layer(MemoryLayer):
         g = (rows.view(T, K, -1) * p.unsqueeze(1)).sum(-1)
         return PRE_VALUE_ACTIVATIONS[self.spec.pre_value_activation](g)
 
-    def forward(self, x: torch.Tensor, state: Optional[Dict] = None,
-                documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, state: Optional[Dict] = None, documents: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """``x [s, b, W]`` (the normed FFN input) -> ``[s, b, W]``; ``state`` and ``documents``
         are accepted for the wiring's sake (the layer keeps no decoding state)."""
         s = self.spec
@@ -127,8 +130,11 @@ class UltraMemV2Layer(MemoryLayer):
         pooled = self.values.lookup_reduce(slots, scores, None, 1, validate=False)
         out = self.proj(pooled[:, 0].to(self.proj.weight.dtype))
         # Eq. 12 (the authors' v2 computes it but adds none: their configs set aux_loss_weight 0).
-        self.aux_loss = (tucker_aux_loss(self.cores, s.aux_loss_weight, s.aux_loss_margin)
-                         if s.retrieval == "tucker" and torch.is_grad_enabled() else None)
+        self.aux_loss = (
+            tucker_aux_loss(self.cores, s.aux_loss_weight, s.aux_loss_margin)
+            if s.retrieval == "tucker" and torch.is_grad_enabled()
+            else None
+        )
         return out.reshape(seq, b, s.hidden_size)
 
     def pop_stats(self, group=None) -> Dict[str, float]:

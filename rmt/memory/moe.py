@@ -38,14 +38,19 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                                    gather_from_sequence_parallel_region,
-                                                    scatter_to_sequence_parallel_region)
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
-from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, router_gating_linear
+from megatron.core.transformer.moe.moe_utils import (
+    MoEAuxLossAutoScaler,
+    get_moe_layer_wise_logging_tracker,
+    router_gating_linear,
+)
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
@@ -145,13 +150,18 @@ class MoE(MoELayer):
     Also counts, in training, the router calls and tokens per expert since :meth:`pop_stats`
     (the load-balancing loss values: :class:`Router`)."""
 
-    def __init__(self, config: TransformerConfig, submodules, layer_number: Optional[int] = None,
-                 pg_collection=None, moe: Optional[Dict] = None):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules,
+        layer_number: Optional[int] = None,
+        pg_collection=None,
+        moe: Optional[Dict] = None,
+    ):
         # Under the model's sequence parallelism (parallel.sequence_parallel) the input is this
         # rank's sequence share already; otherwise this layer splits the sequence itself.
         self_split = _sequence_split() and not config.sequence_parallel
-        config = dataclasses.replace(config, add_bias_linear=False, sequence_parallel=_sequence_split(),
-                                     **(moe or {}))
+        config = dataclasses.replace(config, add_bias_linear=False, sequence_parallel=_sequence_split(), **(moe or {}))
         super().__init__(config, submodules, layer_number, pg_collection)
         self.split = self_split
         self.register_buffer("load", torch.zeros(config.num_moe_experts, dtype=torch.float64), persistent=False)
@@ -208,10 +218,12 @@ def moe_block_spec(config, tcfg: TransformerConfig, vp_stage: Optional[int]):
     """megatron's decoder block spec (this pipeline chunk's layers) with :class:`MoE` as the
     MLP of the layers of ``memory.placement`` (megatron's ``moe_layer_freq`` pattern) and every
     layer's core attention computed by ``model.attention_kernel``."""
-    pattern = dataclasses.replace(tcfg, add_bias_linear=False, moe_layer_freq=moe_layer_pattern(config),
-                                  **moe_fields(config))
-    block = get_gpt_decoder_block_spec(pattern, use_transformer_engine=False,
-                                       normalization=config.model.normalization, vp_stage=vp_stage)
+    pattern = dataclasses.replace(
+        tcfg, add_bias_linear=False, moe_layer_freq=moe_layer_pattern(config), **moe_fields(config)
+    )
+    block = get_gpt_decoder_block_spec(
+        pattern, use_transformer_engine=False, normalization=config.model.normalization, vp_stage=vp_stage
+    )
     ours = moe_spec(config)
 
     def layer(spec: ModuleSpec) -> ModuleSpec:
@@ -247,8 +259,9 @@ class SkipMoE(MegatronModule):
         width = memory_width(config)
         heads = config.parallel.tensor_model_parallel_size
         # It sees the whole sequence (gathered under sequence parallelism, rmt.memory.attach).
-        tcfg = dataclasses.replace(base, hidden_size=width, num_attention_heads=heads, kv_channels=width // heads,
-                                   sequence_parallel=False)
+        tcfg = dataclasses.replace(
+            base, hidden_size=width, num_attention_heads=heads, kv_channels=width // heads, sequence_parallel=False
+        )
         super().__init__(config=tcfg)
         self.norm = torch.nn.LayerNorm(width, eps=config.model.layernorm_epsilon)
         spec = moe_spec(config)
@@ -257,8 +270,9 @@ class SkipMoE(MegatronModule):
         # init_std, the expert output projections init_std / sqrt(2 L) (GPT-2's residual rule).
         std = config.model.init_std
         for name, param in self.moe.named_parameters():
-            param.memory_init_std = std / math.sqrt(2.0 * config.model.num_layers) \
-                if name.endswith("linear_fc2.weight") else std
+            param.memory_init_std = (
+                std / math.sqrt(2.0 * config.model.num_layers) if name.endswith("linear_fc2.weight") else std
+            )
         self.aux_loss = None  # the balance loss rides on the routing weights (module docstring)
 
     def forward(self, x: torch.Tensor, state=None) -> torch.Tensor:
@@ -266,8 +280,9 @@ class SkipMoE(MegatronModule):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """The norm replicated; the MoE's own (experts at their global indices)."""
-        out = make_sharded_tensors_for_checkpoint(dict(self.norm.named_parameters()), f"{prefix}norm.", {},
-                                                  sharded_offsets)
+        out = make_sharded_tensors_for_checkpoint(
+            dict(self.norm.named_parameters()), f"{prefix}norm.", {}, sharded_offsets
+        )
         out.update(self.moe.sharded_state_dict(f"{prefix}moe.", sharded_offsets, metadata))
         return out
 

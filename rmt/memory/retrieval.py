@@ -78,13 +78,16 @@ def leading_singular_vectors(core: torch.Tensor) -> Tuple[torch.Tensor, torch.Te
     return u.to(core.dtype), t.to(core.dtype)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _rank2_maps(dtype: torch.dtype, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
     """The constant maps of :func:`singular_values`, made once per dtype and device (a tensor
     made from host numbers is copied to a GPU, a wait): (a, b, c, d) -> (a + d, c - b, a - d,
     b + c) / 2, and (q, p) -> (q + p, q - p)."""
-    half = torch.tensor(((0.5, 0.0, 0.0, 0.5), (0.0, -0.5, 0.5, 0.0), (0.5, 0.0, 0.0, -0.5), (0.0, 0.5, 0.5, 0.0)),
-                        dtype=dtype, device=device)
+    half = torch.tensor(
+        ((0.5, 0.0, 0.0, 0.5), (0.0, -0.5, 0.5, 0.0), (0.5, 0.0, 0.0, -0.5), (0.0, 0.5, 0.5, 0.0)),
+        dtype=dtype,
+        device=device,
+    )
     return half, torch.tensor(((1.0, 1.0), (1.0, -1.0)), dtype=dtype, device=device)
 
 
@@ -145,8 +148,9 @@ def tucker_select(s_row: torch.Tensor, s_col: torch.Tensor, selector, m: int, ba
         raise ValueError(f"tucker_select: backend must be one of {SELECT_BACKENDS}; got {backend!r}")
     H, r = u.shape
     # u^T S_row and t^T S_col as batched GEMVs (a broadcast matmul; einsum permutes and copies).
-    rows, cols = _candidates(torch.matmul(u.view(1, H, 1, r), s_row).squeeze(2),
-                             torch.matmul(t.view(1, H, 1, r), s_col).squeeze(2), m)
+    rows, cols = _candidates(
+        torch.matmul(u.view(1, H, 1, r), s_row).squeeze(2), torch.matmul(t.view(1, H, 1, r), s_col).squeeze(2), m
+    )
     sr = s_row.gather(-1, rows.unsqueeze(2).expand(-1, -1, r, -1))
     sc = s_col.gather(-1, cols.unsqueeze(2).expand(-1, -1, r, -1))
     grid = torch.einsum("thai,hab,thbj->thij", sr, total, sc).flatten(2)
@@ -155,8 +159,9 @@ def tucker_select(s_row: torch.Tensor, s_col: torch.Tensor, selector, m: int, ba
     return rows.gather(-1, pos // cc), cols.gather(-1, pos % cc)
 
 
-def tucker_topk(s_row: torch.Tensor, s_col: torch.Tensor, cores: torch.Tensor, m: int,
-                selector=None, backend: str = None):
+def tucker_topk(
+    s_row: torch.Tensor, s_col: torch.Tensor, cores: torch.Tensor, m: int, selector=None, backend: str = None
+):
     """TDQKR two-phase top-m (Eq. 7-10) with multi-core scoring (Eq. 16).
 
     ``cores`` is ``[H, h, r, r]``; the selection (:func:`tucker_select`) uses the aggregated core

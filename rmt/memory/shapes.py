@@ -23,7 +23,8 @@ def parse_placement(text: str, num_layers: int) -> List[Tuple[int, int]]:
     if text.isdigit():
         raise ConfigError(
             f"memory.placement '{text}' has no 'i:j' entry: YAML reads an unquoted single i:j as a "
-            f"base-60 number, so quote it (memory.placement='3:5')")
+            f"base-60 number, so quote it (memory.placement='3:5')"
+        )
     pairs = []
     for item in text.split("/"):
         parts = item.strip().split(":")
@@ -35,7 +36,8 @@ def parse_placement(text: str, num_layers: int) -> List[Tuple[int, int]]:
             raise ConfigError(f"memory.placement entry '{item}' ends (layer {end}) before it starts (layer {start})")
         if start < 1 or end > num_layers:
             raise ConfigError(
-                f"memory.placement entry '{item}' must lie within layers 1..model.num_layers ({num_layers})")
+                f"memory.placement entry '{item}' must lie within layers 1..model.num_layers ({num_layers})"
+            )
         pairs.append((start, end))
     return pairs
 
@@ -67,13 +69,16 @@ def parse_moe_layers(text: str, num_layers: int) -> List[int]:
         try:
             first, last = int(parts[0]), int(parts[-1])
         except ValueError:
-            raise ConfigError(f"memory.placement entry '{item}' must be a layer 'i' or a range 'i-j' "
-                              f"(memory.moe_placement 'mlp' and memory.type 'ultramem_v2' list layers)")
+            raise ConfigError(
+                f"memory.placement entry '{item}' must be a layer 'i' or a range 'i-j' "
+                f"(memory.moe_placement 'mlp' and memory.type 'ultramem_v2' list layers)"
+            )
         if len(parts) > 2 or first > last:
             raise ConfigError(f"memory.placement entry '{item}' must be a layer 'i' or a range 'i-j' with i <= j")
         if first < 1 or last > num_layers:
             raise ConfigError(
-                f"memory.placement entry '{item}' must lie within layers 1..model.num_layers ({num_layers})")
+                f"memory.placement entry '{item}' must lie within layers 1..model.num_layers ({num_layers})"
+            )
         layers.update(range(first, last + 1))
     return sorted(layers)
 

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from rmt.memory.comm_counter import CommCounter
 from rmt.ops import lookup_reduce
 
-_INT32_MAX = 2 ** 31 - 1
+_INT32_MAX = 2**31 - 1
 
 
 def _bytes_to_others(x: torch.Tensor, splits: List[int], rank: int) -> int:
@@ -112,7 +112,7 @@ class _TokenChunk(torch.autograd.Function):
         rank = dist.get_rank(group)
         ctx.counts, ctx.group, ctx.counter = counts, group, counter
         start = sum(counts[:rank])
-        return x[start:start + counts[rank]].clone()
+        return x[start : start + counts[rank]].clone()
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -137,7 +137,7 @@ class _GatherChunks(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        return grad[ctx.start:ctx.start + ctx.n], None, None, None
+        return grad[ctx.start : ctx.start + ctx.n], None, None, None
 
 
 def tensor_parallel_chunks(lookup, indices, scores, block_ids, num_blocks, group, counter: CommCounter):
@@ -147,9 +147,13 @@ def tensor_parallel_chunks(lookup, indices, scores, block_ids, num_blocks, group
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     T = indices.shape[0]
     counts = [T // P + (r < T % P) for r in range(P)]
-    part = slice(sum(counts[:rank]), sum(counts[:rank + 1]))
-    out = lookup(indices[part], _TokenChunk.apply(scores, counts, group, counter),
-                 None if block_ids is None else block_ids[part], num_blocks)
+    part = slice(sum(counts[:rank]), sum(counts[: rank + 1]))
+    out = lookup(
+        indices[part],
+        _TokenChunk.apply(scores, counts, group, counter),
+        None if block_ids is None else block_ids[part],
+        num_blocks,
+    )
     return _GatherChunks.apply(out, counts, group, counter)
 
 
@@ -172,8 +176,18 @@ def _route_to_owners(indices: torch.Tensor, rows_per: int, P: int, group):
     return order, flat[order] - owner[order] * rows_per, send.tolist(), recv.tolist()
 
 
-def number_lookup(weight, indices, scores, block_ids, num_blocks, group, counter: CommCounter,
-                  sparse_grad: bool = False, record=None, update=None):
+def number_lookup(
+    weight,
+    indices,
+    scores,
+    block_ids,
+    num_blocks,
+    group,
+    counter: CommCounter,
+    sparse_grad: bool = False,
+    record=None,
+    update=None,
+):
     """Plain number-wise: every distinct row travels once to the requester, which pools
     (Appendix D with index dedup: ``rmt.planner.comm``'s ``dedup`` counts exactly this; the
     row gradients of duplicates are summed by the local lookup-reduce before they go back).
@@ -198,16 +212,27 @@ def number_lookup(weight, indices, scores, block_ids, num_blocks, group, counter
     if record is not None:
         record(wanted + rank * rows_per)
     if update is not None:
-        served = lookup_reduce(weight, wanted.view(-1, 1), weight.new_ones(wanted.numel(), 1, 1), update=update,
-                               validate=False).view(-1, weight.shape[1])
+        served = lookup_reduce(
+            weight, wanted.view(-1, 1), weight.new_ones(wanted.numel(), 1, 1), update=update, validate=False
+        ).view(-1, weight.shape[1])
     else:
         served = F.embedding(wanted, weight, sparse=sparse_grad)
     rows = _AllToAll.apply(served, recv, send, group, counter, ("all_to_all_values", "all_to_all_value_grads"))
     return lookup_reduce(rows, inverse.view(T, K), scores, block_ids, num_blocks, validate=False)
 
 
-def number_owner_reduce_lookup(weight, indices, scores, block_ids, num_blocks, group,
-                               counter: CommCounter, sparse_grad: bool = False, record=None, update=None):
+def number_owner_reduce_lookup(
+    weight,
+    indices,
+    scores,
+    block_ids,
+    num_blocks,
+    group,
+    counter: CommCounter,
+    sparse_grad: bool = False,
+    record=None,
+    update=None,
+):
     """Number-wise with owner-side pooling: partial sums travel back (Appendix D)."""
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     T, K = indices.shape
@@ -219,20 +244,32 @@ def number_owner_reduce_lookup(weight, indices, scores, block_ids, num_blocks, g
     addr = ((token * E + block) * rows_per + local_rows).to(_index_dtype(max(counts) * E * rows_per))
     counter.add("forward", "all_to_all_indices", _bytes_to_others(addr, send, rank))
     got = _exchange(addr, send, recv, group).long()
-    got_scores = _AllToAll.apply(scores.reshape(T * K, C)[order], send, recv, group, counter,
-                                 ("all_to_all_scores", "all_to_all_score_grads"))
+    got_scores = _AllToAll.apply(
+        scores.reshape(T * K, C)[order], send, recv, group, counter, ("all_to_all_scores", "all_to_all_score_grads")
+    )
     M = got.shape[0]
-    source = torch.repeat_interleave(torch.arange(P, device=got.device),
-                                     torch.tensor(recv, device=got.device))
+    source = torch.repeat_interleave(torch.arange(P, device=got.device), torch.tensor(recv, device=got.device))
     first_token = torch.tensor([0] + counts[:-1], device=got.device).cumsum(0)
     target = first_token[source] * E + torch.div(got, rows_per, rounding_mode="floor")
     if record is not None:
         record(got % rows_per + rank * rows_per)
-    weighted = lookup_reduce(weight, (got % rows_per).view(M, 1), got_scores.view(M, 1, C),
-                             sparse_grad=sparse_grad, validate=False, update=update).view(M, D)
+    weighted = lookup_reduce(
+        weight,
+        (got % rows_per).view(M, 1),
+        got_scores.view(M, 1, C),
+        sparse_grad=sparse_grad,
+        validate=False,
+        update=update,
+    ).view(M, D)
     partial = weighted.new_zeros(sum(counts) * E, D).index_add(0, target, weighted)
-    back = _AllToAll.apply(partial.view(sum(counts), E, D), counts, [T] * P, group, counter,
-                           ("all_to_all_partial_sums", "all_to_all_partial_sum_grads"))
+    back = _AllToAll.apply(
+        partial.view(sum(counts), E, D),
+        counts,
+        [T] * P,
+        group,
+        counter,
+        ("all_to_all_partial_sums", "all_to_all_partial_sum_grads"),
+    )
     return back.view(P, T, E, D).sum(0)
 
 
@@ -245,8 +282,20 @@ def _core_columns(col0: int, width: int, dim: int, cores: int) -> List[int]:
     return [(col0 + i * piece) // core_width for i in range(width // piece)]
 
 
-def dimension_lookup(weight, indices, scores, block_ids, num_blocks, num_slots, dim, group,
-                     counter: CommCounter, sparse_grad: bool = False, record=None, update=None):
+def dimension_lookup(
+    weight,
+    indices,
+    scores,
+    block_ids,
+    num_blocks,
+    num_slots,
+    dim,
+    group,
+    counter: CommCounter,
+    sparse_grad: bool = False,
+    record=None,
+    update=None,
+):
     """Dimension-wise: all-gather indices and scores, pool the local column slice for every
     token of the group, all-to-all of the pooled slices back (Appendix D)."""
     P, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -259,12 +308,19 @@ def dimension_lookup(weight, indices, scores, block_ids, num_blocks, num_slots, 
     every = _all_gather(addr, counts, group).long()
     if record is not None:
         record(every % num_slots)
-    every_scores = _AllGather.apply(scores.contiguous(), counts, group, counter,
-                                    ("all_gather_scores", "reduce_scatter_score_grads"))
+    every_scores = _AllGather.apply(
+        scores.contiguous(), counts, group, counter, ("all_gather_scores", "reduce_scatter_score_grads")
+    )
     columns = torch.tensor(_core_columns(rank * width, width, dim, C), device=scores.device)
-    pooled = lookup_reduce(weight, every % num_slots, every_scores.index_select(2, columns),
-                           None if block_ids is None else every // num_slots, E, sparse_grad=sparse_grad,
-                           validate=False, update=update)
-    back = _AllToAll.apply(pooled, counts, [T] * P, group, counter,
-                           ("all_to_all_pooled", "all_to_all_pooled_grads"))
+    pooled = lookup_reduce(
+        weight,
+        every % num_slots,
+        every_scores.index_select(2, columns),
+        None if block_ids is None else every // num_slots,
+        E,
+        sparse_grad=sparse_grad,
+        validate=False,
+        update=update,
+    )
+    back = _AllToAll.apply(pooled, counts, [T] * P, group, counter, ("all_to_all_pooled", "all_to_all_pooled_grads"))
     return back.view(P, T, E, width).permute(1, 2, 0, 3).reshape(T, E, P * width)

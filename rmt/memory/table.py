@@ -40,8 +40,15 @@ def values_from_checkpoint(enabled: bool = True):
         _values_from_checkpoint = before
 
 
-def resolve_partition(partition: str, num_slots: int, dim: int, group_size: int, plan: Optional[dict],
-                      owner_reduce: bool, value_bytes: int) -> str:
+def resolve_partition(
+    partition: str,
+    num_slots: int,
+    dim: int,
+    group_size: int,
+    plan: Optional[dict],
+    owner_reduce: bool,
+    value_bytes: int,
+) -> str:
     """``auto`` -> the planner's choice (fewer bytes per training step, forward + backward)
     for ``plan = {"tokens": T, "topm": K, "ive": E, "cores": C}`` (``T`` = the tokens this
     rank looks up: its tensor-parallel chunk; the all-gather of the chunks costs both
@@ -55,11 +62,21 @@ def resolve_partition(partition: str, num_slots: int, dim: int, group_size: int,
         raise ValueError("MemoryTable partition 'auto' needs plan={'tokens', 'topm', 'ive', 'cores'}")
     from rmt.planner.comm import choose_partition
 
-    return choose_partition(plan["tokens"], plan["topm"], dim, group_size, phase="forward_backward",
-                            owner_reduce=owner_reduce, ive=plan["ive"], cores=plan["cores"],
-                            index_bytes=4, value_bytes=value_bytes,
-                            activation_bytes=plan.get("activation_bytes"), dedup=not owner_reduce,
-                            slots=None if owner_reduce else num_slots)
+    return choose_partition(
+        plan["tokens"],
+        plan["topm"],
+        dim,
+        group_size,
+        phase="forward_backward",
+        owner_reduce=owner_reduce,
+        ive=plan["ive"],
+        cores=plan["cores"],
+        index_bytes=4,
+        value_bytes=value_bytes,
+        activation_bytes=plan.get("activation_bytes"),
+        dedup=not owner_reduce,
+        slots=None if owner_reduce else num_slots,
+    )
 
 
 def _bound_sparse_grad(weight: torch.Tensor) -> None:
@@ -98,11 +115,24 @@ class MemoryTable(torch.nn.Module):
     ``counter`` counts the bytes sent per collective.
     """
 
-    def __init__(self, num_slots: int, dim: int, init_std: float, partition: str = "local",
-                 group=None, *, owner_reduce: bool = False, replica_index: int = 0,
-                 replica_group=None, split_group=None, plan: Optional[dict] = None,
-                 dtype: torch.dtype = torch.float32, sparse_grad: bool = False, init_key: int = 0,
-                 device=None):
+    def __init__(
+        self,
+        num_slots: int,
+        dim: int,
+        init_std: float,
+        partition: str = "local",
+        group=None,
+        *,
+        owner_reduce: bool = False,
+        replica_index: int = 0,
+        replica_group=None,
+        split_group=None,
+        plan: Optional[dict] = None,
+        dtype: torch.dtype = torch.float32,
+        sparse_grad: bool = False,
+        init_key: int = 0,
+        device=None,
+    ):
         super().__init__()
         if partition not in PARTITIONS:
             raise ValueError(f"MemoryTable partition must be one of {PARTITIONS}, got {partition!r}")
@@ -110,21 +140,24 @@ class MemoryTable(torch.nn.Module):
         self.split_group = split_group if partition != "local" else None
         if plan is not None and self.split_group is not None:
             plan = dict(plan, tokens=max(1, plan["tokens"] // dist.get_world_size(split_group)))
-        partition = resolve_partition(partition, num_slots, dim, P, plan, owner_reduce,
-                                      torch.finfo(dtype).bits // 8)
+        partition = resolve_partition(partition, num_slots, dim, P, plan, owner_reduce, torch.finfo(dtype).bits // 8)
         if partition == "number" and num_slots % P:
-            raise ValueError(f"number-wise MemoryTable: num_slots ({num_slots}) must be divisible by "
-                             f"the memory-parallel group size ({P})")
+            raise ValueError(
+                f"number-wise MemoryTable: num_slots ({num_slots}) must be divisible by "
+                f"the memory-parallel group size ({P})"
+            )
         if partition == "dimension" and dim % P:
-            raise ValueError(f"dimension-wise MemoryTable: dim ({dim}) must be divisible by the "
-                             f"memory-parallel group size ({P})")
+            raise ValueError(
+                f"dimension-wise MemoryTable: dim ({dim}) must be divisible by the memory-parallel group size ({P})"
+            )
         self.num_slots, self.dim, self.partition = num_slots, dim, partition
         self.group, self.group_size, self.owner_reduce = group, P, owner_reduce
         self.rank = 0 if partition == "local" else dist.get_rank(group)
         self.replica_index, self.replica_group = replica_index, replica_group
         self.counter = CommCounter()
-        shape = {"local": (num_slots, dim), "number": (num_slots // P, dim),
-                 "dimension": (num_slots, dim // P)}[partition]
+        shape = {"local": (num_slots, dim), "number": (num_slots // P, dim), "dimension": (num_slots, dim // P)}[
+            partition
+        ]
         # Only this rank's shard is ever allocated; its values are the global table's at the
         # shard's positions (counter-based, rmt.ops.counter_normal), whatever the layout.
         weight = torch.empty(shape, dtype=dtype, device=device)
@@ -143,8 +176,9 @@ class MemoryTable(torch.nn.Module):
         # shard, an equal range of the rows of a dimension-wise one (ranks see every lookup of the
         # group there), all rows of a local table.
         self.owned_rows = self._owned_rows()
-        self.register_buffer("hits", torch.zeros(len(self.owned_rows), dtype=torch.uint8, device=device),
-                             persistent=False)
+        self.register_buffer(
+            "hits", torch.zeros(len(self.owned_rows), dtype=torch.uint8, device=device), persistent=False
+        )
 
     def _owned_rows(self) -> range:
         if self.partition == "local":
@@ -173,8 +207,9 @@ class MemoryTable(torch.nn.Module):
             return slice(None), slice(self.rank * cols, (self.rank + 1) * cols)
         return slice(None), slice(None)
 
-    def lookup_reduce(self, indices: torch.Tensor, scores: torch.Tensor, block_ids, num_blocks: int,
-                      validate: bool = True):
+    def lookup_reduce(
+        self, indices: torch.Tensor, scores: torch.Tensor, block_ids, num_blocks: int, validate: bool = True
+    ):
         """``[T, K]`` slots, ``[T, K, C]`` scores, ``[T, K]`` virtual blocks or None ->
         ``[T, num_blocks, dim]`` pooled values (UltraMem Eq. 15 and 17; ``rmt.ops`` contract), in
         the scores' dtype: a bf16 table is read as stored and accumulated in fp32.
@@ -191,22 +226,52 @@ class MemoryTable(torch.nn.Module):
         if self.partition == "local":
             if self.training:
                 self.record_hits(indices)
-            return lookup_reduce(self.weight, indices, scores, block_ids, num_blocks, sparse_grad=self.sparse_grad,
-                                 validate=validate, update=self.fused_update)
+            return lookup_reduce(
+                self.weight,
+                indices,
+                scores,
+                block_ids,
+                num_blocks,
+                sparse_grad=self.sparse_grad,
+                validate=validate,
+                update=self.fused_update,
+            )
         if self.split_group is not None:
-            return sharded_table.tensor_parallel_chunks(self._sharded_lookup, indices, scores, block_ids,
-                                                        num_blocks, self.split_group, self.counter)
+            return sharded_table.tensor_parallel_chunks(
+                self._sharded_lookup, indices, scores, block_ids, num_blocks, self.split_group, self.counter
+            )
         return self._sharded_lookup(indices, scores, block_ids, num_blocks)
 
     def _sharded_lookup(self, indices, scores, block_ids, num_blocks: int):
         record = self.record_hits if self.training else None
         if self.partition == "dimension":
-            return sharded_table.dimension_lookup(self.weight, indices, scores, block_ids, num_blocks,
-                                                  self.num_slots, self.dim, self.group, self.counter,
-                                                  self.sparse_grad, record, self.fused_update)
+            return sharded_table.dimension_lookup(
+                self.weight,
+                indices,
+                scores,
+                block_ids,
+                num_blocks,
+                self.num_slots,
+                self.dim,
+                self.group,
+                self.counter,
+                self.sparse_grad,
+                record,
+                self.fused_update,
+            )
         route = sharded_table.number_owner_reduce_lookup if self.owner_reduce else sharded_table.number_lookup
-        return route(self.weight, indices, scores, block_ids, num_blocks, self.group, self.counter, self.sparse_grad,
-                     record, self.fused_update)
+        return route(
+            self.weight,
+            indices,
+            scores,
+            block_ids,
+            num_blocks,
+            self.group,
+            self.counter,
+            self.sparse_grad,
+            record,
+            self.fused_update,
+        )
 
     @torch.no_grad()
     def record_hits(self, slots: torch.Tensor) -> None:
@@ -249,7 +314,13 @@ class MemoryTable(torch.nn.Module):
         if self.partition == "local":
             return make_sharded_tensors_for_checkpoint({"weight": self.weight}, prefix, {}, sharded_offsets)
         axis = 0 if self.partition == "number" else 1
-        return {f"{prefix}weight": ShardedTensor.from_rank_offsets(
-            f"{prefix}weight", self.weight, *sharded_offsets,
-            (axis + len(sharded_offsets), self.rank, self.group_size),
-            replica_id=self.replica_index, prepend_axis_num=len(sharded_offsets))}
+        return {
+            f"{prefix}weight": ShardedTensor.from_rank_offsets(
+                f"{prefix}weight",
+                self.weight,
+                *sharded_offsets,
+                (axis + len(sharded_offsets), self.rank, self.group_size),
+                replica_id=self.replica_index,
+                prepend_axis_num=len(sharded_offsets),
+            )
+        }

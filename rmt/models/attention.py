@@ -38,12 +38,16 @@ class SDPAttention(DotProductAttention):
     keys are all masked gets NaN here and uniform weights from megatron (whose fill is -10000,
     not -inf); rmt's causal and document masks always leave a query its own position."""
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        assert packed_seq_params is None and attention_bias is None, \
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
+        assert packed_seq_params is None and attention_bias is None, (
             "SDPAttention, like megatron's DotProductAttention, takes neither packed sequences nor a bias"
-        assert self.softmax_offset is None and self.num_query_groups_per_partition == \
-            self.num_attention_heads_per_partition, "SDPAttention supports vanilla softmax without query groups"
+        )
+        assert (
+            self.softmax_offset is None
+            and self.num_query_groups_per_partition == self.num_attention_heads_per_partition
+        ), "SDPAttention supports vanilla softmax without query groups"
         s, b = query.shape[0], query.shape[1]
         # megatron folds apply_query_key_layer_scaling's 1/layer_number into softmax_scale and
         # multiplies it back inside its softmax; the product is the scale of the logits.
@@ -55,8 +59,9 @@ class SDPAttention(DotProductAttention):
         p = self.attention_dropout.p if self.training else 0.0
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, head_dim]
         with tensor_parallel.get_cuda_rng_tracker().fork() if p else contextlib.nullcontext():
-            context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal,
-                                                     scale=scale)
+            context = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, scale=scale
+            )
         return context.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
 
 
@@ -67,5 +72,9 @@ def with_attention_kernel(layer_spec: ModuleSpec, config: RMTConfig) -> ModuleSp
         return layer_spec
     attention = layer_spec.submodules.self_attention
     core = dataclasses.replace(attention.submodules, core_attention=SDPAttention)
-    return dataclasses.replace(layer_spec, submodules=dataclasses.replace(
-        layer_spec.submodules, self_attention=dataclasses.replace(attention, submodules=core)))
+    return dataclasses.replace(
+        layer_spec,
+        submodules=dataclasses.replace(
+            layer_spec.submodules, self_attention=dataclasses.replace(attention, submodules=core)
+        ),
+    )

@@ -60,13 +60,17 @@ def build(config: RMTConfig) -> List[torch.nn.Module]:
     builder = _BUILDERS[config.model.arch]
     vpp = config.parallel.virtual_pipeline_model_parallel_size
     if vpp is None:
-        chunks = [builder(config, parallel_state.is_pipeline_first_stage(),
-                          parallel_state.is_pipeline_last_stage(), None)]
+        chunks = [
+            builder(config, parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage(), None)
+        ]
     else:
         chunks = [
-            builder(config,
-                    parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=i),
-                    parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=i), i)
+            builder(
+                config,
+                parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=i),
+                parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=i),
+                i,
+            )
             for i in range(vpp)
         ]
     std_rule = _STD_RULES[config.model.arch](config)

@@ -16,7 +16,6 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-
 #: Attribute that marks a mask made by :func:`causal_mask`: one document per row.
 SINGLE_DOCUMENT = "rmt_single_document"
 
@@ -68,9 +67,13 @@ class Documents:
         return rows[self.row, self.offset]
 
 
-def per_document(forward, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor],
-                 starts: torch.Tensor, bucket: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-                 ) -> torch.Tensor:
+def per_document(
+    forward,
+    input_ids: torch.Tensor,
+    position_ids: Optional[torch.Tensor],
+    starts: torch.Tensor,
+    bucket: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+) -> torch.Tensor:
     """``forward(ids [n, L], positions [n, L])`` run on every document as its own sequence,
     right-padded to the longest document of its bucket (``bucket(lengths)``: a key per
     document, None: one bucket), which must leave a model's real positions unchanged (causal

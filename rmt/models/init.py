@@ -54,8 +54,9 @@ def default_std_rule(config: RMTConfig) -> Callable[[str, torch.Tensor], Optiona
 
 
 @torch.no_grad()
-def initialize_weights(chunks: Iterable[torch.nn.Module], seed: int,
-                       std_rule: Callable[[str, torch.Tensor], Optional[float]]) -> None:
+def initialize_weights(
+    chunks: Iterable[torch.nn.Module], seed: int, std_rule: Callable[[str, torch.Tensor], Optional[float]]
+) -> None:
     by_key = defaultdict(list)  # layers stacked under one global key share its draw
     for shard in shards(chunks):
         std = std_rule(shard.key, shard.param)

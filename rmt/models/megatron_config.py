@@ -18,14 +18,18 @@ def validate_attention_shapes(config: RMTConfig) -> None:
     if m.num_attention_heads % tp:
         raise ConfigError(
             f"model.num_attention_heads ({m.num_attention_heads}) must be divisible by "
-            f"parallel.tensor_model_parallel_size ({tp})")
+            f"parallel.tensor_model_parallel_size ({tp})"
+        )
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_attention_heads "
-            f"({m.num_attention_heads})")
+            f"({m.num_attention_heads})"
+        )
     ffn = m.ffn_hidden_size or 4 * m.hidden_size
     if ffn % tp:
-        raise ConfigError(f"model.ffn_hidden_size ({ffn}) must be divisible by parallel.tensor_model_parallel_size ({tp})")
+        raise ConfigError(
+            f"model.ffn_hidden_size ({ffn}) must be divisible by parallel.tensor_model_parallel_size ({tp})"
+        )
 
 
 def padded_vocab_size(config: RMTConfig) -> int:
@@ -41,8 +45,11 @@ def recompute_settings(config: RMTConfig) -> dict:
     ``["core_attn"]``), which rmt's :class:`~rmt.models.attention.SDPAttention` is."""
     t = config.train
     granularity = None if t.recompute_granularity == "none" else t.recompute_granularity
-    return dict(recompute_granularity=granularity, recompute_method=t.recompute_method,
-                recompute_num_layers=t.recompute_num_layers)
+    return dict(
+        recompute_granularity=granularity,
+        recompute_method=t.recompute_method,
+        recompute_num_layers=t.recompute_num_layers,
+    )
 
 
 def transformer_config(config: RMTConfig, **extra) -> TransformerConfig:

@@ -36,9 +36,9 @@ import math
 from typing import List, Optional
 
 import torch
-from torch import nn
 from megatron.core.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
+from torch import nn
 
 from rmt.config import RMTConfig
 from rmt.errors import ConfigError
@@ -104,8 +104,9 @@ class TokenMixing(nn.Module):
             mat = self.token_weight[:, :s, :s]
         else:
             v = self.token_weight[:, :s]
-            mat = torch.where(self.is_row[:, None, None], v[:, :, None].expand(-1, s, s),
-                              v[:, None, :].expand(-1, s, s))
+            mat = torch.where(
+                self.is_row[:, None, None], v[:, :, None].expand(-1, s, s), v[:, None, :].expand(-1, s, s)
+            )
         g = self.gamma()
         if g is not None:
             pos = torch.arange(s, device=mat.device, dtype=mat.dtype)
@@ -130,8 +131,10 @@ class TokenMixing(nn.Module):
     def init_state(self, batch: int, device, dtype) -> torch.Tensor:
         """Recurrent state ``[b, H, d/H]``: one running-sum vector per head."""
         if self.token_weight.dim() == 3:
-            raise ValueError("the masked mixer (mixer_kind=masked) has no constant-memory "
-                             "recurrent form; use a repeat kind (row, column, mixed)")
+            raise ValueError(
+                "the masked mixer (mixer_kind=masked) has no constant-memory "
+                "recurrent form; use a repeat kind (row, column, mixed)"
+            )
         d = self.linear_qkv.in_features
         return torch.zeros(batch, self.heads, d // self.heads, device=device, dtype=dtype)
 
@@ -245,8 +248,10 @@ def validate_mixer(config: RMTConfig) -> None:
     m, p = config.model, config.parallel
     validate_attention_shapes(config)
     if p.tensor_model_parallel_size > 1 or p.pipeline_model_parallel_size > 1:
-        raise ConfigError("model.arch 'mixer' supports data parallelism only; set "
-                          "parallel.tensor_model_parallel_size and pipeline_model_parallel_size to 1")
+        raise ConfigError(
+            "model.arch 'mixer' supports data parallelism only; set "
+            "parallel.tensor_model_parallel_size and pipeline_model_parallel_size to 1"
+        )
     if m.mixer_kind == "mixed" and m.num_attention_heads < 2:
         raise ConfigError("model.mixer_kind 'mixed' needs model.num_attention_heads >= 2 (half column, half row)")
 

@@ -21,8 +21,9 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer import TransformerConfig
 
 
-def run_layers(layers: Sequence[torch.nn.Module], x: torch.Tensor, config: TransformerConfig, training: bool,
-               *args) -> torch.Tensor:
+def run_layers(
+    layers: Sequence[torch.nn.Module], x: torch.Tensor, config: TransformerConfig, training: bool, *args
+) -> torch.Tensor:
     """``x`` through ``layers`` (``layer(x, *args)`` each), recomputing the spans that
     ``config.recompute_method`` / ``recompute_num_layers`` pick when ``training`` and
     ``config.recompute_granularity`` is ``full``."""

@@ -32,11 +32,11 @@ works through the trainer.
 from __future__ import annotations
 
 import torch
-from torch import nn
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.enums import ModelType
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
+from torch import nn
 
 from rmt.config import RMTConfig
 from rmt.errors import ConfigError
@@ -62,9 +62,12 @@ class RecurrentLayer(MegatronModule):
         self.block_width = config.model.block_width
         self.layer = build_module(
             with_attention_kernel(get_gpt_layer_local_spec(normalization=config.model.normalization), config),
-            config=tcfg, layer_number=layer_number)
-        self.alpha = nn.Parameter(torch.tensor(float(config.model.recurrent_alpha)),
-                                  requires_grad=config.model.recurrent_alpha_learned)
+            config=tcfg,
+            layer_number=layer_number,
+        )
+        self.alpha = nn.Parameter(
+            torch.tensor(float(config.model.recurrent_alpha)), requires_grad=config.model.recurrent_alpha_learned
+        )
         self.alpha_min = float(config.model.recurrent_alpha_min)
 
     def accumulation(self) -> torch.Tensor:
@@ -85,7 +88,7 @@ class RecurrentLayer(MegatronModule):
         if previous is None:
             return block, self.tau(block)
         carried = a * previous[0]
-        window = self.tau(torch.cat([carried + previous[1], carried[:block.shape[0]] + block]))
+        window = self.tau(torch.cat([carried + previous[1], carried[: block.shape[0]] + block]))
         k = previous[0].shape[0]
         return window[:k], window[k:]
 
@@ -164,16 +167,21 @@ def validate_recurrent(config: RMTConfig) -> None:
     m, p = config.model, config.parallel
     validate_attention_shapes(config)
     if p.tensor_model_parallel_size > 1 or p.pipeline_model_parallel_size > 1:
-        raise ConfigError("model.arch 'recurrent' supports data parallelism only; set "
-                          "parallel.tensor_model_parallel_size and pipeline_model_parallel_size to 1")
+        raise ConfigError(
+            "model.arch 'recurrent' supports data parallelism only; set "
+            "parallel.tensor_model_parallel_size and pipeline_model_parallel_size to 1"
+        )
     if m.block_width > m.seq_length:
         raise ConfigError(f"model.block_width ({m.block_width}) must not exceed model.seq_length ({m.seq_length})")
     if m.recurrent_alpha_min > m.recurrent_alpha:
-        raise ConfigError(f"model.recurrent_alpha_min must lie in [0, model.recurrent_alpha = {m.recurrent_alpha}], "
-                          f"got {m.recurrent_alpha_min}")
+        raise ConfigError(
+            f"model.recurrent_alpha_min must lie in [0, model.recurrent_alpha = {m.recurrent_alpha}], "
+            f"got {m.recurrent_alpha_min}"
+        )
     if m.position not in ("learned", "block"):
-        raise ConfigError(f"model.position must be 'learned' or 'block' for the recurrent transformer, "
-                          f"got '{m.position}'")
+        raise ConfigError(
+            f"model.position must be 'learned' or 'block' for the recurrent transformer, got '{m.position}'"
+        )
 
 
 @register("recurrent", validate=validate_recurrent)

@@ -47,8 +47,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.enums import ModelType
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron.core.enums import ModelType
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
@@ -124,7 +124,8 @@ class RMTEmbedding(MegatronModule):
         super().__init__(config=config)
         self.dv, self.rank = m.dv, m.rank
         self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
-            vocab, m.dv * m.rank, init_method=config.init_method, config=config)
+            vocab, m.dv * m.rank, init_method=config.init_method, config=config
+        )
         self.word_keys = torch.nn.Parameter(torch.empty(m.dk, m.rank))
         self.learned = m.position == "learned"
         if self.learned:
@@ -154,16 +155,16 @@ class RMTLayer(MegatronModule):
         self.scale = 1.0 / (math.sqrt(m.dv) * layer_number)
         linear = dict(config=config, init_method=config.init_method, bias=False)
         self.attn_norm = MatrixRMSNorm(m.dv, m.dk, m.layernorm_epsilon)
-        self.attn_read = tensor_parallel.ColumnParallelLinear(
-            m.dk, 3 * m.rank, gather_output=False, **linear)
+        self.attn_read = tensor_parallel.ColumnParallelLinear(m.dk, 3 * m.rank, gather_output=False, **linear)
         self.attn_write = tensor_parallel.RowParallelLinear(
-            m.rank, m.dk, input_is_parallel=True, skip_bias_add=True, **linear)
+            m.rank, m.dk, input_is_parallel=True, skip_bias_add=True, **linear
+        )
         self.ff_norm = MatrixRMSNorm(m.dv, m.dk, m.layernorm_epsilon)
         self.ff_read = torch.nn.Linear(m.dk, m.rank, bias=False)
-        self.fc1 = tensor_parallel.ColumnParallelLinear(
-            m.rank * m.dv, ffn, gather_output=False, **linear)
+        self.fc1 = tensor_parallel.ColumnParallelLinear(m.rank * m.dv, ffn, gather_output=False, **linear)
         self.fc2 = tensor_parallel.RowParallelLinear(
-            ffn, m.rank * m.dv, input_is_parallel=True, skip_bias_add=True, **linear)
+            ffn, m.rank * m.dv, input_is_parallel=True, skip_bias_add=True, **linear
+        )
         self.ff_write = torch.nn.Linear(m.rank, m.dk, bias=False)
         self.activation = config.activation_func
         # The residual entering the feed-forward: where a memory beside the FFN (UltraMemV2,
@@ -185,10 +186,12 @@ class RMTLayer(MegatronModule):
         if single:  # the residual continues from the read's x: its two gradients added in one pass
             qkv, x = self.attn_norm.read(x, self.attn_read.weight, key_major=True, pass_residual=True)
         else:
-            x_tp, gain_tp = (tensor_parallel.copy_to_tensor_model_parallel_region(t)
-                             for t in (x, self.attn_norm.weight))
-            qkv = matrix_rms_norm_read(x_tp.reshape(s * b, -1), gain_tp, self.attn_read.weight, self.attn_norm.eps,
-                                       key_major=True)
+            x_tp, gain_tp = (
+                tensor_parallel.copy_to_tensor_model_parallel_region(t) for t in (x, self.attn_norm.weight)
+            )
+            qkv = matrix_rms_norm_read(
+                x_tp.reshape(s * b, -1), gain_tp, self.attn_read.weight, self.attn_norm.eps, key_major=True
+            )
         qkv = qkv.view(heads, 3, s, b, self.dv)
         q, k, v = (t.permute(2, 0, 1, 3).float() for t in qkv.unbind(1))
         ctx = core_attention(self.core_attention, self.config, self.training, q, k, v, bias)
@@ -227,8 +230,8 @@ class RMTUnembedding(MegatronModule):
         self.dv, self.rank = m.dv, m.rank
         self.read = torch.nn.Linear(m.dk, m.rank, bias=False)
         self.linear = tensor_parallel.ColumnParallelLinear(
-            m.dv * m.rank, vocab, config=config, init_method=torch.nn.init.zeros_, bias=False,
-            gather_output=False)
+            m.dv * m.rank, vocab, config=config, init_method=torch.nn.init.zeros_, bias=False, gather_output=False
+        )
 
     def forward(self, x: torch.Tensor, norm: MatrixRMSNorm) -> torch.Tensor:
         """``x`` the residual matrix ``[s, b, Dv, Dk]``, ``norm`` the final norm (its own module
@@ -243,8 +246,7 @@ class RMTModel(MegatronModule):
     [1,1,s,s] bool, True = masked)`` returns vocab-parallel logits ``[b, s, V/tp]`` on the last
     stage, else the residual flattened to ``[s, b, Dk*Dv]``."""
 
-    def __init__(self, config: RMTConfig, pre_process: bool, post_process: bool,
-                 vp_stage: Optional[int]):
+    def __init__(self, config: RMTConfig, pre_process: bool, post_process: bool, vp_stage: Optional[int]):
         m = config.model
         tconfig = rmt_transformer_config(config)
         super().__init__(config=tconfig)
@@ -259,16 +261,16 @@ class RMTModel(MegatronModule):
         offset = get_transformer_layer_offset(tconfig, vp_stage)
         count = get_num_layers_to_build(tconfig, vp_stage)
         ffn = ffn_hidden_size(config)
-        self.layers = torch.nn.ModuleList(
-            RMTLayer(tconfig, m, offset + i + 1, ffn) for i in range(count))
+        self.layers = torch.nn.ModuleList(RMTLayer(tconfig, m, offset + i + 1, ffn) for i in range(count))
         if post_process:
             self.final_norm = MatrixRMSNorm(m.dv, m.dk, m.layernorm_epsilon)
             self.output_layer = RMTUnembedding(tconfig, m, vocab)
-        tp, tp_rank = (parallel_state.get_tensor_model_parallel_world_size(),
-                       parallel_state.get_tensor_model_parallel_rank())
+        tp, tp_rank = (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_rank(),
+        )
         local = m.rank // tp
-        self.register_buffer("slopes", alibi_slopes(m.rank)[tp_rank * local:(tp_rank + 1) * local],
-                             persistent=False)
+        self.register_buffer("slopes", alibi_slopes(m.rank)[tp_rank * local : (tp_rank + 1) * local], persistent=False)
         self.input_tensor = None
 
     def memory_hook_layers(self):
@@ -311,8 +313,9 @@ class RMTModel(MegatronModule):
         tp_group = parallel_state.get_tensor_model_parallel_group()
         for name, module in self.named_children():
             if name != "layers":
-                out.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets,
-                                                      metadata, tp_group=tp_group))
+                out.update(
+                    sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata, tp_group=tp_group)
+                )
         for i, layer in enumerate(self.layers):
             local = f"{prefix}layers.{i}."
             sd = layer.sharded_state_dict(local, sharded_offsets, metadata)
@@ -333,10 +336,17 @@ def rmt_transformer_config(config: RMTConfig) -> TransformerConfig:
 # Global fan-in of every random weight (the authors' N(0, std / sqrt(fan_in)) init).
 def _fan_in(config: RMTConfig) -> dict:
     m = config.model
-    return {"embedding.word_keys": m.rank, "embedding.position_keys": m.rank,
-            "attn_read.weight": m.dk, "attn_write.weight": m.rank, "ff_read.weight": m.dk,
-            "fc1.weight": m.rank * m.dv, "fc2.weight": ffn_hidden_size(config),
-            "ff_write.weight": m.rank, "output_layer.read.weight": m.dk}
+    return {
+        "embedding.word_keys": m.rank,
+        "embedding.position_keys": m.rank,
+        "attn_read.weight": m.dk,
+        "attn_write.weight": m.rank,
+        "ff_read.weight": m.dk,
+        "fc1.weight": m.rank * m.dv,
+        "fc2.weight": ffn_hidden_size(config),
+        "ff_write.weight": m.rank,
+        "output_layer.read.weight": m.dk,
+    }
 
 
 _WRITES = ("attn_write.weight", "ff_write.weight")
@@ -370,11 +380,13 @@ def validate_rmt(config: RMTConfig) -> None:
     if m.rank % tp:
         raise ConfigError(
             f"model.rank ({m.rank}) must be divisible by parallel.tensor_model_parallel_size "
-            f"({tp}): the R attention heads are split across tensor-parallel ranks")
+            f"({tp}): the R attention heads are split across tensor-parallel ranks"
+        )
     if ffn_hidden_size(config) % tp:
         raise ConfigError(
             f"model.ffn_hidden_size ({ffn_hidden_size(config)}) must be divisible by "
-            f"parallel.tensor_model_parallel_size ({tp})")
+            f"parallel.tensor_model_parallel_size ({tp})"
+        )
 
 
 @register("rmt", std_rule=rmt_std_rule, validate=validate_rmt)

@@ -27,7 +27,9 @@ _POSITIONS = {"learned": "learned_absolute", "rope": "rope"}
 def validate_transformer(config: RMTConfig) -> None:
     validate_attention_shapes(config)
     if config.model.position not in _POSITIONS:
-        raise ConfigError(f"model.position must be 'learned' or 'rope' for the transformer, got '{config.model.position}'")
+        raise ConfigError(
+            f"model.position must be 'learned' or 'rope' for the transformer, got '{config.model.position}'"
+        )
 
 
 def _moe_mlp(config: RMTConfig) -> bool:
@@ -45,9 +47,14 @@ def build_transformer(config: RMTConfig, pre_process: bool, post_process: bool, 
         tcfg = transformer_config(config, hetereogenous_dist_checkpoint=0 in moe_layer_pattern(config))
         with quiet_mlp_type_warning():
             return _gpt(config, tcfg, moe_block_spec(config, tcfg, vp_stage), pre_process, post_process, vp_stage)
-    return _gpt(config, transformer_config(config),
-                with_attention_kernel(get_gpt_layer_local_spec(normalization=m.normalization), config),
-                pre_process, post_process, vp_stage)
+    return _gpt(
+        config,
+        transformer_config(config),
+        with_attention_kernel(get_gpt_layer_local_spec(normalization=m.normalization), config),
+        pre_process,
+        post_process,
+        vp_stage,
+    )
 
 
 def _gpt(config: RMTConfig, tcfg, layer_spec, pre_process: bool, post_process: bool, vp_stage) -> GPTModel:

@@ -104,7 +104,7 @@ def reference_normals(key: int, elements: torch.Tensor) -> torch.Tensor:
     s = (m - 1.0) / (m + 1.0)
     ln_u1 = (k * LN2).add_(s * _horner(s * s, LOG_COEFFS))
     q = _shr(z, 30) & 3
-    x = (z & 0x3FFFFFFF).double().mul_(2.0 ** -30).mul_(PIO2)
+    x = (z & 0x3FFFFFFF).double().mul_(2.0**-30).mul_(PIO2)
     x2 = x * x
     sin, cos = x * _horner(x2, SIN_COEFFS), _horner(x2, COS_COEFFS)
     trig = torch.where(q % 2 == 0, cos, sin)
@@ -113,8 +113,9 @@ def reference_normals(key: int, elements: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def reference_fill_normal_(out: torch.Tensor, key: int, row0: int, col0: int, global_cols: int,
-                           std: float) -> torch.Tensor:
+def reference_fill_normal_(
+    out: torch.Tensor, key: int, row0: int, col0: int, global_cols: int, std: float
+) -> torch.Tensor:
     """Plain torch :func:`fill_normal_`, chunk by chunk of whole rows (at least one row)."""
     rows, cols = out.shape
     step = max(1, CHUNK_ELEMENTS // max(cols, 1))
@@ -123,7 +124,7 @@ def reference_fill_normal_(out: torch.Tensor, key: int, row0: int, col0: int, gl
         n = min(step, rows - r)
         row_ids = torch.arange(row0 + r, row0 + r + n, device=out.device)
         elements = (row_ids * global_cols).unsqueeze(1) + col_ids
-        out[r:r + n].copy_(reference_normals(key, elements).mul_(std))
+        out[r : r + n].copy_(reference_normals(key, elements).mul_(std))
     return out
 
 
@@ -132,18 +133,25 @@ def _ext():
 
 
 @torch.no_grad()
-def fill_normal_(out: torch.Tensor, key: int, row0: int = 0, col0: int = 0, global_cols: int | None = None,
-                 std: float = 1.0) -> torch.Tensor:
+def fill_normal_(
+    out: torch.Tensor, key: int, row0: int = 0, col0: int = 0, global_cols: int | None = None, std: float = 1.0
+) -> torch.Tensor:
     """Fill the 2-D block ``out`` of a global ``[*, global_cols]`` matrix (default: ``out``'s own
     width) with ``std`` times the stream ``key``'s normals at the block's global positions."""
     if out.dim() != 2:
         raise ValueError(f"fill_normal_: out must be 2-D, got shape {tuple(out.shape)}")
     global_cols = out.shape[1] if global_cols is None else global_cols
     if row0 < 0 or not 0 <= col0 <= global_cols - out.shape[1]:
-        raise ValueError(f"fill_normal_: a block at ({row0}, {col0}) of width {out.shape[1]} does not fit "
-                         f"a global width of {global_cols}")
-    fast = (out.device.type == "cpu" and out.is_contiguous() and os.environ.get(ENV_BACKEND) != "reference"
-            and out.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16))
+        raise ValueError(
+            f"fill_normal_: a block at ({row0}, {col0}) of width {out.shape[1]} does not fit "
+            f"a global width of {global_cols}"
+        )
+    fast = (
+        out.device.type == "cpu"
+        and out.is_contiguous()
+        and os.environ.get(ENV_BACKEND) != "reference"
+        and out.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+    )
     ext = _ext() if fast else None
     if ext is None:
         return reference_fill_normal_(out, key, row0, col0, global_cols, std)

@@ -33,11 +33,48 @@ def score_gradients(grad_out, table, indices, scores, block_ids, num_blocks):
     return _ext().score_gradients(grad_out, table, indices, scores, block_ids, num_blocks)
 
 
-def backward_update(grad_out, table, indices, scores, block_ids, num_blocks, score_first, score_tokens, optimizer,
-                    state1, state2, lr, beta1, beta2, eps, weight_decay, step, grad_scale):
+def backward_update(
+    grad_out,
+    table,
+    indices,
+    scores,
+    block_ids,
+    num_blocks,
+    score_first,
+    score_tokens,
+    optimizer,
+    state1,
+    state2,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    step,
+    grad_scale,
+):
     """The backward with the optimizer step fused in (:mod:`rmt.ops.fused_update`): (score
     gradients of tokens ``[score_first, score_first + score_tokens)``, squared norm of the scaled
     table gradient)."""
-    return tuple(_ext().backward_update(grad_out, table, indices, scores, block_ids, num_blocks, score_first,
-                                        score_tokens, optimizer, state1, state2, lr, beta1, beta2, eps, weight_decay,
-                                        step, grad_scale))
+    return tuple(
+        _ext().backward_update(
+            grad_out,
+            table,
+            indices,
+            scores,
+            block_ids,
+            num_blocks,
+            score_first,
+            score_tokens,
+            optimizer,
+            state1,
+            state2,
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            step,
+            grad_scale,
+        )
+    )

@@ -44,8 +44,9 @@ def backward(grad_out, table, indices, scores, block_ids, num_blocks, prep=None)
     count = prep.count()
     values = torch.empty(count, table.shape[1], dtype=table.dtype, device=table.device)
     grad_scores = torch.empty_like(scores)
-    _ext().backward(grad_out, table, scores, block_ids, num_blocks, indices.shape[1], prep, count, values,
-                    False, grad_scores)
+    _ext().backward(
+        grad_out, table, scores, block_ids, num_blocks, indices.shape[1], prep, count, values, False, grad_scores
+    )
     return prep.unique_rows[:count], values, grad_scores
 
 
@@ -55,8 +56,19 @@ def backward_dense(grad_out, table, indices, scores, block_ids, num_blocks, prep
     prep = sort(table, indices) if prep is None else prep
     grad_table = torch.zeros_like(table)
     grad_scores = torch.empty_like(scores)
-    _ext().backward(grad_out, table, scores, block_ids, num_blocks, indices.shape[1], prep, indices.numel(),
-                    grad_table, True, grad_scores)
+    _ext().backward(
+        grad_out,
+        table,
+        scores,
+        block_ids,
+        num_blocks,
+        indices.shape[1],
+        prep,
+        indices.numel(),
+        grad_table,
+        True,
+        grad_scores,
+    )
     return grad_table, grad_scores
 
 
@@ -67,26 +79,80 @@ def score_gradients(grad_out, table, indices, scores, block_ids, num_blocks):
     return torch_score_gradients(grad_out, table, indices, scores, block_ids, num_blocks)
 
 
-def backward_update(grad_out, table, indices, scores, block_ids, num_blocks, score_first, score_tokens, optimizer,
-                    state1, state2, lr, beta1, beta2, eps, weight_decay, step, grad_scale):
+def backward_update(
+    grad_out,
+    table,
+    indices,
+    scores,
+    block_ids,
+    num_blocks,
+    score_first,
+    score_tokens,
+    optimizer,
+    state1,
+    state2,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    step,
+    grad_scale,
+):
     """The backward with the optimizer step fused in (:mod:`rmt.ops.fused_update`), no host
     sync: (score gradients of tokens ``[score_first, score_first + score_tokens)``, squared norm of
     the scaled gradient as a device scalar). Rows wider than 512 go to the Triton kernel."""
     import math
 
-
     K, C, M = indices.shape[1], scores.shape[2], indices.numel()
     adam = optimizer == SPARSE_ADAM
-    rate = lr * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step) if adam else lr
+    rate = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step) if adam else lr
     prep = sort(table, indices)
     grad_scores = torch.empty(score_tokens, K, C, dtype=scores.dtype, device=scores.device)
     row_sq = torch.zeros(M, dtype=torch.float32, device=table.device)
-    if not _ext().backward_update(grad_out, table, scores, block_ids, num_blocks, K, prep, M, grad_scores,
-                                  score_first * K, (score_first + score_tokens) * K, adam, state1, state2, row_sq,
-                                  grad_scale, rate, beta1, beta2, eps, weight_decay):
+    if not _ext().backward_update(
+        grad_out,
+        table,
+        scores,
+        block_ids,
+        num_blocks,
+        K,
+        prep,
+        M,
+        grad_scores,
+        score_first * K,
+        (score_first + score_tokens) * K,
+        adam,
+        state1,
+        state2,
+        row_sq,
+        grad_scale,
+        rate,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+    ):
         from . import triton_backend
 
-        return triton_backend.backward_update(grad_out, table, indices, scores, block_ids, num_blocks, score_first,
-                                              score_tokens, optimizer, state1, state2, lr, beta1, beta2, eps,
-                                              weight_decay, step, grad_scale)
+        return triton_backend.backward_update(
+            grad_out,
+            table,
+            indices,
+            scores,
+            block_ids,
+            num_blocks,
+            score_first,
+            score_tokens,
+            optimizer,
+            state1,
+            state2,
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            step,
+            grad_scale,
+        )
     return grad_scores, row_sq.double().sum()

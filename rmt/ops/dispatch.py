@@ -51,8 +51,27 @@ class LookupReduceBackend(Protocol):
     def score_gradients(self, grad_out, table, indices, scores, block_ids, num_blocks):
         """Optional: the score gradients alone."""
 
-    def backward_update(self, grad_out, table, indices, scores, block_ids, num_blocks, score_first, score_tokens,
-                        optimizer, state1, state2, lr, beta1, beta2, eps, weight_decay, step, grad_scale):
+    def backward_update(
+        self,
+        grad_out,
+        table,
+        indices,
+        scores,
+        block_ids,
+        num_blocks,
+        score_first,
+        score_tokens,
+        optimizer,
+        state1,
+        state2,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        step,
+        grad_scale,
+    ):
         """Optional: the backward with the row optimizer's step fused in (:mod:`rmt.ops.fused_update`)."""
 
 
@@ -66,12 +85,17 @@ class BackendSpec:
 
 
 REGISTRY: Dict[str, BackendSpec] = {
-    "cuda": BackendSpec("cuda", "rmt.ops.cuda_backend",
-                        frozenset({"forward_for_backward", "backward_dense", "score_gradients", "backward_update"})),
-    "triton": BackendSpec("triton", "rmt.ops.triton_backend",
-                          frozenset({"backward_dense", "score_gradients", "backward_update"})),
-    "cpu": BackendSpec("cpu", "rmt.ops.cpu_backend",
-                       frozenset({"backward_dense", "score_gradients", "backward_update"})),
+    "cuda": BackendSpec(
+        "cuda",
+        "rmt.ops.cuda_backend",
+        frozenset({"forward_for_backward", "backward_dense", "score_gradients", "backward_update"}),
+    ),
+    "triton": BackendSpec(
+        "triton", "rmt.ops.triton_backend", frozenset({"backward_dense", "score_gradients", "backward_update"})
+    ),
+    "cpu": BackendSpec(
+        "cpu", "rmt.ops.cpu_backend", frozenset({"backward_dense", "score_gradients", "backward_update"})
+    ),
     "reference": BackendSpec("reference", "rmt.ops.reference", frozenset({"score_gradients", "backward_update"})),
 }
 
@@ -90,8 +114,10 @@ class Backend:
         needed = ("is_available", "forward", "backward", *sorted(spec.kernels))
         missing = [k for k in needed if not hasattr(self.module, k)]
         if unknown or missing:
-            raise TypeError(f"lookup_reduce backend {spec.name!r} ({spec.module}) does not implement its declaration: "
-                            f"unknown kernels {sorted(unknown)}, missing {missing}")
+            raise TypeError(
+                f"lookup_reduce backend {spec.name!r} ({spec.module}) does not implement its declaration: "
+                f"unknown kernels {sorted(unknown)}, missing {missing}"
+            )
         self.sorts_in_forward = "forward_for_backward" in spec.kernels
 
     def is_available(self, device) -> bool:
@@ -149,8 +175,10 @@ def select_backend(device, backend=None, dtype=torch.float32):
     forced = backend or os.environ.get(ENV_BACKEND) or None
     if forced is not None:
         if dtype == torch.float64 and forced not in FLOAT64_BACKENDS:
-            raise ValueError(f"lookup_reduce: float64 runs only on the {' and '.join(FLOAT64_BACKENDS)} "
-                             f"backends; got backend {forced!r}")
+            raise ValueError(
+                f"lookup_reduce: float64 runs only on the {' and '.join(FLOAT64_BACKENDS)} "
+                f"backends; got backend {forced!r}"
+            )
         if not get_backend(forced).is_available(device):
             raise RuntimeError(f"lookup_reduce: backend {forced!r} is not available for {device} tensors")
         return forced

@@ -43,27 +43,43 @@ EXTENSIONS: Dict[str, dict] = {
     # -fno-math-errno (both optimizers): std::sqrt stays correctly rounded but sets no errno, so
     # the Adam row update vectorizes; with errno GCC kept it scalar (a branch and a libm call per
     # element), and SparseAdam's step took 2x (unfused) to 4x (fused) as long
-    "rmt_lookup_reduce_cpu": dict(sources=["lookup_reduce_cpu.cpp", "lookup_reduce_sort_cpu.cpp",
-                                           "lookup_reduce_forward_cpu.cpp", "lookup_reduce_backward_cpu.cpp",
-                                           "lookup_reduce_update_cpu.cpp"],
-                                  extra_cflags=_NATIVE_CPU + ["-ffp-contract=off", "-fno-math-errno"],
-                                  extra_ldflags=["-fopenmp"]),
+    "rmt_lookup_reduce_cpu": dict(
+        sources=[
+            "lookup_reduce_cpu.cpp",
+            "lookup_reduce_sort_cpu.cpp",
+            "lookup_reduce_forward_cpu.cpp",
+            "lookup_reduce_backward_cpu.cpp",
+            "lookup_reduce_update_cpu.cpp",
+        ],
+        extra_cflags=_NATIVE_CPU + ["-ffp-contract=off", "-fno-math-errno"],
+        extra_ldflags=["-fopenmp"],
+    ),
     # -ffp-contract=off: every product and sum rounded on its own, as in torch's formulation (a
     # fused multiply-add in the moment updates would differ from it by an ulp of a moment)
-    "rmt_sparse_optim_cpu": dict(sources=["sparse_optim_cpu.cpp"],
-                                 extra_cflags=_NATIVE_CPU + ["-ffp-contract=off", "-fno-math-errno"],
-                                 extra_ldflags=["-fopenmp"]),
-    "rmt_counter_normal_cpu": dict(sources=["counter_normal_cpu.cpp"],
-                                   extra_cflags=_NATIVE_CPU + ["-ffp-contract=off", "-fno-math-errno"],
-                                   extra_ldflags=["-fopenmp"]),
-    "rmt_tucker_select_cpu": dict(sources=["tucker_select_cpu.cpp"], extra_cflags=_NATIVE_CPU,
-                                  extra_ldflags=["-fopenmp"]),
-    "rmt_matrix_rmsnorm_cpu": dict(sources=["matrix_rmsnorm_cpu.cpp"], extra_cflags=_NATIVE_CPU,
-                                   extra_ldflags=["-fopenmp"]),
-    "rmt_matrix_write_cpu": dict(sources=["matrix_write_cpu.cpp"], extra_cflags=_NATIVE_CPU,
-                                 extra_ldflags=["-fopenmp"]),
-    "rmt_lookup_reduce_cuda": dict(sources=["lookup_reduce_cuda.cpp", "lookup_reduce_cuda_kernels.cu"],
-                                   extra_cflags=["-O3"], extra_cuda_cflags=["-O3"]),
+    "rmt_sparse_optim_cpu": dict(
+        sources=["sparse_optim_cpu.cpp"],
+        extra_cflags=_NATIVE_CPU + ["-ffp-contract=off", "-fno-math-errno"],
+        extra_ldflags=["-fopenmp"],
+    ),
+    "rmt_counter_normal_cpu": dict(
+        sources=["counter_normal_cpu.cpp"],
+        extra_cflags=_NATIVE_CPU + ["-ffp-contract=off", "-fno-math-errno"],
+        extra_ldflags=["-fopenmp"],
+    ),
+    "rmt_tucker_select_cpu": dict(
+        sources=["tucker_select_cpu.cpp"], extra_cflags=_NATIVE_CPU, extra_ldflags=["-fopenmp"]
+    ),
+    "rmt_matrix_rmsnorm_cpu": dict(
+        sources=["matrix_rmsnorm_cpu.cpp"], extra_cflags=_NATIVE_CPU, extra_ldflags=["-fopenmp"]
+    ),
+    "rmt_matrix_write_cpu": dict(
+        sources=["matrix_write_cpu.cpp"], extra_cflags=_NATIVE_CPU, extra_ldflags=["-fopenmp"]
+    ),
+    "rmt_lookup_reduce_cuda": dict(
+        sources=["lookup_reduce_cuda.cpp", "lookup_reduce_cuda_kernels.cu"],
+        extra_cflags=["-O3"],
+        extra_cuda_cflags=["-O3"],
+    ),
 }
 
 _cache: Dict[str, object] = {}
@@ -95,17 +111,27 @@ def cache_key(name: str, spec: dict) -> str:
         digest.update(str(path.name).encode() + b"\0" + path.read_bytes() + b"\0")
     flags = {k: v for k, v in spec.items() if k != "sources"}
     cuda = is_cuda(spec)
-    env = [name, json.dumps(flags, sort_keys=True), sys.prefix, sys.version, torch.__version__,
-           os.path.dirname(torch.__file__), str(torch.version.cuda),
-           str(cpp_extension.CUDA_HOME) if cuda else "", os.environ.get("CXX", "c++"),
-           _cpu_flags() if "-march=native" in spec.get("extra_cflags", ()) else ""]
+    env = [
+        name,
+        json.dumps(flags, sort_keys=True),
+        sys.prefix,
+        sys.version,
+        torch.__version__,
+        os.path.dirname(torch.__file__),
+        str(torch.version.cuda),
+        str(cpp_extension.CUDA_HOME) if cuda else "",
+        os.environ.get("CXX", "c++"),
+        _cpu_flags() if "-march=native" in spec.get("extra_cflags", ()) else "",
+    ]
     digest.update("\0".join(env).encode())
     return digest.hexdigest()[:16]
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR")
-                or os.path.join(os.path.expanduser("~"), ".cache", "rmt", "torch_extensions"))
+    return Path(
+        os.environ.get("TORCH_EXTENSIONS_DIR")
+        or os.path.join(os.path.expanduser("~"), ".cache", "rmt", "torch_extensions")
+    )
 
 
 def build_dir(name: str, spec: Optional[dict] = None) -> Path:
@@ -159,8 +185,13 @@ def _build(name: str, spec: dict, folder: Path):
         # a copy of the flags: torch's load() appends its own link flags to the extra_ldflags list
         # it is given, which changed the spec, and so its cache key, for the rest of the process
         options = copy.deepcopy({k: v for k, v in spec.items() if k != "sources"})
-        module = cpp_extension.load(name=name, sources=[str(CSRC / s) for s in spec["sources"]],
-                                    build_directory=str(folder), verbose=False, **options)
+        module = cpp_extension.load(
+            name=name,
+            sources=[str(CSRC / s) for s in spec["sources"]],
+            build_directory=str(folder),
+            verbose=False,
+            **options,
+        )
         (folder / "complete").touch()
         _say(f"built {name} in {time.perf_counter() - start:.0f} s")
         return module
@@ -177,8 +208,9 @@ def load_extension(name: str, spec: Optional[dict] = None):
             _cache[name] = _import(name, _binary(folder, name)) if _built(folder) else _build(name, spec, folder)
         except Exception as exc:  # compiler missing, headers missing, link errors...
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            warnings.warn(f"rmt.ops: building extension {name} failed ({first}); falling back",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"rmt.ops: building extension {name} failed ({first}); falling back", RuntimeWarning, stacklevel=3
+            )
             _cache[name] = None
     return _cache[name]
 

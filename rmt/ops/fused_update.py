@@ -78,8 +78,9 @@ class FusedValueUpdate:
     (what the scheduler set) and hyper-parameters. ``group`` / ``grad_scale``: see the module
     docstring. ``final``, ``pending``: the step's last lookups and their backwards still to run."""
 
-    def __init__(self, param: torch.nn.Parameter, optimizer: torch.optim.Optimizer, group=None,
-                 grad_scale: float = 1.0):
+    def __init__(
+        self, param: torch.nn.Parameter, optimizer: torch.optim.Optimizer, group=None, grad_scale: float = 1.0
+    ):
         from .sparse_optim import RowWiseAdagrad, SparseAdam
 
         if isinstance(optimizer, SparseAdam):
@@ -87,8 +88,10 @@ class FusedValueUpdate:
         elif isinstance(optimizer, RowWiseAdagrad):
             self.kind = ROWWISE_ADAGRAD
         else:
-            raise TypeError(f"FusedValueUpdate: optimizer must be rmt's SparseAdam or RowWiseAdagrad; "
-                            f"got {type(optimizer).__name__}")
+            raise TypeError(
+                f"FusedValueUpdate: optimizer must be rmt's SparseAdam or RowWiseAdagrad; "
+                f"got {type(optimizer).__name__}"
+            )
         self.param_group = next((g for g in optimizer.param_groups if any(p is param for p in g["params"])), None)
         if self.param_group is None:
             raise ValueError("FusedValueUpdate: the optimizer does not hold this parameter")
@@ -114,8 +117,18 @@ class FusedValueUpdate:
         sq, self.sq_norm = self.sq_norm, 0.0
         return float(sq) if host else sq
 
-    def backward(self, final: bool, backend: str, grad_out, table, indices, scores, block_ids, num_blocks,
-                 need_scores: bool = True):
+    def backward(
+        self,
+        final: bool,
+        backend: str,
+        grad_out,
+        table,
+        indices,
+        scores,
+        block_ids,
+        num_blocks,
+        need_scores: bool = True,
+    ):
         """The op's backward: the score gradients (None unless ``need_scores``); steps the table on
         the step's last backward."""
         entry = (grad_out, indices, scores.detach(), block_ids, num_blocks)
@@ -147,8 +160,17 @@ class FusedValueUpdate:
             state["step"] += 1
             beta1, beta2 = g["betas"]
             sign = -1.0 if g.get("maximize", False) else 1.0
-            return (state["exp_avg"], state["exp_avg_sq"], float(g["lr"]), beta1, beta2, g["eps"], 0.0,
-                    int(state["step"]), sign)
+            return (
+                state["exp_avg"],
+                state["exp_avg_sq"],
+                float(g["lr"]),
+                beta1,
+                beta2,
+                g["eps"],
+                0.0,
+                int(state["step"]),
+                sign,
+            )
         return state["sum"], None, float(g["lr"]), 0.0, 0.0, g["eps"], g["weight_decay"], 0, 1.0
 
     @torch.no_grad()
@@ -170,8 +192,25 @@ class FusedValueUpdate:
                 block_ids = torch.cat(_all_gather_tokens(block_ids, self.group))
         state1, state2, lr, beta1, beta2, eps, wd, step, sign = self._hyper()
         grad_scores, sq = get_backend(backend).backward_update(
-            grad_out.contiguous(), table, indices.contiguous(), scores.contiguous(), block_ids, num_blocks, first,
-            count, self.kind, state1, state2, lr, beta1, beta2, eps, wd, step, sign * self.grad_scale)
+            grad_out.contiguous(),
+            table,
+            indices.contiguous(),
+            scores.contiguous(),
+            block_ids,
+            num_blocks,
+            first,
+            count,
+            self.kind,
+            state1,
+            state2,
+            lr,
+            beta1,
+            beta2,
+            eps,
+            wd,
+            step,
+            sign * self.grad_scale,
+        )
         torch.autograd.graph.increment_version(self.param)
         self.sq_norm = self.sq_norm + sq  # a device scalar on a GPU: read when clipping
         self.updates += 1
@@ -194,6 +233,7 @@ class LookupReduceUpdateFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         table, scores, indices, block_ids = ctx.saved_tensors
         grad_out = contiguous_as(grad_out, scores.dtype)
-        grad_scores = ctx.update.backward(ctx.final, ctx.backend, grad_out, table, indices, scores, block_ids,
-                                          ctx.num_blocks, ctx.needs_input_grad[1])
+        grad_scores = ctx.update.backward(
+            ctx.final, ctx.backend, grad_out, table, indices, scores, block_ids, ctx.num_blocks, ctx.needs_input_grad[1]
+        )
         return None, grad_scores, None, None, None, None, None

@@ -85,15 +85,17 @@ class LookupReduceFunction(torch.autograd.Function):
             rows, values, grad_scores = ctx.impl.backward(*args, **prep)
             grad_table = None
             if ctx.needs_input_grad[0]:
-                grad_table = torch.sparse_coo_tensor(rows.unsqueeze(0), values, table.shape,
-                                                     is_coalesced=True, check_invariants=False)
+                grad_table = torch.sparse_coo_tensor(
+                    rows.unsqueeze(0), values, table.shape, is_coalesced=True, check_invariants=False
+                )
         if not ctx.needs_input_grad[1]:
             grad_scores = None
         return grad_table, grad_scores, None, None, None, None, None
 
 
-def lookup_reduce(table, indices, scores, block_ids=None, num_blocks=1, *, backend=None,
-                  sparse_grad=False, validate=True, update=None):
+def lookup_reduce(
+    table, indices, scores, block_ids=None, num_blocks=1, *, backend=None, sparse_grad=False, validate=True, update=None
+):
     """Gather-and-weighted-sum of memory value rows, grouped by IVE virtual block.
 
     Args:
@@ -128,7 +130,9 @@ def lookup_reduce(table, indices, scores, block_ids=None, num_blocks=1, *, backe
 
         if not table.is_contiguous():
             raise ValueError("lookup_reduce: a table stepped in the backward (update=) must be contiguous")
-        return LookupReduceUpdateFunction.apply(table, scores.contiguous(), indices, block_ids, num_blocks, name,
-                                                update)
-    return LookupReduceFunction.apply(table.contiguous(), scores.contiguous(), indices,
-                                      block_ids, num_blocks, name, sparse_grad)
+        return LookupReduceUpdateFunction.apply(
+            table, scores.contiguous(), indices, block_ids, num_blocks, name, update
+        )
+    return LookupReduceFunction.apply(
+        table.contiguous(), scores.contiguous(), indices, block_ids, num_blocks, name, sparse_grad
+    )

@@ -87,7 +87,8 @@ class FusedMatrixRMSNormRead(torch.autograd.Function):
         if grad_residual is not None:
             grad_residual = grad_residual.to(x.dtype).contiguous()
         grad_x, grad_gain, grad_keys = _ext().norm_read_backward(
-            grad.to(x.dtype).contiguous(), x, gain, keys, rstd, ctx.key_major, want[1], want[2], grad_residual)
+            grad.to(x.dtype).contiguous(), x, gain, keys, rstd, ctx.key_major, want[1], want[2], grad_residual
+        )
         return grad_x, (grad_gain if want[1] else None), (grad_keys if want[2] else None), None, None, None
 
 
@@ -101,8 +102,13 @@ def _backend(op: str, backend, x: torch.Tensor, *params: torch.Tensor) -> str:
     """``backend`` checked, or when None ``"cpu"`` for a contiguous 2-D CPU ``x`` of a fused dtype
     whose ``params`` share its dtype (where the kernel builds), else ``"torch"``."""
     if backend is None:
-        fits = (x.device.type == "cpu" and x.dim() == 2 and x.dtype in _FUSED_DTYPES and x.is_contiguous()
-                and all(p.dtype == x.dtype for p in params))
+        fits = (
+            x.device.type == "cpu"
+            and x.dim() == 2
+            and x.dtype in _FUSED_DTYPES
+            and x.is_contiguous()
+            and all(p.dtype == x.dtype for p in params)
+        )
         return "cpu" if fits and _ext() is not None else "torch"
     if backend not in BACKENDS:
         raise ValueError(f"{op}: backend must be one of {BACKENDS}; got {backend!r}")
@@ -118,8 +124,15 @@ def matrix_rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float, backend: st
     return TorchMatrixRMSNorm.apply(x, gain, eps)
 
 
-def matrix_rms_norm_read(x: torch.Tensor, gain: torch.Tensor, keys: torch.Tensor, eps: float,
-                         key_major: bool = False, backend: str = None, pass_residual: bool = False):
+def matrix_rms_norm_read(
+    x: torch.Tensor,
+    gain: torch.Tensor,
+    keys: torch.Tensor,
+    eps: float,
+    key_major: bool = False,
+    backend: str = None,
+    pass_residual: bool = False,
+):
     """Normalize ``x [T, Dv*Dk]`` (gain ``[Dv*Dk]``) and read it with ``keys [n, Dk]`` (Eq. 13):
     ``[T*Dv, n]`` with row ``t*Dv + v``, or with ``key_major`` its transpose ``[n, T*Dv]`` (then
     each key's reads of a token's Dv entries are contiguous). ``backend``: ``"cpu"`` (the fused

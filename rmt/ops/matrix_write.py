@@ -35,8 +35,11 @@ class FusedMatrixWrite(torch.autograd.Function):
     def backward(ctx, grad):
         data, keys = ctx.saved_tensors
         want = ctx.needs_input_grad
-        grad_data, grad_keys = (_ext().backward(grad.contiguous(), data, keys.detach(), want[0], want[1])
-                                if want[0] or want[1] else (None, None))
+        grad_data, grad_keys = (
+            _ext().backward(grad.contiguous(), data, keys.detach(), want[0], want[1])
+            if want[0] or want[1]
+            else (None, None)
+        )
         grad_residual = grad if len(want) == 3 and want[2] else None  # apply(data, keys): two inputs
         return (grad_data if want[0] else None), (grad_keys if want[1] else None), grad_residual
 
@@ -52,12 +55,18 @@ def _fits(flat: torch.Tensor, keys: torch.Tensor) -> bool:
     inputs, or float32 / bf16 inputs under CPU autocast to bf16 (:func:`_bf16_write`, which adds a
     residual afterwards)."""
     if torch.is_autocast_enabled("cpu"):
-        dtypes = (torch.get_autocast_dtype("cpu") == torch.bfloat16
-                  and {flat.dtype, keys.dtype} <= {torch.float32, torch.bfloat16})
+        dtypes = torch.get_autocast_dtype("cpu") == torch.bfloat16 and {flat.dtype, keys.dtype} <= {
+            torch.float32,
+            torch.bfloat16,
+        }
     else:
         dtypes = flat.dtype == keys.dtype == torch.float32
-    return (flat.device.type == "cpu" and dtypes and keys.shape[0] in (16, 32)
-            and (flat.is_contiguous() or flat.t().is_contiguous()))
+    return (
+        flat.device.type == "cpu"
+        and dtypes
+        and keys.shape[0] in (16, 32)
+        and (flat.is_contiguous() or flat.t().is_contiguous())
+    )
 
 
 def _bf16_write(flat: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -73,8 +82,9 @@ def _bf16_write(flat: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return out.to(torch.bfloat16)
 
 
-def matrix_write(data: torch.Tensor, keys: torch.Tensor, backend: str = None,
-                 residual: torch.Tensor = None) -> torch.Tensor:
+def matrix_write(
+    data: torch.Tensor, keys: torch.Tensor, backend: str = None, residual: torch.Tensor = None
+) -> torch.Tensor:
     """``data [..., n]`` written with ``keys [Dk, n]``: ``[..., Dk]``, plus ``residual`` (that shape)
     where given. ``backend``: ``"cpu"`` (the kernel; by default wherever it applies: CPU float32,
     or under CPU autocast to bf16, Dk 16 or 32, data rows token- or key-major, the extension

@@ -77,16 +77,35 @@ def score_gradients(grad_out, table, indices, scores, block_ids, num_blocks):
     return (rows * g).sum(-1).view(T, K, C).to(scores.dtype)
 
 
-def reference_backward_update(grad_out, table, indices, scores, block_ids, num_blocks, score_first, score_tokens,
-                              optimizer, state1, state2, lr, beta1, beta2, eps, weight_decay, step, grad_scale):
+def reference_backward_update(
+    grad_out,
+    table,
+    indices,
+    scores,
+    block_ids,
+    num_blocks,
+    score_first,
+    score_tokens,
+    optimizer,
+    state1,
+    state2,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    step,
+    grad_scale,
+):
     """Plain torch: the reference backward's gradient rows (unrounded), times ``grad_scale``, stepped
     by :func:`~rmt.ops.sparse_optim.sparse_adam_update_` or
     :func:`~rmt.ops.sparse_optim.rowwise_adagrad_update_`. Returns (score gradients of tokens
     ``[score_first, score_first + score_tokens)``, squared norm of the scaled gradient)."""
     from .sparse_optim import rowwise_adagrad_update_, sparse_adam_update_
 
-    rows, values, grad_scores = reference_backward(grad_out, table, indices, scores, block_ids, num_blocks,
-                                                   grad_dtype=acc_dtype(scores.dtype))
+    rows, values, grad_scores = reference_backward(
+        grad_out, table, indices, scores, block_ids, num_blocks, grad_dtype=acc_dtype(scores.dtype)
+    )
     if grad_scale != 1.0:
         values = values * grad_scale
     sq = float(values.double().pow(2).sum())
@@ -94,7 +113,7 @@ def reference_backward_update(grad_out, table, indices, scores, block_ids, num_b
         sparse_adam_update_(table, state1, state2, rows, values, lr, beta1, beta2, eps, step)
     else:
         rowwise_adagrad_update_(table, state1, rows, values, lr, eps, weight_decay)
-    return grad_scores[score_first:score_first + score_tokens], sq
+    return grad_scores[score_first : score_first + score_tokens], sq
 
 
 forward = reference_forward

@@ -74,6 +74,7 @@ def fused_kernels(param):
         return _ext()
     if param.device.type == "cuda" and importlib.util.find_spec("triton") is not None:
         from . import triton_sparse_optim
+
         return triton_sparse_optim
     return None
 
@@ -149,7 +150,7 @@ def sparse_adam_update_(param, exp_avg, exp_avg_sq, rows, values, lr, beta1, bet
     v = g.pow(2).sub_(old_v).mul_(1 - beta2).add_(old_v)
     exp_avg.index_copy_(0, rows, m)
     exp_avg_sq.index_copy_(0, rows, v)
-    step_size = lr * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step)
+    step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
     new = param.index_select(0, rows).to(exp_avg.dtype).add_(m.div_(v.sqrt_().add_(eps)).mul_(-step_size))
     param.index_copy_(0, rows, new.to(param.dtype))
 
@@ -165,9 +166,11 @@ class SparseAdam(_StateDtypes, torch.optim.SparseAdam):
     def initial_state(p):
         """``step`` 0 and zero moments of :func:`adam_state_dtype` (torch's SparseAdam creates
         them on a parameter's first step, of the parameter's dtype)."""
-        return {"step": 0,
-                "exp_avg": torch.zeros_like(p, dtype=adam_state_dtype(p), memory_format=torch.preserve_format),
-                "exp_avg_sq": torch.zeros_like(p, dtype=adam_state_dtype(p), memory_format=torch.preserve_format)}
+        return {
+            "step": 0,
+            "exp_avg": torch.zeros_like(p, dtype=adam_state_dtype(p), memory_format=torch.preserve_format),
+            "exp_avg_sq": torch.zeros_like(p, dtype=adam_state_dtype(p), memory_format=torch.preserve_format),
+        }
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -193,8 +196,18 @@ class SparseAdam(_StateDtypes, torch.optim.SparseAdam):
                     continue
                 kernels = fused_kernels(p) if _fused_adam_dtype(p) else None
                 update = kernels.sparse_adam_step if kernels is not None else sparse_adam_update_
-                update(p, state["exp_avg"], state["exp_avg_sq"], rows, values.contiguous(), float(group["lr"]),
-                       beta1, beta2, group["eps"], int(state["step"]))
+                update(
+                    p,
+                    state["exp_avg"],
+                    state["exp_avg_sq"],
+                    rows,
+                    values.contiguous(),
+                    float(group["lr"]),
+                    beta1,
+                    beta2,
+                    group["eps"],
+                    int(state["step"]),
+                )
         return loss
 
 
@@ -220,7 +233,9 @@ class RowWiseAdagrad(_StateDtypes, torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-2, eps=1e-10, weight_decay=0.0):
         if lr <= 0 or eps < 0 or weight_decay < 0:
-            raise ValueError(f"RowWiseAdagrad: need lr > 0, eps >= 0, weight_decay >= 0; got {lr}, {eps}, {weight_decay}")
+            raise ValueError(
+                f"RowWiseAdagrad: need lr > 0, eps >= 0, weight_decay >= 0; got {lr}, {eps}, {weight_decay}"
+            )
         super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay))
 
     @staticmethod
@@ -251,11 +266,19 @@ class RowWiseAdagrad(_StateDtypes, torch.optim.Optimizer):
                 rows, values = rows_and_values(p.grad)
                 ext = fused_kernels(p)
                 if ext is not None:
-                    ext.rowwise_adagrad_step(p, state["sum"], rows, values.contiguous(), float(group["lr"]),
-                                             group["eps"], group["weight_decay"])
+                    ext.rowwise_adagrad_step(
+                        p,
+                        state["sum"],
+                        rows,
+                        values.contiguous(),
+                        float(group["lr"]),
+                        group["eps"],
+                        group["weight_decay"],
+                    )
                 else:
-                    rowwise_adagrad_update_(p, state["sum"], rows, values, group["lr"], group["eps"],
-                                            group["weight_decay"])
+                    rowwise_adagrad_update_(
+                        p, state["sum"], rows, values, group["lr"], group["eps"], group["weight_decay"]
+                    )
         return loss
 
 

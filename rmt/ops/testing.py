@@ -23,8 +23,13 @@ TOLERANCES = {
 }
 
 # The (table dtype, scores dtype) pairs of the op's contract on every backend but float64.
-DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
-               (torch.bfloat16, torch.float32), (torch.float16, torch.float32)]
+DTYPE_PAIRS = [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float16),
+    (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float32),
+]
 
 
 def make_case(N, D, T, K, C, E, dtype=torch.float32, seed=0, device="cpu", table_dtype=None):
@@ -52,8 +57,9 @@ def run_op(fn, table, indices, scores, block_ids, num_blocks, grad_out, **kwargs
     return out.detach(), g_table, g_scores
 
 
-def check_backend(backend, case, dtype=torch.float32, sparse_grad=False, seed=0, device="cpu", tolerance=None,
-                  table_dtype=None):
+def check_backend(
+    backend, case, dtype=torch.float32, sparse_grad=False, seed=0, device="cpu", tolerance=None, table_dtype=None
+):
     """Assert that ``backend`` on ``device`` matches the plain-torch reference (autograd, on the
     CPU) on one case: scores of ``dtype``, a table of ``table_dtype`` (default ``dtype``).
 
@@ -67,13 +73,10 @@ def check_backend(backend, case, dtype=torch.float32, sparse_grad=False, seed=0,
     table_dtype = table_dtype or dtype
     table, indices, scores, block_ids, grad_out = make_case(N, D, T, K, C, E, dtype, seed, table_dtype=table_dtype)
     moved = [x if x is None else x.to(device) for x in (table, indices, scores, block_ids, grad_out)]
-    got = [x.cpu() for x in run_op(lookup_reduce, *moved[:4], E, moved[4], backend=backend,
-                                   sparse_grad=sparse_grad)]
+    got = [x.cpu() for x in run_op(lookup_reduce, *moved[:4], E, moved[4], backend=backend, sparse_grad=sparse_grad)]
     wide = acc_dtype(dtype)
-    want = run_op(reference_forward, table.to(wide), indices, scores.to(wide), block_ids, E,
-                  grad_out.to(wide))
-    for name, g, w, want_dtype in zip(("output", "table grad", "scores grad"), got, want,
-                                      (dtype, table_dtype, dtype)):
+    want = run_op(reference_forward, table.to(wide), indices, scores.to(wide), block_ids, E, grad_out.to(wide))
+    for name, g, w, want_dtype in zip(("output", "table grad", "scores grad"), got, want, (dtype, table_dtype, dtype)):
         assert g.dtype == want_dtype, f"{backend} {name} dtype {g.dtype} != {want_dtype}"
         tol = TOLERANCES[want_dtype] if want_dtype != dtype else (tolerance or TOLERANCES[dtype])
         torch.testing.assert_close(g.to(wide), w, **tol, msg=lambda m: f"{backend} {name} {case} {dtype}: {m}")
@@ -95,8 +98,9 @@ def _gamma(n, unit_roundoff):
     return nu / (1 - nu)
 
 
-def check_narrow_table(backend, case, table_dtype=torch.bfloat16, sparse_grad=False, seed=0, device="cpu",
-                       rounding="rne"):
+def check_narrow_table(
+    backend, case, table_dtype=torch.bfloat16, sparse_grad=False, seed=0, device="cpu", rounding="rne"
+):
     """A bf16/fp16 table with fp32 scores (the op's mixed-precision contract) on ``backend``:
 
     1. the same as the backend's fp32 computation on the table's values upcast, bit for bit: the
@@ -112,23 +116,31 @@ def check_narrow_table(backend, case, table_dtype=torch.bfloat16, sparse_grad=Fa
        gamma_n(2^-53) * sum|terms| (added).
     """
     N, D, T, K, C, E = case
-    table, indices, scores, block_ids, grad_out = make_case(N, D, T, K, C, E, torch.float32, seed,
-                                                            table_dtype=table_dtype)
+    table, indices, scores, block_ids, grad_out = make_case(
+        N, D, T, K, C, E, torch.float32, seed, table_dtype=table_dtype
+    )
     moved = [x if x is None else x.to(device) for x in (table, indices, scores, block_ids, grad_out)]
     got = [x.cpu() for x in run_op(lookup_reduce, *moved[:4], E, moved[4], backend=backend, sparse_grad=sparse_grad)]
-    wide = [x.cpu() for x in run_op(lookup_reduce, moved[0].float(), *moved[1:4], E, moved[4], backend=backend,
-                                    sparse_grad=sparse_grad)]
+    wide = [
+        x.cpu()
+        for x in run_op(
+            lookup_reduce, moved[0].float(), *moved[1:4], E, moved[4], backend=backend, sparse_grad=sparse_grad
+        )
+    ]
     assert [g.dtype for g in got] == [torch.float32, table_dtype, torch.float32]
     for name, g, w in zip(("output", "table grad", "scores grad"), got, wide):
-        assert torch.equal(g, round_fp32(w, g.dtype, rounding)), f"{backend} {name} {case}: not the fp32 result rounded once"
+        assert torch.equal(g, round_fp32(w, g.dtype, rounding)), (
+            f"{backend} {name} {case}: not the fp32 result rounded once"
+        )
 
     f64 = lambda x: None if x is None else x.double()  # noqa: E731
     exact_out = reference_forward(f64(table), indices, f64(scores), block_ids, E)
     rows, exact_rows, exact_scores = reference_backward(f64(grad_out), f64(table), indices, f64(scores), block_ids, E)
     abs_out = reference_forward(f64(table).abs(), indices, f64(scores).abs(), block_ids, E)
-    _, abs_rows, abs_scores = reference_backward(f64(grad_out).abs(), f64(table).abs(), indices, f64(scores).abs(),
-                                                 block_ids, E)
-    u32, u64 = 2.0 ** -24, 2.0 ** -53
+    _, abs_rows, abs_scores = reference_backward(
+        f64(grad_out).abs(), f64(table).abs(), indices, f64(scores).abs(), block_ids, E
+    )
+    u32, u64 = 2.0**-24, 2.0**-53
     finfo = torch.finfo(table_dtype)
     u_table, half_subnormal = finfo.eps / (2 if rounding == "rne" else 1), finfo.tiny * finfo.eps / 2
     counts = torch.bincount(indices.reshape(-1), minlength=N)[rows].double().unsqueeze(1)
@@ -138,10 +150,13 @@ def check_narrow_table(backend, case, table_dtype=torch.bfloat16, sparse_grad=Fa
 
     exact_table = torch.zeros(N, D, dtype=torch.float64).index_copy_(0, rows, exact_rows)
     bound_table = torch.zeros(N, D, dtype=torch.float64).index_copy_(
-        0, rows, u_table * exact_rows.abs() + (1 + u_table) * gammas(counts) * abs_rows + half_subnormal)
-    for name, g, exact, bound in (("output", got[0], exact_out, gammas(K) * abs_out),
-                                  ("table grad", got[1], exact_table, bound_table),
-                                  ("scores grad", got[2], exact_scores, gammas(D // C) * abs_scores)):
+        0, rows, u_table * exact_rows.abs() + (1 + u_table) * gammas(counts) * abs_rows + half_subnormal
+    )
+    for name, g, exact, bound in (
+        ("output", got[0], exact_out, gammas(K) * abs_out),
+        ("table grad", got[1], exact_table, bound_table),
+        ("scores grad", got[2], exact_scores, gammas(D // C) * abs_scores),
+    ):
         excess = (g.double() - exact).abs() - bound
         assert bool((excess <= 0).all()), f"{backend} {name} {case}: beyond the derived bound by {excess.max():.3g}"
 
@@ -153,8 +168,10 @@ def assert_rounded_within(got, x, bound, rounding="rne", what=""):
     lo = round_fp32((x.double() - bound).float(), got.dtype, rounding)
     hi = round_fp32((x.double() + bound).float(), got.dtype, rounding)
     bad = ~((got >= lo) & (got <= hi))
-    assert not bool(bad.any()), (f"{what}: {int(bad.sum())} entries are no rounding of a value within the bound, "
-                                 f"e.g. {got[bad][:3].tolist()} for {x[bad][:3].tolist()}")
+    assert not bool(bad.any()), (
+        f"{what}: {int(bad.sum())} entries are no rounding of a value within the bound, "
+        f"e.g. {got[bad][:3].tolist()} for {x[bad][:3].tolist()}"
+    )
 
 
 # How far a fused row-wise optimizer kernel's fp32 row may lie from the torch reference's, as a
@@ -164,11 +181,11 @@ def assert_rounded_within(got, x, bound, rounding="rne", what=""):
 # quotient, the step and the subtraction by a few rounding units: 2^-20 covers 2^-22 + 2^-23 +
 # 2^-24 ... with room. Row-wise Adagrad also sums a row's D squares in another order: the
 # accumulators differ by up to 2 gamma_{D+1} relative, the scale by half that.
-ADAM_REL = 2.0 ** -20
+ADAM_REL = 2.0**-20
 
 
 def adagrad_rel(D):
-    return _gamma(D + 1, 2.0 ** -24) + 2.0 ** -20
+    return _gamma(D + 1, 2.0**-24) + 2.0**-20
 
 
 def check_row_optimizer_kernels(impl, table_dtype, device="cpu", rounding="rne", seed=0):
@@ -202,29 +219,40 @@ def check_row_optimizer_kernels(impl, table_dtype, device="cpu", rounding="rne",
             param, copies = t.clone(), [x.clone() for x in state]
             update(param, *copies, rows, values.to(t.dtype), *(adam if len(state) == 2 else adagrad))
             return [param] + copies
+
         return go(table.float()), go(table)
 
     for name, ref_update, kernel_update, state, rel in (
-            ("sparse_adam", sparse_adam_update_, impl.sparse_adam_step, (m0, v0), ADAM_REL),
-            ("rowwise_adagrad", rowwise_adagrad_update_, impl.rowwise_adagrad_step, (s0,), adagrad_rel(D))):
+        ("sparse_adam", sparse_adam_update_, impl.sparse_adam_step, (m0, v0), ADAM_REL),
+        ("rowwise_adagrad", rowwise_adagrad_update_, impl.rowwise_adagrad_step, (s0,), adagrad_rel(D)),
+    ):
         ref32, ref_narrow = run(ref_update, *state)
         ker32, ker_narrow = run(kernel_update, *state)
         x = ref32[0]
         assert torch.equal(ref_narrow[0], round_fp32(x, table_dtype)), f"{name} reference: not fp32 rounded once"
-        assert torch.equal(ker_narrow[0], round_fp32(ker32[0], table_dtype, rounding)), \
+        assert torch.equal(ker_narrow[0], round_fp32(ker32[0], table_dtype, rounding)), (
             f"{name} kernel: not its fp32 step rounded once"
+        )
         for got, want in zip(ref_narrow[1:] + ker_narrow[1:], ref32[1:] + ker32[1:]):
             assert got.dtype == torch.float32 and torch.equal(got, want), f"{name}: state differs from the fp32 step"
         if name == "sparse_adam":
             for got, want in zip(ker32[1:], ref32[1:]):
                 assert torch.equal(got, want), f"{name} kernel moments differ from the reference"
         else:
-            torch.testing.assert_close(ker32[1], ref32[1], rtol=2 * _gamma(D + 1, 2.0 ** -24), atol=0)
-        bound = rel * (x - table.float()).abs() + 2.0 ** -21 * x.abs()
+            torch.testing.assert_close(ker32[1], ref32[1], rtol=2 * _gamma(D + 1, 2.0**-24), atol=0)
+        bound = rel * (x - table.float()).abs() + 2.0**-21 * x.abs()
         assert_rounded_within(ker32[0], x, bound, "rne", f"{name} fp32 kernel vs reference")
         assert_rounded_within(ker_narrow[0], x, bound, rounding, f"{name} {table_dtype} kernel vs reference")
-    check_zero_decay(lambda param, state, u_rows, u_values: impl.rowwise_adagrad_step(
-        param, state, u_rows, u_values, *adagrad[:2], 0.0), table.float(), rows, values.float(), s0, *adagrad[:2])
+    check_zero_decay(
+        lambda param, state, u_rows, u_values: impl.rowwise_adagrad_step(
+            param, state, u_rows, u_values, *adagrad[:2], 0.0
+        ),
+        table.float(),
+        rows,
+        values.float(),
+        s0,
+        *adagrad[:2],
+    )
 
 
 def check_zero_decay(step, table, rows, values, state, lr, eps):
@@ -244,12 +272,13 @@ def check_zero_decay(step, table, rows, values, state, lr, eps):
     rowwise_adagrad_update_(want, want_state, rows, values, lr, eps, 0.0)
     D = table.shape[1]
     assert bool(want_state.isfinite().all()), "reference: a sum is not finite"
-    torch.testing.assert_close(got_state, want_state, rtol=2 * _gamma(D + 1, 2.0 ** -24), atol=0)
+    torch.testing.assert_close(got_state, want_state, rtol=2 * _gamma(D + 1, 2.0**-24), atol=0)
     finite = start.isfinite()
-    assert torch.equal(got[~finite], start[~finite]) and torch.equal(want[~finite], start[~finite]), \
+    assert torch.equal(got[~finite], start[~finite]) and torch.equal(want[~finite], start[~finite]), (
         "an infinite weight did not stay as it was"
+    )
     x = want[finite]
-    bound = adagrad_rel(D) * (x - start[finite]).abs() + 2.0 ** -21 * x.abs()
+    bound = adagrad_rel(D) * (x - start[finite]).abs() + 2.0**-21 * x.abs()
     assert_rounded_within(got[finite], x, bound, "rne", "row-wise Adagrad at weight_decay 0 vs reference")
 
 
@@ -265,7 +294,7 @@ def check_fused_zero_decay(backend, device="cpu", seed=0):
     N, D, T, K = 40, 24, 6, 4
     table = torch.randn(N, D, generator=gen)
     # distinct rows: each touched row's gradient is one product, the same bits in every backend
-    indices = torch.randperm(N, generator=gen)[:T * K].view(T, K)
+    indices = torch.randperm(N, generator=gen)[: T * K].view(T, K)
     scores = torch.randn(T, K, 1, generator=gen)
     grad_out = torch.randn(T, 1, D, generator=gen)
     ref = table.clone().requires_grad_(True)
@@ -281,7 +310,8 @@ def check_fused_zero_decay(backend, device="cpu", seed=0):
         opt.state[p]["sum"] = state.to(device)
         update = FusedValueUpdate(p, opt)
         lookup_reduce(p, indices.to(device), scores.to(device), backend=backend, update=update).backward(
-            grad_out.to(device))
+            grad_out.to(device)
+        )
         param.copy_(p.detach().cpu())
         state.copy_(opt.state[p]["sum"].cpu())
 

@@ -36,8 +36,19 @@ def forward(table, indices, scores, block_ids, num_blocks):
     out = torch.empty(T, num_blocks, D, dtype=scores.dtype, device=table.device)
     has_blocks = block_ids is not None
     lookup_reduce_fwd_kernel[(T, num_blocks)](
-        table, indices, scores, block_ids if has_blocks else indices, out, K, D, num_blocks,
-        D // C, C=C, HAS_BLOCKS=has_blocks, BLOCK_D=_block_d(D))
+        table,
+        indices,
+        scores,
+        block_ids if has_blocks else indices,
+        out,
+        K,
+        D,
+        num_blocks,
+        D // C,
+        C=C,
+        HAS_BLOCKS=has_blocks,
+        BLOCK_D=_block_d(D),
+    )
     return out
 
 
@@ -67,9 +78,25 @@ def _launch_backward(grad_out, table, indices, scores, block_ids, num_blocks, ds
     grad_scores = torch.empty_like(scores)
     has_blocks = block_ids is not None
     lookup_reduce_bwd_kernel[(indices.numel(),)](
-        grad_out, table, scores, block_ids if has_blocks else indices, positions, seg_start,
-        rows, num_unique, dst, grad_scores, K, D, num_blocks, D // C, C=C, HAS_BLOCKS=has_blocks,
-        DENSE=dense, BLOCK_D=_block_d(D))
+        grad_out,
+        table,
+        scores,
+        block_ids if has_blocks else indices,
+        positions,
+        seg_start,
+        rows,
+        num_unique,
+        dst,
+        grad_scores,
+        K,
+        D,
+        num_blocks,
+        D // C,
+        C=C,
+        HAS_BLOCKS=has_blocks,
+        DENSE=dense,
+        BLOCK_D=_block_d(D),
+    )
     return rows, num_unique, grad_scores
 
 
@@ -77,8 +104,9 @@ def backward(grad_out, table, indices, scores, block_ids, num_blocks):
     """(unique rows [U], their gradient rows [U, D], score gradients): U is read once, after
     the kernel is queued."""
     values = torch.empty(indices.numel(), table.shape[1], dtype=table.dtype, device=table.device)
-    rows, num_unique, grad_scores = _launch_backward(grad_out, table, indices, scores, block_ids, num_blocks,
-                                                     values, False)
+    rows, num_unique, grad_scores = _launch_backward(
+        grad_out, table, indices, scores, block_ids, num_blocks, values, False
+    )
     count = int(num_unique)
     return rows[:count], values[:count], grad_scores
 
@@ -97,8 +125,26 @@ def score_gradients(grad_out, table, indices, scores, block_ids, num_blocks):
     return torch_score_gradients(grad_out, table, indices, scores, block_ids, num_blocks)
 
 
-def backward_update(grad_out, table, indices, scores, block_ids, num_blocks, score_first, score_tokens, optimizer,
-                    state1, state2, lr, beta1, beta2, eps, weight_decay, step, grad_scale):
+def backward_update(
+    grad_out,
+    table,
+    indices,
+    scores,
+    block_ids,
+    num_blocks,
+    score_first,
+    score_tokens,
+    optimizer,
+    state1,
+    state2,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    step,
+    grad_scale,
+):
     """The backward with the optimizer step fused in (:mod:`rmt.ops.fused_update`): one program
     per unique row sums its gradient, computes its lookups' score gradients and steps the row and
     its state in place; no gradient row is stored. Returns (score gradients of tokens
@@ -117,13 +163,38 @@ def backward_update(grad_out, table, indices, scores, block_ids, num_blocks, sco
     row_sq = torch.zeros(M, dtype=torch.float32, device=table.device)
     adam = optimizer == SPARSE_ADAM
     # Adam's lr argument is the bias-corrected step size, as in the unfused step
-    rate = lr * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step) if adam else lr
+    rate = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step) if adam else lr
     has_blocks = block_ids is not None
     if M:
         lookup_reduce_bwd_update_kernel[(M,)](
-            grad_out, table, scores, block_ids if has_blocks else indices, positions, seg_start, rows, num_unique,
-            grad_scores, score_first * K, (score_first + score_tokens) * K, state1,
-            state2 if state2 is not None else state1, row_sq, K, D, num_blocks, D // C, grad_scale, rate,
-            1 - beta1, 1 - beta2, eps, weight_decay, C=C, HAS_BLOCKS=has_blocks, ADAM=adam,
-            BLOCK_D=_block_d(D), enable_fp_fusion=False)
+            grad_out,
+            table,
+            scores,
+            block_ids if has_blocks else indices,
+            positions,
+            seg_start,
+            rows,
+            num_unique,
+            grad_scores,
+            score_first * K,
+            (score_first + score_tokens) * K,
+            state1,
+            state2 if state2 is not None else state1,
+            row_sq,
+            K,
+            D,
+            num_blocks,
+            D // C,
+            grad_scale,
+            rate,
+            1 - beta1,
+            1 - beta2,
+            eps,
+            weight_decay,
+            C=C,
+            HAS_BLOCKS=has_blocks,
+            ADAM=adam,
+            BLOCK_D=_block_d(D),
+            enable_fp_fusion=False,
+        )
     return grad_scores, row_sq.double().sum()

@@ -19,8 +19,20 @@ import triton.language as tl
 
 
 @triton.jit
-def lookup_reduce_fwd_kernel(table, indices, scores, block_ids, out, K, D, E, DC,
-                             C: tl.constexpr, HAS_BLOCKS: tl.constexpr, BLOCK_D: tl.constexpr):
+def lookup_reduce_fwd_kernel(
+    table,
+    indices,
+    scores,
+    block_ids,
+    out,
+    K,
+    D,
+    E,
+    DC,
+    C: tl.constexpr,
+    HAS_BLOCKS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -43,10 +55,26 @@ def lookup_reduce_fwd_kernel(table, indices, scores, block_ids, out, K, D, E, DC
 
 
 @triton.jit
-def lookup_reduce_bwd_kernel(grad_out, table, scores, block_ids, sorted_pos, seg_start, rows, num_unique,
-                             dst, grad_scores, K, D, E, DC,
-                             C: tl.constexpr, HAS_BLOCKS: tl.constexpr, DENSE: tl.constexpr,
-                             BLOCK_D: tl.constexpr):
+def lookup_reduce_bwd_kernel(
+    grad_out,
+    table,
+    scores,
+    block_ids,
+    sorted_pos,
+    seg_start,
+    rows,
+    num_unique,
+    dst,
+    grad_scores,
+    K,
+    D,
+    E,
+    DC,
+    C: tl.constexpr,
+    HAS_BLOCKS: tl.constexpr,
+    DENSE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     u = tl.program_id(0).to(tl.int64)
     start = tl.load(seg_start + u)
     end = tl.load(seg_start + u + 1)
@@ -80,11 +108,36 @@ def lookup_reduce_bwd_kernel(grad_out, table, scores, block_ids, sorted_pos, seg
 
 
 @triton.jit
-def lookup_reduce_bwd_update_kernel(grad_out, table, scores, block_ids, sorted_pos, seg_start, rows, num_unique,
-                                    grad_scores, score_lo, score_hi, state1, state2, row_sq, K, D, E, DC,
-                                    grad_scale, lr, one_minus_beta1, one_minus_beta2, eps, weight_decay,
-                                    C: tl.constexpr, HAS_BLOCKS: tl.constexpr, ADAM: tl.constexpr,
-                                    BLOCK_D: tl.constexpr):
+def lookup_reduce_bwd_update_kernel(
+    grad_out,
+    table,
+    scores,
+    block_ids,
+    sorted_pos,
+    seg_start,
+    rows,
+    num_unique,
+    grad_scores,
+    score_lo,
+    score_hi,
+    state1,
+    state2,
+    row_sq,
+    K,
+    D,
+    E,
+    DC,
+    grad_scale,
+    lr,
+    one_minus_beta1,
+    one_minus_beta2,
+    eps,
+    weight_decay,
+    C: tl.constexpr,
+    HAS_BLOCKS: tl.constexpr,
+    ADAM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """The backward with the optimizer fused in (rmt.ops.fused_update): as
     lookup_reduce_bwd_kernel, with score gradients for positions in [score_lo, score_hi) only,
     then the row's gradient (times grad_scale) steps the row in place: SparseAdam (ADAM; ``lr`` is
@@ -118,12 +171,18 @@ def lookup_reduce_bwd_update_kernel(grad_out, table, scores, block_ids, sorted_p
         keep = (pv >= score_lo) & (pv < score_hi) & (d == 0)
         for c in tl.static_range(C):
             dot = tl.sum(tl.where(col == c, prod, 0.0), axis=0)
-            tl.store(grad_scores + (pv - score_lo) * C + c, (dot + tl.zeros([BLOCK_D], dtype=tl.float32)).to(
-                grad_scores.dtype.element_ty), mask=keep)
+            tl.store(
+                grad_scores + (pv - score_lo) * C + c,
+                (dot + tl.zeros([BLOCK_D], dtype=tl.float32)).to(grad_scores.dtype.element_ty),
+                mask=keep,
+            )
     g = acc * grad_scale
     g = tl.where(valid, g, 0.0)
-    tl.store(row_sq + u + tl.zeros([BLOCK_D], dtype=tl.int64), tl.sum(g * g, axis=0) + tl.zeros(
-        [BLOCK_D], dtype=tl.float32), mask=valid & (d == 0))
+    tl.store(
+        row_sq + u + tl.zeros([BLOCK_D], dtype=tl.int64),
+        tl.sum(g * g, axis=0) + tl.zeros([BLOCK_D], dtype=tl.float32),
+        mask=valid & (d == 0),
+    )
     off = row * D + d
     if ADAM:
         m = tl.load(state1 + off, mask=valid, other=0.0)

@@ -18,14 +18,14 @@ wherever torch's square root is correctly rounded (on CUDA; its vectorized CPU o
 
 import math
 
-import torch
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def sparse_adam_kernel(param, exp_avg, exp_avg_sq, rows, values, D, one_minus_beta1, one_minus_beta2, eps,
-                       step_size, BLOCK_D: tl.constexpr):
+def sparse_adam_kernel(
+    param, exp_avg, exp_avg_sq, rows, values, D, one_minus_beta1, one_minus_beta2, eps, step_size, BLOCK_D: tl.constexpr
+):
     u = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     mask = d < D
@@ -63,15 +63,27 @@ def _block_d(D):
 
 def sparse_adam_step(param, exp_avg, exp_avg_sq, rows, values, lr, beta1, beta2, eps, step):
     """In place on the unique ``rows``: torch.optim.SparseAdam's update (see the C++ kernel)."""
-    step_size = lr * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step)
+    step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
     D = param.shape[1]
-    sparse_adam_kernel[(rows.numel(),)](param, exp_avg, exp_avg_sq, rows, values, D, 1 - beta1, 1 - beta2, eps,
-                                        step_size, BLOCK_D=_block_d(D), enable_fp_fusion=False)
+    sparse_adam_kernel[(rows.numel(),)](
+        param,
+        exp_avg,
+        exp_avg_sq,
+        rows,
+        values,
+        D,
+        1 - beta1,
+        1 - beta2,
+        eps,
+        step_size,
+        BLOCK_D=_block_d(D),
+        enable_fp_fusion=False,
+    )
 
 
 def rowwise_adagrad_step(param, state_sum, rows, values, lr, eps, weight_decay):
     """In place on the unique ``rows``: s += mean(g^2); p -= lr * g / (sqrt(s) + eps)."""
     D = param.shape[1]
-    rowwise_adagrad_kernel[(rows.numel(),)](param, state_sum, rows, values, D, lr, eps, weight_decay,
-                                            BLOCK_D=_block_d(D), enable_fp_fusion=False)
-
+    rowwise_adagrad_kernel[(rows.numel(),)](
+        param, state_sum, rows, values, D, lr, eps, weight_decay, BLOCK_D=_block_d(D), enable_fp_fusion=False
+    )

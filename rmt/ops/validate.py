@@ -59,8 +59,10 @@ def check_inputs(table, indices, scores, block_ids, num_blocks, check_range=True
     if table.dtype not in FLOAT_DTYPES:
         _fail(f"table dtype must be one of float32, bfloat16, float16, float64; got {table.dtype}")
     if not dtypes_supported(table.dtype, scores.dtype):
-        _fail(f"scores dtype {scores.dtype} must equal table dtype {table.dtype}, or be torch.float32 for a "
-              f"bfloat16 or float16 table")
+        _fail(
+            f"scores dtype {scores.dtype} must equal table dtype {table.dtype}, or be torch.float32 for a "
+            f"bfloat16 or float16 table"
+        )
     if indices.dtype not in INDEX_DTYPES:
         _fail(f"indices dtype must be int32 or int64; got {indices.dtype}")
     n, d = table.shape

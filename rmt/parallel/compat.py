@@ -237,7 +237,7 @@ def _gloo_uneven_gather() -> None:
     def padded(chunks, width):
         out = chunks[0].new_zeros((len(chunks) * width,) + tuple(chunks[0].shape[1:]))
         for i, chunk in enumerate(chunks):
-            out[i * width:i * width + chunk.shape[0]] = chunk
+            out[i * width : i * width + chunk.shape[0]] = chunk
         return out
 
     def gather_uneven(input_, group, output_split_sizes=None, use_global_buffer=False):
@@ -246,16 +246,15 @@ def _gloo_uneven_gather() -> None:
         width = max(output_split_sizes)
         out = torch.empty((group.size() * width,) + tuple(input_.shape[1:]), dtype=input_.dtype)
         torch.distributed.all_gather_into_tensor(out, padded([input_], width), group=group)
-        return torch.cat([out[i * width:i * width + n] for i, n in enumerate(output_split_sizes)])
+        return torch.cat([out[i * width : i * width + n] for i, n in enumerate(output_split_sizes)])
 
     def reduce_scatter_uneven(input_, group, input_split_sizes=None, use_global_buffer=False):
         if input_split_sizes is None or group.size() == 1:
             return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
         width = max(input_split_sizes)
         out = input_.new_empty((width,) + tuple(input_.shape[1:]))
-        torch.distributed.reduce_scatter_tensor(out, padded(list(input_.split(input_split_sizes)), width),
-                                                group=group)
-        return out[:input_split_sizes[group.rank()]]
+        torch.distributed.reduce_scatter_tensor(out, padded(list(input_.split(input_split_sizes)), width), group=group)
+        return out[: input_split_sizes[group.rank()]]
 
     mappings._gather_along_first_dim = gather_uneven
     mappings._reduce_scatter_along_first_dim = reduce_scatter_uneven

@@ -49,8 +49,9 @@ def first_host(nodelist: str) -> str:
     ``scontrol show hostnames`` is asked first; the parser above covers machines without it.
     """
     try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
-                             text=True, timeout=30, check=True).stdout.split()
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30, check=True
+        ).stdout.split()
         if out:
             return out[0]
     except (OSError, subprocess.SubprocessError):
@@ -71,7 +72,7 @@ def rank_locations(world_size: int, environ=None) -> Optional[List[str]]:
         for part in env["SLURM_TASKS_PER_NODE"].split(","):  # e.g. "4(x2),2"
             m = re.match(r"(\d+)(?:\(x(\d+)\))?$", part)
             counts += [int(m.group(1))] * int(m.group(2) or 1) if m else []
-        where = [f"node {n} ({hosts[n]})" for n, c in enumerate(counts[:len(hosts)]) for _ in range(c)]
+        where = [f"node {n} ({hosts[n]})" for n, c in enumerate(counts[: len(hosts)]) for _ in range(c)]
         return where if len(where) == world_size else None
     return None
 
@@ -85,15 +86,21 @@ def _free_port() -> int:
 def read_launch_env(environ=None) -> LaunchEnv:
     env = os.environ if environ is None else environ
     if "RANK" in env and "WORLD_SIZE" in env:
-        return LaunchEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
-                         env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)),
-                         "torchrun")
+        return LaunchEnv(
+            int(env["RANK"]),
+            int(env["WORLD_SIZE"]),
+            int(env.get("LOCAL_RANK", 0)),
+            env.get("MASTER_ADDR", "127.0.0.1"),
+            int(env.get("MASTER_PORT", 29500)),
+            "torchrun",
+        )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         addr = env.get("MASTER_ADDR") or first_host(env.get("SLURM_NODELIST", "127.0.0.1"))
         job = int(env.get("SLURM_JOB_ID", "0"))
         port = int(env.get("MASTER_PORT", 20000 + job % 10000))
-        return LaunchEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]),
-                         int(env.get("SLURM_LOCALID", 0)), addr, port, "slurm")
+        return LaunchEnv(
+            int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)), addr, port, "slurm"
+        )
     return LaunchEnv(0, 1, 0, "127.0.0.1", _free_port(), "single")
 
 

@@ -41,8 +41,8 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.launcher import api as launcher_api
 
 from rmt.errors import USER_ERROR_EXIT, JobError, UserError
-from rmt.process import setup_process
 from rmt.parallel.rendezvous import roll_call
+from rmt.process import setup_process
 
 PROG = "rmt-launch"
 _TRAINER = "rmt.training.cli"
@@ -82,8 +82,9 @@ def _root_failure(failures: dict):
     seen the killed one, and a failure's timestamp is when the agent saw it unless the worker
     wrote an error file, so the order of the timestamps cannot tell cause from consequence."""
     own = {r: f for r, f in failures.items() if f.exitcode != -signal.SIGTERM} or failures
-    return min(own.items(), key=lambda kv: (kv[1].exitcode != USER_ERROR_EXIT, kv[1].exitcode >= 0,
-                                            kv[1].timestamp, kv[0]))
+    return min(
+        own.items(), key=lambda kv: (kv[1].exitcode != USER_ERROR_EXIT, kv[1].exitcode >= 0, kv[1].timestamp, kv[0])
+    )
 
 
 class _Agent(LocalElasticAgent):
@@ -100,8 +101,10 @@ class _Agent(LocalElasticAgent):
             limit = worker_group.spec.max_restarts
             if self.restarts < limit:
                 self.restarts += 1
-                say(f"rank {rank} {_describe(failure)}; restarting the workers (restart "
-                    f"{self.restarts} of {limit}); they continue from the newest complete checkpoint")
+                say(
+                    f"rank {rank} {_describe(failure)}; restarting the workers (restart "
+                    f"{self.restarts} of {limit}); they continue from the newest complete checkpoint"
+                )
         return result
 
 
@@ -143,8 +146,7 @@ def _join_nodes(args):
     _, max_nodes = torchrun.parse_min_max_nnodes(args.nnodes)
     store = None
     if max_nodes > 1 and not args.standalone and args.rdzv_backend == "c10d":
-        store = roll_call(args.rdzv_endpoint, max_nodes, args.node_rank,
-                          datetime.timedelta(seconds=args.join_timeout))
+        store = roll_call(args.rdzv_endpoint, max_nodes, args.node_rank, datetime.timedelta(seconds=args.join_timeout))
         conf += ",is_host=0"
         args.node_rank = 0  # only the roll call uses it; torch warns that c10d ignores it
     args.rdzv_conf = ",".join(c for c in (args.rdzv_conf, conf) if c)
@@ -154,9 +156,13 @@ def _join_nodes(args):
 def build_parser():
     ap = torchrun.get_args_parser()
     ap.prog = "python -m rmt.parallel.launcher"
-    ap.add_argument("--join-timeout", type=float, default=600.0,
-                    help="seconds every node (and every restarted worker group) may take to join "
-                         "before the launch fails naming the missing node ranks (default 600)")
+    ap.add_argument(
+        "--join-timeout",
+        type=float,
+        default=600.0,
+        help="seconds every node (and every restarted worker group) may take to join "
+        "before the launch fails naming the missing node ranks (default 600)",
+    )
     return ap
 
 
@@ -194,15 +200,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     except ChildFailedError as err:
         rank, failure = _root_failure(err.failures)
-        say(f"rank {rank} {_describe(failure)} and no restart is left (--max-restarts "
-            f"{args.max_restarts}); see its output above")
+        say(
+            f"rank {rank} {_describe(failure)} and no restart is left (--max-restarts "
+            f"{args.max_restarts}); see its output above"
+        )
         return 1
     except SignalException as err:  # SIGHUP, SIGQUIT: torch's agent stopped the workers
         say(f"stopped by {signal.Signals(err.sigval).name}; the workers were stopped")
         return 128 + err.sigval
     except RendezvousError as err:
-        say(f"the rendezvous failed ({type(err).__name__}: {err or 'no detail'}); "
-            f"--join-timeout is {args.join_timeout:g} s")
+        say(
+            f"the rendezvous failed ({type(err).__name__}: {err or 'no detail'}); "
+            f"--join-timeout is {args.join_timeout:g} s"
+        )
         return 1
     finally:
         launcher_api.LocalElasticAgent = LocalElasticAgent

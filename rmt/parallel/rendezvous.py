@@ -50,14 +50,16 @@ def _await_server(host: str, port: int, timeout: datetime.timedelta) -> bool:
             pause = min(pause * 2, 1.0)
 
 
-def _tcp_store(host: str, port: int, serve: bool, world_size, timeout: datetime.timedelta,
-               what: str, hint: str) -> dist.TCPStore:
+def _tcp_store(
+    host: str, port: int, serve: bool, world_size, timeout: datetime.timedelta, what: str, hint: str
+) -> dist.TCPStore:
     """A TCPStore served here (``serve``) or a client of ``what`` at ``host:port``."""
     if not serve and not _await_server(host, port, timeout):
         raise JobError(f"could not reach {what} at {host}:{port} within {_duration(timeout)}; {hint}")
     try:
-        return dist.TCPStore(host, port, world_size, is_master=serve, timeout=timeout,
-                             wait_for_workers=False, multi_tenant=True)
+        return dist.TCPStore(
+            host, port, world_size, is_master=serve, timeout=timeout, wait_for_workers=False, multi_tenant=True
+        )
     except (RuntimeError, TimeoutError, ValueError) as err:
         detail = str(err).splitlines()[0][:200]
         where = f"serve {what} on port {port}" if serve else f"connect to {what} at {host}:{port}"
@@ -78,10 +80,15 @@ def process_group_store(launch: LaunchEnv, timeout: datetime.timedelta) -> dist.
     if launch.world_size == 1:
         return dist.HashStore()
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = _tcp_store(launch.master_addr, launch.master_port, launch.rank == 0 and not agent_store,
-                       launch.world_size, timeout, "the rendezvous store",
-                       "check that rank 0 runs and that MASTER_ADDR/MASTER_PORT are right "
-                       "(parallel.join_timeout_minutes)")
+    store = _tcp_store(
+        launch.master_addr,
+        launch.master_port,
+        launch.rank == 0 and not agent_store,
+        launch.world_size,
+        timeout,
+        "the rendezvous store",
+        "check that rank 0 runs and that MASTER_ADDR/MASTER_PORT are right (parallel.join_timeout_minutes)",
+    )
     if agent_store and os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE"):
         store = dist.PrefixStore(f"rmt/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     keys = [f"rmt/joined/{r}" for r in range(launch.world_size)]
@@ -89,15 +96,19 @@ def process_group_store(launch: LaunchEnv, timeout: datetime.timedelta) -> dist.
     try:
         missing = wait_for_keys(store, keys, timeout)
     except (RuntimeError, TimeoutError) as err:
-        raise JobError(f"lost the rendezvous store at {launch.master_addr}:{launch.master_port} while "
-                       f"waiting for the other ranks ({str(err).splitlines()[0][:200]})") from None
+        raise JobError(
+            f"lost the rendezvous store at {launch.master_addr}:{launch.master_port} while "
+            f"waiting for the other ranks ({str(err).splitlines()[0][:200]})"
+        ) from None
     if missing:
         located = rank_locations(launch.world_size)
         nodes = sorted({located[r] for r in missing}) if located else []
         on = f", expected on {', '.join(nodes)}" if nodes else ""
-        raise JobError(f"{len(missing)} of {launch.world_size} ranks did not join the process group "
-                       f"within {_duration(timeout)} (parallel.join_timeout_minutes): "
-                       f"rank{'s' if len(missing) > 1 else ''} {_ranges(missing)}{on}")
+        raise JobError(
+            f"{len(missing)} of {launch.world_size} ranks did not join the process group "
+            f"within {_duration(timeout)} (parallel.join_timeout_minutes): "
+            f"rank{'s' if len(missing) > 1 else ''} {_ranges(missing)}{on}"
+        )
     return store
 
 
@@ -107,9 +118,16 @@ def roll_call(endpoint: str, nnodes: int, node_rank: int, timeout: datetime.time
     :class:`JobError` naming the missing node ranks."""
     host, _, port = endpoint.rpartition(":")
     limit = f"{_duration(timeout)} (JOIN_TIMEOUT / --join-timeout)"
-    store = _tcp_store(host, int(port), node_rank == 0, None, timeout, "node 0's rendezvous",
-                       "check that launch/torchrun_multi_node.sh runs on node 0 and that "
-                       "MASTER_ADDR/MASTER_PORT are right (JOIN_TIMEOUT / --join-timeout)")
+    store = _tcp_store(
+        host,
+        int(port),
+        node_rank == 0,
+        None,
+        timeout,
+        "node 0's rendezvous",
+        "check that launch/torchrun_multi_node.sh runs on node 0 and that "
+        "MASTER_ADDR/MASTER_PORT are right (JOIN_TIMEOUT / --join-timeout)",
+    )
     keys = [f"rmt-launch/node/{n}" for n in range(nnodes)]
     store.set(keys[node_rank], socket.gethostname())
     try:
@@ -118,10 +136,12 @@ def roll_call(endpoint: str, nnodes: int, node_rank: int, timeout: datetime.time
     except (RuntimeError, TimeoutError):
         raise JobError(f"lost node 0's rendezvous at {endpoint} while waiting for the other nodes") from None
     if missing:
-        raise JobError(f"{len(missing)} of {nnodes} nodes did not join the rendezvous at {endpoint} "
-                       f"within {limit}: node rank{'s' if len(missing) > 1 else ''} {_ranges(missing)} "
-                       f"missing (joined: {', '.join(joined)}); start launch/torchrun_multi_node.sh on "
-                       f"every node with its NODE_RANK and the same MASTER_ADDR/MASTER_PORT")
+        raise JobError(
+            f"{len(missing)} of {nnodes} nodes did not join the rendezvous at {endpoint} "
+            f"within {limit}: node rank{'s' if len(missing) > 1 else ''} {_ranges(missing)} "
+            f"missing (joined: {', '.join(joined)}); start launch/torchrun_multi_node.sh on "
+            f"every node with its NODE_RANK and the same MASTER_ADDR/MASTER_PORT"
+        )
     return store
 
 

@@ -30,9 +30,7 @@ class Shard:
 def _index(sh: ShardedTensor) -> Tuple:
     pre = sh.prepend_axis_num
     lead = tuple(sh.global_offset[:pre])
-    rest = tuple(
-        slice(off, off + size) for off, size in zip(sh.global_offset[pre:], sh.local_shape)
-    )
+    rest = tuple(slice(off, off + size) for off, size in zip(sh.global_offset[pre:], sh.local_shape))
     return lead + rest
 
 
@@ -56,17 +54,20 @@ def shards(chunks: Iterable[torch.nn.Module]) -> List[Shard]:
             if hit is None or hit[0] in seen or hit[1].numel() != sh.data.numel():
                 continue
             seen.add(hit[0])
-            out.append(Shard(sh.key, hit[1], hit[0], tuple(sh.global_shape), _index(sh),
-                             _replica_is_main(sh.replica_id), sh))
+            out.append(
+                Shard(sh.key, hit[1], hit[0], tuple(sh.global_shape), _index(sh), _replica_is_main(sh.replica_id), sh)
+            )
         missing = [n for n, _ in module.named_parameters() if n not in seen]
         if missing:
             raise RuntimeError(f"parameters without a sharded_state_dict entry: {missing}")
     return out
 
 
-def gather_full(chunks: Iterable[torch.nn.Module],
-                tensor_of: Callable[[torch.nn.Parameter], torch.Tensor] = lambda p: p.data,
-                group=None) -> Dict[str, torch.Tensor]:
+def gather_full(
+    chunks: Iterable[torch.nn.Module],
+    tensor_of: Callable[[torch.nn.Parameter], torch.Tensor] = lambda p: p.data,
+    group=None,
+) -> Dict[str, torch.Tensor]:
     """Reassemble full global tensors (``tensor_of(param)`` of every shard) on every rank of
     ``group`` (default: the world). Only main replicas contribute, so the result is exact."""
     local = shards(chunks)

@@ -22,9 +22,9 @@ import sys
 from typing import Callable, NamedTuple
 
 from rmt.errors import reader_may_leave
-from rmt.process import setup_process
 from rmt.planner import comm, flops, memory
 from rmt.planner.argtypes import non_negative_float, non_negative_int, positive_float, positive_int
+from rmt.process import setup_process
 
 
 class Subcommand(NamedTuple):
@@ -77,61 +77,119 @@ conventions:
 def _add_comm_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = COMM_EPILOG
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.add_argument("--tokens", type=positive_int, required=True, metavar="T",
-                   help="tokens per rank per step (batch x sequence on one rank; the "
-                        "paper's bs)")
-    p.add_argument("--topm", type=positive_int, required=True, metavar="K",
-                   help="values retrieved per token (top-m)")
-    p.add_argument("--v-dim", type=positive_int, required=True, metavar="D",
-                   help="value dimension of the physical memory table")
-    p.add_argument("--group-size", type=positive_int, required=True, metavar="P",
-                   help="ranks the table is sharded over (memory-parallel group)")
-    p.add_argument("--dedup", action="store_true",
-                   help="deduplicate indices per rank before the number-wise all-to-all "
-                        "(needs --slots or --unique-fraction)")
-    p.add_argument("--slots", type=positive_int, metavar="N",
-                   help="table slots; with --dedup, unique rows per rank are the "
-                        "uniform-access expectation N(1-(1-K/N)^T); also checks K <= N")
-    p.add_argument("--unique-fraction", type=positive_float, metavar="F",
-                   help="with --dedup, measured unique rows per rank / (T K), in (0, 1]")
-    p.add_argument("--owner-reduce", action="store_true",
-                   help="number-wise: send scores to the owners, pool there, send back "
-                        "[T, E, D] partial sums per owner")
-    p.add_argument("--ive", type=positive_int, default=1, metavar="E",
-                   help="implicit value expansion: virtual blocks per pooled output "
-                        "(default 1)")
-    p.add_argument("--cores", type=positive_int, default=1, metavar="C",
-                   help="multi-core scoring: scores per retrieved value; must divide D "
-                        "(default 1)")
-    p.add_argument("--block-id-bytes", type=non_negative_int, default=0, metavar="B",
-                   help="IVE block ids sent as a separate tensor of B-byte ints; 0 "
-                        "(default): derived from the sent virtual address, no bytes")
-    p.add_argument("--tensor-parallel", type=positive_int, default=1, metavar="t",
-                   help="tensor-parallel ranks holding the same tokens inside the group (also "
-                        "under sequence parallelism: memory layers gather the sequence first): each "
-                        "looks up T/t of them, then the pooled outputs are all-gathered (default 1)")
-    p.add_argument("--index-bytes", type=positive_int, default=4, metavar="B",
-                   help="bytes per index (default 4, int32; 8 for tables over 2^31 "
-                        "addresses)")
-    p.add_argument("--value-bytes", type=positive_int, default=2, metavar="B",
-                   help="bytes per element of the table: looked-up rows and their gradients "
-                        "(default 2, bf16)")
-    p.add_argument("--activation-bytes", type=positive_int, metavar="B",
-                   help="bytes per score, pooled output, partial sum and their gradients: "
-                        "the training precision, 4 for fp32 (default: --value-bytes, Appendix D's "
-                        "single dtype)")
-    p.add_argument("--phase", choices=comm.PHASES, default="forward",
-                   help="which totals are the headline and decide the choice: forward "
-                        "(default, Appendix D) or forward_backward (a training step)")
-    p.add_argument("--json", metavar="FILE",
-                   help="write {number_bytes, dimension_bytes, choice, ratio, phase, "
-                        "collectives} to FILE")
-    p.add_argument("--plot", metavar="FILE.png",
-                   help="draw the P x v_dim decision boundary (like Fig. 9) to FILE.png")
-    p.add_argument("--plot-p-max", type=positive_int, metavar="P",
-                   help="largest group size on the plot (default max(64, 2P))")
-    p.add_argument("--plot-v-dim-max", type=positive_int, metavar="D",
-                   help="largest v_dim on the plot (default max(512, 2D))")
+    p.add_argument(
+        "--tokens",
+        type=positive_int,
+        required=True,
+        metavar="T",
+        help="tokens per rank per step (batch x sequence on one rank; the paper's bs)",
+    )
+    p.add_argument("--topm", type=positive_int, required=True, metavar="K", help="values retrieved per token (top-m)")
+    p.add_argument(
+        "--v-dim", type=positive_int, required=True, metavar="D", help="value dimension of the physical memory table"
+    )
+    p.add_argument(
+        "--group-size",
+        type=positive_int,
+        required=True,
+        metavar="P",
+        help="ranks the table is sharded over (memory-parallel group)",
+    )
+    p.add_argument(
+        "--dedup",
+        action="store_true",
+        help="deduplicate indices per rank before the number-wise all-to-all (needs --slots or --unique-fraction)",
+    )
+    p.add_argument(
+        "--slots",
+        type=positive_int,
+        metavar="N",
+        help="table slots; with --dedup, unique rows per rank are the "
+        "uniform-access expectation N(1-(1-K/N)^T); also checks K <= N",
+    )
+    p.add_argument(
+        "--unique-fraction",
+        type=positive_float,
+        metavar="F",
+        help="with --dedup, measured unique rows per rank / (T K), in (0, 1]",
+    )
+    p.add_argument(
+        "--owner-reduce",
+        action="store_true",
+        help="number-wise: send scores to the owners, pool there, send back [T, E, D] partial sums per owner",
+    )
+    p.add_argument(
+        "--ive",
+        type=positive_int,
+        default=1,
+        metavar="E",
+        help="implicit value expansion: virtual blocks per pooled output (default 1)",
+    )
+    p.add_argument(
+        "--cores",
+        type=positive_int,
+        default=1,
+        metavar="C",
+        help="multi-core scoring: scores per retrieved value; must divide D (default 1)",
+    )
+    p.add_argument(
+        "--block-id-bytes",
+        type=non_negative_int,
+        default=0,
+        metavar="B",
+        help="IVE block ids sent as a separate tensor of B-byte ints; 0 "
+        "(default): derived from the sent virtual address, no bytes",
+    )
+    p.add_argument(
+        "--tensor-parallel",
+        type=positive_int,
+        default=1,
+        metavar="t",
+        help="tensor-parallel ranks holding the same tokens inside the group (also "
+        "under sequence parallelism: memory layers gather the sequence first): each "
+        "looks up T/t of them, then the pooled outputs are all-gathered (default 1)",
+    )
+    p.add_argument(
+        "--index-bytes",
+        type=positive_int,
+        default=4,
+        metavar="B",
+        help="bytes per index (default 4, int32; 8 for tables over 2^31 addresses)",
+    )
+    p.add_argument(
+        "--value-bytes",
+        type=positive_int,
+        default=2,
+        metavar="B",
+        help="bytes per element of the table: looked-up rows and their gradients (default 2, bf16)",
+    )
+    p.add_argument(
+        "--activation-bytes",
+        type=positive_int,
+        metavar="B",
+        help="bytes per score, pooled output, partial sum and their gradients: "
+        "the training precision, 4 for fp32 (default: --value-bytes, Appendix D's "
+        "single dtype)",
+    )
+    p.add_argument(
+        "--phase",
+        choices=comm.PHASES,
+        default="forward",
+        help="which totals are the headline and decide the choice: forward "
+        "(default, Appendix D) or forward_backward (a training step)",
+    )
+    p.add_argument(
+        "--json",
+        metavar="FILE",
+        help="write {number_bytes, dimension_bytes, choice, ratio, phase, collectives} to FILE",
+    )
+    p.add_argument("--plot", metavar="FILE.png", help="draw the P x v_dim decision boundary (like Fig. 9) to FILE.png")
+    p.add_argument(
+        "--plot-p-max", type=positive_int, metavar="P", help="largest group size on the plot (default max(64, 2P))"
+    )
+    p.add_argument(
+        "--plot-v-dim-max", type=positive_int, metavar="D", help="largest v_dim on the plot (default max(512, 2D))"
+    )
 
 
 def _comm_table(args, doc: dict) -> str:
@@ -142,92 +200,176 @@ def _comm_table(args, doc: dict) -> str:
         f"{args.index_bytes} B/index, {args.value_bytes} B/value, "
         f"{args.activation_bytes or args.value_bytes} B/score and pooled element",
     ]
-    names = {"number": "number-wise" + (" (owner-reduce)" if args.owner_reduce else "")
-             + (" (dedup)" if args.dedup and not args.owner_reduce else ""),
-             "dimension": "dimension-wise"}
+    names = {
+        "number": "number-wise"
+        + (" (owner-reduce)" if args.owner_reduce else "")
+        + (" (dedup)" if args.dedup and not args.owner_reduce else ""),
+        "dimension": "dimension-wise",
+    }
     for part in comm.PARTITIONS:
         vol = doc["collectives"][part]
         lines += ["", names[part]]
         for phase in ("forward", "backward"):
             for name, n in vol[phase].items():
                 lines.append(f"  {phase:<9} {name:<30} {n:>16,}  {human(n):>11}")
-        for label, key in (("total forward", "forward_total"),
-                           ("total forward+backward", "forward_backward_total")):
+        for label, key in (("total forward", "forward_total"), ("total forward+backward", "forward_backward_total")):
             n = vol[key]
             lines.append(f"  {label:<40} {n:>16,}  {human(n):>11}")
     ratio = "n/a (P = 1)" if doc["ratio"] is None else f"{doc['ratio']:.3f}"
-    lines += ["", f"choice ({doc['phase']}): {doc['choice']}-wise   "
-                  f"number/dimension = {ratio}"]
+    lines += ["", f"choice ({doc['phase']}): {doc['choice']}-wise   number/dimension = {ratio}"]
     return "\n".join(lines)
 
 
 def _run_comm(args: argparse.Namespace) -> int:
-    options = dict(dedup=args.dedup, slots=args.slots,
-                   unique_fraction=args.unique_fraction, owner_reduce=args.owner_reduce,
-                   ive=args.ive, cores=args.cores, index_bytes=args.index_bytes,
-                   value_bytes=args.value_bytes, activation_bytes=args.activation_bytes,
-                   block_id_bytes=args.block_id_bytes,
-                   tensor_parallel=args.tensor_parallel)
-    doc = comm.plan_comm(args.tokens, args.topm, args.v_dim, args.group_size,
-                         phase=args.phase, **options)
+    options = dict(
+        dedup=args.dedup,
+        slots=args.slots,
+        unique_fraction=args.unique_fraction,
+        owner_reduce=args.owner_reduce,
+        ive=args.ive,
+        cores=args.cores,
+        index_bytes=args.index_bytes,
+        value_bytes=args.value_bytes,
+        activation_bytes=args.activation_bytes,
+        block_id_bytes=args.block_id_bytes,
+        tensor_parallel=args.tensor_parallel,
+    )
+    doc = comm.plan_comm(args.tokens, args.topm, args.v_dim, args.group_size, phase=args.phase, **options)
     print(_comm_table(args, doc))
     _write_json(args.json, doc)
     if args.plot:
         comm.plot_decision_boundary(
-            args.plot, args.tokens, args.topm,
+            args.plot,
+            args.tokens,
+            args.topm,
             p_max=args.plot_p_max or max(64, 2 * args.group_size),
             v_dim_max=args.plot_v_dim_max or max(512, 2 * args.v_dim),
-            phase=args.phase, mark=(args.group_size, args.v_dim), **options)
+            phase=args.phase,
+            mark=(args.group_size, args.v_dim),
+            **options,
+        )
     return 0
 
 
 def _add_memory_arguments(p: argparse.ArgumentParser) -> None:
     d = memory.TablePlan(slots=1, dim=1)
-    p.add_argument("--config", metavar="FILE", help="take every table term from this UltraMem/PKM config "
-                   "(and the overrides after it) instead of the flags below")
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="take every table term from this UltraMem/PKM config "
+        "(and the overrides after it) instead of the flags below",
+    )
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides (with --config)")
-    p.add_argument("--world-size", type=positive_int, metavar="W",
-                   help="with --config: ranks in all; gives the data-parallel size, the memory-parallel group "
-                        "(memory.group_size, or data x tensor parallel) and the micro-batches per step")
+    p.add_argument(
+        "--world-size",
+        type=positive_int,
+        metavar="W",
+        help="with --config: ranks in all; gives the data-parallel size, the memory-parallel group "
+        "(memory.group_size, or data x tensor parallel) and the micro-batches per step",
+    )
     p.add_argument("--slots", type=positive_int, metavar="N", help="slots per table (num_keys^2)")
     p.add_argument("--dim", type=positive_int, metavar="D", help="value dimension")
-    p.add_argument("--group-size", type=positive_int, metavar="P",
-                   help="ranks each table is sharded over (default 1; with --config: from --world-size)")
-    p.add_argument("--partition", choices=memory.PARTITIONS, default=d.partition, help="number (rows split, "
-                   "default) or dimension (columns split)")
-    p.add_argument("--value-optimizer", choices=memory.VALUE_OPTIMIZERS, default=d.value_optimizer,
-                   help="memory.value_optimizer (default adamw)")
-    p.add_argument("--value-dtype", choices=sorted(memory.DTYPE_BYTES), default=d.value_dtype,
-                   help="memory.value_dtype (default fp32)")
-    p.add_argument("--fused-value-optimizer", dest="fused", action="store_true",
-                   help="memory.fused_value_optimizer: the rows are stepped in the lookups' backward (no gradient)")
-    p.add_argument("--cores", type=positive_int, default=d.cores, help="memory.num_cores, score columns per "
-                   f"lookup (default {d.cores})")
+    p.add_argument(
+        "--group-size",
+        type=positive_int,
+        metavar="P",
+        help="ranks each table is sharded over (default 1; with --config: from --world-size)",
+    )
+    p.add_argument(
+        "--partition",
+        choices=memory.PARTITIONS,
+        default=d.partition,
+        help="number (rows split, default) or dimension (columns split)",
+    )
+    p.add_argument(
+        "--value-optimizer",
+        choices=memory.VALUE_OPTIMIZERS,
+        default=d.value_optimizer,
+        help="memory.value_optimizer (default adamw)",
+    )
+    p.add_argument(
+        "--value-dtype",
+        choices=sorted(memory.DTYPE_BYTES),
+        default=d.value_dtype,
+        help="memory.value_dtype (default fp32)",
+    )
+    p.add_argument(
+        "--fused-value-optimizer",
+        dest="fused",
+        action="store_true",
+        help="memory.fused_value_optimizer: the rows are stepped in the lookups' backward (no gradient)",
+    )
+    p.add_argument(
+        "--cores",
+        type=positive_int,
+        default=d.cores,
+        help=f"memory.num_cores, score columns per lookup (default {d.cores})",
+    )
     p.add_argument("--layers", type=positive_int, default=d.layers, help="memory layers on a rank (default 1)")
-    p.add_argument("--tokens", type=positive_int, default=d.tokens, metavar="T",
-                   help=f"tokens per micro-batch on a rank (default {d.tokens})")
+    p.add_argument(
+        "--tokens",
+        type=positive_int,
+        default=d.tokens,
+        metavar="T",
+        help=f"tokens per micro-batch on a rank (default {d.tokens})",
+    )
     p.add_argument("--microbatches", type=positive_int, default=d.microbatches, help="micro-batches per step")
     for name in ("heads", "topk", "key_dim", "tucker_rank", "ive_blocks"):
-        p.add_argument("--" + name.replace("_", "-"), type=positive_int, default=getattr(d, name),
-                       help=f"memory.{name.replace('heads', 'num_heads')} (default {getattr(d, name)})")
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            type=positive_int,
+            default=getattr(d, name),
+            help=f"memory.{name.replace('heads', 'num_heads')} (default {getattr(d, name)})",
+        )
     p.add_argument("--precision", choices=memory.PRECISIONS, default=d.precision, help="train.precision")
-    p.add_argument("--device", choices=("cpu", "gpu"), default=d.device,
-                   help="where the tables live (a GPU save stages one chunk in host memory)")
-    p.add_argument("--gpu-mem-gib", type=positive_float, default=80.0, metavar="GIB",
-                   help="memory per rank in GiB (default 80)")
-    p.add_argument("--reserve-gib", type=non_negative_float, default=0.0, metavar="GIB",
-                   help="GiB per rank kept for what does not grow with the slots: the dense model, its "
-                        "optimizer and activations, the framework (default 0)")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "gpu"),
+        default=d.device,
+        help="where the tables live (a GPU save stages one chunk in host memory)",
+    )
+    p.add_argument(
+        "--gpu-mem-gib", type=positive_float, default=80.0, metavar="GIB", help="memory per rank in GiB (default 80)"
+    )
+    p.add_argument(
+        "--reserve-gib",
+        type=non_negative_float,
+        default=0.0,
+        metavar="GIB",
+        help="GiB per rank kept for what does not grow with the slots: the dense model, its "
+        "optimizer and activations, the framework (default 0)",
+    )
     p.add_argument("--json", metavar="FILE", help="write the numbers to FILE")
 
 
 def _plan_from_flags(args: argparse.Namespace) -> memory.TablePlan:
     if args.slots is None or args.dim is None or args.overrides:
         raise ValueError("give --slots and --dim, or --config FILE [section.key=value ...].")
-    return memory.TablePlan(**{k: getattr(args, k) for k in (
-        "slots", "dim", "partition", "value_optimizer", "value_dtype", "layers", "tokens", "microbatches",
-        "heads", "topk", "key_dim", "tucker_rank", "ive_blocks", "precision", "device", "fused", "cores")},
-        group_size=args.group_size or 1)
+    return memory.TablePlan(
+        **{
+            k: getattr(args, k)
+            for k in (
+                "slots",
+                "dim",
+                "partition",
+                "value_optimizer",
+                "value_dtype",
+                "layers",
+                "tokens",
+                "microbatches",
+                "heads",
+                "topk",
+                "key_dim",
+                "tucker_rank",
+                "ive_blocks",
+                "precision",
+                "device",
+                "fused",
+                "cores",
+            )
+        },
+        group_size=args.group_size or 1,
+    )
 
 
 def _plan_from_config(args: argparse.Namespace, config) -> memory.TablePlan:
@@ -239,11 +381,14 @@ def _plan_from_config(args: argparse.Namespace, config) -> memory.TablePlan:
     mem = config.memory
     group = 1 if mem.partition == "local" else (mem.group_size or layout.dp * layout.tp)
     if args.group_size is not None and args.group_size != group:
-        raise ValueError(f"--group-size {args.group_size} contradicts the config's group of {group} ranks "
-                         f"at world size {args.world_size}.")
+        raise ValueError(
+            f"--group-size {args.group_size} contradicts the config's group of {group} ranks "
+            f"at world size {args.world_size}."
+        )
     placement = memory_placement(config)
-    chunks = [stage_layers(config, s, v) for s in range(layout.pp)
-              for v in ([None] if layout.vpp == 1 else range(layout.vpp))]
+    chunks = [
+        stage_layers(config, s, v) for s in range(layout.pp) for v in ([None] if layout.vpp == 1 else range(layout.vpp))
+    ]
     per_stage = {}
     for index, (first, last) in enumerate(chunks):
         stage = index // (1 if layout.vpp == 1 else layout.vpp)
@@ -262,37 +407,49 @@ def table_lines(args: argparse.Namespace, config=None) -> dict:
     plan = _plan_from_flags(args) if config is None else _plan_from_config(args, config)
     doc = memory.plan_memory(plan, gpu_mem_gib=args.gpu_mem_gib, reserve_gib=args.reserve_gib)
     rows, cols = doc["shard_shape"]
-    lines = [f"{plan.layers} memory table(s) of {plan.slots:,} slots ({doc['num_keys']:,}^2) x {plan.dim}, "
-             f"{plan.value_dtype}, {plan.value_optimizer}, {plan.partition}-wise over P={plan.group_size}: "
-             f"a {rows:,} x {cols:,} shard per rank",
-             f"each step: {plan.microbatches} micro-batch(es) of {plan.tokens:,} tokens, {plan.heads} heads x "
-             f"top-{plan.topk}, keys {plan.key_dim} (rank {plan.tucker_rank}, grid side {doc['grid_side']:,}), "
-             f"{plan.precision}", "bytes per memory layer on a rank:"]
+    lines = [
+        f"{plan.layers} memory table(s) of {plan.slots:,} slots ({doc['num_keys']:,}^2) x {plan.dim}, "
+        f"{plan.value_dtype}, {plan.value_optimizer}, {plan.partition}-wise over P={plan.group_size}: "
+        f"a {rows:,} x {cols:,} shard per rank",
+        f"each step: {plan.microbatches} micro-batch(es) of {plan.tokens:,} tokens, {plan.heads} heads x "
+        f"top-{plan.topk}, keys {plan.key_dim} (rank {plan.tucker_rank}, grid side {doc['grid_side']:,}), "
+        f"{plan.precision}",
+        "bytes per memory layer on a rank:",
+    ]
     lines += _human_rows(doc["components_per_layer"].items())
     lines.append("peak bytes per rank that grow with the slots, by phase:")
     lines += _human_rows(doc["phases"].items())
-    lines.append(f"checkpoint: {human(doc['checkpoint_bytes'])} of tables and optimizer states in all"
-                 + (f"; a GPU save stages {human(doc['host_chunk'])} of host memory" if doc["host_chunk"] else ""))
+    lines.append(
+        f"checkpoint: {human(doc['checkpoint_bytes'])} of tables and optimizer states in all"
+        + (f"; a GPU save stages {human(doc['host_chunk'])} of host memory" if doc["host_chunk"] else "")
+    )
     if config is None:
-        lines.append(f"budget per rank: {args.gpu_mem_gib:g} GiB - {args.reserve_gib:g} GiB reserve -> "
-                     f"{'fits' if doc['fits'] else 'does not fit'} at P={plan.group_size} "
-                     f"(peak {human(doc['peak'])})")
+        lines.append(
+            f"budget per rank: {args.gpu_mem_gib:g} GiB - {args.reserve_gib:g} GiB reserve -> "
+            f"{'fits' if doc['fits'] else 'does not fit'} at P={plan.group_size} "
+            f"(peak {human(doc['peak'])})"
+        )
         if doc["min_group_size"] is None:
             lines.append("no group size rmt can run fits this budget")
         else:
-            lines.append(f"smallest group that fits: P={doc['min_group_size']} "
-                         f"(peak {human(max(doc['min_group_phases'].values()))} per rank)")
+            lines.append(
+                f"smallest group that fits: P={doc['min_group_size']} "
+                f"(peak {human(max(doc['min_group_phases'].values()))} per rank)"
+            )
     return dict(doc, lines=lines)
 
 
 def _run_memory(args: argparse.Namespace) -> int:
     if args.config is not None:
         if args.slots is not None or args.dim is not None:
-            raise ValueError("--slots and --dim come from the config with --config; change them there "
-                             "(memory.num_keys=K) instead.")
+            raise ValueError(
+                "--slots and --dim come from the config with --config; change them there (memory.num_keys=K) instead."
+            )
         if args.reserve_gib:
-            raise ValueError("--reserve-gib sets aside the rest of a rank for a --slots/--dim plan; with --config "
-                             "every byte of the rank is counted.")
+            raise ValueError(
+                "--reserve-gib sets aside the rest of a rank for a --slots/--dim plan; with --config "
+                "every byte of the rank is counted."
+            )
         from rmt.planner.rank_cli import run_memory
 
         return run_memory(args, table_lines)
@@ -315,25 +472,45 @@ def _run_layouts(args: argparse.Namespace) -> int:
 
 
 SUBCOMMANDS: list[Subcommand] = [
-    Subcommand("comm", "bytes per collective per step for number- and dimension-wise "
-               "partitions (UltraMem Appendix D) and the cheaper choice",
-               _add_comm_arguments, _run_comm),
-    Subcommand("memory", "peak bytes per rank in each phase (init, step, save, load): of a whole run "
-               "with --config, or of sharded memory tables alone from their terms", _add_memory_arguments,
-               _run_memory),
+    Subcommand(
+        "comm",
+        "bytes per collective per step for number- and dimension-wise "
+        "partitions (UltraMem Appendix D) and the cheaper choice",
+        _add_comm_arguments,
+        _run_comm,
+    ),
+    Subcommand(
+        "memory",
+        "peak bytes per rank in each phase (init, step, save, load): of a whole run "
+        "with --config, or of sharded memory tables alone from their terms",
+        _add_memory_arguments,
+        _run_memory,
+    ),
 ]
-SUBCOMMANDS.append(Subcommand("layouts", "the layouts (TP, PP, VPP, DP, distributed optimizer, recomputation, "
-                              "table partition) of a config that fit a GPU count, ranked by cost per step, and the "
-                              "smallest count that fits", _layout_arguments, _run_layouts))
-SUBCOMMANDS.append(Subcommand("model", "parameters (total, without embeddings, activated per token), "
-                              "forward FLOPs and activation bytes per token of any architecture with "
-                              "its memory layers (exact; transformer and RMT also paper Table 7)",
-                              flops.add_arguments, flops.run))
+SUBCOMMANDS.append(
+    Subcommand(
+        "layouts",
+        "the layouts (TP, PP, VPP, DP, distributed optimizer, recomputation, "
+        "table partition) of a config that fit a GPU count, ranked by cost per step, and the "
+        "smallest count that fits",
+        _layout_arguments,
+        _run_layouts,
+    )
+)
+SUBCOMMANDS.append(
+    Subcommand(
+        "model",
+        "parameters (total, without embeddings, activated per token), "
+        "forward FLOPs and activation bytes per token of any architecture with "
+        "its memory layers (exact; transformer and RMT also paper Table 7)",
+        flops.add_arguments,
+        flops.run,
+    )
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="rmt-plan", description="Plan communication and memory of "
-                     "sharded UltraMem memory tables.")
+    parser = _Parser(prog="rmt-plan", description="Plan communication and memory of sharded UltraMem memory tables.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for cmd in SUBCOMMANDS:
         p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)

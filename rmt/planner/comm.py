@@ -94,41 +94,63 @@ def _positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}.")
 
 
-def validate(tokens, topm, v_dim, P, *, dedup=False, slots=None, unique_fraction=None,
-             ive=1, cores=1, index_bytes=4, value_bytes=2, block_id_bytes=0,
-             tensor_parallel=1, activation_bytes=None) -> None:
+def validate(
+    tokens,
+    topm,
+    v_dim,
+    P,
+    *,
+    dedup=False,
+    slots=None,
+    unique_fraction=None,
+    ive=1,
+    cores=1,
+    index_bytes=4,
+    value_bytes=2,
+    block_id_bytes=0,
+    tensor_parallel=1,
+    activation_bytes=None,
+) -> None:
     """Raise ``ValueError`` with one sentence if the shape or options are impossible."""
-    for name, value in (("tokens", tokens), ("topm", topm), ("v_dim", v_dim),
-                        ("group size P", P), ("ive", ive), ("cores", cores),
-                        ("index_bytes", index_bytes), ("value_bytes", value_bytes),
-                        ("tensor_parallel", tensor_parallel)):
+    for name, value in (
+        ("tokens", tokens),
+        ("topm", topm),
+        ("v_dim", v_dim),
+        ("group size P", P),
+        ("ive", ive),
+        ("cores", cores),
+        ("index_bytes", index_bytes),
+        ("value_bytes", value_bytes),
+        ("tensor_parallel", tensor_parallel),
+    ):
         _positive_int(name, value)
     if activation_bytes is not None:
         _positive_int("activation_bytes", activation_bytes)
     if tokens % tensor_parallel:
-        raise ValueError(f"tokens ({tokens}) must be divisible by tensor_parallel ({tensor_parallel}): "
-                         f"each tensor-parallel rank looks up tokens / tensor_parallel of them.")
-    if isinstance(block_id_bytes, bool) or not isinstance(block_id_bytes, int) \
-            or block_id_bytes < 0:
+        raise ValueError(
+            f"tokens ({tokens}) must be divisible by tensor_parallel ({tensor_parallel}): "
+            f"each tensor-parallel rank looks up tokens / tensor_parallel of them."
+        )
+    if isinstance(block_id_bytes, bool) or not isinstance(block_id_bytes, int) or block_id_bytes < 0:
         raise ValueError(f"block_id_bytes must be a non-negative integer, got {block_id_bytes!r}.")
     if v_dim % cores:
-        raise ValueError(f"v_dim ({v_dim}) must be divisible by the number of scoring "
-                         f"cores ({cores}).")
+        raise ValueError(f"v_dim ({v_dim}) must be divisible by the number of scoring cores ({cores}).")
     if slots is not None:
         _positive_int("slots", slots)
         if topm > slots:
             raise ValueError(f"top-m ({topm}) cannot exceed the number of slots ({slots}).")
         if ive * slots > 2 ** (8 * index_bytes - 1) - 1:
-            raise ValueError(f"ive x slots ({ive * slots}) virtual addresses do not fit {index_bytes}-byte "
-                             f"signed indices; use index_bytes=8.")
+            raise ValueError(
+                f"ive x slots ({ive * slots}) virtual addresses do not fit {index_bytes}-byte "
+                f"signed indices; use index_bytes=8."
+            )
     if unique_fraction is not None:
         if not dedup:
             raise ValueError("unique_fraction is only meaningful with dedup.")
         if not 0 < unique_fraction <= 1:
             raise ValueError(f"unique_fraction must be in (0, 1], got {unique_fraction!r}.")
     if dedup and (slots is None) == (unique_fraction is None):
-        raise ValueError("dedup needs exactly one of slots (uniform-access model) or "
-                         "unique_fraction (measured).")
+        raise ValueError("dedup needs exactly one of slots (uniform-access model) or unique_fraction (measured).")
 
 
 def expected_unique(tokens: int, topm: int, slots: int) -> float:
@@ -149,12 +171,25 @@ def _requested_rows(tokens, topm, slots, unique_fraction) -> Fraction:
     return Fraction(expected_unique(tokens, topm, slots))
 
 
-def comm_volume(partition: str, tokens: int, topm: int, v_dim: int, P: int, *,
-                dedup: bool = False, slots: int | None = None,
-                unique_fraction: float | None = None, owner_reduce: bool = False,
-                ive: int = 1, cores: int = 1, index_bytes: int = 4, value_bytes: int = 2,
-                block_id_bytes: int = 0, tensor_parallel: int = 1,
-                activation_bytes: int | None = None) -> dict:
+def comm_volume(
+    partition: str,
+    tokens: int,
+    topm: int,
+    v_dim: int,
+    P: int,
+    *,
+    dedup: bool = False,
+    slots: int | None = None,
+    unique_fraction: float | None = None,
+    owner_reduce: bool = False,
+    ive: int = 1,
+    cores: int = 1,
+    index_bytes: int = 4,
+    value_bytes: int = 2,
+    block_id_bytes: int = 0,
+    tensor_parallel: int = 1,
+    activation_bytes: int | None = None,
+) -> dict:
     """Bytes one rank sends per step, per collective, for one partition (Appendix D).
 
     ``partition`` is ``"number"`` or ``"dimension"``; ``tokens`` = T tokens on this rank,
@@ -176,11 +211,22 @@ def comm_volume(partition: str, tokens: int, topm: int, v_dim: int, P: int, *,
     """
     if partition not in PARTITIONS:
         raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}.")
-    validate(tokens, topm, v_dim, P, dedup=dedup, slots=slots,
-             unique_fraction=unique_fraction, ive=ive, cores=cores,
-             index_bytes=index_bytes, value_bytes=value_bytes,
-             block_id_bytes=block_id_bytes, tensor_parallel=tensor_parallel,
-             activation_bytes=activation_bytes)
+    validate(
+        tokens,
+        topm,
+        v_dim,
+        P,
+        dedup=dedup,
+        slots=slots,
+        unique_fraction=unique_fraction,
+        ive=ive,
+        cores=cores,
+        index_bytes=index_bytes,
+        value_bytes=value_bytes,
+        block_id_bytes=block_id_bytes,
+        tensor_parallel=tensor_parallel,
+        activation_bytes=activation_bytes,
+    )
     tp = tensor_parallel
     ab = value_bytes if activation_bytes is None else activation_bytes
     T, K, D, E, C = tokens // tp, topm, v_dim, ive, cores
@@ -215,12 +261,16 @@ def comm_volume(partition: str, tokens: int, topm: int, v_dim: int, P: int, *,
     forward = {name: _round(v) for name, v in fwd.items()}
     backward = {name: _round(v) for name, v in bwd.items()}
     f, b = sum(forward.values()), sum(backward.values())
-    return {"forward": forward, "backward": backward, "forward_total": f,
-            "backward_total": b, "forward_backward_total": f + b}
+    return {
+        "forward": forward,
+        "backward": backward,
+        "forward_total": f,
+        "backward_total": b,
+        "forward_backward_total": f + b,
+    }
 
 
-def plan_comm(tokens: int, topm: int, v_dim: int, P: int, *, phase: str = "forward",
-              **options) -> dict:
+def plan_comm(tokens: int, topm: int, v_dim: int, P: int, *, phase: str = "forward", **options) -> dict:
     """Both partitions and the choice: the ``rmt-plan comm`` JSON document.
 
     ``options`` are :func:`comm_volume`'s keyword options. ``number_bytes`` and
@@ -233,13 +283,17 @@ def plan_comm(tokens: int, topm: int, v_dim: int, P: int, *, phase: str = "forwa
         raise ValueError(f"phase must be one of {PHASES}, got {phase!r}.")
     vols = {p: comm_volume(p, tokens, topm, v_dim, P, **options) for p in PARTITIONS}
     n, d = vols["number"][_PHASE_KEY[phase]], vols["dimension"][_PHASE_KEY[phase]]
-    return {"number_bytes": n, "dimension_bytes": d,
-            "choice": "number" if n < d else "dimension",
-            "ratio": n / d if d else None, "phase": phase, "collectives": vols}
+    return {
+        "number_bytes": n,
+        "dimension_bytes": d,
+        "choice": "number" if n < d else "dimension",
+        "ratio": n / d if d else None,
+        "phase": phase,
+        "collectives": vols,
+    }
 
 
-def choose_partition(tokens: int, topm: int, v_dim: int, P: int, *,
-                     phase: str = "forward", **options) -> str:
+def choose_partition(tokens: int, topm: int, v_dim: int, P: int, *, phase: str = "forward", **options) -> str:
     """``"number"`` or ``"dimension"``: the partition sending fewer bytes in ``phase``.
 
     Ties (including P = 1, where nothing is sent) go to ``"dimension"``.
@@ -247,9 +301,16 @@ def choose_partition(tokens: int, topm: int, v_dim: int, P: int, *,
     return plan_comm(tokens, topm, v_dim, P, phase=phase, **options)["choice"]
 
 
-def boundary_v_dim(topm: int, P: int, *, ive: int = 1, cores: int = 1,
-                   index_bytes: int = 4, value_bytes: int = 2,
-                   activation_bytes: int | None = None) -> float:
+def boundary_v_dim(
+    topm: int,
+    P: int,
+    *,
+    ive: int = 1,
+    cores: int = 1,
+    index_bytes: int = 4,
+    value_bytes: int = 2,
+    activation_bytes: int | None = None,
+) -> float:
     """The v_dim where plain number-wise and dimension-wise forward volumes are equal.
 
     Setting Appendix D's totals equal, ``(ib K + vb K D)(P-1)/P = (P-1)(ib K + ab K C)
@@ -265,9 +326,17 @@ def boundary_v_dim(topm: int, P: int, *, ive: int = 1, cores: int = 1,
     return topm * (P * (index_bytes + ab * cores) - index_bytes) / (value_bytes * topm - ab * ive)
 
 
-def plot_decision_boundary(path: str, tokens: int, topm: int, *, p_max: int = 64,
-                           v_dim_max: int = 512, phase: str = "forward",
-                           mark: tuple[int, int] | None = None, **options) -> None:
+def plot_decision_boundary(
+    path: str,
+    tokens: int,
+    topm: int,
+    *,
+    p_max: int = 64,
+    v_dim_max: int = 512,
+    phase: str = "forward",
+    mark: tuple[int, int] | None = None,
+    **options,
+) -> None:
     """Write a PNG like the paper's Fig. 9: number/dimension volume ratio over P x v_dim.
 
     The solid curve is ratio = 1; the shaded region is where number-wise sends more
@@ -275,6 +344,7 @@ def plot_decision_boundary(path: str, tokens: int, topm: int, *, p_max: int = 64
     = (P, v_dim) puts a dot on the configuration being planned.
     """
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
@@ -287,8 +357,7 @@ def plot_decision_boundary(path: str, tokens: int, topm: int, *, p_max: int = 64
     ratio = np.empty((len(dims), len(ps)))
     for j, p in enumerate(ps):
         for i, d in enumerate(dims):
-            ratio[i, j] = plan_comm(tokens, topm, int(d), int(p), phase=phase,
-                                    **options)["ratio"]
+            ratio[i, j] = plan_comm(tokens, topm, int(d), int(p), phase=phase, **options)["ratio"]
     fig, ax = plt.subplots(figsize=(6, 4.5))
     top = max(float(ratio.max()), 1.0) + 1.0
     ax.contourf(ps, dims, ratio, levels=[0.0, 1.0, top], colors=["#e8f0fa", "#f6c8a8"])
@@ -296,9 +365,14 @@ def plot_decision_boundary(path: str, tokens: int, topm: int, *, p_max: int = 64
         ax.contour(ps, dims, ratio, levels=[1.0], colors="k", linewidths=1.5)
     if mark is not None:
         ax.plot([mark[0]], [mark[1]], "o", color="crimson")
-    ax.legend(handles=[Patch(color="#f6c8a8", label="number/dimension > 1: dimension-wise"),
-                       Patch(color="#e8f0fa", label="number/dimension < 1: number-wise")],
-              loc="upper left", fontsize=8)
+    ax.legend(
+        handles=[
+            Patch(color="#f6c8a8", label="number/dimension > 1: dimension-wise"),
+            Patch(color="#e8f0fa", label="number/dimension < 1: number-wise"),
+        ],
+        loc="upper left",
+        fontsize=8,
+    )
     ax.set_xlabel("group size P")
     ax.set_ylabel("v_dim")
     ax.set_title(f"number / dimension = 1 (T={tokens}, top-m={topm}, {phase})")

@@ -28,5 +28,10 @@ def dense_bytes_per_param(precision: str, distributed_optimizer: bool, dp: int) 
     """Bytes per dense parameter element on one rank, by kind (see the module's table)."""
     bf16 = precision == "bf16"
     shard = dp if distributed_optimizer else 1
-    return {"param": 2.0 if bf16 else 4.0, "grad": 4.0, "main_param": (4.0 / shard) if bf16 else 0.0,
-            "exp_avg": 4.0 / shard, "exp_avg_sq": 4.0 / shard}
+    return {
+        "param": 2.0 if bf16 else 4.0,
+        "grad": 4.0,
+        "main_param": (4.0 / shard) if bf16 else 0.0,
+        "exp_avg": 4.0 / shard,
+        "exp_avg_sq": 4.0 / shard,
+    }

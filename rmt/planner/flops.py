@@ -63,9 +63,20 @@ def _layer_counts(D: int, H: int, Dh: int, Dff: int, w: int, norm: int) -> Dict[
     return {"params": params, "flops": flops}
 
 
-def transformer_counts(L: int, D: int, H: int, Dh: int, Dff: int, V: int, N: int,
-                       Vp: int = None, position: str = "learned", normalization: str = "LayerNorm",
-                       dtype_bytes: int = 4, fused_attention: bool = True) -> Dict:
+def transformer_counts(
+    L: int,
+    D: int,
+    H: int,
+    Dh: int,
+    Dff: int,
+    V: int,
+    N: int,
+    Vp: int = None,
+    position: str = "learned",
+    normalization: str = "LayerNorm",
+    dtype_bytes: int = 4,
+    fused_attention: bool = True,
+) -> Dict:
     """Exact and Table 7 counts of megatron's GPTModel (local spec, linear biases on);
     ``fused_attention``: ``model.attention_kernel`` is ``sdpa``."""
     Vp = V if Vp is None else Vp
@@ -100,15 +111,32 @@ def transformer_counts(L: int, D: int, H: int, Dh: int, Dff: int, V: int, N: int
     return doc
 
 
-def rmt_counts(L: int, Dk: int, Dv: int, R: int, Dff: int, V: int, N: int, Vp: int = None,
-               position: str = "alibi", dtype_bytes: int = 4, micro_batch: int = 1) -> Dict:
+def rmt_counts(
+    L: int,
+    Dk: int,
+    Dv: int,
+    R: int,
+    Dff: int,
+    V: int,
+    N: int,
+    Vp: int = None,
+    position: str = "alibi",
+    dtype_bytes: int = 4,
+    micro_batch: int = 1,
+) -> Dict:
     """Exact and Table 7 counts of :class:`rmt.models.rmt.RMTModel`; ``micro_batch`` samples
     share one fp32 attention bias ``[R, N, N]`` (kept as the attention's input)."""
     Vp = V if Vp is None else Vp
     learned = position == "learned"
-    params = (Vp * Dv * R + Dk * R + ((N * Dv * R + Dk * R) if learned else 0)
-              + L * (2 * Dk * Dv + 3 * R * Dk + R * Dk + R * Dk + 2 * R * Dv * Dff + R * Dk)
-              + Dk * Dv + R * Dk + Vp * Dv * R)
+    params = (
+        Vp * Dv * R
+        + Dk * R
+        + ((N * Dv * R + Dk * R) if learned else 0)
+        + L * (2 * Dk * Dv + 3 * R * Dk + R * Dk + R * Dk + 2 * R * Dv * Dff + R * Dk)
+        + Dk * Dv
+        + R * Dk
+        + Vp * Dv * R
+    )
     paper_params = R * (2 * Dk * (3 * L + 1) + Dv * (2 * L * Dff + V + N))
     diff_params = [
         ("unembedding table R Dv V: in A.1's itemization, missing from its total", R * Dv * V),
@@ -117,16 +145,14 @@ def rmt_counts(L: int, Dk: int, Dv: int, R: int, Dff: int, V: int, N: int, Vp: i
         ("vocabulary padded to Vp, embedding and unembedding 2 R Dv (Vp - V)", 2 * R * Dv * (Vp - V)),
     ]
     if not learned:
-        diff_params.append(("ALiBi: no position table R N Dv and no position keys R Dk",
-                            -(R * N * Dv + R * Dk)))
+        diff_params.append(("ALiBi: no position table R N Dv and no position keys R Dk", -(R * N * Dv + R * Dk)))
     key = 2 * Dk * Dv * R  # one read or write of R vectors, per token
     layer_flops = 3 * key + 2 * N * Dv * R + 3 * R * N + 2 * N * Dv * R + key + 4 * R * Dv * Dff + 2 * key
     flops = key * (2 if learned else 1) + L * layer_flops + key + 2 * R * Dv * Vp
     paper_flops = 6 * R * Dk * Dv * (1 + L) + R * (4 * V * Dv + L * (4 * N * Dv + 3 * N + 4 * Dv * Dff))
     diff_flops = [
         ("layer key vectors: A.2 itemizes 12 Dk Dv R per layer, its total has 6", 6 * L * Dk * Dv * R),
-        ("word and position lookups are gathers; the total counts them as one-hot matmuls (4 V R Dv)",
-         -4 * V * R * Dv),
+        ("word and position lookups are gathers; the total counts them as one-hot matmuls (4 V R Dv)", -4 * V * R * Dv),
         ("unembedding logits 2 R Dv Vp: in A.2's itemization, missing from its total", 2 * R * Dv * Vp),
     ]
     if not learned:
@@ -135,8 +161,12 @@ def rmt_counts(L: int, Dk: int, Dv: int, R: int, Dff: int, V: int, N: int, Vp: i
     layer_act = 2 * Dk * Dv + 5 * R * Dv + 2 * Dff
     # besides the layers: the embedding write's gathered rows R Dv, the final norm's input Dk Dv,
     # the unembedding's reads R Dv, the logits, and the bias shared by the micro-batch
-    act = ((L * layer_act + Dk * Dv + 2 * R * Dv) * dtype_bytes + L * attention_lse_bytes(R, True) + 4 * Vp
-           + 4 * R * N // micro_batch)
+    act = (
+        (L * layer_act + Dk * Dv + 2 * R * Dv) * dtype_bytes
+        + L * attention_lse_bytes(R, True)
+        + 4 * Vp
+        + 4 * R * N // micro_batch
+    )
     doc = _doc("rmt", params, paper_params, diff_params, flops, paper_flops, diff_flops, act)
     doc["first_layer_input_counted"] = False  # the embedding's output: kept by layer 1 only
     doc["layer_activation_bytes_per_token"] = layer_act * dtype_bytes + attention_lse_bytes(R, True)
@@ -179,10 +209,16 @@ def recurrent_counts(config: RMTConfig, Vp: int) -> Dict:
     flops = L * (2 * block["flops"] + (blocks - 1) * window["flops"]) + N * 2 * D * Vp
     recurrent = recurrent_ops_per_sample(L, D, N, k)
     regular = transformer_ops_per_sample(L, D, N)
-    return {"arch": "recurrent", "params": params, "embedding_params": embedding,
-            "flops_per_sequence": flops, "flops_per_token": flops / N,
-            "ops_per_sample": recurrent, "transformer_ops_per_sample": regular,
-            "ops_ratio_recurrent_over_transformer": recurrent / regular}
+    return {
+        "arch": "recurrent",
+        "params": params,
+        "embedding_params": embedding,
+        "flops_per_sequence": flops,
+        "flops_per_token": flops / N,
+        "ops_per_sample": recurrent,
+        "transformer_ops_per_sample": regular,
+        "ops_ratio_recurrent_over_transformer": recurrent / regular,
+    }
 
 
 def mixer_counts(config: RMTConfig, Vp: int) -> Dict:
@@ -192,8 +228,7 @@ def mixer_counts(config: RMTConfig, Vp: int) -> Dict:
     Dff = m.ffn_hidden_size or 4 * D
     norm = 2 * D if m.normalization == "LayerNorm" else D
     token = H * N * N if m.mixer_kind == "masked" else H * N
-    layer = (norm + D * Dff + Dff + Dff * D + D + norm + 2 * (D * D + D) + token + H * N
-             + (H if m.mixer_decay else 0))
+    layer = norm + D * Dff + Dff + Dff * D + D + norm + 2 * (D * D + D) + token + H * N + (H if m.mixer_decay else 0)
     params = Vp * D + L * layer + norm + Vp * D
     flops = L * (4 * D * Dff + 4 * D * D + 2 * N * D) + 2 * D * Vp
     return {"arch": "mixer", "params": params, "embedding_params": 2 * Vp * D, "flops_per_token": flops}
@@ -226,21 +261,43 @@ def plan_model(config: RMTConfig) -> Dict:
 
         m.vocab_size = known_vocab_size(config)
         if m.vocab_size is None:
-            raise ValueError("model.vocab_size must be set to count parameters (only the byte tokenizer's "
-                             "vocabulary and a dataset's recorded one are known without building data)")
+            raise ValueError(
+                "model.vocab_size must be set to count parameters (only the byte tokenizer's "
+                "vocabulary and a dataset's recorded one are known without building data)"
+            )
     Vp = _pad(m.vocab_size, m.make_vocab_size_divisible_by)
     dtype = DTYPE_BYTES[config.train.precision]
     learned = m.position == "learned"
     if m.arch == "transformer":
-        doc = transformer_counts(m.num_layers, m.hidden_size, m.num_attention_heads,
-                                 m.hidden_size // m.num_attention_heads,
-                                 m.ffn_hidden_size or 4 * m.hidden_size, m.vocab_size,
-                                 m.seq_length, Vp, m.position, m.normalization, dtype,
-                                 fused_attention=m.attention_kernel == "sdpa")
+        doc = transformer_counts(
+            m.num_layers,
+            m.hidden_size,
+            m.num_attention_heads,
+            m.hidden_size // m.num_attention_heads,
+            m.ffn_hidden_size or 4 * m.hidden_size,
+            m.vocab_size,
+            m.seq_length,
+            Vp,
+            m.position,
+            m.normalization,
+            dtype,
+            fused_attention=m.attention_kernel == "sdpa",
+        )
         doc["embedding_params"] = 2 * Vp * m.hidden_size + (m.seq_length * m.hidden_size if learned else 0)
     elif m.arch == "rmt":
-        doc = rmt_counts(m.num_layers, m.dk, m.dv, m.rank, m.ffn_hidden_size or 4 * m.rank * m.dv,
-                         m.vocab_size, m.seq_length, Vp, m.position, dtype, config.train.micro_batch_size)
+        doc = rmt_counts(
+            m.num_layers,
+            m.dk,
+            m.dv,
+            m.rank,
+            m.ffn_hidden_size or 4 * m.rank * m.dv,
+            m.vocab_size,
+            m.seq_length,
+            Vp,
+            m.position,
+            dtype,
+            config.train.micro_batch_size,
+        )
         doc["embedding_params"] = 2 * Vp * m.dv * m.rank + (m.seq_length * m.dv * m.rank if learned else 0)
     elif m.arch == "recurrent":
         doc = recurrent_counts(config, Vp)
@@ -300,20 +357,27 @@ def _add_memory(doc: Dict, plan: Dict) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True,
-                   help="YAML config (model.arch transformer, rmt, recurrent or mixer; memory.* layers counted)")
+    p.add_argument(
+        "--config",
+        required=True,
+        help="YAML config (model.arch transformer, rmt, recurrent or mixer; memory.* layers counted)",
+    )
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     p.add_argument("--json", metavar="FILE", help="write the numbers to FILE")
 
 
 def _lines(doc: Dict) -> List[str]:
     paper = "paper_params" in doc
-    head = (f"{doc['arch']}: parameters {doc['params']:,} (without embeddings {doc['non_embedding_params']:,}; "
-            f"activated per token {doc['activated_non_embedding_params']:,})")
+    head = (
+        f"{doc['arch']}: parameters {doc['params']:,} (without embeddings {doc['non_embedding_params']:,}; "
+        f"activated per token {doc['activated_non_embedding_params']:,})"
+    )
     out = [head]
     if paper:
-        out.append(f"  Table 7 formula: {doc['paper_params']:,.0f}, exact - formula = "
-                   f"{doc['params'] - doc['paper_params']:+,.0f}")
+        out.append(
+            f"  Table 7 formula: {doc['paper_params']:,.0f}, exact - formula = "
+            f"{doc['params'] - doc['paper_params']:+,.0f}"
+        )
         out += [f"  {d['count']:+16,}  {d['item']}" for d in doc["params_differences"]]
     out.append(f"forward FLOPs per token {doc['flops_per_token']:,.0f} (per sequence {doc['flops_per_sequence']:,})")
     if paper:
@@ -321,21 +385,30 @@ def _lines(doc: Dict) -> List[str]:
         out += [f"  {d['count']:+16,}  {d['item']}" for d in doc["flops_differences"]]
     if "memory" in doc:
         mem = doc["memory"]
-        out.append(f"{mem['type']} ({mem['placement']}): parameters {mem['params']:,}, activated per token "
-                   f"{mem['activated_params']:,}, forward FLOPs per token {mem['flops_per_token']:,}")
-        out += [f"  {l['placement']:>8}  parameters {l['params']:,}  activated {l['activated_params']:,}  "
-                f"FLOPs/token {l['flops_per_token']:,}" for l in mem["layers"]]
+        out.append(
+            f"{mem['type']} ({mem['placement']}): parameters {mem['params']:,}, activated per token "
+            f"{mem['activated_params']:,}, forward FLOPs per token {mem['flops_per_token']:,}"
+        )
+        out += [
+            f"  {l['placement']:>8}  parameters {l['params']:,}  activated {l['activated_params']:,}  "
+            f"FLOPs/token {l['flops_per_token']:,}"
+            for l in mem["layers"]
+        ]
         if "memory_over_ffn_flops" in mem:
             out.append(f"  memory / FFN forward FLOPs per layer {mem['memory_over_ffn_flops']:.3f}")
     if "ops_per_sample" in doc:
-        out += [f"paper accounting (§5.1): ops per sample r(4dlk + 2ld^2) = {doc['ops_per_sample']:,}; "
-                f"transformer of the same shape r(l^2 d + l d^2) = {doc['transformer_ops_per_sample']:,}; "
-                f"ratio {doc['ops_ratio_recurrent_over_transformer']:.3f}"]
+        out += [
+            f"paper accounting (§5.1): ops per sample r(4dlk + 2ld^2) = {doc['ops_per_sample']:,}; "
+            f"transformer of the same shape r(l^2 d + l d^2) = {doc['transformer_ops_per_sample']:,}; "
+            f"ratio {doc['ops_ratio_recurrent_over_transformer']:.3f}"
+        ]
     if "activation_bytes_per_token" in doc:
         out.append(f"activation bytes per token (training, no recompute): {doc['activation_bytes_per_token']:,}")
         if doc["recompute_granularity"] != "none":
-            out.append(f"activation bytes per token (train.recompute_granularity {doc['recompute_granularity']}): "
-                       f"{doc['recomputed_activation_bytes_per_token']:,}")
+            out.append(
+                f"activation bytes per token (train.recompute_granularity {doc['recompute_granularity']}): "
+                f"{doc['recomputed_activation_bytes_per_token']:,}"
+            )
     return out
 
 

@@ -147,29 +147,48 @@ def _positive_int(name: str, value) -> None:
 
 def validate_plan(plan: TablePlan) -> None:
     """One sentence (``ValueError``) for a layout rmt cannot run."""
-    for name in ("slots", "dim", "group_size", "layers", "tokens", "microbatches", "heads", "topk", "key_dim",
-                 "tucker_rank", "ive_blocks", "cores"):
+    for name in (
+        "slots",
+        "dim",
+        "group_size",
+        "layers",
+        "tokens",
+        "microbatches",
+        "heads",
+        "topk",
+        "key_dim",
+        "tucker_rank",
+        "ive_blocks",
+        "cores",
+    ):
         _positive_int(name.replace("_", " "), getattr(plan, name))
-    for name, value, allowed in (("partition", plan.partition, PARTITIONS),
-                                 ("value optimizer", plan.value_optimizer, VALUE_OPTIMIZERS),
-                                 ("value dtype", plan.value_dtype, tuple(DTYPE_BYTES)),
-                                 ("precision", plan.precision, PRECISIONS), ("device", plan.device, ("cpu", "gpu"))):
+    for name, value, allowed in (
+        ("partition", plan.partition, PARTITIONS),
+        ("value optimizer", plan.value_optimizer, VALUE_OPTIMIZERS),
+        ("value dtype", plan.value_dtype, tuple(DTYPE_BYTES)),
+        ("precision", plan.precision, PRECISIONS),
+        ("device", plan.device, ("cpu", "gpu")),
+    ):
         if value not in allowed:
             raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}.")
     k = plan.num_keys
     if k * k != plan.slots:
-        raise ValueError(f"UltraMem and PKM tables have num_keys^2 slots; {plan.slots:,} is not a square "
-                         f"(nearest: {k * k:,} = {k}^2 or {(k + 1) ** 2:,} = {k + 1}^2).")
+        raise ValueError(
+            f"UltraMem and PKM tables have num_keys^2 slots; {plan.slots:,} is not a square "
+            f"(nearest: {k * k:,} = {k}^2 or {(k + 1) ** 2:,} = {k + 1}^2)."
+        )
     if math.isqrt(plan.ive_blocks) ** 2 != plan.ive_blocks:
         raise ValueError(f"IVE blocks must be a perfect square (the key grid grows by sqrt(E)), got {plan.ive_blocks}.")
     if plan.key_dim % plan.tucker_rank:
         raise ValueError(f"key dim ({plan.key_dim}) must be divisible by the Tucker rank ({plan.tucker_rank}).")
     if plan.partition == "number" and plan.slots % plan.group_size:
-        raise ValueError(f"a number-wise table needs slots ({plan.slots:,}) divisible by the group size "
-                         f"({plan.group_size}).")
+        raise ValueError(
+            f"a number-wise table needs slots ({plan.slots:,}) divisible by the group size ({plan.group_size})."
+        )
     if plan.partition == "dimension" and plan.dim % plan.group_size:
-        raise ValueError(f"a dimension-wise table needs the value dim ({plan.dim}) divisible by the group size "
-                         f"({plan.group_size}).")
+        raise ValueError(
+            f"a dimension-wise table needs the value dim ({plan.dim}) divisible by the group size ({plan.group_size})."
+        )
     if plan.value_optimizer == "rowwise_adagrad" and plan.partition == "dimension":
         raise ValueError("rowwise_adagrad keeps one accumulator per whole row, so it needs a number-wise table.")
     if plan.fused and plan.value_optimizer == "adamw":
@@ -214,10 +233,15 @@ def components(plan: TablePlan) -> dict:
     keys = plan.heads * 2 * plan.grid_side * plan.key_dim * 4
     scores = plan.tokens * plan.heads * 2 * plan.tucker_rank * plan.grid_side * (2 if plan.precision == "bf16" else 4)
     table = elements * b
-    return {"table": table, "slot_stats": -(-plan.slots // plan.group_size), "gradients": gradients,
-            "optimizer_states": states, "keys": keys,
-            "retrieval_activations": RETRIEVAL_ACTIVATION_FACTOR * scores,
-            "checkpoint_chunk": min(CHECKPOINT_CHUNK_BYTES, resharding_read(plan, table))}
+    return {
+        "table": table,
+        "slot_stats": -(-plan.slots // plan.group_size),
+        "gradients": gradients,
+        "optimizer_states": states,
+        "keys": keys,
+        "retrieval_activations": RETRIEVAL_ACTIVATION_FACTOR * scores,
+        "checkpoint_chunk": min(CHECKPOINT_CHUNK_BYTES, resharding_read(plan, table)),
+    }
 
 
 def resharding_read(plan: TablePlan, table: int) -> int:
@@ -237,11 +261,13 @@ def phases(plan: TablePlan, keys: bool = True) -> dict:
     L = plan.layers
     held = c["table"] + c["slot_stats"]
     trained = held + 4 * c["keys"] + c["optimizer_states"]
-    return {"init": L * (held + 2 * c["keys"]) + 2 * c["keys"],
-            "step": L * (trained + c["gradients"]) + c["retrieval_activations"],
-            "save": L * (trained + c["gradients"]),
-            "load": L * trained + 2 * c["keys"],
-            "load_resharded": L * trained + max(2 * c["keys"], c["checkpoint_chunk"])}
+    return {
+        "init": L * (held + 2 * c["keys"]) + 2 * c["keys"],
+        "step": L * (trained + c["gradients"]) + c["retrieval_activations"],
+        "save": L * (trained + c["gradients"]),
+        "load": L * trained + 2 * c["keys"],
+        "load_resharded": L * trained + max(2 * c["keys"], c["checkpoint_chunk"]),
+    }
 
 
 def checkpoint_bytes(plan: TablePlan) -> int:
@@ -279,18 +305,30 @@ def plan_memory(plan: TablePlan, gpu_mem_gib: float = 80.0, reserve_gib: float =
     if not gpu_mem_gib > 0:
         raise ValueError(f"the memory per rank must be positive, got {gpu_mem_gib!r} GiB.")
     if not 0 <= reserve_gib < gpu_mem_gib:
-        raise ValueError(f"the reserve ({reserve_gib!r} GiB) must be non-negative and below the memory per rank "
-                         f"({gpu_mem_gib!r} GiB).")
+        raise ValueError(
+            f"the reserve ({reserve_gib!r} GiB) must be non-negative and below the memory per rank "
+            f"({gpu_mem_gib!r} GiB)."
+        )
     per_phase = phases(plan)
     budget = math.floor((gpu_mem_gib - reserve_gib) * GIB)
     p_min = min_group_size(plan, budget)
-    return {"inputs": asdict(plan), "num_keys": plan.num_keys, "grid_side": plan.grid_side,
-            "shard_shape": list(plan.shard_shape), "components_per_layer": components(plan),
-            "phases": per_phase, "peak": max(per_phase.values()),
-            "host_chunk": CHECKPOINT_CHUNK_BYTES if plan.device == "gpu" else 0,
-            "checkpoint_bytes": checkpoint_bytes(plan), "gpu_mem_gib": gpu_mem_gib, "reserve_gib": reserve_gib,
-            "budget_bytes": budget, "fits": max(per_phase.values()) <= budget, "min_group_size": p_min,
-            "min_group_phases": None if p_min is None else phases(replace(plan, group_size=p_min))}
+    return {
+        "inputs": asdict(plan),
+        "num_keys": plan.num_keys,
+        "grid_side": plan.grid_side,
+        "shard_shape": list(plan.shard_shape),
+        "components_per_layer": components(plan),
+        "phases": per_phase,
+        "peak": max(per_phase.values()),
+        "host_chunk": CHECKPOINT_CHUNK_BYTES if plan.device == "gpu" else 0,
+        "checkpoint_bytes": checkpoint_bytes(plan),
+        "gpu_mem_gib": gpu_mem_gib,
+        "reserve_gib": reserve_gib,
+        "budget_bytes": budget,
+        "fits": max(per_phase.values()) <= budget,
+        "min_group_size": p_min,
+        "min_group_phases": None if p_min is None else phases(replace(plan, group_size=p_min)),
+    }
 
 
 def plan_from_config(config, group_size: int, layers: int, microbatches: int) -> TablePlan:
@@ -310,11 +348,21 @@ def plan_from_config(config, group_size: int, layers: int, microbatches: int) ->
     else:
         config_dim, key_dim = value_dim(config), mem.key_dim // 2 if pkm else mem.key_dim
     return TablePlan(
-        slots=mem.num_keys ** 2, dim=config_dim,
-        group_size=group_size, partition="number" if mem.partition == "local" else mem.partition,
-        value_optimizer=mem.value_optimizer, value_dtype=mem.value_dtype, layers=layers,
-        tokens=t.micro_batch_size * m.seq_length, microbatches=microbatches, heads=mem.num_heads,
-        topk=mem.topk, key_dim=key_dim,
+        slots=mem.num_keys**2,
+        dim=config_dim,
+        group_size=group_size,
+        partition="number" if mem.partition == "local" else mem.partition,
+        value_optimizer=mem.value_optimizer,
+        value_dtype=mem.value_dtype,
+        layers=layers,
+        tokens=t.micro_batch_size * m.seq_length,
+        microbatches=microbatches,
+        heads=mem.num_heads,
+        topk=mem.topk,
+        key_dim=key_dim,
         tucker_rank=1 if pkm or mem.retrieval == "product" else mem.tucker_rank,
-        ive_blocks=1 if pkm else mem.ive_blocks, precision=t.precision, fused=mem.fused_value_optimizer,
-        cores=1 if pkm else mem.num_cores)
+        ive_blocks=1 if pkm else mem.ive_blocks,
+        precision=t.precision,
+        fused=mem.fused_value_optimizer,
+        cores=1 if pkm else mem.num_cores,
+    )

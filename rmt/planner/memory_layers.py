@@ -55,10 +55,20 @@ def ultramem_v2_counts(spec) -> Dict[str, int]:
         "pre_proj": W * Dp,
         "proj": Dv * W,
     }
-    flops = (2 * W * H * 2 * Kd + 2 * H * 2 * r * n * Kd + _tdqkr_flops(s)
-             + 2 * W * Dp + 2 * H * m * Dp + 2 * H * m * Dv + 2 * Dv * W)
-    return {"params": sum(dense.values()) + s.num_values * (Dv + Dp),
-            "activated_params": sum(dense.values()) + H * m * (Dv + Dp), "flops_per_token": flops}
+    flops = (
+        2 * W * H * 2 * Kd
+        + 2 * H * 2 * r * n * Kd
+        + _tdqkr_flops(s)
+        + 2 * W * Dp
+        + 2 * H * m * Dp
+        + 2 * H * m * Dv
+        + 2 * Dv * W
+    )
+    return {
+        "params": sum(dense.values()) + s.num_values * (Dv + Dp),
+        "activated_params": sum(dense.values()) + H * m * (Dv + Dp),
+        "flops_per_token": flops,
+    }
 
 
 def ultramem_counts(spec) -> Dict[str, int]:
@@ -84,10 +94,14 @@ def ultramem_counts(spec) -> Dict[str, int]:
         "proj": E * Dv * W if proj else 0,
     }
     values = s.num_values * Dv
-    flops = (2 * (W * s.conv_kernel + W * H * sides * Kd + H * 2 * n * Kd + H * m * Dv + (E * Dv * W if proj else 0))
-             + _tdqkr_flops(s))
-    return {"params": sum(dense.values()) + values, "activated_params": sum(dense.values()) + H * m * Dv,
-            "flops_per_token": flops}
+    flops = 2 * (
+        W * s.conv_kernel + W * H * sides * Kd + H * 2 * n * Kd + H * m * Dv + (E * Dv * W if proj else 0)
+    ) + _tdqkr_flops(s)
+    return {
+        "params": sum(dense.values()) + values,
+        "activated_params": sum(dense.values()) + H * m * Dv,
+        "flops_per_token": flops,
+    }
 
 
 def moe_counts(width: int, experts: int, topk: int, expert_hidden: int, norm: bool) -> Dict[str, int]:
@@ -95,8 +109,11 @@ def moe_counts(width: int, experts: int, topk: int, expert_hidden: int, norm: bo
     placements; an MLP replacement uses the layer's pre-MLP norm)."""
     expert = 2 * width * expert_hidden
     base = width * experts + (2 * width if norm else 0)
-    return {"params": base + experts * expert, "activated_params": base + topk * expert,
-            "flops_per_token": 2 * width * experts + topk * 2 * expert}
+    return {
+        "params": base + experts * expert,
+        "activated_params": base + topk * expert,
+        "flops_per_token": 2 * width * experts + topk * 2 * expert,
+    }
 
 
 def memory_plan(config) -> Dict:
@@ -118,8 +135,12 @@ def memory_plan(config) -> Dict:
         each = [ultramem_counts(MemorySpec.from_config(config, k)) for k in range(len(where))]
     layers: List[Dict] = [{"placement": p, **c} for p, c in zip(where, each)]
     total = {key: sum(c[key] for c in each) for key in ("params", "activated_params", "flops_per_token")}
-    plan = {"type": mem.type, "placement": mem.moe_placement if mem.type == "moe" else
-            "ffn" if mem.type == "ultramem_v2" else "skip", "layers": layers, **total}
+    plan = {
+        "type": mem.type,
+        "placement": mem.moe_placement if mem.type == "moe" else "ffn" if mem.type == "ultramem_v2" else "skip",
+        "layers": layers,
+        **total,
+    }
     if mem.type == "ultramem_v2":
         plan["memory_over_ffn_flops"] = total["flops_per_token"] / (len(layers) * ffn_flops_per_token(config))
     return plan

@@ -115,16 +115,27 @@ def layout_of(config, world_size: int, device: str = "cpu") -> Layout:
     p, t = config.parallel, config.train
     model_ranks = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
     if world_size % model_ranks:
-        raise ValueError(f"the world size ({world_size}) must be a multiple of tensor x pipeline parallel "
-                         f"({p.tensor_model_parallel_size} x {p.pipeline_model_parallel_size}).")
+        raise ValueError(
+            f"the world size ({world_size}) must be a multiple of tensor x pipeline parallel "
+            f"({p.tensor_model_parallel_size} x {p.pipeline_model_parallel_size})."
+        )
     dp = world_size // model_ranks
     micro = max(1, (t.global_batch_size or t.micro_batch_size * dp) // (t.micro_batch_size * dp))
-    return Layout(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
-                  vpp=p.virtual_pipeline_model_parallel_size or 1, dp=dp, ep=p.expert_model_parallel_size,
-                  etp=p.expert_tensor_parallel_size or p.tensor_model_parallel_size,
-                  sequence_parallel=p.sequence_parallel, distributed_optimizer=t.distributed_optimizer,
-                  recompute=t.recompute_granularity, recompute_method=t.recompute_method,
-                  recompute_num_layers=t.recompute_num_layers, microbatches=micro, device=device)
+    return Layout(
+        tp=p.tensor_model_parallel_size,
+        pp=p.pipeline_model_parallel_size,
+        vpp=p.virtual_pipeline_model_parallel_size or 1,
+        dp=dp,
+        ep=p.expert_model_parallel_size,
+        etp=p.expert_tensor_parallel_size or p.tensor_model_parallel_size,
+        sequence_parallel=p.sequence_parallel,
+        distributed_optimizer=t.distributed_optimizer,
+        recompute=t.recompute_granularity,
+        recompute_method=t.recompute_method,
+        recompute_num_layers=t.recompute_num_layers,
+        microbatches=micro,
+        device=device,
+    )
 
 
 def with_vocabulary(config):
@@ -135,8 +146,10 @@ def with_vocabulary(config):
 
         config.model.vocab_size = known_vocab_size(config)
     if config.model.vocab_size is None:
-        raise ValueError("model.vocab_size must be set to plan the run (only the byte tokenizer's vocabulary and "
-                         "a dataset's recorded one are known without building data).")
+        raise ValueError(
+            "model.vocab_size must be set to plan the run (only the byte tokenizer's vocabulary and "
+            "a dataset's recorded one are known without building data)."
+        )
     return config
 
 
@@ -183,8 +196,8 @@ def _memory_layers_on(config, first: int, last: int) -> List[Dict]:
     """Counts of the memory layers of ``config`` that a model chunk of layers ``first..last`` holds."""
     if config.memory.type == "none":
         return []
-    from rmt.planner.memory_layers import memory_plan
     from rmt.memory.shapes import memory_placement, parse_moe_layers
+    from rmt.planner.memory_layers import memory_plan
 
     plan = memory_plan(config)
     mem = config.memory
@@ -206,7 +219,7 @@ def _value_elements(config) -> int:
         return 0
     from rmt.memory.shapes import value_dim
 
-    return mem.num_keys ** 2 * (value_dim(config) + (mem.pre_value_dim if mem.type == "ultramem_v2" else 0))
+    return mem.num_keys**2 * (value_dim(config) + (mem.pre_value_dim if mem.type == "ultramem_v2" else 0))
 
 
 def _memory_dense_params(config, layout: Layout, layers: List[Dict]) -> int:
@@ -310,7 +323,9 @@ def chunk_activations(config, layout: Layout, stage: int, chunk: int) -> Dict[st
     layer = (whole // (t if sp else 1) + split // t) * b + lse // t
     if m.arch == "recurrent":  # each layer runs on windows: 2k tokens per block of k (rmt.planner.flops)
         layer = layer * 2 * m.block_width * -(-m.seq_length // m.block_width) // m.seq_length
-    core = (lse // t) if m.attention_kernel == "sdpa" or m.arch == "rmt" else m.num_attention_heads * m.seq_length * b // t
+    core = (
+        (lse // t) if m.attention_kernel == "sdpa" or m.arch == "rmt" else m.num_attention_heads * m.seq_length * b // t
+    )
     width = m.dk * m.dv if m.arch == "rmt" else m.hidden_size
     hidden = width * b // (t if sp else 1)
     first, last = chunks_of(config, layout, stage)[chunk]
@@ -377,8 +392,9 @@ def stage_tables(config, layout: Layout, stage: int) -> Dict[str, int]:
     if not layers:
         return {p: 0 for p in PHASES}
     group = 1 if mem.partition == "local" else (mem.group_size or layout.dp * layout.tp)
-    plan = replace(plan_from_config(config, group, layers, layout.microbatches),
-                   device="gpu" if layout.device == "gpu" else "cpu")
+    plan = replace(
+        plan_from_config(config, group, layers, layout.microbatches), device="gpu" if layout.device == "gpu" else "cpu"
+    )
     out = phases(plan, keys=False)
     return {p: out[p] for p in PHASES}
 
@@ -415,8 +431,9 @@ def rank_phases(config, layout: Layout, stage: int, writer: bool = True) -> Dict
     # torch's foreach AdamW (megatron-core's optimizer on a GPU without Transformer Engine or apex)
     # takes the square root of the second moments out of place: 4 bytes per element it steps
     optimizer_temp = c["optimizer_states"] // 2 if layout.device == "gpu" else 0
-    step = dict(trained, activations=c["activations"],
-                transient=max(c["loss_workspace"], c["recompute_span"], optimizer_temp))
+    step = dict(
+        trained, activations=c["activations"], transient=max(c["loss_workspace"], c["recompute_span"], optimizer_temp)
+    )
     copies = c["main_params"]  # the bf16 main copies' pieces are written as fresh tensors
     if layout.distributed_optimizer and writer:
         copies += c["params"]  # views into the parameter buffer: the writer of their replica copies them
@@ -430,8 +447,12 @@ def rank_phases(config, layout: Layout, stage: int, writer: bool = True) -> Dict
     out = {"init": init, "step": step, "save": save, "load": load}
     for phase, terms in out.items():
         terms["tables"] = tables[phase]
-        terms["framework"] = 0 if layout.device != "cpu" else CPU_FRAMEWORK_BYTES[phase] + (
-            CPU_EXTENSION_BYTES if config.memory.type in ("ultramem", "ultramem_v2", "pkm") else 0)
+        terms["framework"] = (
+            0
+            if layout.device != "cpu"
+            else CPU_FRAMEWORK_BYTES[phase]
+            + (CPU_EXTENSION_BYTES if config.memory.type in ("ultramem", "ultramem_v2", "pkm") else 0)
+        )
         terms["process"] = c["process"]
     return out
 
@@ -446,14 +467,23 @@ def plan_rank(config, world_size: int, device: str = "cpu", gib: Optional[float]
     and phases, the peak per rank and, with ``gib``, whether it fits."""
     layout = layout_of(config, world_size, device)
     stages = {}
-    for s in (range(layout.pp) if layout.pp <= 3 else _all_distinct(config, layout)):
+    for s in range(layout.pp) if layout.pp <= 3 else _all_distinct(config, layout):
         ph = rank_phases(config, layout, s)
         totals = {p: sum(v.values()) for p, v in ph.items()}
-        stages[str(s)] = {"components": rank_components(config, layout, s), "phases": ph, "totals": totals,
-                          "peak": max(totals.values())}
+        stages[str(s)] = {
+            "components": rank_components(config, layout, s),
+            "phases": ph,
+            "totals": totals,
+            "peak": max(totals.values()),
+        }
     peak = max(v["peak"] for v in stages.values())
-    doc = {"layout": asdict(layout), "world_size": world_size, "stages": stages, "peak": peak,
-           "checkpoint_bytes": checkpoint_bytes(config)}
+    doc = {
+        "layout": asdict(layout),
+        "world_size": world_size,
+        "stages": stages,
+        "peak": peak,
+        "checkpoint_bytes": checkpoint_bytes(config),
+    }
     if gib is not None:
         doc.update(gib=gib, fits=peak <= gib * GIB)
     return doc
@@ -464,8 +494,11 @@ def _all_distinct(config, layout: Layout) -> List[int]:
     split are alike), with the first and the last."""
     keep, seen = [], None
     for s in range(layout.pp):
-        key = (stage_params(config, layout, s), tuple(sorted(stage_tables(config, layout, s).items())),
-               in_flight(layout, s))
+        key = (
+            stage_params(config, layout, s),
+            tuple(sorted(stage_tables(config, layout, s).items())),
+            in_flight(layout, s),
+        )
         if s in (0, layout.pp - 1) or key != seen:
             keep.append(s)
         seen = key
@@ -483,7 +516,8 @@ def checkpoint_bytes(config) -> int:
     per = dense_bytes_per_param(config.train.precision, False, 1)
     total = int(dense * (per["param"] + per["main_param"] + per["exp_avg"] + per["exp_avg_sq"]))
     if values:
-        from rmt.planner.memory import checkpoint_bytes as table_bytes, plan_from_config
+        from rmt.planner.memory import checkpoint_bytes as table_bytes
+        from rmt.planner.memory import plan_from_config
 
         n = len(_memory_layers_on(config, 1, config.model.num_layers))
         total += table_bytes(plan_from_config(config, 1, n, 1))
@@ -497,5 +531,15 @@ def human(n: float) -> str:
     return f"{int(n)} B"
 
 
-__all__ = ["Layout", "layout_of", "stage_params", "chunk_activations", "in_flight", "rank_phases", "plan_rank",
-           "checkpoint_bytes", "CPU_PROCESS_BYTES", "GPU_PROCESS_BYTES"]
+__all__ = [
+    "Layout",
+    "layout_of",
+    "stage_params",
+    "chunk_activations",
+    "in_flight",
+    "rank_phases",
+    "plan_rank",
+    "checkpoint_bytes",
+    "CPU_PROCESS_BYTES",
+    "GPU_PROCESS_BYTES",
+]

@@ -10,8 +10,21 @@ from typing import List
 from rmt.planner import layouts, rank
 from rmt.planner.argtypes import positive_float, positive_int
 
-TERMS = ("params", "grads", "main_params", "optimizer_states", "activations", "transient", "build_transient",
-         "checkpoint_copies", "heap_retained", "read_buffer", "tables", "framework", "process")
+TERMS = (
+    "params",
+    "grads",
+    "main_params",
+    "optimizer_states",
+    "activations",
+    "transient",
+    "build_transient",
+    "checkpoint_copies",
+    "heap_retained",
+    "read_buffer",
+    "tables",
+    "framework",
+    "process",
+)
 
 
 def load_planned(path: str, overrides: List[str], world_size: int):
@@ -29,21 +42,29 @@ def load_planned(path: str, overrides: List[str], world_size: int):
 
 
 def _layout_line(layout: dict) -> str:
-    return (f"TP{layout['tp']} x PP{layout['pp']}" + (f" (VPP {layout['vpp']})" if layout["vpp"] > 1 else "")
-            + f" x DP{layout['dp']}" + (", SP" if layout["sequence_parallel"] else "")
-            + (", distributed optimizer" if layout["distributed_optimizer"] else "")
-            + (f", recompute {layout['recompute']}" if layout["recompute"] != "none" else "")
-            + f", {layout['microbatches']} micro-batch(es) per step")
+    return (
+        f"TP{layout['tp']} x PP{layout['pp']}"
+        + (f" (VPP {layout['vpp']})" if layout["vpp"] > 1 else "")
+        + f" x DP{layout['dp']}"
+        + (", SP" if layout["sequence_parallel"] else "")
+        + (", distributed optimizer" if layout["distributed_optimizer"] else "")
+        + (f", recompute {layout['recompute']}" if layout["recompute"] != "none" else "")
+        + f", {layout['microbatches']} micro-batch(es) per step"
+    )
 
 
 def whole_rank_lines(config, doc: dict) -> List[str]:
     m, t = config.model, config.train
-    lines = [f"whole rank on {doc['world_size']} {doc['layout']['device'].upper()} ranks: "
-             f"{_layout_line(doc['layout'])} of {t.micro_batch_size} x {m.seq_length} tokens, {t.precision}"]
+    lines = [
+        f"whole rank on {doc['world_size']} {doc['layout']['device'].upper()} ranks: "
+        f"{_layout_line(doc['layout'])} of {t.micro_batch_size} x {m.seq_length} tokens, {t.precision}"
+    ]
     for stage, s in doc["stages"].items():
         c = s["components"]
-        lines.append(f"pipeline stage {stage}: {c['dense_params']:,} dense parameters, "
-                     f"{c['in_flight_microbatches']} micro-batch(es) in flight")
+        lines.append(
+            f"pipeline stage {stage}: {c['dense_params']:,} dense parameters, "
+            f"{c['in_flight_microbatches']} micro-batch(es) in flight"
+        )
         lines.append(f"  {'bytes per rank':<20}" + "".join(f"{p:>14}" for p in rank.PHASES))
         for term in TERMS:
             values = [s["phases"][p].get(term, 0) for p in rank.PHASES]
@@ -73,19 +94,31 @@ def run_memory(args: argparse.Namespace, table_lines) -> int:
 def add_layout_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", required=True, help="the run's config")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
-    p.add_argument("--gpus", type=positive_int, metavar="N",
-                   help="GPU count (default: the smallest that fits any layout)")
+    p.add_argument(
+        "--gpus", type=positive_int, metavar="N", help="GPU count (default: the smallest that fits any layout)"
+    )
     p.add_argument("--device", choices=("cpu", "gpu"), default="gpu", help="gpu (default) or cpu ranks")
     p.add_argument("--gib", type=positive_float, default=80.0, help="memory per rank in GiB (default 80)")
     p.add_argument("--top", type=positive_int, default=10, help="layouts to print (default 10)")
-    p.add_argument("--link-gbps", type=positive_float, default=50.0,
-                   help="inter-node bandwidth per GPU, GB/s, for the cost (default 50: 400 Gb/s)")
-    p.add_argument("--nvlink-gbps", type=positive_float, default=300.0,
-                   help="in-node bandwidth per GPU, GB/s, for tensor parallelism (default 300)")
-    p.add_argument("--gpus-per-node", type=positive_int, default=8,
-                   help="GPUs joined by --nvlink-gbps (default 8)")
-    p.add_argument("--tflops", type=positive_float, default=400.0,
-                   help="achieved TFLOP/s per GPU for recomputed FLOPs (default 400)")
+    p.add_argument(
+        "--link-gbps",
+        type=positive_float,
+        default=50.0,
+        help="inter-node bandwidth per GPU, GB/s, for the cost (default 50: 400 Gb/s)",
+    )
+    p.add_argument(
+        "--nvlink-gbps",
+        type=positive_float,
+        default=300.0,
+        help="in-node bandwidth per GPU, GB/s, for tensor parallelism (default 300)",
+    )
+    p.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs joined by --nvlink-gbps (default 8)")
+    p.add_argument(
+        "--tflops",
+        type=positive_float,
+        default=400.0,
+        help="achieved TFLOP/s per GPU for recomputed FLOPs (default 400)",
+    )
     p.add_argument("--max-gpus", type=positive_int, default=1 << 16, help="largest count tried (default 65536)")
     p.add_argument("--json", metavar="FILE", help="write every candidate that fits, with its cost, to FILE")
 
@@ -98,27 +131,41 @@ def run_layouts(args: argparse.Namespace) -> int:
         load_config(args.config, args.overrides)  # a bad file or override: one sentence before the search
     except UserError as err:
         raise ValueError(str(err)) from None
-    cost = dict(link_gbps=args.link_gbps, nvlink_gbps=args.nvlink_gbps, tflops=args.tflops,
-                gpus_per_node=args.gpus_per_node)
+    cost = dict(
+        link_gbps=args.link_gbps, nvlink_gbps=args.nvlink_gbps, tflops=args.tflops, gpus_per_node=args.gpus_per_node
+    )
     if args.gpus:
         doc = layouts.search(args.config, args.overrides, args.gpus, args.gib, args.device, **cost)
     else:
         doc = layouts.smallest(args.config, args.overrides, args.gib, args.device, args.max_gpus, **cost)
         if doc is None:
             raise ValueError(f"no layout fits {args.gib:g} GiB per rank on up to {args.max_gpus:,} ranks.")
-    head = (f"{len(doc['fitting'])} layout(s) fit {doc['gib']:g} GiB per rank on {doc['gpus']} {args.device.upper()}s "
-            f"({doc['too_big']} too big, {doc['rejected']} that rmt cannot run)"
-            + ("" if args.gpus else f"; {doc['gpus']} is the smallest count that fits")
-            + (f"; checkpoint {rank.human(doc['fitting'][0]['checkpoint_bytes'])}" if doc["fitting"] else ""))
-    lines = [head, "cost per step: collective bytes at --nvlink-gbps inside a node, --link-gbps across nodes, "
-             "recomputed FLOPs at --tflops",
-             f"  {'#':>3} {'layout':<60}{'peak':>11}{'cost ms':>9}  overrides"]
-    for i, r in enumerate(doc["fitting"][:args.top], 1):
-        short = " ".join(o for o in r["overrides"] if not o.endswith("=null") and not o.endswith("=false")
-                         and not o.endswith("_size=1") and not o.endswith("_size=0")
-                         and o != "train.recompute_granularity=none")
-        lines.append(f"  {i:>3} {_layout_line(r['layout'])[:60]:<60}{rank.human(r['peak']):>11}"
-                     f"{r['cost']['seconds'] * 1e3:>9.1f}  {short}")
+    head = (
+        f"{len(doc['fitting'])} layout(s) fit {doc['gib']:g} GiB per rank on {doc['gpus']} {args.device.upper()}s "
+        f"({doc['too_big']} too big, {doc['rejected']} that rmt cannot run)"
+        + ("" if args.gpus else f"; {doc['gpus']} is the smallest count that fits")
+        + (f"; checkpoint {rank.human(doc['fitting'][0]['checkpoint_bytes'])}" if doc["fitting"] else "")
+    )
+    lines = [
+        head,
+        "cost per step: collective bytes at --nvlink-gbps inside a node, --link-gbps across nodes, "
+        "recomputed FLOPs at --tflops",
+        f"  {'#':>3} {'layout':<60}{'peak':>11}{'cost ms':>9}  overrides",
+    ]
+    for i, r in enumerate(doc["fitting"][: args.top], 1):
+        short = " ".join(
+            o
+            for o in r["overrides"]
+            if not o.endswith("=null")
+            and not o.endswith("=false")
+            and not o.endswith("_size=1")
+            and not o.endswith("_size=0")
+            and o != "train.recompute_granularity=none"
+        )
+        lines.append(
+            f"  {i:>3} {_layout_line(r['layout'])[:60]:<60}{rank.human(r['peak']):>11}"
+            f"{r['cost']['seconds'] * 1e3:>9.1f}  {short}"
+        )
     if not doc["fitting"]:
         lines.append("  none: more GPUs (leave --gpus out for the smallest count), or a larger --gib")
     print("\n".join(lines))

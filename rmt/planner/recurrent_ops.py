@@ -18,7 +18,7 @@ def _check(**values: int) -> None:
 def transformer_ops_per_sample(layers: int, hidden: int, seq_length: int) -> int:
     """``r (l^2 d + l d^2)``."""
     _check(layers=layers, hidden=hidden, seq_length=seq_length)
-    return layers * (seq_length ** 2 * hidden + seq_length * hidden ** 2)
+    return layers * (seq_length**2 * hidden + seq_length * hidden**2)
 
 
 def recurrent_ops_per_sample(layers: int, hidden: int, seq_length: int, block_width: int) -> int:
@@ -26,4 +26,4 @@ def recurrent_ops_per_sample(layers: int, hidden: int, seq_length: int, block_wi
     _check(layers=layers, hidden=hidden, seq_length=seq_length, block_width=block_width)
     if block_width > seq_length:
         raise ValueError(f"block width {block_width} exceeds the sequence length {seq_length}")
-    return layers * (4 * hidden * seq_length * block_width + 2 * seq_length * hidden ** 2)
+    return layers * (4 * hidden * seq_length * block_width + 2 * seq_length * hidden**2)

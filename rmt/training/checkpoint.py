@@ -43,6 +43,7 @@ from rmt.training.dense_state import MOMENTS, dense_states, inner_optimizers
 from rmt.training.table_checkpoint import FORMAT as TABLE_FORMAT
 from rmt.training.table_checkpoint import load_tables, save_tables, table_shards, table_tensors
 
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -93,12 +94,22 @@ def _dense_sharded(shard, state, name: str):
     pieces, pos = [], 0
     for offset, size in flat_range_boxes(tuple(sh.local_shape), state.flat_range.start, state.flat_range.stop):
         numel = math.prod(size)
-        size = (1,) * pre + size  # a layer of stacked layers as a box of the stack (uneven shards take no prepended axes)
-        pieces.append(ShardedTensor(
-            key=f"{prefix}.{sh.key}", data=tensor.reshape(-1)[pos:pos + numel].view(size), dtype=tensor.dtype,
-            local_shape=size, global_shape=tuple(sh.global_shape),
-            global_offset=tuple(sh.global_offset[:pre]) + tuple(o + g for o, g in zip(offset, sh.global_offset[pre:])),
-            axis_fragmentations=None, replica_id=replica))
+        size = (
+            1,
+        ) * pre + size  # a layer of stacked layers as a box of the stack (uneven shards take no prepended axes)
+        pieces.append(
+            ShardedTensor(
+                key=f"{prefix}.{sh.key}",
+                data=tensor.reshape(-1)[pos : pos + numel].view(size),
+                dtype=tensor.dtype,
+                local_shape=size,
+                global_shape=tuple(sh.global_shape),
+                global_offset=tuple(sh.global_offset[:pre])
+                + tuple(o + g for o, g in zip(offset, sh.global_offset[pre:])),
+                axis_fragmentations=None,
+                replica_id=replica,
+            )
+        )
         pos += numel
     return pieces
 
@@ -131,14 +142,20 @@ def flat_range_boxes(shape: Tuple[int, ...], start: int, end: int) -> List[Tuple
     return out
 
 
-def sharded_state(chunks: List[torch.nn.Module], optimizer, common: dict,
-                  averages: Optional[Dict[torch.nn.Parameter, torch.Tensor]] = None) -> dict:
+def sharded_state(
+    chunks: List[torch.nn.Module],
+    optimizer,
+    common: dict,
+    averages: Optional[Dict[torch.nn.Parameter, torch.Tensor]] = None,
+) -> dict:
     """megatron's part of a checkpoint: everything but the memory value tables and their states.
     ``averages`` (:meth:`rmt.training.weight_average.WeightAverage.by_param`) are sharded as their
     parameters are, under the prefix ``ema``."""
     tables = {s.key for s in table_shards(chunks)}
-    state = {f"model{i}": {k: v for k, v in getattr(c, "module", c).sharded_state_dict().items() if k not in tables}
-             for i, c in enumerate(chunks)}
+    state = {
+        f"model{i}": {k: v for k, v in getattr(c, "module", c).sharded_state_dict().items() if k not in tables}
+        for i, c in enumerate(chunks)
+    }
     for i, shard in enumerate(shards(chunks) if averages else []):
         if shard.param in averages:
             state[f"ema.{i}"] = make_sharded_optimizer_tensor(shard.sharded, averages[shard.param], prefix="ema")
@@ -213,11 +230,17 @@ def _state_bytes(state: dict, chunks, optimizer) -> int:
     """Bytes of tensor data the whole job writes for megatron's ``state`` and the memory tables
     (main replicas only, summed over ranks): the size the new checkpoint will have, up to
     metadata."""
-    local = sum(v.data.numel() * v.data.element_size() for v in nested_values(state)
-                if torch.is_tensor(getattr(v, "data", None)) and hasattr(v, "replica_id")
-                and is_main_replica(v.replica_id))
-    local += sum(t.numel() * t.element_size() for shard in table_shards(chunks) if shard.is_main_replica
-                 for t in table_tensors(shard, optimizer).values())
+    local = sum(
+        v.data.numel() * v.data.element_size()
+        for v in nested_values(state)
+        if torch.is_tensor(getattr(v, "data", None)) and hasattr(v, "replica_id") and is_main_replica(v.replica_id)
+    )
+    local += sum(
+        t.numel() * t.element_size()
+        for shard in table_shards(chunks)
+        if shard.is_main_replica
+        for t in table_tensors(shard, optimizer).values()
+    )
     total = torch.tensor([local], dtype=torch.int64, device=compat.device())
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total)
@@ -276,8 +299,7 @@ def check_space(root: str, chunks, optimizer, averages=None) -> None:
     _prepare(root, need)
 
 
-def save_checkpoint(root: str, iteration: int, chunks, optimizer, common: dict, keep: int = 0,
-                    averages=None) -> str:
+def save_checkpoint(root: str, iteration: int, chunks, optimizer, common: dict, keep: int = 0, averages=None) -> str:
     """Write ``root/iter_NNNNNNN`` (collective), with the weight ``averages`` if given. Returns its
     path; raises :class:`CheckpointSaveError` on every rank when the save cannot complete."""
     final = iteration_dir(root, iteration)
@@ -312,8 +334,9 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, common: dict, 
             space = checkpoint_dirs.free_space_problem(root, need) if os.path.isdir(root) else None
             failure += f"; {space}" if space else ""
         _barrier()
-        raise CheckpointSaveError(f"saving checkpoint '{final}' failed ({failure}); its "
-                                  f"incomplete directory was removed")
+        raise CheckpointSaveError(
+            f"saving checkpoint '{final}' failed ({failure}); its incomplete directory was removed"
+        )
     if _rank() == 0:
         checkpoint_dirs.rotate(root, keep)
     _barrier()
@@ -347,8 +370,11 @@ def load_checkpoint(path: str, chunks, optimizer, averages=None, with_tables: bo
     template.pop("common")
     try:
         saved = dist_checkpointing.load_tensors_metadata(path)
-        for key in [k for k, v in template.items() if k.startswith("optimizer.main_param.")
-                    and (v[0] if isinstance(v, list) else v).key not in saved]:
+        for key in [
+            k
+            for k, v in template.items()
+            if k.startswith("optimizer.main_param.") and (v[0] if isinstance(v, list) else v).key not in saved
+        ]:
             del template[key]  # saved by a run with fp32 parameters: its weights are the main copy
         loaded = dist_checkpointing.load(template, path)
     except _CHECKPOINT_ERRORS as err:
@@ -359,17 +385,21 @@ def load_checkpoint(path: str, chunks, optimizer, averages=None, with_tables: bo
         raise UserError(f"checkpoint '{path}' is corrupt or unreadable ({_root_cause(err)})") from None
     tables = table_shards(chunks)
     if tables and common.get("table_format") != TABLE_FORMAT:
-        raise UserError(f"checkpoint '{path}' stores its memory tables in an older format "
-                        f"({common.get('table_format', 'inside the torch_dist files')}); this rmt reads "
-                        f"format {TABLE_FORMAT}")
+        raise UserError(
+            f"checkpoint '{path}' stores its memory tables in an older format "
+            f"({common.get('table_format', 'inside the torch_dist files')}); this rmt reads "
+            f"format {TABLE_FORMAT}"
+        )
     if with_tables:
         load_tables(path, chunks, optimizer)
     names = {s.key for s in tables}
     for i, chunk in enumerate(chunks):
         missing, unexpected = getattr(chunk, "module", chunk).load_state_dict(loaded[f"model{i}"], strict=False)
         if unexpected or set(missing) - names:  # the tables were filled in place above
-            raise CheckpointMismatch(f"checkpoint '{path}' does not fit this model (missing {sorted(set(missing) - names)}, "
-                            f"unexpected {sorted(unexpected)})")
+            raise CheckpointMismatch(
+                f"checkpoint '{path}' does not fit this model (missing {sorted(set(missing) - names)}, "
+                f"unexpected {sorted(unexpected)})"
+            )
     for key, loaded_average in loaded.items():
         if key.startswith("ema."):
             template[key].data.copy_(loaded_average.view_as(template[key].data))
@@ -415,10 +445,15 @@ def _starts_from_hf(save: Optional[str], load: Optional[str]) -> bool:
     return is_hf_directory(load) and not (save and checkpoint_dirs.complete_checkpoints(save)[0])
 
 
-def resume(save: Optional[str], load: Optional[str], chunks, optimizer,
-           say: Callable[[str], None],
-           model_problem: Optional[Callable[[dict, str], Optional[str]]] = None,
-           averages=None) -> Optional[Tuple[str, dict]]:
+def resume(
+    save: Optional[str],
+    load: Optional[str],
+    chunks,
+    optimizer,
+    say: Callable[[str], None],
+    model_problem: Optional[Callable[[dict, str], Optional[str]]] = None,
+    averages=None,
+) -> Optional[Tuple[str, dict]]:
     """Load the checkpoint a run continues from (collective; see
     ``checkpoint_dirs.resume_plan``) and return its path and common part, or None for a fresh
     start. A complete-looking checkpoint that cannot be read is reported and the next older one
@@ -471,8 +506,11 @@ def resume(save: Optional[str], load: Optional[str], chunks, optimizer,
         if _rank() == 0 and path != candidates[-1]:
             say(f"{problem}; falling back to the previous checkpoint")
     if failures:  # the model may hold parts of a failed load: do not train from it
-        raise UserError(failures[0] if len(failures) == 1 else
-                        f"none of {len(failures)} checkpoints could be loaded: {'; '.join(failures)}")
+        raise UserError(
+            failures[0]
+            if len(failures) == 1
+            else f"none of {len(failures)} checkpoints could be loaded: {'; '.join(failures)}"
+        )
     return None
 
 

@@ -97,8 +97,7 @@ def verify(path: str) -> Optional[str]:
     if not os.path.exists(os.path.join(path, MANIFEST)):
         from megatron.core import dist_checkpointing
 
-        if dist_checkpointing.check_is_distributed_checkpoint(path) and os.path.isfile(
-                os.path.join(path, ".metadata")):
+        if dist_checkpointing.check_is_distributed_checkpoint(path) and os.path.isfile(os.path.join(path, ".metadata")):
             return None  # written before manifests existed
         return "it has no manifest.json (its save did not finish)"
     manifest = read_manifest(path)
@@ -155,8 +154,7 @@ def remove_stale_saves(root: str) -> List[str]:
     """Delete the ``iter_*.tmp`` directories saves of killed jobs left behind; returns them."""
     if not os.path.isdir(root):
         return []
-    stale = [os.path.join(root, n) for n in sorted(os.listdir(root))
-             if n.endswith(".tmp") and _ITER.match(n[:-4])]
+    stale = [os.path.join(root, n) for n in sorted(os.listdir(root)) if n.endswith(".tmp") and _ITER.match(n[:-4])]
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
     return stale
@@ -181,9 +179,11 @@ def free_space_problem(root: str, need: int) -> Optional[str]:
     free = shutil.disk_usage(root).free
     if free >= need:
         return None
-    return (f"not enough free space for a checkpoint in '{root}': it needs about {_mb(need)}, "
-            f"the file system has {_mb(free)} free (free space, or keep fewer checkpoints with "
-            f"train.keep_checkpoints)")
+    return (
+        f"not enough free space for a checkpoint in '{root}': it needs about {_mb(need)}, "
+        f"the file system has {_mb(free)} free (free space, or keep fewer checkpoints with "
+        f"train.keep_checkpoints)"
+    )
 
 
 def publish(tmp: str, final: str, root: str, iteration: int) -> None:

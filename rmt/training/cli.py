@@ -30,18 +30,20 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="rmt-train",
         description="Train a model. Settings come from the schema defaults, then --config, then "
-                    "section.key=value overrides (see docs/config.md for every key).")
+        "section.key=value overrides (see docs/config.md for every key).",
+    )
     ap.add_argument("--config", help="YAML config file")
     ap.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
-    ap.add_argument("--eval-only", action="store_true",
-                    help="load train.load, report the validation loss and exit")
-    ap.add_argument("--json", metavar="FILE",
-                    help="write the final metrics (and the loss history) as JSON")
-    ap.add_argument("--check", action="store_true",
-                    help="check the config for the launcher's world size (WORLD_SIZE or SLURM_NTASKS) "
-                         "and the checkpoint the run would continue from, say where it would start, "
-                         "and exit (status 2 on a problem); the launch scripts run this before "
-                         "starting workers")
+    ap.add_argument("--eval-only", action="store_true", help="load train.load, report the validation loss and exit")
+    ap.add_argument("--json", metavar="FILE", help="write the final metrics (and the loss history) as JSON")
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="check the config for the launcher's world size (WORLD_SIZE or SLURM_NTASKS) "
+        "and the checkpoint the run would continue from, say where it would start, "
+        "and exit (status 2 on a problem); the launch scripts run this before "
+        "starting workers",
+    )
     return ap
 
 

@@ -19,8 +19,11 @@ def ddp_config(config: RMTConfig) -> DistributedDataParallelConfig:
     megatron's buckets, overlapped with the backward (forward) where asked."""
     t = config.train
     return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=t.overlap_grad_reduce,
-        use_distributed_optimizer=t.distributed_optimizer, overlap_param_gather=t.overlap_param_gather)
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=t.overlap_grad_reduce,
+        use_distributed_optimizer=t.distributed_optimizer,
+        overlap_param_gather=t.overlap_param_gather,
+    )
 
 
 def to_training_precision(chunk: torch.nn.Module, config: RMTConfig) -> None:
@@ -39,8 +42,9 @@ def to_training_precision(chunk: torch.nn.Module, config: RMTConfig) -> None:
                 setattr(module, name, b.to(torch.bfloat16))
 
 
-def wrap_chunks(chunks: List[torch.nn.Module], config: RMTConfig,
-                memory: Optional[MemoryHooks] = None) -> List[DistributedDataParallel]:
+def wrap_chunks(
+    chunks: List[torch.nn.Module], config: RMTConfig, memory: Optional[MemoryHooks] = None
+) -> List[DistributedDataParallel]:
     """Move ``chunks`` to the compute device in the training precision
     (:func:`to_training_precision`) and wrap each in megatron's DDP, with the memory tables whose
     gradients the memory code reduces left out of its buffers (``memory``'s
@@ -52,8 +56,11 @@ def wrap_chunks(chunks: List[torch.nn.Module], config: RMTConfig,
         chunk.to(compat.device())
         to_training_precision(chunk, config)
         with memory.outside_ddp(chunk):
-            wrapped.append(DistributedDataParallel(config=chunk.config, ddp_config=ddp_config(config),
-                                                   module=chunk, disable_bucketing=i > 0))
+            wrapped.append(
+                DistributedDataParallel(
+                    config=chunk.config, ddp_config=ddp_config(config), module=chunk, disable_bucketing=i > 0
+                )
+            )
     mcfg = wrapped[0].config
     mcfg.finalize_model_grads_func = finalize_model_grads
     mcfg.no_sync_func = [c.no_sync for c in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync

@@ -51,8 +51,9 @@ def dense_states(dense_optimizers: List) -> Dict[torch.nn.Parameter, DenseState]
                             group, order = opt.model_param_group_index_map[model_param]
                             main = opt.optimizer.param_groups[group]["params"][order]
                             r = ranges["param"]
-                            out[model_param] = DenseState(_tensors(state[main], main, model_param),
-                                                          slice(r.start, r.end), main)
+                            out[model_param] = DenseState(
+                                _tensors(state[main], main, model_param), slice(r.start, r.end), main
+                            )
         elif isinstance(opt, FP32Optimizer):
             for group in opt.optimizer.param_groups:
                 for p in group["params"]:

@@ -31,8 +31,8 @@ import sys
 from typing import Optional
 
 from rmt.config import RMTConfig
-from rmt.parallel.launch_env import world_size_from_env
 from rmt.errors import ConfigError
+from rmt.parallel.launch_env import world_size_from_env
 
 _GIB = 2**30
 
@@ -63,8 +63,8 @@ def rank_memory() -> int:
 def memory_floor(config: RMTConfig) -> dict:
     """Bytes a rank of ``config`` certainly holds at once: ``{"state", "activations", "mask"}``."""
     from rmt.data.metadata import known_vocab_size
-    from rmt.planner.flops import _pad, plan_model
     from rmt.planner.dense import dense_bytes_per_param
+    from rmt.planner.flops import _pad, plan_model
     from rmt.planner.memory import DTYPE_BYTES
 
     config = copy.deepcopy(config)
@@ -85,7 +85,7 @@ def memory_floor(config: RMTConfig) -> dict:
     else:
         Vp = _pad(m.vocab_size, m.make_vocab_size_divisible_by)
         activations = max(4, DTYPE_BYTES[t.precision]) * Vp * tokens // p.tensor_model_parallel_size
-    return {"state": state, "activations": activations, "mask": m.seq_length ** 2}
+    return {"state": state, "activations": activations, "mask": m.seq_length**2}
 
 
 def planned_peak(config: RMTConfig, device: str) -> Optional[int]:
@@ -114,10 +114,14 @@ def check_fits(config: RMTConfig, available: Optional[int] = None, device: Optio
     if need <= available:
         peak = planned_peak(config, device)
         if peak is not None and peak > available and os.environ.get("RANK", "0") == "0":
-            print(f"rmt-train: rmt-plan counts {peak / _GIB:,.1f} GiB per rank for this run, more than the "
-                  f"{available / _GIB:,.1f} GiB a rank has here, so it may run out of memory; "
-                  f"`rmt-plan memory --config ... --world-size {world_size_from_env()}` itemizes it and "
-                  f"`rmt-plan layouts --config ...` lists the layouts that fit", file=sys.stderr, flush=True)
+            print(
+                f"rmt-train: rmt-plan counts {peak / _GIB:,.1f} GiB per rank for this run, more than the "
+                f"{available / _GIB:,.1f} GiB a rank has here, so it may run out of memory; "
+                f"`rmt-plan memory --config ... --world-size {world_size_from_env()}` itemizes it and "
+                f"`rmt-plan layouts --config ...` lists the layouts that fit",
+                file=sys.stderr,
+                flush=True,
+            )
         return
     m, t = config.model, config.train
     raise ConfigError(
@@ -125,4 +129,5 @@ def check_fits(config: RMTConfig, available: Optional[int] = None, device: Optio
         f"{t.micro_batch_size} x {m.seq_length} tokens {floor['activations'] / _GIB:,.1f} GiB, parameters with "
         f"gradients and Adam state {floor['state'] / _GIB:,.1f} GiB, causal mask {floor['mask'] / _GIB:,.1f} GiB), "
         f"more than the {available / _GIB:,.1f} GiB a rank can have here; lower model.seq_length, "
-        f"train.micro_batch_size or the model size, or split the model over more tensor/pipeline ranks")
+        f"train.micro_batch_size or the model size, or split the model over more tensor/pipeline ranks"
+    )

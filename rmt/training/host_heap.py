@@ -33,5 +33,4 @@ def retain_freed_memory(retain_mib: int) -> bool:
     if retain_mib <= 0 or platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)
-                and libc.mallopt(M_TRIM_THRESHOLD, retain_mib << 20))
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) and libc.mallopt(M_TRIM_THRESHOLD, retain_mib << 20))

@@ -30,13 +30,22 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import rmt
 
 #: aten operations that wait for the device on a GPU whatever their arguments.
-WAITING_OPS = frozenset({
-    "_local_scalar_dense",  # .item(), float(t), int(t), bool(t), `if t:`
-    "is_nonzero", "equal",
-    "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive",
-    "bincount",  # its size depends on the largest value
-    "_linalg_svd", "_linalg_eigh", "_linalg_check_errors",  # solver status read on the host
-})
+WAITING_OPS = frozenset(
+    {
+        "_local_scalar_dense",  # .item(), float(t), int(t), bool(t), `if t:`
+        "is_nonzero",
+        "equal",
+        "nonzero",
+        "masked_select",
+        "_unique2",
+        "unique_dim",
+        "unique_consecutive",
+        "bincount",  # its size depends on the largest value
+        "_linalg_svd",
+        "_linalg_eigh",
+        "_linalg_check_errors",  # solver status read on the host
+    }
+)
 #: aten operations that wait when one of their indices is a boolean mask (turned into
 #: ``nonzero``, whose size the host must know), but for :func:`_masked_fill`'s case.
 MASK_INDEX_OPS = frozenset({"index", "index_put", "index_put_", "_index_put_impl_"})
@@ -46,8 +55,10 @@ HOST_SIDE = ("rmt/data/", "megatron/core/datasets/")
 #: own data without an aten operation: recorded by wrapping them while an audit is open.
 HOST_COPIES = ("tolist", "numpy", "cpu")
 #: The packages whose frames are reported as callers: rmt and megatron (not this module).
-CALLER_ROOTS = (os.path.dirname(os.path.abspath(rmt.__file__)),
-                os.path.dirname(os.path.dirname(os.path.abspath(megatron.core.__file__))))
+CALLER_ROOTS = (
+    os.path.dirname(os.path.abspath(rmt.__file__)),
+    os.path.dirname(os.path.dirname(os.path.abspath(megatron.core.__file__))),
+)
 
 
 def _masked_fill(name: str, args) -> bool:
@@ -56,8 +67,14 @@ def _masked_fill(name: str, args) -> bool:
     no accumulation."""
     indices = [i for i in args[1] if i is not None]
     value = args[2] if len(args) > 2 else None
-    return (name != "index" and len(indices) == 1 and isinstance(value, torch.Tensor) and value.numel() == 1
-            and value.device.type == "cpu" and not (len(args) > 3 and args[3]))
+    return (
+        name != "index"
+        and len(indices) == 1
+        and isinstance(value, torch.Tensor)
+        and value.numel() == 1
+        and value.device.type == "cpu"
+        and not (len(args) > 3 and args[3])
+    )
 
 
 def _waits(name: str, args) -> bool:

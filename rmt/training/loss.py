@@ -13,8 +13,9 @@ def log_partition(logits: torch.Tensor) -> torch.Tensor:
     local_max = logits.detach().max(dim=-1).values
     global_max = local_max.clone()
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        torch.distributed.all_reduce(global_max, op=torch.distributed.ReduceOp.MAX,
-                                     group=parallel_state.get_tensor_model_parallel_group())
+        torch.distributed.all_reduce(
+            global_max, op=torch.distributed.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group()
+        )
     sum_exp = torch.exp(logits - global_max.unsqueeze(-1)).sum(dim=-1)
     return torch.log(reduce_from_tensor_model_parallel_region(sum_exp)) + global_max
 

@@ -76,8 +76,14 @@ def param_groups(chunks: List[torch.nn.Module], config: RMTConfig, tables: Optio
             if p.requires_grad and (tables is None or is_table(p) == tables):
                 (no_decay if _no_decay(name, p, config.train.decay_rmt_keys) else decay).append(p)
     wd = decay_coefficient(config)
-    groups = [g for g in ({"params": decay, "weight_decay": wd, "wd_mult": 1.0},
-                          {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}) if g["params"]]
+    groups = [
+        g
+        for g in (
+            {"params": decay, "weight_decay": wd, "wd_mult": 1.0},
+            {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0},
+        )
+        if g["params"]
+    ]
     return split_value_group(groups, config.memory.value_lr_mult)
 
 
@@ -88,11 +94,19 @@ def optimizer_config(config: RMTConfig) -> OptimizerConfig:
     t = config.train
     bf16 = t.precision == "bf16"
     return OptimizerConfig(
-        optimizer="adam", lr=t.lr, min_lr=t.lr * t.min_lr_ratio, weight_decay=decay_coefficient(config),
-        adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=0.0,
-        bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        optimizer="adam",
+        lr=t.lr,
+        min_lr=t.lr * t.min_lr_ratio,
+        weight_decay=decay_coefficient(config),
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        adam_eps=t.adam_eps,
+        clip_grad=0.0,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=t.distributed_optimizer,
-        overlap_param_gather=t.overlap_param_gather)
+        overlap_param_gather=t.overlap_param_gather,
+    )
 
 
 def build_dense_optimizer(chunks: List[torch.nn.Module], config: RMTConfig):
@@ -100,10 +114,12 @@ def build_dense_optimizer(chunks: List[torch.nn.Module], config: RMTConfig):
     parameters other than memory value tables, with rmt's weight-decay exemptions as its
     parameter-group override."""
     exempt = ParamWithNamePredicate(
-        name="rmt_no_decay", fn=lambda p, name: _no_decay(name, p, config.train.decay_rmt_keys))
+        name="rmt_no_decay", fn=lambda p, name: _no_decay(name, p, config.train.decay_rmt_keys)
+    )
     with frozen([p for c in chunks for p in c.parameters() if is_table(p)]):
-        dense = get_megatron_optimizer(optimizer_config(config), chunks,
-                                       config_overrides={ParamKey(with_name_predicate=exempt): {"wd_mult": 0.0}})
+        dense = get_megatron_optimizer(
+            optimizer_config(config), chunks, config_overrides={ParamKey(with_name_predicate=exempt): {"wd_mult": 0.0}}
+        )
     _fused_on_cpu(dense)
     return dense
 
@@ -158,7 +174,8 @@ class Optimizers:
         self.dense = dense
         self.tables = tables
         self._owner: Dict[torch.nn.Parameter, torch.optim.Optimizer] = {
-            p: o for o in tables for g in o.param_groups for p in g["params"]}
+            p: o for o in tables for g in o.param_groups for p in g["params"]
+        }
 
     @property
     def dense_optimizers(self) -> list:
@@ -174,7 +191,7 @@ class Optimizers:
         return self._owner[p]
 
     @property
-    def state(self) -> "_TableState":
+    def state(self) -> _TableState:
         return _TableState(self._owner)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -276,10 +293,18 @@ def build_scheduler(optimizer, config: RMTConfig) -> OptimizerParamScheduler:
     t = config.train
     wd = decay_coefficient(config)
     return ScaledLRScheduler(
-        optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.lr * t.min_lr_ratio,
-        lr_warmup_steps=warmup_steps(config), lr_decay_steps=t.steps, lr_decay_style=t.lr_decay_style,
-        start_wd=wd, end_wd=wd, wd_incr_steps=t.steps,
-        wd_incr_style="constant")
+        optimizer,
+        init_lr=0.0,
+        max_lr=t.lr,
+        min_lr=t.lr * t.min_lr_ratio,
+        lr_warmup_steps=warmup_steps(config),
+        lr_decay_steps=t.steps,
+        lr_decay_style=t.lr_decay_style,
+        start_wd=wd,
+        end_wd=wd,
+        wd_incr_steps=t.steps,
+        wd_incr_style="constant",
+    )
 
 
 def grad_sq_norm(grads: List[torch.Tensor], group) -> torch.Tensor:

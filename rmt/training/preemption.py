@@ -36,8 +36,12 @@ def _record(signum, _frame) -> None:
                 print("rmt: Ctrl-C again: quitting now, without a checkpoint", file=sys.stderr, flush=True)
             os._exit(128 + signal.SIGINT)
         if _says():
-            print("rmt: Ctrl-C: stopping after this step (with a checkpoint where train.save is set); "
-                  "Ctrl-C again quits at once", file=sys.stderr, flush=True)
+            print(
+                "rmt: Ctrl-C: stopping after this step (with a checkpoint where train.save is set); "
+                "Ctrl-C again quits at once",
+                file=sys.stderr,
+                flush=True,
+            )
     _received = _received or signum
 
 

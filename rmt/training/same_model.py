@@ -17,13 +17,47 @@ from typing import Optional
 from rmt.config import RMTConfig
 
 MODEL_KEYS = {
-    "model": ("arch", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
-              "make_vocab_size_divisible_by", "position", "normalization", "block_width",
-              "recurrent_alpha_learned", "mixer_kind", "mixer_decay", "dk", "dv", "rank"),
-    "memory": ("type", "placement", "num_heads", "topk", "key_dim", "num_keys", "retrieval", "tucker_rank",
-               "num_cores", "ive_blocks", "ive_shuffle", "softmax", "half_value_dim", "share_query",
-               "query_key_norm", "query_conv", "conv_kernel", "num_experts", "moe_topk", "expert_hidden_size",
-               "moe_placement"),
+    "model": (
+        "arch",
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "ffn_hidden_size",
+        "vocab_size",
+        "make_vocab_size_divisible_by",
+        "position",
+        "normalization",
+        "block_width",
+        "recurrent_alpha_learned",
+        "mixer_kind",
+        "mixer_decay",
+        "dk",
+        "dv",
+        "rank",
+    ),
+    "memory": (
+        "type",
+        "placement",
+        "num_heads",
+        "topk",
+        "key_dim",
+        "num_keys",
+        "retrieval",
+        "tucker_rank",
+        "num_cores",
+        "ive_blocks",
+        "ive_shuffle",
+        "softmax",
+        "half_value_dim",
+        "share_query",
+        "query_key_norm",
+        "query_conv",
+        "conv_kernel",
+        "num_experts",
+        "moe_topk",
+        "expert_hidden_size",
+        "moe_placement",
+    ),
 }
 # null means "derived": compared only when both sides name a value
 _DERIVED = {"model.ffn_hidden_size", "memory.expert_hidden_size", "model.vocab_size"}
@@ -40,7 +74,9 @@ def model_difference(config: RMTConfig, saved: dict, where: str) -> Optional[str
             if name in _DERIVED and (ours is None or theirs is None):
                 continue
             if ours != theirs:
-                return (f"{name} is {ours!r} here but {theirs!r} in checkpoint '{where}', which holds "
-                        f"another model; a checkpoint cannot change its model (train another in a new "
-                        f"train.save directory)")
+                return (
+                    f"{name} is {ours!r} here but {theirs!r} in checkpoint '{where}', which holds "
+                    f"another model; a checkpoint cannot change its model (train another in a new "
+                    f"train.save directory)"
+                )
     return None

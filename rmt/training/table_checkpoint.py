@@ -87,13 +87,23 @@ def save_tables(root: str, chunks, optimizer, chunk_bytes: int = CHUNK_BYTES) ->
             step = max(1, chunk_bytes // max(1, cols * tensor.element_size()))
             with open(data, "wb") as f:
                 for r in range(0, rows, step):
-                    piece = tensor[r:r + step]
+                    piece = tensor[r : r + step]
                     if piece.device.type != "cpu" or not piece.is_contiguous():
                         piece = piece.contiguous().cpu()
                     f.write(_raw(piece))
             with open(meta, "w") as f:
-                json.dump({"format": FORMAT, "global_shape": list(global_shape), "row0": row0, "col0": col0,
-                           "rows": rows, "cols": cols, "dtype": str(tensor.dtype).removeprefix("torch.")}, f)
+                json.dump(
+                    {
+                        "format": FORMAT,
+                        "global_shape": list(global_shape),
+                        "row0": row0,
+                        "col0": col0,
+                        "rows": rows,
+                        "cols": cols,
+                        "dtype": str(tensor.dtype).removeprefix("torch."),
+                    },
+                    f,
+                )
             written += tensor.numel() * tensor.element_size()
     return written
 
@@ -105,7 +115,7 @@ def _saved_blocks(root: str, key: str, name: str) -> List[dict]:
         if entry.startswith(name + ".r") and entry.endswith(".json"):
             with open(os.path.join(folder, entry)) as f:
                 meta = json.load(f)
-            meta["path"] = os.path.join(folder, entry[:-len(".json")] + ".bin")
+            meta["path"] = os.path.join(folder, entry[: -len(".json")] + ".bin")
             blocks.append(meta)
     return blocks
 
@@ -121,24 +131,30 @@ def _read_overlap(block: dict, target: torch.Tensor, row0: int, col0: int, chunk
     row_bytes = width * torch.finfo(dtype).bits // 8
     expected = block["rows"] * row_bytes
     if os.path.getsize(block["path"]) != expected:
-        raise UserError(f"checkpoint file '{block['path']}' is truncated or corrupt "
-                        f"({os.path.getsize(block['path'])} bytes, expected {expected})")
-    direct = (dtype == target.dtype and target.device.type == "cpu" and target.is_contiguous()
-              and (c_a, c_b) == (block["col0"], block["col0"] + width) == (col0, col0 + target.shape[1]))
+        raise UserError(
+            f"checkpoint file '{block['path']}' is truncated or corrupt "
+            f"({os.path.getsize(block['path'])} bytes, expected {expected})"
+        )
+    direct = (
+        dtype == target.dtype
+        and target.device.type == "cpu"
+        and target.is_contiguous()
+        and (c_a, c_b) == (block["col0"], block["col0"] + width) == (col0, col0 + target.shape[1])
+    )
     step = max(1, chunk_bytes // row_bytes)
     buffer = None
     with open(block["path"], "rb") as f:
         f.seek((r_a - block["row0"]) * row_bytes)
         for r in range(r_a, r_b, step):
             n = min(step, r_b - r)
-            dst = target[r - row0:r - row0 + n]
+            dst = target[r - row0 : r - row0 + n]
             if direct:
                 f.readinto(_raw(dst))
                 continue
             if buffer is None:
                 buffer = torch.empty(min(step, r_b - r_a), width, dtype=dtype)
             f.readinto(_raw(buffer[:n]))
-            dst[:, c_a - col0:c_b - col0].copy_(buffer[:n, c_a - block["col0"]:c_b - block["col0"]])
+            dst[:, c_a - col0 : c_b - col0].copy_(buffer[:n, c_a - block["col0"] : c_b - block["col0"]])
     return (r_b - r_a) * (c_b - c_a)
 
 
@@ -152,10 +168,14 @@ def load_tables(root: str, chunks, optimizer, chunk_bytes: int = CHUNK_BYTES) ->
             if not blocks:
                 raise UserError(f"checkpoint '{root}' holds no '{name}' of memory table '{shard.key}'")
             if tuple(blocks[0]["global_shape"]) != global_shape:
-                raise UserError(f"checkpoint '{root}': memory table '{shard.key}' {name} is "
-                                f"{tuple(blocks[0]['global_shape'])}, this model's is {global_shape}")
+                raise UserError(
+                    f"checkpoint '{root}': memory table '{shard.key}' {name} is "
+                    f"{tuple(blocks[0]['global_shape'])}, this model's is {global_shape}"
+                )
             with torch.no_grad():
                 copied = sum(_read_overlap(b, tensor, row0, col0, chunk_bytes) for b in blocks)
             if copied != tensor.numel():
-                raise UserError(f"checkpoint '{root}' covers {copied} of the {tensor.numel()} elements of "
-                                f"this rank's shard of memory table '{shard.key}' {name}")
+                raise UserError(
+                    f"checkpoint '{root}' covers {copied} of the {tensor.numel()} elements of "
+                    f"this rank's shard of memory table '{shard.key}' {name}"
+                )

@@ -35,7 +35,6 @@ from rmt.training.same_model import model_difference
 from rmt.training.step_log import new_run_name, open_jsonl, open_tensorboard, run_log_dir
 from rmt.training.weight_average import WeightAverage
 
-
 #: The losses a step reports, in the order of :meth:`Trainer._reduce_losses`' tensor.
 LOSSES = ("lm loss", "loss")
 
@@ -63,8 +62,9 @@ class Trainer:
         evals = (t.steps // t.eval_interval + 2) if t.eval_iters else 0
         # Synthetic tasks (rmt.data.tasks) replace the corpus: their validation set is fixed.
         valid_samples = (1 if config.data.task != "none" else evals) * t.eval_iters * self.global_batch
-        self.data = TrainingData(config, t.steps * self.global_batch, valid_samples, self.global_batch,
-                                 self.dp_rank, self.dp_size)
+        self.data = TrainingData(
+            config, t.steps * self.global_batch, valid_samples, self.global_batch, self.dp_rank, self.dp_size
+        )
         self.memory = MemoryHooks(config)
         with self.memory.building(checkpoint.will_resume(t.save, t.load)):
             self.chunks = wrap_chunks(build(config), config, self.memory)
@@ -86,8 +86,9 @@ class Trainer:
         self.last_save: Optional[str] = None
         if t.save:
             checkpoint.check_space(t.save, self.chunks, self.optimizer, averages)
-        resumed = checkpoint.resume(t.save, t.load, self.chunks, self.optimizer, self.say,
-                                    partial(model_difference, config), averages)
+        resumed = checkpoint.resume(
+            t.save, t.load, self.chunks, self.optimizer, self.say, partial(model_difference, config), averages
+        )
         self.run_name = new_run_name()
         if resumed is not None:
             self.last_save, common = resumed
@@ -98,11 +99,19 @@ class Trainer:
                 self.average.restart()
                 self.say("the checkpoint has no weight average (train.ema_decay): it starts at the loaded weights")
         else:
-            self.say("starting from step 0" + (f": no checkpoint in '{t.save}' yet" if t.save else
-                                              " (train.save is not set: no checkpoints are kept)"))
+            self.say(
+                "starting from step 0"
+                + (
+                    f": no checkpoint in '{t.save}' yet"
+                    if t.save
+                    else " (train.save is not set: no checkpoints are kept)"
+                )
+            )
         if warmup_steps(config) < t.warmup_steps:
-            self.say(f"train.warmup_steps {t.warmup_steps} is not below train.steps {t.steps}: "
-                     f"warming up over {warmup_steps(config)} steps instead")
+            self.say(
+                f"train.warmup_steps {t.warmup_steps} is not below train.steps {t.steps}: "
+                f"warming up over {warmup_steps(config)} steps instead"
+            )
 
     # -- setup ---------------------------------------------------------------------------
     def say(self, message: str) -> None:
@@ -183,12 +192,17 @@ class Trainer:
         device, which the training step shares with the gradient norm's)."""
         # on the compute device: an NCCL process group takes no CPU tensors
         vals = torch.zeros(len(LOSSES), dtype=torch.float64, device=compat.device())
-        owner = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-                 and parallel_state.get_tensor_model_parallel_rank() == 0)
+        owner = (
+            parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+            and parallel_state.get_tensor_model_parallel_rank() == 0
+        )
         if owner and losses:
             # summed on the device: reading each micro-batch's loss would wait for the device each time
-            vals.copy_(torch.stack([torch.stack([d[n].reshape(()).double() for n in LOSSES]) for d in losses]).sum(0)
-                       / len(losses) / self.dp_size)
+            vals.copy_(
+                torch.stack([torch.stack([d[n].reshape(()).double() for n in LOSSES]) for d in losses]).sum(0)
+                / len(losses)
+                / self.dp_size
+            )
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(vals)
         return vals
@@ -205,7 +219,7 @@ class Trainer:
         # the step's one wait for the device: its losses and gradient norm, read together
         *values, norm_sq = torch.cat([losses, self.optimizer.grad_sq_norm().reshape(1)]).tolist()
         metrics = dict(zip(LOSSES, values))
-        metrics["grad_norm"] = norm_sq ** 0.5
+        metrics["grad_norm"] = norm_sq**0.5
         self.optimizer.clip(self.config.train.clip_grad, metrics["grad_norm"])
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
@@ -266,16 +280,27 @@ class Trainer:
 
     def save(self) -> str:
         self.gather_weights()
-        common = {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
-                  "global_batch_size": self.global_batch, "config": rmt_config.to_dict(self.config),
-                  "run_name": self.run_name, "tokenizer_json": self.data.tokenizer_json(),
-                  "lr_control": self.lr_control.state_dict()}
+        common = {
+            "iteration": self.iteration,
+            "consumed_samples": self.consumed_samples,
+            "global_batch_size": self.global_batch,
+            "config": rmt_config.to_dict(self.config),
+            "run_name": self.run_name,
+            "tokenizer_json": self.data.tokenizer_json(),
+            "lr_control": self.lr_control.state_dict(),
+        }
         data_state = self.data.state_dict()  # e.g. a task curriculum's noise length
         if data_state is not None:
             common["data_state"] = data_state
         self.last_save = checkpoint.save_checkpoint(
-            self.config.train.save, self.iteration, self.chunks, self.optimizer, common, self.config.train.keep_checkpoints,
-            self.average.by_param() if self.average is not None else None)
+            self.config.train.save,
+            self.iteration,
+            self.chunks,
+            self.optimizer,
+            common,
+            self.config.train.keep_checkpoints,
+            self.average.by_param() if self.average is not None else None,
+        )
         self.say(f"checkpoint saved to '{self.last_save}'")
         return self.last_save
 
@@ -291,8 +316,10 @@ class Trainer:
         if self.is_logger and t.log_file:
             log, dropped = open_jsonl(t.log_file, self.iteration)
             if dropped:
-                self.say(f"'{t.log_file}': dropped {dropped} entries after step {self.iteration} "
-                         f"that an interrupted run logged (they are run again)")
+                self.say(
+                    f"'{t.log_file}': dropped {dropped} entries after step {self.iteration} "
+                    f"that an interrupted run logged (they are run again)"
+                )
         if self.is_logger and t.progress:
             from tqdm import tqdm
 
@@ -312,8 +339,12 @@ class Trainer:
                     _emit(m, writer, log, self._bar, self.iteration % t.log_interval == 0 or "val_loss" in m)
                 self.stopped_by = preemption.agreed_signal()
                 stop = bool(t.exit_interval) and self.iteration % t.exit_interval == 0
-                if t.save and (stop or self.stopped_by or self.iteration == t.steps
-                               or (t.save_interval and self.iteration % t.save_interval == 0)):
+                if t.save and (
+                    stop
+                    or self.stopped_by
+                    or self.iteration == t.steps
+                    or (t.save_interval and self.iteration % t.save_interval == 0)
+                ):
                     self.save()
                 if stop or self.stopped_by:
                     break
@@ -337,13 +368,19 @@ class Trainer:
         where = f"; checkpoint '{self.last_save}'" if self.last_save else "; no checkpoint saved"
         more = "; run the same command to continue" if self.iteration < t.steps and self.last_save else ""
         self.say(head + where + more)
-        self.say(f"  this run: {steps} steps, {self.tokens_this_run:,} tokens in {seconds:.1f} s "
-                 f"({self.tokens_this_run / max(seconds, 1e-9):,.0f} tokens/s)")
+        self.say(
+            f"  this run: {steps} steps, {self.tokens_this_run:,} tokens in {seconds:.1f} s "
+            f"({self.tokens_this_run / max(seconds, 1e-9):,.0f} tokens/s)"
+        )
         vals = [m for m in self.history if "val_loss" in m]
         ema = f" (weight average {vals[-1]['val_loss_ema']:.4f})" if vals and "val_loss_ema" in vals[-1] else ""
-        self.say(f"  final validation loss {vals[-1]['val_loss']:.4f}{ema} at step {vals[-1]['step']}" if vals else
-                 "  no validation loss (train.eval_iters is 0)" if not t.eval_iters else
-                 "  no validation loss this run")
+        self.say(
+            f"  final validation loss {vals[-1]['val_loss']:.4f}{ema} at step {vals[-1]['step']}"
+            if vals
+            else "  no validation loss (train.eval_iters is 0)"
+            if not t.eval_iters
+            else "  no validation loss this run"
+        )
         if writer is not None:
             self.say(f"  TensorBoard: '{writer.log_dir}'")
         if t.log_file:
@@ -355,7 +392,9 @@ def _emit(m: Dict, writer, log, bar, verbose: bool) -> None:
     if writer is not None:
         for k in ("loss", "lm loss", "lr", "grad_norm", "tokens_per_s", "val_loss", "val_loss_ema"):
             if k in m and math.isfinite(m[k]):
-                name = {"val_loss": "valid/loss", "val_loss_ema": "valid/loss_ema"}.get(k, f"train/{k.replace(' ', '_')}")
+                name = {"val_loss": "valid/loss", "val_loss_ema": "valid/loss_ema"}.get(
+                    k, f"train/{k.replace(' ', '_')}"
+                )
                 writer.add_scalar(name, m[k], step)
         for k in m:
             if k.startswith("memory/"):
@@ -367,8 +406,10 @@ def _emit(m: Dict, writer, log, bar, verbose: bool) -> None:
     if verbose:
         val = f" val_loss {m['val_loss']:.4f}" if "val_loss" in m else ""
         val += f" val_loss_ema {m['val_loss_ema']:.4f}" if "val_loss_ema" in m else ""
-        line = (f"step {step:5d} loss {m['lm loss']:.4f}{val} lr {m['lr']:.3e} "
-                f"grad_norm {m['grad_norm']:.3f} tok/s {m['tokens_per_s']:.0f}")
+        line = (
+            f"step {step:5d} loss {m['lm loss']:.4f}{val} lr {m['lr']:.3e} "
+            f"grad_norm {m['grad_norm']:.3f} tok/s {m['tokens_per_s']:.0f}"
+        )
     if bar is not None:
         bar.set_postfix(loss=f"{m['lm loss']:.4f}", lr=f"{m['lr']:.2e}", refresh=False)
         bar.update(1)

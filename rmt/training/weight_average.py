@@ -30,7 +30,9 @@ class WeightAverage:
 
     def __init__(self, chunks: List[torch.nn.Module], decay: float):
         self.decay = decay
-        self.params = [p for c in chunks for p in c.parameters() if p.requires_grad and not getattr(p, "memory_value", False)]
+        self.params = [
+            p for c in chunks for p in c.parameters() if p.requires_grad and not getattr(p, "memory_value", False)
+        ]
         self.averages = [p.detach().clone() for p in self.params]
         self._update = get_ema_multi_avg_fn(decay)
 

@@ -17,4 +17,4 @@ def load(part: str, **_metadata) -> datasets.DatasetDict:
 def target_prefix(resps, docs):
     """Each generated text cut to its target's length (the gen task's filter): exact match
     then asks whether the greedy continuation starts with the target."""
-    return [[r[:len(doc["target"])] for r in rs] for rs, doc in zip(resps, docs)]
+    return [[r[: len(doc["target"])] for r in rs] for rs, doc in zip(resps, docs)]
