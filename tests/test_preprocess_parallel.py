@@ -160,8 +160,10 @@ def _big_jsonl(path, megabytes):
 
 def test_interrupted_run_resumes(tmp_path):
     """Ctrl-C part way: the finished chunks are kept and named; the same command then does
-    only the rest, and the output is that of an uninterrupted run."""
-    src = _big_jsonl(tmp_path / "big.jsonl", 24)
+    only the rest, and the output is that of an uninterrupted run. 384 chunks of 1/8 MiB: the
+    byte tokenizer does one in a few ms, so the run lasts long enough (about a second on an idle
+    core) for the signal to arrive before the end even when this process is descheduled."""
+    src = _big_jsonl(tmp_path / "big.jsonl", 48)
     prefix = str(tmp_path / "ds")
     argv = [
         sys.executable,
@@ -174,7 +176,7 @@ def test_interrupted_run_resumes(tmp_path):
         "--workers",
         "1",
         "--chunk-mib",
-        "0.25",
+        "0.125",
         "--no-progress",
     ]
     proc = subprocess.Popen(argv, cwd=ROOT, env=_env(), stderr=subprocess.PIPE, text=True)
@@ -192,7 +194,7 @@ def test_interrupted_run_resumes(tmp_path):
     assert proc.returncode == 130, err
     line = err.strip().splitlines()[-1]
     done = int(line.split("interrupted: ")[1].split(" of ")[0])
-    total = -(-os.path.getsize(src) // (1 << 18))  # 0.25 MiB chunks
+    total = -(-os.path.getsize(src) // (1 << 17))  # 1/8 MiB chunks
     assert line == (
         f"rmt-preprocess: interrupted: {done} of {total} chunks are done and kept in "
         f"'{prefix}.partial'; the same command resumes with the other {total - done}"

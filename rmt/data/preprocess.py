@@ -304,6 +304,10 @@ def _run(todo, sources, chunks, done, tokenizer_spec, text_key, workers, progres
                 p.terminate()
         for p in procs:
             p.join()
+        # a stopped run leaves tasks no worker will take: without this the process would wait at
+        # exit for the queue's feeder thread to flush them into a pipe no one reads (more than its
+        # 64 KiB buffer of tasks: a few hundred chunks)
+        tasks.cancel_join_thread()
 
 
 def build_parser() -> argparse.ArgumentParser:
