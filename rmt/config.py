@@ -299,10 +299,10 @@ class DataConfig:
     noise length ``N`` is at least this (earlier stages train at ``N`` alone); 0 = from the
     start."""
 
-    curriculum_threshold: Optional[Annotated[float, Range(gt=0)]] = None
+    curriculum_threshold: Optional[Annotated[float, Range(ge=0)]] = None
     """Curriculum: double the noise length after each evaluation whose validation loss is below
-    this; set together with ``curriculum_target`` (``null``: no curriculum). The noise length is
-    saved in checkpoints and restored on resume."""
+    this (``0``: never, the noise length held); set together with ``curriculum_target``
+    (``null``: no curriculum). The noise length is saved in checkpoints and restored on resume."""
 
     curriculum_target: Optional[Annotated[int, Range(ge=0)]] = None
     """Curriculum: the noise length at which doubling stops; set together with
