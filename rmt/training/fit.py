@@ -88,20 +88,20 @@ def memory_floor(config: RMTConfig) -> dict:
     return {"state": state, "activations": activations, "mask": m.seq_length**2}
 
 
-def planned_peak(config: RMTConfig, device: str) -> Optional[int]:
-    """The whole-rank plan's peak per rank (:mod:`rmt.planner.rank`, every phase) for this run at
-    the launcher's world size; None where it cannot be made without the data (an unknown
-    vocabulary)."""
+def planned_peak(config: RMTConfig, device: str, world_size: int) -> Optional[int]:
+    """The whole-rank plan's peak per rank (:mod:`rmt.planner.rank`, every phase) for this run on
+    ``world_size`` ranks; None where it cannot be made without the data (an unknown vocabulary)."""
     from rmt.planner.rank import plan_rank, with_vocabulary
 
     try:
-        planned = with_vocabulary(copy.deepcopy(config))
-    except ValueError:
+        return plan_rank(with_vocabulary(copy.deepcopy(config)), world_size, device)["peak"]
+    except ValueError:  # the vocabulary, or the layout at this world size, is not known yet
         return None
-    return plan_rank(planned, world_size_from_env(), device)["peak"]
 
 
-def check_fits(config: RMTConfig, available: Optional[int] = None, device: Optional[str] = None) -> None:
+def check_fits(
+    config: RMTConfig, available: Optional[int] = None, device: Optional[str] = None, world_size: Optional[int] = None
+) -> None:
     """Raise :class:`ConfigError` when :func:`memory_floor` exceeds what a rank could ever get;
     say (once, on rank 0) when the whole-rank plan does, which an upper-bound term of the plan
     may overstate, so the run goes ahead."""
@@ -112,12 +112,13 @@ def check_fits(config: RMTConfig, available: Optional[int] = None, device: Optio
     floor = memory_floor(config)
     need = sum(floor.values())
     if need <= available:
-        peak = planned_peak(config, device)
+        world_size = world_size or world_size_from_env()
+        peak = planned_peak(config, device, world_size)
         if peak is not None and peak > available and os.environ.get("RANK", "0") == "0":
             print(
                 f"rmt-train: rmt-plan counts {peak / _GIB:,.1f} GiB per rank for this run, more than the "
                 f"{available / _GIB:,.1f} GiB a rank has here, so it may run out of memory; "
-                f"`rmt-plan memory --config ... --world-size {world_size_from_env()}` itemizes it and "
+                f"`rmt-plan memory --config ... --world-size {world_size}` itemizes it and "
                 f"`rmt-plan layouts --config ...` lists the layouts that fit",
                 file=sys.stderr,
                 flush=True,
