@@ -179,7 +179,17 @@ def test_interrupted_run_resumes(tmp_path):
         "0.125",
         "--no-progress",
     ]
-    proc = subprocess.Popen(argv, cwd=ROOT, env=_env(), stderr=subprocess.PIPE, text=True)
+    # Ctrl-C as a terminal delivers it: to a process that does not ignore SIGINT (a test run started
+    # in the background by a non-interactive shell inherits SIGINT ignored, and Python then keeps
+    # ignoring it)
+    proc = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        env=_env(),
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.time() + 120
 
     def finished():  # a shard's .json is renamed into place last: present = complete
