@@ -111,6 +111,10 @@ void rowwise_adagrad_step(at::Tensor param, at::Tensor state_sum, const at::Tens
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "rmt fused row-wise optimizer steps (sparse Adam, row-wise Adagrad), CPU (OpenMP)";
-  m.def("sparse_adam_step", &sparse_adam_step, "in-place SparseAdam step on the given unique rows");
-  m.def("rowwise_adagrad_step", &rowwise_adagrad_step, "in-place row-wise Adagrad step on the given unique rows");
+  // The GIL is released: a host-memory table steps on a thread of its own (rmt.memory.host_table)
+  // while the main thread runs the dense model.
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("sparse_adam_step", &sparse_adam_step, "in-place SparseAdam step on the given unique rows", release());
+  m.def("rowwise_adagrad_step", &rowwise_adagrad_step, "in-place row-wise Adagrad step on the given unique rows",
+        release());
 }

@@ -72,7 +72,7 @@ def build_memory_layer(config, index: int, base=None) -> torch.nn.Module:
         return SkipMoE(config, base)
     spec = MemorySpec.from_config(config, index)
     v2 = spec.version == 2
-    sharding = {"device": compat.device()}
+    sharding = {"device": compat.device(), "location": mem.table_location}
     pre_sharding = dict(sharding)
     if mem.partition != "local":
         group, replica_group, replica_index, split_group = memory_parallel_groups(mem.group_size)

@@ -137,10 +137,33 @@ def validate_value_optimizer(mem) -> None:
         )
 
 
+def validate_table_location(mem) -> None:
+    """``memory.table_location: host``: value tables to hold, stepped on the host by a row-wise
+    optimizer from their gathered row gradients."""
+    if mem.table_location != "host":
+        return
+    if mem.type not in ("ultramem", "ultramem_v2", "pkm"):
+        raise ConfigError(
+            f"memory.table_location 'host' keeps the value tables of memory.type 'ultramem', "
+            f"'ultramem_v2' or 'pkm' in host memory; memory.type '{mem.type}' has none"
+        )
+    if mem.value_optimizer == "adamw":
+        raise ConfigError(
+            "memory.table_location 'host' steps the touched rows on the host: it needs "
+            "memory.value_optimizer 'sparse_adam' or 'rowwise_adagrad', got 'adamw'"
+        )
+    if mem.fused_value_optimizer:
+        raise ConfigError(
+            "memory.table_location 'host' steps the rows on the host from their gradients, which "
+            "memory.fused_value_optimizer never forms: set one of them"
+        )
+
+
 def validate_memory(config, world_size: Optional[int] = None) -> None:
     """Raise :class:`ConfigError` (one sentence) for impossible ``memory.*`` settings."""
     mem, m = config.memory, config.model
     p = config.parallel
+    validate_table_location(mem)
     if mem.type != "moe" and (p.expert_model_parallel_size != 1 or p.expert_tensor_parallel_size is not None):
         raise ConfigError(
             "parallel.expert_model_parallel_size and expert_tensor_parallel_size split MoE "

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from rmt.memory.host_table import host_table
 from rmt.ops.sparse_optim import coalesced
 from rmt.parallel import compat
 
@@ -154,6 +155,7 @@ def sum_sparse_grads(grad: Optional[torch.Tensor], param: torch.Tensor, group) -
         grad = coalesced(grad)
         rows, values = grad.indices()[0], grad.values()
     if group is not None and dist.get_world_size(group) > 1:
+        rows, values = rows.to(device), values.to(device)
         P = dist.get_world_size(group)
         count = torch.tensor([rows.numel()], device=device)
         counts = [torch.zeros_like(count) for _ in range(P)]
@@ -167,8 +169,8 @@ def sum_sparse_grads(grad: Optional[torch.Tensor], param: torch.Tensor, group) -
         all_values = [torch.empty_like(values) for _ in range(P)]
         dist.all_gather(all_rows, rows, group=group)
         dist.all_gather(all_values, values, group=group)
-        rows = torch.cat([r[:c] for r, c in zip(all_rows, counts)])
-        values = torch.cat([v[:c] for v, c in zip(all_values, counts)])
+        rows = torch.cat([r[:c] for r, c in zip(all_rows, counts)]).to(home)
+        values = torch.cat([v[:c] for v, c in zip(all_values, counts)]).to(home)
     return coalesced(torch.sparse_coo_tensor(rows.unsqueeze(0), values, tuple(shape), check_invariants=False))
 
 
@@ -178,9 +180,12 @@ def finish_memory_grads(modules: Iterable[torch.nn.Module]) -> None:
     (local) tables with sparse gradients are summed over the data-parallel group and divided
     by ``DP``, as DDP does for dense ones. Sparse gradients stay sparse (coalesced). Tables with a
     :func:`fused_update` have no gradient: their rows were stepped in the backward (the update's
-    leftover lookups, if any, are stepped here)."""
+    leftover lookups, if any, are stepped here). A host table's gradient is the row gradients its
+    backwards brought to the host (:meth:`rmt.memory.host_table.HostTable.take_grad`)."""
     scale = 1.0 / parallel_state.get_data_parallel_world_size()
     for p in self_reduced_params(modules):
+        if host_table(p) is not None:
+            p.grad = host_table(p).take_grad()
         if fused_update(p) is not None:
             fused_update(p).flush()
             continue
@@ -228,7 +233,7 @@ def memory_grad_sq_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
         if fused_update(p) is not None:
             sq = torch.as_tensor(fused_update(p).pop_sq_norm(host=False), dtype=torch.float64, device=device)
         else:
-            sq = square_sum(grad_values(p.grad.detach()))
+            sq = square_sum(grad_values(p.grad.detach())).to(device)
         if getattr(p, "memory_sharded", False):
             sharded += sq
             group = p.memory_group

@@ -17,6 +17,7 @@ from megatron.core import parallel_state
 from rmt.memory.attach import pop_aux_loss, pop_memory_stats
 from rmt.memory.batchnorm import sync_running_stats
 from rmt.memory.groups import excluded_from_ddp, finish_memory_grads, fused_update, reduce_tables_outside_ddp
+from rmt.memory.host_table import wait_all
 from rmt.memory.table import values_from_checkpoint
 
 
@@ -34,6 +35,8 @@ class MemoryHooks:
       :meth:`pop_aux_loss` (the auxiliary losses of the forward just run), and after the
       schedule's backward :meth:`after_backward` (gradients finished, statistics synchronised)
       before the optimizer reads any gradient;
+    * :meth:`settle` before the loop reads the tables outside a step (an evaluation, a
+      checkpoint, the end of training);
     * :meth:`pop_stats` when the loop logs.
 
     Without memory layers every call is a no-op.
@@ -93,6 +96,11 @@ class MemoryHooks:
         BatchNorms' running statistics from every data-parallel rank's micro-batches."""
         finish_memory_grads(self.chunks)
         sync_running_stats(self.chunks, parallel_state.get_data_parallel_group())
+
+    def settle(self) -> None:
+        """Finish the host-memory tables' steps still running on their thread
+        (``memory.table_location: host``, :mod:`rmt.memory.host_table`)."""
+        wait_all(self.chunks)
 
     # -- logging -----------------------------------------------------------------------
     def pop_stats(self) -> Dict[str, float]:

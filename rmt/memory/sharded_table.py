@@ -36,7 +36,6 @@ from typing import List
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from rmt.memory.comm_counter import CommCounter
 from rmt.ops import lookup_reduce
@@ -176,30 +175,18 @@ def _route_to_owners(indices: torch.Tensor, rows_per: int, P: int, group):
     return order, flat[order] - owner[order] * rows_per, send.tolist(), recv.tolist()
 
 
-def number_lookup(
-    weight,
-    indices,
-    scores,
-    block_ids,
-    num_blocks,
-    group,
-    counter: CommCounter,
-    sparse_grad: bool = False,
-    record=None,
-    update=None,
-):
+def number_lookup(shard, indices, scores, block_ids, num_blocks, group, counter: CommCounter, record=None):
     """Plain number-wise: every distinct row travels once to the requester, which pools
     (Appendix D with index dedup: ``rmt.planner.comm``'s ``dedup`` counts exactly this; the
     row gradients of duplicates are summed by the local lookup-reduce before they go back).
-    ``sparse_grad`` (every lookup of this module): the shard's gradient holds only the
-    touched rows. ``record`` (training statistics) receives the global slots the owner serves,
-    as in every route below. ``update`` (a :class:`rmt.ops.fused_update.FusedValueUpdate`, every
-    route): the owner's lookup steps the shard's rows in its backward, from the gradient rows the
-    all-to-all brings back (a unit-score lookup of the served rows, so the fused kernel sums
-    the requesters' copies of a row)."""
+    ``shard`` (every route): this rank's rows, read through its ``gather`` and ``lookup``
+    (:class:`rmt.memory.table.DeviceRows`, or :class:`rmt.memory.host_table.HostTable` for a
+    shard in host memory), which carry the sparse gradient or the fused update of the table.
+    ``record`` (training statistics) receives the global slots the owner serves, as in every
+    route below."""
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     T, K = indices.shape
-    rows_per = weight.shape[0]
+    rows_per = shard.shape[0]
     unique, inverse = torch.unique(indices.reshape(-1).long(), sorted=True, return_inverse=True)
     owner = torch.div(unique, rows_per, rounding_mode="floor")  # ascending: already grouped by owner
     send = torch.bincount(owner, minlength=P)
@@ -211,32 +198,18 @@ def number_lookup(
     wanted = _exchange(local_rows, send, recv, group).long()
     if record is not None:
         record(wanted + rank * rows_per)
-    if update is not None:
-        served = lookup_reduce(
-            weight, wanted.view(-1, 1), weight.new_ones(wanted.numel(), 1, 1), update=update, validate=False
-        ).view(-1, weight.shape[1])
-    else:
-        served = F.embedding(wanted, weight, sparse=sparse_grad)
+    served = shard.gather(wanted)
     rows = _AllToAll.apply(served, recv, send, group, counter, ("all_to_all_values", "all_to_all_value_grads"))
     return lookup_reduce(rows, inverse.view(T, K), scores, block_ids, num_blocks, validate=False)
 
 
 def number_owner_reduce_lookup(
-    weight,
-    indices,
-    scores,
-    block_ids,
-    num_blocks,
-    group,
-    counter: CommCounter,
-    sparse_grad: bool = False,
-    record=None,
-    update=None,
+    shard, indices, scores, block_ids, num_blocks, group, counter: CommCounter, record=None
 ):
     """Number-wise with owner-side pooling: partial sums travel back (Appendix D)."""
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     T, K = indices.shape
-    C, D, E, rows_per = scores.shape[-1], weight.shape[1], num_blocks, weight.shape[0]
+    C, D, E, rows_per = scores.shape[-1], shard.shape[1], num_blocks, shard.shape[0]
     counts = token_counts(T, group, indices.device)
     order, local_rows, send, recv = _route_to_owners(indices, rows_per, P, group)
     token = torch.arange(T, device=indices.device).repeat_interleave(K)[order]
@@ -253,14 +226,7 @@ def number_owner_reduce_lookup(
     target = first_token[source] * E + torch.div(got, rows_per, rounding_mode="floor")
     if record is not None:
         record(got % rows_per + rank * rows_per)
-    weighted = lookup_reduce(
-        weight,
-        (got % rows_per).view(M, 1),
-        got_scores.view(M, 1, C),
-        sparse_grad=sparse_grad,
-        validate=False,
-        update=update,
-    ).view(M, D)
+    weighted = shard.lookup((got % rows_per).view(M, 1), got_scores.view(M, 1, C)).view(M, D)
     partial = weighted.new_zeros(sum(counts) * E, D).index_add(0, target, weighted)
     back = _AllToAll.apply(
         partial.view(sum(counts), E, D),
@@ -283,24 +249,13 @@ def _core_columns(col0: int, width: int, dim: int, cores: int) -> List[int]:
 
 
 def dimension_lookup(
-    weight,
-    indices,
-    scores,
-    block_ids,
-    num_blocks,
-    num_slots,
-    dim,
-    group,
-    counter: CommCounter,
-    sparse_grad: bool = False,
-    record=None,
-    update=None,
+    shard, indices, scores, block_ids, num_blocks, num_slots, dim, group, counter: CommCounter, record=None
 ):
     """Dimension-wise: all-gather indices and scores, pool the local column slice for every
     token of the group, all-to-all of the pooled slices back (Appendix D)."""
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     T, K = indices.shape
-    C, width, E = scores.shape[-1], weight.shape[1], num_blocks
+    C, width, E = scores.shape[-1], shard.shape[1], num_blocks
     counts = token_counts(T, group, indices.device)
     addr = indices.long() if block_ids is None else block_ids.long() * num_slots + indices.long()
     addr = addr.to(_index_dtype(E * num_slots))
@@ -312,15 +267,8 @@ def dimension_lookup(
         scores.contiguous(), counts, group, counter, ("all_gather_scores", "reduce_scatter_score_grads")
     )
     columns = torch.tensor(_core_columns(rank * width, width, dim, C), device=scores.device)
-    pooled = lookup_reduce(
-        weight,
-        every % num_slots,
-        every_scores.index_select(2, columns),
-        None if block_ids is None else every // num_slots,
-        E,
-        sparse_grad=sparse_grad,
-        validate=False,
-        update=update,
+    pooled = shard.lookup(
+        every % num_slots, every_scores.index_select(2, columns), None if block_ids is None else every // num_slots, E
     )
     back = _AllToAll.apply(pooled, counts, [T] * P, group, counter, ("all_to_all_pooled", "all_to_all_pooled_grads"))
     return back.view(P, T, E, width).permute(1, 2, 0, 3).reshape(T, E, P * width)

@@ -15,14 +15,18 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+import torch.nn.functional as F
+
 from rmt.memory import sharded_table
 from rmt.memory.comm_counter import CommCounter
+from rmt.memory.host_table import HostTable, host_tensor
 from rmt.ops import lookup_reduce
 from rmt.ops.counter_normal import fill_normal_
 from rmt.ops.sparse_optim import coalesced
 from rmt.ops.validate import dtypes_supported
 
 PARTITIONS = ("local", "number", "dimension", "auto")
+LOCATIONS = ("device", "host")
 
 _values_from_checkpoint = False
 
@@ -90,6 +94,39 @@ def _bound_sparse_grad(weight: torch.Tensor) -> None:
         weight.grad = coalesced(grad)
 
 
+class DeviceRows:
+    """The two reads the lookup routes make of a shard on the compute device (the host shard's
+    are :class:`rmt.memory.host_table.HostTable`'s): ``lookup`` (``lookup_reduce`` of its rows)
+    and ``gather`` (rows, repeats allowed), with the table's sparse gradient or fused update."""
+
+    def __init__(self, weight: torch.nn.Parameter, sparse_grad: bool, update):
+        self.weight, self.sparse_grad, self.update = weight, sparse_grad, update
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def lookup(self, indices, scores, block_ids=None, num_blocks: int = 1, validate: bool = False):
+        return lookup_reduce(
+            self.weight,
+            indices,
+            scores,
+            block_ids,
+            num_blocks,
+            sparse_grad=self.sparse_grad,
+            validate=validate,
+            update=self.update,
+        )
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[n]`` rows -> ``[n, D]``; with a fused update a unit-score lookup, so that the fused
+        kernel sums the copies of a row."""
+        if self.update is not None:
+            ones = self.weight.new_ones(rows.numel(), 1, 1)
+            return self.lookup(rows.view(-1, 1), ones).view(-1, self.weight.shape[1])
+        return F.embedding(rows, self.weight, sparse=self.sparse_grad)
+
+
 class MemoryTable(torch.nn.Module):
     """``num_slots x dim`` values; this rank holds a shard of them, and only that shard exists here.
 
@@ -112,7 +149,11 @@ class MemoryTable(torch.nn.Module):
     (``memory.fused_value_optimizer``) every lookup's backward steps the rows instead and the
     weight gets no gradient (:mod:`rmt.ops.fused_update`). In training mode the lookups
     mark the slots they hit in ``hits`` (one byte per owned slot, :meth:`pop_hit_fraction`).
-    ``counter`` counts the bytes sent per collective.
+    ``counter`` counts the bytes sent per collective. ``location`` ``"host"``
+    (``memory.table_location``): the shard lives in host memory (pinned when ``device`` is a GPU)
+    and every lookup stages its distinct rows on ``device`` (:mod:`rmt.memory.host_table`; the
+    :class:`~rmt.memory.host_table.HostTable` is ``host``, and ``weight.memory_host``); it needs
+    ``sparse_grad`` and stays on the host when the module is moved.
     """
 
     def __init__(
@@ -132,8 +173,13 @@ class MemoryTable(torch.nn.Module):
         sparse_grad: bool = False,
         init_key: int = 0,
         device=None,
+        location: str = "device",
     ):
         super().__init__()
+        if location not in LOCATIONS:
+            raise ValueError(f"MemoryTable location must be one of {LOCATIONS}, got {location!r}")
+        if location == "host" and not sparse_grad:
+            raise ValueError("a host MemoryTable is stepped from its touched rows: it needs sparse_grad")
         if partition not in PARTITIONS:
             raise ValueError(f"MemoryTable partition must be one of {PARTITIONS}, got {partition!r}")
         P = 1 if partition == "local" else dist.get_world_size(group)
@@ -160,12 +206,19 @@ class MemoryTable(torch.nn.Module):
         ]
         # Only this rank's shard is ever allocated; its values are the global table's at the
         # shard's positions (counter-based, rmt.ops.counter_normal), whatever the layout.
-        weight = torch.empty(shape, dtype=dtype, device=device)
+        compute = torch.device(device if device is not None else "cpu")
+        if location == "host":
+            weight = host_tensor(shape, dtype, pinned=compute.type == "cuda")
+        else:
+            weight = torch.empty(shape, dtype=dtype, device=device)
         if not _values_from_checkpoint:
             rows, cols = self.shard_index
             fill_normal_(weight, init_key, rows.start or 0, cols.start or 0, dim, init_std)
         self.weight = torch.nn.Parameter(weight)
         self.weight.memory_value = True
+        self.host = None
+        if location == "host":
+            self.host = self.weight.memory_host = HostTable(self.weight, compute)
         if sparse_grad:
             self.weight.memory_sparse_grad = True
             self.weight.register_post_accumulate_grad_hook(_bound_sparse_grad)
@@ -179,6 +232,25 @@ class MemoryTable(torch.nn.Module):
         self.register_buffer(
             "hits", torch.zeros(len(self.owned_rows), dtype=torch.uint8, device=device), persistent=False
         )
+
+    def _apply(self, fn, recurse=True):
+        """A host table's weight stays where it is when the module is moved or cast (its
+        buffers follow)."""
+        if self.host is None:
+            return super()._apply(fn, recurse)
+        weight = self._parameters.pop("weight")
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            self._parameters["weight"] = weight
+
+    @property
+    def rows(self):
+        """This rank's shard as the lookup routes read it: the host table, or the weight with the
+        table's sparse gradient and fused update (:class:`DeviceRows`)."""
+        if self.host is not None:
+            return self.host
+        return DeviceRows(self.weight, self.sparse_grad, self.fused_update)
 
     def _owned_rows(self) -> range:
         if self.partition == "local":
@@ -226,16 +298,7 @@ class MemoryTable(torch.nn.Module):
         if self.partition == "local":
             if self.training:
                 self.record_hits(indices)
-            return lookup_reduce(
-                self.weight,
-                indices,
-                scores,
-                block_ids,
-                num_blocks,
-                sparse_grad=self.sparse_grad,
-                validate=validate,
-                update=self.fused_update,
-            )
+            return self.rows.lookup(indices, scores, block_ids, num_blocks, validate=validate)
         if self.split_group is not None:
             return sharded_table.tensor_parallel_chunks(
                 self._sharded_lookup, indices, scores, block_ids, num_blocks, self.split_group, self.counter
@@ -246,32 +309,10 @@ class MemoryTable(torch.nn.Module):
         record = self.record_hits if self.training else None
         if self.partition == "dimension":
             return sharded_table.dimension_lookup(
-                self.weight,
-                indices,
-                scores,
-                block_ids,
-                num_blocks,
-                self.num_slots,
-                self.dim,
-                self.group,
-                self.counter,
-                self.sparse_grad,
-                record,
-                self.fused_update,
+                self.rows, indices, scores, block_ids, num_blocks, self.num_slots, self.dim, self.group, self.counter, record
             )
         route = sharded_table.number_owner_reduce_lookup if self.owner_reduce else sharded_table.number_lookup
-        return route(
-            self.weight,
-            indices,
-            scores,
-            block_ids,
-            num_blocks,
-            self.group,
-            self.counter,
-            self.sparse_grad,
-            record,
-            self.fused_update,
-        )
+        return route(self.rows, indices, scores, block_ids, num_blocks, self.group, self.counter, record)
 
     @torch.no_grad()
     def record_hits(self, slots: torch.Tensor) -> None:

@@ -179,36 +179,42 @@ class SparseAdam(_StateDtypes, torch.optim.SparseAdam):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if not p.grad.is_sparse:
-                    raise RuntimeError("SparseAdam does not support dense gradients, please consider Adam instead")
-                state = self.state[p]
-                if not state:
-                    state.update(self.initial_state(p))
-                state["step"] += 1
-                rows, values = rows_and_values(p.grad)
-                if group["maximize"]:
-                    values = -values
-                if not rows.numel():
-                    continue
-                kernels = fused_kernels(p) if _fused_adam_dtype(p) else None
-                update = kernels.sparse_adam_step if kernels is not None else sparse_adam_update_
-                update(
-                    p,
-                    state["exp_avg"],
-                    state["exp_avg_sq"],
-                    rows,
-                    values.contiguous(),
-                    float(group["lr"]),
-                    beta1,
-                    beta2,
-                    group["eps"],
-                    int(state["step"]),
-                )
+                if p.grad is not None:
+                    self.step_param(group, p, p.grad)
         return loss
+
+    @torch.no_grad()
+    def step_param(self, group: dict, p, grad) -> None:
+        """One table's step with gradient ``grad`` and ``group``'s hyper-parameters (a copy of its
+        param group may be passed: a host table steps on a thread of its own,
+        :mod:`rmt.memory.host_table`, while the scheduler sets the next step's ``lr``)."""
+        if not grad.is_sparse:
+            raise RuntimeError("SparseAdam does not support dense gradients, please consider Adam instead")
+        beta1, beta2 = group["betas"]
+        state = self.state[p]
+        if not state:
+            state.update(self.initial_state(p))
+        state["step"] += 1
+        rows, values = rows_and_values(grad)
+        if group["maximize"]:
+            values = -values
+        if not rows.numel():
+            return
+        kernels = fused_kernels(p) if _fused_adam_dtype(p) else None
+        update = kernels.sparse_adam_step if kernels is not None else sparse_adam_update_
+        update(
+            p,
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            rows,
+            values.contiguous(),
+            float(group["lr"]),
+            beta1,
+            beta2,
+            group["eps"],
+            int(state["step"]),
+        )
 
 
 @torch.no_grad()
@@ -256,30 +262,27 @@ class RowWiseAdagrad(_StateDtypes, torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.dim() != 2:
-                    raise ValueError(f"RowWiseAdagrad: parameters must be 2-D tables; got shape {tuple(p.shape)}")
-                state = self.state[p]
-                if not state:
-                    state.update(self.initial_state(p))
-                rows, values = rows_and_values(p.grad)
-                ext = fused_kernels(p)
-                if ext is not None:
-                    ext.rowwise_adagrad_step(
-                        p,
-                        state["sum"],
-                        rows,
-                        values.contiguous(),
-                        float(group["lr"]),
-                        group["eps"],
-                        group["weight_decay"],
-                    )
-                else:
-                    rowwise_adagrad_update_(
-                        p, state["sum"], rows, values, group["lr"], group["eps"], group["weight_decay"]
-                    )
+                if p.grad is not None:
+                    self.step_param(group, p, p.grad)
         return loss
+
+    @torch.no_grad()
+    def step_param(self, group: dict, p, grad) -> None:
+        """One table's step with gradient ``grad`` and ``group``'s hyper-parameters (see
+        :meth:`SparseAdam.step_param`)."""
+        if p.dim() != 2:
+            raise ValueError(f"RowWiseAdagrad: parameters must be 2-D tables; got shape {tuple(p.shape)}")
+        state = self.state[p]
+        if not state:
+            state.update(self.initial_state(p))
+        rows, values = rows_and_values(grad)
+        ext = fused_kernels(p)
+        if ext is not None:
+            ext.rowwise_adagrad_step(
+                p, state["sum"], rows, values.contiguous(), float(group["lr"]), group["eps"], group["weight_decay"]
+            )
+        else:
+            rowwise_adagrad_update_(p, state["sum"], rows, values, group["lr"], group["eps"], group["weight_decay"])
 
 
 def make_sparse_optimizer(params, kind="adam", lr=1e-3, **kwargs):

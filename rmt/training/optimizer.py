@@ -40,6 +40,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from rmt.config import RMTConfig
 from rmt.memory.groups import attach_fused_updates, frozen, memory_grad_sq_norm, self_reduced
+from rmt.memory.host_table import held_back, launch_host_steps
 from rmt.memory.optim import ValueLRScheduler, split_value_group
 from rmt.models.rmt import RMT_KEY_MATRICES
 from rmt.ops.sparse_optim import RowWiseAdagrad, SparseAdam
@@ -237,11 +238,14 @@ class Optimizers:
                     g.mul_(scale)
 
     def step(self) -> None:
-        """megatron's step (and its copy to, or all-gather of, the model parameters), then the
-        tables'."""
+        """The host-memory tables' steps launched on their thread
+        (:func:`~rmt.memory.host_table.launch_host_steps`), megatron's step (and its copy to, or
+        all-gather of, the model parameters) beside them, then the other tables'."""
+        launched = [launch_host_steps(o) for o in self.tables]
         self.dense.step_with_ready_grads()
-        for o in self.tables:
-            o.step()
+        for o, host in zip(self.tables, launched):
+            with held_back(host):
+                o.step()
 
 
 def _main_grads(optimizer) -> List[torch.Tensor]:

@@ -236,8 +236,10 @@ class Trainer:
 
     def gather_weights(self) -> None:
         """With ``train.overlap_param_gather`` the distributed optimizer's updated weights reach
-        the parameters bucket by bucket during the next step's forward: gather them all now
-        (before an evaluation, a checkpoint, the end of training)."""
+        the parameters bucket by bucket during the next step's forward, and host-memory value
+        tables step on a thread of their own: gather and finish them all now (before an
+        evaluation, a checkpoint, the end of training)."""
+        self.memory.settle()
         if self.config.train.overlap_param_gather:
             for chunk in self.chunks:
                 chunk.start_param_sync(force_sync=True)
