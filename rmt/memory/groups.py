@@ -146,11 +146,12 @@ def excluded_from_ddp(module: torch.nn.Module) -> frozen:
 def sum_sparse_grads(grad: Optional[torch.Tensor], param: torch.Tensor, group) -> torch.Tensor:
     """Coalesced sum over ``group`` of the ranks' sparse row gradients of ``param`` (None: no
     rows). The ranks' (rows, values) pairs are all-gathered, padded to the longest, and
-    concatenated in rank order, so every rank builds the same tensor."""
-    device, shape = param.device, param.shape
+    concatenated in rank order, so every rank builds the same tensor; a host table's through the
+    compute device (NCCL's collectives take device tensors), the sum back on the host."""
+    home, device, shape = param.device, compat.device(), param.shape
     if grad is None:
-        rows = torch.zeros(0, dtype=torch.int64, device=device)
-        values = torch.zeros((0,) + tuple(shape[1:]), dtype=param.dtype, device=device)
+        rows = torch.zeros(0, dtype=torch.int64, device=home)
+        values = torch.zeros((0,) + tuple(shape[1:]), dtype=param.dtype, device=home)
     else:
         grad = coalesced(grad)
         rows, values = grad.indices()[0], grad.values()

@@ -203,9 +203,7 @@ def number_lookup(shard, indices, scores, block_ids, num_blocks, group, counter:
     return lookup_reduce(rows, inverse.view(T, K), scores, block_ids, num_blocks, validate=False)
 
 
-def number_owner_reduce_lookup(
-    shard, indices, scores, block_ids, num_blocks, group, counter: CommCounter, record=None
-):
+def number_owner_reduce_lookup(shard, indices, scores, block_ids, num_blocks, group, counter: CommCounter, record=None):
     """Number-wise with owner-side pooling: partial sums travel back (Appendix D)."""
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     T, K = indices.shape

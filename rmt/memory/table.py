@@ -12,10 +12,9 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
-import torch.nn.functional as F
 
 from rmt.memory import sharded_table
 from rmt.memory.comm_counter import CommCounter
@@ -309,7 +308,16 @@ class MemoryTable(torch.nn.Module):
         record = self.record_hits if self.training else None
         if self.partition == "dimension":
             return sharded_table.dimension_lookup(
-                self.rows, indices, scores, block_ids, num_blocks, self.num_slots, self.dim, self.group, self.counter, record
+                self.rows,
+                indices,
+                scores,
+                block_ids,
+                num_blocks,
+                self.num_slots,
+                self.dim,
+                self.group,
+                self.counter,
+                record,
             )
         route = sharded_table.number_owner_reduce_lookup if self.owner_reduce else sharded_table.number_lookup
         return route(self.rows, indices, scores, block_ids, num_blocks, self.group, self.counter, record)
