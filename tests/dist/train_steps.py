@@ -51,15 +51,40 @@ def record(overrides):
         torch.distributed.all_gather_object(every_rank, stats)
         held = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(held, optimizer_held(trainer))
+        host = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(host, host_tables(trainer))
         if torch.distributed.get_rank() != 0:
             return None
-        return {"losses": [m["lm loss"] for m in history], "running_stats": every_rank, "optimizer_held": held,
-                "grad_norms": [m["grad_norm"] for m in history],
-                "val": [m.get("val_loss") for m in history],
-                "grads": grads, "params": params, "averages": averaged}
+        return {
+            "losses": [m["lm loss"] for m in history],
+            "running_stats": every_rank,
+            "optimizer_held": held,
+            "host": host,
+            "grad_norms": [m["grad_norm"] for m in history],
+            "val": [m.get("val_loss") for m in history],
+            "grads": grads,
+            "params": params,
+            "averages": averaged,
+        }
     finally:
         if owned:
             parallel_state.destroy_model_parallel()
+
+
+def host_tables(trainer):
+    """What each host-memory table of this rank moved and staged (memory.table_location: host),
+    by global name: its link counters and its staged bytes now and at most."""
+    return {
+        n: {
+            "forward": dict(m.host.link.forward),
+            "backward": dict(m.host.link.backward),
+            "staged_peak": m.host.staged_peak,
+            "staged_now": m.host.staged_bytes,
+        }
+        for c in trainer.chunks
+        for n, m in c.module.named_modules()
+        if getattr(m, "host", None) is not None
+    }
 
 
 def optimizer_held(trainer):
@@ -69,10 +94,12 @@ def optimizer_held(trainer):
     from rmt.training.dense_state import dense_states
 
     buffers = [b for c in trainer.chunks for b in c.buffers]
-    held = {"buffer_numel": sum(b.numel for b in buffers),
-            "buffer_numel_unpadded": sum(b.numel_unpadded for b in buffers),
-            "param_bytes": sum(p.numel() * p.element_size() for b in buffers for p in b.params),
-            "grad_bytes": sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers)}
+    held = {
+        "buffer_numel": sum(b.numel for b in buffers),
+        "buffer_numel_unpadded": sum(b.numel_unpadded for b in buffers),
+        "param_bytes": sum(p.numel() * p.element_size() for b in buffers for p in b.params),
+        "grad_bytes": sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers),
+    }
     for state in dense_states(trainer.optimizer.dense_optimizers).values():
         for name, t in state.tensors.items():
             held[name] = held.get(name, 0) + t.numel()
@@ -96,15 +123,19 @@ def step_gradients(trainer):
     for chunk in trainer.chunks:
         for p in chunk.parameters():
             if getattr(p, "memory_value", False):
-                full[p] = (torch.zeros_like(p) if p.grad is None
-                           else p.grad.to_dense() if p.grad.is_sparse else p.grad).float()
+                full[p] = (
+                    torch.zeros_like(p) if p.grad is None else p.grad.to_dense() if p.grad.is_sparse else p.grad
+                ).float()
                 continue
             grad = torch.zeros(p.numel(), dtype=torch.float32)
             if p in states:
                 grad[states[p].flat_range or slice(None)] = states[p].main.grad.reshape(-1).float()
             if distributed:  # every rank of the group calls it, with or without a range
-                group = (parallel_state.get_data_parallel_group() if getattr(p, "allreduce", True)
-                         else parallel_state.get_expert_data_parallel_group())
+                group = (
+                    parallel_state.get_data_parallel_group()
+                    if getattr(p, "allreduce", True)
+                    else parallel_state.get_expert_data_parallel_group()
+                )
                 torch.distributed.all_reduce(grad, group=group)
             full[p] = grad.view(p.shape)
     return lambda p: full[p]
