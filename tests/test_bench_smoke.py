@@ -167,7 +167,43 @@ def test_bench_memory_stream_bad_input_is_one_sentence():
     proc = run_python(["tools/bench_memory_stream.py", "--quick", "--variants", "sync,fast"], check=False)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == (
-        "bench_memory_stream: --variants takes names from dense, sync, async, sync_fused, async_fused, got 'sync,fast'"
+        "bench_memory_stream: --variants takes names from dense, sync, async, sync_fused, async_fused, "
+        "async_sparse, sync_host, async_host, got 'sync,fast'"
+    )
+
+
+@pytest.mark.slow
+def test_bench_memory_stream_host_smoke(tmp_path):
+    """The host-memory tables beside the device table with the same value optimizer: the same
+    losses, bit for bit (on the CPU both are CPU memory), and each host row's link bytes per step."""
+    out = tmp_path / "bench.json"
+    run_python(
+        [
+            "tools/bench_memory_stream.py",
+            "--quick",
+            "--host",
+            "--variants",
+            "async_sparse,sync_host,async_host",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--documents",
+            "20",
+            "--json",
+            str(out),
+        ]
+    )
+    doc = json.loads(out.read_text())
+    rows = {r["variant"]: r for r in doc["rows"]}
+    assert rows["async_sparse"]["loss"] == rows["sync_host"]["loss"] == rows["async_host"]["loss"]
+    assert "link_forward_bytes" not in rows["async_sparse"]
+    for name in ("sync_host", "async_host"):
+        assert rows[name]["link_forward_bytes"] > rows[name]["link_backward_bytes"] > 0
+        assert rows[name]["staged_peak_bytes"] > 0 and rows[name]["link_gbps"] is None
+    assert rows["sync_host"]["link_forward_bytes"] == rows["async_host"]["link_forward_bytes"]
+    assert doc["summary"]["host_over_device_step_time"] == (
+        rows["async_host"]["median_step_s"] / rows["async_sparse"]["median_step_s"]
     )
 
 

@@ -13,11 +13,22 @@ time. Variants: ``dense`` (``memory.type=none``: the same backbone without its m
 ``sync_fused`` / ``async_fused`` (``memory.value_optimizer=sparse_adam`` applied inside the
 lookups' backward, ``memory.fused_value_optimizer``).
 
+With ``--host`` also the value tables in host memory (``memory.table_location: host``, rows
+staged per lookup, :mod:`rmt.memory.host_table`), against the device table with the same
+unfused value optimizer: ``async_sparse`` (device, ``sparse_adam``), ``sync_host`` and
+``async_host``. A host row adds the bytes its tables moved over the host link per step (forward
+indices and rows, backward row gradients), the device bytes the staged rows held at most, and on
+a GPU the bandwidth of one pinned host-to-device copy of a step's staged rows (``link_gbps``).
+A table several times larger than the device: ``--device-mem-gib G`` caps the device memory the
+run may allocate (``torch.cuda.set_per_process_memory_fraction``), e.g. ``--device-mem-gib 12
+--variants async_host memory.num_keys=1600`` (47 GB of table and Adam moments on the host).
+
 Summary per pair: ``memory_s`` = sync - dense step time (all the memory layers add to the step:
 forward, backward, their share of the optimizer step), ``hidden_fraction`` = (sync - async) /
 memory_s (the part the stream took off the step; the optimizer step cannot be hidden, so this
 is a lower bound on the hidden share of the layers' forward and backward), and
-``async_over_sync_step_time``.
+``async_over_sync_step_time``; for the host pair also ``host_over_device_step_time`` =
+async_host / async_sparse (goal <= 1.10 where the device table fits).
 """
 
 from __future__ import annotations
@@ -33,15 +44,20 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-FUSED = ["memory.value_optimizer=sparse_adam", "memory.fused_value_optimizer=true"]
+SPARSE = ["memory.value_optimizer=sparse_adam"]
+FUSED = SPARSE + ["memory.fused_value_optimizer=true"]
+HOST = SPARSE + ["memory.table_location=host"]
 VARIANTS = {
     "dense": ["memory.type=none"],
     "sync": ["memory.async_stream=false"],
     "async": ["memory.async_stream=true"],
     "sync_fused": ["memory.async_stream=false"] + FUSED,
     "async_fused": ["memory.async_stream=true"] + FUSED,
+    "async_sparse": ["memory.async_stream=true"] + SPARSE,
+    "sync_host": ["memory.async_stream=false"] + HOST,
+    "async_host": ["memory.async_stream=true"] + HOST,
 }
-PAIRS = [("sync", "async"), ("sync_fused", "async_fused")]
+PAIRS = [("sync", "async", ""), ("sync_fused", "async_fused", "_fused"), ("sync_host", "async_host", "_host")]
 
 
 def fail(sentence: str) -> int:
@@ -76,6 +92,9 @@ def worker(args):
     config = validate(load_config(args.config, base_overrides(args) + VARIANTS[args.variant]))
     parallel.initialize(config)
     cuda = compat.cuda_available()
+    if cuda and args.device_mem_gib:
+        total = torch.cuda.get_device_properties(compat.device()).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.device_mem_gib * 2**30 / total))
 
     def sync():
         if cuda:
@@ -84,6 +103,11 @@ def worker(args):
     trainer = Trainer(config)
     for _ in range(args.warmup):
         trainer.train_step()
+    tables = host_tables(trainer)
+    for table in tables:
+        table.wait()
+        table.link.reset()
+        table.reset_peak()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times = []
@@ -102,12 +126,50 @@ def worker(args):
         "device": str(compat.device()),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
     }
+    if tables:
+        row.update(host_link(tables, len(times), cuda))
     if args.profile:
         row.update(profile(trainer, args.profile, cuda, sync))
     print(json.dumps(row), flush=True)
     with open(args.worker_out, "w") as f:
         json.dump(row, f)
     parallel.destroy()
+
+
+def host_tables(trainer):
+    from rmt.memory.host_table import host_tables as tables
+
+    return tables([c.module for c in trainer.chunks])
+
+
+def host_link(tables, steps, cuda):
+    """Per step: the bytes the host tables moved over the host link, forward and backward, the
+    device bytes their staged rows held at most, and on a GPU the bandwidth of one pinned
+    host-to-device copy of a step's staged rows (median of 5)."""
+    import torch
+
+    forward = sum(sum(t.link.forward.values()) for t in tables) // steps
+    backward = sum(sum(t.link.backward.values()) for t in tables) // steps
+    h2d = sum(t.link.forward.get("h2d_rows", 0) for t in tables) // steps
+    row = {
+        "link_forward_bytes": forward,
+        "link_backward_bytes": backward,
+        "staged_peak_bytes": sum(t.staged_peak for t in tables),
+        "link_gbps": None,
+    }
+    if cuda and h2d:
+        src = torch.empty(h2d, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(h2d, dtype=torch.uint8, device="cuda")
+        seconds = []
+        for _ in range(5):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            seconds.append(start.elapsed_time(end) * 1e-3)
+        row["link_gbps"] = h2d / sorted(seconds)[2] / 1e9
+    return row
 
 
 def busy_union(intervals):
@@ -192,16 +254,17 @@ def outermost_op(event) -> str:
 def summarize(rows):
     by = {r["variant"]: r for r in rows}
     summary = {}
-    for sync_name, async_name in PAIRS:
+    for sync_name, async_name, key in PAIRS:
         if sync_name not in by or async_name not in by:
             continue
         s, a = by[sync_name]["median_step_s"], by[async_name]["median_step_s"]
-        key = "" if sync_name == "sync" else "_fused"
         if "dense" in by:  # the memory layers' time needs the dense twin's step
             memory = s - by["dense"]["median_step_s"]
             summary[f"memory_s{key}"] = memory
             summary[f"hidden_fraction{key}"] = (s - a) / memory if memory > 0 else None
         summary[f"async_over_sync_step_time{key}"] = a / s
+    if "async_host" in by and "async_sparse" in by:
+        summary["host_over_device_step_time"] = by["async_host"]["median_step_s"] / by["async_sparse"]["median_step_s"]
     return summary
 
 
@@ -218,9 +281,20 @@ def main(argv=None):
         "--fused", action="store_true", help="also the pair with the value optimizer fused into the backward"
     )
     ap.add_argument(
+        "--host",
+        action="store_true",
+        help="also the value tables in host memory: async_sparse, sync_host, async_host",
+    )
+    ap.add_argument(
+        "--device-mem-gib",
+        type=float,
+        default=0,
+        help="cap the device memory each variant may allocate (GPU; 0: no cap)",
+    )
+    ap.add_argument(
         "--variants",
         help=f"comma-separated subset of {','.join(VARIANTS)} (default: dense,sync,async "
-        "and with --fused the fused pair)",
+        "and with --fused the fused pair, with --host the host variants)",
     )
     ap.add_argument(
         "--profile",
@@ -247,7 +321,11 @@ def main(argv=None):
     names = (
         args.variants.split(",")
         if args.variants
-        else (["dense", "sync", "async"] + (["sync_fused", "async_fused"] if args.fused else []))
+        else (
+            ["dense", "sync", "async"]
+            + (["sync_fused", "async_fused"] if args.fused else [])
+            + (["async_sparse", "sync_host", "async_host"] if args.host else [])
+        )
     )
     if not 0 <= args.warmup < args.steps:
         return fail("--warmup must be at least 0 and less than --steps")
@@ -278,6 +356,7 @@ def main(argv=None):
             f"--warmup={args.warmup}",
             f"--documents={args.documents}",
             f"--profile={args.profile}",
+            f"--device-mem-gib={args.device_mem_gib}",
             *args.override,
         ]
         print(f"bench_memory_stream: {name} ({args.steps} steps)", flush=True)
@@ -306,6 +385,14 @@ def main(argv=None):
             f"{r['variant']:<12} {1e3 * r['step_s']:9.2f} {1e3 * r['median_step_s']:10.2f} {peak:>9} {r['loss']:8.4f}"
             f"{prof}"
         )
+    for r in rows:
+        if "link_forward_bytes" in r:
+            gbps = "-" if r["link_gbps"] is None else f"{r['link_gbps']:.1f} GB/s"
+            print(
+                f"{r['variant']}: host link {r['link_forward_bytes'] / 2**20:.2f} MiB forward + "
+                f"{r['link_backward_bytes'] / 2**20:.2f} MiB backward per step; staged rows at most "
+                f"{r['staged_peak_bytes'] / 2**20:.2f} MiB on the device; pinned copy {gbps}"
+            )
     print(json.dumps(summary))
     if args.json:
         import torch

@@ -12,7 +12,10 @@
 # resumed; tools/bench_dense_switches.py at the UltraMem-151M-x12 shape, each switch on and off),
 # and the lookup-reduce benchmark. Logs and JSON go to $OUT (default ./gpu_checks); python is
 # $PYTHON (default python3). $CHECKS picks the checks by name (default: all of stream tests
-# recompute torchrun architectures dense rank_memory lookup); rank_memory: the whole-rank
+# recompute torchrun architectures dense rank_memory host_table lookup); host_table: value tables in
+# host memory (memory.table_location: host) against the device table at the UltraMem-151M-x12
+# shape (step time ratio, hidden share, link bytes and bandwidth), a table 4x the device memory
+# the run may use, and the host-table tests on the GPU; rank_memory: the whole-rank
 # planner against torch.cuda.max_memory_allocated per phase for one-GPU layouts of the
 # UltraMem-151M-x12 shape (tools/bench_rank_memory.py --device gpu); the extensions are built
 # whenever any check runs, since the rest use them.
@@ -24,7 +27,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # the card's own architecture only: a quarter of the CUDA build's time
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$($PY -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')}
-CHECKS=${CHECKS:-stream tests recompute torchrun architectures dense rank_memory lookup}
+CHECKS=${CHECKS:-stream tests recompute torchrun architectures dense rank_memory host_table lookup}
 wanted() { [[ " $CHECKS " == *" $1 "* ]]; }
 step() { echo "== $(date +%T) $*"; }
 step "environment"; $PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'
@@ -82,6 +85,15 @@ step "whole-rank memory per phase against the planner (UltraMem-151M-x12, one GP
 $PY tools/bench_rank_memory.py --device gpu --config configs/ultramem_151m_x12.yaml \
     train.global_batch_size=null --only dp1 dp1_bf16_distopt dp1_recompute_full \
     --json "$OUT/bench_rank_memory.json" 2>&1 | tee "$OUT/bench_rank_memory.log"
+fi
+if wanted host_table; then
+step "value tables in host memory against the device table (UltraMem-151M-x12)"
+$PY tools/bench_memory_stream.py --host --variants dense,async_sparse,sync_host,async_host --steps 16 --warmup 6 \
+    --json "$OUT/bench_host_table.json" 2>&1 | tee "$OUT/bench_host_table.log"
+step "a host table 4x the device memory the run may use (12 GiB cap, 47 GB of table and moments)"
+$PY tools/bench_memory_stream.py --device-mem-gib 12 --variants async_host --steps 12 --warmup 4 \
+    memory.num_keys=1600 --json "$OUT/bench_host_table_large.json" 2>&1 | tee "$OUT/bench_host_table_large.log"
+$PY -m pytest -q -p no:cacheprovider -m "not slow" tests/test_memory_host_table.py 2>&1 | tee "$OUT/test_memory_host_table.log"
 fi
 if wanted lookup; then
 step "lookup-reduce benchmark"
