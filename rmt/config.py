@@ -728,8 +728,8 @@ class MemoryConfig:
 
     table_location: Literal["device", "host"] = "device"
     """Where the value tables (UltraMem, UltraMemV2, PKM) live: ``device`` (the compute device) or
-    ``host`` (each rank's shard in its host memory, pinned on a GPU machine). With ``host`` a
-    lookup sends its distinct rows' indices to the host, gathers those rows into a staging buffer
+    ``host`` (each rank's shard in its host memory; the rows cross through pinned staging
+    buffers on a GPU machine). With ``host`` a lookup sends its distinct rows' indices to the host, gathers those rows into a staging buffer
     and copies it to the device (beside layers i+1..j with ``async_stream``); the backward brings
     the row gradients back and ``value_optimizer`` (``sparse_adam`` or ``rowwise_adagrad``, not
     fused) steps the rows on the host on a thread of its own, finished before the next lookup of

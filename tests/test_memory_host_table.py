@@ -106,6 +106,28 @@ def test_next_lookup_waits_for_the_host_step(cache_dir, tmp_path, monkeypatch):
     assert_equal(ref, got)
 
 
+def test_device_holds_one_micro_batch_of_staged_rows(cache_dir, tmp_path, monkeypatch):
+    """Two micro-batches a step, one in flight at a time: each table's staged rows peak at its
+    largest single lookup's, so every micro-batch's rows are released by its backward."""
+    from rmt.memory.host_table import HostTable
+
+    sizes = {}
+    fetch = HostTable.fetch
+
+    def recorded(self, rows):
+        out = fetch(self, rows)
+        sizes.setdefault(id(self), []).append(out.numel() * out.element_size())
+        return out
+
+    monkeypatch.setattr(HostTable, "fetch", recorded)
+    got = train_steps(tmp_path / "host.pt", overrides(cache_dir, ["memory.value_optimizer=sparse_adam"] + HOST))
+    ((table,),) = [list(rank.values()) for rank in got["host"]]
+    ((fetched),) = sizes.values()
+    assert len(fetched) == 3 * 2  # three steps of two micro-batches
+    assert table["staged_peak"] == max(fetched) < sum(fetched[:2])
+    assert table["forward"]["h2d_rows"] == table["backward"]["d2h_row_grads"] == sum(fetched)
+
+
 def _host_table(num_slots=64, dim=8):
     return MemoryTable(num_slots, dim, 0.02, sparse_grad=True, location="host", device="cpu", init_key=3)
 

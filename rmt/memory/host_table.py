@@ -1,8 +1,10 @@
 """Value tables in host memory (``memory.table_location: host``), rows moved per lookup.
 
-A :class:`HostTable` holds a rank's shard of a value table in host memory (pinned where a GPU is
-present; TorchRec/FBGEMM keep recommendation tables there the same way) and serves the lookups of
-:class:`rmt.memory.table.MemoryTable` in place of the device shard:
+A :class:`HostTable` holds a rank's shard of a value table in host memory (TorchRec/FBGEMM keep
+recommendation tables there the same way) and serves the lookups of
+:class:`rmt.memory.table.MemoryTable` in place of the device shard. The shard itself stays
+pageable; the rows cross the link through page-locked staging buffers, so that on a GPU both
+copies run asynchronously while only the bytes in flight are locked:
 
 forward
     the lookup's indices are deduplicated on the device (``torch.unique``), the ``U`` distinct

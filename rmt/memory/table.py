@@ -18,7 +18,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from rmt.memory import sharded_table
 from rmt.memory.comm_counter import CommCounter
-from rmt.memory.host_table import HostTable, host_tensor
+from rmt.memory.host_table import HostTable
 from rmt.ops import lookup_reduce
 from rmt.ops.counter_normal import fill_normal_
 from rmt.ops.sparse_optim import coalesced
@@ -149,8 +149,7 @@ class MemoryTable(torch.nn.Module):
     weight gets no gradient (:mod:`rmt.ops.fused_update`). In training mode the lookups
     mark the slots they hit in ``hits`` (one byte per owned slot, :meth:`pop_hit_fraction`).
     ``counter`` counts the bytes sent per collective. ``location`` ``"host"``
-    (``memory.table_location``): the shard lives in host memory (pinned when ``device`` is a GPU)
-    and every lookup stages its distinct rows on ``device`` (:mod:`rmt.memory.host_table`; the
+    (``memory.table_location``): the shard lives in host memory and every lookup stages its distinct rows on ``device`` (:mod:`rmt.memory.host_table`; the
     :class:`~rmt.memory.host_table.HostTable` is ``host``, and ``weight.memory_host``); it needs
     ``sparse_grad`` and stays on the host when the module is moved.
     """
@@ -206,10 +205,9 @@ class MemoryTable(torch.nn.Module):
         # Only this rank's shard is ever allocated; its values are the global table's at the
         # shard's positions (counter-based, rmt.ops.counter_normal), whatever the layout.
         compute = torch.device(device if device is not None else "cpu")
-        if location == "host":
-            weight = host_tensor(shape, dtype, pinned=compute.type == "cuda")
-        else:
-            weight = torch.empty(shape, dtype=dtype, device=device)
+        # a host shard stays pageable: its rows move through pinned staging buffers
+        # (rmt.memory.host_table), and page-locking a TiB-sized shard would take it from the OS
+        weight = torch.empty(shape, dtype=dtype, device="cpu" if location == "host" else device)
         if not _values_from_checkpoint:
             rows, cols = self.shard_index
             fill_normal_(weight, init_key, rows.start or 0, cols.start or 0, dim, init_std)
