@@ -278,3 +278,20 @@ def test_the_layout_search_needs_host_tables_for_a_host_budget():
 
     with pytest.raises(ValueError, match="needs memory.table_location=host"):
         search("configs/ultramem_tiny.yaml", [], 1, 80.0, host_gib=64.0)
+
+
+def test_the_layout_search_fits_the_host_budget_and_costs_the_exposed_transfers():
+    from rmt.planner.layouts import search
+    from rmt.planner.rank import layout_of
+    from rmt.planner.rank_cli import load_planned
+
+    over = ["memory.table_location=host", "memory.value_optimizer=sparse_adam"]
+    doc = search("configs/ultramem_tiny.yaml", over, 1, 80.0, device="cpu", host_gib=1.0, host_link_gbps=0.01)
+    assert doc["fitting"] and doc["host_gib"] == 1.0
+    for r in doc["fitting"]:
+        assert 0 < r["host_peak"] <= 2**30
+        c = load_planned("configs/ultramem_tiny.yaml", over + r["overrides"], 1)
+        exposed = host.exposed_seconds(c, layout_of(c, 1, "cpu"), 0.01, 400.0)
+        assert r["cost"]["host_link_exposed_seconds"] == pytest.approx(exposed) and exposed > 0
+    tight = search("configs/ultramem_tiny.yaml", over, 1, 80.0, device="cpu", host_gib=1e-4)
+    assert not tight["fitting"] and tight["too_big"] == len(doc["fitting"]) + doc["too_big"]
