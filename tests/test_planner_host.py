@@ -295,3 +295,48 @@ def test_the_layout_search_fits_the_host_budget_and_costs_the_exposed_transfers(
         assert r["cost"]["host_link_exposed_seconds"] == pytest.approx(exposed) and exposed > 0
     tight = search("configs/ultramem_tiny.yaml", over, 1, 80.0, device="cpu", host_gib=1e-4)
     assert not tight["fitting"] and tight["too_big"] == len(doc["fitting"]) + doc["too_big"]
+
+
+def test_an_ultramem_v2_layer_stages_its_rows_through_both_tables():
+    """The value and pre-value tables of an UltraMemV2 layer in host memory each send the
+    layer's distinct slots' indices and rows: the plan's ``index_tables = 2`` and ``D = Dv + Dp``."""
+    from rmt.memory.layer import MemorySpec
+    from rmt.memory.layer_v2 import UltraMemV2Layer
+
+    spec = MemorySpec(
+        version=2, hidden_size=12, num_layers=2, num_heads=2, topk=3, side_dim=5, num_keys=4,
+        retrieval="tucker", tucker_rank=2, num_cores=2, ive_blocks=1, value_dim=8, share_query=False,
+        conv_kernel=0, improved_init=False, pre_value_dim=6, sparse_grad=True,
+    )  # fmt: skip
+    torch.manual_seed(3)
+    tables = dict(location="host", device="cpu")
+    layer = UltraMemV2Layer(spec, values=spec.table(**tables), pre_values=spec.pre_table(**tables))
+    x = torch.randn(5, 2, 12)
+    layer(x).square().sum().backward()
+    with torch.no_grad():
+        slots, _ = layer.physical(layer.retrieve(x.reshape(10, 12))[0])
+    U = slots.unique().numel()
+    assert U < slots.numel()
+    links = [layer.values.host.link, layer.pre_values.host.link]
+    forward = {k: sum(link.forward[k] for link in links) for k in ("d2h_indices", "h2d_rows")}
+    backward = {"d2h_row_grads": sum(link.backward["d2h_row_grads"] for link in links)}
+    plan = TablePlan(slots=16, dim=8 + 6, tokens=10, heads=2, topk=3, ive_blocks=1, location="host",
+                     value_optimizer="sparse_adam", index_tables=2, unique_fraction=U / 60)  # fmt: skip
+    assert {"forward": forward, "backward": backward} == host.layer_link_bytes(plan)
+
+
+def test_the_first_pipeline_stage_holds_the_staged_rows_of_its_micro_batches_in_flight():
+    from rmt.planner.rank import in_flight, layout_of, stage_table_plan, stage_tables
+    from rmt.planner.rank_cli import load_planned
+
+    over = ["memory.table_location=host", "memory.value_optimizer=sparse_adam", "model.num_layers=4"]
+    over += ["parallel.pipeline_model_parallel_size=2", "train.global_batch_size=32"]
+    config = load_planned("configs/ultramem_tiny.yaml", over, 2)
+    layout = layout_of(config, 2)
+    assert (layout.microbatches, in_flight(layout, 0)) == (4, 2)
+    plan = stage_table_plan(config, layout, 0)
+    assert (plan.layers, plan.staged_layers, plan.replicas) == (1, 2, 1)  # local table, DP 1
+    assert stage_table_plan(config, layout, 1) is None  # the memory at 1:2 is on stage 0
+    c = components(plan)
+    one = phases(replace(plan, staged_layers=1), keys=False)["step"]
+    assert stage_tables(config, layout, 0)["step"] - one == c["staging"]
