@@ -118,7 +118,7 @@ def test_a_measured_unique_fraction_sets_the_staged_rows():
 
 
 def test_the_table_its_state_and_gradient_move_to_the_host():
-    plan = TablePlan(**dict(HOST, tokens=1), microbatches=2)
+    plan = TablePlan(**dict(HOST, tokens=1), microbatches=2, device="gpu")
     device = components(replace(plan, location="device"))
     c = components(plan)
     U = round(staged_rows(plan))
@@ -146,6 +146,8 @@ def test_the_table_its_state_and_gradient_move_to_the_host():
         "load_resharded": trained + c["checkpoint_chunk"],
     }
     assert host_phases(replace(plan, location="device")) == dict.fromkeys(host_phases(plan), 0)
+    on_cpu = host_phases(replace(plan, device="cpu"))  # the staged rows are the gather's output there
+    assert on_cpu["step"] == host_phases(plan)["step"] - c["staging"]
     two = replace(plan, layers=3, staged_layers=6)  # two micro-batches of 3 layers in flight
     assert phases(two)["step"] - 3 * (flags + 4 * keys) - acts == 6 * c["staging"]
 
@@ -241,23 +243,30 @@ def test_the_whole_rank_holds_its_tables_in_host_memory(tmp_path, capsys):
 
     path = tmp_path / "rank.json"
     over = ["memory.value_optimizer=sparse_adam", "memory.partition=number", "memory.async_stream=true"]
-    code, out, err = _run(TINY + over + ["--table-location", "host", "--host-gib", "2", "--json", str(path)], capsys)
+    gpu = ["--device", "gpu", "--json", str(path)]
+    code, out, err = _run(TINY + over + ["--table-location", "host", "--host-gib", "2"] + gpu, capsys)
     assert code == 0, err
     doc = json.loads(path.read_text())
     config = load_planned("configs/ultramem_tiny.yaml", over + ["memory.table_location=host"], 2)
-    plan = stage_table_plan(config, layout_of(config, 2), 0)
-    assert (plan.group_size, plan.replicas, plan.staged_layers) == (2, 1, 1)
-    assert doc["stages"]["0"]["host_tables"] == {p: v for p, v in host_phases(plan).items() if p != "load_resharded"}
+    plan = stage_table_plan(config, layout_of(config, 2, "gpu"), 0)
+    assert (plan.group_size, plan.replicas, plan.staged_layers, plan.device) == (2, 1, 1, "gpu")
+    on_host = {p: v for p, v in host_phases(plan).items() if p != "load_resharded"}
+    assert doc["stages"]["0"]["host_tables"] == on_host
     assert doc["stages"]["0"]["phases"]["step"]["tables"] == phases(plan, keys=False)["step"]
     assert doc["host_fits"] is True and doc["fits"] is True
     # the window of the layer at 1:2 is layer 2's forward FLOPs over the micro-batch's 8 x 128 tokens
     layer = _layer_counts(128, 4, 32, 512, 128, 2 * 128)["flops"] / 128
     assert doc["host_link"]["overlap"]["layers"][0]["window_flops"] == pytest.approx(8 * 128 * layer)
     assert "layer 1:2" in out and "fits 2 GiB of host memory per rank" in out
-    code, _, _ = _run(TINY + over + ["--json", str(path)], capsys)  # the same run, tables on the device
+    code, _, _ = _run(TINY + over + gpu, capsys)  # the same run, tables on the device
     device = json.loads(path.read_text())
     assert "host_tables" not in device["stages"]["0"]
     assert device["stages"]["0"]["phases"]["step"]["tables"] > doc["stages"]["0"]["phases"]["step"]["tables"]
+    code, _, _ = _run(TINY + over + ["--table-location", "host", "--json", str(path)], capsys)
+    cpu = json.loads(path.read_text())  # a CPU rank: host and device memory are one
+    plan = replace(plan, device="cpu")
+    want = phases(plan, keys=False)["step"] + host_phases(plan)["step"]
+    assert cpu["stages"]["0"]["phases"]["step"]["tables"] == want
 
 
 @pytest.mark.parametrize(

@@ -68,8 +68,8 @@ device's phases for the host's (:func:`host_phases`); the host's gradient is the
 (``U`` per lookup, :func:`staged_rows`, not the ``served`` lookups: the device sums a row's
 lookups before its gradient crosses), bounded as above at ``2 rows + U``. The device instead
 holds ``staging`` = ``U x cols x b`` per layer of every micro-batch in flight (``staged_layers``:
-the staged rows are saved for the backward), the host the same again in pinned staging buffers
-(kept by the pinned-memory cache from the first step on: ``step`` and ``save``). The slot-hit
+the staged rows are saved for the backward), the host of a GPU the same again in pinned staging
+buffers (kept by the pinned-memory cache from the first step on: ``step`` and ``save``). The slot-hit
 flags, the keys and the retrieval activations stay on the device; a resharding load reads its
 chunk into host memory. :mod:`rmt.planner.host` adds what crosses the host link.
 """
@@ -376,13 +376,16 @@ def phases(plan: TablePlan, keys: bool = True) -> dict:
 def host_phases(plan: TablePlan) -> dict:
     """Peak bytes per rank in host memory by phase of tables in host memory (all zero for device
     tables): the shards, their optimizer states and gradients as :func:`phases` counts them on a
-    device, the pinned staging buffers (``staged_layers x staging``) once a step has run, and a
-    resharding load's read chunk."""
+    device, the pinned staging buffers (``staged_layers x staging``, on a GPU machine) once a step
+    has run, and a resharding load's read chunk. On a CPU rank both are the same memory: its
+    whole-rank plan adds them (:func:`rmt.planner.rank.rank_phases`)."""
     if plan.location != "host":
         return {p: 0 for p in PHASES}
     c = components(plan)
     L = plan.layers
     pinned = (L if plan.staged_layers is None else plan.staged_layers) * c["staging"]
+    if plan.device != "gpu":  # a CPU rank's staged rows are the gather's output (phases counts it)
+        pinned = 0
     trained = L * (c["table"] + c["optimizer_states"])
     return {
         "init": L * c["table"],

@@ -41,7 +41,8 @@ tensor-parallel ranks, ``P_r`` the dense parameters the rank holds):
     memory layers, :func:`rmt.planner.memory.phases` without the keys (counted above). With
     ``memory.table_location: host`` the device keeps only the slot flags and the staged rows of
     the micro-batches in flight; the shards, states and gradients are the stage's ``host_tables``
-    (:func:`rmt.planner.memory.host_phases`), outside the device's phases.
+    (:func:`rmt.planner.memory.host_phases`), outside a GPU's phases (a CPU rank's ``tables``
+    count both: one memory).
 ``heap_retained``
     on a CPU, the freed tensors (each under 32 MiB) of the step that ``train.host_heap_retain_mib``
     keeps in the heap for the next one, measured to stay resident: in ``step`` ``min(retain, A)``
@@ -476,6 +477,9 @@ def rank_phases(config, layout: Layout, stage: int, writer: bool = True) -> Dict
         save["heap_retained"] = min(retain, freed + step["heap_retained"])
     load = dict(trained, read_buffer=0)
     out = {"init": init, "step": step, "save": save, "load": load}
+    if layout.device == "cpu":  # tables in host memory are in the same memory as the rest
+        on_host = stage_host_tables(config, layout, stage)
+        tables = {p: tables[p] + on_host[p] for p in PHASES}
     for phase, terms in out.items():
         terms["tables"] = tables[phase]
         terms["framework"] = (
