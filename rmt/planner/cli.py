@@ -19,10 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from typing import Callable, NamedTuple
 
 from rmt.errors import reader_may_leave
-from rmt.planner import comm, flops, memory
+from rmt.planner import comm, flops, host, memory
 from rmt.planner.argtypes import non_negative_float, non_negative_int, positive_float, positive_int
 from rmt.process import setup_process
 
@@ -339,7 +340,61 @@ def _add_memory_arguments(p: argparse.ArgumentParser) -> None:
         help="GiB per rank kept for what does not grow with the slots: the dense model, its "
         "optimizer and activations, the framework (default 0)",
     )
+    p.add_argument(
+        "--table-location",
+        choices=memory.LOCATIONS,
+        help="memory.table_location: device, or host (the shards, their optimizer state and gradient "
+        "in host memory, the rows staged per lookup); default: the config's, else device",
+    )
+    p.add_argument(
+        "--host-gib",
+        type=positive_float,
+        metavar="GIB",
+        help="host memory per rank in GiB for tables in host memory: whether they fit it",
+    )
+    p.add_argument(
+        "--unique-fraction",
+        type=positive_float,
+        metavar="F",
+        help="host tables: the measured distinct fraction of the lookups a table stages "
+        "(default: the uniform-access expectation N(1-(1-k/N)^G))",
+    )
+    p.add_argument(
+        "--host-link-gbps",
+        type=positive_float,
+        metavar="GBPS",
+        help=f"host tables: GB/s per direction of the host link (default {host.HOST_LINK_GBPS:g}: "
+        "PCIe 4.0 x16 as pinned copies achieve it)",
+    )
+    p.add_argument(
+        "--tflops",
+        type=positive_float,
+        help=f"host tables: achieved TFLOP/s per GPU of the dense layers the transfers overlap "
+        f"(default {host.TFLOPS:g}, as rmt-plan layouts)",
+    )
+    p.add_argument(
+        "--window-gflops",
+        type=positive_float,
+        metavar="G",
+        help="host tables, without --config: forward GFLOPs per rank and micro-batch of the dense layers "
+        "each lookup overlaps (with --config: from its layers)",
+    )
     p.add_argument("--json", metavar="FILE", help="write the numbers to FILE")
+
+
+HOST_FLAGS = ("host_gib", "unique_fraction", "host_link_gbps", "tflops", "window_gflops")
+
+
+def check_host_flags(args: argparse.Namespace, location: str) -> None:
+    """One sentence for a host-table flag given to tables on the device."""
+    if location == "host":
+        return
+    for name in HOST_FLAGS:
+        if getattr(args, name, None) is not None:
+            raise ValueError(
+                f"--{name.replace('_', '-')} plans tables in host memory: it needs --table-location host"
+                + (" (or memory.table_location=host)." if args.config is not None else ".")
+            )
 
 
 def _plan_from_flags(args: argparse.Namespace) -> memory.TablePlan:
@@ -369,15 +424,17 @@ def _plan_from_flags(args: argparse.Namespace) -> memory.TablePlan:
             )
         },
         group_size=args.group_size or 1,
+        location=args.table_location or "device",
+        unique_fraction=args.unique_fraction,
     )
 
 
-def _plan_from_config(args: argparse.Namespace, config) -> memory.TablePlan:
-    """The tables' plan of a validated config at ``--world-size``: the busiest stage's layers."""
-    from rmt.memory.shapes import memory_placement, stage_layers
-    from rmt.planner.rank import layout_of
+def _plan_from_config(args: argparse.Namespace, config):
+    """The tables' plan of a validated config at ``--world-size`` (the busiest stage's layers) and
+    the placements of that stage's memory layers."""
+    from rmt.planner.rank import layout_of, stage_table_plan
 
-    layout = layout_of(config, args.world_size)
+    layout = layout_of(config, args.world_size, args.device)
     mem = config.memory
     group = 1 if mem.partition == "local" else (mem.group_size or layout.dp * layout.tp)
     if args.group_size is not None and args.group_size != group:
@@ -385,16 +442,10 @@ def _plan_from_config(args: argparse.Namespace, config) -> memory.TablePlan:
             f"--group-size {args.group_size} contradicts the config's group of {group} ranks "
             f"at world size {args.world_size}."
         )
-    placement = memory_placement(config)
-    chunks = [
-        stage_layers(config, s, v) for s in range(layout.pp) for v in ([None] if layout.vpp == 1 else range(layout.vpp))
-    ]
-    per_stage = {}
-    for index, (first, last) in enumerate(chunks):
-        stage = index // (1 if layout.vpp == 1 else layout.vpp)
-        per_stage[stage] = per_stage.get(stage, 0) + sum(1 for i, j in placement if first <= i and j <= last)
-    plan = memory.plan_from_config(config, group, max(per_stage.values()), layout.microbatches)
-    return memory.TablePlan(**dict(vars(plan), device=args.device))
+    plans = [(stage, stage_table_plan(config, layout, stage)) for stage in range(layout.pp)]
+    stage, plan = max(((s, p) for s, p in plans if p is not None), key=lambda sp: sp[1].layers)
+    placements = host.stage_placements(config, layout, stage)
+    return replace(plan, unique_fraction=args.unique_fraction), placements, layout.tp
 
 
 def _human_rows(rows) -> list[str]:
@@ -404,25 +455,51 @@ def _human_rows(rows) -> list[str]:
 def table_lines(args: argparse.Namespace, config=None) -> dict:
     """The tables' plan (from the flags, or from ``config``) as ``rmt-plan memory`` prints it:
     ``{"lines": [...], **plan_memory's document}``."""
-    plan = _plan_from_flags(args) if config is None else _plan_from_config(args, config)
-    doc = memory.plan_memory(plan, gpu_mem_gib=args.gpu_mem_gib, reserve_gib=args.reserve_gib)
+    if config is None:
+        plan = _plan_from_flags(args)
+        check_host_flags(args, plan.location)
+        gflops, async_stream = args.window_gflops, True
+        windows = None if gflops is None else [gflops * 1e9] * plan.layers
+    else:
+        plan, placements, tp = _plan_from_config(args, config)
+        windows = host.window_flops(config, placements, tp) if plan.location == "host" else None
+        async_stream = config.memory.async_stream
+    doc = memory.plan_memory(
+        plan,
+        gpu_mem_gib=args.gpu_mem_gib,
+        reserve_gib=args.reserve_gib,
+        host_gib=args.host_gib if config is None else None,
+    )
     rows, cols = doc["shard_shape"]
     lines = [
         f"{plan.layers} memory table(s) of {plan.slots:,} slots ({doc['num_keys']:,}^2) x {plan.dim}, "
         f"{plan.value_dtype}, {plan.value_optimizer}, {plan.partition}-wise over P={plan.group_size}: "
-        f"a {rows:,} x {cols:,} shard per rank",
+        f"a {rows:,} x {cols:,} shard per rank" + (" in host memory" if plan.location == "host" else ""),
         f"each step: {plan.microbatches} micro-batch(es) of {plan.tokens:,} tokens, {plan.heads} heads x "
         f"top-{plan.topk}, keys {plan.key_dim} (rank {plan.tucker_rank}, grid side {doc['grid_side']:,}), "
         f"{plan.precision}",
         "bytes per memory layer on a rank:",
     ]
     lines += _human_rows(doc["components_per_layer"].items())
-    lines.append("peak bytes per rank that grow with the slots, by phase:")
+    lines.append(
+        "peak bytes per rank that grow with the slots, by phase"
+        + (" (the device's: slot flags, keys, activations, staged rows):" if plan.location == "host" else ":")
+    )
     lines += _human_rows(doc["phases"].items())
     lines.append(
         f"checkpoint: {human(doc['checkpoint_bytes'])} of tables and optimizer states in all"
         + (f"; a GPU save stages {human(doc['host_chunk'])} of host memory" if doc["host_chunk"] else "")
     )
+    if plan.location == "host":
+        link = host.host_report(
+            plan,
+            windows,
+            link_gbps=args.host_link_gbps or host.HOST_LINK_GBPS,
+            tflops=args.tflops or host.TFLOPS,
+            async_stream=async_stream,
+        )
+        doc["host_link"] = link
+        lines += _host_lines(plan, doc, link, placements=None if config is None else placements)
     if config is None:
         lines.append(
             f"budget per rank: {args.gpu_mem_gib:g} GiB - {args.reserve_gib:g} GiB reserve -> "
@@ -439,6 +516,52 @@ def table_lines(args: argparse.Namespace, config=None) -> dict:
     return dict(doc, lines=lines)
 
 
+def _host_lines(plan: memory.TablePlan, doc: dict, link: dict, placements=None) -> list[str]:
+    """The host tables' part of ``rmt-plan memory``'s printout."""
+    how = "measured fraction" if plan.unique_fraction is not None else "uniform access"
+    lines = [
+        f"tables in host memory: {link['staged_rows']:,.0f} distinct rows staged per lookup of "
+        f"{link['lookups_staged']:,} ({link['unique_fraction']:.3f}, {how})",
+        "host memory per rank (shards, optimizer states, gradients, pinned staging), by phase:",
+    ]
+    lines += _human_rows(doc["host_phases"].items())
+    if doc.get("host_gib") is not None:
+        lines.append(
+            f"host budget per rank: {doc['host_gib']:g} GiB -> {'fits' if doc['host_fits'] else 'does not fit'} "
+            f"(peak {human(doc['host_peak'])})"
+        )
+    lines.append(
+        f"host link per step ({plan.layers} layer(s) x {plan.microbatches} micro-batch(es), "
+        f"{link['link_gbps']:g} GB/s per direction):"
+    )
+    for phase, names in link["per_step"].items():
+        lines += [f"  {phase:<9} {name:<21} {n:>18,}  {human(n):>11}" for name, n in names.items()]
+    opt = link["optimizer"]
+    lines.append(
+        f"host optimizer per step: {opt['touched_rows']:,} rows, {opt['elements']:,} elements, "
+        f"{human(opt['bytes'])} read and written"
+    )
+    lines.append(
+        f"per lookup: forward {link['forward_s_per_lookup'] * 1e3:.3f} ms, "
+        f"backward {link['backward_s_per_lookup'] * 1e3:.3f} ms over the link"
+    )
+    over = link["overlap"]
+    if over is None:
+        lines.append("overlap window: give --window-gflops (forward GFLOPs of the layers a lookup runs beside)")
+        return lines
+    names = [f"{i}:{j}" for i, j in placements] if placements else [str(k + 1) for k in range(len(over["layers"]))]
+    stream = "" if link["async_stream"] else " (memory.async_stream off: nothing overlaps)"
+    lines.append(f"overlap window at {link['tflops']:g} TFLOP/s{stream}:")
+    for name, r in zip(names, over["layers"]):
+        lines.append(
+            f"  layer {name:<8} forward {r['forward_s'] * 1e3:.3f} / {r['forward_window_s'] * 1e3:.3f} ms, "
+            f"backward {r['backward_s'] * 1e3:.3f} / {r['backward_window_s'] * 1e3:.3f} ms -> "
+            f"{'hidden' if r['fits'] else 'exposed'}"
+        )
+    lines.append(f"exposed per step: {over['exposed_s_per_step'] * 1e3:.3f} ms")
+    return lines
+
+
 def _run_memory(args: argparse.Namespace) -> int:
     if args.config is not None:
         if args.slots is not None or args.dim is not None:
@@ -452,7 +575,7 @@ def _run_memory(args: argparse.Namespace) -> int:
             )
         from rmt.planner.rank_cli import run_memory
 
-        return run_memory(args, table_lines)
+        return run_memory(args, table_lines, check_host_flags)
     doc = table_lines(args)
     print("\n".join(doc.pop("lines")))
     _write_json(args.json, doc)

@@ -159,7 +159,7 @@ def expected_unique(tokens: int, topm: int, slots: int) -> float:
     A slot is missed by one token with probability ``1 - K/N``, so the expected number
     of distinct slots is ``N (1 - (1 - K/N)^T)``, computed stably with log1p/expm1.
     """
-    validate(tokens, topm, 1, 1, slots=slots)
+    validate(tokens, topm, 1, 1, slots=slots, index_bytes=8)  # the count, not an index dtype
     if topm == slots:
         return float(slots)
     return -slots * math.expm1(tokens * math.log1p(-topm / slots))

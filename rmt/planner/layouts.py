@@ -16,7 +16,8 @@ distributed optimizer; pipeline sends, forward and backward; the memory tables' 
 micro-batch of the hidden state, ring ``2 (t - 1) / t``), each at ``nvlink_gbps`` when its group
 spans at most ``gpus_per_node`` GPUs (tensor parallel innermost, then data parallel, pipeline
 outermost, as megatron-core orders its groups) and at ``link_gbps`` otherwise, plus the
-recomputed forward FLOPs at ``tflops``.
+recomputed forward FLOPs at ``tflops``, plus, for tables in host memory, the host-link transfer
+time their overlap windows do not hide at ``host_link_gbps`` (:func:`rmt.planner.host.exposed_seconds`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import copy
 import itertools
 from typing import Dict, Iterator, List, Optional
 
-from rmt.planner import comm
+from rmt.planner import comm, host
 from rmt.planner.memory import DTYPE_BYTES
 from rmt.planner.rank import Layout, layout_of, padded_vocab, plan_rank, stage_params, with_vocabulary
 
@@ -94,7 +95,13 @@ def overrides_text(layout: Dict[str, object]) -> List[str]:
 
 
 def step_cost(
-    config, layout: Layout, link_gbps: float, nvlink_gbps: float, tflops: float, gpus_per_node: int = 8
+    config,
+    layout: Layout,
+    link_gbps: float,
+    nvlink_gbps: float,
+    tflops: float,
+    gpus_per_node: int = 8,
+    host_link_gbps: float = host.HOST_LINK_GBPS,
 ) -> Dict[str, float]:
     """The stated cost of one step on the busiest rank (module docstring)."""
     m, t, mem = config.model, config.train, config.memory
@@ -140,8 +147,10 @@ def step_cost(
     def link(group_span: int) -> float:  # bytes/s of a collective over ranks spanning group_span GPUs
         return (nvlink_gbps if group_span <= gpus_per_node else link_gbps) * 1e9
 
+    host_exposed = host.exposed_seconds(config, layout, host_link_gbps, tflops)
     seconds = (
-        dp_bytes / link(layout.tp * layout.dp)
+        host_exposed
+        + dp_bytes / link(layout.tp * layout.dp)
         + pp_bytes / link(layout.world_size)
         + mem_bytes / link(layout.tp * layout.dp)
         + tp_bytes / link(layout.tp)
@@ -153,6 +162,7 @@ def step_cost(
         "pipeline_bytes": pp_bytes,
         "memory_table_bytes": mem_bytes,
         "recomputed_flops": flops,
+        "host_link_exposed_seconds": host_exposed,
         "seconds": seconds,
     }
 
@@ -167,31 +177,37 @@ def search(
     nvlink_gbps: float = 300.0,
     tflops: float = 400.0,
     gpus_per_node: int = 8,
+    host_gib: Optional[float] = None,
+    host_link_gbps: float = host.HOST_LINK_GBPS,
 ) -> Dict:
     """Every runnable layout of the config ``path`` + ``overrides`` on ``gpus`` ranks: the fitting
-    ones ranked by cost, and how many candidates rmt cannot run or do not fit."""
+    ones ranked by cost, and how many candidates rmt cannot run or do not fit (``host_gib``: tables
+    in host memory must also fit that much host memory per rank)."""
     from rmt.config import load_config
     from rmt.config_checks import validate
     from rmt.errors import UserError
 
     fitting, rejected, too_big = [], {}, 0
     config = with_vocabulary(load_config(path, overrides))
+    if host_gib is not None and config.memory.table_location != "host":
+        raise ValueError("--host-gib is the host memory of tables in host memory: it needs memory.table_location=host.")
     for o in candidates(config, gpus):
         try:
             c = validate(apply(config, o), world_size=gpus)
         except UserError as err:
             rejected[str(err)] = rejected.get(str(err), 0) + 1
             continue
-        doc = plan_rank(c, gpus, device, gib)
+        doc = plan_rank(c, gpus, device, gib, host_gib)
         if not doc["fits"]:
             too_big += 1
             continue
-        cost = step_cost(c, layout_of(c, gpus, device), link_gbps, nvlink_gbps, tflops, gpus_per_node)
+        cost = step_cost(c, layout_of(c, gpus, device), link_gbps, nvlink_gbps, tflops, gpus_per_node, host_link_gbps)
         fitting.append(
             {
                 "overrides": overrides_text(o),
                 "layout": doc["layout"],
                 "peak": doc["peak"],
+                "host_peak": doc.get("host_peak"),
                 "checkpoint_bytes": doc["checkpoint_bytes"],
                 "cost": cost,
             }
@@ -210,7 +226,9 @@ def search(
             "nvlink_gbps": nvlink_gbps,
             "tflops": tflops,
             "gpus_per_node": gpus_per_node,
+            "host_link_gbps": host_link_gbps,
         },
+        "host_gib": host_gib,
     }
 
 

@@ -61,6 +61,17 @@ Phases (per rank; ``L`` memory layers on the rank):
 
 Bytes that do not grow with the slots (the dense model, its optimizer and activations, the
 framework) are not counted here: ``--reserve-gib`` sets them aside.
+
+Tables in host memory (``location="host"``, ``memory.table_location: host``,
+:mod:`rmt.memory.host_table`): ``table``, ``optimizer_states`` and ``gradients`` leave the
+device's phases for the host's (:func:`host_phases`); the host's gradient is the staged rows'
+(``U`` per lookup, :func:`staged_rows`, not the ``served`` lookups: the device sums a row's
+lookups before its gradient crosses), bounded as above at ``2 rows + U``. The device instead
+holds ``staging`` = ``U x cols x b`` per layer of every micro-batch in flight (``staged_layers``:
+the staged rows are saved for the backward), the host of a GPU the same again in pinned staging
+buffers (kept by the pinned-memory cache from the first step on: ``step`` and ``save``). The slot-hit
+flags, the keys and the retrieval activations stay on the device; a resharding load reads its
+chunk into host memory. :mod:`rmt.planner.host` adds what crosses the host link.
 """
 
 from __future__ import annotations
@@ -68,11 +79,15 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
+from rmt.planner.comm import expected_unique
+
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 VALUE_OPTIMIZERS = ("adamw", "sparse_adam", "rowwise_adagrad")
 PARTITIONS = ("number", "dimension")
 PRECISIONS = ("fp32", "bf16")
 PHASES = ("init", "step", "save", "load", "load_resharded")
+LOCATIONS = ("device", "host")
+HOST_OPTIMIZERS = ("sparse_adam", "rowwise_adagrad")
 CHECKPOINT_CHUNK_BYTES = 64 << 20  # rmt.training.table_checkpoint's read and staging chunk
 RETRIEVAL_ACTIVATION_FACTOR = 2  # score tensors alive in the retrieval backward (see above)
 SPARSE_INDEX_BYTES = 8
@@ -119,6 +134,25 @@ class TablePlan:
     backward (no gradient; the kept lookups instead)."""
     cores: int = 1
     """Score columns C of multi-core scoring (``memory.num_cores``; PKM 1)."""
+    location: str = "device"
+    """``memory.table_location``: ``device`` or ``host`` (the shards in host memory, rows staged
+    per lookup)."""
+    tensor_parallel: int = 1
+    """Ranks sharing a micro-batch's tokens over which a sharded table splits its lookups (each
+    looks up ``ceil(T / t)``); 1 for a local table, which every tensor-parallel rank looks up
+    whole. Used by the host tables' staged rows."""
+    replicas: int = 1
+    """Copies of each shard whose row gradients are summed before the step (a local table's:
+    the data-parallel ranks). Used by the host tables' optimizer work."""
+    staged_layers: int | None = None
+    """Host tables: memory layers whose staged rows a rank holds at the step's peak (every layer
+    of each micro-batch in flight; :func:`rmt.planner.rank.in_flight`); None: ``layers``."""
+    index_tables: int = 1
+    """Host tables: value tables per memory layer, each staging the layer's rows with its own
+    indices (UltraMemV2 with pre-values: 2, their columns summed in ``dim``)."""
+    unique_fraction: float | None = None
+    """Host tables: the measured distinct fraction of the lookups a table stages
+    (``U = f x lookups``); None: the uniform-access expectation (:func:`staged_rows`)."""
 
     @property
     def num_keys(self) -> int:
@@ -151,6 +185,9 @@ def validate_plan(plan: TablePlan) -> None:
         "slots",
         "dim",
         "group_size",
+        "tensor_parallel",
+        "replicas",
+        "index_tables",
         "layers",
         "tokens",
         "microbatches",
@@ -168,6 +205,7 @@ def validate_plan(plan: TablePlan) -> None:
         ("value dtype", plan.value_dtype, tuple(DTYPE_BYTES)),
         ("precision", plan.precision, PRECISIONS),
         ("device", plan.device, ("cpu", "gpu")),
+        ("table location", plan.location, LOCATIONS),
     ):
         if value not in allowed:
             raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}.")
@@ -195,6 +233,27 @@ def validate_plan(plan: TablePlan) -> None:
         raise ValueError("a fused value optimizer is sparse_adam or rowwise_adagrad, not adamw.")
     if plan.dim % plan.cores:
         raise ValueError(f"the value dim ({plan.dim}) must be divisible by the score cores ({plan.cores}).")
+    if plan.location == "host" and plan.value_optimizer not in HOST_OPTIMIZERS:
+        raise ValueError(
+            "a table in host memory is stepped on the host from its touched rows: it needs the value "
+            f"optimizer sparse_adam or rowwise_adagrad, got {plan.value_optimizer}."
+        )
+    if plan.location == "host" and plan.fused:
+        raise ValueError(
+            "a table in host memory is stepped on the host from its row gradients, which a fused value "
+            "optimizer never forms: drop one of them."
+        )
+    if plan.location == "host" and plan.topk > plan.slots:
+        raise ValueError(f"top-k ({plan.topk}) cannot exceed the slots ({plan.slots:,}).")
+    if plan.staged_layers is not None and (
+        isinstance(plan.staged_layers, bool) or not isinstance(plan.staged_layers, int) or plan.staged_layers < 0
+    ):
+        raise ValueError(f"staged layers must be a non-negative integer, got {plan.staged_layers!r}.")
+    if plan.unique_fraction is not None:
+        if plan.location != "host":
+            raise ValueError("a unique fraction sets the rows a host table stages: it needs the host table location.")
+        if not 0 < plan.unique_fraction <= 1:
+            raise ValueError(f"the unique fraction must be in (0, 1], got {plan.unique_fraction!r}.")
 
 
 def fused_kept_bytes(plan: TablePlan) -> int:
@@ -212,18 +271,55 @@ def fused_kept_bytes(plan: TablePlan) -> int:
     return plan.group_size * T * (E * cols * s + plan.topm * (8 + spanned * s + block))
 
 
+def lookups_staged(plan: TablePlan, microbatches: int = 1) -> int:
+    """Lookups (token x head x top-k) whose rows one table of a rank stages, over ``microbatches``
+    micro-batches: a local table its ``T K``; a number-wise owner ``T' K`` (the ``P T' K`` of
+    the group, ``T' = ceil(T / t)`` per rank, spread over ``P`` owners); a dimension-wise shard
+    all ``P T' K``."""
+    P = plan.group_size
+    T = -(-plan.tokens // plan.tensor_parallel)
+    return microbatches * T * plan.topm * (P if plan.partition == "dimension" else 1)
+
+
+def staged_rows(plan: TablePlan, microbatches: int = 1) -> float:
+    """``U``: the distinct rows one lookup of a table stages on a rank (over ``microbatches``
+    micro-batches together: the rows a step touches), the expectation under uniform access.
+
+    Each of the group's ``P T' H`` (token, head) pairs per micro-batch draws its top-k distinct
+    slots uniformly from the ``N`` physical rows (IVE's virtual blocks index the same rows), so a
+    row is missed by all ``G`` pairs with probability ``(1 - k/N)^G`` and the expected distinct
+    rows are ``N (1 - (1 - k/N)^G)`` (:func:`rmt.planner.comm.expected_unique`; with ``k = 1``
+    the familiar ``N (1 - (1 - 1/N)^n)`` of ``n`` uniform draws). A dimension-wise shard stages
+    all of them; a number-wise owner the ``1/P`` in its range (plain or owner-reduce: the union
+    of the requesters' distinct rows is the distinct rows of their union); a local table those
+    of its own ``T H`` pairs. Uniform access is the worst case for dedup: skewed access repeats
+    rows more. With ``plan.unique_fraction`` ``f``: ``U = f x`` :func:`lookups_staged`."""
+    validate_plan(plan)
+    if plan.unique_fraction is not None:
+        return min(plan.unique_fraction * lookups_staged(plan, microbatches), plan.shard_shape[0])
+    P = plan.group_size
+    T = -(-plan.tokens // plan.tensor_parallel)
+    unique = expected_unique(microbatches * P * T * plan.heads, plan.topk, plan.slots)
+    return unique / P if plan.partition == "number" else unique
+
+
 def components(plan: TablePlan) -> dict:
-    """Bytes per memory layer on one rank (see the module docstring), plus the transients."""
+    """Bytes per memory layer on one rank (see the module docstring), plus the transients; a
+    host table's (``plan.location``) also its ``staging`` (one micro-batch's staged rows)."""
     validate_plan(plan)
     rows, cols = plan.shard_shape
     b = DTYPE_BYTES[plan.value_dtype]
     elements = rows * cols
+    host = plan.location == "host"
+    staged = round(staged_rows(plan)) if host else 0
     if plan.value_optimizer == "adamw":
         gradients = elements * b * (2 if plan.microbatches > 1 else 1)
         states = 2 * elements * b
     else:
         states = 2 * elements * 4 if plan.value_optimizer == "sparse_adam" else rows * 4
         served = plan.tokens * plan.topm * (1 if plan.partition == "number" else plan.group_size)
+        if host:  # the device sums the lookups of each staged row before its gradient crosses
+            served = staged
         entries = plan.microbatches * served
         if entries > rows:
             entries = 2 * rows + served
@@ -233,7 +329,7 @@ def components(plan: TablePlan) -> dict:
     keys = plan.heads * 2 * plan.grid_side * plan.key_dim * 4
     scores = plan.tokens * plan.heads * 2 * plan.tucker_rank * plan.grid_side * (2 if plan.precision == "bf16" else 4)
     table = elements * b
-    return {
+    out = {
         "table": table,
         "slot_stats": -(-plan.slots // plan.group_size),
         "gradients": gradients,
@@ -242,6 +338,9 @@ def components(plan: TablePlan) -> dict:
         "retrieval_activations": RETRIEVAL_ACTIVATION_FACTOR * scores,
         "checkpoint_chunk": min(CHECKPOINT_CHUNK_BYTES, resharding_read(plan, table)),
     }
+    if host:
+        out["staging"] = staged * cols * b
+    return out
 
 
 def resharding_read(plan: TablePlan, table: int) -> int:
@@ -259,20 +358,47 @@ def phases(plan: TablePlan, keys: bool = True) -> dict:
     if not keys:
         c["keys"] = 0
     L = plan.layers
+    staged = 0
+    if plan.location == "host":  # the shard, its state and gradient on the host (host_phases)
+        staged = (L if plan.staged_layers is None else plan.staged_layers) * c["staging"]
+        c.update(table=0, optimizer_states=0, gradients=0, checkpoint_chunk=0)
     held = c["table"] + c["slot_stats"]
     trained = held + 4 * c["keys"] + c["optimizer_states"]
     return {
         "init": L * (held + 2 * c["keys"]) + 2 * c["keys"],
-        "step": L * (trained + c["gradients"]) + c["retrieval_activations"],
+        "step": L * (trained + c["gradients"]) + c["retrieval_activations"] + staged,
         "save": L * (trained + c["gradients"]),
         "load": L * trained + 2 * c["keys"],
         "load_resharded": L * trained + max(2 * c["keys"], c["checkpoint_chunk"]),
     }
 
 
+def host_phases(plan: TablePlan) -> dict:
+    """Peak bytes per rank in host memory by phase of tables in host memory (all zero for device
+    tables): the shards, their optimizer states and gradients as :func:`phases` counts them on a
+    device, the pinned staging buffers (``staged_layers x staging``, on a GPU machine) once a step
+    has run, and a resharding load's read chunk. On a CPU rank both are the same memory: its
+    whole-rank plan adds them (:func:`rmt.planner.rank.rank_phases`)."""
+    if plan.location != "host":
+        return {p: 0 for p in PHASES}
+    c = components(plan)
+    L = plan.layers
+    pinned = (L if plan.staged_layers is None else plan.staged_layers) * c["staging"]
+    if plan.device != "gpu":  # a CPU rank's staged rows are the gather's output (phases counts it)
+        pinned = 0
+    trained = L * (c["table"] + c["optimizer_states"])
+    return {
+        "init": L * c["table"],
+        "step": trained + L * c["gradients"] + pinned,
+        "save": trained + L * c["gradients"] + pinned,
+        "load": trained,
+        "load_resharded": trained + c["checkpoint_chunk"],
+    }
+
+
 def checkpoint_bytes(plan: TablePlan) -> int:
     """Bytes on disk of the tables and their optimizer states (all ranks together)."""
-    c = components(replace(plan, group_size=1, partition="number"))
+    c = components(replace(plan, group_size=1, partition="number", location="device", unique_fraction=None))
     return plan.layers * (c["table"] + c["optimizer_states"])
 
 
@@ -289,19 +415,27 @@ def group_sizes(plan: TablePlan):
     return small + large[::-1]
 
 
-def min_group_size(plan: TablePlan, budget_bytes: int) -> int | None:
-    """Smallest runnable ``P`` whose peak phase fits ``budget_bytes`` per rank (None if none)."""
+def min_group_size(plan: TablePlan, budget_bytes: int, host_budget_bytes: int | None = None) -> int | None:
+    """Smallest runnable ``P`` whose peak phase fits ``budget_bytes`` per rank (and, given
+    ``host_budget_bytes``, whose host tables' peak fits that; None if none)."""
     for P in group_sizes(plan):
-        if max(phases(replace(plan, group_size=P)).values()) <= budget_bytes:
+        at = replace(plan, group_size=P)
+        if max(phases(at).values()) > budget_bytes:
+            continue
+        if host_budget_bytes is None or max(host_phases(at).values()) <= host_budget_bytes:
             return P
     return None
 
 
-def plan_memory(plan: TablePlan, gpu_mem_gib: float = 80.0, reserve_gib: float = 0.0) -> dict:
+def plan_memory(
+    plan: TablePlan, gpu_mem_gib: float = 80.0, reserve_gib: float = 0.0, host_gib: float | None = None
+) -> dict:
     """The ``rmt-plan memory`` JSON document: the inputs, the per-layer components and per-rank
     phases at ``plan.group_size``, the peak, the checkpoint size, and the smallest group whose
     peak fits ``(gpu_mem_gib - reserve_gib) GiB`` per rank (``reserve_gib``: the dense model,
-    its optimizer and activations, the framework)."""
+    its optimizer and activations, the framework). Host tables add their ``host_phases`` and
+    ``host_peak``; with ``host_gib`` (host memory per rank for the tables) ``host_fits``, and the
+    smallest group must fit it too."""
     if not gpu_mem_gib > 0:
         raise ValueError(f"the memory per rank must be positive, got {gpu_mem_gib!r} GiB.")
     if not 0 <= reserve_gib < gpu_mem_gib:
@@ -309,10 +443,23 @@ def plan_memory(plan: TablePlan, gpu_mem_gib: float = 80.0, reserve_gib: float =
             f"the reserve ({reserve_gib!r} GiB) must be non-negative and below the memory per rank "
             f"({gpu_mem_gib!r} GiB)."
         )
+    if host_gib is not None and plan.location != "host":
+        raise ValueError(
+            "host memory per rank is the budget of tables in host memory: it needs the host table location."
+        )
+    if host_gib is not None and not host_gib > 0:
+        raise ValueError(f"the host memory per rank must be positive, got {host_gib!r} GiB.")
     per_phase = phases(plan)
     budget = math.floor((gpu_mem_gib - reserve_gib) * GIB)
-    p_min = min_group_size(plan, budget)
-    return {
+    host_budget = None if host_gib is None else math.floor(host_gib * GIB)
+    p_min = min_group_size(plan, budget, host_budget)
+    host = {}
+    if plan.location == "host":
+        on_host = host_phases(plan)
+        host = {"host_phases": on_host, "host_peak": max(on_host.values()), "host_gib": host_gib}
+        if host_budget is not None:
+            host["host_fits"] = host["host_peak"] <= host_budget
+    doc = {
         "inputs": asdict(plan),
         "num_keys": plan.num_keys,
         "grid_side": plan.grid_side,
@@ -320,7 +467,7 @@ def plan_memory(plan: TablePlan, gpu_mem_gib: float = 80.0, reserve_gib: float =
         "components_per_layer": components(plan),
         "phases": per_phase,
         "peak": max(per_phase.values()),
-        "host_chunk": CHECKPOINT_CHUNK_BYTES if plan.device == "gpu" else 0,
+        "host_chunk": CHECKPOINT_CHUNK_BYTES if plan.device == "gpu" and plan.location == "device" else 0,
         "checkpoint_bytes": checkpoint_bytes(plan),
         "gpu_mem_gib": gpu_mem_gib,
         "reserve_gib": reserve_gib,
@@ -329,11 +476,23 @@ def plan_memory(plan: TablePlan, gpu_mem_gib: float = 80.0, reserve_gib: float =
         "min_group_size": p_min,
         "min_group_phases": None if p_min is None else phases(replace(plan, group_size=p_min)),
     }
+    doc.update(host)
+    return doc
 
 
-def plan_from_config(config, group_size: int, layers: int, microbatches: int) -> TablePlan:
+def plan_from_config(
+    config,
+    group_size: int,
+    layers: int,
+    microbatches: int,
+    tensor_parallel: int = 1,
+    replicas: int = 1,
+    staged_layers: int | None = None,
+) -> TablePlan:
     """The :class:`TablePlan` of an UltraMem/UltraMemV2/PKM config (``rmt.config.RMTConfig``) for
-    a rank holding ``layers`` memory layers in a group of ``group_size`` ranks. UltraMemV2's value
+    a rank holding ``layers`` memory layers in a group of ``group_size`` ranks (``tensor_parallel``
+    ranks sharing its tokens, ``replicas`` copies of each shard, ``staged_layers`` as
+    :class:`TablePlan`'s: they count for tables in host memory only). UltraMemV2's value
     and pre-value tables (the same rows, sharded alike) are counted as one table of ``Dv + Dp``
     columns, and its full-width keys of every Tucker rank as a key dim of ``r x Kd``; its lookups
     pool one block (no IVE projectors), which the plan's ``ive_blocks`` (the grid's) overstates
@@ -365,4 +524,9 @@ def plan_from_config(config, group_size: int, layers: int, microbatches: int) ->
         precision=t.precision,
         fused=mem.fused_value_optimizer,
         cores=1 if pkm else mem.num_cores,
+        location=mem.table_location,
+        tensor_parallel=1 if mem.partition == "local" else tensor_parallel,
+        replicas=replicas,
+        staged_layers=staged_layers,
+        index_tables=2 if v2 and mem.pre_value_dim else 1,
     )

@@ -38,7 +38,11 @@ tensor-parallel ranks, ``P_r`` the dense parameters the rank holds):
     works in place) and their gradient in the model dtype (``b x Vp/t``).
 ``tables``
     the memory tables, their gradients, optimizer states and checkpoint buffers of the rank's
-    memory layers, :func:`rmt.planner.memory.phases` without the keys (counted above).
+    memory layers, :func:`rmt.planner.memory.phases` without the keys (counted above). With
+    ``memory.table_location: host`` the device keeps only the slot flags and the staged rows of
+    the micro-batches in flight; the shards, states and gradients are the stage's ``host_tables``
+    (:func:`rmt.planner.memory.host_phases`), outside a GPU's phases (a CPU rank's ``tables``
+    count both: one memory).
 ``heap_retained``
     on a CPU, the freed tensors (each under 32 MiB) of the step that ``train.host_heap_retain_mib``
     keeps in the heap for the next one, measured to stay resident: in ``step`` ``min(retain, A)``
@@ -84,6 +88,8 @@ GPU_PROCESS_BYTES = 2 << 30
 """Per GPU rank: CUDA context (~0.5 GiB), NCCL communicator buffers and the caching allocator's
 fragmentation reserve; stated, not measured."""
 PHASES = ("init", "step", "save", "load")
+TABLE_TYPES = ("ultramem", "ultramem_v2", "pkm")
+"""``memory.type``\s with value tables (:mod:`rmt.planner.memory`)."""
 
 
 @dataclass(frozen=True)
@@ -381,21 +387,47 @@ def loss_workspace(config, layout: Layout, stage: int) -> int:
 
 
 # -- tables ---------------------------------------------------------------------------------------
-def stage_tables(config, layout: Layout, stage: int) -> Dict[str, int]:
-    """Bytes of the memory tables on a rank of ``stage`` by phase (keys left out)."""
+def stage_table_plan(config, layout: Layout, stage: int):
+    """The :class:`rmt.planner.memory.TablePlan` of the memory tables on a rank of ``stage`` (None
+    when it holds none): its layers, group, tensor-parallel split, replicas and, for tables in host
+    memory, the layers whose staged rows the micro-batches in flight hold (:func:`in_flight`, the
+    in-flight chunks cycling through the model chunks)."""
     if config.memory.type not in ("ultramem", "ultramem_v2", "pkm"):
-        return {p: 0 for p in PHASES}
-    from rmt.planner.memory import phases, plan_from_config
+        return None
+    from rmt.planner.memory import plan_from_config
 
     mem = config.memory
-    layers = sum(len(_memory_layers_on(config, f, l)) for f, l in chunks_of(config, layout, stage))
-    if not layers:
+    per_chunk = [len(_memory_layers_on(config, f, l)) for f, l in chunks_of(config, layout, stage)]
+    if not sum(per_chunk):
+        return None
+    local = mem.partition == "local"
+    group = 1 if local else (mem.group_size or layout.dp * layout.tp)
+    replicas = layout.dp if local else layout.dp * layout.tp // group
+    staged = sum(per_chunk[i % layout.vpp] for i in range(in_flight(layout, stage)))
+    plan = plan_from_config(config, group, sum(per_chunk), layout.microbatches, layout.tp, max(1, replicas), staged)
+    return replace(plan, device="gpu" if layout.device == "gpu" else "cpu")
+
+
+def stage_tables(config, layout: Layout, stage: int) -> Dict[str, int]:
+    """Bytes of the memory tables on a rank of ``stage`` by phase (keys left out), on the device."""
+    from rmt.planner.memory import phases
+
+    plan = stage_table_plan(config, layout, stage)
+    if plan is None:
         return {p: 0 for p in PHASES}
-    group = 1 if mem.partition == "local" else (mem.group_size or layout.dp * layout.tp)
-    plan = replace(
-        plan_from_config(config, group, layers, layout.microbatches), device="gpu" if layout.device == "gpu" else "cpu"
-    )
     out = phases(plan, keys=False)
+    return {p: out[p] for p in PHASES}
+
+
+def stage_host_tables(config, layout: Layout, stage: int) -> Dict[str, int]:
+    """Bytes of the memory tables a rank of ``stage`` holds in host memory by phase
+    (``memory.table_location: host``; all zero otherwise)."""
+    from rmt.planner.memory import host_phases
+
+    plan = stage_table_plan(config, layout, stage)
+    if plan is None:
+        return {p: 0 for p in PHASES}
+    out = host_phases(plan)
     return {p: out[p] for p in PHASES}
 
 
@@ -445,6 +477,9 @@ def rank_phases(config, layout: Layout, stage: int, writer: bool = True) -> Dict
         save["heap_retained"] = min(retain, freed + step["heap_retained"])
     load = dict(trained, read_buffer=0)
     out = {"init": init, "step": step, "save": save, "load": load}
+    if layout.device == "cpu":  # tables in host memory are in the same memory as the rest
+        on_host = stage_host_tables(config, layout, stage)
+        tables = {p: tables[p] + on_host[p] for p in PHASES}
     for phase, terms in out.items():
         terms["tables"] = tables[phase]
         terms["framework"] = (
@@ -462,10 +497,18 @@ def distinct_stages(layout: Layout) -> List[int]:
     return sorted({0, layout.pp - 1} | ({1} if layout.pp > 2 else set()))
 
 
-def plan_rank(config, world_size: int, device: str = "cpu", gib: Optional[float] = None) -> Dict:
+def plan_rank(
+    config, world_size: int, device: str = "cpu", gib: Optional[float] = None, host_gib: Optional[float] = None
+) -> Dict:
     """The ``rmt-plan memory --config`` JSON document: for each distinct pipeline stage its terms
-    and phases, the peak per rank and, with ``gib``, whether it fits."""
+    and phases, the peak per rank and, with ``gib``, whether it fits. With tables in host memory
+    (``memory.table_location: host``) each stage's ``host_tables`` by phase and ``host_peak``, the
+    bytes of the tables in a rank's host memory; with ``host_gib`` whether they fit it
+    (``host_fits``; ``fits`` is then both)."""
     layout = layout_of(config, world_size, device)
+    host = config.memory.table_location == "host" and config.memory.type in TABLE_TYPES
+    if host_gib is not None and not host:
+        raise ValueError("--host-gib is the host memory of tables in host memory: it needs memory.table_location host.")
     stages = {}
     for s in range(layout.pp) if layout.pp <= 3 else _all_distinct(config, layout):
         ph = rank_phases(config, layout, s)
@@ -476,6 +519,8 @@ def plan_rank(config, world_size: int, device: str = "cpu", gib: Optional[float]
             "totals": totals,
             "peak": max(totals.values()),
         }
+        if host:
+            stages[str(s)]["host_tables"] = stage_host_tables(config, layout, s)
     peak = max(v["peak"] for v in stages.values())
     doc = {
         "layout": asdict(layout),
@@ -484,8 +529,13 @@ def plan_rank(config, world_size: int, device: str = "cpu", gib: Optional[float]
         "peak": peak,
         "checkpoint_bytes": checkpoint_bytes(config),
     }
+    if host:
+        doc["host_peak"] = max(max(v["host_tables"].values()) for v in stages.values())
     if gib is not None:
         doc.update(gib=gib, fits=peak <= gib * GIB)
+    if host_gib is not None:
+        doc.update(host_gib=host_gib, host_fits=doc["host_peak"] <= host_gib * GIB)
+        doc["fits"] = doc.get("fits", True) and doc["host_fits"]
     return doc
 
 

@@ -7,7 +7,7 @@ import argparse
 import json
 from typing import List
 
-from rmt.planner import layouts, rank
+from rmt.planner import host, layouts, rank
 from rmt.planner.argtypes import positive_float, positive_int
 
 TERMS = (
@@ -71,22 +71,44 @@ def whole_rank_lines(config, doc: dict) -> List[str]:
             if any(values):
                 lines.append(f"  {term:<20}" + "".join(f"{rank.human(v):>14}" for v in values))
         lines.append(f"  {'total':<20}" + "".join(f"{rank.human(s['totals'][p]):>14}" for p in rank.PHASES))
+        if "host_tables" in s:
+            lines.append(
+                f"  {'host memory':<20}" + "".join(f"{rank.human(s['host_tables'][p]):>14}" for p in rank.PHASES)
+            )
     lines.append(f"peak per rank: {rank.human(doc['peak'])}; checkpoint {rank.human(doc['checkpoint_bytes'])}")
-    if "fits" in doc:
-        lines.append(f"{'fits' if doc['fits'] else 'does not fit'} {doc['gib']:g} GiB per rank")
+    if "host_peak" in doc:
+        lines.append(f"host memory per rank (tables in host memory): peak {rank.human(doc['host_peak'])}")
+    if "gib" in doc:
+        lines.append(
+            f"{'fits' if doc['peak'] <= doc['gib'] * rank.GIB else 'does not fit'} {doc['gib']:g} GiB per rank"
+        )
+    if "host_gib" in doc:
+        lines.append(
+            f"{'fits' if doc['host_fits'] else 'does not fit'} {doc['host_gib']:g} GiB of host memory per rank"
+        )
     return lines
 
 
-def run_memory(args: argparse.Namespace, table_lines) -> int:
+def run_memory(args: argparse.Namespace, table_lines, check_host_flags) -> int:
     """``rmt-plan memory --config C --world-size N [overrides]``: the whole rank, after the tables'
-    own lines (``table_lines(args, config)``, :func:`rmt.planner.cli.table_lines`) when it has any."""
+    own lines (``table_lines(args, config)``, :func:`rmt.planner.cli.table_lines`) when it has any;
+    ``check_host_flags(args, location)`` rejects host-table flags for tables on the device."""
     if args.world_size is None:
         raise ValueError("with --config give --world-size (the ranks of the run).")
-    config = load_planned(args.config, args.overrides, args.world_size)
-    doc = rank.plan_rank(config, args.world_size, args.device, args.gpu_mem_gib)
+    if args.window_gflops is not None:
+        raise ValueError(
+            "--window-gflops is for a --slots/--dim plan; with --config the window is the config's layers."
+        )
+    location = [f"memory.table_location={args.table_location}"] if args.table_location else []
+    config = load_planned(args.config, list(args.overrides) + location, args.world_size)
+    check_host_flags(args, config.memory.table_location if config.memory.type in rank.TABLE_TYPES else "device")
+    doc = rank.plan_rank(config, args.world_size, args.device, args.gpu_mem_gib, host_gib=args.host_gib)
     if config.memory.type in ("ultramem", "ultramem_v2", "pkm"):
         doc["tables"] = table_lines(args, config)
-    print("\n".join(doc.pop("tables", {}).get("lines", []) + whole_rank_lines(config, doc)))
+    tables = doc.pop("tables", {})
+    if "host_link" in tables:
+        doc["host_link"] = tables["host_link"]
+    print("\n".join(tables.get("lines", []) + whole_rank_lines(config, doc)))
     _write(args.json, doc)
     return 0
 
@@ -119,6 +141,20 @@ def add_layout_arguments(p: argparse.ArgumentParser) -> None:
         default=400.0,
         help="achieved TFLOP/s per GPU for recomputed FLOPs (default 400)",
     )
+    p.add_argument(
+        "--host-gib",
+        type=positive_float,
+        metavar="GIB",
+        help="with memory.table_location=host: host memory per rank in GiB the tables must fit too",
+    )
+    p.add_argument(
+        "--host-link-gbps",
+        type=positive_float,
+        default=host.HOST_LINK_GBPS,
+        metavar="GBPS",
+        help=f"host tables: GB/s per direction of the host link; the transfers their windows do not "
+        f"hide count in the cost (default {host.HOST_LINK_GBPS:g}, PCIe 4.0 x16)",
+    )
     p.add_argument("--max-gpus", type=positive_int, default=1 << 16, help="largest count tried (default 65536)")
     p.add_argument("--json", metavar="FILE", help="write every candidate that fits, with its cost, to FILE")
 
@@ -132,19 +168,33 @@ def run_layouts(args: argparse.Namespace) -> int:
     except UserError as err:
         raise ValueError(str(err)) from None
     cost = dict(
-        link_gbps=args.link_gbps, nvlink_gbps=args.nvlink_gbps, tflops=args.tflops, gpus_per_node=args.gpus_per_node
+        link_gbps=args.link_gbps,
+        nvlink_gbps=args.nvlink_gbps,
+        tflops=args.tflops,
+        gpus_per_node=args.gpus_per_node,
+        host_gib=args.host_gib,
+        host_link_gbps=args.host_link_gbps,
     )
     if args.gpus:
         doc = layouts.search(args.config, args.overrides, args.gpus, args.gib, args.device, **cost)
     else:
         doc = layouts.smallest(args.config, args.overrides, args.gib, args.device, args.max_gpus, **cost)
         if doc is None:
-            raise ValueError(f"no layout fits {args.gib:g} GiB per rank on up to {args.max_gpus:,} ranks.")
+            raise ValueError(
+                f"no layout fits {args.gib:g} GiB per rank"
+                + (f" and {args.host_gib:g} GiB of host memory" if args.host_gib else "")
+                + f" on up to {args.max_gpus:,} ranks."
+            )
     head = (
         f"{len(doc['fitting'])} layout(s) fit {doc['gib']:g} GiB per rank on {doc['gpus']} {args.device.upper()}s "
         f"({doc['too_big']} too big, {doc['rejected']} that rmt cannot run)"
         + ("" if args.gpus else f"; {doc['gpus']} is the smallest count that fits")
         + (f"; checkpoint {rank.human(doc['fitting'][0]['checkpoint_bytes'])}" if doc["fitting"] else "")
+        + (
+            f"; tables in {rank.human(doc['fitting'][0]['host_peak'])} of host memory per rank (of {doc['host_gib']:g} GiB)"
+            if doc["fitting"] and doc["host_gib"]
+            else ""
+        )
     )
     lines = [
         head,
