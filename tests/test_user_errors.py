@@ -102,6 +102,25 @@ def test_a_run_over_the_whole_rank_plan_is_said_once_and_goes_ahead(capsys, monk
     assert capsys.readouterr().err == ""
 
 
+def test_host_tables_over_the_machines_memory_are_said_once(capsys, monkeypatch):
+    """A GPU rank's tables in host memory are planned against its share of the machine's memory."""
+    from rmt.config import load_config
+    from rmt.config_checks import validate
+    from rmt.planner.rank import plan_rank
+    from rmt.training import fit
+
+    host = ["memory.table_location=host", "memory.value_optimizer=sparse_adam", "model.vocab_size=257"]
+    config = validate(load_config("configs/ultramem_tiny.yaml", host), 1)
+    host_peak = plan_rank(config, 1, "gpu")["host_peak"]
+    monkeypatch.setattr(fit, "_machine_memory", lambda: host_peak)
+    fit.check_fits(config, available=2**40, device="gpu", world_size=1)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(fit, "_machine_memory", lambda: host_peak - 1)
+    fit.check_fits(config, available=2**40, device="gpu", world_size=1)
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"rmt-train: rmt-plan counts {host_peak / 2**30:,.1f} GiB of host memory per rank")
+
+
 def test_config_naming_a_directory(tmp_path):
     proc = _module("rmt.training.cli", ["--config", str(tmp_path)])
     assert _one_sentence(proc, "rmt-train", "") == (

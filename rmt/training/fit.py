@@ -88,15 +88,21 @@ def memory_floor(config: RMTConfig) -> dict:
     return {"state": state, "activations": activations, "mask": m.seq_length**2}
 
 
-def planned_peak(config: RMTConfig, device: str, world_size: int) -> Optional[int]:
-    """The whole-rank plan's peak per rank (:mod:`rmt.planner.rank`, every phase) for this run on
-    ``world_size`` ranks; None where it cannot be made without the data (an unknown vocabulary)."""
+def planned(config: RMTConfig, device: str, world_size: int) -> Optional[dict]:
+    """The whole-rank plan (:mod:`rmt.planner.rank`, every phase) for this run on ``world_size``
+    ranks: its ``peak`` per rank, and with tables in host memory its ``host_peak``; None where it
+    cannot be made without the data (an unknown vocabulary)."""
     from rmt.planner.rank import plan_rank, with_vocabulary
 
     try:
-        return plan_rank(with_vocabulary(copy.deepcopy(config)), world_size, device)["peak"]
+        return plan_rank(with_vocabulary(copy.deepcopy(config)), world_size, device)
     except ValueError:  # the vocabulary, or the layout at this world size, is not known yet
         return None
+
+
+def _say(message: str) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        print(f"rmt-train: {message}", file=sys.stderr, flush=True)
 
 
 def check_fits(
@@ -104,7 +110,8 @@ def check_fits(
 ) -> None:
     """Raise :class:`ConfigError` when :func:`memory_floor` exceeds what a rank could ever get;
     say (once, on rank 0) when the whole-rank plan does, which an upper-bound term of the plan
-    may overstate, so the run goes ahead."""
+    may overstate, so the run goes ahead; likewise when a GPU rank's host tables
+    (``memory.table_location: host``) exceed its share of the machine's memory."""
     import torch
 
     available = rank_memory() if available is None else available
@@ -113,15 +120,22 @@ def check_fits(
     need = sum(floor.values())
     if need <= available:
         world_size = world_size or world_size_from_env()
-        peak = planned_peak(config, device, world_size)
-        if peak is not None and peak > available and os.environ.get("RANK", "0") == "0":
-            print(
-                f"rmt-train: rmt-plan counts {peak / _GIB:,.1f} GiB per rank for this run, more than the "
-                f"{available / _GIB:,.1f} GiB a rank has here, so it may run out of memory; "
-                f"`rmt-plan memory --config ... --world-size {world_size}` itemizes it and "
-                f"`rmt-plan layouts --config ...` lists the layouts that fit",
-                file=sys.stderr,
-                flush=True,
+        plan = planned(config, device, world_size) or {}
+        itemized = (
+            f"`rmt-plan memory --config ... --world-size {world_size}` itemizes it and "
+            f"`rmt-plan layouts --config ...` lists the layouts that fit"
+        )
+        if plan.get("peak", 0) > available:
+            _say(
+                f"rmt-plan counts {plan['peak'] / _GIB:,.1f} GiB per rank for this run, more than the "
+                f"{available / _GIB:,.1f} GiB a rank has here, so it may run out of memory; {itemized}"
+            )
+        host = _machine_memory() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        if device == "gpu" and plan.get("host_peak", 0) > host:
+            _say(
+                f"rmt-plan counts {plan['host_peak'] / _GIB:,.1f} GiB of host memory per rank for the "
+                f"tables in host memory, more than the {host / _GIB:,.1f} GiB a rank's share of this "
+                f"machine is; {itemized}"
             )
         return
     m, t = config.model, config.train
