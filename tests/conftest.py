@@ -36,6 +36,20 @@ def tiny_overrides(cache_dir, steps=3):
     ]
 
 
+# A 2-layer transformer with one tiny UltraMem layer (IVE and multi-core scoring on), for the
+# memory tests' tiny_overrides runs.
+TINY_ULTRAMEM = [
+    "model.seq_length=16",
+    "memory.type=ultramem",
+    "memory.placement='1:2'",
+    "memory.num_keys=8",
+    "memory.topk=4",
+    "memory.key_dim=16",
+    "memory.ive_blocks=4",
+    "memory.num_cores=2",
+]
+
+
 def _ephemeral_ports():
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:

@@ -17,23 +17,13 @@ from rmt.errors import ConfigError
 from rmt.memory.table import MemoryTable
 from rmt.ops.sparse_optim import RowWiseAdagrad, SparseAdam
 
-from conftest import tiny_overrides, train_runs, train_steps
+from conftest import TINY_ULTRAMEM, tiny_overrides, train_runs, train_steps
 
-MEMORY = [
-    "model.seq_length=16",
-    "memory.type=ultramem",
-    "memory.placement='1:2'",
-    "memory.num_keys=8",
-    "memory.topk=4",
-    "memory.key_dim=16",
-    "memory.ive_blocks=4",
-    "memory.num_cores=2",
-]
 HOST = ["memory.table_location=host"]
 
 
 def overrides(cache_dir, extra=(), steps=3):
-    return tiny_overrides(cache_dir, steps) + MEMORY + list(extra)
+    return tiny_overrides(cache_dir, steps) + TINY_ULTRAMEM + list(extra)
 
 
 def assert_equal(ref, got):

@@ -7,7 +7,7 @@ from rmt.config import load_config
 from rmt.config_checks import validate
 from rmt.errors import ConfigError
 
-from conftest import run_python, tiny_overrides, train_steps
+from conftest import TINY_ULTRAMEM, run_python, tiny_overrides, train_steps
 
 
 @pytest.mark.slow
@@ -21,16 +21,7 @@ def test_sharded_table_equals_local_and_sends_planned_bytes(nproc):
 
 
 def memory_overrides(cache_dir):
-    return tiny_overrides(cache_dir) + [
-        "model.seq_length=16",
-        "memory.type=ultramem",
-        "memory.placement='1:2'",
-        "memory.num_keys=8",
-        "memory.topk=4",
-        "memory.key_dim=16",
-        "memory.ive_blocks=4",
-        "memory.num_cores=2",
-    ]
+    return tiny_overrides(cache_dir) + TINY_ULTRAMEM
 
 
 @pytest.fixture(scope="module")

@@ -10,24 +10,11 @@ from rmt.config import load_config
 from rmt.config_checks import validate
 from rmt.errors import ConfigError
 
-from conftest import tiny_overrides, train_steps
+from conftest import TINY_ULTRAMEM, tiny_overrides, train_steps
 
 
 def overrides(cache_dir, extra=(), steps=3):
-    return (
-        tiny_overrides(cache_dir, steps)
-        + [
-            "model.seq_length=16",
-            "memory.type=ultramem",
-            "memory.placement='1:2'",
-            "memory.num_keys=8",
-            "memory.topk=4",
-            "memory.key_dim=16",
-            "memory.ive_blocks=4",
-            "memory.num_cores=2",
-        ]
-        + list(extra)
-    )
+    return tiny_overrides(cache_dir, steps) + TINY_ULTRAMEM + list(extra)
 
 
 def assert_same(ref, got, tol=1e-5):
