@@ -49,6 +49,21 @@ TINY_ULTRAMEM = [
     "memory.num_cores=2",
 ]
 
+# One tiny UltraMemV2 layer beside the FFN of every block (IVE, multi-core scoring and
+# pre-values on), for the memory tests' tiny_overrides runs.
+TINY_ULTRAMEM_V2 = [
+    "model.seq_length=16",
+    "memory.type=ultramem_v2",
+    "memory.num_heads=1",
+    "memory.num_keys=4",
+    "memory.topk=4",
+    "memory.key_dim=8",
+    "memory.ive_blocks=4",
+    "memory.num_cores=2",
+    "memory.value_dim=8",
+    "memory.pre_value_dim=4",
+]
+
 
 def _ephemeral_ports():
     try:

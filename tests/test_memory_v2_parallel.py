@@ -7,23 +7,11 @@ steps through the trainer (tests/dist/train_steps.py), equal losses, gradients a
 import pytest
 import torch
 
-from conftest import tiny_overrides, train_cases, train_steps
+from conftest import TINY_ULTRAMEM_V2, tiny_overrides, train_cases, train_steps
 
 pytestmark = pytest.mark.slow
 
-V2 = [
-    "model.seq_length=16",
-    "memory.type=ultramem_v2",
-    "memory.num_heads=1",
-    "memory.num_keys=4",
-    "memory.topk=4",
-    "memory.key_dim=8",
-    "memory.ive_blocks=4",
-    "memory.num_cores=2",
-    "memory.value_dim=8",
-    "memory.pre_value_dim=4",
-    "train.clip_grad=1.0",
-]
+V2 = TINY_ULTRAMEM_V2 + ["train.clip_grad=1.0"]
 FUSED = ["memory.value_optimizer=sparse_adam", "memory.fused_value_optimizer=true"]
 CASES = {
     "dp2-number": (["memory.partition=number"], "local"),
