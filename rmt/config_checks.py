@@ -79,12 +79,6 @@ def validate_recompute(config: RMTConfig, stages: int) -> None:
             f"train.recompute_num_layers ({n}) must divide the layers per model chunk ({per_chunk}) "
             f"with train.recompute_method 'uniform'"
         )
-    if config.memory.type == "ultramem_v2":
-        raise ConfigError(
-            "train.recompute_granularity 'full' does not take memory.type 'ultramem_v2' yet: its "
-            "memory layer reads the FFN's input inside the recomputed layer, which the "
-            "recomputation does not relink (use 'selective', or UltraMem v1)"
-        )
 
 
 def validate_sequence_parallel(config: RMTConfig) -> None:

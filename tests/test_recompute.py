@@ -3,12 +3,14 @@
 Gradients: three trainer steps with and without recomputation, for the transformer (megatron's
 TransformerBlock), the RMT, the recurrent transformer and the mixer (rmt.models.recompute), with
 an UltraMem layer (synchronous, on the async stream, with the fused value optimizer), a PKM layer,
-a skip-placed MoE and MoE MLPs, give bit for bit equal losses, gradients and weights. A
+a skip-placed MoE, MoE MLPs, and UltraMemV2 beside the FFN of every layer (the transformer's
+synchronous, on the async stream and with host tables; the RMT's, whose FFN norm the memory
+input passes), give bit for bit equal losses, gradients and weights. A
 recomputed span runs the same kernels on the same inputs with the same RNG state (dropout is
 on in one case) and the memory layers are not recomputed, so nothing may round differently.
 Each run also counts the spans recomputed in the backward (megatron's ``CheckpointFunction``)
-and the memory layers' forwards: recomputation happened as configured and the retrieval ran
-once per micro-batch.
+and the memory layers' forwards: recomputation happened as configured and every memory layer
+ran once per micro-batch.
 
 Activation memory: the bytes saved for the backward in one training forward (a
 ``saved_tensors_hooks`` count of distinct storages, parameters excluded), by layer count, so
@@ -18,7 +20,7 @@ that the per-layer difference is derived exactly.
 import pytest
 import torch
 
-from conftest import load_script, tiny_overrides
+from conftest import TINY_ULTRAMEM_V2, load_script, tiny_overrides
 
 MEMORY = [
     "memory.type=ultramem",
@@ -27,6 +29,14 @@ MEMORY = [
     "memory.num_keys=4",
     "memory.topk=3",
     "memory.init_samples=2",
+]
+RMT = [
+    "model.arch=rmt",
+    "model.position=alibi",
+    "model.dk=8",
+    "model.dv=8",
+    "model.rank=4",
+    "model.ffn_hidden_size=64",
 ]
 ARCHS = {
     "transformer": MEMORY,
@@ -42,22 +52,20 @@ ARCHS = {
     "transformer-fused": MEMORY + ["memory.value_optimizer=sparse_adam", "memory.fused_value_optimizer=true"],
     "transformer-skip-moe": ["memory.type=moe", "memory.placement='1:3'", "memory.num_experts=4"],
     "transformer-moe": ["memory.type=moe", "memory.moe_placement=mlp", "memory.placement=2-3", "memory.num_experts=4"],
-    "rmt": MEMORY
-    + [
-        "model.arch=rmt",
-        "model.position=alibi",
-        "model.dk=8",
-        "model.dv=8",
-        "model.rank=4",
-        "model.ffn_hidden_size=64",
-    ],
+    "rmt": MEMORY + RMT,
+    # UltraMemV2 beside the FFN of all 4 layers: kept from the pre-MLP norm (the RMT's FFN input)
+    "transformer-v2": TINY_ULTRAMEM_V2,
+    "transformer-v2-async": TINY_ULTRAMEM_V2 + ["memory.async_stream=true"],
+    "transformer-v2-host": TINY_ULTRAMEM_V2 + ["memory.table_location=host", "memory.value_optimizer=sparse_adam"],
+    "rmt-v2": TINY_ULTRAMEM_V2 + RMT,
     "recurrent": ["model.arch=recurrent", "model.block_width=8", "model.hidden_size=16"],
     "mixer": ["model.arch=mixer", "model.hidden_size=16"],
 }
 UNIFORM = ["train.recompute_granularity=full", "train.recompute_method=uniform"]
 BLOCK = ["train.recompute_granularity=full", "train.recompute_method=block"]
 SELECTIVE = ["train.recompute_granularity=selective"]
-# id: (arch, recompute settings, spans recomputed per micro-batch), over 4 layers (memory 1:3).
+# id: (arch, recompute settings, spans recomputed per micro-batch), over 4 layers (memory 1:3, or
+# UltraMemV2 in every layer).
 CASES = {
     "transformer-uniform2": ("transformer", UNIFORM + ["train.recompute_num_layers=2"], 2),
     "transformer-block3": ("transformer", BLOCK + ["train.recompute_num_layers=3"], 3),
@@ -70,6 +78,13 @@ CASES = {
     "transformer-moe-uniform2": ("transformer-moe", UNIFORM + ["train.recompute_num_layers=2"], 2),
     "rmt-uniform2": ("rmt", UNIFORM + ["train.recompute_num_layers=2"], 2),
     "rmt-selective": ("rmt", SELECTIVE, 4),
+    "transformer-v2-uniform2": ("transformer-v2", UNIFORM + ["train.recompute_num_layers=2"], 2),
+    "transformer-v2-block3": ("transformer-v2", BLOCK + ["train.recompute_num_layers=3"], 3),
+    "transformer-v2-async-uniform1": ("transformer-v2-async", UNIFORM + ["train.recompute_num_layers=1"], 4),
+    "transformer-v2-async-block3": ("transformer-v2-async", BLOCK + ["train.recompute_num_layers=3"], 3),
+    "transformer-v2-host-uniform2": ("transformer-v2-host", UNIFORM + ["train.recompute_num_layers=2"], 2),
+    "rmt-v2-uniform2": ("rmt-v2", UNIFORM + ["train.recompute_num_layers=2"], 2),
+    "rmt-v2-block3": ("rmt-v2", BLOCK + ["train.recompute_num_layers=3"], 3),
     "recurrent-block1": ("recurrent", BLOCK + ["train.recompute_num_layers=1"], 1),
     # tau runs 5 times per layer on 32 tokens in blocks of 8 (eq. 6, three times eq. 7, eq. 8)
     "recurrent-selective": ("recurrent", SELECTIVE, 4 * 5),
@@ -84,21 +99,26 @@ def _record(cache_dir, monkeypatch, overrides):
     from megatron.core.tensor_parallel.random import CheckpointFunction
 
     from rmt.memory.layer import MemoryLayer
+    from rmt.memory.layer_v2 import UltraMemV2Layer
 
     counts = {"recomputed": 0, "memory_forwards": 0}
-    backward, forward = CheckpointFunction.backward, MemoryLayer.forward
+    backward = CheckpointFunction.backward
 
     def counted_backward(ctx, *grads):
         counts["recomputed"] += 1
         return backward(ctx, *grads)
 
-    def counted_forward(self, *args, **kwargs):
-        counts["memory_forwards"] += 1
-        return forward(self, *args, **kwargs)
+    def counted(forward):
+        def counted_forward(self, *args, **kwargs):
+            counts["memory_forwards"] += 1
+            return forward(self, *args, **kwargs)
+
+        return counted_forward
 
     with monkeypatch.context() as patch:
         patch.setattr(CheckpointFunction, "backward", staticmethod(counted_backward))
-        patch.setattr(MemoryLayer, "forward", counted_forward)
+        for layer in (MemoryLayer, UltraMemV2Layer):
+            patch.setattr(layer, "forward", counted(layer.forward))
         record = load_script("tests/dist/train_steps.py").record(
             tiny_overrides(cache_dir) + ["model.num_layers=4"] + list(overrides)
         )
@@ -129,7 +149,9 @@ def test_recompute_gradients_equal_the_run_without(case, cache_dir, references, 
     assert ref_counts["recomputed"] == 0
     assert counts["recomputed"] == spans * MICROBATCHES
     memory = any(kind in " ".join(ARCHS[arch]) for kind in ("ultramem", "pkm"))
-    assert counts["memory_forwards"] == ref_counts["memory_forwards"] == (MICROBATCHES if memory else 0)
+    layers = len({key.split(".")[1] for key in ref["grads"] if key.startswith("memory.")}) if memory else 0
+    assert layers == (4 if "v2" in arch else int(memory))
+    assert counts["memory_forwards"] == ref_counts["memory_forwards"] == MICROBATCHES * layers
     assert got["losses"] == ref["losses"]
     assert sorted(got["grads"]) == sorted(ref["grads"])
     for key in ref["grads"]:
@@ -180,7 +202,7 @@ def saved_bytes(cache_dir, overrides) -> int:
         parallel.destroy()
 
 
-ACTIVATION_ARCHS = {"transformer": [], "rmt": ARCHS["rmt"][len(MEMORY) :]}
+ACTIVATION_ARCHS = {"transformer": [], "rmt": RMT}
 
 
 @pytest.mark.parametrize("arch", ACTIVATION_ARCHS)

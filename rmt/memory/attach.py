@@ -7,7 +7,8 @@ A block's output may be a tensor or a tuple whose first element is the hidden st
 placement ``i:j`` the hook on layer i keeps its output and the hook on layer j adds
 ``memory(kept)`` to its output (UltraMem §3.2 "skip-layer" structure, Appendix E notation).
 UltraMemV2 (``memory.type: ultramem_v2``) sits beside the FFN, placed ``i:i``: its input is kept
-from inside layer i, the layer's normed FFN input (:func:`_ffn_input`), and its output is added
+from inside layer i, the layer's normed FFN input (:func:`_ffn_input`; a norm the memory applies
+itself, the RMT's, runs in the dense graph, :meth:`MemoryWiring._read`), and its output is added
 to layer i's output.
 Hidden states with more than one feature dimension (the RMT's residual matrix ``[s, b, Dv, Dk]``)
 are flattened for the memory layer (width :func:`~rmt.memory.shapes.memory_width`) and its
@@ -20,9 +21,11 @@ memory layer's input is all-gathered over the TP group first and each rank adds 
 of the output, so the memory layers compute and receive exactly what they do under TP alone.
 Under ``train.recompute_granularity: full`` the hooks of a recomputed span fire again in the
 backward: every memory layer runs once, in the span's forward, on a graph of its own (the
-stream's links, :class:`~rmt.memory.stream.InlineStream` without the async stream), and the
-span's recomputation puts the recorded links back into its graph (:meth:`MemoryWiring._relink`)
-instead of running retrieval and collectives twice. Under pipeline parallelism every placement lies inside one model chunk (a stage, or
+stream's links, :class:`~rmt.memory.stream.InlineStream` without the async stream), each hook
+records the links it forked or joined, and the span's recomputation puts them back into its
+graph at the same hooks (:meth:`MemoryWiring._relink`: UltraMemV2's fork at its input module's
+output, its join at layer i's output) instead of running retrieval and collectives twice.
+Under pipeline parallelism every placement lies inside one model chunk (a stage, or
 a virtual stage of the interleaved schedule; checked by the config validation); its memory layer
 is built only in that chunk, hooked on the chunk's local layers, and keeps its global index ``k``
 (``memory.k.*`` keys as in the single-stage run). The loss is computed in the last chunk of the
@@ -199,7 +202,7 @@ class MemoryWiring:
     attached to layer j's output (:class:`AuxLossToActivation`). ``inputs`` (UltraMemV2, placed
     ``i:i``): layer number i -> ``(module, transform)``, the input is kept from that module
     inside layer i (:func:`_ffn_input`) instead of layer i's output, and ``transform`` (or
-    None) is applied to it on the memory's side."""
+    None) is applied to it in the dense graph, before the memory layer's own (:meth:`_read`)."""
 
     def __init__(
         self,
@@ -221,10 +224,12 @@ class MemoryWiring:
         self.sync_s = 0.0
         self.documents: Optional[torch.Tensor] = None
         self.recording = False
-        # Links made in a recomputed span's first forward, per hooked layer, oldest first, for
-        # the span's recomputation in the backward (micro-batches run backward in their forward
-        # order under every megatron schedule, per model chunk).
-        self.relink: Dict[int, Deque[List[Tuple[int, MemoryLink]]]] = defaultdict(deque)
+        # Links made in a recomputed span's first forward, per hook (its site: the layer number
+        # and whether it is the layer's output hook), oldest first, each with whether the hook
+        # forked it (True) or joined it, for the span's recomputation in the backward
+        # (micro-batches run backward in their forward order under every megatron schedule, per
+        # model chunk).
+        self.relink: Dict[Tuple[int, bool], Deque[List[Tuple[int, MemoryLink, bool]]]] = defaultdict(deque)
         self.handles = [chunk.register_forward_pre_hook(self.capture_documents, with_kwargs=True)]
         inputs = inputs or {}
         self.transforms = {
@@ -248,11 +253,14 @@ class MemoryWiring:
         # a span grad mode is off, whatever the schedule's).
         self.recording = torch.is_grad_enabled() and module.training
 
+    def _read(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Memory layer k's input from the kept tensor: its ``transform`` (the RMT's FFN norm)
+        applied, on the dense side (the norm's weight gets its gradient from the dense graph)."""
+        return self.transforms[k](hidden) if k in self.transforms else hidden
+
     def _run(self, k: int, x: torch.Tensor, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
         x = x if self.seq_dim == 0 else x.transpose(0, self.seq_dim)
         module = self.modules[k]
-        if k in self.transforms:
-            x = self.transforms[k](x)
         extra = {"documents": documents} if documents is not None and isinstance(module, MemoryLayer) else {}
         # Flattened to [s, b, width]: the RMT's residual is a Dv x Dk matrix per token.
         y = module(x.flatten(2), **extra).view(x.shape)
@@ -266,19 +274,27 @@ class MemoryWiring:
             return hidden
         return gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
 
+    @staticmethod
+    def _fork(hidden: torch.Tensor, link: MemoryLink, read: torch.Tensor) -> torch.Tensor:
+        """``hidden`` behind the :class:`~rmt.memory.stream.ForkMemory` of ``link``, whose input
+        gradient goes to ``read`` (:meth:`_read` of ``hidden``, in the dense graph)."""
+        return ForkMemory.apply(hidden, link, None if read is hidden else read)
+
     def _launch(self, k: int, hidden: torch.Tensor, checkpointed: bool) -> Tuple[torch.Tensor, Optional[MemoryLink]]:
-        """Start memory layer k on the stream from ``hidden``; when training, on a detached copy
-        (its own graph, :class:`~rmt.memory.stream.MemoryLink`), returning ``hidden`` behind a
-        :class:`~rmt.memory.stream.ForkMemory` that collects its input gradient. In the first
-        forward of a recomputed span (``checkpointed``: grad mode off) the memory layer still
-        records its graph, and the fork is made when the span is recomputed (:meth:`_relink`)."""
+        """Start memory layer k on the stream from ``hidden`` (transformed, :meth:`_read`); when
+        training, on a detached copy (its own graph, :class:`~rmt.memory.stream.MemoryLink`),
+        returning ``hidden`` behind a :class:`~rmt.memory.stream.ForkMemory` that collects its
+        input gradient. In the first forward of a recomputed span (``checkpointed``: grad mode
+        off) the memory layer still records its graph, and the fork is made when the span is
+        recomputed (:meth:`_relink`)."""
         link = None
-        x = self._gather(hidden)
+        read = self._read(k, hidden)
+        x = self._gather(read)
         if self.recording and (checkpointed or hidden.requires_grad):
             x = x.detach().requires_grad_()
             link = MemoryLink(self.stream, x, self.sequence_parallel)
             if not checkpointed:
-                hidden = ForkMemory.apply(hidden, link)
+                hidden = self._fork(hidden, link, read)
         with torch.enable_grad() if link is not None else contextlib.nullcontext():
             self.pending[k] = (self.stream.launch(partial(self._run, k, documents=self.documents), x), link)
         return hidden, link
@@ -305,35 +321,43 @@ class MemoryWiring:
         all-gathered gradient)."""
         return scatter_to_sequence_parallel_region(y) if self.sequence_parallel else y
 
-    def _relink(self, number: int, output):
-        """Layer ``number``'s hook when its span is recomputed in the backward: the memory
-        layers ran once, in the span's first forward; their links (oldest first) enter the
-        recomputed graph exactly where the first forward would have put them, so no retrieval
-        and no memory collective runs again."""
+    def _relink(self, site: Tuple[int, bool], output):
+        """A hook's call when its span is recomputed in the backward (``site``: the layer number
+        and whether it is the layer's output hook): the memory layers ran once, in the span's
+        first forward; the links that hook made then (oldest first) enter the recomputed graph
+        exactly where they were made, a fork or a join, so no retrieval and no memory collective
+        runs again."""
         hidden = _hidden(output)
-        assert self.relink[number], f"layer {number} recomputed without a forward that recorded its memory layers"
-        for k, link in self.relink[number].popleft():
-            i, j = self.placement[k]
-            if i == number:
-                hidden = ForkMemory.apply(hidden, link)
-            if j == number:
+        number, _ = site
+        assert self.relink[site], f"layer {number} recomputed without a forward that recorded its memory layers"
+        for k, link, fork in self.relink[site].popleft():
+            if fork:
+                hidden = self._fork(hidden, link, self._read(k, hidden))
+            else:
                 hidden = JoinMemory.apply(hidden, link.local_output(), link)
         return _replace_hidden(output, hidden)
 
     def _hook(self, number: int, keep: bool, join: bool = True) -> Callable:
+        """The forward hook of layer ``number``'s output (``join``: it adds the memory layers
+        placed ``i:number``), or of the module inside the layer that UltraMemV2 reads
+        (``join=False``); ``keep``: the memory layers placed ``number:j`` start from its output."""
+        site = (number, join)
+
         def hook(module, args, output):
             if is_checkpointing() and torch.is_grad_enabled():  # a span recomputed in the backward
-                return self._relink(number, output)
+                return self._relink(site, output)
             # A recomputed span's first forward (under no_grad) of a training step: the memory
-            # layers record their graphs on links (the stream, or InlineStream without it).
+            # layers record their graphs on links (the stream, or InlineStream without it), and
+            # the hook notes each link it forks or joins, for the recomputation.
             checkpointed = is_checkpointing() and self.recording
-            links: List[Tuple[int, MemoryLink]] = []
+            links: List[Tuple[int, MemoryLink, bool]] = []
             hidden = original = _hidden(output)
             if keep and self.stream is not None:
                 for k, (i, _) in self.placement.items():
                     if i == number:
                         hidden, link = self._launch(k, hidden, checkpointed)
-                        links.append((k, link))
+                        if link is not None:
+                            links.append((k, link, True))
             elif keep:
                 self.kept[number] = self._gather(hidden)
                 if torch.is_grad_enabled() and hidden.requires_grad:
@@ -342,22 +366,20 @@ class MemoryWiring:
                     # once: the two partial sums the async stream's ForkMemory adds, so both
                     # modes round alike and give the same gradients bit for bit.
                     hidden = ForkMemory.apply(hidden, None)
-            if not join:
-                return None if hidden is original else _replace_hidden(output, hidden)
             added, aux = None, None
             for k, (i, j) in self.placement.items():
-                if j != number:
+                if not join or j != number:
                     continue
                 if self.stream is not None:
                     link = self.pending[k][1]
                     hidden, y = self._join(k, hidden)
-                    if checkpointed and link is not None and i != number:
-                        links.append((k, link))
+                    if link is not None:
+                        links.append((k, link, False))
                     if y is None:
                         continue
                 else:
                     start = time.perf_counter()
-                    y = self._local(self._run(k, self.kept[i], self.documents))
+                    y = self._local(self._run(k, self._read(k, self.kept[i]), self.documents))
                     self.sync_s += time.perf_counter() - start
                 added = y if added is None else added + y
                 if self.aux_scale is not None:
@@ -365,9 +387,9 @@ class MemoryWiring:
                     if module.aux_loss is not None:
                         aux = module.aux_loss if aux is None else aux + module.aux_loss
                         module.aux_loss = None
-            if checkpointed and any(link is not None for _, link in links):
-                self.relink[number].append([(k, link) for k, link in links if link is not None])
-            if number == max(j for _, j in self.placement.values()):
+            if checkpointed and links:
+                self.relink[site].append(links)
+            if join and number == max(j for _, j in self.placement.values()):
                 self.kept.clear()
             if added is None:
                 return None if hidden is original else _replace_hidden(output, hidden)

@@ -193,17 +193,21 @@ class MemoryLink:
 class ForkMemory(torch.autograd.Function):
     """Identity on layer i's output; backward adds the memory layer's input gradient, waiting
     for its backward on the stream (with no link, a plain identity node: the synchronous mode's
-    branch point, see :class:`~rmt.memory.attach.MemoryWiring`)."""
+    branch point, see :class:`~rmt.memory.attach.MemoryWiring`). With ``read``, the memory
+    layer's input made from ``hidden`` in the dense graph (the RMT's FFN norm of it), the input
+    gradient is ``read``'s instead."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, link: MemoryLink):
-        ctx.link = link
+    def forward(ctx, hidden: torch.Tensor, link: Optional[MemoryLink], read: Optional[torch.Tensor] = None):
+        ctx.link, ctx.read = link, read is not None
         return hidden.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         extra = None if ctx.link is None else ctx.link.input_grad()
-        return (grad if extra is None else grad + extra), None
+        if ctx.read:
+            return grad, None, extra
+        return (grad if extra is None else grad + extra), None, None
 
 
 class JoinMemory(torch.autograd.Function):
