@@ -103,12 +103,6 @@ def validate_sequence_parallel(config: RMTConfig) -> None:
             f"parallel.tensor_model_parallel_size ({p.tensor_model_parallel_size}) with "
             f"parallel.sequence_parallel"
         )
-    if config.memory.type == "ultramem_v2":
-        raise ConfigError(
-            "parallel.sequence_parallel does not take memory.type 'ultramem_v2' yet: its memory "
-            "layer reads the FFN's sequence-sharded input, a path not tested against the "
-            "single process"
-        )
 
 
 def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:

@@ -2,9 +2,11 @@
 
 A 4-layer transformer with an UltraMem layer trained 3 steps through the trainer
 (tests/dist/train_steps.py) under TP=2 with sequence parallelism: with number-wise sharded
-tables on the async stream and full recompute; with a skip-placed MoE and with MoE MLPs; TP=2 x
-DP=2 (local tables, synchronous); TP=2 x PP=2 and TP=2 x PP=2 x VPP=2 (async stream, recompute,
-the memory layers' links replayed per model chunk): equal losses, and
+tables on the async stream and full recompute; with a skip-placed MoE and with MoE MLPs; with
+UltraMemV2 beside every FFN (its input the pre-MLP norm's sequence-sharded output): synchronous,
+on the async stream, with full recompute, and number-wise on the async stream with full
+recompute; TP=2 x DP=2 (local tables, synchronous); TP=2 x PP=2 and TP=2 x PP=2 x VPP=2 (async
+stream, recompute, the memory layers' links replayed per model chunk): equal losses, and
 equal full gradients and weights afterwards, memory parameters included. The rejections are
 ConfigErrors of ``validate``, which every entry point runs before any process group exists
 (exit status 2, tests/test_config.py). The memory layers gather the sequence
@@ -18,7 +20,7 @@ import os
 import pytest
 import torch
 
-from conftest import tiny_overrides, train_cases
+from conftest import TINY_ULTRAMEM_V2, tiny_overrides, train_cases
 
 ULTRAMEM = ["memory.type=ultramem", "memory.key_dim=8", "memory.num_keys=4", "memory.topk=3", "memory.init_samples=2"]
 MEMORY = {
@@ -28,6 +30,7 @@ MEMORY = {
     "ultramem-interleaved": ULTRAMEM + ["model.num_layers=8", "memory.placement='1:2/5:6'"],
     "skip-moe": ["memory.type=moe", "memory.placement='1:3'", "memory.num_experts=4"],
     "mlp-moe": ["memory.type=moe", "memory.moe_placement=mlp", "memory.placement=2-3", "memory.num_experts=4"],
+    "ultramem-v2": TINY_ULTRAMEM_V2,  # beside the FFN of every layer, from the pre-MLP norm's output
 }
 SP = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]
 RECOMPUTE = ["train.recompute_granularity=full", "train.recompute_method=uniform", "train.recompute_num_layers=1"]
@@ -39,6 +42,14 @@ CASES = {
         2,
     ),
     "tp2-skip-moe": ("skip-moe", SP, 2),
+    "tp2-v2": ("ultramem-v2", SP, 2),
+    "tp2-v2-async": ("ultramem-v2", SP + ["memory.async_stream=true"], 2),
+    "tp2-v2-recompute": ("ultramem-v2", SP + RECOMPUTE, 2),
+    "tp2-v2-number-async-recompute": (
+        "ultramem-v2",
+        SP + ["memory.partition=number", "memory.async_stream=true"] + RECOMPUTE,
+        2,
+    ),
     "tp2-mlp-moe": ("mlp-moe", SP, 2),
     "dp2xtp2": ("ultramem", SP, 4),
     "pp2xtp2-async-recompute": (

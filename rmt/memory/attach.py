@@ -16,9 +16,10 @@ output is viewed back: the memory reads the whole matrix and writes a full-matri
 
 Memory layers are replicated across tensor-parallel ranks (every TP rank holds the full hidden
 state without sequence parallelism, so they compute the same result and receive the same
-gradients). Under ``parallel.sequence_parallel`` a rank holds ``1 / TP`` of the sequence: the
-memory layer's input is all-gathered over the TP group first and each rank adds its own share
-of the output, so the memory layers compute and receive exactly what they do under TP alone.
+gradients). Under ``parallel.sequence_parallel`` a rank holds ``1 / TP`` of the sequence (layer
+i's output, or UltraMemV2's pre-MLP norm output): the memory layer's input is all-gathered over
+the TP group first and each rank adds its own share of the output, so the memory layers compute
+and receive exactly what they do under TP alone.
 Under ``train.recompute_granularity: full`` the hooks of a recomputed span fire again in the
 backward: every memory layer runs once, in the span's forward, on a graph of its own (the
 stream's links, :class:`~rmt.memory.stream.InlineStream` without the async stream), each hook
