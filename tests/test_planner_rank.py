@@ -154,3 +154,17 @@ def test_layout_search_lists_runnable_fitting_layouts_by_cost():
     for r in doc["fitting"][:5]:
         c = with_vocabulary(validate(load_config("configs/ultramem_tiny.yaml", r["overrides"]), world_size=4))
         assert plan_rank(c, 4, "cpu")["peak"] == r["peak"] <= 80 * 2**30
+
+
+def test_layout_search_offers_ultramem_v2_with_full_recompute_and_sequence_parallelism():
+    """UltraMemV2 (a memory inside every layer) takes both switches: on 2 ranks the fitting
+    layouts include full recompute, sequence parallelism and both together, and nothing is
+    rejected but the pipeline splits the 2 layers cannot take."""
+    doc = search("configs/ultramem_v2_tiny.yaml", [], 2, 80.0, device="cpu")
+    layouts = [r["layout"] for r in doc["fitting"]]
+    full = [x for x in layouts if x["recompute"] == "full"]
+    sp = [x for x in layouts if x["sequence_parallel"]]
+    assert full and sp and [x for x in full if x["sequence_parallel"]]
+    assert list(doc["rejected_reasons"]) == [
+        "model.num_layers (2) must be divisible by the number of pipeline stages (2 x virtual 2 = 4)"
+    ]
