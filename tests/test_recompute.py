@@ -5,7 +5,7 @@ TransformerBlock), the RMT, the recurrent transformer and the mixer (rmt.models.
 an UltraMem layer (synchronous, on the async stream, with the fused value optimizer), a PKM layer,
 a skip-placed MoE, MoE MLPs, and UltraMemV2 beside the FFN of every layer (the transformer's
 synchronous, on the async stream and with host tables; the RMT's, whose FFN norm the memory
-input passes), give bit for bit equal losses, gradients and weights. A
+input passes, synchronous and on the async stream), give bit for bit equal losses, gradients and weights. A
 recomputed span runs the same kernels on the same inputs with the same RNG state (dropout is
 on in one case) and the memory layers are not recomputed, so nothing may round differently.
 Each run also counts the spans recomputed in the backward (megatron's ``CheckpointFunction``)
@@ -58,6 +58,7 @@ ARCHS = {
     "transformer-v2-async": TINY_ULTRAMEM_V2 + ["memory.async_stream=true"],
     "transformer-v2-host": TINY_ULTRAMEM_V2 + ["memory.table_location=host", "memory.value_optimizer=sparse_adam"],
     "rmt-v2": TINY_ULTRAMEM_V2 + RMT,
+    "rmt-v2-async": TINY_ULTRAMEM_V2 + RMT + ["memory.async_stream=true"],
     "recurrent": ["model.arch=recurrent", "model.block_width=8", "model.hidden_size=16"],
     "mixer": ["model.arch=mixer", "model.hidden_size=16"],
 }
@@ -85,6 +86,7 @@ CASES = {
     "transformer-v2-host-uniform2": ("transformer-v2-host", UNIFORM + ["train.recompute_num_layers=2"], 2),
     "rmt-v2-uniform2": ("rmt-v2", UNIFORM + ["train.recompute_num_layers=2"], 2),
     "rmt-v2-block3": ("rmt-v2", BLOCK + ["train.recompute_num_layers=3"], 3),
+    "rmt-v2-async-uniform1": ("rmt-v2-async", UNIFORM + ["train.recompute_num_layers=1"], 4),
     "recurrent-block1": ("recurrent", BLOCK + ["train.recompute_num_layers=1"], 1),
     # tau runs 5 times per layer on 32 tokens in blocks of 8 (eq. 6, three times eq. 7, eq. 8)
     "recurrent-selective": ("recurrent", SELECTIVE, 4 * 5),

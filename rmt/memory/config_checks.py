@@ -235,12 +235,6 @@ def validate_ultramem_v2(config) -> None:
     """``memory.type: ultramem_v2`` (:mod:`rmt.memory.layer_v2`): its own keys and the UltraMem
     switches it has no use for (its key grid: :func:`validate_key_grid`)."""
     mem = config.memory
-    if mem.async_stream and config.model.arch != "transformer":
-        raise ConfigError(
-            "memory.async_stream with memory.type 'ultramem_v2' needs model.arch 'transformer': the "
-            "RMT's memories apply the layer's FFN norm themselves, whose gradient the stream's "
-            "backward would add concurrently with the layer's"
-        )
     if mem.query_batchnorm or mem.query_bias or mem.softmax:
         raise ConfigError(
             "memory.query_batchnorm, query_bias and softmax are PKM/UltraMem switches; "
