@@ -11,7 +11,7 @@ from rmt.config_checks import validate
 from rmt.models.build import build
 from rmt.planner import cli
 from rmt.planner.dense import dense_bytes_per_param
-from rmt.planner.layouts import search
+from rmt.planner.layouts import search, step_cost
 from rmt.planner.rank import in_flight, layout_of, plan_rank, rank_phases, stage_params, with_vocabulary
 from rmt.training.optimizer import is_table
 
@@ -168,3 +168,27 @@ def test_layout_search_offers_ultramem_v2_with_full_recompute_and_sequence_paral
     assert list(doc["rejected_reasons"]) == [
         "model.num_layers (2) must be divisible by the number of pipeline stages (2 x virtual 2 = 4)"
     ]
+
+
+@pytest.mark.parametrize(
+    "memory",
+    [
+        ["memory.type=ultramem", "memory.placement='1:2'"],
+        ["memory.type=ultramem_v2"],
+        ["memory.type=pkm", "memory.placement='1:2'"],
+        ["memory.type=moe", "memory.placement='1:2'"],
+    ],
+    ids=["ultramem", "ultramem_v2", "pkm", "skip-moe"],
+)
+def test_full_recompute_costs_the_dense_layers_only(memory):
+    """Memory layers are never recomputed (their links are replayed): full recomputation costs
+    the FLOPs of the same model without them, while an MoE replacing the MLPs is recomputed."""
+    full = ["train.recompute_granularity=full", "train.recompute_method=uniform", "train.recompute_num_layers=1"]
+
+    def flops(overrides):
+        config = with_vocabulary(validate(load_config("configs/tiny.yaml", full + overrides), world_size=1))
+        return step_cost(config, layout_of(config, 1), 25.0, 450.0, 400.0)["recomputed_flops"]
+
+    assert flops(memory) == flops([]) > 0
+    moe_mlp = ["memory.type=moe", "memory.moe_placement=mlp", "memory.placement=1-2", "memory.num_experts=4"]
+    assert flops(moe_mlp) > flops([])

@@ -16,7 +16,7 @@ distributed optimizer; pipeline sends, forward and backward; the memory tables' 
 micro-batch of the hidden state, ring ``2 (t - 1) / t``), each at ``nvlink_gbps`` when its group
 spans at most ``gpus_per_node`` GPUs (tensor parallel innermost, then data parallel, pipeline
 outermost, as megatron-core orders its groups) and at ``link_gbps`` otherwise, plus the
-recomputed forward FLOPs at ``tflops``, plus, for tables in host memory, the host-link transfer
+recomputed forward FLOPs at ``tflops`` (the dense layers': memory layers are never recomputed), plus, for tables in host memory, the host-link transfer
 time their overlap windows do not hide at ``host_link_gbps`` (:func:`rmt.planner.host.exposed_seconds`).
 """
 
@@ -138,7 +138,11 @@ def step_cost(
         from rmt.planner.flops import plan_model
 
         doc = plan_model(copy.deepcopy(config))
-        per_token_layer = (doc["flops_per_token"] - 2 * width * padded_vocab(config)) / m.num_layers
+        # memory layers are never recomputed (rmt.memory.attach relinks them); MoE MLPs are
+        # part of their layer and are
+        memory = doc.get("memory")
+        kept = memory["flops_per_token"] if memory and memory["placement"] != "mlp" else 0
+        per_token_layer = (doc["flops_per_token"] - kept - 2 * width * padded_vocab(config)) / m.num_layers
         if layout.recompute == "full":
             flops = per_token_layer * layers * T * mb / layout.tp
         else:  # the core attention: scores and weighted values over all N x N pairs
