@@ -7,20 +7,12 @@ plain optimizer with the losses of an uninterrupted run."""
 import pytest
 import torch
 
-from conftest import tiny_overrides, train_cases, train_runs
+from conftest import TINY_ULTRAMEM, tiny_overrides, train_cases, train_runs
 
 pytestmark = pytest.mark.slow
 
 DIST = ["train.distributed_optimizer=true"]
-ULTRAMEM = [
-    "model.seq_length=16",
-    "memory.type=ultramem",
-    "memory.placement='1:2'",
-    "memory.num_keys=8",
-    "memory.topk=4",
-    "memory.key_dim=16",
-    "memory.ive_blocks=4",
-]
+ULTRAMEM = TINY_ULTRAMEM
 MODELS = {
     "transformer": [],
     "ultramem_sharded_fused": ULTRAMEM
