@@ -58,7 +58,7 @@ rm -rf "$CKPT"
 fi
 if wanted architectures; then
 step "every architecture trains on the GPU in bf16 (a few steps each)"
-for config in tiny rmt_tiny recurrent_tiny mixer_tiny moe_tiny pkm_tiny ultramem_tiny; do
+for config in tiny rmt_tiny recurrent_tiny mixer_tiny moe_tiny pkm_tiny ultramem_tiny ultramem_v2_tiny; do
     echo "-- $config"
     $PY -m rmt.training.cli --config configs/$config.yaml train.steps=10 train.precision=bf16 \
         train.eval_interval=10 train.progress=false 2>&1 | tee -a "$OUT/architectures.log" | grep -E "final|rror"
@@ -66,7 +66,7 @@ done
 fi
 if wanted dense; then
 step "dense switches together on the GPU: bf16, distributed optimizer, full recomputation; saved, then resumed"
-for config in tiny rmt_tiny recurrent_tiny mixer_tiny ultramem_tiny; do
+for config in tiny rmt_tiny recurrent_tiny mixer_tiny ultramem_tiny ultramem_v2_tiny; do
     CKPT=$(mktemp -d)
     for steps in 10 20; do
         echo "-- $config to step $steps"
