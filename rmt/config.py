@@ -736,6 +736,22 @@ class MemoryConfig:
     the table (:mod:`rmt.memory.host_table`). Keys, queries and the dense model stay on the
     device; checkpoints read and write the host shards directly."""
 
+    host_cache_rows: Annotated[int, Range(ge=0)] = 0
+    """With ``table_location: host``: rows of each value table shard kept on the device with their
+    optimizer state, a write-back cache of the rows looked up most (0 = none; at most the shard's
+    rows). Lookups read cached rows there, only the others cross the host link; the cached rows'
+    gradients stay on the device, where ``value_optimizer`` steps them with the same update, so
+    the numbers are those of the uncached table. Device memory per table: the rows, their
+    optimizer state and 32 bytes of index per row (:mod:`rmt.memory.host_cache`;
+    ``rmt-plan memory --table-location host --cache-rows``)."""
+
+    host_cache_refresh: Annotated[int, Range(gt=0)] = 10
+    """Steps between the refreshes of the device cache (``host_cache_rows``): at the start of every
+    such step, once the host step has finished, the cache takes the rows the lookups since the
+    last refresh hit most often, writing evicted rows back to the host and reading admitted ones
+    with their optimizer state; a refresh waits for the host step that the next step's start
+    would otherwise overlap."""
+
 
 @dataclass
 class RMTConfig:

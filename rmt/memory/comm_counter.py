@@ -13,18 +13,27 @@ from typing import Dict
 
 
 class CommCounter:
-    """``forward`` / ``backward``: collective name -> bytes sent since the last :meth:`reset`."""
+    """``phases``: phase -> name -> bytes sent since the last :meth:`reset`; ``forward`` and
+    ``backward`` are a lookup's, other phases (a host table cache's ``step``, ``refresh`` and
+    ``flush``, :mod:`rmt.memory.host_cache`) appear on first use."""
 
     def __init__(self):
-        self.forward: Dict[str, int] = defaultdict(int)
-        self.backward: Dict[str, int] = defaultdict(int)
+        self.phases: Dict[str, Dict[str, int]] = {"forward": defaultdict(int), "backward": defaultdict(int)}
+
+    @property
+    def forward(self) -> Dict[str, int]:
+        return self.phases["forward"]
+
+    @property
+    def backward(self) -> Dict[str, int]:
+        return self.phases["backward"]
 
     def add(self, phase: str, name: str, nbytes: int) -> None:
-        getattr(self, phase)[name] += int(nbytes)
+        self.phases.setdefault(phase, defaultdict(int))[name] += int(nbytes)
 
     def reset(self) -> None:
-        self.forward.clear()
-        self.backward.clear()
+        for counts in self.phases.values():
+            counts.clear()
 
     def totals(self) -> Dict[str, int]:
         f, b = sum(self.forward.values()), sum(self.backward.values())

@@ -139,8 +139,13 @@ def validate_value_optimizer(mem) -> None:
 
 def validate_table_location(mem) -> None:
     """``memory.table_location: host``: value tables to hold, stepped on the host by a row-wise
-    optimizer from their gathered row gradients."""
+    optimizer from their gathered row gradients; ``memory.host_cache_rows`` caches rows of them."""
     if mem.table_location != "host":
+        if mem.host_cache_rows:
+            raise ConfigError(
+                f"memory.host_cache_rows caches rows of value tables held in host memory on the device: "
+                f"it needs memory.table_location 'host', got '{mem.table_location}'"
+            )
         return
     if mem.type not in ("ultramem", "ultramem_v2", "pkm"):
         raise ConfigError(

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from rmt.memory.host_table import host_table
-from rmt.ops.sparse_optim import coalesced
+from rmt.memory.host_table import host_cache, host_table
+from rmt.ops.sparse_optim import coalesced, row_square_sums
 from rmt.parallel import compat
 
 _CACHE: Dict[Tuple, Tuple] = {}
@@ -83,11 +83,18 @@ def attach_fused_updates(params: Iterable[torch.nn.Parameter], optimizer) -> Lis
     for p in params:
         if not getattr(p, "memory_sparse_grad", False):
             continue
-        sharded = getattr(p, "memory_sharded", False)
-        group = p.memory_replica_group if sharded else parallel_state.get_data_parallel_group()
+        group = replica_group(p)
         p.memory_fused_update = FusedValueUpdate(p, optimizer, group=group, grad_scale=scale)
         updates.append(p.memory_fused_update)
     return updates
+
+
+def replica_group(p: torch.nn.Parameter):
+    """The ranks holding copies of table ``p``'s shard, over which its gradient is summed: the
+    replica group of a sharded table, the data-parallel group of a local one."""
+    if getattr(p, "memory_sharded", False):
+        return p.memory_replica_group
+    return parallel_state.get_data_parallel_group()
 
 
 def self_reduced(p: torch.nn.Parameter) -> bool:
@@ -143,12 +150,13 @@ def excluded_from_ddp(module: torch.nn.Module) -> frozen:
     return frozen(self_reduced_params([module]))
 
 
-def sum_sparse_grads(grad: Optional[torch.Tensor], param: torch.Tensor, group) -> torch.Tensor:
+def sum_sparse_grads(grad: Optional[torch.Tensor], param: torch.Tensor, group, home=None) -> torch.Tensor:
     """Coalesced sum over ``group`` of the ranks' sparse row gradients of ``param`` (None: no
-    rows). The ranks' (rows, values) pairs are all-gathered, padded to the longest, and
-    concatenated in rank order, so every rank builds the same tensor; a host table's through the
-    compute device (NCCL's collectives take device tensors), the sum back on the host."""
-    home, device, shape = param.device, compat.device(), param.shape
+    rows), on ``home`` (default: ``param``'s device). The ranks' (rows, values) pairs are
+    all-gathered, padded to the longest, and concatenated in rank order, so every rank builds the
+    same tensor; a host table's through the compute device (NCCL's collectives take device
+    tensors), the sum back on the host."""
+    home, device, shape = torch.device(home or param.device), compat.device(), param.shape
     if grad is None:
         rows = torch.zeros(0, dtype=torch.int64, device=home)
         values = torch.zeros((0,) + tuple(shape[1:]), dtype=param.dtype, device=home)
@@ -190,10 +198,12 @@ def finish_memory_grads(modules: Iterable[torch.nn.Module]) -> None:
         if fused_update(p) is not None:
             fused_update(p).flush()
             continue
-        sharded = getattr(p, "memory_sharded", False)
-        group = p.memory_replica_group if sharded else parallel_state.get_data_parallel_group()
+        group = replica_group(p)
         if getattr(p, "memory_sparse_grad", False):
             p.grad = sum_sparse_grads(p.grad, p, group) * scale
+            cache = host_cache(p)
+            if cache is not None:
+                cache.grad = sum_sparse_grads(cache.take_grad(), p, group, home=cache.device) * scale
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -202,15 +212,11 @@ def finish_memory_grads(modules: Iterable[torch.nn.Module]) -> None:
         p.grad.mul_(scale)
 
 
-def square_sum(values: torch.Tensor, chunk_elements: int = 1 << 18) -> torch.Tensor:
-    """float64 sum of squares of ``values``, a bounded chunk of rows at a time: a float64 copy of a
-    table-sized gradient would cost twice the table."""
-    rows = values.reshape(values.shape[0], -1) if values.dim() else values.reshape(1, 1)
-    step = max(1, chunk_elements // max(rows.shape[1], 1))
-    total = torch.zeros((), dtype=torch.float64, device=values.device)
-    for r in range(0, rows.shape[0], step):
-        total += rows[r : r + step].double().pow(2).sum()
-    return total
+def square_sum(values: torch.Tensor) -> torch.Tensor:
+    """float64 sum of squares of ``values``: the sum of its rows' (:func:`row_square_sums`, in
+    row order), so that a gradient split by rows sums alike (a host table's cached rows,
+    :meth:`rmt.memory.host_cache.HostCache.grad_sq_norm`)."""
+    return row_square_sums(values).sum()
 
 
 def memory_grad_sq_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
@@ -233,6 +239,8 @@ def memory_grad_sq_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
             continue
         if fused_update(p) is not None:
             sq = torch.as_tensor(fused_update(p).pop_sq_norm(host=False), dtype=torch.float64, device=device)
+        elif host_cache(p) is not None:
+            sq = host_cache(p).grad_sq_norm(p.grad.detach())
         else:
             sq = square_sum(grad_values(p.grad.detach())).to(device)
         if getattr(p, "memory_sharded", False):

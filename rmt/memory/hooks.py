@@ -16,8 +16,14 @@ from megatron.core import parallel_state
 
 from rmt.memory.attach import pop_aux_loss, pop_memory_stats
 from rmt.memory.batchnorm import sync_running_stats
-from rmt.memory.groups import excluded_from_ddp, finish_memory_grads, fused_update, reduce_tables_outside_ddp
-from rmt.memory.host_table import wait_all
+from rmt.memory.groups import (
+    excluded_from_ddp,
+    finish_memory_grads,
+    fused_update,
+    reduce_tables_outside_ddp,
+    replica_group,
+)
+from rmt.memory.host_table import host_cache, settle_all
 from rmt.memory.table import values_from_checkpoint
 
 
@@ -31,7 +37,8 @@ class MemoryHooks:
       gradients the memory code reduces stay out of DDP's buffers);
     * :meth:`bind` once the chunks are wrapped and the optimizer is built (it finds the value
       tables stepped inside their lookups' backward, ``memory.fused_value_optimizer``);
-    * per step: :meth:`start_step`, then per micro-batch :meth:`before_forward` and
+    * per step: :meth:`start_step` (host tables' device caches refreshed when due), then per
+      micro-batch :meth:`before_forward` and
       :meth:`pop_aux_loss` (the auxiliary losses of the forward just run), and after the
       schedule's backward :meth:`after_backward` (gradients finished, statistics synchronised)
       before the optimizer reads any gradient;
@@ -75,8 +82,15 @@ class MemoryHooks:
 
     # -- one step ----------------------------------------------------------------------
     def start_step(self) -> None:
-        """Before the step's schedule: no micro-batch has run yet."""
+        """Before the step's schedule: no micro-batch has run yet. The device caches of host
+        tables whose refresh is due admit and evict rows (``memory.host_cache_refresh``,
+        :meth:`rmt.memory.host_cache.HostCache.refresh`; collective over each table's replicas)."""
         self._forwards = [0] * len(self.chunks)
+        for chunk in self.chunks:
+            for p in chunk.parameters():
+                cache = host_cache(p)
+                if cache is not None and cache.due:
+                    cache.refresh(replica_group(p))
 
     def before_forward(self, chunk: int) -> None:
         """Before a micro-batch's forward through chunk number ``chunk``: the fused value
@@ -98,9 +112,9 @@ class MemoryHooks:
         sync_running_stats(self.chunks, parallel_state.get_data_parallel_group())
 
     def settle(self) -> None:
-        """Finish the host-memory tables' steps still running on their thread
-        (``memory.table_location: host``, :mod:`rmt.memory.host_table`)."""
-        wait_all(self.chunks)
+        """Finish the host-memory tables' steps still running on their thread and write their
+        device caches back (``memory.table_location: host``, :mod:`rmt.memory.host_table`)."""
+        settle_all(self.chunks)
 
     # -- logging -----------------------------------------------------------------------
     def pop_stats(self) -> Dict[str, float]:

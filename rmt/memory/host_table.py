@@ -22,15 +22,21 @@ step
     :mod:`rmt.ops.sparse_optim`) steps the touched rows on a host thread of its own
     (:meth:`HostTable.launch_step`), beside the dense optimizer's step and the next step's start.
     Every read of the shard (the next lookup, a checkpoint, an evaluation) first waits for that
-    step (:meth:`HostTable.wait`), so no step reads a row before the previous step's update of it.
+    step (:meth:`HostTable.wait`), so no step reads a row before the previous step's update of it;
+    a whole-shard read also writes the cache back first (:func:`settle_all`).
 
 The numbers are those of the device table: the same gradient rows (summed in the same order up
 to the row's lookups), the same reduction, clipping, optimizer and learning rate.
 
+With ``memory.host_cache_rows`` a table keeps its most looked-up rows and their optimizer state on
+the device (:mod:`rmt.memory.host_cache`): lookups read those there, their gradients stay there
+and the table's optimizer steps them there; only the other rows cross as above.
+
 Each table counts what crosses the host link (``link``, a
 :class:`~rmt.memory.comm_counter.CommCounter`: forward ``d2h_indices`` and ``h2d_rows``, backward
-``d2h_row_grads``) and the device bytes its staged rows hold (``staged_bytes`` now,
-``staged_peak`` since :meth:`reset_peak`); ``rmt-plan memory --table-location host`` plans both.
+``d2h_row_grads``; a cache's own traffic under ``step``, ``refresh`` and ``flush``) and the
+device bytes its staged rows hold (``staged_bytes`` now, ``staged_peak`` since
+:meth:`reset_peak`); ``rmt-plan memory --table-location host`` plans both.
 """
 
 from __future__ import annotations
@@ -43,10 +49,8 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from rmt.memory.comm_counter import CommCounter
+from rmt.memory.host_cache import INDEX_BYTES, Hits, HostCache, sparse_rows
 from rmt.ops import lookup_reduce
-from rmt.ops.sparse_optim import coalesced
-
-INDEX_BYTES = 8  # the distinct rows' indices travel to the host as int64
 
 _POOL: Optional[ThreadPoolExecutor] = None
 
@@ -66,28 +70,31 @@ def host_tensor(shape, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
 
 
 class _Stage(torch.autograd.Function):
-    """The staged rows ``weight[rows]`` on the device; the backward hands their gradient to the
-    table (:meth:`HostTable.add_grad`) instead of returning one for ``weight``."""
+    """A lookup's distinct rows, staged on the device (:meth:`HostTable.read`); the backward
+    hands their gradient to the table (:meth:`HostTable.write_grad`) instead of returning one
+    for ``weight``."""
 
     @staticmethod
-    def forward(ctx, weight, rows, table):
-        ctx.rows, ctx.table = rows, table
-        return table.fetch(rows)
+    def forward(ctx, weight, rows, hits, table):
+        ctx.rows, ctx.hits, ctx.table = rows, hits, table
+        return table.read(rows, hits)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        ctx.table.add_grad(ctx.rows, grad)
-        return None, None, None
+        ctx.table.write_grad(ctx.rows, ctx.hits, grad)
+        return None, None, None, None
 
 
 class HostTable:
-    """The host-memory shard ``weight`` (a CPU parameter) of a table looked up on ``device``.
+    """The host-memory shard ``weight`` (a CPU parameter) of a table looked up on ``device``;
+    with ``cache_rows`` a :class:`~rmt.memory.host_cache.HostCache` of that many rows on the
+    device (``cache``), refreshed every ``cache_refresh`` steps.
 
     ``lookup`` and ``gather`` are the two reads the lookup routes make of a shard (the device
     shard's are :class:`rmt.memory.table.DeviceRows`)."""
 
-    def __init__(self, weight: torch.nn.Parameter, device):
+    def __init__(self, weight: torch.nn.Parameter, device, cache_rows: int = 0, cache_refresh: int = 1):
         self.weight = weight
         self.device = torch.device(device)
         self.pinned = self.device.type == "cuda"
@@ -97,6 +104,7 @@ class HostTable:
         self._lock = threading.Lock()
         self._grads: List[Tuple[torch.Tensor, torch.Tensor, Optional[torch.cuda.Event]]] = []
         self._pending: Optional[Future] = None
+        self.cache = HostCache(self, cache_rows, cache_refresh) if cache_rows else None
 
     @property
     def shape(self) -> torch.Size:
@@ -105,11 +113,24 @@ class HostTable:
     # -- reads --------------------------------------------------------------------------
     def stage(self, indices: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(staged, inverse)``: the distinct rows of ``indices`` (local row numbers, any shape,
-        on the device) staged on the device, and each index's position among them."""
+        on the device) staged on the device, and each index's position among them. Rows the
+        cache holds are read there; the others' indices go to the host."""
         unique, inverse = torch.unique(indices.reshape(-1).long(), sorted=True, return_inverse=True)
+        hits = None
+        if self.cache is not None:
+            hits = self.cache.find(unique)
+            unique = unique[hits.missed]
         rows = unique.to("cpu")
         self.link.add("forward", "d2h_indices", rows.numel() * INDEX_BYTES)
-        return _Stage.apply(self.weight, rows, self), inverse.view(indices.shape)
+        if hits is not None:
+            self.cache.record(hits, rows, inverse)
+        staged = _Stage.apply(self.weight, rows, hits, self)
+        nbytes = staged.numel() * staged.element_size()
+        with self._lock:
+            self.staged_bytes += nbytes
+            self.staged_peak = max(self.staged_peak, self.staged_bytes)
+        weakref.finalize(staged, self._released, nbytes)
+        return staged, inverse.view(indices.shape)
 
     def lookup(self, indices, scores, block_ids=None, num_blocks: int = 1, validate: bool = False):
         """``lookup_reduce`` of the shard (``validate`` is kept for the device shard's signature:
@@ -123,6 +144,18 @@ class HostTable:
         staged, inverse = self.stage(rows)
         return staged.index_select(0, inverse)
 
+    def read(self, rows: torch.Tensor, hits: Optional[Hits]) -> torch.Tensor:
+        """A lookup's distinct rows on the device: the host's ``rows`` (fetched) and, given
+        ``hits``, the cached rows, in the order of the lookup's distinct rows."""
+        if hits is None:
+            return self.fetch(rows)
+        out = torch.empty((hits.total, self.weight.shape[1]), dtype=self.weight.dtype, device=self.device)
+        if hits.pos.numel():
+            out.index_copy_(0, hits.pos, self.cache.read(hits))
+        if rows.numel():
+            out.index_copy_(0, hits.missed, self.fetch(rows))
+        return out
+
     def fetch(self, rows: torch.Tensor) -> torch.Tensor:
         """The rows ``rows`` (a host index tensor) as a new device tensor, once this table's
         pending step is done."""
@@ -130,12 +163,7 @@ class HostTable:
         buf = host_tensor((rows.numel(), self.weight.shape[1]), self.weight.dtype, self.pinned)
         torch.index_select(self.weight.detach(), 0, rows, out=buf)
         out = buf.to(self.device, non_blocking=True)
-        nbytes = out.numel() * out.element_size()
-        self.link.add("forward", "h2d_rows", nbytes)
-        with self._lock:
-            self.staged_bytes += nbytes
-            self.staged_peak = max(self.staged_peak, self.staged_bytes)
-        weakref.finalize(out, self._released, nbytes)
+        self.link.add("forward", "h2d_rows", out.numel() * out.element_size())
         return out
 
     def _released(self, nbytes: int) -> None:
@@ -147,6 +175,17 @@ class HostTable:
             self.staged_peak = self.staged_bytes
 
     # -- gradients ----------------------------------------------------------------------
+    def write_grad(self, rows: torch.Tensor, hits: Optional[Hits], grad: torch.Tensor) -> None:
+        """The gradient ``grad`` of a lookup's staged rows: the cached rows' stays on the device
+        (:meth:`HostCache.add_grad`), the others' goes to the host (:meth:`add_grad`)."""
+        if hits is None:
+            self.add_grad(rows, grad)
+            return
+        if rows.numel():
+            self.add_grad(rows, grad.index_select(0, hits.missed))
+        if hits.pos.numel():
+            self.cache.add_grad(hits.rows, grad.index_select(0, hits.pos))
+
     def add_grad(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
         """Keep the staged rows' gradient ``grad`` (device) for ``rows`` (host): copied to the
         host without waiting on a GPU; once the kept rows outnumber the shard's, summed into one
@@ -166,18 +205,15 @@ class HostTable:
             self._grads = [(merged.indices()[0], merged.values(), None)]
 
     def take_grad(self) -> Optional[torch.Tensor]:
-        """The step's gradient of the shard so far, a coalesced sparse host tensor (None when no
-        lookup was differentiated); clears it."""
+        """The step's gradient of the shard's uncached rows so far, a coalesced sparse host tensor
+        (None when no lookup was differentiated); clears it."""
         if not self._grads:
             return None
         for _, _, event in self._grads:
             if event is not None:
                 event.synchronize()
-        rows = torch.cat([r for r, _, _ in self._grads])
-        values = torch.cat([v for _, v, _ in self._grads])
-        self._grads = []
-        grad = torch.sparse_coo_tensor(rows.unsqueeze(0), values, tuple(self.weight.shape), check_invariants=False)
-        return coalesced(grad)
+        grads, self._grads = [(r, v) for r, v, _ in self._grads], []
+        return sparse_rows(grads, self.weight.shape)
 
     # -- the host step ------------------------------------------------------------------
     def launch_step(self, step: Callable[[], None]) -> None:
@@ -198,21 +234,30 @@ def host_table(p: torch.nn.Parameter) -> Optional[HostTable]:
     return getattr(p, "memory_host", None)
 
 
+def host_cache(p: torch.nn.Parameter) -> Optional[HostCache]:
+    """The device cache of ``p``'s host table (``memory.host_cache_rows``), or None."""
+    table = host_table(p)
+    return None if table is None else table.cache
+
+
 def host_tables(modules) -> List[HostTable]:
     return [host_table(p) for m in modules for p in m.parameters() if host_table(p) is not None]
 
 
-def wait_all(modules) -> None:
-    """Wait for the launched steps of every host table of ``modules`` (before reading them:
-    a checkpoint, an evaluation, the end of training)."""
+def settle_all(modules) -> None:
+    """Wait for the launched steps of every host table of ``modules`` and write their cached rows
+    back (before reading them whole: a checkpoint, an evaluation, the end of training)."""
     for table in host_tables(modules):
         table.wait()
+        if table.cache is not None:
+            table.cache.flush()
 
 
 def launch_host_steps(optimizer: torch.optim.Optimizer) -> List[torch.nn.Parameter]:
     """Launch the step of every host table ``optimizer`` holds with its gradient and a copy of
-    its param group (the scheduler sets the next ``lr`` meanwhile); returns those tables, which
-    the optimizer's own ``step`` must then skip (:func:`held_back`)."""
+    its param group (the scheduler sets the next ``lr`` meanwhile), its cached rows stepped on the
+    device first (:meth:`HostCache.step`); returns those tables, which the optimizer's own
+    ``step`` must then skip (:func:`held_back`)."""
     launched = []
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -220,6 +265,8 @@ def launch_host_steps(optimizer: torch.optim.Optimizer) -> List[torch.nn.Paramet
             if table is None or p.grad is None:
                 continue
             snapshot, grad = dict(group), p.grad
+            if table.cache is not None:
+                table.cache.step(optimizer, snapshot)
             table.launch_step(lambda snapshot=snapshot, p=p, grad=grad: optimizer.step_param(snapshot, p, grad))
             launched.append(p)
     return launched

@@ -73,6 +73,8 @@ class MemorySpec:
     init_std: float = ModelConfig.init_std
     sparse_grad: bool = False  # value table gradients as touched rows (sparse optimizers)
     value_dtype: torch.dtype = torch.float32  # storage dtype of the value table (memory.value_dtype)
+    host_cache_rows: int = 0  # rows of a host table's shard cached on the device (memory.host_cache_rows)
+    host_cache_refresh: int = _MEM.host_cache_refresh  # steps between the cache's refreshes
     seed: int = 0
     version: int = 1  # 2: UltraMemV2 (:mod:`rmt.memory.layer_v2`)
     pre_value_dim: int = 0  # UltraMemV2: width of the PEER-style pre-values (0: none)
@@ -105,6 +107,8 @@ class MemorySpec:
             query_bias=mem.query_bias,
             value_init_std=mem.value_init_std,
             value_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[mem.value_dtype],
+            host_cache_rows=mem.host_cache_rows,
+            host_cache_refresh=mem.host_cache_refresh,
         )
         if mem.type == "ultramem_v2":
             return cls(
@@ -201,6 +205,8 @@ class MemorySpec:
             sparse_grad=self.sparse_grad,
             init_key=self.value_init_key,
             dtype=self.value_dtype,
+            host_cache_rows=self.host_cache_rows,
+            host_cache_refresh=self.host_cache_refresh,
             **sharding,
         )
 
@@ -214,6 +220,8 @@ class MemorySpec:
             sparse_grad=self.sparse_grad,
             init_key=stream_key(self.seed, "memory.pre_values"),
             dtype=self.value_dtype,
+            host_cache_rows=self.host_cache_rows,
+            host_cache_refresh=self.host_cache_refresh,
             **sharding,
         )
 
@@ -419,7 +427,8 @@ class MemoryLayer(torch.nn.Module):
     def pop_stats(self, group=None) -> Dict[str, float]:
         """Fraction of physical slots hit (:meth:`MemoryTable.pop_hit_fraction`), mean/max top-1
         score and mean top-m score since the last call (reduced over ``group``, e.g. the
-        data-parallel ranks: a few scalars); resets the counters."""
+        data-parallel ranks: a few scalars), and with a device cache of a host table its hit
+        fractions (:meth:`MemoryTable.pop_cache_stats`); resets the counters."""
         stats = self.score_stats.clone()
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             sums = stats[[0, 2, 3]].clone()
@@ -434,4 +443,5 @@ class MemoryLayer(torch.nn.Module):
             "top1_score_mean": float(stats[0]) / count,
             "top1_score_max": float(stats[1]),
             "topm_score_mean": float(stats[2]) / count,
+            **self.values.pop_cache_stats(group),
         }

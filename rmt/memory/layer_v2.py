@@ -138,8 +138,9 @@ class UltraMemV2Layer(MemoryLayer):
         return out.reshape(seq, b, s.hidden_size)
 
     def pop_stats(self, group=None) -> Dict[str, float]:
-        """:meth:`MemoryLayer.pop_stats` (the values' slot usage); the pre-value table, hit at
-        the same slots, resets its counters too."""
+        """:meth:`MemoryLayer.pop_stats` (the values' slot usage and cache hits); the pre-value
+        table, hit at the same slots, resets its counters too."""
         if self.pre_values is not None:
             self.pre_values.pop_hit_fraction(group)
+            self.pre_values.pop_cache_stats(group)
         return super().pop_stats(group)

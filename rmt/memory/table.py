@@ -8,7 +8,7 @@ and D; :mod:`rmt.memory.sharded_table`) plug in here without touching the layers
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -151,7 +151,10 @@ class MemoryTable(torch.nn.Module):
     ``counter`` counts the bytes sent per collective. ``location`` ``"host"``
     (``memory.table_location``): the shard lives in host memory and every lookup stages its distinct rows on ``device`` (:mod:`rmt.memory.host_table`; the
     :class:`~rmt.memory.host_table.HostTable` is ``host``, and ``weight.memory_host``); it needs
-    ``sparse_grad`` and stays on the host when the module is moved.
+    ``sparse_grad`` and stays on the host when the module is moved. ``host_cache_rows`` (host
+    only, ``memory.host_cache_rows``): that many of the shard's rows are cached on ``device`` with
+    their optimizer state, refreshed every ``host_cache_refresh`` steps
+    (:mod:`rmt.memory.host_cache`; :meth:`pop_cache_hit_fraction`).
     """
 
     def __init__(
@@ -172,12 +175,18 @@ class MemoryTable(torch.nn.Module):
         init_key: int = 0,
         device=None,
         location: str = "device",
+        host_cache_rows: int = 0,
+        host_cache_refresh: int = 1,
     ):
         super().__init__()
         if location not in LOCATIONS:
             raise ValueError(f"MemoryTable location must be one of {LOCATIONS}, got {location!r}")
         if location == "host" and not sparse_grad:
             raise ValueError("a host MemoryTable is stepped from its touched rows: it needs sparse_grad")
+        if host_cache_rows and location != "host":
+            raise ValueError(
+                "a MemoryTable caches rows of a host shard on the device: host_cache_rows needs location host"
+            )
         if partition not in PARTITIONS:
             raise ValueError(f"MemoryTable partition must be one of {PARTITIONS}, got {partition!r}")
         P = 1 if partition == "local" else dist.get_world_size(group)
@@ -215,7 +224,7 @@ class MemoryTable(torch.nn.Module):
         self.weight.memory_value = True
         self.host = None
         if location == "host":
-            self.host = self.weight.memory_host = HostTable(self.weight, compute)
+            self.host = self.weight.memory_host = HostTable(self.weight, compute, host_cache_rows, host_cache_refresh)
         if sparse_grad:
             self.weight.memory_sparse_grad = True
             self.weight.register_post_accumulate_grad_hook(_bound_sparse_grad)
@@ -354,6 +363,30 @@ class MemoryTable(torch.nn.Module):
             total = self.num_slots * replicas
         self.hits.zero_()
         return float(count) / total
+
+    @torch.no_grad()
+    def pop_cache_stats(self, group=None) -> Dict[str, float]:
+        """With a device cache of the host shard (``host_cache_rows``): the fraction of the
+        training lookups' distinct rows it served (``host_cache_hit_fraction``) and of their
+        indices (``host_cache_lookup_hit_fraction``) since the last call, summed over ``group``
+        (a local table's data-parallel copies) or over the memory-parallel group and its replicas
+        (a sharded one: the owners' counts), as :meth:`pop_hit_fraction`; resets the counters.
+        Empty without a cache."""
+        cache = self.host.cache if self.host is not None else None
+        if cache is None:
+            return {}
+        c = cache.pop_counts()
+        counts = torch.tensor([c["row_hits"], c["rows"], c["lookup_hits"], c["lookups"]], dtype=torch.int64)
+        counts = counts.to(self.hits.device)
+        groups = [group] if self.partition == "local" else [self.group, self.replica_group]
+        for g in groups:
+            if g is not None and dist.is_initialized() and dist.get_world_size(g) > 1:
+                dist.all_reduce(counts, group=g)
+        row_hits, rows, lookup_hits, lookups = counts.tolist()
+        return {
+            "host_cache_hit_fraction": row_hits / max(rows, 1),
+            "host_cache_lookup_hit_fraction": lookup_hits / max(lookups, 1),
+        }
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """The weight as a shard of the global ``[num_slots, dim]`` tensor, so checkpoints

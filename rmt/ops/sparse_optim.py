@@ -99,6 +99,11 @@ def coalesced(grad):
     marked uncoalesced, and ``coalesce()`` would sort and copy all its rows again (120 us for 127k
     rows of 64 on an H100, as long as the op's whole backward). One comparison of neighbouring
     rows tells; the flag is then set on ``grad`` itself.
+
+    On the CPU a row's repeated entries are summed in the order they are stored (``index_add_``),
+    where torch's ``coalesce`` sums them in an order that depends on the other rows: so the rows
+    of a gradient split in parts sum alike in each part (a host table's cached rows,
+    :mod:`rmt.memory.host_cache`, whose run equals the uncached one bit for bit).
     """
     if not grad.is_sparse or grad.is_coalesced():
         return grad
@@ -106,6 +111,13 @@ def coalesced(grad):
         rows = grad._indices()[0]
         if rows.numel() < 2 or bool((rows[1:] > rows[:-1]).all()):
             return grad._coalesced_(True)
+        if grad.device.type == "cpu":
+            unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
+            values = grad._values()
+            sums = values.new_zeros((unique.numel(),) + tuple(values.shape[1:])).index_add_(0, inverse, values)
+            return torch.sparse_coo_tensor(unique.unsqueeze(0), sums, grad.shape, check_invariants=False)._coalesced_(
+                True
+            )
     return grad.coalesce()
 
 
@@ -115,6 +127,18 @@ def rows_and_values(grad):
         grad = coalesced(grad)
         return grad.indices()[0], grad.values()
     return torch.arange(grad.shape[0], device=grad.device), grad
+
+
+def row_square_sums(values: torch.Tensor, chunk_elements: int = 1 << 18) -> torch.Tensor:
+    """float64 sum of squares of each row of ``values`` (``[U]``), a bounded chunk of rows at a
+    time (a float64 copy of a table-sized gradient would cost twice the table). Each row's sum
+    depends on that row alone, so the rows of a gradient split in two parts give the same sums."""
+    rows = values.flatten(1) if values.dim() > 1 else values.reshape(-1, 1)
+    step = max(1, chunk_elements // max(rows.shape[1], 1))
+    sums = [rows[r : r + step].double().pow(2).sum(1) for r in range(0, rows.shape[0], step)]
+    if len(sums) == 1:
+        return sums[0]
+    return torch.cat(sums) if sums else torch.zeros(0, dtype=torch.float64, device=values.device)
 
 
 class _StateDtypes:
@@ -185,14 +209,16 @@ class SparseAdam(_StateDtypes, torch.optim.SparseAdam):
         return loss
 
     @torch.no_grad()
-    def step_param(self, group: dict, p, grad) -> None:
+    def step_param(self, group: dict, p, grad, state=None) -> None:
         """One table's step with gradient ``grad`` and ``group``'s hyper-parameters (a copy of its
         param group may be passed: a host table steps on a thread of its own,
-        :mod:`rmt.memory.host_table`, while the scheduler sets the next step's ``lr``)."""
+        :mod:`rmt.memory.host_table`, while the scheduler sets the next step's ``lr``). ``state``:
+        the state of ``p`` when it is not this optimizer's own (the rows a host table caches on the
+        device, :mod:`rmt.memory.host_cache`, with their moments and the table's step count)."""
         if not grad.is_sparse:
             raise RuntimeError("SparseAdam does not support dense gradients, please consider Adam instead")
         beta1, beta2 = group["betas"]
-        state = self.state[p]
+        state = self.state[p] if state is None else state
         if not state:
             state.update(self.initial_state(p))
         state["step"] += 1
@@ -267,12 +293,12 @@ class RowWiseAdagrad(_StateDtypes, torch.optim.Optimizer):
         return loss
 
     @torch.no_grad()
-    def step_param(self, group: dict, p, grad) -> None:
-        """One table's step with gradient ``grad`` and ``group``'s hyper-parameters (see
-        :meth:`SparseAdam.step_param`)."""
+    def step_param(self, group: dict, p, grad, state=None) -> None:
+        """One table's step with gradient ``grad``, ``group``'s hyper-parameters and ``state``
+        (see :meth:`SparseAdam.step_param`)."""
         if p.dim() != 2:
             raise ValueError(f"RowWiseAdagrad: parameters must be 2-D tables; got shape {tuple(p.shape)}")
-        state = self.state[p]
+        state = self.state[p] if state is None else state
         if not state:
             state.update(self.initial_state(p))
         rows, values = rows_and_values(grad)

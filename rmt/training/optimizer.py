@@ -40,7 +40,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from rmt.config import RMTConfig
 from rmt.memory.groups import attach_fused_updates, frozen, memory_grad_sq_norm, self_reduced
-from rmt.memory.host_table import held_back, launch_host_steps
+from rmt.memory.host_table import held_back, host_cache, launch_host_steps
 from rmt.memory.optim import ValueLRScheduler, split_value_group
 from rmt.models.rmt import RMT_KEY_MATRICES
 from rmt.ops.sparse_optim import RowWiseAdagrad, SparseAdam
@@ -199,6 +199,12 @@ class Optimizers:
         self.dense.zero_grad(set_to_none=set_to_none)
         for o in self.tables:
             o.zero_grad(set_to_none=set_to_none)
+        for cache in self._caches():
+            cache.grad = None
+
+    def _caches(self) -> list:
+        """The device caches of the host tables (``memory.host_cache_rows``)."""
+        return [host_cache(p) for p in self._owner if host_cache(p) is not None]
 
     def prepare_grads(self) -> None:
         """megatron's gradients into its main parameters (their shards with the distributed
@@ -210,8 +216,10 @@ class Optimizers:
                 p.grad = p.main_grad if p.main_grad.dtype == p.dtype else p.main_grad.to(p.dtype)
 
     def grads(self) -> List[torch.Tensor]:
-        """Every gradient the step applies (megatron's main gradients, the tables')."""
+        """Every gradient the step applies (megatron's main gradients, the tables', a host table's
+        cached rows')."""
         out = [g for o in self.dense_optimizers for g in _main_grads(o)]
+        out += [c.grad for c in self._caches() if c.grad is not None]
         return out + [p.grad for p in self._owner if p.grad is not None]
 
     def grad_sq_norm(self) -> torch.Tensor:

@@ -27,6 +27,7 @@ from typing import Dict, Iterable, List, Tuple
 import torch
 
 from rmt.errors import UserError
+from rmt.memory.host_table import host_cache
 from rmt.parallel.sharding import Shard, shards
 from rmt.planner.memory import CHECKPOINT_CHUNK_BYTES
 
@@ -160,8 +161,11 @@ def _read_overlap(block: dict, target: torch.Tensor, row0: int, col0: int, chunk
 
 def load_tables(root: str, chunks, optimizer, chunk_bytes: int = CHUNK_BYTES) -> None:
     """Fill every table shard of ``chunks`` (and its optimizer states, which must exist) in place
-    from the blocks saved under ``root``, whatever layout saved them."""
+    from the blocks saved under ``root``, whatever layout saved them; a host table's device cache
+    forgets its rows (``memory.host_cache_rows``: the next refresh admits rows anew)."""
     for shard in table_shards(chunks):
+        if host_cache(shard.param) is not None:
+            host_cache(shard.param).clear()
         for name, tensor in table_tensors(shard, optimizer).items():
             row0, col0, global_shape = _block(shard, name)
             blocks = _saved_blocks(root, shard.key, name)

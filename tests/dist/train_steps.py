@@ -1,8 +1,8 @@
 """Train a few steps under the current launch (plain python or torchrun) and save, on global
 rank 0, the loss history, the full (reassembled) parameters and gradients (``.grad``, which
 the trainer points at megatron DDP's ``main_grad`` and which sharded or sparse-gradient memory
-tables, outside DDP, fill directly; sparse ones are saved dense, tables stepped in their backward
-as zeros), the weight average (``train.ema_decay``) and every rank's running statistics.
+tables, outside DDP, fill directly; sparse ones are saved dense, with a host table's cached rows',
+tables stepped in their backward as zeros), the value tables' optimizer states of every rank, the weight average (``train.ema_decay``) and every rank's running statistics.
 
     python -m torch.distributed.run --nproc_per_node=2 tests/dist/train_steps.py OUT.pt key=value... [-- OUT2.pt key=value...]
 
@@ -53,6 +53,8 @@ def record(overrides):
         torch.distributed.all_gather_object(held, optimizer_held(trainer))
         host = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(host, host_tables(trainer))
+        states = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(states, table_states(trainer))
         if torch.distributed.get_rank() != 0:
             return None
         return {
@@ -60,6 +62,7 @@ def record(overrides):
             "running_stats": every_rank,
             "optimizer_held": held,
             "host": host,
+            "table_states": states,
             "grad_norms": [m["grad_norm"] for m in history],
             "val": [m.get("val_loss") for m in history],
             "grads": grads,
@@ -73,18 +76,44 @@ def record(overrides):
 
 def host_tables(trainer):
     """What each host-memory table of this rank moved and staged (memory.table_location: host),
-    by global name: its link counters and its staged bytes now and at most."""
-    return {
-        n: {
-            "forward": dict(m.host.link.forward),
-            "backward": dict(m.host.link.backward),
-            "staged_peak": m.host.staged_peak,
-            "staged_now": m.host.staged_bytes,
-        }
-        for c in trainer.chunks
-        for n, m in c.module.named_modules()
-        if getattr(m, "host", None) is not None
-    }
+    by global name: its link counters and its staged bytes now and at most; with a device cache
+    (memory.host_cache_rows) also the cache's counters, the bytes its hits saved, the device bytes
+    it holds and the rows it holds."""
+    out = {}
+    for c in trainer.chunks:
+        for n, m in c.module.named_modules():
+            if getattr(m, "host", None) is None:
+                continue
+            link = m.host.link
+            out[n] = {
+                "forward": dict(link.forward),
+                "backward": dict(link.backward),
+                "other": {phase: dict(v) for phase, v in link.phases.items() if phase not in ("forward", "backward")},
+                "staged_peak": m.host.staged_peak,
+                "staged_now": m.host.staged_bytes,
+            }
+            cache = m.host.cache
+            if cache is not None:
+                out[n]["cache"] = {
+                    "counts": cache.pop_counts(),
+                    "saved": {phase: dict(v) for phase, v in cache.saved.phases.items()},
+                    "device_bytes": cache.device_bytes,
+                    "rows": cache.rows.sorted_rows.tolist(),
+                }
+    return out
+
+
+def table_states(trainer):
+    """The value tables' optimizer state on this rank, by global name (host tables' after their
+    caches were written back, as a checkpoint reads it)."""
+    out = {}
+    for c in trainer.chunks:
+        names = {p: n for n, p in c.module.named_parameters()}
+        for p, name in names.items():
+            if getattr(p, "memory_value", False) and p in trainer.optimizer.state:
+                state = trainer.optimizer.state[p]
+                out[name] = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
+    return out
 
 
 def optimizer_held(trainer):
@@ -126,6 +155,9 @@ def step_gradients(trainer):
                 full[p] = (
                     torch.zeros_like(p) if p.grad is None else p.grad.to_dense() if p.grad.is_sparse else p.grad
                 ).float()
+                cache = getattr(p, "memory_host", None) and p.memory_host.cache
+                if cache is not None and cache.grad is not None:  # the cached rows' part, disjoint
+                    full[p] += cache.grad.to_dense().to(full[p].device).float()
                 continue
             grad = torch.zeros(p.numel(), dtype=torch.float32)
             if p in states:
