@@ -246,3 +246,46 @@ def test_checkpoint_with_cache_is_the_uncached_one(cache_dir, tmp_path):
     for key, value in cached["params"].items():
         assert torch.equal(resumed["params"][key], value), key
     assert_same_states(cached, resumed)
+
+
+PARALLEL = {
+    # name: (optimizer, processes, overrides, ranks caching the same rows)
+    "dp2-local-async": ("sparse_adam", 2, ["memory.async_stream=true"], [(0, 1)]),
+    "dp2-dimension": ("sparse_adam", 2, ["memory.partition=dimension"], [(0, 1)]),  # each sees every lookup
+    "tp2xdp2-number-owner-reduce-replicas": (
+        "rowwise_adagrad",
+        4,
+        [
+            "parallel.tensor_model_parallel_size=2",
+            "memory.partition=number",
+            "memory.owner_reduce=true",
+            "memory.group_size=2",
+        ],
+        [(0, 2), (1, 3)],  # the replicas of each owner's shard
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(PARALLEL))
+def test_parallel_cached_host_tables_equal_uncached(cache_dir, tmp_path, layout):
+    """Under DP=2 (local on the async stream; dimension-wise) and TP=2 x DP=2 (number-wise with
+    owner-side pooling over groups of 2, so every shard has a replica), four steps refreshing
+    every step, in one launch: the cached run equals the uncached host table and the device table
+    of the same layout bit for bit, every rank's tables and optimizer states included; the
+    replicas of a shard cache the same rows."""
+    optimizer, nproc, extra, alike = PARALLEL[layout]
+    extra = [f"memory.value_optimizer={optimizer}"] + extra
+    runs = {
+        name: (tmp_path / f"{name}.pt", overrides(cache_dir, extra + more, steps=4))
+        for name, more in (("device", []), ("host", HOST), ("cached", HOST + CACHE))
+    }
+    got = train_runs(dict(runs.values()), nproc)
+    device, host, cached = (got[path] for path, _ in runs.values())
+    assert_equal(device, cached)
+    assert_equal(host, cached)
+    assert_same_states(host, cached)
+    assert_link_is_uncached_less_hits(host, cached)
+    for a, b in alike:
+        tables = cached["host"][a]
+        assert tables and all(t["cache"]["rows"] == cached["host"][b][n]["cache"]["rows"] for n, t in tables.items())
