@@ -17,6 +17,7 @@ from rmt.planner.cli import main
 from rmt.planner.memory import (
     TablePlan,
     components,
+    hit_fraction,
     host_phases,
     lookups_staged,
     phases,
@@ -349,3 +350,153 @@ def test_the_first_pipeline_stage_holds_the_staged_rows_of_its_micro_batches_in_
     c = components(plan)
     one = phases(replace(plan, staged_layers=1), keys=False)["step"]
     assert stage_tables(config, layout, 0)["step"] - one == c["staging"]
+
+
+def _cached_table(optimizer, capacity, dtype=torch.float32, N=256, D=8):
+    """A host table of ``N`` rows with a device cache of ``capacity`` rows, filled with the rows
+    ``0..capacity-1`` (looked up and stepped once, then refreshed)."""
+    from rmt.ops.sparse_optim import RowWiseAdagrad, SparseAdam
+
+    table = MemoryTable(
+        N, D, 0.02, sparse_grad=True, location="host", device="cpu", dtype=dtype, host_cache_rows=capacity
+    )
+    opt = (SparseAdam if optimizer == "sparse_adam" else RowWiseAdagrad)([table.weight], lr=0.01)
+    _lookup(table, torch.arange(capacity).view(1, -1), 1, 1)
+    table.weight.grad, table.host.cache.grad = table.host.take_grad(), table.host.cache.take_grad()
+    host_table.launch_host_steps(opt)
+    table.host.cache.refresh()
+    assert table.host.cache.rows.sorted_rows.tolist() == list(range(capacity))
+    return table, opt
+
+
+@pytest.mark.parametrize(
+    "optimizer,dtype",
+    [("sparse_adam", torch.float32), ("sparse_adam", torch.bfloat16), ("rowwise_adagrad", torch.float32)],
+)
+def test_cache_device_bytes_equal_the_caches(optimizer, dtype):
+    table, _ = _cached_table(optimizer, 24, dtype)
+    plan = TablePlan(slots=256, dim=8, location="host", value_optimizer=optimizer, cache_rows=24,
+                     value_dtype="bf16" if dtype == torch.bfloat16 else "fp32")  # fmt: skip
+    assert components(plan)["cache"] == table.host.cache.device_bytes
+    assert host.host_report(plan)["cache"]["device_bytes"] == table.host.cache.device_bytes
+
+
+def test_cached_link_bytes_equal_the_tables_counters():
+    """A lookup of a table with 24 of its 256 rows cached: the plan at the lookup's distinct and
+    cached fractions counts what its link counted, forward, backward and the step's norms; a
+    refresh replacing every cached row moves the plan's refresh bytes exactly."""
+    torch.manual_seed(4)
+    table, opt = _cached_table("sparse_adam", 24)
+    link = table.host.link
+    link.reset()
+    indices = torch.randint(0, 64, (12, 6))
+    _lookup(table, indices, 1, 1)
+    U, hits = indices.unique().numel(), int((indices.unique() < 24).sum())
+    assert 0 < hits < U
+    plan = TablePlan(slots=256, dim=8, tokens=12, heads=1, topk=6, location="host", value_optimizer="sparse_adam",
+                     cache_rows=24, unique_fraction=U / 72, cache_hit=hits / U)  # fmt: skip
+    want = host.step_link_bytes(plan)
+    assert {"forward": dict(link.forward), "backward": dict(link.backward)} == {
+        "forward": want["forward"],
+        "backward": want["backward"],
+    }
+    table.weight.grad, table.host.cache.grad = table.host.take_grad(), table.host.cache.take_grad()
+    table.host.cache.grad_sq_norm(table.weight.grad)
+    assert dict(link.phases["step"]) == want["step"]
+    host_table.launch_host_steps(opt)
+    for _ in range(2):  # 24 other rows, none cached, looked up more often than any since the refresh
+        _lookup(table, torch.arange(100, 124).view(1, -1), 1, 1)
+    table.weight.grad, table.host.cache.grad = table.host.take_grad(), table.host.cache.take_grad()
+    host_table.launch_host_steps(opt)
+    link.reset()
+    table.host.cache.refresh()
+    assert table.host.cache.rows.sorted_rows.tolist() == list(range(100, 124))
+    assert dict(link.phases["refresh"]) == host.cache_refresh_bytes(plan)
+
+
+def test_uniform_lookups_hit_the_cached_share():
+    """Under uniform access a cache of C of the N rows finds C / N of a lookup's distinct rows,
+    within the binomial spread."""
+    gen = torch.Generator().manual_seed(5)
+    plan = TablePlan(slots=4096, dim=4, tokens=64, heads=2, topk=16, location="host", value_optimizer="sparse_adam",
+                     cache_rows=1024)  # fmt: skip
+    h = hit_fraction(plan)
+    assert h == 0.25
+    hits, staged = 0, 0
+    for _ in range(12):
+        slots = _draw(64 * 2, 16, 4096, gen).unique()
+        hits, staged = hits + int((slots < 1024).sum()), staged + slots.numel()
+    assert abs(hits - h * staged) < 4 * math.sqrt(staged * h * (1 - h))
+
+
+def test_the_cache_holds_device_memory_and_shrinks_the_host_rows():
+    plan = TablePlan(**dict(HOST, tokens=4), device="gpu", cache_rows=16, cache_hit=0.5)
+    plain = replace(plan, cache_rows=0, cache_hit=None)
+    c, p = components(plan), components(plain)
+    U = round(staged_rows(plan))
+    assert c["cache"] == 16 * (8 * 4 + 2 * 8 * 4 + 32)  # the whole shard of 16 rows
+    assert c["cache_gradients"] == c["gradients"] == round(0.5 * U) * (8 * 4 + 8)
+    assert p["gradients"] == U * (8 * 4 + 8)
+    assert c["staging"] == p["staging"] and c["pinned_staging"] == round(0.5 * U) * 8 * 4
+    extra = c["cache"] + c["cache_gradients"]
+    for phase, n in phases(plan).items():
+        assert n - phases(plain)[phase] == (extra if phase in ("step", "save") else 0), phase
+    assert host_phases(plain)["step"] - host_phases(plan)["step"] == (p["gradients"] - c["gradients"]) + (
+        p["staging"] - c["pinned_staging"]
+    )
+    assert host.optimizer_work(plan)["touched_rows"] == round(0.5 * U)
+
+
+def test_the_cache_flags(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    argv = ["memory", "--slots", "1000000", "--dim", "64", "--group-size", "4", "--tokens", "512"]
+    argv += ["--value-optimizer", "sparse_adam", "--table-location", "host", "--cache-rows", "50000"]
+    code, out, err = _run(argv + ["--json", str(path)], capsys)
+    assert code == 0, err
+    doc = json.loads(path.read_text())
+    plan = TablePlan(slots=10**6, dim=64, group_size=4, tokens=512, value_optimizer="sparse_adam", location="host",
+                     cache_rows=50000)  # fmt: skip
+    assert doc["host_link"]["cache"]["hit_fraction"] == 0.2 and doc["phases"] == phases(plan)
+    assert "0.200 of the staged rows found there (uniform access)" in out
+    code, out, _ = _run(argv + ["--cache-hit", "0.9"], capsys)
+    assert code == 0 and "0.900 of the staged rows found there (as given)" in out
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--cache-rows", "8"], "--cache-rows plans tables in host memory: it needs --table-location host."),
+        (
+            ["--table-location", "host", "--value-optimizer", "sparse_adam", "--cache-hit", "0.5"],
+            "a cache hit fraction is the share of rows a device cache serves: it needs cache rows.",
+        ),
+        (
+            ["--table-location", "host", "--value-optimizer", "sparse_adam", "--cache-rows", "8", "--cache-hit", "2"],
+            "the cache hit fraction must be in [0, 1], got 2.0.",
+        ),
+    ],
+)
+def test_bad_cache_flags_are_one_sentence(flags, message, capsys):
+    code, out, err = _run(["memory", "--slots", "4096", "--dim", "8"] + flags, capsys)
+    assert code == 2 and out == ""
+    assert message in err and err.count("\n") == 1
+
+
+def test_the_whole_rank_and_the_layouts_count_the_cache():
+    from rmt.planner.layouts import search
+    from rmt.planner.rank import layout_of, stage_table_plan, stage_tables
+    from rmt.planner.rank_cli import load_planned
+
+    over = ["memory.table_location=host", "memory.value_optimizer=sparse_adam"]
+    cached = load_planned("configs/ultramem_tiny.yaml", over + ["memory.host_cache_rows=4096"], 1)
+    plain = load_planned("configs/ultramem_tiny.yaml", over, 1)
+    layout = layout_of(cached, 1, "gpu")
+    plan = stage_table_plan(cached, layout, 0)
+    assert plan.cache_rows == 4096
+    c = components(plan)
+    assert stage_tables(cached, layout, 0)["step"] - stage_tables(plain, layout, 0)["step"] == plan.layers * (
+        c["cache"] + c["cache_gradients"]
+    )
+    with_cache = search("configs/ultramem_tiny.yaml", over + ["memory.host_cache_rows=4096"], 1, 80.0)
+    without = {tuple(r["overrides"]): r["peak"] for r in search("configs/ultramem_tiny.yaml", over, 1, 80.0)["fitting"]}
+    assert with_cache["fitting"] and all(r["peak"] > without[tuple(r["overrides"])] for r in with_cache["fitting"])

@@ -360,6 +360,20 @@ def _add_memory_arguments(p: argparse.ArgumentParser) -> None:
         "(default: the uniform-access expectation N(1-(1-k/N)^G))",
     )
     p.add_argument(
+        "--cache-rows",
+        type=non_negative_int,
+        metavar="C",
+        help="host tables: rows of each table shard cached on the device with their optimizer state "
+        "(memory.host_cache_rows; default: the config's, else 0)",
+    )
+    p.add_argument(
+        "--cache-hit",
+        type=non_negative_float,
+        metavar="F",
+        help="host tables with a cache: the fraction of a lookup's distinct rows the cache holds "
+        "(default: uniform access, the cached share of the shard's rows)",
+    )
+    p.add_argument(
         "--host-link-gbps",
         type=positive_float,
         metavar="GBPS",
@@ -382,7 +396,7 @@ def _add_memory_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="write the numbers to FILE")
 
 
-HOST_FLAGS = ("host_gib", "unique_fraction", "host_link_gbps", "tflops", "window_gflops")
+HOST_FLAGS = ("host_gib", "unique_fraction", "cache_rows", "cache_hit", "host_link_gbps", "tflops", "window_gflops")
 
 
 def check_host_flags(args: argparse.Namespace, location: str) -> None:
@@ -426,6 +440,8 @@ def _plan_from_flags(args: argparse.Namespace) -> memory.TablePlan:
         group_size=args.group_size or 1,
         location=args.table_location or "device",
         unique_fraction=args.unique_fraction,
+        cache_rows=args.cache_rows or 0,
+        cache_hit=args.cache_hit,
     )
 
 
@@ -445,7 +461,7 @@ def _plan_from_config(args: argparse.Namespace, config):
     plans = [(stage, stage_table_plan(config, layout, stage)) for stage in range(layout.pp)]
     stage, plan = max(((s, p) for s, p in plans if p is not None), key=lambda sp: sp[1].layers)
     placements = host.stage_placements(config, layout, stage)
-    return replace(plan, unique_fraction=args.unique_fraction), placements, layout.tp
+    return replace(plan, unique_fraction=args.unique_fraction, cache_hit=args.cache_hit), placements, layout.tp
 
 
 def _human_rows(rows) -> list[str]:
@@ -536,6 +552,15 @@ def _host_lines(plan: memory.TablePlan, doc: dict, link: dict, placements=None) 
     )
     for phase, names in link["per_step"].items():
         lines += [f"  {phase:<9} {name:<21} {n:>18,}  {human(n):>11}" for name, n in names.items()]
+    cache = link["cache"]
+    if cache is not None:
+        how = "as given" if cache["hit_fraction_given"] else "uniform access"
+        refresh = sum(cache["refresh_bytes_max"].values())
+        lines.append(
+            f"device cache: {cache['rows']:,} rows of each shard with their optimizer state, "
+            f"{human(cache['device_bytes'])} per rank; {cache['hit_fraction']:.3f} of the staged rows "
+            f"found there ({how}); a refresh moves at most {human(refresh)}"
+        )
     opt = link["optimizer"]
     lines.append(
         f"host optimizer per step: {opt['touched_rows']:,} rows, {opt['elements']:,} elements, "

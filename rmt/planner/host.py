@@ -33,13 +33,31 @@ dense layers ``i+1..j`` (UltraMemV2's, beside its block's FFN). A lookup's trans
 FLOPs on the rank (``1/t`` of them under tensor parallelism) at ``tflops``, the backward window
 twice it (:data:`BACKWARD_WINDOW`). What exceeds its window (all of it without the async
 stream) is exposed. The host's gather of the rows and its optimizer step are not timed.
+
+A device cache (``cache_rows`` ``C``, ``memory.host_cache_rows``, :mod:`rmt.memory.host_cache`)
+serves a fraction ``h`` of each lookup's distinct rows (:func:`rmt.planner.memory.hit_fraction`):
+only ``(1 - h) U`` rows cross forward and backward, the replicas' gradient sum and the host
+optimizer take ``(1 - h)`` of their rows, and each step sends the host rows' indices and squared
+norms to the device for the gradient norm (``step`` ``h2d_grad_row_norms``, 16 bytes a row of
+``R``, each table). A refresh moves at most every cached row both ways with its optimizer state
+(:func:`cache_refresh_bytes`, once per ``memory.host_cache_refresh`` steps, waiting for the host
+step; not in ``per_step``).
 """
 
 from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from rmt.planner.memory import DTYPE_BYTES, TablePlan, lookups_staged, staged_rows
+from rmt.planner.memory import (
+    CACHE_INDEX_BYTES,
+    DTYPE_BYTES,
+    TablePlan,
+    cache_row_bytes,
+    cached_rows,
+    hit_fraction,
+    lookups_staged,
+    staged_rows,
+)
 
 INDEX_BYTES = 8
 """Bytes per staged row's index: int64, as :data:`rmt.memory.host_table.INDEX_BYTES`."""
@@ -53,6 +71,9 @@ H100's bf16 peak)."""
 BACKWARD_WINDOW = 2
 """The backward of the window's layers does about twice their forward FLOPs (the gradients of
 the inputs and of the weights)."""
+COUNT_BYTES = 8
+"""Bytes of a candidate row's lookup count, and of a host row's squared gradient norm
+(int64, float64: :data:`rmt.memory.host_cache.COUNT_BYTES`)."""
 SPARSE_ADAM_STATE_BYTES = 16  # two fp32 moments, read and written, per element
 ADAGRAD_STATE_BYTES = 8  # one fp32 accumulator, read and written, per row
 
@@ -66,20 +87,45 @@ def host_link_bytes(unique_rows: int, cols: int, value_bytes: int) -> Dict[str, 
 
 
 def layer_link_bytes(plan: TablePlan) -> Dict[str, Dict[str, int]]:
-    """:func:`host_link_bytes` of one memory layer's lookup at the expected ``U`` (its
-    ``index_tables`` tables each send the indices)."""
-    unique = round(staged_rows(plan))
-    out = host_link_bytes(unique, plan.shard_shape[1], DTYPE_BYTES[plan.value_dtype])
+    """:func:`host_link_bytes` of one memory layer's lookup at the expected ``U``, less the
+    fraction ``h`` a device cache serves (:func:`rmt.planner.memory.hit_fraction`): ``(1 - h) U``
+    rows cross (its ``index_tables`` tables each send the indices)."""
+    missed = round(staged_rows(plan) * (1 - hit_fraction(plan)))
+    out = host_link_bytes(missed, plan.shard_shape[1], DTYPE_BYTES[plan.value_dtype])
     out["forward"]["d2h_indices"] *= plan.index_tables
     return out
+
+
+def host_step_rows(plan: TablePlan, microbatches: int) -> int:
+    """Rows of a table's step gradient on the host over ``microbatches`` micro-batches: the
+    distinct rows they stage, at most the shard's, less the cached ones."""
+    rows = plan.shard_shape[0]
+    return round(min(rows, staged_rows(plan, microbatches)) * (1 - hit_fraction(plan)))
+
+
+def cache_refresh_bytes(plan: TablePlan) -> Dict[str, int]:
+    """Bytes over the host link of one cache refresh of a rank's tables at most, when it replaces
+    every cached row (:meth:`rmt.memory.host_cache.HostCache.refresh`'s ``refresh`` counts):
+    ``C`` candidates (index and count, 16 bytes each) to the device, ``C`` evicted rows with their
+    indices and state back, ``C`` admitted rows' indices back and their rows and state up."""
+    C, L = cached_rows(plan), plan.layers
+    row = cache_row_bytes(plan) - CACHE_INDEX_BYTES * plan.index_tables
+    n = L * C * plan.index_tables
+    return {
+        "h2d_candidates": n * (INDEX_BYTES + COUNT_BYTES),
+        "d2h_evicted_indices": n * INDEX_BYTES,
+        "d2h_evicted_rows": L * C * row,
+        "d2h_admitted_indices": n * INDEX_BYTES,
+        "h2d_admitted_rows": L * C * row,
+    }
 
 
 def optimizer_work(plan: TablePlan) -> Dict[str, int]:
     """The host optimizer's step on a rank (all its memory layers): rows touched, elements
     stepped, bytes read and written (module docstring)."""
-    rows, cols = plan.shard_shape
+    cols = plan.shard_shape[1]
     b = DTYPE_BYTES[plan.value_dtype]
-    touched = min(rows, round(staged_rows(plan, plan.microbatches * plan.replicas)))
+    touched = host_step_rows(plan, plan.microbatches * plan.replicas)
     elements = touched * cols
     if plan.value_optimizer == "sparse_adam":
         moved = elements * (3 * b + SPARSE_ADAM_STATE_BYTES)
@@ -97,11 +143,12 @@ def step_link_bytes(plan: TablePlan) -> Dict[str, Dict[str, int]]:
     out = {phase: {k: n * v for k, v in d.items()} for phase, d in per.items()}
     out["step"] = {}
     if plan.replicas > 1:
-        rows, cols = plan.shard_shape
-        grad = min(rows, round(staged_rows(plan, plan.microbatches))) * (
-            INDEX_BYTES + cols * DTYPE_BYTES[plan.value_dtype]
-        )
+        cols = plan.shard_shape[1]
+        grad = host_step_rows(plan, plan.microbatches) * (INDEX_BYTES + cols * DTYPE_BYTES[plan.value_dtype])
         out["step"] = {"h2d_grad_rows": plan.layers * grad, "d2h_summed_grad_rows": plan.layers * plan.replicas * grad}
+    if plan.cache_rows:  # the host rows' squared norms join the cached rows' on the device
+        rows = host_step_rows(plan, plan.microbatches * plan.replicas)
+        out["step"]["h2d_grad_row_norms"] = plan.layers * plan.index_tables * rows * (INDEX_BYTES + COUNT_BYTES)
     return out
 
 
@@ -160,6 +207,7 @@ def host_report(
         "per_step": per_step,
         "per_step_total": sum(v for d in per_step.values() for v in d.values()),
         "optimizer": optimizer_work(plan),
+        "cache": None,
         "link_gbps": link_gbps,
         "tflops": tflops,
         "async_stream": async_stream,
@@ -169,6 +217,14 @@ def host_report(
     }
     if window_flops is not None:
         doc["overlap"] = overlap(plan, window_flops, link_gbps, tflops, async_stream)
+    if plan.cache_rows:
+        doc["cache"] = {
+            "rows": cached_rows(plan),
+            "hit_fraction": hit_fraction(plan),
+            "hit_fraction_given": plan.cache_hit is not None,
+            "device_bytes": plan.layers * cached_rows(plan) * cache_row_bytes(plan),
+            "refresh_bytes_max": cache_refresh_bytes(plan),
+        }
     return doc
 
 

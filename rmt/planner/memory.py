@@ -72,6 +72,16 @@ the staged rows are saved for the backward), the host of a GPU the same again in
 buffers (kept by the pinned-memory cache from the first step on: ``step`` and ``save``). The slot-hit
 flags, the keys and the retrieval activations stay on the device; a resharding load reads its
 chunk into host memory. :mod:`rmt.planner.host` adds what crosses the host link.
+
+A device cache of ``C`` rows of each host shard (``cache_rows``, ``memory.host_cache_rows``,
+:mod:`rmt.memory.host_cache`) serves a fraction ``h`` of each lookup's ``U`` distinct rows
+(:func:`hit_fraction`: ``cache_hit`` as measured, else the uniform-access expectation ``C /
+rows``). The device holds ``cache`` = ``C`` x (:func:`cache_row_bytes`: the row, its optimizer
+state and 32 bytes of index) and ``cache_gradients``, the cached rows' sparse gradient (``hU``
+rows per micro-batch, bounded like the host's at ``2C + hU``), in ``step`` and ``save`` (the cache
+fills at its first refresh, after a load). The host's gradient and pinned staging shrink to the
+``(1 - h) U`` missed rows; the staged rows on the device stay ``U``. The host also counts the
+missed rows' lookups between refreshes, at most 32 bytes a shard row, not counted here.
 """
 
 from __future__ import annotations
@@ -91,6 +101,7 @@ HOST_OPTIMIZERS = ("sparse_adam", "rowwise_adagrad")
 CHECKPOINT_CHUNK_BYTES = 64 << 20  # rmt.training.table_checkpoint's read and staging chunk
 RETRIEVAL_ACTIVATION_FACTOR = 2  # score tensors alive in the retrieval backward (see above)
 SPARSE_INDEX_BYTES = 8
+CACHE_INDEX_BYTES = 32  # a cache slot's row and lookup count, a cached row's sorted index (rmt.memory.host_cache)
 GIB = 1 << 30
 
 
@@ -153,6 +164,13 @@ class TablePlan:
     unique_fraction: float | None = None
     """Host tables: the measured distinct fraction of the lookups a table stages
     (``U = f x lookups``); None: the uniform-access expectation (:func:`staged_rows`)."""
+    cache_rows: int = 0
+    """Host tables: rows of each table shard cached on the device with their optimizer state
+    (``memory.host_cache_rows``; at most the shard's rows)."""
+    cache_hit: float | None = None
+    """Host tables with a cache: the fraction of a lookup's distinct rows the cache holds
+    (measured: ``tools/bench_host_cache.py``); None: uniform access, the cache's share of the
+    shard's rows (:func:`hit_fraction`)."""
 
     @property
     def num_keys(self) -> int:
@@ -249,6 +267,15 @@ def validate_plan(plan: TablePlan) -> None:
         isinstance(plan.staged_layers, bool) or not isinstance(plan.staged_layers, int) or plan.staged_layers < 0
     ):
         raise ValueError(f"staged layers must be a non-negative integer, got {plan.staged_layers!r}.")
+    if isinstance(plan.cache_rows, bool) or not isinstance(plan.cache_rows, int) or plan.cache_rows < 0:
+        raise ValueError(f"cache rows must be a non-negative integer, got {plan.cache_rows!r}.")
+    if plan.cache_rows and plan.location != "host":
+        raise ValueError("a device cache holds rows of tables in host memory: it needs the host table location.")
+    if plan.cache_hit is not None:
+        if not plan.cache_rows:
+            raise ValueError("a cache hit fraction is the share of rows a device cache serves: it needs cache rows.")
+        if not 0 <= plan.cache_hit <= 1:
+            raise ValueError(f"the cache hit fraction must be in [0, 1], got {plan.cache_hit!r}.")
     if plan.unique_fraction is not None:
         if plan.location != "host":
             raise ValueError("a unique fraction sets the rows a host table stages: it needs the host table location.")
@@ -303,6 +330,28 @@ def staged_rows(plan: TablePlan, microbatches: int = 1) -> float:
     return unique / P if plan.partition == "number" else unique
 
 
+def cached_rows(plan: TablePlan) -> int:
+    """Rows of each shard the device caches: ``cache_rows``, at most the shard's rows."""
+    return min(plan.cache_rows, plan.shard_shape[0])
+
+
+def hit_fraction(plan: TablePlan) -> float:
+    """The fraction of a lookup's distinct rows found in the device cache: ``cache_hit`` as
+    given, else under uniform access the cached share of the shard's rows (0 without a cache)."""
+    if plan.cache_hit is not None:
+        return plan.cache_hit
+    return cached_rows(plan) / plan.shard_shape[0]
+
+
+def cache_row_bytes(plan: TablePlan) -> int:
+    """Device bytes of one cached row: its value, its optimizer state (two fp32 moments per
+    element, or one fp32 accumulator per table) and its index (:data:`CACHE_INDEX_BYTES` per
+    table)."""
+    cols = plan.shard_shape[1]
+    state = 2 * cols * 4 if plan.value_optimizer == "sparse_adam" else 4 * plan.index_tables
+    return cols * DTYPE_BYTES[plan.value_dtype] + state + CACHE_INDEX_BYTES * plan.index_tables
+
+
 def components(plan: TablePlan) -> dict:
     """Bytes per memory layer on one rank (see the module docstring), plus the transients; a
     host table's (``plan.location``) also its ``staging`` (one micro-batch's staged rows)."""
@@ -312,6 +361,7 @@ def components(plan: TablePlan) -> dict:
     elements = rows * cols
     host = plan.location == "host"
     staged = round(staged_rows(plan)) if host else 0
+    hit = hit_fraction(plan) if host else 0.0
     if plan.value_optimizer == "adamw":
         gradients = elements * b * (2 if plan.microbatches > 1 else 1)
         states = 2 * elements * b
@@ -319,11 +369,8 @@ def components(plan: TablePlan) -> dict:
         states = 2 * elements * 4 if plan.value_optimizer == "sparse_adam" else rows * 4
         served = plan.tokens * plan.topm * (1 if plan.partition == "number" else plan.group_size)
         if host:  # the device sums the lookups of each staged row before its gradient crosses
-            served = staged
-        entries = plan.microbatches * served
-        if entries > rows:
-            entries = 2 * rows + served
-        gradients = entries * (cols * b + SPARSE_INDEX_BYTES)
+            served = round(staged * (1 - hit))  # the cached rows' gradients stay on the device
+        gradients = _sparse_gradient(plan.microbatches, served, rows) * (cols * b + SPARSE_INDEX_BYTES)
     if plan.fused:
         gradients = (2 * plan.microbatches - 1) * fused_kept_bytes(plan) if plan.microbatches > 1 else 0
     keys = plan.heads * 2 * plan.grid_side * plan.key_dim * 4
@@ -340,7 +387,21 @@ def components(plan: TablePlan) -> dict:
     }
     if host:
         out["staging"] = staged * cols * b
+        out["pinned_staging"] = round(staged * (1 - hit)) * cols * b
+    if plan.cache_rows:
+        C = cached_rows(plan)
+        out["cache"] = C * cache_row_bytes(plan)
+        hits = round(staged * hit)
+        out["cache_gradients"] = _sparse_gradient(plan.microbatches, hits, C) * (cols * b + SPARSE_INDEX_BYTES)
     return out
+
+
+def _sparse_gradient(microbatches: int, served: int, rows: int) -> int:
+    """Entries a sparse gradient of ``rows`` rows holds at most over ``microbatches`` of ``served``
+    rows each: all of them, or once they exceed the rows, the coalesced gradient, its copy and
+    one micro-batch's."""
+    entries = microbatches * served
+    return 2 * rows + served if entries > rows else entries
 
 
 def resharding_read(plan: TablePlan, table: int) -> int:
@@ -362,12 +423,13 @@ def phases(plan: TablePlan, keys: bool = True) -> dict:
     if plan.location == "host":  # the shard, its state and gradient on the host (host_phases)
         staged = (L if plan.staged_layers is None else plan.staged_layers) * c["staging"]
         c.update(table=0, optimizer_states=0, gradients=0, checkpoint_chunk=0)
+    cache = L * (c.get("cache", 0) + c.get("cache_gradients", 0))  # filled from the first refresh on
     held = c["table"] + c["slot_stats"]
     trained = held + 4 * c["keys"] + c["optimizer_states"]
     return {
         "init": L * (held + 2 * c["keys"]) + 2 * c["keys"],
-        "step": L * (trained + c["gradients"]) + c["retrieval_activations"] + staged,
-        "save": L * (trained + c["gradients"]),
+        "step": L * (trained + c["gradients"]) + c["retrieval_activations"] + staged + cache,
+        "save": L * (trained + c["gradients"]) + cache,
         "load": L * trained + 2 * c["keys"],
         "load_resharded": L * trained + max(2 * c["keys"], c["checkpoint_chunk"]),
     }
@@ -383,7 +445,7 @@ def host_phases(plan: TablePlan) -> dict:
         return {p: 0 for p in PHASES}
     c = components(plan)
     L = plan.layers
-    pinned = (L if plan.staged_layers is None else plan.staged_layers) * c["staging"]
+    pinned = (L if plan.staged_layers is None else plan.staged_layers) * c["pinned_staging"]
     if plan.device != "gpu":  # a CPU rank's staged rows are the gather's output (phases counts it)
         pinned = 0
     trained = L * (c["table"] + c["optimizer_states"])
@@ -398,7 +460,17 @@ def host_phases(plan: TablePlan) -> dict:
 
 def checkpoint_bytes(plan: TablePlan) -> int:
     """Bytes on disk of the tables and their optimizer states (all ranks together)."""
-    c = components(replace(plan, group_size=1, partition="number", location="device", unique_fraction=None))
+    c = components(
+        replace(
+            plan,
+            group_size=1,
+            partition="number",
+            location="device",
+            unique_fraction=None,
+            cache_rows=0,
+            cache_hit=None,
+        )
+    )
     return plan.layers * (c["table"] + c["optimizer_states"])
 
 
@@ -529,4 +601,5 @@ def plan_from_config(
         replicas=replicas,
         staged_layers=staged_layers,
         index_tables=2 if v2 and mem.pre_value_dim else 1,
+        cache_rows=mem.host_cache_rows,
     )

@@ -100,6 +100,8 @@ def run_memory(args: argparse.Namespace, table_lines, check_host_flags) -> int:
             "--window-gflops is for a --slots/--dim plan; with --config the window is the config's layers."
         )
     location = [f"memory.table_location={args.table_location}"] if args.table_location else []
+    if args.cache_rows is not None:
+        location.append(f"memory.host_cache_rows={args.cache_rows}")
     config = load_planned(args.config, list(args.overrides) + location, args.world_size)
     check_host_flags(args, config.memory.table_location if config.memory.type in rank.TABLE_TYPES else "device")
     doc = rank.plan_rank(config, args.world_size, args.device, args.gpu_mem_gib, host_gib=args.host_gib)
