@@ -168,7 +168,7 @@ def test_bench_memory_stream_bad_input_is_one_sentence():
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == (
         "bench_memory_stream: --variants takes names from dense, sync, async, sync_fused, async_fused, "
-        "async_sparse, sync_host, async_host, got 'sync,fast'"
+        "async_sparse, sync_host, async_host, async_host_cache, got 'sync,fast'"
     )
 
 
@@ -183,7 +183,7 @@ def test_bench_memory_stream_host_smoke(tmp_path):
             "--quick",
             "--host",
             "--variants",
-            "async_sparse,sync_host,async_host",
+            "async_sparse,sync_host,async_host,async_host_cache",
             "--steps",
             "2",
             "--warmup",
@@ -192,19 +192,50 @@ def test_bench_memory_stream_host_smoke(tmp_path):
             "20",
             "--json",
             str(out),
+            "memory.host_cache_refresh=1",
         ]
     )
     doc = json.loads(out.read_text())
     rows = {r["variant"]: r for r in doc["rows"]}
     assert rows["async_sparse"]["loss"] == rows["sync_host"]["loss"] == rows["async_host"]["loss"]
+    assert rows["async_host_cache"]["loss"] == rows["async_host"]["loss"]
     assert "link_forward_bytes" not in rows["async_sparse"]
-    for name in ("sync_host", "async_host"):
+    # 256 of ultramem_tiny's 1,024 rows of 64 cached with their Adam moments, from step 2 on
+    assert rows["async_host_cache"]["cache_device_bytes"] == 256 * (3 * 64 * 4 + 32)
+    assert 0 < rows["async_host_cache"]["cache_hit_fraction"] < 1
+    for name in ("sync_host", "async_host", "async_host_cache"):
         assert rows[name]["link_forward_bytes"] > rows[name]["link_backward_bytes"] > 0
         assert rows[name]["staged_peak_bytes"] > 0 and rows[name]["link_gbps"] is None
     assert rows["sync_host"]["link_forward_bytes"] == rows["async_host"]["link_forward_bytes"]
     assert doc["summary"]["host_over_device_step_time"] == (
         rows["async_host"]["median_step_s"] / rows["async_sparse"]["median_step_s"]
     )
+
+
+@pytest.mark.slow
+def test_bench_host_cache_smoke(tmp_path, cache_dir):
+    """A short run's access pattern replayed through the cache's policy gives the run's own
+    counters; a row per cache size and refresh interval."""
+    out = tmp_path / "bench.json"
+    run_python(
+        ["tools/bench_host_cache.py", "--quick", "--steps", "6", "--refresh", "2,1", "--json", str(out)]
+        + [f"data.cache_dir={cache_dir}", "memory.num_keys=64", "data.max_documents=20"]
+    )
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "bench_host_cache" and doc["machine"] and doc["summary"]["replay_matches_run"]
+    assert [(r["cache_rows"], r["refresh"]) for r in doc["rows"]] == [(256, 2), (256, 1), (1024, 2), (1024, 1)]
+    assert all(0 <= r["hit_fraction"] <= 1 and r["uniform"] == r["cache_rows"] / 4096 for r in doc["rows"])
+
+
+def test_bench_host_cache_replays_the_refreshes():
+    """Two rows a step, one cached from the first refresh on: the tie goes to the lower row."""
+    import torch
+
+    bench = load_script("tools/bench_host_cache.py")
+    lookups = [(0, torch.tensor([1, 2])), (1, torch.tensor([1, 2])), (2, torch.tensor([1, 3]))]
+    got = bench.replay(lookups, shard_rows=8, capacity=1, refresh=1, steps=3)
+    assert got == {"hits": 2, "rows": 6, "warm_hits": 2, "warm_rows": 4}
+    assert bench.replay(lookups, shard_rows=8, capacity=1, refresh=2, steps=3)["hits"] == 1
 
 
 def test_device_busy_time_counts_overlapping_kernels_once():

@@ -21,7 +21,7 @@ from rmt.memory.host_table import launch_host_steps, settle_all
 from rmt.memory.table import MemoryTable
 from rmt.ops.sparse_optim import RowWiseAdagrad, SparseAdam
 
-from conftest import train_runs
+from conftest import rmt_train, train_runs
 
 CACHE = ["memory.host_cache_rows=12", "memory.host_cache_refresh=1"]
 NONE = torch.zeros(0, dtype=torch.int64)
@@ -154,6 +154,20 @@ def test_cache_larger_than_the_shard_holds_it_all():
 def test_bad_cache_settings_are_rejected(cache_dir, extra, message):
     with pytest.raises(ConfigError, match=message):
         validate(load_config(None, overrides(cache_dir, extra)), world_size=1)
+
+
+@pytest.mark.slow
+def test_cache_without_host_tables_is_one_sentence_and_exit_2():
+    proc = rmt_train(
+        ["--config", "configs/ultramem_tiny.yaml", "--check"]
+        + ["memory.value_optimizer=sparse_adam", "memory.host_cache_rows=8"],
+        check=False,
+    )
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == (
+        "rmt-train: error: memory.host_cache_rows caches rows of value tables held in host memory on the "
+        "device: it needs memory.table_location 'host', got 'device'\n"
+    )
 
 
 def assert_same_states(ref, got):

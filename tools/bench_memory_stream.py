@@ -15,10 +15,13 @@ lookups' backward, ``memory.fused_value_optimizer``).
 
 With ``--host`` also the value tables in host memory (``memory.table_location: host``, rows
 staged per lookup, :mod:`rmt.memory.host_table`), against the device table with the same
-unfused value optimizer: ``async_sparse`` (device, ``sparse_adam``), ``sync_host`` and
-``async_host``. A host row adds the bytes its tables moved over the host link per step (forward
-indices and rows, backward row gradients), the device bytes the staged rows held at most, and on
-a GPU the bandwidth of one pinned host-to-device copy of a step's staged rows (``link_gbps``).
+unfused value optimizer: ``async_sparse`` (device, ``sparse_adam``), ``sync_host``,
+``async_host`` and ``async_host_cache`` (with a device cache of ``--cache-rows`` rows of each
+table, ``memory.host_cache_rows``, refreshed every 10 steps). A host row adds the bytes its tables
+moved over the host link per step (forward indices and rows, backward row gradients), the device
+bytes the staged rows held at most, and on a GPU the bandwidth of one pinned host-to-device copy of
+a step's staged rows (``link_gbps``); a cached row also the share of the staged rows the cache
+served and the device bytes it holds (the hit rate on a long run: ``tools/bench_host_cache.py``).
 A table several times larger than the device: ``--device-mem-gib G`` caps the device memory the
 run may allocate (``torch.cuda.set_per_process_memory_fraction``), e.g. ``--device-mem-gib 12
 --variants async_host memory.num_keys=1600`` (47 GB of table and Adam moments on the host).
@@ -28,7 +31,8 @@ forward, backward, their share of the optimizer step), ``hidden_fraction`` = (sy
 memory_s (the part the stream took off the step; the optimizer step cannot be hidden, so this
 is a lower bound on the hidden share of the layers' forward and backward), and
 ``async_over_sync_step_time``; for the host pair also ``host_over_device_step_time`` =
-async_host / async_sparse (goal <= 1.10 where the device table fits).
+async_host / async_sparse (goal <= 1.10 where the device table fits), and
+``cache_over_host_step_time`` = async_host_cache / async_host.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ VARIANTS = {
     "async_sparse": ["memory.async_stream=true"] + SPARSE,
     "sync_host": ["memory.async_stream=false"] + HOST,
     "async_host": ["memory.async_stream=true"] + HOST,
+    "async_host_cache": ["memory.async_stream=true"] + HOST,  # + memory.host_cache_rows=--cache-rows
 }
 PAIRS = [("sync", "async", ""), ("sync_fused", "async_fused", "_fused"), ("sync_host", "async_host", "_host")]
 
@@ -80,6 +85,13 @@ def base_overrides(args):
     return steps + list(args.override)
 
 
+def variant_overrides(args, name):
+    """The config overrides of variant ``name``: the base's, the variant's and, for the cached
+    host variant, its cache of ``--cache-rows`` rows (refreshed every 10 steps)."""
+    cache = [f"memory.host_cache_rows={args.cache_rows}"] if name == "async_host_cache" else []
+    return base_overrides(args) + VARIANTS[name] + cache
+
+
 def worker(args):
     import torch
 
@@ -89,7 +101,7 @@ def worker(args):
     from rmt.parallel import compat
     from rmt.training.trainer import Trainer
 
-    config = validate(load_config(args.config, base_overrides(args) + VARIANTS[args.variant]))
+    config = validate(load_config(args.config, variant_overrides(args, args.variant)))
     parallel.initialize(config)
     cuda = compat.cuda_available()
     if cuda and args.device_mem_gib:
@@ -108,6 +120,8 @@ def worker(args):
         table.wait()
         table.link.reset()
         table.reset_peak()
+        if table.cache is not None:
+            table.cache.pop_counts()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times = []
@@ -128,6 +142,11 @@ def worker(args):
     }
     if tables:
         row.update(host_link(tables, len(times), cuda))
+    caches = [t.cache for t in tables if t.cache is not None]
+    if caches:
+        counts = [c.pop_counts() for c in caches]
+        row["cache_hit_fraction"] = sum(c["row_hits"] for c in counts) / max(sum(c["rows"] for c in counts), 1)
+        row["cache_device_bytes"] = sum(c.device_bytes for c in caches)
     if args.profile:
         row.update(profile(trainer, args.profile, cuda, sync))
     print(json.dumps(row), flush=True)
@@ -265,6 +284,10 @@ def summarize(rows):
         summary[f"async_over_sync_step_time{key}"] = a / s
     if "async_host" in by and "async_sparse" in by:
         summary["host_over_device_step_time"] = by["async_host"]["median_step_s"] / by["async_sparse"]["median_step_s"]
+    if "async_host_cache" in by and "async_host" in by:
+        summary["cache_over_host_step_time"] = (
+            by["async_host_cache"]["median_step_s"] / by["async_host"]["median_step_s"]
+        )
     return summary
 
 
@@ -284,6 +307,13 @@ def main(argv=None):
         "--host",
         action="store_true",
         help="also the value tables in host memory: async_sparse, sync_host, async_host",
+    )
+    ap.add_argument(
+        "--cache-rows",
+        type=int,
+        default=None,
+        help="async_host_cache: memory.host_cache_rows (default 302,500: a quarter of the 151M-x12 "
+        "table's rows; --quick 256)",
     )
     ap.add_argument(
         "--device-mem-gib",
@@ -316,6 +346,7 @@ def main(argv=None):
     args.seq = args.seq or (128 if args.quick else 2048)
     args.steps = args.steps or (4 if args.quick else 30)
     args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 10)
+    args.cache_rows = args.cache_rows if args.cache_rows is not None else (256 if args.quick else 302_500)
     if args.worker_out:
         return worker(args)
     names = (
@@ -324,7 +355,7 @@ def main(argv=None):
         else (
             ["dense", "sync", "async"]
             + (["sync_fused", "async_fused"] if args.fused else [])
-            + (["async_sparse", "sync_host", "async_host"] if args.host else [])
+            + (["async_sparse", "sync_host", "async_host", "async_host_cache"] if args.host else [])
         )
     )
     if not 0 <= args.warmup < args.steps:
@@ -337,7 +368,7 @@ def main(argv=None):
 
     try:
         for name in names:
-            validate(load_config(args.config, base_overrides(args) + VARIANTS[name]), world_size=1)
+            validate(load_config(args.config, variant_overrides(args, name)), world_size=1)
     except (ConfigError, FileNotFoundError) as err:
         return fail(str(err))
     out = os.path.abspath((args.json or "bench_memory_stream") + ".row.tmp")
@@ -357,6 +388,7 @@ def main(argv=None):
             f"--documents={args.documents}",
             f"--profile={args.profile}",
             f"--device-mem-gib={args.device_mem_gib}",
+            f"--cache-rows={args.cache_rows}",
             *args.override,
         ]
         print(f"bench_memory_stream: {name} ({args.steps} steps)", flush=True)
@@ -388,10 +420,16 @@ def main(argv=None):
     for r in rows:
         if "link_forward_bytes" in r:
             gbps = "-" if r["link_gbps"] is None else f"{r['link_gbps']:.1f} GB/s"
+            cache = (
+                f"; cache {r['cache_device_bytes'] / 2**20:.2f} MiB on the device, "
+                f"{r['cache_hit_fraction']:.3f} of the staged rows found there"
+                if "cache_hit_fraction" in r
+                else ""
+            )
             print(
                 f"{r['variant']}: host link {r['link_forward_bytes'] / 2**20:.2f} MiB forward + "
                 f"{r['link_backward_bytes'] / 2**20:.2f} MiB backward per step; staged rows at most "
-                f"{r['staged_peak_bytes'] / 2**20:.2f} MiB on the device; pinned copy {gbps}"
+                f"{r['staged_peak_bytes'] / 2**20:.2f} MiB on the device; pinned copy {gbps}{cache}"
             )
     print(json.dumps(summary))
     if args.json:

@@ -14,7 +14,8 @@
 # $PYTHON (default python3). $CHECKS picks the checks by name (default: all of stream tests
 # recompute torchrun architectures dense rank_memory host_table lookup); host_table: value tables in
 # host memory (memory.table_location: host) against the device table at the UltraMem-151M-x12
-# shape (step time ratio, hidden share, link bytes and bandwidth), a table 4x the device memory
+# shape (step time ratio, hidden share, link bytes and bandwidth; with a device cache of a quarter
+# of the rows, memory.host_cache_rows, refreshed every 5 steps), a table 4x the device memory
 # the run may use, and the host-table tests on the GPU; rank_memory: the whole-rank
 # planner against torch.cuda.max_memory_allocated per phase for one-GPU layouts of the
 # UltraMem-151M-x12 shape (tools/bench_rank_memory.py --device gpu); the extensions are built
@@ -88,7 +89,8 @@ $PY tools/bench_rank_memory.py --device gpu --config configs/ultramem_151m_x12.y
 fi
 if wanted host_table; then
 step "value tables in host memory against the device table (UltraMem-151M-x12)"
-$PY tools/bench_memory_stream.py --host --variants dense,async_sparse,sync_host,async_host --steps 16 --warmup 6 \
+$PY tools/bench_memory_stream.py --host --variants dense,async_sparse,sync_host,async_host,async_host_cache \
+    --steps 16 --warmup 6 memory.host_cache_refresh=5 \
     --json "$OUT/bench_host_table.json" 2>&1 | tee "$OUT/bench_host_table.log"
 step "a host table 4x the device memory the run may use (12 GiB cap, 47 GB of table and moments)"
 $PY tools/bench_memory_stream.py --device-mem-gib 12 --variants async_host --steps 12 --warmup 4 \
