@@ -198,6 +198,7 @@ def assert_link_is_uncached_less_hits(uncached, cached):
 CASES = {
     "sparse-adam": ["memory.value_optimizer=sparse_adam"],
     "rowwise-adagrad-async": ["memory.value_optimizer=rowwise_adagrad", "memory.async_stream=true"],
+    "bf16": ["memory.value_optimizer=sparse_adam", "memory.value_dtype=bf16", "train.precision=bf16"],
     "ultramem-v2": [
         "memory.value_optimizer=sparse_adam",
         "memory.type=ultramem_v2",

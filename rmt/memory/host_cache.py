@@ -154,7 +154,8 @@ class HotRows:
     def record(self, hit_slots: torch.Tensor, missed_rows: torch.Tensor) -> None:
         """Count one lookup: the slots of its cached rows (device) and its missed rows (host),
         each distinct. The missed rows are merged into per-row counts once the pending ones
-        outnumber the rows counted so far (so the host holds at most twice the distinct rows)."""
+        outnumber the rows counted so far and 65,536, so the host holds the distinct missed rows'
+        counts (16 bytes each) and at most as many pending rows (8 bytes each) or 65,536."""
         self.hits[hit_slots] += 1
         self._pending.append(missed_rows)
         self._pending_count += missed_rows.numel()
