@@ -742,7 +742,7 @@ class MemoryConfig:
     rows). Lookups read cached rows there, only the others cross the host link; the cached rows'
     gradients stay on the device, where ``value_optimizer`` steps them with the same update, so
     the numbers are those of the uncached table. Device memory per table: the rows, their
-    optimizer state and 32 bytes of index per row (:mod:`rmt.memory.host_cache`;
+    optimizer state and 33 bytes of index per row (:mod:`rmt.memory.host_cache`;
     ``rmt-plan memory --table-location host --cache-rows``)."""
 
     host_cache_refresh: Annotated[int, Range(gt=0)] = 10

@@ -121,7 +121,7 @@ def test_cache_stats_and_device_bytes():
     launch_host_steps(opt)
     cache.refresh()
     assert cache.rows.sorted_rows.tolist() == [1, 2, 3]
-    assert cache.device_bytes == 4 * (8 * 4 + 2 * 8 * 4) + 32 * 4 - 16 * (4 - 3)
+    assert cache.device_bytes == 4 * (8 * 4 + 2 * 8 * 4) + 33 * 4 - 16 * (4 - 3)
     table.pop_cache_stats()
     (table.lookup_reduce(torch.tensor([[1, 5], [1, 2]]), torch.ones(2, 2, 1), None, 1)).sum().backward()
     stats = table.pop_cache_stats()

@@ -23,12 +23,18 @@ HOST = ["memory.table_location=host"]
 
 
 def overrides(cache_dir, extra=(), steps=3):
-    return tiny_overrides(cache_dir, steps) + TINY_ULTRAMEM + list(extra)
+    """The tiny UltraMem run, its memory scalars (slot usage) logged every step."""
+    return tiny_overrides(cache_dir, steps) + TINY_ULTRAMEM + ["train.log_interval=1"] + list(extra)
 
 
 def assert_equal(ref, got):
+    """Equal bit for bit: losses, gradient norms, parameters, gradients, and the memory scalars
+    ``ref`` logs (the slot usage a host table counts in host memory; ``got`` may log more)."""
     assert got["losses"] == ref["losses"]
     assert got["grad_norms"] == ref["grad_norms"]
+    assert ref["memory_stats"] and all(ref["memory_stats"])
+    for mine, theirs in zip(ref["memory_stats"], got["memory_stats"]):
+        assert {k: theirs[k] for k in mine} == mine
     for kind in ("params", "grads"):
         assert sorted(got[kind]) == sorted(ref[kind])
         for key, value in ref[kind].items():
@@ -178,6 +184,51 @@ def test_host_table_stays_on_the_host_when_the_module_moves():
     assert table.weight is weight and weight.dtype == torch.float32 and weight.device.type == "cpu"
     device_table = MemoryTable(64, 8, 0.02, sparse_grad=True, device="cpu")
     assert device_table.to(torch.float64).weight.dtype == torch.float64
+
+
+@pytest.mark.parametrize("cache_rows", [0, 6])
+def test_slot_counters_live_on_the_host(cache_rows):
+    """A host table's slot-hit counters are host memory (the device holds no byte per slot),
+    marked from the staged rows (and, with a device cache, from the rows it served): the slot
+    usage is the device table's, training lookups only."""
+    host = MemoryTable(
+        64, 8, 0.02, sparse_grad=True, location="host", device="cpu", init_key=3, host_cache_rows=cache_rows
+    )
+    device = MemoryTable(64, 8, 0.02, sparse_grad=True, device="cpu", init_key=3)
+    host.to("meta")  # a move of the module leaves the counters where they are
+    assert host.hits.device.type == "cpu" and host.hits.numel() == 64
+    if cache_rows:
+        opt = SparseAdam([host.weight], lr=0.1)
+        host.host.cache.optimizer = opt  # a stepped table: the refresh caches rows
+        opt.state[host.weight].update(SparseAdam.initial_state(host.weight))
+        host.host.cache.rows.record(torch.zeros(0, dtype=torch.int64), torch.arange(6))
+        host.host.cache.refresh()
+        assert host.host.cache.rows.sorted_rows.tolist() == list(range(6))
+    for t in (host, device):
+        t.lookup_reduce(torch.tensor([[1, 9], [9, 40]]), torch.ones(2, 2, 1), None, 1)
+        t.eval()
+        t.lookup_reduce(torch.tensor([[50, 51]]), torch.ones(1, 2, 1), None, 1)  # not counted
+        t.train()
+        t.lookup_reduce(torch.tensor([[3, 63]]), torch.ones(1, 2, 1), None, 1)
+    assert host.pop_hit_fraction() == device.pop_hit_fraction() == 5 / 64
+    assert host.pop_hit_fraction() == device.pop_hit_fraction() == 0.0
+
+
+def test_union_count_in_chunks_equals_the_whole():
+    import torch.distributed as dist
+
+    from rmt.memory.table import union_count
+
+    flags = (torch.arange(10) % 3 == 0).to(torch.uint8)
+    owned = not dist.is_initialized()  # a one-process group (an earlier test's, or this one)
+    if owned:
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        counts = [union_count(flags, None, "cpu", chunk) for chunk in (3, 4, 10, 64)]
+    finally:
+        if owned:
+            dist.destroy_process_group()
+    assert [int(c) for c in counts] == [4] * 4 and flags.sum() == 4
 
 
 @pytest.mark.parametrize(

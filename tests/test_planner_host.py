@@ -131,16 +131,17 @@ def test_the_table_its_state_and_gradient_move_to_the_host():
     assert many == (2 * rows + U) * (cols * 4 + 8)  # bounded as the device's sparse gradient
     assert c["staging"] == U * cols * 4
     keys, flags, acts = c["keys"], c["slot_stats"], c["retrieval_activations"]
+    assert flags == rows  # one byte a slot, in host memory: the device holds none per slot
     assert phases(plan) == {
-        "init": flags + 2 * keys + 2 * keys,
-        "step": flags + 4 * keys + acts + c["staging"],
-        "save": flags + 4 * keys,
-        "load": flags + 4 * keys + 2 * keys,
-        "load_resharded": flags + 4 * keys + 2 * keys,
+        "init": 2 * keys + 2 * keys,
+        "step": 4 * keys + acts + c["staging"],
+        "save": 4 * keys,
+        "load": 4 * keys + 2 * keys,
+        "load_resharded": 4 * keys + 2 * keys,
     }
-    trained = rows * cols * 4 + 2 * rows * cols * 4
+    trained = rows * cols * 4 + flags + 2 * rows * cols * 4
     assert host_phases(plan) == {
-        "init": rows * cols * 4,
+        "init": rows * cols * 4 + flags,
         "step": trained + c["gradients"] + c["staging"],
         "save": trained + c["gradients"] + c["staging"],
         "load": trained,
@@ -150,7 +151,7 @@ def test_the_table_its_state_and_gradient_move_to_the_host():
     on_cpu = host_phases(replace(plan, device="cpu"))  # the staged rows are the gather's output there
     assert on_cpu["step"] == host_phases(plan)["step"] - c["staging"]
     two = replace(plan, layers=3, staged_layers=6)  # two micro-batches of 3 layers in flight
-    assert phases(two)["step"] - 3 * (flags + 4 * keys) - acts == 6 * c["staging"]
+    assert phases(two)["step"] - 3 * 4 * keys - acts == 6 * c["staging"]
 
 
 def test_plan_memory_reports_the_host_budget():
@@ -434,7 +435,7 @@ def test_the_cache_holds_device_memory_and_shrinks_the_host_rows():
     plain = replace(plan, cache_rows=0, cache_hit=None)
     c, p = components(plan), components(plain)
     U = round(staged_rows(plan))
-    assert c["cache"] == 16 * (8 * 4 + 2 * 8 * 4 + 32)  # the whole shard of 16 rows
+    assert c["cache"] == 16 * (8 * 4 + 2 * 8 * 4 + 33)  # the whole shard of 16 rows
     assert c["cache_gradients"] == c["gradients"] == round(0.5 * U) * (8 * 4 + 8)
     assert p["gradients"] == U * (8 * 4 + 8)
     assert c["staging"] == p["staging"] and c["pinned_staging"] == round(0.5 * U) * 8 * 4

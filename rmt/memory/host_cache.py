@@ -109,18 +109,24 @@ class HotRows:
     (docs/host-tables.md measures it). The counts restart at every refresh, so a row that cools
     down leaves after one interval.
 
-    ``device_bytes``: ``slot_rows`` and ``hits`` (8 bytes a slot each) and the sorted index (16
-    bytes a cached row). The missed rows' counts live on the host (16 bytes a distinct row)."""
+    ``touched`` flags the slots a training lookup found since the table's slot counters last
+    took them (:meth:`pop_touched`: the cached rows' share of
+    :meth:`rmt.memory.table.MemoryTable.pop_hit_fraction`).
 
-    INDEX_BYTES_PER_SLOT = 32
-    """Device bytes of the index per cache slot (at most): ``slot_rows``, ``hits``, the sorted
-    row and its slot."""
+    ``device_bytes``: ``slot_rows`` and ``hits`` (8 bytes a slot each), ``touched`` (1 byte a
+    slot) and the sorted index (16 bytes a cached row). The missed rows' counts live on the host
+    (16 bytes a distinct row)."""
+
+    INDEX_BYTES_PER_SLOT = 33
+    """Device bytes of the index per cache slot (at most): ``slot_rows``, ``hits``, ``touched``,
+    the sorted row and its slot."""
 
     def __init__(self, capacity: int, device):
         self.capacity = capacity
         self.device = torch.device(device)
         self.slot_rows = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
         self.hits = torch.zeros(capacity, dtype=torch.int64, device=self.device)
+        self.touched = torch.zeros(capacity, dtype=torch.uint8, device=self.device)
         self.sorted_rows = self.slot_rows[:0].clone()
         self.sorted_slots = self.slot_rows[:0].clone()
         self._forget_misses()
@@ -130,7 +136,8 @@ class HotRows:
 
     @property
     def device_bytes(self) -> int:
-        return 8 * (self.slot_rows.numel() + self.hits.numel() + self.sorted_rows.numel() + self.sorted_slots.numel())
+        index = self.slot_rows.numel() + self.hits.numel() + self.sorted_rows.numel() + self.sorted_slots.numel()
+        return 8 * index + self.touched.numel()
 
     def _forget_misses(self) -> None:
         self._missed_rows = torch.zeros(0, dtype=torch.int64)
@@ -150,6 +157,16 @@ class HotRows:
     def slots_of(self, rows: torch.Tensor) -> torch.Tensor:
         """The slots of cached ``rows`` (device)."""
         return self.sorted_slots[torch.searchsorted(self.sorted_rows, rows)]
+
+    def touch(self, hit_slots: torch.Tensor) -> None:
+        """Flag the slots ``hit_slots`` (device) as found by a training lookup."""
+        self.touched[hit_slots] = 1
+
+    def pop_touched(self) -> torch.Tensor:
+        """The rows of the slots flagged since the last call (device); clears the flags."""
+        rows = self.slot_rows[(self.touched != 0) & (self.slot_rows >= 0)]
+        self.touched.zero_()
+        return rows
 
     def record(self, hit_slots: torch.Tensor, missed_rows: torch.Tensor) -> None:
         """Count one lookup: the slots of its cached rows (device) and its missed rows (host),
@@ -260,6 +277,8 @@ class HostCache:
         row = self.table.weight.shape[1] * self.table.weight.element_size()
         self.saved.add("forward", "d2h_indices", n * INDEX_BYTES)
         self.saved.add("forward", "h2d_rows", n * row)
+        if self.table.recording:
+            self.rows.touch(hits.slots)
         if not torch.is_grad_enabled():
             return
         self.rows.record(hits.slots, missed_rows)
@@ -285,6 +304,14 @@ class HostCache:
         out = dict(self.counts, lookup_hits=int(self._lookup_hits))
         self.reset_counts()
         return out
+
+    def mark_hits(self) -> None:
+        """Hand the rows that training lookups found in the cache since the last call to the
+        table's slot counters (``HostTable.mark_rows``; before the slots change hands too)."""
+        rows = self.rows.pop_touched()
+        self.table.link.add("stats", "d2h_hit_rows", rows.numel() * INDEX_BYTES)
+        if self.table.mark_rows is not None:
+            self.table.mark_rows(rows.cpu())
 
     # -- gradients ----------------------------------------------------------------------
     def add_grad(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
@@ -358,6 +385,7 @@ class HostCache:
         self.table.wait()
         state = self.optimizer.state[self.table.weight]
         chosen = self.rows.choose(group, self.table.link)
+        self.mark_hits()
         evicted_slots, evicted_rows, admitted_slots, admitted_rows = self.rows.assign(chosen)
         if self.values is None:
             self._allocate(state)
@@ -381,6 +409,7 @@ class HostCache:
 
     def clear(self) -> None:
         """Forget the cached rows (the host holds new values: a checkpoint was loaded)."""
+        self.mark_hits()
         self.rows.clear()
         self._grads, self.grad, self.steps = [], None, 0
 

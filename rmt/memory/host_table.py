@@ -104,6 +104,9 @@ class HostTable:
         self._lock = threading.Lock()
         self._grads: List[Tuple[torch.Tensor, torch.Tensor, Optional[torch.cuda.Event]]] = []
         self._pending: Optional[Future] = None
+        # the slot counters' marking (MemoryTable._mark_shard_rows), for training lookups
+        self.mark_rows: Optional[Callable[[torch.Tensor], None]] = None
+        self.recording = False
         self.cache = HostCache(self, cache_rows, cache_refresh) if cache_rows else None
 
     @property
@@ -122,6 +125,8 @@ class HostTable:
             unique = unique[hits.missed]
         rows = unique.to("cpu")
         self.link.add("forward", "d2h_indices", rows.numel() * INDEX_BYTES)
+        if self.recording and self.mark_rows is not None:
+            self.mark_rows(rows)
         if hits is not None:
             self.cache.record(hits, rows, inverse)
         staged = _Stage.apply(self.weight, rows, hits, self)

@@ -93,6 +93,21 @@ def _bound_sparse_grad(weight: torch.Tensor) -> None:
         weight.grad = coalesced(grad)
 
 
+FLAG_CHUNK = 1 << 26
+"""Slot counters a host table sends through the device at a time (bytes)."""
+
+
+def union_count(flags: torch.Tensor, group, device, chunk: int) -> torch.Tensor:
+    """How many of the slot ``flags`` (uint8) are set on any rank of ``group``: their maximum
+    over the group, ``chunk`` flags at a time on ``device`` (a copy: the flags stay as they are)."""
+    count = torch.zeros((), dtype=torch.int64, device=device)
+    for start in range(0, flags.numel(), max(chunk, 1)):
+        part = flags[start : start + chunk].to(device, copy=True)
+        dist.all_reduce(part, op=dist.ReduceOp.MAX, group=group)
+        count += part.sum(dtype=torch.int64)
+    return count
+
+
 class DeviceRows:
     """The two reads the lookup routes make of a shard on the compute device (the host shard's
     are :class:`rmt.memory.host_table.HostTable`'s): ``lookup`` (``lookup_reduce`` of its rows)
@@ -234,21 +249,27 @@ class MemoryTable(torch.nn.Module):
         # Slot-usage counters of the slots this rank owns (owned_rows): whole rows of a number-wise
         # shard, an equal range of the rows of a dimension-wise one (ranks see every lookup of the
         # group there), all rows of a local table.
+        # A host table's counters are in host memory too (the device holds no byte per slot),
+        # marked from the staged rows' indices, which cross to the host anyway.
         self.owned_rows = self._owned_rows()
         self.register_buffer(
-            "hits", torch.zeros(len(self.owned_rows), dtype=torch.uint8, device=device), persistent=False
+            "hits",
+            torch.zeros(len(self.owned_rows), dtype=torch.uint8, device="cpu" if location == "host" else device),
+            persistent=False,
         )
+        if self.host is not None:
+            self.host.mark_rows = self._mark_shard_rows
 
     def _apply(self, fn, recurse=True):
-        """A host table's weight stays where it is when the module is moved or cast (its
-        buffers follow)."""
+        """A host table's weight and slot counters stay where they are when the module is moved
+        or cast."""
         if self.host is None:
             return super()._apply(fn, recurse)
-        weight = self._parameters.pop("weight")
+        weight, hits = self._parameters.pop("weight"), self._buffers.pop("hits")
         try:
             return super()._apply(fn, recurse)
         finally:
-            self._parameters["weight"] = weight
+            self._parameters["weight"], self._buffers["hits"] = weight, hits
 
     @property
     def rows(self):
@@ -301,8 +322,10 @@ class MemoryTable(torch.nn.Module):
         autocast's "promote" ops do."""
         if not dtypes_supported(self.weight.dtype, scores.dtype):
             scores = scores.to(torch.promote_types(scores.dtype, self.weight.dtype))
+        if self.host is not None:  # the host shard marks the rows it stages (_mark_shard_rows)
+            self.host.recording = self.training
         if self.partition == "local":
-            if self.training:
+            if self.training and self.host is None:
                 self.record_hits(indices)
             return self.rows.lookup(indices, scores, block_ids, num_blocks, validate=validate)
         if self.split_group is not None:
@@ -312,7 +335,7 @@ class MemoryTable(torch.nn.Module):
         return self._sharded_lookup(indices, scores, block_ids, num_blocks)
 
     def _sharded_lookup(self, indices, scores, block_ids, num_blocks: int):
-        record = self.record_hits if self.training else None
+        record = self.record_hits if self.training and self.host is None else None
         if self.partition == "dimension":
             return sharded_table.dimension_lookup(
                 self.rows,
@@ -339,6 +362,16 @@ class MemoryTable(torch.nn.Module):
         self.hits[slots - first if first else slots] = 1
 
     @torch.no_grad()
+    def _mark_shard_rows(self, rows: torch.Tensor) -> None:
+        """Mark the slots of the shard's rows ``rows`` (host, local row numbers) that this rank
+        owns as hit: a host table's counterpart of :meth:`record_hits`."""
+        slots = rows + (self.shard_index[0].start or 0)
+        first, count = self.owned_rows.start, len(self.owned_rows)
+        if self.partition == "dimension":
+            slots = slots[(slots >= first) & (slots < first + count)]
+        self.hits[slots - first if first else slots] = 1
+
+    @torch.no_grad()
     def pop_hit_fraction(self, group=None) -> float:
         """Fraction of the table's slots looked up since the last call; resets the counters.
 
@@ -346,15 +379,21 @@ class MemoryTable(torch.nn.Module):
         slot maximum, the table being whole on every rank anyway. A sharded table sums the scalar
         counts of its owners over the memory-parallel group and its replicas: the mean over the
         replica groups of the fraction of slots that group's tokens hit (the union over all
-        data-parallel ranks when one group spans them, ``memory.group_size: 0``)."""
+        data-parallel ranks when one group spans them, ``memory.group_size: 0``). A host table's
+        counters, in host memory, cross to the compute device for the collectives (the local
+        table's maximum in chunks of :data:`FLAG_CHUNK`)."""
         hits = self.hits
+        device = self.host.device if self.host is not None else hits.device
+        if self.host is not None and self.host.cache is not None:
+            self.host.cache.mark_hits()
         if self.partition == "local":
             if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-                hits = hits.clone()
-                dist.all_reduce(hits, op=dist.ReduceOp.MAX, group=group)
-            count, total = hits.sum(dtype=torch.int64), self.num_slots
+                count = union_count(hits, group, device, hits.numel() if self.host is None else FLAG_CHUNK)
+            else:
+                count = hits.sum(dtype=torch.int64)
+            total = self.num_slots
         else:
-            count = hits.sum(dtype=torch.int64).reshape(1)
+            count = hits.sum(dtype=torch.int64).reshape(1).to(device)
             dist.all_reduce(count, group=self.group)
             replicas = 1
             if self.replica_group is not None and dist.get_world_size(self.replica_group) > 1:
@@ -377,7 +416,7 @@ class MemoryTable(torch.nn.Module):
             return {}
         c = cache.pop_counts()
         counts = torch.tensor([c["row_hits"], c["rows"], c["lookup_hits"], c["lookups"]], dtype=torch.int64)
-        counts = counts.to(self.hits.device)
+        counts = counts.to(self.host.device)
         groups = [group] if self.partition == "local" else [self.group, self.replica_group]
         for g in groups:
             if g is not None and dist.is_initialized() and dist.get_world_size(g) > 1:

@@ -499,7 +499,7 @@ def table_lines(args: argparse.Namespace, config=None) -> dict:
     lines += _human_rows(doc["components_per_layer"].items())
     lines.append(
         "peak bytes per rank that grow with the slots, by phase"
-        + (" (the device's: slot flags, keys, activations, staged rows):" if plan.location == "host" else ":")
+        + (" (the device's: keys, activations, staged rows):" if plan.location == "host" else ":")
     )
     lines += _human_rows(doc["phases"].items())
     lines.append(

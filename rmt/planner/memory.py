@@ -63,21 +63,21 @@ Bytes that do not grow with the slots (the dense model, its optimizer and activa
 framework) are not counted here: ``--reserve-gib`` sets them aside.
 
 Tables in host memory (``location="host"``, ``memory.table_location: host``,
-:mod:`rmt.memory.host_table`): ``table``, ``optimizer_states`` and ``gradients`` leave the
-device's phases for the host's (:func:`host_phases`); the host's gradient is the staged rows'
+:mod:`rmt.memory.host_table`): ``table``, ``slot_stats``, ``optimizer_states`` and ``gradients``
+leave the device's phases for the host's (:func:`host_phases`); the host's gradient is the staged rows'
 (``U`` per lookup, :func:`staged_rows`, not the ``served`` lookups: the device sums a row's
 lookups before its gradient crosses), bounded as above at ``2 rows + U``. The device instead
 holds ``staging`` = ``U x cols x b`` per layer of every micro-batch in flight (``staged_layers``:
 the staged rows are saved for the backward), the host of a GPU the same again in pinned staging
-buffers (kept by the pinned-memory cache from the first step on: ``step`` and ``save``). The slot-hit
-flags, the keys and the retrieval activations stay on the device; a resharding load reads its
-chunk into host memory. :mod:`rmt.planner.host` adds what crosses the host link.
+buffers (kept by the pinned-memory cache from the first step on: ``step`` and ``save``). The keys
+and the retrieval activations stay on the device; a resharding load reads its chunk into host
+memory. :mod:`rmt.planner.host` adds what crosses the host link.
 
 A device cache of ``C`` rows of each host shard (``cache_rows``, ``memory.host_cache_rows``,
 :mod:`rmt.memory.host_cache`) serves a fraction ``h`` of each lookup's ``U`` distinct rows
 (:func:`hit_fraction`: ``cache_hit`` as measured, else the uniform-access expectation ``C /
 rows``). The device holds ``cache`` = ``C`` x (:func:`cache_row_bytes`: the row, its optimizer
-state and 32 bytes of index) and ``cache_gradients``, the cached rows' sparse gradient (``hU``
+state and 33 bytes of index) and ``cache_gradients``, the cached rows' sparse gradient (``hU``
 rows per micro-batch, bounded like the host's at ``2C + hU``), in ``step`` and ``save`` (the cache
 fills at its first refresh, after a load). The host's gradient and pinned staging shrink to the
 ``(1 - h) U`` missed rows; the staged rows on the device stay ``U``. The host also counts the
@@ -101,7 +101,9 @@ HOST_OPTIMIZERS = ("sparse_adam", "rowwise_adagrad")
 CHECKPOINT_CHUNK_BYTES = 64 << 20  # rmt.training.table_checkpoint's read and staging chunk
 RETRIEVAL_ACTIVATION_FACTOR = 2  # score tensors alive in the retrieval backward (see above)
 SPARSE_INDEX_BYTES = 8
-CACHE_INDEX_BYTES = 32  # a cache slot's row and lookup count, a cached row's sorted index (rmt.memory.host_cache)
+CACHE_INDEX_BYTES = (
+    33  # a cache slot's row, lookup count and hit flag, a cached row's sorted index (rmt.memory.host_cache)
+)
 GIB = 1 << 30
 
 
@@ -420,9 +422,9 @@ def phases(plan: TablePlan, keys: bool = True) -> dict:
         c["keys"] = 0
     L = plan.layers
     staged = 0
-    if plan.location == "host":  # the shard, its state and gradient on the host (host_phases)
+    if plan.location == "host":  # the shard, its counters, state and gradient on the host (host_phases)
         staged = (L if plan.staged_layers is None else plan.staged_layers) * c["staging"]
-        c.update(table=0, optimizer_states=0, gradients=0, checkpoint_chunk=0)
+        c.update(table=0, slot_stats=0, optimizer_states=0, gradients=0, checkpoint_chunk=0)
     cache = L * (c.get("cache", 0) + c.get("cache_gradients", 0))  # filled from the first refresh on
     held = c["table"] + c["slot_stats"]
     trained = held + 4 * c["keys"] + c["optimizer_states"]
@@ -448,9 +450,9 @@ def host_phases(plan: TablePlan) -> dict:
     pinned = (L if plan.staged_layers is None else plan.staged_layers) * c["pinned_staging"]
     if plan.device != "gpu":  # a CPU rank's staged rows are the gather's output (phases counts it)
         pinned = 0
-    trained = L * (c["table"] + c["optimizer_states"])
+    trained = L * (c["table"] + c["slot_stats"] + c["optimizer_states"])
     return {
-        "init": L * c["table"],
+        "init": L * (c["table"] + c["slot_stats"]),
         "step": trained + L * c["gradients"] + pinned,
         "save": trained + L * c["gradients"] + pinned,
         "load": trained,

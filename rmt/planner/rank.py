@@ -39,8 +39,8 @@ tensor-parallel ranks, ``P_r`` the dense parameters the rank holds):
 ``tables``
     the memory tables, their gradients, optimizer states and checkpoint buffers of the rank's
     memory layers, :func:`rmt.planner.memory.phases` without the keys (counted above). With
-    ``memory.table_location: host`` the device keeps only the slot flags and the staged rows of
-    the micro-batches in flight; the shards, states and gradients are the stage's ``host_tables``
+    ``memory.table_location: host`` the device keeps only the staged rows of the micro-batches
+    in flight; the shards, slot flags, states and gradients are the stage's ``host_tables``
     (:func:`rmt.planner.memory.host_phases`), outside a GPU's phases (a CPU rank's ``tables``
     count both: one memory).
 ``heap_retained``

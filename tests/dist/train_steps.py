@@ -64,6 +64,8 @@ def record(overrides):
             "host": host,
             "table_states": states,
             "grad_norms": [m["grad_norm"] for m in history],
+            # the memory layers' scalars of each logged step (slot usage, cache hits)
+            "memory_stats": [{k: v for k, v in m.items() if k.startswith("memory/")} for m in history],
             "val": [m.get("val_loss") for m in history],
             "grads": grads,
             "params": params,
