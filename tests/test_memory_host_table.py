@@ -27,9 +27,18 @@ def overrides(cache_dir, extra=(), steps=3):
     return tiny_overrides(cache_dir, steps) + TINY_ULTRAMEM + ["train.log_interval=1"] + list(extra)
 
 
+# On a GPU (tools/gpu_checks.sh) the device table is stepped by the CUDA kernels and the host
+# table by the CPU's, each rounding its own way: the runs agree to fp32 rounding there.
+ON_GPU = torch.cuda.is_available()
+
+
 def assert_equal(ref, got):
     """Equal bit for bit: losses, gradient norms, parameters, gradients, and the memory scalars
-    ``ref`` logs (the slot usage a host table counts in host memory; ``got`` may log more)."""
+    ``ref`` logs (the slot usage a host table counts in host memory; ``got`` may log more). On
+    a GPU, equal to fp32 rounding (:data:`ON_GPU`)."""
+    if ON_GPU:
+        assert_close(ref, got)
+        return
     assert got["losses"] == ref["losses"]
     assert got["grad_norms"] == ref["grad_norms"]
     assert ref["memory_stats"] and all(ref["memory_stats"])
