@@ -1,7 +1,8 @@
 """UltraMemV2 (memory.type ultramem_v2: a memory beside the FFN of every layer, with value and
 pre-value tables) under 2 gloo ranks == the single-process run (fp32, 1e-5): sharded tables
 number-wise (saved at step 2 and resumed as a local table; and pooled at the owners) and
-dimension-wise with the async stream, the fused sparse-Adam value optimizer, tensor and pipeline parallelism; three training
+dimension-wise with the async stream, the fused sparse-Adam value optimizer, tensor and pipeline
+parallelism (also with full recomputation on the async stream); three training
 steps through the trainer (tests/dist/train_steps.py), equal losses, gradients and weights."""
 
 import pytest
@@ -20,6 +21,11 @@ CASES = {
     "dp2-number-fused-sparse-adam": (["memory.partition=number"] + FUSED, "fused"),
     "tp2": (["parallel.tensor_model_parallel_size=2"], "local"),
     "pp2": (["parallel.pipeline_model_parallel_size=2", "train.micro_batch_size=1"], "local-mb1"),
+    "pp2-full-recompute-async": (
+        ["parallel.pipeline_model_parallel_size=2", "train.micro_batch_size=1", "memory.async_stream=true"]
+        + ["train.recompute_granularity=full", "train.recompute_method=uniform", "train.recompute_num_layers=1"],
+        "local-mb1",
+    ),
 }
 REFERENCES = {"local": [], "fused": FUSED, "local-mb1": ["train.micro_batch_size=1"]}
 
