@@ -64,6 +64,16 @@ TINY_ULTRAMEM_V2 = [
     "memory.pre_value_dim=4",
 ]
 
+# A tiny Residual Matrix Transformer (8 x 8 residual matrices, rank-4 keys) for tiny_overrides.
+TINY_RMT = [
+    "model.arch=rmt",
+    "model.position=alibi",
+    "model.dk=8",
+    "model.dv=8",
+    "model.rank=4",
+    "model.ffn_hidden_size=64",
+]
+
 
 def _ephemeral_ports():
     try:

@@ -7,7 +7,7 @@ plain optimizer with the losses of an uninterrupted run."""
 import pytest
 import torch
 
-from conftest import TINY_ULTRAMEM, tiny_overrides, train_cases, train_runs
+from conftest import TINY_RMT, TINY_ULTRAMEM, tiny_overrides, train_cases, train_runs
 
 pytestmark = pytest.mark.slow
 
@@ -34,14 +34,7 @@ MODELS = {
         "memory.value_optimizer=rowwise_adagrad",
     ],
     "moe_mlp": ["memory.type=moe", "memory.moe_placement=mlp", "memory.placement=1-2", "memory.num_experts=4"],
-    "rmt": [
-        "model.arch=rmt",
-        "model.position=alibi",
-        "model.dk=8",
-        "model.dv=8",
-        "model.rank=4",
-        "model.ffn_hidden_size=64",
-    ],
+    "rmt": TINY_RMT,
     "recurrent": ["model.arch=recurrent", "model.block_width=4", "model.seq_length=16"],
     "mixer": ["model.arch=mixer", "model.seq_length=16"],
 }

@@ -7,7 +7,7 @@ afterwards, memory parameters included."""
 import pytest
 import torch
 
-from conftest import tiny_overrides, train_cases
+from conftest import TINY_RMT, tiny_overrides, train_cases
 
 pytestmark = pytest.mark.slow
 
@@ -21,14 +21,7 @@ MEMORY = [
 ]
 ARCHS = {
     "transformer": [],
-    "rmt": [
-        "model.arch=rmt",
-        "model.position=alibi",
-        "model.dk=8",
-        "model.dv=8",
-        "model.rank=4",
-        "model.ffn_hidden_size=64",
-    ],
+    "rmt": TINY_RMT,
 }
 LAYOUTS = {"tp2": ["parallel.tensor_model_parallel_size=2"], "dp2": []}
 

@@ -20,7 +20,7 @@ that the per-layer difference is derived exactly.
 import pytest
 import torch
 
-from conftest import TINY_ULTRAMEM_V2, load_script, tiny_overrides
+from conftest import TINY_RMT, TINY_ULTRAMEM_V2, load_script, tiny_overrides
 
 MEMORY = [
     "memory.type=ultramem",
@@ -30,14 +30,7 @@ MEMORY = [
     "memory.topk=3",
     "memory.init_samples=2",
 ]
-RMT = [
-    "model.arch=rmt",
-    "model.position=alibi",
-    "model.dk=8",
-    "model.dv=8",
-    "model.rank=4",
-    "model.ffn_hidden_size=64",
-]
+RMT = TINY_RMT
 ARCHS = {
     "transformer": MEMORY,
     "transformer-async": MEMORY + ["memory.async_stream=true"],
