@@ -9,7 +9,7 @@ module and the memory code, not the loop.
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, Dict, List, Optional
+from typing import ContextManager, Dict, List, Optional, Tuple
 
 import torch
 from megatron.core import parallel_state
@@ -54,6 +54,7 @@ class MemoryHooks:
         self.chunks: List[torch.nn.Module] = []
         self.num_microbatches = 1
         self._fused: List[List] = []
+        self._caches: List[Tuple] = []  # (host table cache, its replica group)
         self._forwards: List[int] = []
 
     # -- setup -------------------------------------------------------------------------
@@ -78,6 +79,7 @@ class MemoryHooks:
         optimizer is built (it attaches the fused value updates)."""
         self.chunks, self.num_microbatches = list(chunks), num_microbatches
         self._fused = [[fused_update(p) for p in c.parameters() if fused_update(p) is not None] for c in self.chunks]
+        self._caches = [(host_cache(p), replica_group(p)) for c in self.chunks for p in c.parameters() if host_cache(p)]
         self._forwards = [0] * len(self.chunks)
 
     # -- one step ----------------------------------------------------------------------
@@ -86,11 +88,9 @@ class MemoryHooks:
         tables whose refresh is due admit and evict rows (``memory.host_cache_refresh``,
         :meth:`rmt.memory.host_cache.HostCache.refresh`; collective over each table's replicas)."""
         self._forwards = [0] * len(self.chunks)
-        for chunk in self.chunks:
-            for p in chunk.parameters():
-                cache = host_cache(p)
-                if cache is not None and cache.due:
-                    cache.refresh(replica_group(p))
+        for cache, replicas in self._caches:
+            if cache.due:
+                cache.refresh(replicas)
 
     def before_forward(self, chunk: int) -> None:
         """Before a micro-batch's forward through chunk number ``chunk``: the fused value
