@@ -13,21 +13,44 @@ Its MoE (:func:`_moe_without_te`, :func:`_cpu_moe_dispatch`, :func:`_gloo_uneven
 needs three more: the router's GEMM names a Transformer Engine function that is undefined
 without TE (on GPUs too), the all-to-all dispatcher hands gloo its split sizes as tensors, and
 with expert tensor parallelism it all-gathers and reduce-scatters chunks of unequal length,
-which gloo does not do.
+which gloo does not do. Checkpoint saves take their writers' results on an in-process queue
+(:func:`_in_process_writer_results`, on GPUs too).
+
+:data:`PATCHES` lists every megatron-core and torch symbol rmt replaces, here and in the two
+places that must act elsewhere (the launcher's agent, the deferred ``torch.compile``), with the
+parameters each replacement expects; :func:`contract_problem` checks one against the installed
+release (``tests/test_compat_contract.py`` runs it per symbol, so an upgrade that renames or
+reshapes one fails by its name).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
+import inspect
+import queue
 import types
+from typing import Dict, Optional, Set, Tuple
 
 import torch
 
 from rmt import quiet
 from rmt.process import require_tested_megatron_core
 
-_APPLIED = False
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """One symbol rmt replaces: ``target`` is ``"module:attribute"`` (attribute may be dotted,
+    ``Class.method``); ``params`` the parameter names, in order, that the replacement takes or
+    passes on (None: it takes any, only the symbol's existence is assumed); ``where`` the
+    function that replaces it; ``cpu_only`` whether it is replaced only without CUDA."""
+
+    target: str
+    params: Optional[Tuple[str, ...]]
+    where: str
+    cpu_only: bool = True
+
 
 # Modules that create tensors with a literal ``device="cuda"``; each gets a torch proxy whose
 # factory functions map that device to the CPU.
@@ -40,6 +63,66 @@ _CUDA_LITERAL_MODULES = (
     "megatron.core.utils",
 )
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "empty_like")
+
+PATCHES: Tuple[Patch, ...] = (
+    Patch("torch.cuda:current_device", (), "apply"),
+    Patch("torch.cuda:synchronize", ("device",), "apply"),
+    Patch("torch.cuda:Stream", None, "apply"),
+    Patch("torch.cuda:Event", None, "apply"),
+    Patch("torch.cuda:current_stream", ("device",), "apply"),
+    Patch("torch.cuda:stream", ("stream",), "apply"),
+    *(Patch(f"{name}:torch", None, "apply") for name in _CUDA_LITERAL_MODULES),
+    Patch("torch:Tensor.type", None, "_cuda_type_names"),
+    Patch(
+        "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.__init__",
+        None,
+        "_cpu_mixed_precision_optimizers",
+    ),
+    Patch(
+        "megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params.__init__",
+        None,
+        "_cpu_mixed_precision_optimizers",
+    ),
+    Patch("megatron.core.tensor_parallel.random:_get_cuda_rng_state", None, "_cpu_checkpoint_rng"),
+    Patch("megatron.core.tensor_parallel.random:_set_cuda_rng_state", None, "_cpu_checkpoint_rng"),
+    Patch(
+        "megatron.core.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu",
+        ("tensor", "as_numpy", "record_stream"),
+        "_cpu_moe_dispatch",
+    ),
+    Patch(
+        "megatron.core.tensor_parallel.mappings:_gather_along_first_dim",
+        ("input_", "group", "output_split_sizes", "use_global_buffer"),
+        "_gloo_uneven_gather",
+    ),
+    Patch(
+        "megatron.core.tensor_parallel.mappings:_reduce_scatter_along_first_dim",
+        ("input_", "group", "input_split_sizes", "use_global_buffer"),
+        "_gloo_uneven_gather",
+    ),
+    Patch("megatron.core.transformer.moe.moe_utils:te_general_gemm", None, "_moe_without_te", cpu_only=False),
+    Patch(
+        "megatron.core.dist_checkpointing.strategies.filesystem_async:_results_queue",
+        None,
+        "_in_process_writer_results",
+        cpu_only=False,
+    ),
+    Patch("megatron.core.jit:jit_fuser", None, "rmt.deferred_compile.install", cpu_only=False),
+    Patch("torch.distributed.launcher.api:LocalElasticAgent", None, "rmt.parallel.launcher.main", cpu_only=False),
+    Patch(
+        "torch.distributed.elastic.agent.server.local_elastic_agent:LocalElasticAgent._monitor_workers",
+        ("self", "worker_group"),
+        "rmt.parallel.launcher._Agent",
+        cpu_only=False,
+    ),
+)
+
+# The symbols as megatron-core and torch defined them, kept when :func:`_replace` replaces one.
+_ORIGINALS: Dict[str, object] = {}
+# Symbols that a release may leave unbound, replaced only where they are (the TE GEMM name).
+_OPTIONAL = {"megatron.core.transformer.moe.moe_utils:te_general_gemm"}
+
+_APPLIED = False
 
 
 def cuda_available() -> bool:
@@ -114,27 +197,80 @@ class _NullStream:
         return False
 
 
+def _resolve(target: str):
+    """The object that holds ``target``'s attribute, and the attribute's name."""
+    module, attribute = target.split(":")
+    owner = importlib.import_module(module)
+    *path, name = attribute.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, name
+
+
+def _replace(target: str, value) -> None:
+    """Replace the symbol ``target`` (one of :data:`PATCHES`) by ``value``, keeping the original."""
+    owner, name = _resolve(target)
+    _ORIGINALS.setdefault(target, getattr(owner, name, None))
+    setattr(owner, name, value)
+
+
+def replaced() -> Set[str]:
+    """The targets of :data:`PATCHES` this process has replaced so far."""
+    return set(_ORIGINALS)
+
+
+def contract_problem(patch: Patch) -> Optional[str]:
+    """What the installed release breaks of ``patch``'s assumptions (None: nothing): the symbol
+    exists (for an optional one, its module still names it), a module's ``torch`` is torch, and
+    the leading parameters are ``patch.params``. Judges the symbol as the release defines it,
+    also after :func:`apply` replaced it."""
+    try:
+        owner, name = _resolve(patch.target)
+    except (ImportError, AttributeError) as err:
+        return f"{patch.target} is gone ({type(err).__name__}: {err})"
+    if patch.target in _ORIGINALS:
+        symbol = _ORIGINALS[patch.target]
+    elif hasattr(owner, name):
+        symbol = getattr(owner, name)
+    elif patch.target in _OPTIONAL and name in inspect.getsource(owner):
+        return None
+    else:
+        return f"{patch.target} is gone"
+    if name == "torch" and symbol is not torch:
+        return f"{patch.target} is no longer the torch module"
+    if patch.params is None:
+        return None
+    try:
+        found = tuple(inspect.signature(symbol).parameters)
+    except (TypeError, ValueError) as err:
+        return f"{patch.target} has no signature to check ({err})"
+    if found[: len(patch.params)] != patch.params:
+        return f"{patch.target} takes {found}, the replacement expects {patch.params} first"
+    return None
+
+
 def apply() -> None:
-    """Install the CPU adjustments once per process (only the Transformer Engine fallback when
-    CUDA is available)."""
+    """Install the CPU adjustments once per process (only the Transformer Engine fallback and
+    the checkpoint writers' queue when CUDA is available)."""
     global _APPLIED
     if _APPLIED:
         return
     require_tested_megatron_core()
     _moe_without_te()
+    _in_process_writer_results()
     if cuda_available():
         _APPLIED = True
         return
     quiet.on_cpu()
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.synchronize = lambda *args, **kwargs: None
-    torch.cuda.Stream = _NullStream
-    torch.cuda.Event = _NullStream
-    torch.cuda.current_stream = lambda *args, **kwargs: _NullStream()
-    torch.cuda.stream = lambda *args, **kwargs: _NullStream()
+    _replace("torch.cuda:current_device", lambda: "cpu")
+    _replace("torch.cuda:synchronize", lambda *args, **kwargs: None)
+    _replace("torch.cuda:Stream", _NullStream)
+    _replace("torch.cuda:Event", _NullStream)
+    _replace("torch.cuda:current_stream", lambda *args, **kwargs: _NullStream())
+    _replace("torch.cuda:stream", lambda *args, **kwargs: _NullStream())
     proxy = _CpuTorch()
     for name in _CUDA_LITERAL_MODULES:
-        importlib.import_module(name).torch = proxy
+        _replace(f"{name}:torch", proxy)
     _cpu_mixed_precision_optimizers()
     _cpu_checkpoint_rng()
     _cpu_moe_dispatch()
@@ -149,7 +285,20 @@ def _moe_without_te() -> None:
     from megatron.core.transformer.moe import moe_utils
 
     if not moe_utils.HAVE_TE:
-        moe_utils.te_general_gemm = None
+        _replace("megatron.core.transformer.moe.moe_utils:te_general_gemm", None)
+
+
+def _in_process_writer_results() -> None:
+    """megatron-core's torch_dist writer hands its writers' results to the saving process
+    through a queue it takes from a ``multiprocessing.Manager``: a spawned server process (about
+    300 MB, since it imports the trainer) that nothing stops when the trainer is killed. rmt's
+    saves are synchronous: the trainer itself puts the results on that queue and takes them off
+    (the forked writers report on a queue of their own), so an in-process queue does the same
+    without the server."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        _replace("megatron.core.dist_checkpointing.strategies.filesystem_async:_results_queue", queue.Queue())
 
 
 @contextlib.contextmanager
@@ -177,6 +326,7 @@ def _cpu_mixed_precision_optimizers() -> None:
     (Their ``device='cuda'`` literals are covered by the torch proxy above.)"""
     from megatron.core.optimizer import distrib_optimizer, optimizer
 
+    _ORIGINALS.setdefault("torch:Tensor.type", torch.Tensor.type)  # replaced during the constructors only
     for cls in (distrib_optimizer.DistributedOptimizer, optimizer.Float16OptimizerWithFloat16Params):
         init = cls.__init__
 
@@ -184,7 +334,7 @@ def _cpu_mixed_precision_optimizers() -> None:
             with _cuda_type_names():
                 __init(self, *args, **kwargs)
 
-        cls.__init__ = cpu_init
+        _replace(f"{cls.__module__}:{cls.__name__}.__init__", cpu_init)
 
 
 def _cpu_checkpoint_rng() -> None:
@@ -192,10 +342,8 @@ def _cpu_checkpoint_rng() -> None:
     state; without CUDA there is none: rmt's CPU tracker (:func:`seed_model_parallel`, megatron's
     inference tracker) forks no state, so dropout draws from the CPU generator, which the function
     saves and restores itself (``torch.get_rng_state``)."""
-    from megatron.core.tensor_parallel import random
-
-    random._get_cuda_rng_state = lambda *args, **kwargs: None
-    random._set_cuda_rng_state = lambda *args, **kwargs: None
+    for name in ("_get_cuda_rng_state", "_set_cuda_rng_state"):
+        _replace(f"megatron.core.tensor_parallel.random:{name}", lambda *args, **kwargs: None)
 
 
 def _cpu_moe_dispatch() -> None:
@@ -203,7 +351,6 @@ def _cpu_moe_dispatch() -> None:
     ``maybe_move_tensor_to_cpu(..., as_numpy=True)``, which leaves CPU tensors as tensors; gloo's
     ``all_to_all_single`` then rejects them (it takes sequences of ints). Return numpy arrays
     for CPU tensors too, as the function does for CUDA tensors."""
-    from megatron.core.transformer.moe import token_dispatcher
 
     def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
         if torch.is_tensor(tensor):
@@ -211,7 +358,7 @@ def _cpu_moe_dispatch() -> None:
             return tensor.numpy() if as_numpy else tensor
         return tensor
 
-    token_dispatcher.maybe_move_tensor_to_cpu = to_host
+    _replace("megatron.core.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu", to_host)
 
 
 def seed_model_parallel(seed: int) -> None:
@@ -256,5 +403,5 @@ def _gloo_uneven_gather() -> None:
         torch.distributed.reduce_scatter_tensor(out, padded(list(input_.split(input_split_sizes)), width), group=group)
         return out[: input_split_sizes[group.rank()]]
 
-    mappings._gather_along_first_dim = gather_uneven
-    mappings._reduce_scatter_along_first_dim = reduce_scatter_uneven
+    _replace("megatron.core.tensor_parallel.mappings:_gather_along_first_dim", gather_uneven)
+    _replace("megatron.core.tensor_parallel.mappings:_reduce_scatter_along_first_dim", reduce_scatter_uneven)

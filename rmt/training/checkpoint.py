@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import queue
 import shutil
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -247,19 +246,6 @@ def _state_bytes(state: dict, chunks, optimizer) -> int:
     return int(total.item())
 
 
-def _without_writer_server() -> None:
-    """megatron-core's torch_dist writer hands its writers' results to the saving process
-    through a queue it takes from a ``multiprocessing.Manager``: a spawned server process (about
-    300 MB, since it imports the trainer) that nothing stops when the trainer is killed. Saves
-    here are synchronous: the trainer itself puts the results on that queue and takes them off
-    (the forked writers report on a queue of their own), so an in-process queue does the same
-    without the server."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = queue.Queue()
-
-
 def _bytes_needed(state: dict, chunks, optimizer) -> int:
     """Free space a save of ``state`` needs: its tensor bytes, and for metadata (torch's
     .metadata, common.pt, table descriptors) 5% and 16 MiB on top."""
@@ -307,7 +293,6 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, common: dict, 
     state = sharded_state(chunks, optimizer, dict(common, table_format=TABLE_FORMAT, ema=bool(averages)), averages)
     need = _bytes_needed(state, chunks, optimizer)
     _prepare(root, need, tmp)
-    _without_writer_server()
     forked_children_die_with_this_process()
     failure = None
     quiet = logging.getLogger("megatron.core.dist_checkpointing")
