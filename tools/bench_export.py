@@ -99,9 +99,9 @@ def check(out: str, ckpt: str) -> None:
     from safetensors import safe_open
 
     from rmt.training.checkpoint import find_checkpoint
-    from rmt.training.table_checkpoint import _saved_blocks
+    from rmt.training.table_checkpoint import saved_blocks
 
-    block = _saved_blocks(find_checkpoint(ckpt), "memory.0.values.weight", "weight")[0]
+    block = saved_blocks(find_checkpoint(ckpt), "memory.0.values.weight", "weight")[0]
     rows, cols = block["rows"], block["cols"]
     with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
         table = f.get_slice("model.memory.0.values.weight")

@@ -143,9 +143,9 @@ def worker(args) -> None:
         return out
 
     table_module.fill_normal_ = timed_fill
-    from rmt.ops.counter_normal import _ext
+    from rmt.ops.counter_normal import extension
 
-    _ext()  # built and loaded before the timed init: the rate is the fill's
+    extension()  # built and loaded before the timed init: the rate is the fill's
     if args.phase == "train":
         config = validate(load_config(None, base))
         parallel.initialize(config)

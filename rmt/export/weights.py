@@ -80,10 +80,10 @@ def write_safetensors(
 def table_rows(root: str, key: str, shape: Tuple[int, int], chunk_bytes: int) -> Streamed:
     """The value table ``key`` of the checkpoint directory ``root`` (its saved row blocks, under
     any layout that saved them), in row chunks of at most ``chunk_bytes``."""
-    from rmt.training.table_checkpoint import _DTYPES as SAVED
-    from rmt.training.table_checkpoint import _read_overlap, _saved_blocks
+    from rmt.training.table_checkpoint import SAVED_DTYPES as SAVED
+    from rmt.training.table_checkpoint import read_overlap, saved_blocks
 
-    blocks = _saved_blocks(root, key, "weight")
+    blocks = saved_blocks(root, key, "weight")
     if not blocks:
         raise UserError(f"checkpoint '{root}' holds no weight of memory table '{key}'")
     dtype = SAVED[blocks[0]["dtype"]]
@@ -94,7 +94,7 @@ def table_rows(root: str, key: str, shape: Tuple[int, int], chunk_bytes: int) ->
         buffer = torch.empty(min(step, rows), cols, dtype=dtype)
         for r in range(0, rows, step):
             target = buffer[: min(step, rows - r)]
-            copied = sum(_read_overlap(b, target, r, 0, chunk_bytes) for b in blocks)
+            copied = sum(read_overlap(b, target, r, 0, chunk_bytes) for b in blocks)
             if copied != target.numel():
                 raise UserError(
                     f"checkpoint '{root}' covers {copied} of the {target.numel()} values of rows "

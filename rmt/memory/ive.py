@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from rmt.ops.counter_normal import MIX1, _shr, _signed, mix64, stream_key
+from rmt.ops.counter_normal import MIX1, as_signed64, mix64, shift_right, stream_key
 
 ROUNDS = 3
 
@@ -33,10 +33,10 @@ class AddressShuffle:
         if not 0 < n < 2**31:
             raise ValueError(f"AddressShuffle: the grid side must be in [1, 2^31), got {n}")
         self.n = n
-        self.keys = [_signed(mix64(stream_key(seed, "ive_shuffle") + i)) for i in range(ROUNDS)]
+        self.keys = [as_signed64(mix64(stream_key(seed, "ive_shuffle") + i)) for i in range(ROUNDS)]
 
     def _round(self, x: torch.Tensor, key: int) -> torch.Tensor:
-        return (_shr(x * _signed(MIX1) + key, 32) * self.n) >> 32
+        return (shift_right(x * as_signed64(MIX1) + key, 32) * self.n) >> 32
 
     def __call__(self, addr: torch.Tensor) -> torch.Tensor:
         a, b = torch.div(addr, self.n, rounding_mode="floor"), addr % self.n

@@ -56,7 +56,7 @@ CHUNK_ELEMENTS = 1 << 20  # reference path: ~8 int64/float64 temporaries of this
 ENV_BACKEND = "RMT_COUNTER_NORMAL_BACKEND"  # "reference" forces the torch formulation
 
 
-def _signed(x: int) -> int:
+def as_signed64(x: int) -> int:
     """A 64-bit pattern as the int64 torch stores."""
     x &= MASK64
     return x - (1 << 64) if x >> 63 else x
@@ -75,7 +75,7 @@ def stream_key(seed: int, name: str) -> int:
     return mix64(mix64(seed) ^ zlib.crc32(name.encode()))
 
 
-def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
+def shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
     """Logical right shift of int64 bit patterns (torch's ``>>`` is arithmetic)."""
     return (z >> bits) & ((1 << (64 - bits)) - 1)
 
@@ -89,13 +89,13 @@ def _horner(t: torch.Tensor, coeffs) -> torch.Tensor:
 
 def reference_normals(key: int, elements: torch.Tensor) -> torch.Tensor:
     """float64 standard normals at the int64 stream positions ``elements`` (any shape)."""
-    z = (elements + 1) * _signed(GAMMA) + _signed(key)
-    z ^= _shr(z, 30)
-    z *= _signed(MIX1)
-    z ^= _shr(z, 27)
-    z *= _signed(MIX2)
-    z ^= _shr(z, 31)
-    bits = (_shr(z, 32) + 1).double().view(torch.int64)  # a = m * 2**k
+    z = (elements + 1) * as_signed64(GAMMA) + as_signed64(key)
+    z ^= shift_right(z, 30)
+    z *= as_signed64(MIX1)
+    z ^= shift_right(z, 27)
+    z *= as_signed64(MIX2)
+    z ^= shift_right(z, 31)
+    bits = (shift_right(z, 32) + 1).double().view(torch.int64)  # a = m * 2**k
     k = (bits >> 52) - 1023
     m = ((bits & ((1 << 52) - 1)) | (1023 << 52)).view(torch.float64)
     big = m >= SQRT2
@@ -103,7 +103,7 @@ def reference_normals(key: int, elements: torch.Tensor) -> torch.Tensor:
     k = (k + big.long() - 32).double()
     s = (m - 1.0) / (m + 1.0)
     ln_u1 = (k * LN2).add_(s * _horner(s * s, LOG_COEFFS))
-    q = _shr(z, 30) & 3
+    q = shift_right(z, 30) & 3
     x = (z & 0x3FFFFFFF).double().mul_(2.0**-30).mul_(PIO2)
     x2 = x * x
     sin, cos = x * _horner(x2, SIN_COEFFS), _horner(x2, COS_COEFFS)
@@ -128,7 +128,8 @@ def reference_fill_normal_(
     return out
 
 
-def _ext():
+def extension():
+    """The C++ fill kernel (built on first use), or None where it cannot be built."""
     return load_extension("rmt_counter_normal_cpu")
 
 
@@ -152,8 +153,8 @@ def fill_normal_(
         and os.environ.get(ENV_BACKEND) != "reference"
         and out.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
     )
-    ext = _ext() if fast else None
+    ext = extension() if fast else None
     if ext is None:
         return reference_fill_normal_(out, key, row0, col0, global_cols, std)
-    ext.fill_normal(out, _signed(key), row0, col0, global_cols, float(std))
+    ext.fill_normal(out, as_signed64(key), row0, col0, global_cols, float(std))
     return out

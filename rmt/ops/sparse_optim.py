@@ -141,13 +141,27 @@ def row_square_sums(values: torch.Tensor, chunk_elements: int = 1 << 18) -> torc
     return torch.cat(sums) if sums else torch.zeros(0, dtype=torch.float64, device=values.device)
 
 
-class _StateDtypes:
-    """Mixin: ``load_state_dict`` keeps the dtypes of the tensors ``initial_state`` creates
+class _TableOptimizer:
+    """What the row-wise table optimizers share (mixed in before their torch base class):
+    :meth:`step` hands each parameter with a gradient to the subclass's ``step_param``, and
+    ``load_state_dict`` keeps the dtypes of the tensors ``initial_state`` creates
     (``_STATE_TENSORS``, of dtype ``state_dtype(param)``). torch's casts every floating state
     tensor to its parameter's dtype, which would round a bf16 table's fp32 state to bf16; these
     tensors are held back from it and converted to the state dtype directly."""
 
     _STATE_TENSORS = ()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.step_param(group, p, p.grad)
+        return loss
 
     def load_state_dict(self, state_dict):
         held = {}
@@ -179,7 +193,7 @@ def sparse_adam_update_(param, exp_avg, exp_avg_sq, rows, values, lr, beta1, bet
     param.index_copy_(0, rows, new.to(param.dtype))
 
 
-class SparseAdam(_StateDtypes, torch.optim.SparseAdam):
+class SparseAdam(_TableOptimizer, torch.optim.SparseAdam):
     """``torch.optim.SparseAdam`` with fused steps and fp32 moments for bf16/fp16 tables (see the
     module docstring); its constructor and hyper-parameters are torch's."""
 
@@ -195,18 +209,6 @@ class SparseAdam(_StateDtypes, torch.optim.SparseAdam):
             "exp_avg": torch.zeros_like(p, dtype=adam_state_dtype(p), memory_format=torch.preserve_format),
             "exp_avg_sq": torch.zeros_like(p, dtype=adam_state_dtype(p), memory_format=torch.preserve_format),
         }
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self.step_param(group, p, p.grad)
-        return loss
 
     @torch.no_grad()
     def step_param(self, group: dict, p, grad, state=None) -> None:
@@ -257,7 +259,7 @@ def rowwise_adagrad_update_(param, state_sum, rows, values, lr, eps=1e-10, weigh
     param.index_copy_(0, rows, (old - scale.unsqueeze(1) * g).to(param.dtype))
 
 
-class RowWiseAdagrad(_StateDtypes, torch.optim.Optimizer):
+class RowWiseAdagrad(_TableOptimizer, torch.optim.Optimizer):
     """Adagrad with one fp32 accumulator per table row (see the module docstring); accepts sparse
     COO or dense gradients."""
 
@@ -279,18 +281,6 @@ class RowWiseAdagrad(_StateDtypes, torch.optim.Optimizer):
     def initial_state(p):
         """One fp32 accumulator per row."""
         return {"sum": torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)}
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self.step_param(group, p, p.grad)
-        return loss
 
     @torch.no_grad()
     def step_param(self, group: dict, p, grad, state=None) -> None:

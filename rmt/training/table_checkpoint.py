@@ -35,7 +35,7 @@ FORMAT = 1
 CHUNK_BYTES = CHECKPOINT_CHUNK_BYTES  # the planner counts it in a resharding load's peak
 STATES = ("exp_avg", "exp_avg_sq", "sum")  # Adam moments (AdamW, SparseAdam); RowWiseAdagrad's row sums
 ROW_STATES = ("sum",)  # one value per table row
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+SAVED_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 
 
 def table_shards(chunks: Iterable[torch.nn.Module]) -> List[Shard]:
@@ -109,7 +109,9 @@ def save_tables(root: str, chunks, optimizer, chunk_bytes: int = CHUNK_BYTES) ->
     return written
 
 
-def _saved_blocks(root: str, key: str, name: str) -> List[dict]:
+def saved_blocks(root: str, key: str, name: str) -> List[dict]:
+    """The descriptors of the row blocks of tensor ``name`` of table ``key`` saved under ``root``
+    (one per saving shard, any layout), each with the ``path`` of its raw file."""
     folder = os.path.join(root, "tables", key)
     blocks = []
     for entry in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
@@ -121,14 +123,14 @@ def _saved_blocks(root: str, key: str, name: str) -> List[dict]:
     return blocks
 
 
-def _read_overlap(block: dict, target: torch.Tensor, row0: int, col0: int, chunk_bytes: int) -> int:
+def read_overlap(block: dict, target: torch.Tensor, row0: int, col0: int, chunk_bytes: int) -> int:
     """Copy the part of the saved ``block`` that overlaps ``target`` (the global block at
     ``(row0, col0)``); returns the elements copied."""
     r_a, r_b = max(row0, block["row0"]), min(row0 + target.shape[0], block["row0"] + block["rows"])
     c_a, c_b = max(col0, block["col0"]), min(col0 + target.shape[1], block["col0"] + block["cols"])
     if r_a >= r_b or c_a >= c_b:
         return 0
-    dtype, width = _DTYPES[block["dtype"]], block["cols"]
+    dtype, width = SAVED_DTYPES[block["dtype"]], block["cols"]
     row_bytes = width * torch.finfo(dtype).bits // 8
     expected = block["rows"] * row_bytes
     if os.path.getsize(block["path"]) != expected:
@@ -168,7 +170,7 @@ def load_tables(root: str, chunks, optimizer, chunk_bytes: int = CHUNK_BYTES) ->
             host_cache(shard.param).clear()
         for name, tensor in table_tensors(shard, optimizer).items():
             row0, col0, global_shape = _block(shard, name)
-            blocks = _saved_blocks(root, shard.key, name)
+            blocks = saved_blocks(root, shard.key, name)
             if not blocks:
                 raise UserError(f"checkpoint '{root}' holds no '{name}' of memory table '{shard.key}'")
             if tuple(blocks[0]["global_shape"]) != global_shape:
@@ -177,7 +179,7 @@ def load_tables(root: str, chunks, optimizer, chunk_bytes: int = CHUNK_BYTES) ->
                     f"{tuple(blocks[0]['global_shape'])}, this model's is {global_shape}"
                 )
             with torch.no_grad():
-                copied = sum(_read_overlap(b, tensor, row0, col0, chunk_bytes) for b in blocks)
+                copied = sum(read_overlap(b, tensor, row0, col0, chunk_bytes) for b in blocks)
             if copied != tensor.numel():
                 raise UserError(
                     f"checkpoint '{root}' covers {copied} of the {tensor.numel()} elements of "
