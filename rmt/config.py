@@ -528,6 +528,14 @@ class TrainConfig:
     microcode assist (measured in docs/benchmarks.md). Results change only where a value falls
     below 1.2e-38, which becomes 0. ``false`` = IEEE gradual underflow, torch's default."""
 
+    ignore_memory_plan: bool = False
+    """Start a run whose whole-rank memory plan (``rmt-plan memory --config``) exceeds a rank's
+    memory (its GPU's, or its share of the machine's RAM and swap) by more than the plan's largest
+    measured overstatement, which ``rmt-train`` otherwise refuses before building anything, naming
+    the cheapest changes that fit (:mod:`rmt.training.fit`); it then only warns. For a plan
+    known to overstate this run. A run whose certain lower bound cannot fit is refused whatever
+    this says."""
+
 
 @dataclass
 class MemoryConfig:

@@ -2,6 +2,7 @@
 before any work starts, never a traceback; under torchrun the sentence is printed once."""
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -50,7 +51,8 @@ def test_memory_floor_counts_what_training_certainly_allocates():
     from rmt.planner.flops import plan_model
     from rmt.training.fit import check_fits, memory_floor
 
-    config = validate(load_config(TINY_YAML, ["model.vocab_size=257"]), 1)
+    given = ["model.vocab_size=257", "train.ignore_memory_plan=true"]  # the floor alone decides
+    config = validate(load_config(TINY_YAML, given), 1)
     floor = memory_floor(config)
     doc = plan_model(config)
     assert floor == {
@@ -58,9 +60,9 @@ def test_memory_floor_counts_what_training_certainly_allocates():
         "mask": 128 * 128,
         "activations": doc["activation_bytes_per_token"] * 8 * 128,
     }
-    check_fits(config, available=sum(floor.values()))  # exactly enough: accepted
+    check_fits(config, TINY_YAML, given, available=sum(floor.values()))  # exactly enough: accepted
     with pytest.raises(Exception, match="needs at least"):
-        check_fits(config, available=sum(floor.values()) - 1)
+        check_fits(config, TINY_YAML, given, available=sum(floor.values()) - 1)
     # bf16 with the distributed optimizer over DP = 4: 6 + 12 / 4 bytes per parameter; no
     # activations counted under recomputation (it keeps less, by an amount the bound does not model)
     scaled = validate(
@@ -89,17 +91,61 @@ def test_a_run_over_the_whole_rank_plan_is_said_once_and_goes_ahead(capsys, monk
     from rmt.planner.rank import plan_rank
     from rmt.training.fit import check_fits, memory_floor
 
-    config = validate(load_config(TINY_YAML, ["model.vocab_size=257"]), 1)
+    given = ["model.vocab_size=257"]
+    config = validate(load_config(TINY_YAML, given), 1)
     floor, peak = sum(memory_floor(config).values()), plan_rank(config, 1, "cpu")["peak"]
     assert floor < peak
-    check_fits(config, available=peak, device="cpu")
+    check_fits(config, TINY_YAML, given, available=peak, device="cpu")
     assert capsys.readouterr().err == ""
-    check_fits(config, available=peak - 1, device="cpu")
+    check_fits(config, TINY_YAML, given, available=peak - 1, device="cpu")
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"rmt-train: rmt-plan counts {peak / 2**30:,.1f} GiB per rank for this run")
     monkeypatch.setenv("RANK", "1")
-    check_fits(config, available=peak - 1, device="cpu")
+    check_fits(config, TINY_YAML, given, available=peak - 1, device="cpu")
     assert capsys.readouterr().err == ""
+
+
+def _planned_peak(overrides):
+    from rmt.config import load_config
+    from rmt.config_checks import validate
+    from rmt.planner.rank import plan_rank
+
+    return plan_rank(validate(load_config(TINY_YAML, overrides), 1), 1, "cpu")["peak"]
+
+
+def test_a_run_beyond_the_plan_and_its_error_is_refused_with_the_changes_that_fit(capsys):
+    """Beyond the planner's largest measured overstatement the run stops, naming the cheapest
+    layout that fits at this world size (the micro-batch halved, the global batch kept, when no
+    layout fits at its own); ``train.ignore_memory_plan`` starts it with the warning."""
+    from rmt.config import load_config
+    from rmt.config_checks import validate
+    from rmt.errors import ConfigError
+    from rmt.planner.rank import human
+    from rmt.training.fit import PLAN_ERROR, check_fits
+
+    given = ["model.vocab_size=257", "model.seq_length=1024"]  # activations dominate the rank
+    config = validate(load_config(TINY_YAML, given), 1)
+    peak = _planned_peak(given)
+    full = ["train.recompute_granularity=full", "train.recompute_method=uniform", "train.recompute_num_layers=1"]
+    halved = ["train.micro_batch_size=4", "train.global_batch_size=8"]
+    recomputed, smaller = _planned_peak(given + full), _planned_peak(given + halved)
+    assert smaller < recomputed < peak * (1 - PLAN_ERROR)
+    edge = math.ceil(peak * (1 - PLAN_ERROR))
+    check_fits(config, TINY_YAML, given, available=edge, device="cpu", world_size=1)  # within the error: a warning
+    assert capsys.readouterr().err.startswith("rmt-train: rmt-plan counts ")
+    for available, change, fits in [(recomputed, full, recomputed), (recomputed - 1, halved, smaller)]:
+        with pytest.raises(ConfigError) as err:
+            check_fits(config, TINY_YAML, given, available=available, device="cpu", world_size=1)
+        assert str(err.value) == (
+            f"rmt-plan counts {human(peak)} per rank for this run, more than the "
+            f"{human(available)} a rank has here even allowing for the plan's largest measured "
+            f"overstatement (7.6%), so it would run out of memory; it fits with {' '.join(change)} "
+            f"({human(fits)} per rank); `rmt-plan memory --config ... --world-size 1` itemizes it, "
+            f"and train.ignore_memory_plan=true starts it anyway"
+        )
+    anyway = validate(load_config(TINY_YAML, given + ["train.ignore_memory_plan=true"]), 1)
+    check_fits(anyway, TINY_YAML, given, available=recomputed - 1, device="cpu", world_size=1)
+    assert capsys.readouterr().err.startswith(f"rmt-train: rmt-plan counts {peak / 2**30:,.1f} GiB per rank")
 
 
 def test_host_tables_over_the_machines_memory_are_said_once(capsys, monkeypatch):
@@ -113,12 +159,42 @@ def test_host_tables_over_the_machines_memory_are_said_once(capsys, monkeypatch)
     config = validate(load_config("configs/ultramem_tiny.yaml", host), 1)
     host_peak = plan_rank(config, 1, "gpu")["host_peak"]
     monkeypatch.setattr(fit, "_machine_memory", lambda: host_peak)
-    fit.check_fits(config, available=2**40, device="gpu", world_size=1)
+    fit.check_fits(config, "configs/ultramem_tiny.yaml", host, available=2**40, device="gpu", world_size=1)
     assert capsys.readouterr().err == ""
     monkeypatch.setattr(fit, "_machine_memory", lambda: host_peak - 1)
-    fit.check_fits(config, available=2**40, device="gpu", world_size=1)
+    fit.check_fits(config, "configs/ultramem_tiny.yaml", host, available=2**40, device="gpu", world_size=1)
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"rmt-train: rmt-plan counts {host_peak / 2**30:,.1f} GiB of host memory per rank")
+
+
+@pytest.mark.slow
+def test_a_run_beyond_the_plan_stops_before_building_anything(cache_dir, tmp_path):
+    """In real processes, the machine's memory shared by as many local ranks as leave each less
+    than the plan minus its error but enough for full recomputation: one sentence naming it, exit
+    2, no step logged; with ``train.ignore_memory_plan=true`` the run is accepted after the warning."""
+    from rmt.planner.rank import human
+    from rmt.training.fit import PLAN_ERROR, rank_memory
+
+    given = ["model.vocab_size=257", "model.seq_length=1024"]
+    full = ["train.recompute_granularity=full", "train.recompute_method=uniform", "train.recompute_num_layers=1"]
+    peak, recomputed = _planned_peak(given), _planned_peak(given + full)
+    machine = rank_memory()  # this process has no LOCAL_WORLD_SIZE: the whole machine
+    ranks = math.ceil(machine / ((recomputed + peak * (1 - PLAN_ERROR)) / 2))
+    if not recomputed <= machine // ranks < peak * (1 - PLAN_ERROR):
+        pytest.skip(f"no share of {machine} bytes falls between {recomputed} and {peak * (1 - PLAN_ERROR):.0f}")
+    overrides = given + [f"data.cache_dir={cache_dir}", f"train.log_file={tmp_path}/log.jsonl", "train.steps=1"]
+    env = dict(_env(), LOCAL_WORLD_SIZE=str(ranks))
+    cmd = [sys.executable, "-m", "rmt.training.cli", "--config", TINY_YAML] + overrides
+    refused = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    line = _one_sentence(refused, "rmt-train", f"; it fits with {' '.join(full)} (")
+    assert line.startswith(f"rmt-train: error: rmt-plan counts {human(peak)} per rank for this run, more than the ")
+    assert not os.path.exists(tmp_path / "log.jsonl")
+    anyway = subprocess.run(
+        cmd + ["train.ignore_memory_plan=true", "--check"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert anyway.returncode == 0, anyway.stderr[-3000:]
+    assert anyway.stderr.startswith(f"rmt-train: rmt-plan counts {peak / 2**30:,.1f} GiB per rank for this run")
+    assert anyway.stdout.startswith("rmt-train: config OK")
 
 
 def test_config_naming_a_directory(tmp_path):

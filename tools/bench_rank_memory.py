@@ -18,7 +18,8 @@ process bytes left out of both. Each rank also reports its dense parameter eleme
 equal the planner's exactly.
 
 Summary: ``max_abs_error`` over every phase of every rank and how many rank-phases are within
-10%; ``params_exact``; ``start_mib`` (the process's own resident set, median);
+10%; ``largest_overestimate``, the most the plan exceeded a measurement (``rmt-train`` refuses a
+run only when its plan exceeds a rank's memory by more, ``rmt.training.fit.PLAN_ERROR``); ``params_exact``; ``start_mib`` (the process's own resident set, median);
 ``optimizer_bytes_per_param_times_dp`` and ``optimizer_bytes_exact`` (:func:`summarize`).
 """
 
@@ -310,6 +311,8 @@ def summarize(rows: list) -> dict:
             exact &= r["optimizer_bytes"] == planned
     return {
         "max_abs_error": max(abs(e) for r in rows for e in r["error"].values()),
+        # the most the plan overstated a measured phase: rmt-train's margin (rmt.training.fit.PLAN_ERROR)
+        "largest_overestimate": max(0.0, -min(e for r in rows for e in r["error"].values())),
         "within_10_percent": sum(abs(e) <= 0.10 for r in rows for e in r["error"].values()),
         "rank_phases": sum(len(r["error"]) for r in rows),
         "params_exact": all(r["params"] == r["predicted_params"] for r in rows),

@@ -136,6 +136,8 @@ def _preflight(args) -> None:
         return
     from rmt.training import cli
 
+    # the memory check's share of this machine per rank (torch's agent sets it again for each worker)
+    os.environ["LOCAL_WORLD_SIZE"] = str(torchrun.determine_local_world_size(args.nproc_per_node))
     cli.preflight(cli.build_parser().parse_args(args.training_script_args), _world_size(args))
 
 

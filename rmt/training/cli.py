@@ -51,7 +51,7 @@ def checked_config(args: argparse.Namespace, world_size: Optional[int] = None):
     """The validated config of ``args`` for ``world_size`` (default: the launcher's), with the
     settings its data decides filled in (:func:`rmt.data.resolution.resolve_from_data`)."""
     config, _ = resolve_from_data(validate(load_config(args.config, args.overrides), world_size))
-    check_fits(config, world_size=world_size)
+    check_fits(config, args.config, args.overrides, world_size=world_size)
     if args.eval_only:
         if not config.train.load:
             raise ConfigError("--eval-only needs train.load=<checkpoint directory>")

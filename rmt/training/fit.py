@@ -19,8 +19,14 @@ a run that might fit:
 
 A model that fits this bound may still run out of memory later; one that exceeds it cannot run
 at all, and without this check it would fail inside an allocation with a traceback (or after
-the machine swapped for minutes). Where the bound fits but the whole-rank plan
-(``rmt-plan memory --config``) does not, one line says so and the run goes ahead.
+the machine swapped for minutes).
+
+Beyond the bound, the whole-rank plan (``rmt-plan memory --config``, :mod:`rmt.planner.rank`)
+decides. Where even :data:`PLAN_ERROR` below the plan exceeds what a rank has, the run could not
+fit, so it stops before anything is built, naming the planned and available bytes and the
+cheapest changes that fit (:func:`changes_that_fit`, from the layout search of ``rmt-plan
+layouts``); ``train.ignore_memory_plan`` runs it anyway. Where only the plan itself exceeds it
+(within the planner's error), one line says so and the run goes ahead.
 """
 
 from __future__ import annotations
@@ -28,13 +34,23 @@ from __future__ import annotations
 import copy
 import os
 import sys
-from typing import Optional
+from operator import attrgetter
+from typing import Optional, Sequence
 
 from rmt.config import RMTConfig
 from rmt.errors import ConfigError
 from rmt.parallel.launch_env import world_size_from_env
 
 _GIB = 2**30
+PLAN_ERROR = 0.076
+"""The most the whole-rank plan has overstated a measured peak: ``tools/bench_rank_memory.py``
+measures every phase of every rank of its layouts against the plan (docs/planner.md, "Measured"),
+and its lowest ``measured / planned - 1`` is -7.6% (``largest_overestimate`` in its summary).
+A run planned at ``P`` bytes is therefore refused only when ``P (1 - PLAN_ERROR)`` exceeds the
+rank's memory; errors the other way (the plan short of the measurement) never refuse a run that
+would fit."""
+MAX_RANKS = 1024
+"""The largest rank count :func:`changes_that_fit` searches for a layout that fits."""
 
 
 def _machine_memory() -> int:
@@ -51,13 +67,23 @@ def _machine_memory() -> int:
     return total or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def _ranks_per_node() -> int:
+    """The ranks that share this machine, as the launcher says (torchrun's ``LOCAL_WORLD_SIZE``,
+    SLURM's ``SLURM_NTASKS_PER_NODE``); 1 for a plain process."""
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(var, "").split("(")[0]  # SLURM writes e.g. "4(x2)"
+        if value.isdigit():
+            return max(1, int(value))
+    return 1
+
+
 def rank_memory() -> int:
     """The most memory one rank could ever use: its GPU's, or the machine's share per local rank."""
     import torch
 
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0))).total_memory
-    return _machine_memory() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    return _machine_memory() // _ranks_per_node()
 
 
 def memory_floor(config: RMTConfig) -> dict:
@@ -105,13 +131,69 @@ def _say(message: str) -> None:
         print(f"rmt-train: {message}", file=sys.stderr, flush=True)
 
 
+def changes_that_fit(
+    path: Optional[str], overrides: Sequence[str], world_size: int, available: int, device: str
+) -> str:
+    """The cheapest change with which the run of config ``path`` + ``overrides`` fits
+    ``available`` bytes per rank, as a phrase for a sentence, from the layout search of ``rmt-plan
+    layouts`` (:func:`rmt.planner.layouts.search`, ranked by its cost per step): its cheapest
+    layout on these ``world_size`` ranks, at the largest micro-batch (a divisor of
+    ``train.micro_batch_size``, the global batch kept, so the optimisation does not change) that
+    has one; else the smallest number of such ranks with a layout that fits (up to
+    :data:`MAX_RANKS`); else that none does."""
+    from rmt.config import load_config
+    from rmt.planner.layouts import overrides_text, search, smallest
+    from rmt.planner.rank import human, layout_of, with_vocabulary
+
+    gib = available / _GIB
+    given = with_vocabulary(load_config(path, list(overrides)))
+
+    def changed(best: dict) -> str:  # the layout's settings that differ from the run's
+        keys = [o.split("=", 1)[0] for o in best["overrides"]]
+        current = overrides_text({k: attrgetter(k)(given) for k in keys})
+        return " ".join(o for o in best["overrides"] if o not in current)
+
+    layout = layout_of(given, world_size, device)
+    micro = given.train.micro_batch_size
+    global_batch = micro * layout.dp * layout.microbatches
+    for smaller in [d for d in range(micro, 0, -1) if micro % d == 0]:
+        batch = (
+            [] if smaller == micro else [f"train.micro_batch_size={smaller}", f"train.global_batch_size={global_batch}"]
+        )
+        fitting = search(path, list(overrides) + batch, world_size, gib, device)["fitting"]
+        if fitting:
+            best = fitting[0]
+            what = " ".join(c for c in (changed(best), " ".join(batch)) if c)
+            return f"it fits with {what} ({human(best['peak'])} per rank)"
+    more = smallest(path, list(overrides), gib, device, limit=MAX_RANKS)
+    if more is None:
+        return (
+            f"no layout of up to {MAX_RANKS} ranks of {human(available)} fits it: lower model.seq_length, "
+            f"train.micro_batch_size or the model size"
+        )
+    best = more["fitting"][0]
+    what = changed(best)
+    return (
+        f"it fits on {more['gpus']} ranks of {human(available)}{' with ' + what if what else ''} "
+        f"({human(best['peak'])} per rank)"
+    )
+
+
 def check_fits(
-    config: RMTConfig, available: Optional[int] = None, device: Optional[str] = None, world_size: Optional[int] = None
+    config: RMTConfig,
+    path: Optional[str],
+    overrides: Sequence[str],
+    available: Optional[int] = None,
+    device: Optional[str] = None,
+    world_size: Optional[int] = None,
 ) -> None:
-    """Raise :class:`ConfigError` when :func:`memory_floor` exceeds what a rank could ever get;
-    say (once, on rank 0) when the whole-rank plan does, which an upper-bound term of the plan
-    may overstate, so the run goes ahead; likewise when a GPU rank's host tables
-    (``memory.table_location: host``) exceed its share of the machine's memory."""
+    """Raise :class:`ConfigError` when :func:`memory_floor` exceeds what a rank could ever get,
+    or when the whole-rank plan does by more than :data:`PLAN_ERROR` (naming the changes that fit
+    the run of config file ``path`` + ``overrides``, which ``config`` was made from), unless
+    ``train.ignore_memory_plan``; say (once, on rank 0) when the plan exceeds it by less, which
+    an upper-bound term of the plan may overstate, so the run goes ahead; likewise when a GPU
+    rank's host tables (``memory.table_location: host``) exceed its share of the machine's
+    memory."""
     import torch
 
     available = rank_memory() if available is None else available
@@ -125,12 +207,24 @@ def check_fits(
             f"`rmt-plan memory --config ... --world-size {world_size}` itemizes it and "
             f"`rmt-plan layouts --config ...` lists the layouts that fit"
         )
-        if plan.get("peak", 0) > available:
+        peak = plan.get("peak", 0)
+        if peak * (1 - PLAN_ERROR) > available and not config.train.ignore_memory_plan:
+            from rmt.planner.rank import human
+
+            raise ConfigError(
+                f"rmt-plan counts {human(peak)} per rank for this run, more than the "
+                f"{human(available)} a rank has here even allowing for the plan's largest measured "
+                f"overstatement ({PLAN_ERROR:.1%}), so it would run out of memory; "
+                f"{changes_that_fit(path, overrides, world_size, available, device)}; "
+                f"`rmt-plan memory --config ... --world-size {world_size}` itemizes it, and "
+                f"train.ignore_memory_plan=true starts it anyway"
+            )
+        if peak > available:
             _say(
-                f"rmt-plan counts {plan['peak'] / _GIB:,.1f} GiB per rank for this run, more than the "
+                f"rmt-plan counts {peak / _GIB:,.1f} GiB per rank for this run, more than the "
                 f"{available / _GIB:,.1f} GiB a rank has here, so it may run out of memory; {itemized}"
             )
-        host = _machine_memory() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        host = _machine_memory() // _ranks_per_node()
         if device == "gpu" and plan.get("host_peak", 0) > host:
             _say(
                 f"rmt-plan counts {plan['host_peak'] / _GIB:,.1f} GiB of host memory per rank for the "
