@@ -13,12 +13,12 @@ parsed, so ``--help`` and argument errors answer at once.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import List, Optional
 
 from rmt.errors import UserError, cli_entry
+from rmt.outputs import check_output, write_json
 from rmt.process import setup_process
 
 
@@ -142,6 +142,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.max_new_tokens < 1 or args.num_samples < 1 or args.temperature < 0 or args.top_k < 0:
         raise UserError("--max-new-tokens and --num-samples must be positive, --temperature and --top-k non-negative")
     prompt_string = None if args.prompt_ids is not None else prompt_text(args.prompt)
+    if args.json:
+        check_output(args.json, "--json")
     import torch
 
     from rmt import parallel
@@ -179,8 +181,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             result["samples"].append({"ids": row, "text": text})
             print(text if text is not None else " ".join(map(str, row)))
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
+            write_json(args.json, result)
     finally:
         parallel.destroy()
     return 0

@@ -76,12 +76,3 @@ def test_publish_renames_and_points_latest(tmp_path):
         assert f.read() == "7"
     os.makedirs(cd.iteration_dir(str(tmp_path), 9) + ".tmp")
     assert cd.remove_stale_saves(str(tmp_path)) == [cd.iteration_dir(str(tmp_path), 9) + ".tmp"]
-
-
-def test_free_space_problem_is_one_sentence(tmp_path):
-    assert cd.free_space_problem(str(tmp_path), 1) is None
-    problem = cd.free_space_problem(str(tmp_path), 2**60)
-    assert problem.startswith(
-        f"not enough free space for a checkpoint in '{tmp_path}': it needs about "
-        f"1099511627776.0 MiB, the file system has "
-    )

@@ -240,13 +240,15 @@ def test_unwritable_checkpoint_directory_is_refused_at_start(cache_dir, tmp_path
         cmd = nobody + cmd
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert _one_sentence(proc, "rmt-train", "") == (
-        f"rmt-train: error: cannot write to checkpoint directory '{readonly}' (Permission denied); "
-        f"train.save must name a writable directory"
+        f"rmt-train: error: train.save '{readonly}' cannot be written: no file can be created in "
+        f"'{readonly}' (Permission denied)"
     )
     assert not os.path.exists(open_dir / "log.jsonl")  # no step ran
     (tmp_path / "file").write_text("")
     below_file = rmt_train(tiny_overrides(cache_dir) + [f"train.save={tmp_path}/file/ckpt"], check=False)
-    _one_sentence(below_file, "rmt-train", f"cannot create '{tmp_path}/file/ckpt': Not a directory")
+    _one_sentence(
+        below_file, "rmt-train", f"train.save '{tmp_path}/file/ckpt' cannot be created: '{tmp_path}/file' is a file"
+    )
 
 
 @pytest.mark.slow
@@ -372,9 +374,8 @@ def test_overrides_after_eval_only(checkpoint, cache_dir):
 
 @pytest.mark.slow
 def test_mistake_under_torchrun_is_said_once(cache_dir, tmp_path):
-    """Two ranks under the launcher (torchrun) meet the same mistake after the process groups
-    exist (a checkpoint directory that cannot be created): rank 0 says it once, exit status 2,
-    no traceback, no restart."""
+    """Two ranks under the launcher (torchrun) with a checkpoint directory that cannot be
+    created: said once, exit status 2, no traceback, no restart."""
     (tmp_path / "file").write_text("")
     proc = subprocess.run(
         ["bash", "launch/torchrun_single_node.sh"] + tiny_overrides(cache_dir) + [f"train.save={tmp_path}/file/ckpt"],
@@ -386,7 +387,8 @@ def test_mistake_under_torchrun_is_said_once(cache_dir, tmp_path):
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "restarting" not in proc.stderr
     assert [l for l in proc.stderr.splitlines() if "error" in l] == [
-        f"rmt-train: error: cannot create '{tmp_path}/file/ckpt': Not a directory"
+        f"rmt-train: error: train.save '{tmp_path}/file/ckpt' cannot be created: '{tmp_path}/file' is a file, "
+        f"not a directory"
     ], proc.stderr[-3000:]
 
 

@@ -23,7 +23,6 @@ range (JSON ``bench_dense_switches_loss_band``; summary ``bf16_in_band_fraction`
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -38,6 +37,7 @@ setup_process()  # rmt's process settings (rmt.process), before torch is importe
 import torch  # noqa: E402
 
 from rmt import parallel, profiling  # noqa: E402
+from rmt.bench_report import check_report, machine, write_report  # noqa: E402
 from rmt.config import load_config  # noqa: E402
 from rmt.config_checks import validate  # noqa: E402
 from rmt.training.dense_state import optimizer_bytes  # noqa: E402
@@ -138,7 +138,7 @@ def loss_band(config_path: str, overrides, seeds) -> dict:
     }
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/ultramem_151m_x12.yaml")
     parser.add_argument("--steps", type=int, default=5)
@@ -158,7 +158,8 @@ def main() -> None:
     parser.add_argument("--seeds", default="1,2,3")
     parser.add_argument("--json", default=None)
     parser.add_argument("overrides", nargs="*", help="config overrides for every variant")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    check_report(args.json, "bench_dense_switches")
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
@@ -217,28 +218,11 @@ def main() -> None:
 
 
 def _write(path, name: str, rows, summary, config, overrides) -> None:
-    if not path:
-        return
-    machine = {
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
-        "threads": torch.get_num_threads(),
-    }
-    with open(path, "w") as f:
-        json.dump(
-            {
-                "benchmark": name,
-                "machine": machine,
-                "config": config,
-                "overrides": overrides,
-                "rows": rows,
-                "summary": summary,
-            },
-            f,
-            indent=1,
-        )
-    print(f"wrote {path}")
+    if path:
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
+        where = machine(device=device, threads=torch.get_num_threads())
+        write_report(path, name, rows, summary, where, config=config, overrides=overrides)
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

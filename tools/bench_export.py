@@ -17,13 +17,16 @@ import argparse
 import json
 import math
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from rmt.bench_report import check_report, write_report  # noqa: E402
+
 HIDDEN = 256
 
 
@@ -125,6 +128,7 @@ def main(argv=None) -> int:
     if args.child:
         child(*args.child)
         return 0
+    check_report(args.json, "bench_export")
     big, chunk = (1 / 64, 1) if args.quick else (args.table_gib, args.chunk_mib)
     rows = []
     for gib in (big / 8, big):  # the growth of the peak with the table is the export's cost of it
@@ -156,18 +160,7 @@ def main(argv=None) -> int:
         "streamed_rss_per_table_byte": growth["streamed"],
         "whole_rss_per_table_byte": growth["whole"],
     }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "benchmark": "bench_export",
-                    "machine": platform.node() + " " + platform.processor(),
-                    "rows": rows,
-                    "summary": summary,
-                },
-                f,
-                indent=1,
-            )
+    write_report(args.json, "bench_export", rows, summary)
     return 0
 
 

@@ -26,11 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+from rmt.bench_report import check_report, write_report  # noqa: E402
 
 
 def fail(sentence: str) -> int:
@@ -148,6 +150,7 @@ def main(argv=None):
         "override", nargs="*", help="config overrides (key=value; default memory.num_keys=256 model.seq_length=128)"
     )
     args = ap.parse_args(argv)
+    check_report(args.json, "bench_host_cache")
     args.steps = args.steps or (20 if args.quick else 300)
     fractions = args.fractions or ("1/16,1/4" if args.quick else "1/64,1/16,1/4")
     refresh = args.refresh or ("5,1" if args.quick else "10,1,50")
@@ -209,25 +212,16 @@ def main(argv=None):
             f"{r['hit_fraction']:>7.3f} {r['uniform']:>8.4f} {r['hit_over_uniform']:>6.2f}"
         )
     print(json.dumps(summary))
-    if args.json:
-        import torch
-
-        machine = {"platform": platform.platform(), "torch": torch.__version__, "cpus": os.cpu_count()}
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "benchmark": "bench_host_cache",
-                    "machine": machine,
-                    "config": args.config,
-                    "overrides": args.override,
-                    "steps": args.steps,
-                    "batch": args.batch,
-                    "rows": rows,
-                    "summary": summary,
-                },
-                f,
-                indent=1,
-            )
+    write_report(
+        args.json,
+        "bench_host_cache",
+        rows,
+        summary,
+        config=args.config,
+        overrides=args.override,
+        steps=args.steps,
+        batch=args.batch,
+    )
     return 0 if summary["replay_matches_run"] else 1
 
 

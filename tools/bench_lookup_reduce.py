@@ -78,9 +78,7 @@ summed kernel time (every stream, side streams included) from torch.profiler.
 
 import argparse
 import glob
-import json
 import os
-import platform
 import statistics
 import time
 
@@ -90,6 +88,7 @@ rmt.setup_process()  # before torch: rmt's OpenMP wait policy, as in training
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from rmt.bench_report import check_report, machine, write_report  # noqa: E402
 from rmt.ops import available_backends, cpu_backend, lookup_reduce, select_backend  # noqa: E402
 from rmt.ops.fused_update import FusedValueUpdate  # noqa: E402
 from rmt.ops.sparse_optim import RowWiseAdagrad, SparseAdam  # noqa: E402
@@ -718,6 +717,7 @@ def main(argv=None):
         "scale with it): a small table runs every path in seconds, with cache-resident timings",
     )
     args = parser.parse_args(argv)
+    check_report(args.json, "bench_lookup_reduce")
     if args.rows < 1024:
         parser.error(f"--rows must be at least 1024; got {args.rows}")
     headline = dict(HEADLINE, N=args.rows)
@@ -773,10 +773,7 @@ def main(argv=None):
         print(f"  {key}: {value:.3f}")
     if args.json:
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-        machine = dict(
-            platform=platform.platform(),
-            processor=platform.processor() or platform.machine(),
-            torch=torch.__version__,
+        where = machine(
             threads=torch.get_num_threads(),
             backend=backend,
             backends=backends,
@@ -793,20 +790,16 @@ def main(argv=None):
             sort_digit_bits=cpu_backend._ext().sort_digit_bits(torch.get_num_threads()) if "cpu" in backends else None,
             fbgemm=fbgemm_note or "fbgemm-gpu-cpu",
         )
-        with open(args.json, "w") as f:
-            json.dump(
-                dict(
-                    benchmark="bench_lookup_reduce",
-                    machine=machine,
-                    rows=rows,
-                    step_rows=step_rows,
-                    peer_rows=peer_rows,
-                    kernel_s=kernel_s,
-                    summary=summary,
-                ),
-                f,
-                indent=1,
-            )
+        write_report(
+            args.json,
+            "bench_lookup_reduce",
+            rows,
+            summary,
+            where,
+            step_rows=step_rows,
+            peer_rows=peer_rows,
+            kernel_s=kernel_s,
+        )
 
 
 def run_all(args, device, backends, backend, timer, flush, repeats, table_dtype, threads, headline):

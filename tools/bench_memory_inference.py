@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import statistics
 import time
 
@@ -50,6 +49,7 @@ rmt.setup_process()  # rmt's process settings (rmt.process), before torch is imp
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from rmt.bench_report import check_report, machine, write_report  # noqa: E402
 from rmt.memory import MemoryLayer, MemorySpec, SkipMoE  # noqa: E402
 from rmt.memory.layer_v2 import UltraMemV2Layer  # noqa: E402
 
@@ -347,6 +347,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, help="timed decode steps per point (default 20, quick 8)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
+    check_report(args.json, "bench_memory_inference")
     torch.set_num_threads(args.threads)
     d = args.hidden or (256 if args.quick else 1024)
     heads = args.heads or (8 if args.quick else 16)
@@ -379,24 +380,14 @@ def main(argv=None):
         "summary_batch": ref["batch"],
     }
     print(json.dumps({"shapes": shapes, "summary": summary}, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "benchmark": "bench_memory_inference",
-                    "machine": {
-                        "platform": platform.platform(),
-                        "processor": platform.processor(),
-                        "threads": args.threads,
-                        "torch": torch.__version__,
-                    },
-                    "config": {**shapes, "kv_len": kv, "reps": reps, "expansion": args.expansion},
-                    "rows": rows,
-                    "summary": summary,
-                },
-                f,
-                indent=1,
-            )
+    write_report(
+        args.json,
+        "bench_memory_inference",
+        rows,
+        summary,
+        machine(threads=args.threads),
+        config={**shapes, "kv_len": kv, "reps": reps, "expansion": args.expansion},
+    )
 
 
 if __name__ == "__main__":

@@ -21,10 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from rmt.bench_report import check_report, machine, write_report  # noqa: E402
 
 VARIANTS = [
     ("local", False, False),
@@ -146,6 +149,7 @@ def main(argv=None):
     args.warmup = 2
     if args.worker_out:
         return worker(args)
+    check_report(args.json, "bench_memory_parallel")
     out = os.path.abspath((args.json or "bench_memory_parallel") + ".rows.tmp")
     # --standalone: torchrun's store binds a free port itself and the workers join it (no port
     # picked here that another process could take first)
@@ -208,25 +212,7 @@ def main(argv=None):
             f"{backward}"
         )
     print(json.dumps(summary))
-    if args.json:
-        import torch
-
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "benchmark": "bench_memory_parallel",
-                    "machine": {
-                        "platform": platform.platform(),
-                        "torch": torch.__version__,
-                        "cpus": os.cpu_count(),
-                        "nproc": args.nproc,
-                    },
-                    "rows": rows,
-                    "summary": summary,
-                },
-                f,
-                indent=1,
-            )
+    write_report(args.json, "bench_memory_parallel", rows, summary, machine(nproc=args.nproc))
 
 
 if __name__ == "__main__":

@@ -41,13 +41,16 @@ import argparse
 import gc
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from rmt.bench_report import check_report, write_report  # noqa: E402
+
 MIB = 1 << 20
 PHASES = ("init", "step", "save", "load")
 # RLIMIT_DATA (Linux >= 4.7) caps the heap and private writable mappings, where tensors live;
@@ -426,12 +429,14 @@ def main(argv=None):
     ap.add_argument("--load-partition", help=argparse.SUPPRESS)
     ap.add_argument("--t0", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if not args.worker_out:
+        check_report(args.json, "bench_memory_scale")
     if args.repredict:
         with open(args.repredict) as f:
             doc = json.load(f)
         for row in doc["rows"]:
             row["predicted"] = predict(row)
-        return report(args, doc["rows"], doc["benchmark"], machine=doc["machine"])
+        return report(args, doc["rows"], doc["benchmark"], where=doc["machine"])
     if args.workdir is None and not args.worker_out:
         import tempfile
 
@@ -542,45 +547,18 @@ def demo(args) -> int:
         "one_rank_alone_failed": all(r["one_rank_alone"] != "ran" for r in rows),
     }
     print(json.dumps(summary))
-    if args.json:
-        import torch
-
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "benchmark": "bench_memory_scale_demo",
-                    "machine": {
-                        "platform": platform.platform(),
-                        "torch": torch.__version__,
-                        "cpus": os.cpu_count(),
-                        "argv": sys.argv[1:],
-                    },
-                    "rows": rows,
-                    "summary": summary,
-                },
-                f,
-                indent=1,
-            )
+    write_report(args.json, "bench_memory_scale_demo", rows, summary)
     return 0
 
 
-def report(args, rows: list, name: str, machine: dict | None = None) -> int:
-    """Print and (``--json``) write ``rows``; ``machine`` is where they were measured (default: here)."""
-    import torch
-
+def report(args, rows: list, name: str, where: dict | None = None) -> int:
+    """Print and (``--json``) write ``rows``; ``where`` they were measured (default: here)."""
     compare(rows)
     print_table(rows)
     summary = summarize(rows)
     print(json.dumps(summary))
     if args.json:
-        with open(args.json, "w") as f:
-            machine = machine or {
-                "platform": platform.platform(),
-                "torch": torch.__version__,
-                "cpus": os.cpu_count(),
-                "argv": sys.argv[1:],
-            }
-            json.dump({"benchmark": name, "machine": machine, "rows": rows, "summary": summary}, f, indent=1)
+        write_report(args.json, name, rows, summary, where)
         if os.path.exists(args.json + ".partial"):  # complete now: a rerun measures afresh
             os.remove(args.json + ".partial")
         print(f"wrote {args.json}", file=sys.stderr)

@@ -41,13 +41,16 @@ import argparse
 import collections
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+from rmt.bench_report import check_report, machine, write_report  # noqa: E402
+
 SPARSE = ["memory.value_optimizer=sparse_adam"]
 FUSED = SPARSE + ["memory.fused_value_optimizer=true"]
 HOST = SPARSE + ["memory.table_location=host"]
@@ -349,6 +352,7 @@ def main(argv=None):
     args.cache_rows = args.cache_rows if args.cache_rows is not None else (256 if args.quick else 302_500)
     if args.worker_out:
         return worker(args)
+    check_report(args.json, "bench_memory_stream")
     names = (
         args.variants.split(",")
         if args.variants
@@ -435,28 +439,19 @@ def main(argv=None):
     if args.json:
         import torch
 
-        machine = {
-            "platform": platform.platform(),
-            "torch": torch.__version__,
-            "cpus": os.cpu_count(),
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        }
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "benchmark": "bench_memory_stream",
-                    "machine": machine,
-                    "config": args.config,
-                    "seq": args.seq,
-                    "batch": args.batch,
-                    "steps": args.steps,
-                    "warmup": args.warmup,
-                    "rows": rows,
-                    "summary": summary,
-                },
-                f,
-                indent=1,
-            )
+        where = machine(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+        write_report(
+            args.json,
+            "bench_memory_stream",
+            rows,
+            summary,
+            where,
+            config=args.config,
+            seq=args.seq,
+            batch=args.batch,
+            steps=args.steps,
+            warmup=args.warmup,
+        )
 
 
 if __name__ == "__main__":

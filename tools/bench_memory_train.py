@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import platform
 import socket
 import sys
 import time
@@ -45,6 +43,7 @@ from rmt import setup_process  # noqa: E402
 setup_process()  # rmt's process settings (rmt.process), before torch is imported
 import torch  # noqa: E402
 
+from rmt.bench_report import check_report, machine, write_report  # noqa: E402
 from rmt.config import load_config  # noqa: E402
 from rmt.config_checks import validate  # noqa: E402
 from rmt.errors import ConfigError  # noqa: E402
@@ -302,6 +301,7 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", help="write validation curves and loss vs activated FLOPs as a PNG here")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides applied to every variant")
     args = ap.parse_args(argv)
+    check_report(args.json, "bench_memory_train")
     q = args.quick
     steps = args.steps or (60 if q else 1500)
     seeds = [int(s) for s in (args.seeds or ("1" if q else "1,2,3")).split(",")]
@@ -424,18 +424,8 @@ def main(argv=None) -> int:
         plot(args.plot, final_rows)
         print(f"figure: {args.plot}")
     if args.json:
-        machine = {
-            "platform": platform.platform(),
-            "torch": torch.__version__,
-            "threads": args.threads,
-            "quick": q,
-            "steps": steps,
-            "seeds": seeds,
-        }
-        with open(args.json, "w") as f:
-            json.dump(
-                {"benchmark": "bench_memory_train", "machine": machine, "rows": rows, "summary": summary}, f, indent=1
-            )
+        where = machine(threads=args.threads, quick=q, steps=steps, seeds=seeds)
+        write_report(args.json, "bench_memory_train", rows, summary, where)
         print(f"json: {args.json}")
     return 0
 

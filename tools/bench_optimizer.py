@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 
@@ -22,6 +21,8 @@ import rmt
 
 rmt.setup_process()  # rmt's process settings (rmt.process), before torch is imported
 import torch  # noqa: E402
+
+from rmt.bench_report import check_report, write_report  # noqa: E402
 
 
 def model_shapes(config_path: str, overrides):
@@ -97,6 +98,7 @@ def main(argv=None):
     ap.add_argument("--threads", default="1,2", help="comma-separated torch thread counts (default 1,2)")
     ap.add_argument("--json", help="write {benchmark, machine, rows, summary} here")
     args = ap.parse_args(argv)
+    check_report(args.json, "bench_optimizer")
     overrides = ["model.vocab_size=50304"]
     if args.quick:
         overrides = [
@@ -133,23 +135,13 @@ def main(argv=None):
         "max_param_difference": max(r["max_param_difference"] for r in rows),
     }
     print(json.dumps(summary))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "benchmark": "bench_optimizer",
-                    "machine": {
-                        "platform": platform.platform(),
-                        "processor": platform.processor(),
-                        "torch": torch.__version__,
-                    },
-                    "config": {"model": args.config, "steps": steps, "quick": args.quick},
-                    "rows": rows,
-                    "summary": summary,
-                },
-                f,
-                indent=1,
-            )
+    write_report(
+        args.json,
+        "bench_optimizer",
+        rows,
+        summary,
+        config={"model": args.config, "steps": steps, "quick": args.quick},
+    )
 
 
 if __name__ == "__main__":

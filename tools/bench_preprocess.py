@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import sys
 import tempfile
@@ -33,6 +32,7 @@ from rmt import setup_process  # noqa: E402
 
 setup_process()  # rmt's process settings (rmt.process), before torch is imported
 
+from rmt.bench_report import check_report, machine, write_report  # noqa: E402
 from rmt.data.preprocess import preprocess, usable_cores  # noqa: E402
 from rmt.data.tokenizers import HFTokenizer, build_tokenizer  # noqa: E402
 
@@ -115,6 +115,7 @@ def main(argv=None):
     ap.add_argument("--cache-dir", default=os.path.join(ROOT, ".rmt_cache"), help="where the BPE is trained once")
     ap.add_argument("--json", help="write {benchmark, machine, rows, summary} here")
     args = ap.parse_args(argv)
+    check_report(args.json, "bench_preprocess")
     mib = {"bpe": args.mib or (2.0 if args.quick else 47.0), "byte": args.byte_mib or (2.0 if args.quick else 256.0)}
     repeat = args.repeat or (1 if args.quick else 3)
     counts = [int(w) for w in args.workers.split(",")] if args.workers else list(range(1, usable_cores() + 1))
@@ -193,24 +194,14 @@ def main(argv=None):
     if ("bpe", 1) in by:
         summary["bpe_1_worker_tokens_per_s"] = by[("bpe", 1)]["tokens_per_s"]
     print(json.dumps(summary))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "benchmark": "bench_preprocess",
-                    "machine": {
-                        "platform": platform.platform(),
-                        "processor": platform.processor(),
-                        "usable_cores": usable_cores(),
-                        "load_average_at_start": load,
-                    },
-                    "config": {"mib": mib, "documents": docs, "repeat": repeat, "quick": args.quick},
-                    "rows": rows,
-                    "summary": summary,
-                },
-                f,
-                indent=1,
-            )
+    write_report(
+        args.json,
+        "bench_preprocess",
+        rows,
+        summary,
+        machine(usable_cores=usable_cores(), load_average_at_start=load),
+        config={"mib": mib, "documents": docs, "repeat": repeat, "quick": args.quick},
+    )
     import shutil
 
     shutil.rmtree(work, ignore_errors=True)

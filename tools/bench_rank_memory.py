@@ -7,7 +7,8 @@
 Each layout (``LAYOUTS``: DP, TP, PP with 1F1B and interleaved, the distributed optimizer on
 and off, recomputation, sequence parallelism, sharded UltraMem tables; the transformer and the
 RMT) trains a model of a few tens of MiB of state per rank on 1-4 gloo ranks through the real
-trainer: build (``init``), ``--steps`` steps (``step``), a save (``save``), then, in fresh
+trainer, and so does each shipped config a 24 GiB CPU machine can run on 2 ranks at its own
+settings (``SHIPPED``: its precision, micro-batches, z-loss and heap retention): build (``init``), ``--steps`` steps (``step``), a save (``save``), then, in fresh
 processes, a load of that checkpoint (``load``). Per phase each rank measures its peak resident
 set (VmHWM, reset at the phase's start, as ``tools/bench_memory_scale.py`` does) above its
 resident set before the model was built (``start``: the process, which the planner states as
@@ -28,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -41,6 +41,8 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 sys.path.insert(0, ROOT)
 
 from bench_memory_scale import _measure, _status  # noqa: E402
+
+from rmt.bench_report import check_report, write_report  # noqa: E402
 
 MIB = 1 << 20
 PHASES = ("init", "step", "save", "load")
@@ -118,6 +120,13 @@ LAYOUTS = [
     ),
 ]
 QUICK = ["tiny"]
+# name, ranks, config: shipped configs at their own settings (precision, micro-batches, z-loss,
+# heap retention) that a 24 GiB CPU machine can run on 2 gloo ranks
+SHIPPED = [
+    ("transformer_49m", 2, [], "configs/transformer_49m.yaml"),
+    ("transformer_49m_distopt", 2, ["train.distributed_optimizer=true"], "configs/transformer_49m.yaml"),
+    ("rmt_46m", 2, [], "configs/rmt_46m.yaml"),
+]
 
 
 def overrides(extra: list, steps: int, cache: str, config: str | None = None) -> list:
@@ -197,7 +206,7 @@ def worker(args) -> None:
 
 
 # -- driver --------------------------------------------------------------------------------------
-def launch(args, ranks: int, extra: list, phase: str) -> list:
+def launch(args, ranks: int, extra: list, phase: str, config: str | None) -> list:
     out = os.path.join(args.workdir, f"worker-{os.getpid()}.json")
     cmd = [
         sys.executable,
@@ -212,7 +221,7 @@ def launch(args, ranks: int, extra: list, phase: str) -> list:
         f"--ckpt={os.path.join(args.workdir, 'ckpt')}",
         f"--steps={args.steps}",
         f"--device={args.device}",
-    ] + ([f"--config={args.config}"] if args.config else [])
+    ] + ([f"--config={config}"] if config else [])
     # freed tensors go back to the OS at once (see bench_memory_scale.launch)
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
@@ -247,14 +256,14 @@ def predict(
     return out
 
 
-def measure(args, name: str, ranks: int, extra: list) -> dict:
+def measure(args, name: str, ranks: int, extra: list, config: str | None) -> dict:
     shutil.rmtree(os.path.join(args.workdir, "ckpt"), ignore_errors=True)
-    full = overrides(extra, args.steps, args.cache_dir, args.config)
+    full = overrides(extra, args.steps, args.cache_dir, config)
     print(f"measuring {name} on {ranks} rank(s) ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    train = launch(args, ranks, full, "train")
-    load = launch(args, ranks, full, "load")
-    pred = predict(extra, ranks, args.steps, args.cache_dir, args.config, args.device)
+    train = launch(args, ranks, full, "train", config)
+    load = launch(args, ranks, full, "load", config)
+    pred = predict(extra, ranks, args.steps, args.cache_dir, config, args.device)
     rows = []
     for r, (tr, ld) in enumerate(zip(train, load)):
         stage, key = tr["stage"], (tr["stage"], tr["dp_rank"] == 0)
@@ -304,7 +313,7 @@ def summarize(rows: list) -> dict:
     those bytes equal the plan's on every rank."""
     distopt, exact = {}, True
     for r in rows:
-        if "distopt" in r["layout"] and "ultramem" not in r["layout"]:
+        if "distopt" in r["layout"] and "ultramem" not in r["layout"] and r["layout"] not in {n for n, *_ in SHIPPED}:
             dp = int(r["layout"][2]) if r["layout"].startswith("dp") else 1
             distopt[r["layout"]] = r["optimizer_bytes"] * dp / r["params"]
             planned = r["terms"]["step"]["optimizer_states"] + r["terms"]["step"]["main_params"]
@@ -325,7 +334,12 @@ def summarize(rows: list) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)} (seconds)")
-    ap.add_argument("--only", nargs="+", metavar="NAME", help="these layouts: " + ", ".join(n for n, _, _ in LAYOUTS))
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        metavar="NAME",
+        help="these layouts: " + ", ".join(n for n, _, _ in LAYOUTS) + ", " + ", ".join(n for n, _, _, _ in SHIPPED),
+    )
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("overrides", nargs="*", metavar="section.key=value", help="applied to every layout")
     ap.add_argument("--json", help="write {benchmark, machine, rows, summary} here")
@@ -351,38 +365,22 @@ def main(argv=None) -> int:
     if args.worker_out:
         worker(args)
         return 0
-    names = QUICK if args.quick else (args.only or [n for n, _, _ in LAYOUTS])
-    unknown = sorted(set(names) - {n for n, _, _ in LAYOUTS})
+    check_report(args.json, "bench_rank_memory")
+    every = [(n, r, e, args.config) for n, r, e in LAYOUTS] + SHIPPED
+    names = QUICK if args.quick else (args.only or [n for n, _, _, _ in every])
+    unknown = sorted(set(names) - {n for n, _, _, _ in every})
     if unknown:
         print(f"bench_rank_memory: unknown layout(s) {', '.join(unknown)}", file=sys.stderr)
         return 2
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="bench_rank_memory.")
     rows = []
-    for name, ranks, extra in LAYOUTS:
+    for name, ranks, extra, config in every:
         if name in names:
-            rows += measure(args, name, ranks, extra + args.overrides)
+            rows += measure(args, name, ranks, extra + args.overrides, config)
     print_table(rows)
     summary = summarize(rows)
     print(json.dumps(summary))
-    if args.json:
-        import torch
-
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "benchmark": "bench_rank_memory",
-                    "machine": {
-                        "platform": platform.platform(),
-                        "torch": torch.__version__,
-                        "cpus": os.cpu_count(),
-                        "argv": sys.argv[1:],
-                    },
-                    "rows": rows,
-                    "summary": summary,
-                },
-                f,
-                indent=1,
-            )
+    write_report(args.json, "bench_rank_memory", rows, summary)
     shutil.rmtree(args.workdir, ignore_errors=True)
     return 0
 

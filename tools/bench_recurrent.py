@@ -59,7 +59,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -74,6 +73,7 @@ setup_process()  # rmt's process settings (rmt.process), before torch is importe
 import torch  # noqa: E402
 
 from rmt import parallel  # noqa: E402
+from rmt.bench_report import check_report, machine, write_report  # noqa: E402
 from rmt.config import load_config  # noqa: E402
 from rmt.config_checks import validate  # noqa: E402
 from rmt.data.tasks import noise_token, recall_accuracy  # noqa: E402
@@ -635,6 +635,7 @@ def main(argv=None) -> int:
     except UsageError as err:
         print(f"bench_recurrent: {err}", file=sys.stderr)
         return 2
+    check_report(args.json, "bench_recurrent")
     q, cores = args.quick, sorted(os.sched_getaffinity(0))
     rows: list = []
     if len(seeds) > 1:
@@ -669,18 +670,8 @@ def main(argv=None) -> int:
         summary.update({f"{arch}_decode_mem_growth": mem[arch][2048] / mem[arch][128] for arch in mem})
     print(json.dumps(summary, indent=1))
     if args.json:
-        machine = {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-            "threads": args.threads,
-            "jobs": args.jobs,
-            "quick": q,
-        }
-        with open(args.json, "w") as f:
-            json.dump(
-                {"benchmark": "bench_recurrent", "machine": machine, "rows": rows, "summary": summary}, f, indent=1
-            )
+        where = machine(threads=args.threads, jobs=args.jobs, quick=q)
+        write_report(args.json, "bench_recurrent", rows, summary, where)
     return 0
 
 

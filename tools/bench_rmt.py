@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -38,6 +37,7 @@ setup_process()  # rmt's process settings (rmt.process), before torch is importe
 import torch  # noqa: E402
 
 from rmt import parallel, profiling  # noqa: E402
+from rmt.bench_report import check_report, machine, write_report  # noqa: E402
 from rmt.config import load_config  # noqa: E402
 from rmt.config_checks import validate  # noqa: E402
 from rmt.errors import ConfigError  # noqa: E402
@@ -182,6 +182,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="FILE", help="write the results as JSON")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides for both twins of the step-time run")
     args = ap.parse_args(argv)
+    check_report(args.json, "bench_rmt")
     sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
     if args.train and args.overrides:
         print("bench_rmt: config overrides apply to the step-time run, not to --train", file=sys.stderr)
@@ -194,13 +195,7 @@ def main(argv=None) -> int:
         print(f"bench_rmt: {err}", file=sys.stderr)
         return 2
     parallel.initialize(validate(load_config(None, []), world_size=1))
-    machine = {
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "device": "cuda" if torch.cuda.is_available() else "cpu",
-    }
+    where = machine(torch_threads=torch.get_num_threads(), device="cuda" if torch.cuda.is_available() else "cpu")
     try:
         if args.train:
             print(f"{'model':<12} {'lr':>7} {'tokens':>9} {'val loss':>9} {'train loss':>10} {'wall s':>7}")
@@ -240,9 +235,7 @@ def main(argv=None) -> int:
                 "largest_size": rows[-1]["size"],
             }
         print(json.dumps(summary))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"benchmark": "bench_rmt", "machine": machine, "rows": rows, "summary": summary}, f, indent=1)
+        write_report(args.json, "bench_rmt", rows, summary, where)
     finally:
         parallel.destroy()
     return 0

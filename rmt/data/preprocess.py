@@ -31,6 +31,7 @@ from rmt.data.blend import BLEND_SUFFIX, format_blend
 from rmt.data.sources import Chunk, Source, check_source, chunk_texts, plan_chunks, resolve_inputs
 from rmt.data.tokenizers import build_tokenizer
 from rmt.errors import JobError, UserError, cli_entry
+from rmt.outputs import check_output
 from rmt.process import setup_process
 
 _PLAN_VERSION = 1
@@ -64,6 +65,7 @@ def preprocess(
     for source in sources:
         check_source(source, text_key)
     outputs = _output_prefixes(sources, output_prefix, per_input)
+    check_output(output_prefix, "--output-prefix", _bytes_written(sources, tokenizer_spec))
     tokenizer = build_tokenizer(tokenizer_spec, cache_dir, bpe_vocab_size)
     workers = workers or usable_cores()
     work = output_prefix + ".partial"
@@ -122,6 +124,17 @@ def preprocess(
         os.replace(blend + ".tmp", blend)
     shutil.rmtree(work)
     return written
+
+
+def _bytes_written(sources: List[Source], tokenizer_spec: str) -> int:
+    """Free space a run needs at its end, as far as it can be told before tokenizing: with the
+    byte tokenizer a txt or jsonl input gives at most one token (2 bytes, uint16) per byte, held
+    twice at the end (the chunks' shards beside the merged dataset); other tokenizers and the
+    compressed parquet and arrow inputs give an unknown number of tokens per input byte, so they
+    count nothing."""
+    if tokenizer_spec != "byte":
+        return 0
+    return 2 * 2 * sum(_fingerprint(s)[2] for s in sources if s.fmt in ("txt", "jsonl"))
 
 
 def _output_prefixes(sources: List[Source], output_prefix: str, per_input: bool) -> List[str]:

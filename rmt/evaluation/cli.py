@@ -15,12 +15,12 @@ This module imports torch, lm-eval and the model code only once the arguments ar
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import List, Optional
 
 from rmt.errors import UserError, cli_entry
+from rmt.outputs import check_output, write_json
 from rmt.process import setup_process
 
 #: The shipped local task configs (no hub needed).
@@ -82,6 +82,8 @@ def _check_args(args) -> None:
     for path in args.include_path:
         if not os.path.isdir(path):
             raise UserError(f"--include-path '{path}' is not a directory")
+    if args.json:
+        check_output(args.json, "--json")
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         raise UserError(
             "rmt-eval runs on one process (the checkpoint is resharded onto one device); launch it without torchrun"
@@ -162,8 +164,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "overrides": args.overrides,
             "average": args.average,
         }
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1, default=handle_non_serializable)
+        write_json(args.json, results, default=handle_non_serializable)
     return 0
 
 

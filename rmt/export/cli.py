@@ -16,12 +16,13 @@ This module imports torch, transformers and the model code only once the argumen
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import shutil
 import sys
 from typing import List, Optional
 
 from rmt.errors import UserError, cli_entry
+from rmt.outputs import check_output, write_json
 from rmt.process import setup_process
 
 RMT_CONFIG = "rmt_config.json"
@@ -71,7 +72,7 @@ def export(
     from rmt.config import from_dict, to_dict
     from rmt.export.standard import standard_architecture
     from rmt.export.tokenizer import hf_tokenizer
-    from rmt.export.weights import write_safetensors
+    from rmt.export.weights import data_bytes, write_safetensors
     from rmt.generate import checkpoint_tokenizer, load_model
     from rmt.training.checkpoint import find_checkpoint, load_common
 
@@ -102,19 +103,38 @@ def export(
                 streamed = streamed_tables(find_checkpoint(checkpoint), model, chunk_bytes)
             skip = {k.removeprefix("model.") for k in streamed}
             cfg, weights = remote_config(config, tokenizer.eod), remote_state_dict(model, skip)
-        os.makedirs(out, exist_ok=True)
-        write_safetensors(os.path.join(out, WEIGHTS), weights, streamed, {"format": "pt"})
+        # the weights and 16 MiB for the header, configs, tokenizer files and remote code
+        check_output(out, "--out", data_bytes(weights, streamed) + (16 << 20), directory=True)
+        created = not os.path.exists(out)
+        try:
+            os.makedirs(out, exist_ok=True)
+            write_safetensors(os.path.join(out, WEIGHTS), weights, streamed, {"format": "pt"})
+            cfg.save_pretrained(out)
+            if fmt == "remote":
+                from rmt.export.remote import copy_code
+
+                copy_code(out)
+            hf_tokenizer(tokenizer, config.model.seq_length, tokenizer_json).save_pretrained(out)
+            write_json(os.path.join(out, RMT_CONFIG), to_dict(config))
+        except OSError as err:
+            _remove_written(out, created)
+            raise UserError(f"writing --out '{out}' failed ({err.strerror or err}); what was written is removed")
     finally:
         parallel.destroy()
-    cfg.save_pretrained(out)
-    if fmt == "remote":
-        from rmt.export.remote import copy_code
-
-        copy_code(out)
-    hf_tokenizer(tokenizer, config.model.seq_length, tokenizer_json).save_pretrained(out)
-    with open(os.path.join(out, RMT_CONFIG), "w") as f:
-        json.dump(to_dict(config), f, indent=1)
     return cfg.model_type
+
+
+def _remove_written(out: str, created: bool) -> None:
+    """Remove what an export that failed wrote into ``out`` (empty or new when it began)."""
+    if created:
+        shutil.rmtree(out, ignore_errors=True)
+        return
+    for name in os.listdir(out):
+        path = os.path.join(out, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
 
 
 @cli_entry("rmt-export")
@@ -122,6 +142,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     setup_process()
     args = build_parser().parse_args(argv)
     _check_out(args.out)
+    check_output(args.out, "--out", directory=True)
     kind = export(args.checkpoint, args.out, args.average, args.format)
     print(f"rmt-export: wrote {kind} model to {args.out}")
     return 0

@@ -45,18 +45,35 @@ def _bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def write_safetensors(
-    path: str, tensors: Dict[str, torch.Tensor], streamed: Dict[str, Streamed], metadata: Dict[str, str]
-) -> None:
-    """``tensors`` and ``streamed`` as one safetensors file ``path`` (written atomically)."""
+def _specs(tensors: Dict[str, torch.Tensor], streamed: Dict[str, Streamed]) -> dict:
     specs = {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()}
     specs.update((k, (s.shape, s.dtype)) for k, s in streamed.items())
+    return specs
+
+
+def _header(specs: dict) -> dict:
+    """The safetensors header of tensors ``{name: (shape, dtype)}``, in name order."""
     header, offset = {}, 0
     for name in sorted(specs):
         shape, dtype = specs[name]
         size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
+    return header
+
+
+def data_bytes(tensors: Dict[str, torch.Tensor], streamed: Dict[str, Streamed]) -> int:
+    """Bytes of the tensor data :func:`write_safetensors` writes for ``tensors`` and ``streamed``."""
+    header = _header(_specs(tensors, streamed))
+    return max((h["data_offsets"][1] for h in header.values()), default=0)
+
+
+def write_safetensors(
+    path: str, tensors: Dict[str, torch.Tensor], streamed: Dict[str, Streamed], metadata: Dict[str, str]
+) -> None:
+    """``tensors`` and ``streamed`` as one safetensors file ``path`` (written atomically)."""
+    specs = _specs(tensors, streamed)
+    header = _header(specs)
     header["__metadata__"] = metadata
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)

@@ -33,6 +33,7 @@ from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_te
 from torch.distributed.checkpoint.api import CheckpointException
 
 from rmt.errors import CheckpointMismatch, UserError
+from rmt.outputs import output_problem
 from rmt.parallel import compat
 from rmt.parallel.lifetime import forked_children_die_with_this_process
 from rmt.parallel.sharding import shards
@@ -181,6 +182,7 @@ class CheckpointSaveError(UserError):
 
 # torch's CheckpointException derives from BaseException, so ``except Exception`` misses it.
 _CHECKPOINT_ERRORS = (Exception, CheckpointException)
+_MORE_ROOM = "free space, or keep fewer checkpoints with train.keep_checkpoints"
 
 
 def _from_rank0(value):
@@ -252,20 +254,26 @@ def _bytes_needed(state: dict, chunks, optimizer) -> int:
     return int(_state_bytes(state, chunks, optimizer) * 1.05) + 16 * 2**20
 
 
+def _room(root: str, need: int) -> Optional[str]:
+    """Why ``root`` cannot take a checkpoint of ``need`` bytes, or None (:mod:`rmt.outputs`)."""
+    return output_problem(root, "train.save", need, directory=True, hint=_MORE_ROOM)
+
+
 def _prepare(root: str, need: int, tmp: Optional[str] = None) -> None:
     """Global rank 0 creates ``root``, checks that it can write there and its free space against
     ``need``, and makes an empty ``tmp``; every rank raises :class:`CheckpointSaveError` when it
     cannot."""
     problem = None
     if _rank() == 0:
-        try:
-            os.makedirs(root, exist_ok=True)
-            problem = checkpoint_dirs.write_problem(root) or checkpoint_dirs.free_space_problem(root, need)
-            if problem is None and tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
-                os.makedirs(tmp)
-        except OSError as err:
-            problem = f"cannot create '{tmp or root}': {err.strerror or err}"
+        problem = _room(root, need)
+        if problem is None:
+            try:
+                os.makedirs(root, exist_ok=True)
+                if tmp is not None:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    os.makedirs(tmp)
+            except OSError as err:
+                problem = f"cannot create '{tmp or root}': {err.strerror or err}"
     problem = _from_rank0(problem)
     if problem is not None:
         raise CheckpointSaveError(problem)
@@ -316,7 +324,7 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, common: dict, 
     if failure is not None:
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            space = checkpoint_dirs.free_space_problem(root, need) if os.path.isdir(root) else None
+            space = _room(root, need) if os.path.isdir(root) else None
             failure += f"; {space}" if space else ""
         _barrier()
         raise CheckpointSaveError(

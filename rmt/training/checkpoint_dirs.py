@@ -1,5 +1,6 @@
-"""Checkpoint directories on disk: names, manifests, verification, publishing, rotation, free
-space, and the choice of the checkpoint a run continues from.
+"""Checkpoint directories on disk: names, manifests, verification, publishing, rotation and the
+choice of the checkpoint a run continues from (whether a directory can take one:
+:mod:`rmt.outputs`).
 
 Layout under a save root::
 
@@ -160,32 +161,6 @@ def remove_stale_saves(root: str) -> List[str]:
     return stale
 
 
-def write_problem(root: str) -> Optional[str]:
-    """A sentence when no file can be created in directory ``root`` (permissions, a read-only
-    file system), else None. Tried with a real file: permission bits do not tell for root, ACLs
-    or read-only mounts."""
-    probe = os.path.join(root, f".write_test_{os.getpid()}")
-    try:
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as err:
-        return f"cannot write to checkpoint directory '{root}' ({err.strerror or err}); train.save must name a writable directory"
-    return None
-
-
-def free_space_problem(root: str, need: int) -> Optional[str]:
-    """A sentence when the file system of ``root`` has less than ``need`` bytes free, else None."""
-    free = shutil.disk_usage(root).free
-    if free >= need:
-        return None
-    return (
-        f"not enough free space for a checkpoint in '{root}': it needs about {_mb(need)}, "
-        f"the file system has {_mb(free)} free (free space, or keep fewer checkpoints with "
-        f"train.keep_checkpoints)"
-    )
-
-
 def publish(tmp: str, final: str, root: str, iteration: int) -> None:
     """Make the finished save ``tmp`` the checkpoint ``final`` (one rename) and point ``latest``
     at it; a crash at any point leaves either the old or the new state, never a mix."""
@@ -233,7 +208,3 @@ def resume_plan(save: Optional[str], load: Optional[str]) -> Tuple[List[str], Li
     resolve(load)  # raises when the root holds no complete checkpoint
     loadable, skipped = complete_checkpoints(load)
     return loadable, notes + skipped, False
-
-
-def _mb(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"

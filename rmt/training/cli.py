@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 from typing import List, Optional
@@ -20,7 +19,8 @@ from typing import List, Optional
 from rmt.config import load_config
 from rmt.config_checks import validate
 from rmt.data.resolution import resolve_from_data
-from rmt.errors import ConfigError, cli_entry
+from rmt.errors import ConfigError, cli_entry, global_rank
+from rmt.outputs import check_output, write_json
 from rmt.process import require_tested_megatron_core, setup_process
 from rmt.training import checkpoint_dirs, preemption
 from rmt.training.fit import check_fits
@@ -51,14 +51,33 @@ def checked_config(args: argparse.Namespace, world_size: Optional[int] = None):
     """The validated config of ``args`` for ``world_size`` (default: the launcher's), with the
     settings its data decides filled in (:func:`rmt.data.resolution.resolve_from_data`)."""
     config, _ = resolve_from_data(validate(load_config(args.config, args.overrides), world_size))
-    check_fits(config, args.config, args.overrides, world_size=world_size)
     if args.eval_only:
         if not config.train.load:
             raise ConfigError("--eval-only needs train.load=<checkpoint directory>")
         if not config.train.eval_iters:
             raise ConfigError("--eval-only needs train.eval_iters > 0 (validation batches to evaluate)")
         config.train = dataclasses.replace(config.train, save=None)  # evaluate train.load, save nothing
+    check_outputs(config, args.json, args.eval_only)
+    check_fits(config, args.config, args.overrides, world_size=world_size)
     return config
+
+
+def check_outputs(config, json_path: Optional[str], eval_only: bool) -> None:
+    """Every place the run writes can be written (:mod:`rmt.outputs`; the checkpoint's room is
+    checked once the model exists, :func:`rmt.training.checkpoint.check_space`): the checkpoint
+    directory on every rank, which all write into it; the logs and ``--json`` on global rank 0,
+    the one that writes them."""
+    t = config.train
+    if t.save:
+        check_output(t.save, "train.save", directory=True)
+    if global_rank() != 0:
+        return
+    if t.log_file and not eval_only:
+        check_output(t.log_file, "train.log_file")
+    if t.tensorboard_dir and not eval_only:
+        check_output(t.tensorboard_dir, "train.tensorboard_dir", directory=True)
+    if json_path:
+        check_output(json_path, "--json")
 
 
 def preflight(args: argparse.Namespace, world_size: Optional[int] = None) -> str:
@@ -97,24 +116,28 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     parallel.initialize(config)
     try:
-        trainer = Trainer(config)
-        if args.eval_only:
-            result = {"val_loss": trainer.evaluate(), "iteration": trainer.iteration}
-            line = f"validation loss {result['val_loss']:.6f} at iteration {trainer.iteration}"
-            if trainer.average is not None:  # train.ema_decay: the checkpoint's weight average too
-                result["val_loss_ema"] = trainer.evaluate_average()
-                line += f"; its weight average {result['val_loss_ema']:.6f}"
-            print(line)
-        else:
-            history = trainer.train()
-            result = {"history": history, "final": history[-1] if history else None}
-        if args.json and _rank() == 0:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
-            print(f"metrics written to '{args.json}'")
+        _train_or_evaluate(args, config, Trainer)
     finally:
         parallel.destroy()
     return 0
+
+
+def _train_or_evaluate(args: argparse.Namespace, config, trainer_class) -> None:
+    """Train (or with ``--eval-only`` evaluate) and write ``--json``."""
+    trainer = trainer_class(config)
+    if args.eval_only:
+        result = {"val_loss": trainer.evaluate(), "iteration": trainer.iteration}
+        line = f"validation loss {result['val_loss']:.6f} at iteration {trainer.iteration}"
+        if trainer.average is not None:  # train.ema_decay: the checkpoint's weight average too
+            result["val_loss_ema"] = trainer.evaluate_average()
+            line += f"; its weight average {result['val_loss_ema']:.6f}"
+        print(line)
+    else:
+        history = trainer.train()
+        result = {"history": history, "final": history[-1] if history else None}
+    if args.json and _rank() == 0:
+        write_json(args.json, result)
+        print(f"metrics written to '{args.json}'")
 
 
 def with_saved_average(config):
