@@ -1,5 +1,7 @@
 """Launcher environments: torchrun, SLURM (srun) and a plain process."""
 
+import socket
+
 from rmt.parallel.launch_env import first_host, read_launch_env
 
 
@@ -58,11 +60,16 @@ def test_launcher_names_the_worker_that_failed_first():
 
     from rmt.parallel.launcher import _describe, _root_failure
 
-    killed = {0: F(exitcode=-15, timestamp=7), 1: F(exitcode=-9, timestamp=7)}
+    killed = {0: F(exitcode=-15, timestamp=7, pid=-1), 1: F(exitcode=-9, timestamp=7, pid=-1)}
     rank, failure = _root_failure(killed)
-    assert rank == 1 and _describe(failure) == "was killed by SIGKILL"
+    assert rank == 1 and _describe(rank, failure) == (
+        f"rank 1 on {socket.gethostname()} was killed by SIGKILL: probably out of memory; the run's peak per "
+        f"rank could not be planned"  # no rmt-train arguments were given to this launcher
+    )
+    assert _describe(0, killed[0]) == "rank 0 was killed by SIGTERM"
     user_error = {0: F(exitcode=-15, timestamp=9), 1: F(exitcode=1, timestamp=8), 2: F(exitcode=2, timestamp=9)}
-    assert _root_failure(user_error)[0] == 2 and _describe(_root_failure(user_error)[1]) == "exited with status 2"
+    assert _root_failure(user_error)[0] == 2
+    assert _describe(2, _root_failure(user_error)[1]) == "rank 2 exited with status 2"
     assert _root_failure({3: F(exitcode=-15, timestamp=1)})[0] == 3
     # rank 1 SIGKILLed; rank 0 lost its peer and exited first, with an earlier timestamp
     peer_lost = {0: F(exitcode=1, timestamp=5), 1: F(exitcode=-9, timestamp=6)}

@@ -8,6 +8,7 @@ stand-ins)."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -129,13 +130,102 @@ def test_killed_rank_is_restarted_and_the_run_matches_an_uninterrupted_one(unint
     os.kill(victim, signal.SIGKILL)
     code, out, err = _finish(job)
     assert code == 0, err[-3000:]
-    assert "rmt-launch: rank 1 was killed by SIGKILL; restarting the workers (restart 1 of 2)" in err
+    assert (
+        f"rmt-launch: rank 1 on {socket.gethostname()} was killed by SIGKILL: probably out of memory; "
+        f"rmt-plan counts {_planned(_config(cache_dir, tmp_path, 30), 2)}; restarting the workers (restart 1 of 2)"
+    ) in err
     resumed = [line for line in out.splitlines() if line.startswith("resumed from iteration ")]
     assert len(resumed) == 1 and int(resumed[0].split()[3]) >= 10
     log = _log(tmp_path)
     assert [m["step"] for m in log] == list(range(1, 31))
     assert [m["lm loss"] for m in log] == uninterrupted
     assert _tagged(job.tag) == []  # no worker, writer or server outlives the job
+
+
+def _planned(overrides, ranks):
+    """The run's planned peak per rank, as the launchers' line states it."""
+    from rmt.config import load_config
+    from rmt.config_checks import validate
+    from rmt.planner.rank import plan_rank, with_vocabulary
+
+    peak = plan_rank(with_vocabulary(validate(load_config(None, overrides), ranks)), ranks, "cpu")["peak"]
+    return f"{peak / 2**30:,.2f} GiB per rank for this run"
+
+
+def test_rank_killed_in_a_step_is_named_and_the_run_resumes_from_its_checkpoint(uninterrupted, cache_dir, tmp_path):
+    """SIGKILL in the middle of step 8 (the last checkpoint at 5), no restart left: the launcher's
+    one line names the rank, its host, the signal and the plan; the surviving rank is stopped at
+    once; the same command then continues from step 5 and ends as an uninterrupted run."""
+    job = _single_node(_config(cache_dir, tmp_path, 30), MAX_RESTARTS="0")
+    _wait_for(_logged(tmp_path, 7), job, "seven steps")
+    os.kill(_worker(job.pid, 1), signal.SIGKILL)
+    code, _, err = _finish(job, timeout=120)
+    assert code == 1 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        f"rmt-launch: rank 1 on {socket.gethostname()} was killed by SIGKILL: probably out of memory; rmt-plan "
+        f"counts {_planned(_config(cache_dir, tmp_path, 30), 2)}; no restart is left (--max-restarts 0); see its "
+        f"output above"
+    )
+    assert _tagged(job.tag) == []
+    code, out, err = _finish(_single_node(_config(cache_dir, tmp_path, 30)))
+    assert code == 0, err[-3000:]
+    resumed = [line for line in out.splitlines() if line.startswith("resumed from iteration ")]
+    assert resumed == [f"resumed from iteration 5 of 30: '{tmp_path}/ckpt/iter_0000005'"]
+    assert [m["lm loss"] for m in _log(tmp_path)] == uninterrupted
+
+
+def test_kill_during_a_save_leaves_the_checkpoints_before_it_whole(cache_dir, tmp_path):
+    """SIGKILL while a checkpoint is being written (its ``.tmp`` directory exists): every
+    published checkpoint verifies, and the same command continues from the newest of them,
+    removing the torn save."""
+    from rmt.training import checkpoint_dirs
+
+    config = _config(cache_dir, tmp_path, 200) + ["train.save_interval=1"]
+    job = _start([sys.executable, "-m", "rmt.training.cli"] + config)
+    ckpt = tmp_path / "ckpt"
+    saving = lambda: ckpt.is_dir() and [n for n in os.listdir(ckpt) if n.endswith(".tmp") and n > "iter_0000002"]  # noqa: E731
+    _wait_for(saving, job, "a save in progress after step 2", timeout=600)
+    os.kill(job.pid, signal.SIGKILL)
+    job.communicate()
+    torn = [n for n in os.listdir(ckpt) if n.endswith(".tmp")]
+    assert len(torn) == 1, os.listdir(ckpt)
+    complete, skipped = checkpoint_dirs.complete_checkpoints(str(ckpt))
+    newest = checkpoint_dirs.iterations(str(ckpt))[0][1]
+    assert complete and complete[0] == newest and skipped == []
+    assert all(checkpoint_dirs.verify(path) is None for _, path in checkpoint_dirs.iterations(str(ckpt)))
+    code, out, err = _finish(
+        _start([sys.executable, "-m", "rmt.training.cli"] + config + ["train.steps=" + str(int(newest[-7:]) + 2)])
+    )
+    assert code == 0, err[-3000:]
+    assert f"resumed from iteration {int(newest[-7:])} of " in out
+    assert not [n for n in os.listdir(ckpt) if n.endswith(".tmp")]
+
+
+def test_survivors_of_a_killed_rank_stop_with_one_line(cache_dir, tmp_path):
+    """Two ranks with no launcher to stop them (SLURM's environment, started by hand): rank 1
+    killed in a step, rank 0 stops within seconds, in one line, not in a collective until a
+    timeout."""
+    env = dict(
+        SLURM_NTASKS="2",
+        SLURM_JOB_NODELIST="n1",
+        SLURM_TASKS_PER_NODE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+    )
+    cmd = (
+        [sys.executable, "-m", "rmt.training.cli"] + _config(cache_dir, tmp_path, 2000) + ["parallel.timeout_minutes=5"]
+    )
+    ranks = [_start(cmd, SLURM_PROCID=str(r), SLURM_LOCALID=str(r), **env) for r in (0, 1)]
+    _wait_for(_logged(tmp_path, 3), ranks[0], "three steps")
+    os.kill(ranks[1].pid, signal.SIGKILL)
+    killed = time.monotonic()
+    code, _, err = _finish(ranks[0], timeout=300)
+    assert time.monotonic() - killed < 60
+    assert code == 1 and "Traceback" not in err, err[-3000:]
+    assert (
+        err.strip().splitlines()[-1].startswith("rmt-train: rank 0: error: a collective with the other ranks failed (")
+    )
+    ranks[1].communicate()
 
 
 def test_sigterm_to_the_launcher_saves_and_exits_0(cache_dir, tmp_path):
@@ -324,6 +414,27 @@ def test_slurm_script_on_a_cpu_partition_requeues_after_sigusr1(uninterrupted, c
     assert code == 0, err[-3000:]
     assert f"resumed from iteration {stopped} of 30: '{tmp_path}/ckpt/iter_{stopped:07d}'" in out
     assert [m["lm loss"] for m in _log(tmp_path)] == uninterrupted
+
+
+def test_slurm_script_names_a_task_killed_by_a_signal(cache_dir, tmp_path):
+    """A task killed by SIGKILL under srun: srun ends the others, and the script names the rank,
+    its node, the signal, the likely cause and the plan in one line."""
+    args = _config(cache_dir, tmp_path, 200)
+    job = _sbatch(args, tmp_path)
+    _wait_for(_logged(tmp_path, 3), job, "three steps")
+    srun = next(
+        c for c in psutil.Process(job.pid).children(recursive=True) if os.path.join(FAKE_SLURM, "srun") in c.cmdline()
+    )
+    task = next(c for c in srun.children() if c.environ().get("SLURM_PROCID") == "1")
+    os.kill(task.pid, signal.SIGKILL)
+    code, _, err = _finish(job)
+    assert code == 128 + signal.SIGKILL, err[-3000:]
+    assert f"srun: error: {socket.gethostname()}: task 1: Killed" in err
+    assert err.strip().splitlines()[-1] == (
+        f"slurm.sbatch: rank 1 on {socket.gethostname()} was killed by SIGKILL: probably out of memory; "
+        f"rmt-plan counts {_planned(args, 2)}"
+    )
+    assert _tagged(job.tag) == []
 
 
 def test_slurm_script_wants_one_task_per_gpu(tmp_path):

@@ -4,7 +4,7 @@
 ``initialize`` and ``destroy`` are imported on first use, so that the light modules of this
 package (the launcher, launch environments, process lifetimes) do not import megatron-core."""
 
-__all__ = ["initialize", "destroy"]
+__all__ = ["initialize", "destroy", "lost_peer"]
 
 
 def __getattr__(name):

@@ -18,7 +18,10 @@ agent and rendezvous) and adds what an unattended job needs; ``launch/torchrun_*
   node 0 serves at the rendezvous endpoint (torch's rendezvous then uses the same store); when
   ``--join-timeout`` expires the message names the node ranks that are missing.
 * **One line per event.** A restart, a final failure or a missing node is one line naming the
-  rank and what happened to it, not torchrun's traceback.
+  rank and what happened to it, not torchrun's traceback. A rank killed by SIGKILL, SIGSEGV or
+  SIGBUS is named with its host, the signal, the likely cause (for SIGKILL the kernel's
+  out-of-memory record of its process where the kernel log is readable, else "probably out of
+  memory") and the run's planned peak per rank (:mod:`rmt.parallel.deaths`).
 
 Workers die with the launcher even when it is killed (``rmt.parallel.lifetime``).
 """
@@ -29,6 +32,7 @@ import datetime
 import logging
 import os
 import signal
+import socket
 import sys
 from typing import List, Optional
 
@@ -41,6 +45,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.launcher import api as launcher_api
 
 from rmt.errors import USER_ERROR_EXIT, JobError, UserError
+from rmt.parallel import deaths
 from rmt.parallel.rendezvous import roll_call
 from rmt.process import setup_process
 
@@ -49,6 +54,7 @@ _TRAINER = "rmt.training.cli"
 _FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 _stopping = False
 _quit_now = False  # a second SIGINT: the workers exit 130 at once
+_run: tuple = ()  # (rmt-train's arguments, world size): the run whose plan a killed rank's line states
 
 
 def say(message: str) -> None:
@@ -63,14 +69,17 @@ class _NoRestart(Exception):
         self.rank, self.failure = rank, failure
 
 
-def _describe(failure) -> str:
+def _describe(rank: int, failure) -> str:
+    """``rank N exited with status S``, or for a rank killed by a signal the line of
+    :func:`rmt.parallel.deaths.death_line`: its host, the signal, the likely cause (the kernel's
+    out-of-memory record of its process, where readable) and the run's planned peak per rank."""
     code = failure.exitcode
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
+    if code >= 0:
+        return f"rank {rank} exited with status {code}"
+    if -code not in deaths.KILL_SIGNALS:
+        return f"rank {rank} was killed by {deaths.signal_name(-code)}"
+    peak = deaths.planned_peak(*_run) if _run else None
+    return deaths.death_line(str(rank), socket.gethostname(), -code, deaths.likely_cause(-code, failure.pid), peak)
 
 
 def _root_failure(failures: dict):
@@ -102,7 +111,7 @@ class _Agent(LocalElasticAgent):
             if self.restarts < limit:
                 self.restarts += 1
                 say(
-                    f"rank {rank} {_describe(failure)}; restarting the workers (restart "
+                    f"{_describe(rank, failure)}; restarting the workers (restart "
                     f"{self.restarts} of {limit}); they continue from the newest complete checkpoint"
                 )
         return result
@@ -139,6 +148,8 @@ def _preflight(args) -> None:
     # the memory check's share of this machine per rank (torch's agent sets it again for each worker)
     os.environ["LOCAL_WORLD_SIZE"] = str(torchrun.determine_local_world_size(args.nproc_per_node))
     cli.preflight(cli.build_parser().parse_args(args.training_script_args), _world_size(args))
+    global _run
+    _run = (args.training_script_args, _world_size(args))
 
 
 def _join_nodes(args):
@@ -198,13 +209,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             return USER_ERROR_EXIT  # rank 0 has said what is wrong
         if _quit_now:
             return 128 + signal.SIGINT  # said when the second SIGINT came
-        say(f"rank {stop.rank} {_describe(stop.failure)} while stopping")
+        say(f"{_describe(stop.rank, stop.failure)} while stopping")
         return 1
     except ChildFailedError as err:
         rank, failure = _root_failure(err.failures)
         say(
-            f"rank {rank} {_describe(failure)} and no restart is left (--max-restarts "
-            f"{args.max_restarts}); see its output above"
+            f"{_describe(rank, failure)}; no restart is left (--max-restarts {args.max_restarts}); see its output above"
         )
         return 1
     except SignalException as err:  # SIGHUP, SIGQUIT: torch's agent stopped the workers

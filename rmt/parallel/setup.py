@@ -1,9 +1,12 @@
-"""Bring up and tear down torch.distributed and megatron-core's parallel state."""
+"""Bring up and tear down torch.distributed and megatron-core's parallel state, and tell a
+collective that failed because a peer rank went away (:func:`lost_peer`)."""
 
 from __future__ import annotations
 
 import datetime
 import os
+import re
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -56,3 +59,18 @@ def destroy() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def lost_peer(err: BaseException) -> Optional[str]:
+    """The reason, in a few words, when ``err`` is a collective that failed because a peer rank
+    went away or stopped answering (gloo's closed connections, a process group's timeout), else
+    None. The surviving ranks of a killed one meet this in their next collective, at once when
+    the peer's connections close, or after ``parallel.timeout_minutes`` when it hangs."""
+    text = str(err)
+    peer = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Timed out", "timed out")
+    if not (isinstance(err, dist.DistError) or (isinstance(err, RuntimeError) and "gloo" in text)):
+        return None
+    if isinstance(err, dist.DistError) or any(p in text for p in peer):
+        first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+        return re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0]
+    return None

@@ -19,7 +19,7 @@ from typing import List, Optional
 from rmt.config import load_config
 from rmt.config_checks import validate
 from rmt.data.resolution import resolve_from_data
-from rmt.errors import ConfigError, cli_entry, global_rank
+from rmt.errors import ConfigError, JobError, cli_entry, global_rank
 from rmt.outputs import check_output, write_json
 from rmt.process import require_tested_megatron_core, setup_process
 from rmt.training import checkpoint_dirs, preemption
@@ -117,6 +117,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     parallel.initialize(config)
     try:
         _train_or_evaluate(args, config, Trainer)
+    except RuntimeError as err:  # the others' collectives fail when a rank dies: one line, not a traceback
+        reason = parallel.lost_peer(err)
+        if reason is None:
+            raise
+        raise JobError(
+            f"a collective with the other ranks failed ({reason}): another rank stopped (its launcher names a "
+            f"rank killed by a signal) or the network between them failed"
+        ) from None
     finally:
         parallel.destroy()
     return 0
