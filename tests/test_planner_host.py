@@ -291,19 +291,24 @@ def test_the_layout_search_needs_host_tables_for_a_host_budget():
         search("configs/ultramem_tiny.yaml", [], 1, 80.0, host_gib=64.0)
 
 
-def test_the_layout_search_fits_the_host_budget_and_costs_the_exposed_transfers():
+def test_the_layout_search_fits_the_host_budget_and_times_the_exposed_transfers():
+    """On a profile whose host link is slow, every host-table layout's step exposes transfers, as
+    :func:`rmt.planner.time.plan_time` computes them for that layout."""
+    from rmt.planner.hardware import load_profile, profile_from_dict
     from rmt.planner.layouts import search
-    from rmt.planner.rank import layout_of
     from rmt.planner.rank_cli import load_planned
+    from rmt.planner.time import plan_time
 
+    slow = profile_from_dict(dict(load_profile("h100").to_dict(), host_link=1e7))
     over = ["memory.table_location=host", "memory.value_optimizer=sparse_adam"]
-    doc = search("configs/ultramem_tiny.yaml", over, 1, 80.0, device="cpu", host_gib=1.0, host_link_gbps=0.01)
+    doc = search("configs/ultramem_tiny.yaml", over, 1, 80.0, device="cpu", host_gib=1.0, profile=slow)
     assert doc["fitting"] and doc["host_gib"] == 1.0
     for r in doc["fitting"]:
         assert 0 < r["host_peak"] <= 2**30
         c = load_planned("configs/ultramem_tiny.yaml", over + r["overrides"], 1)
-        exposed = host.exposed_seconds(c, layout_of(c, 1, "cpu"), 0.01, 400.0)
-        assert r["cost"]["host_link_exposed_seconds"] == pytest.approx(exposed) and exposed > 0
+        planned = plan_time(c, 1, slow)
+        exposed = sum(m["exposed_s"] for m in planned["stages"]["0"]["memory"])
+        assert r["time"]["memory_exposed_s"] == pytest.approx(exposed) and exposed > 0
     tight = search("configs/ultramem_tiny.yaml", over, 1, 80.0, device="cpu", host_gib=1e-4)
     assert not tight["fitting"] and tight["too_big"] == len(doc["fitting"]) + doc["too_big"]
 

@@ -11,8 +11,10 @@ from rmt.config_checks import validate
 from rmt.models.build import build
 from rmt.planner import cli
 from rmt.planner.dense import dense_bytes_per_param
-from rmt.planner.layouts import search, step_cost
+from rmt.planner.hardware import load_profile
+from rmt.planner.layouts import search
 from rmt.planner.rank import in_flight, layout_of, plan_rank, rank_phases, stage_params, with_vocabulary
+from rmt.planner.time import stage_time
 from rmt.training.optimizer import is_table
 
 from conftest import load_script, run_python
@@ -144,13 +146,15 @@ def test_bad_input_exit_2_one_line(argv, match, capsys):
     assert len(err.strip().splitlines()) == 1 and match in err
 
 
-def test_layout_search_lists_runnable_fitting_layouts_by_cost():
-    """Every layout listed validates and fits; the ranking is by the stated cost; a budget too
-    small for one rank but not for four makes the smallest count 4 (the tables sharded)."""
+def test_layout_search_lists_runnable_fitting_layouts_by_predicted_step_time():
+    """Every layout listed validates and fits; the ranking is by the predicted step time, each
+    layout's tokens per second its tokens over that time."""
     doc = search("configs/ultramem_tiny.yaml", [], 4, 80.0, device="cpu")
-    assert doc["fitting"] and doc["rejected"] > 0
-    costs = [r["cost"]["seconds"] for r in doc["fitting"]]
-    assert costs == sorted(costs)
+    assert doc["fitting"] and doc["rejected"] > 0 and doc["hardware"] == "H100 SXM 80GB"
+    steps = [r["time"]["step_s"] for r in doc["fitting"]]
+    assert steps == sorted(steps)
+    for r in doc["fitting"]:  # configs/ultramem_tiny.yaml: 8 sequences of 128 per data-parallel rank
+        assert r["time"]["tokens_per_s"] == pytest.approx(8 * r["layout"]["dp"] * 128 / r["time"]["step_s"])
     for r in doc["fitting"][:5]:
         c = with_vocabulary(validate(load_config("configs/ultramem_tiny.yaml", r["overrides"]), world_size=4))
         assert plan_rank(c, 4, "cpu")["peak"] == r["peak"] <= 80 * 2**30
@@ -182,12 +186,13 @@ def test_layout_search_offers_ultramem_v2_with_full_recompute_and_sequence_paral
 )
 def test_full_recompute_costs_the_dense_layers_only(memory):
     """Memory layers are never recomputed (their links are replayed): full recomputation costs
-    the FLOPs of the same model without them, while an MoE replacing the MLPs is recomputed."""
+    the time of the same model's dense layers without them, while an MoE replacing the MLPs is
+    recomputed."""
     full = ["train.recompute_granularity=full", "train.recompute_method=uniform", "train.recompute_num_layers=1"]
 
     def flops(overrides):
         config = with_vocabulary(validate(load_config("configs/tiny.yaml", full + overrides), world_size=1))
-        return step_cost(config, layout_of(config, 1), 25.0, 450.0, 400.0)["recomputed_flops"]
+        return stage_time(config, layout_of(config, 1, "gpu"), load_profile("h100"), 0)["recompute_s"]
 
     assert flops(memory) == flops([]) > 0
     moe_mlp = ["memory.type=moe", "memory.moe_placement=mlp", "memory.placement=1-2", "memory.num_experts=4"]

@@ -4,7 +4,7 @@ Subcommands are entries of :data:`SUBCOMMANDS`; a new one (e.g. ``model`` from
 ``rmt.planner.flops``) is registered with one line::
 
     SUBCOMMANDS.append(Subcommand("layouts", "the layouts (TP, PP, VPP, DP, distributed optimizer, recomputation, "
-                              "table partition) of a config that fit a GPU count, ranked by cost per step, and the "
+                              "table partition) of a config that fit a GPU count, ranked by predicted step time, and the "
                               "smallest count that fits", _layout_arguments, _run_layouts))
 SUBCOMMANDS.append(Subcommand("model", "parameters and FLOPs", add_arguments, run))
 
@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import Callable, NamedTuple
 
 from rmt.errors import reader_may_leave
-from rmt.planner import comm, flops, host, memory
+from rmt.planner import comm, flops, host, memory, time_cli
 from rmt.planner.argtypes import non_negative_float, non_negative_int, positive_float, positive_int
 from rmt.process import setup_process
 
@@ -639,7 +639,7 @@ SUBCOMMANDS.append(
     Subcommand(
         "layouts",
         "the layouts (TP, PP, VPP, DP, distributed optimizer, recomputation, "
-        "table partition) of a config that fit a GPU count, ranked by cost per step, and the "
+        "table partition) of a config that fit a GPU count, ranked by predicted step time, and the "
         "smallest count that fits",
         _layout_arguments,
         _run_layouts,
@@ -653,6 +653,25 @@ SUBCOMMANDS.append(
         "its memory layers (exact; transformer and RMT also paper Table 7)",
         flops.add_arguments,
         flops.run,
+    )
+)
+
+SUBCOMMANDS.append(
+    Subcommand(
+        "time",
+        "the predicted step time of a run on a hardware profile: compute, collectives, overlaps and the "
+        "pipeline bubble per stage, tokens per second, TFLOP/s per GPU and MFU",
+        time_cli.add_time_arguments,
+        time_cli.run_time,
+    )
+)
+SUBCOMMANDS.append(
+    Subcommand(
+        "calibrate",
+        "measure this machine (GEMMs, attention, memory bandwidth, the lookup kernels, collectives) under "
+        "torchrun into a hardware profile that --hardware FILE reads",
+        time_cli.add_calibrate_arguments,
+        time_cli.run_calibrate,
     )
 )
 

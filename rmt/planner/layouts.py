@@ -1,5 +1,5 @@
 """The layout search of ``rmt-plan layouts``: every layout of a config over a number of GPUs that
-rmt can run and whose every rank fits, ranked by what the layout costs per step.
+rmt can run and whose every rank fits, ranked by the predicted step time.
 
 Candidates: tensor parallel 1, 2, 4, 8; pipeline parallel over the divisors of the layers up to
 16, with and without two virtual stages; the data-parallel rest; the distributed optimizer off
@@ -9,15 +9,10 @@ data x tensor parallel group, half or a quarter of it (:func:`group_sizes`), or 
 (``local``). A candidate rmt cannot run is dropped by the same validation
 ``rmt-train`` runs (:func:`rmt.config_checks.validate`), one that does not fit by :mod:`rmt.planner.rank`.
 
-Cost (seconds per step on a rank, a stated model, not a measurement): the bytes the rank sends
-per step (data-parallel gradient all-reduce, or reduce-scatter plus parameter all-gather with the
-distributed optimizer; pipeline sends, forward and backward; the memory tables' collectives,
-``rmt-plan comm``'s forward + backward volume; the tensor-parallel all-reduces, four per layer and
-micro-batch of the hidden state, ring ``2 (t - 1) / t``), each at ``nvlink_gbps`` when its group
-spans at most ``gpus_per_node`` GPUs (tensor parallel innermost, then data parallel, pipeline
-outermost, as megatron-core orders its groups) and at ``link_gbps`` otherwise, plus the
-recomputed forward FLOPs at ``tflops`` (the dense layers': memory layers are never recomputed), plus, for tables in host memory, the host-link transfer
-time their overlap windows do not hide at ``host_link_gbps`` (:func:`rmt.planner.host.exposed_seconds`).
+The ranking is the predicted step time of each layout (:func:`rmt.planner.time.plan_time` on a
+hardware profile, :mod:`rmt.planner.hardware`): compute, recomputation, every collective with
+its overlaps, the pipeline bubble, the optimizer step, the memory layers and their tables'
+traffic; each listed with its tokens per second and MFU.
 """
 
 from __future__ import annotations
@@ -26,9 +21,9 @@ import copy
 import itertools
 from typing import Dict, Iterator, List, Optional
 
-from rmt.planner import comm, host
-from rmt.planner.memory import DTYPE_BYTES
-from rmt.planner.rank import Layout, layout_of, padded_vocab, plan_rank, stage_params, with_vocabulary
+from rmt.planner.hardware import Profile, load_profile
+from rmt.planner.rank import plan_rank, with_vocabulary
+from rmt.planner.time import plan_time
 
 TP_CHOICES = (1, 2, 4, 8)
 MAX_PP = 16
@@ -94,103 +89,24 @@ def overrides_text(layout: Dict[str, object]) -> List[str]:
     return [f"{k}={text(v)}" for k, v in layout.items()]
 
 
-def step_cost(
-    config,
-    layout: Layout,
-    link_gbps: float,
-    nvlink_gbps: float,
-    tflops: float,
-    gpus_per_node: int = 8,
-    host_link_gbps: float = host.HOST_LINK_GBPS,
-) -> Dict[str, float]:
-    """The stated cost of one step on the busiest rank (module docstring)."""
-    m, t, mem = config.model, config.train, config.memory
-    b = DTYPE_BYTES[t.precision]
-    T = t.micro_batch_size * m.seq_length
-    mb = layout.microbatches
-    width = m.dk * m.dv if m.arch == "rmt" else m.hidden_size
-    params = max(stage_params(config, layout, s) for s in range(layout.pp))
-    ring = (layout.dp - 1) / layout.dp
-    dp_bytes = params * (4 + b) * ring if layout.distributed_optimizer else params * 4 * 2 * ring
-    layers = m.num_layers // layout.pp
-    tp_bytes = 4 * layers * mb * T * width * b * 2 * (layout.tp - 1) / layout.tp
-    pp_bytes = 2 * mb * layout.vpp * T * width * b if layout.pp > 1 else 0
-    mem_bytes = 0
-    if mem.type in ("ultramem", "ultramem_v2", "pkm") and mem.partition != "local":
-        from rmt.memory.shapes import memory_placement, value_dim
-
-        group = mem.group_size or layout.dp * layout.tp
-        if group > 1:
-            doc = comm.plan_comm(
-                T,
-                mem.num_heads * mem.topk,
-                value_dim(config),
-                group,
-                phase="forward_backward",
-                value_bytes=DTYPE_BYTES[mem.value_dtype],
-                activation_bytes=b,
-                tensor_parallel=layout.tp,
-            )
-            per = doc["collectives"][mem.partition]["forward_backward_total"]
-            mem_bytes = per * mb * -(-len(memory_placement(config)) // layout.pp)
-    flops = 0.0
-    if layout.recompute != "none":
-        from rmt.planner.flops import plan_model
-
-        doc = plan_model(copy.deepcopy(config))
-        # memory layers are never recomputed (rmt.memory.attach relinks them); MoE MLPs are
-        # part of their layer and are
-        memory = doc.get("memory")
-        kept = memory["flops_per_token"] if memory and memory["placement"] != "mlp" else 0
-        per_token_layer = (doc["flops_per_token"] - kept - 2 * width * padded_vocab(config)) / m.num_layers
-        if layout.recompute == "full":
-            flops = per_token_layer * layers * T * mb / layout.tp
-        else:  # the core attention: scores and weighted values over all N x N pairs
-            flops = layers * T * mb * (4 * width * m.seq_length) / layout.tp
-
-    def link(group_span: int) -> float:  # bytes/s of a collective over ranks spanning group_span GPUs
-        return (nvlink_gbps if group_span <= gpus_per_node else link_gbps) * 1e9
-
-    host_exposed = host.exposed_seconds(config, layout, host_link_gbps, tflops)
-    seconds = (
-        host_exposed
-        + dp_bytes / link(layout.tp * layout.dp)
-        + pp_bytes / link(layout.world_size)
-        + mem_bytes / link(layout.tp * layout.dp)
-        + tp_bytes / link(layout.tp)
-        + flops / (tflops * 1e12)
-    )
-    return {
-        "data_parallel_bytes": dp_bytes,
-        "tensor_parallel_bytes": tp_bytes,
-        "pipeline_bytes": pp_bytes,
-        "memory_table_bytes": mem_bytes,
-        "recomputed_flops": flops,
-        "host_link_exposed_seconds": host_exposed,
-        "seconds": seconds,
-    }
-
-
 def search(
     path: Optional[str],
     overrides: List[str],
     gpus: int,
     gib: float,
     device: str = "gpu",
-    link_gbps: float = 50.0,
-    nvlink_gbps: float = 300.0,
-    tflops: float = 400.0,
-    gpus_per_node: int = 8,
+    profile: Optional[Profile] = None,
     host_gib: Optional[float] = None,
-    host_link_gbps: float = host.HOST_LINK_GBPS,
 ) -> Dict:
     """Every runnable layout of the config ``path`` + ``overrides`` on ``gpus`` ranks: the fitting
-    ones ranked by cost, and how many candidates rmt cannot run or do not fit (``host_gib``: tables
-    in host memory must also fit that much host memory per rank)."""
+    ones ranked by their predicted step time on ``profile`` (default: the shipped H100's,
+    :mod:`rmt.planner.time`), and how many candidates rmt cannot run or do not fit (``host_gib``:
+    tables in host memory must also fit that much host memory per rank)."""
     from rmt.config import load_config
     from rmt.config_checks import validate
     from rmt.errors import UserError
 
+    profile = profile or load_profile("h100")
     fitting, rejected, too_big = [], {}, 0
     config = with_vocabulary(load_config(path, overrides))
     if host_gib is not None and config.memory.table_location != "host":
@@ -205,7 +121,6 @@ def search(
         if not doc["fits"]:
             too_big += 1
             continue
-        cost = step_cost(c, layout_of(c, gpus, device), link_gbps, nvlink_gbps, tflops, gpus_per_node, host_link_gbps)
         fitting.append(
             {
                 "overrides": overrides_text(o),
@@ -213,27 +128,32 @@ def search(
                 "peak": doc["peak"],
                 "host_peak": doc.get("host_peak"),
                 "checkpoint_bytes": doc["checkpoint_bytes"],
-                "cost": cost,
+                "time": summary(plan_time(c, gpus, profile)),
             }
         )
-    fitting.sort(key=lambda r: (r["cost"]["seconds"], r["peak"]))
+    fitting.sort(key=lambda r: (r["time"]["step_s"], r["peak"]))
     return {
         "gpus": gpus,
         "gib": gib,
         "device": device,
+        "hardware": profile.name,
         "fitting": fitting,
         "rejected": sum(rejected.values()),
         "rejected_reasons": rejected,
         "too_big": too_big,
-        "cost_model": {
-            "link_gbps": link_gbps,
-            "nvlink_gbps": nvlink_gbps,
-            "tflops": tflops,
-            "gpus_per_node": gpus_per_node,
-            "host_link_gbps": host_link_gbps,
-        },
         "host_gib": host_gib,
     }
+
+
+def summary(doc: Dict) -> Dict:
+    """The figures of a :func:`rmt.planner.time.plan_time` document a layout is ranked and listed
+    by: step seconds, tokens per second, TFLOP/s per GPU, MFU and the parts of the step."""
+    keys = ("step_s", "tokens_per_s", "tflops_per_gpu", "mfu", "pipeline_s", "bubble_s", "after_backward_s")
+    out = {k: doc[k] for k in keys}
+    stage = doc["stages"].get(str(doc["slowest_stage"])) or next(iter(doc["stages"].values()))
+    out["recompute_s"] = stage["recompute_s"]
+    out["memory_exposed_s"] = sum(r["exposed_s"] for r in stage["memory"])
+    return out
 
 
 def gpu_counts(limit: int = 1 << 16) -> List[int]:
@@ -244,11 +164,12 @@ def gpu_counts(limit: int = 1 << 16) -> List[int]:
 
 
 def smallest(
-    path: Optional[str], overrides: List[str], gib: float, device: str = "gpu", limit: int = 1 << 16, **cost
+    path: Optional[str], overrides: List[str], gib: float, device: str = "gpu", limit: int = 1 << 16, **options
 ) -> Optional[Dict]:
-    """The search at the smallest GPU count with a fitting layout (None if none up to ``limit``)."""
+    """The search at the smallest GPU count with a fitting layout (None if none up to ``limit``;
+    ``options``: :func:`search`'s ``profile`` and ``host_gib``)."""
     for n in gpu_counts(limit):
-        doc = search(path, overrides, n, gib, device, **cost)
+        doc = search(path, overrides, n, gib, device, **options)
         if doc["fitting"]:
             return doc
     return None

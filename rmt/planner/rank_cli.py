@@ -7,8 +7,9 @@ import argparse
 import json
 from typing import List
 
-from rmt.planner import host, layouts, rank
+from rmt.planner import layouts, rank
 from rmt.planner.argtypes import positive_float, positive_int
+from rmt.planner.hardware import load_profile
 
 TERMS = (
     "params",
@@ -41,7 +42,7 @@ def load_planned(path: str, overrides: List[str], world_size: int):
     return config
 
 
-def _layout_line(layout: dict) -> str:
+def layout_line(layout: dict) -> str:
     return (
         f"TP{layout['tp']} x PP{layout['pp']}"
         + (f" (VPP {layout['vpp']})" if layout["vpp"] > 1 else "")
@@ -57,7 +58,7 @@ def whole_rank_lines(config, doc: dict) -> List[str]:
     m, t = config.model, config.train
     lines = [
         f"whole rank on {doc['world_size']} {doc['layout']['device'].upper()} ranks: "
-        f"{_layout_line(doc['layout'])} of {t.micro_batch_size} x {m.seq_length} tokens, {t.precision}"
+        f"{layout_line(doc['layout'])} of {t.micro_batch_size} x {m.seq_length} tokens, {t.precision}"
     ]
     for stage, s in doc["stages"].items():
         c = s["components"]
@@ -125,37 +126,17 @@ def add_layout_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gib", type=positive_float, default=80.0, help="memory per rank in GiB (default 80)")
     p.add_argument("--top", type=positive_int, default=10, help="layouts to print (default 10)")
     p.add_argument(
-        "--link-gbps",
-        type=positive_float,
-        default=50.0,
-        help="inter-node bandwidth per GPU, GB/s, for the cost (default 50: 400 Gb/s)",
-    )
-    p.add_argument(
-        "--nvlink-gbps",
-        type=positive_float,
-        default=300.0,
-        help="in-node bandwidth per GPU, GB/s, for tensor parallelism (default 300)",
-    )
-    p.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs joined by --nvlink-gbps (default 8)")
-    p.add_argument(
-        "--tflops",
-        type=positive_float,
-        default=400.0,
-        help="achieved TFLOP/s per GPU for recomputed FLOPs (default 400)",
+        "--hardware",
+        default="h100",
+        metavar="NAME|FILE",
+        help="the hardware profile the layouts are timed on: h100 (default), a100, or a profile file "
+        "(rmt-plan calibrate --out FILE)",
     )
     p.add_argument(
         "--host-gib",
         type=positive_float,
         metavar="GIB",
         help="with memory.table_location=host: host memory per rank in GiB the tables must fit too",
-    )
-    p.add_argument(
-        "--host-link-gbps",
-        type=positive_float,
-        default=host.HOST_LINK_GBPS,
-        metavar="GBPS",
-        help=f"host tables: GB/s per direction of the host link; the transfers their windows do not "
-        f"hide count in the cost (default {host.HOST_LINK_GBPS:g}, PCIe 4.0 x16)",
     )
     p.add_argument("--max-gpus", type=positive_int, default=1 << 16, help="largest count tried (default 65536)")
     p.add_argument("--json", metavar="FILE", help="write every candidate that fits, with its cost, to FILE")
@@ -169,18 +150,11 @@ def run_layouts(args: argparse.Namespace) -> int:
         load_config(args.config, args.overrides)  # a bad file or override: one sentence before the search
     except UserError as err:
         raise ValueError(str(err)) from None
-    cost = dict(
-        link_gbps=args.link_gbps,
-        nvlink_gbps=args.nvlink_gbps,
-        tflops=args.tflops,
-        gpus_per_node=args.gpus_per_node,
-        host_gib=args.host_gib,
-        host_link_gbps=args.host_link_gbps,
-    )
+    options = dict(profile=load_profile(args.hardware), host_gib=args.host_gib)
     if args.gpus:
-        doc = layouts.search(args.config, args.overrides, args.gpus, args.gib, args.device, **cost)
+        doc = layouts.search(args.config, args.overrides, args.gpus, args.gib, args.device, **options)
     else:
-        doc = layouts.smallest(args.config, args.overrides, args.gib, args.device, args.max_gpus, **cost)
+        doc = layouts.smallest(args.config, args.overrides, args.gib, args.device, args.max_gpus, **options)
         if doc is None:
             raise ValueError(
                 f"no layout fits {args.gib:g} GiB per rank"
@@ -200,9 +174,9 @@ def run_layouts(args: argparse.Namespace) -> int:
     )
     lines = [
         head,
-        "cost per step: collective bytes at --nvlink-gbps inside a node, --link-gbps across nodes, "
-        "recomputed FLOPs at --tflops",
-        f"  {'#':>3} {'layout':<60}{'peak':>11}{'cost ms':>9}  overrides",
+        f"ranked by the predicted step time on {doc['hardware']} (rmt-plan time --hardware): step ms, "
+        "tokens per second, model TFLOP/s per GPU and MFU",
+        f"  {'#':>3} {'layout':<60}{'peak':>11}{'step ms':>10}{'tokens/s':>12}{'MFU':>7}  overrides",
     ]
     for i, r in enumerate(doc["fitting"][: args.top], 1):
         short = " ".join(
@@ -214,9 +188,10 @@ def run_layouts(args: argparse.Namespace) -> int:
             and not o.endswith("_size=0")
             and o != "train.recompute_granularity=none"
         )
+        time = r["time"]
         lines.append(
-            f"  {i:>3} {_layout_line(r['layout'])[:60]:<60}{rank.human(r['peak']):>11}"
-            f"{r['cost']['seconds'] * 1e3:>9.1f}  {short}"
+            f"  {i:>3} {layout_line(r['layout'])[:60]:<60}{rank.human(r['peak']):>11}"
+            f"{time['step_s'] * 1e3:>10.1f}{time['tokens_per_s']:>12,.0f}{time['mfu']:>7.1%}  {short}"
         )
     if not doc["fitting"]:
         lines.append("  none: more GPUs (leave --gpus out for the smallest count), or a larger --gib")

@@ -1,0 +1,360 @@
+"""``rmt-plan calibrate``: measure the present machine into a hardware profile
+(:mod:`rmt.planner.hardware`) under the launcher the runs use (``torchrun``; gloo on a CPU,
+NCCL on a GPU), every rank measuring at once, so that what ranks share (a CPU's cores, its memory
+bandwidth, a node's links) is inside the figures rather than corrected for afterwards: calibrate
+with the world size and threads of the runs the profile will predict.
+
+Each figure is the slowest rank's median over repeats (a synchronous step waits for the slowest):
+
+* GEMMs per dtype over a range of sizes (``[m, k] @ [k, n]``, ``m`` tokens-like, ``n``, ``k``
+  widths-like): the fastest rate is the profile's peak, each size's rate over it its efficiency;
+* fused attention (``scaled_dot_product_attention`` with an explicit mask, as rmt calls it),
+  forward and backward, as fractions of the GEMM peak;
+* memory-bound operations: ``x += y`` over sizes from cache-resident to DRAM-sized (bytes read
+  and written per second);
+* the host's cost per operation: a tiny autograd forward and backward (a few linear layers on
+  one row) over the aten operations it dispatches;
+* the lookup-reduce kernel (:func:`rmt.ops.lookup_reduce`) forward and backward at UltraMem's
+  shape, bytes of value rows per second; ``torch.topk`` elements per second;
+* each collective (all-reduce, all-gather, reduce-scatter, all-to-all, a point-to-point send)
+  over the launched world at a small and a large size: ``alpha`` the small one's seconds,
+  ``busbw`` the large one's bus bytes over its seconds beyond ``alpha``; with one rank none is
+  measured (a run on one rank sends nothing; the fields hold the memory bandwidth and no latency);
+* the host link (a pinned copy to the device; on a CPU the copy bandwidth) and the host's memory
+  bandwidth.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from typing import Callable, Dict, List
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_NAME = "hardware-profile.json"
+GEMM_SHAPES = [  # (m, n, k): tokens x widths of the layers of small and large models
+    (128, 64, 64),
+    (256, 128, 128),
+    (512, 128, 384),
+    (512, 384, 384),
+    (512, 1152, 384),
+    (512, 1536, 384),
+    (2048, 512, 512),
+    (2048, 1024, 1024),
+    (4096, 4096, 1024),
+    (8192, 8192, 4096),
+]
+MEMORY_BYTES = [1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28]
+
+
+def default_profile_path() -> str:
+    """Where ``rmt-plan calibrate`` writes by default and ``rmt-train`` looks on a CPU:
+    ``$RMT_HARDWARE_PROFILE``, else ``~/.cache/rmt/hardware-profile.json``."""
+    return os.environ.get("RMT_HARDWARE_PROFILE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "rmt", DEFAULT_NAME
+    )
+
+
+class _Clock:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def seconds(self, fn: Callable[[], object], repeats: int, min_s: float = 0.02) -> float:
+        """Median seconds of ``fn`` (each timing loops it until ``min_s`` has passed), all ranks
+        starting together."""
+        fn()
+        self.sync()
+        times = []
+        for _ in range(repeats):
+            if dist.is_initialized():
+                dist.barrier()
+            self.sync()
+            start, n = time.perf_counter(), 0
+            while True:
+                fn()
+                n += 1
+                self.sync()
+                elapsed = time.perf_counter() - start
+                if elapsed >= min_s:
+                    break
+            times.append(elapsed / n)
+        return statistics.median(times)
+
+
+def _slowest(value: float) -> float:
+    """The largest of the ranks' ``value`` (a time)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def measure_gemms(clock: _Clock, device, dtype: torch.dtype, shapes, repeats: int) -> List[List[float]]:
+    """``[[flops, flop/s], ...]`` of the GEMM ``shapes``."""
+    out = []
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        seconds = _slowest(clock.seconds(lambda: torch.mm(a, b), repeats))
+        out.append([2.0 * m * n * k, 2.0 * m * n * k / seconds])
+    return out
+
+
+def measure_attention(clock: _Clock, device, dtype: torch.dtype, repeats: int, shape) -> Dict[str, float]:
+    """FLOP/s of masked fused attention forward and backward on ``shape`` ``(b, h, s, d)``."""
+    import torch.nn.functional as F
+
+    b, h, s, d = shape
+    q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    mask = torch.ones(s, s, dtype=torch.bool, device=device).tril()
+    flops = 4.0 * b * h * s * s * d
+    forward = _slowest(clock.seconds(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), repeats))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    grad = torch.randn_like(out)
+
+    def both():
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        torch.autograd.grad(o, (q, k, v), grad)
+
+    total = _slowest(clock.seconds(both, repeats))
+    return {"forward": flops / forward, "backward": 2.5 * flops / max(total - forward, 1e-9)}
+
+
+def measure_memory(clock: _Clock, device, sizes, repeats: int) -> List[List[float]]:
+    """``[[bytes, bytes/s], ...]`` of ``x += y`` touching each size (two reads, a write)."""
+    out = []
+    for nbytes in sizes:
+        n = max(1, nbytes // 12)
+        x = torch.zeros(n, device=device)
+        y = torch.ones(n, device=device)
+        seconds = _slowest(clock.seconds(lambda: x.add_(y), repeats))
+        out.append([12.0 * n, 12.0 * n / seconds])
+    return out
+
+
+def measure_op_overhead(clock: _Clock, device, repeats: int) -> float:
+    """Seconds per dispatched aten operation of a tiny autograd forward and backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    layers = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(8)]).to(device)
+    x = torch.randn(1, 4, device=device)
+
+    def step():
+        layers(x).sum().backward()
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step()
+    return _slowest(clock.seconds(step, repeats)) / Count.n
+
+
+def measure_lookup(clock: _Clock, device, repeats: int, quick: bool) -> Dict[str, float]:
+    """Bytes of value rows per second of :func:`rmt.ops.lookup_reduce`, forward and backward
+    (the table gradient as touched rows), at UltraMem's shape (rows of 64 fp32, top-32)."""
+    from rmt.ops import lookup_reduce
+
+    rows, dim, tokens, k = (1 << 16, 64, 1024, 32) if quick else (1 << 20, 64, 4096, 32)
+    table = torch.randn(rows, dim, device=device, requires_grad=True)
+    indices = torch.randint(0, rows, (tokens, k), device=device)
+    scores = torch.randn(tokens, k, 1, device=device, requires_grad=True)
+    nbytes = tokens * k * dim * 4
+    forward = _slowest(clock.seconds(lambda: lookup_reduce(table, indices, scores, sparse_grad=True), repeats))
+    grad = torch.randn(tokens, 1, dim, device=device)
+
+    def both():
+        out = lookup_reduce(table, indices, scores, sparse_grad=True)
+        torch.autograd.grad(out, (table, scores), grad)
+
+    total = _slowest(clock.seconds(both, repeats))
+    return {"forward": nbytes / forward, "backward": nbytes / max(total - forward, 1e-9)}
+
+
+def measure_topk(clock: _Clock, device, repeats: int) -> float:
+    """Elements per second of ``torch.topk`` over rows of 2,048 keys (k = 32)."""
+    x = torch.randn(512, 2048, device=device)
+    return x.numel() / _slowest(clock.seconds(lambda: torch.topk(x, 32, dim=-1), repeats))
+
+
+def measure_collectives(clock: _Clock, device, repeats: int, quick: bool) -> Dict[str, Dict[str, float]]:
+    """``{kind: {"alpha_s", "busbw"}}`` over the launched world (module docstring)."""
+    from rmt.planner.hardware import bus_factor
+
+    p = dist.get_world_size()
+    small, large = 1 << 10, (1 << 22 if quick else 1 << 24)
+    out = {}
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"):
+        seconds = {}
+        for nbytes in (small, large):
+            n = max(p, nbytes // 4 // p * p)
+            buf = torch.ones(n, device=device)
+            parts = list(buf.chunk(p))
+            outs = [torch.empty_like(c) for c in parts]
+            rank = dist.get_rank()
+
+            def run(kind=kind, buf=buf, parts=parts, outs=outs, rank=rank):
+                if kind == "all_reduce":
+                    dist.all_reduce(buf)
+                elif kind == "all_gather":
+                    dist.all_gather(outs, parts[0])
+                elif kind == "reduce_scatter":
+                    dist.reduce_scatter(outs[0], parts) if dist.get_backend() == "nccl" else _reduce_scatter(
+                        outs[0], buf
+                    )
+                elif kind == "all_to_all":
+                    dist.all_to_all(outs, parts)
+                else:  # ring of sends: each rank sends to the next and receives from the previous
+                    ops = [
+                        dist.P2POp(dist.isend, buf, (rank + 1) % p),
+                        dist.P2POp(dist.irecv, outs[0].new_empty(buf.shape), (rank - 1) % p),
+                    ]
+                    for req in dist.batch_isend_irecv(ops):
+                        req.wait()
+
+            seconds[nbytes] = _slowest(clock.seconds(run, repeats, min_s=0.01))
+        size = {k: 4 * max(p, k // 4 // p * p) for k in (small, large)}
+        alpha = seconds[small]
+        beyond = max(seconds[large] - alpha, 1e-9)
+        out[kind] = {"alpha_s": alpha, "busbw": bus_factor(kind, p) * size[large] / beyond}
+    return out
+
+
+def _reduce_scatter(out: torch.Tensor, buf: torch.Tensor) -> None:
+    """gloo has no reduce-scatter: rmt's CPU runs (megatron-core's on gloo) all-reduce, then keep
+    their chunk."""
+    dist.all_reduce(buf)
+    out.copy_(buf.chunk(dist.get_world_size())[dist.get_rank()])
+
+
+def measure_host_link(clock: _Clock, device, repeats: int) -> float:
+    """Bytes/s of a pinned host-to-device copy (on a CPU: of a large copy)."""
+    n = 1 << 26
+    if device.type == "cuda":
+        src = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(n, dtype=torch.uint8, device=device)
+        return n / _slowest(clock.seconds(lambda: dst.copy_(src, non_blocking=True), repeats))
+    src = torch.empty(n, dtype=torch.uint8)
+    dst = torch.empty(n, dtype=torch.uint8)
+    return n / _slowest(clock.seconds(lambda: dst.copy_(src), repeats))
+
+
+def _efficiency(points: List[List[float]]) -> Dict:
+    peak = max(rate for _, rate in points)
+    return peak, [[flops, rate / peak] for flops, rate in sorted(points)]
+
+
+def calibrate(out: str, quick: bool = False, threads: int = 1) -> Dict:
+    """Measure this rank's machine with the launched world (module docstring); rank 0 writes the
+    profile to ``out`` and says so. Returns the profile."""
+    from rmt.planner.hardware import profile_from_dict
+    from rmt.process import setup_process
+
+    setup_process()
+    torch.set_num_threads(threads)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    clock = _Clock(device)
+    repeats = 3 if quick else 5
+
+    def say(message: str) -> None:
+        if rank == 0:
+            print(f"rmt-plan calibrate: {message}", flush=True)
+
+    say(f"measuring {'a GPU' if cuda else 'the CPU'} with {world} rank(s) of {threads} thread(s) ...")
+    shapes = GEMM_SHAPES[:6] if quick or not cuda else GEMM_SHAPES
+    if not cuda:
+        shapes = [s for s in shapes if 2 * s[0] * s[1] * s[2] <= 2e9]
+    gemm, peak = {}, {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        peak[name], gemm[name] = _efficiency(measure_gemms(clock, device, dtype, shapes, repeats))
+    say(f"GEMMs: {peak['fp32'] / 1e9:,.1f} GFLOP/s fp32, {peak['bf16'] / 1e9:,.1f} bf16 at best")
+    shape = (2, 4, 512, 64) if cuda else (2, 4, 128, 64)
+    attention = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        rates = measure_attention(clock, device, dtype, repeats, shape)
+        attention[name] = {p: min(1.0, r / peak[name]) for p, r in rates.items()}
+    sizes = MEMORY_BYTES if cuda else MEMORY_BYTES[:-1]
+    memory = measure_memory(clock, device, sizes, repeats)
+    say(
+        f"memory: {max(r for _, r in memory) / 1e9:,.1f} GB/s at best, {memory[-1][1] / 1e9:,.1f} at {sizes[-1] >> 20} MiB"
+    )
+    overhead = measure_op_overhead(clock, device, repeats)
+    say(f"host: {overhead * 1e6:.1f} us per operation")
+    lookup = measure_lookup(clock, device, repeats, quick)
+    topk = measure_topk(clock, device, repeats)
+    if world > 1:
+        collectives = measure_collectives(clock, device, repeats, quick)
+        say(
+            "collectives over "
+            + f"{world} ranks: "
+            + ", ".join(
+                f"{k} {v['alpha_s'] * 1e6:.0f} us + {v['busbw'] / 1e9:.2f} GB/s" for k, v in collectives.items()
+            )
+        )
+    else:
+        collectives = {
+            k: {"alpha_s": 0.0, "busbw": memory[-1][1]}
+            for k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+        }
+    link = measure_host_link(clock, device, repeats)
+    props = torch.cuda.get_device_properties(device) if cuda else None
+    doc = {
+        "name": (props.name if cuda else "CPU") + f" (calibrated, {world} rank(s) x {threads} thread(s))",
+        "device": "gpu" if cuda else "cpu",
+        "peak_flops": peak,
+        "gemm_efficiency": gemm,
+        "gemm_tile": [128, 256] if cuda else [1, 1],
+        "units": props.multi_processor_count if cuda else 1,
+        "attention_efficiency": attention,
+        "memory_bandwidth": memory,
+        "op_overhead_s": overhead,
+        "async_launch": cuda,
+        "lookup_bandwidth": lookup,
+        "topk_rate": topk,
+        "collectives": {"intra": collectives, "inter": collectives},
+        "gpus_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+        "host_link": link,
+        "host_memory_bandwidth": memory[-1][1],
+        "sources": {
+            "all": f"rmt-plan calibrate on this machine, {world} rank(s) of {threads} thread(s) measuring at once; "
+            "the GEMM peak is the fastest GEMM measured",
+            "collectives": "measured over the launched world; across nodes taken equal to inside (one node measured)"
+            if world > 1
+            else "not measured (one rank sends nothing)",
+        },
+        "measured": {"world_size": world, "threads": threads, "quick": quick},
+    }
+    profile_from_dict(doc)  # what is written must load
+    if rank == 0:
+        parent = os.path.dirname(os.path.abspath(out))
+        os.makedirs(parent, exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
+        say(f"wrote '{out}' (rmt-plan time --hardware {out})")
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return doc

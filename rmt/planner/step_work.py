@@ -1,0 +1,383 @@
+"""What one rank computes in a training step, kernel by kernel: the work the step-time model
+(:mod:`rmt.planner.time`) prices with a hardware profile (:mod:`rmt.planner.hardware`).
+
+A :class:`Kernels` collects, for one phase (a forward or a backward of one micro-batch of a
+model chunk, a memory layer, the optimizer step), the GEMMs ``[m, k] @ [k, n]``, the fused
+attention FLOPs, the memory-bound operations by their bytes read and written (norms,
+activations, softmaxes, residual additions, layouts for the attention kernel, the cross
+entropy, the optimizer's passes), the lookup-reduce kernels by the bytes of value rows they
+gather or scatter, the top-k selections by their elements, and the operations the host issues.
+
+Per layer on a tensor-parallel rank of ``t`` (``T`` tokens of the micro-batch, ``T'`` = ``T/t``
+under sequence parallelism, ``b`` bytes of ``train.precision``):
+
+* transformer (megatron's local spec): GEMMs ``[T, D] @ [D, 3A/t]``, ``[T, A/t] @ [A/t, D]``,
+  ``[T, D] @ [D, F/t]``, ``[T, F/t] @ [F/t, D]``; attention ``4 T s A/t`` FLOPs (every ``s x s``
+  pair: rmt passes an explicit causal mask, so the kernel skips none); memory-bound: two norms
+  ``2 T' D b`` each, two bias-dropout-adds ``3 T' D b`` each (a dropout mask byte and one more
+  pass each with ``model.dropout``), the GELU ``2 T F/t b``, the attention's layout copies
+  (q, k, v into the kernel's ``[b, h, s, d]`` and the context back, ``8 T A/t b``), RoPE on q and
+  k ``4 T A/t b``;
+* RMT (:mod:`rmt.models.rmt`): the reads ``[T Dv, Dk] @ [Dk, 3R/t]`` and ``[T Dv, Dk] @ [Dk, R]``
+  (their norm fused: one read of the residual matrix, ``T Dk Dv b`` each), the writes
+  ``[T Dv, R] @ [R, Dk]`` (reading and writing the residual matrix, ``2 T Dk Dv b`` each), the
+  FFN ``[T, R Dv] @ [R Dv, F/t]`` and back, the GELU, and attention over ``R/t`` heads of ``Dv``
+  in fp32;
+* the backward of every GEMM is its two GEMMs of the same FLOPs (the input's gradient and the
+  weight's), of the attention 2.5x its forward FLOPs (FlashAttention's count), of a memory-bound
+  operation twice its bytes; each layer's weight gradient is added into megatron's fp32 gradient
+  buffer (``12`` bytes an element: two reads, a write) once per micro-batch;
+* the first stage gathers the embedding (and scatters its gradient into an fp32 buffer of the
+  rank's vocabulary shard); the last stage runs the final norm, the logits GEMM
+  ``[T, D] @ [D, Vp/t]`` and the vocab-parallel cross entropy in fp32 (six passes over the logits
+  forward, four backward; the logits' cast under bf16).
+
+Memory layers (UltraMem, UltraMemV2, PKM; :class:`rmt.memory.layer.MemorySpec`): the norm and
+causal convolution, the query GEMM, the key scores of every head and side ``[T, Kd] @ [Kd, n]``,
+the TDQKR top-k selections (``c = min(2m, n)`` of the ``n`` keys per side and rank, then ``m`` of
+the ``c^2`` candidates), the lookup-reduce of ``T H m`` value rows (its bytes at the profile's
+lookup rate), the projection; backward the same GEMMs twice, the scatter of the row gradients,
+and the value tables' optimizer: AdamW on the dense gradient (``4`` bytes an element to
+materialize it, ``16`` more where megatron's DDP buffers it, a norm ``4``, the clip ``8``, the
+fused AdamW ``28``), the unfused row-wise optimizers on the touched rows (the sparse gradient's
+rows, their coalescing, and ``U`` rows stepped: ``3 b + 16`` bytes an element for SparseAdam,
+``3 b`` and 8 bytes a row for row-wise Adagrad), or the fused step inside the backward
+(``U`` rows at the lookup's backward rate). ``U`` is the expected distinct rows of uniform
+access (:func:`rmt.planner.comm.expected_unique`, an upper bound: skewed access repeats rows).
+MoE: the router GEMM and ``k`` experts' two GEMMs per routed token.
+
+The dense optimizer step per element the rank steps (``1/DP`` of them with the distributed
+optimizer): the gradient norm (4 bytes), the clip (8), AdamW: megatron-core without apex or
+Transformer Engine steps with torch's foreach AdamW on a GPU, eight passes (80 bytes an element),
+and with torch's fused form on a CPU (:func:`rmt.training.optimizer._fused_on_cpu`: 28 bytes);
+bf16 adds the fp32 main copy's cast back (6 bytes). Every element of the rank's gradient buffer is
+zeroed once a step (4 bytes) and, with data parallelism, scaled before its reduction (8 bytes).
+
+Host operations per layer (counted by tracing a tiny model's step under a ``TorchDispatchMode``:
+every aten operation dispatched, views included; ``tests/test_planner_time.py`` counts them
+again): :data:`LAYER_OPS`, :data:`MEMORY_LAYER_OPS`, :data:`STEP_OPS`; a third of a layer's in
+its forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Tuple
+
+from rmt.planner.hardware import Profile, attention_seconds, gemm_seconds, memory_seconds
+from rmt.planner.memory import DTYPE_BYTES
+
+LAYER_OPS = {"transformer": 129, "rmt": 156, "recurrent": 129, "mixer": 129}
+"""Operations the host issues per layer and micro-batch, forward and backward."""
+SELECTIVE_OPS = 21
+"""More per layer under selective recomputation (the core attention run again)."""
+MEMORY_LAYER_OPS = 370
+"""Per UltraMem / PKM / UltraMemV2 / MoE layer and micro-batch, forward, backward and its step."""
+STEP_OPS = {"transformer": 164, "rmt": 206, "recurrent": 164, "mixer": 164}
+"""Per step besides the layers: the embedding, the loss, the gradient norm, the optimizer."""
+FORWARD_SHARE = 1 / 3
+"""The forward's share of a layer's operations."""
+
+ATTENTION_BACKWARD = 2.5
+"""Attention backward FLOPs over its forward's (FlashAttention: five GEMMs of the forward's two,
+the score recomputation among them)."""
+ADAMW_BYTES = {"gpu": 80, "cpu": 28}
+"""Bytes an element of the dense optimizer's AdamW step (module docstring)."""
+FUSED_ADAMW_BYTES = 28  # read parameter, gradient, two moments; write parameter, two moments
+GRAD_ACCUMULATE_BYTES = 12  # main_grad += grad: two reads and a write of fp32
+
+
+@dataclass
+class Kernels:
+    """The work of one phase (module docstring); every size in elements or bytes."""
+
+    dtype: str
+    gemms: List[Tuple[int, int, int, int]] = field(default_factory=list)
+    attention_flops: float = 0.0
+    attention_dtype: str = ""
+    memory: List[Tuple[float, int]] = field(default_factory=list)
+    lookup_bytes: float = 0.0
+    lookup_phase: str = "forward"
+    topk_elements: float = 0.0
+    ops: float = 0.0
+    attention_phase: str = "forward"
+
+    def gemm(self, m: int, n: int, k: int, count: int = 1) -> None:
+        if count and min(m, n, k) > 0:
+            self.gemms.append((int(m), int(n), int(k), int(count)))
+
+    def mem(self, nbytes: float, count: int = 1) -> None:
+        if count and nbytes > 0:
+            self.memory.append((float(nbytes), int(count)))
+
+    def flops(self) -> float:
+        """Matrix FLOPs of the phase: its GEMMs and attention."""
+        return sum(2.0 * m * n * k * c for m, n, k, c in self.gemms) + self.attention_flops
+
+    def backward(self) -> Kernels:
+        """The backward of this forward phase: each GEMM's two gradient GEMMs, 2.5x the
+        attention's FLOPs, twice each memory-bound operation's bytes (ops counted by the caller)."""
+        out = Kernels(self.dtype, attention_dtype=self.attention_dtype, attention_phase="backward")
+        for m, n, k, c in self.gemms:
+            out.gemm(m, k, n, c)  # grad of the input: [m, n] @ [n, k]
+            out.gemm(k, n, m, c)  # grad of the weight: [k, m] @ [m, n]
+        out.attention_flops = ATTENTION_BACKWARD * self.attention_flops
+        out.memory = [(2 * nbytes, c) for nbytes, c in self.memory]
+        out.lookup_phase = "backward"
+        return out
+
+    def add(self, other: Kernels) -> None:
+        """Append ``other``'s work (same phase kinds) to this one."""
+        self.gemms += other.gemms
+        self.attention_flops += other.attention_flops
+        self.attention_dtype = self.attention_dtype or other.attention_dtype
+        self.memory += other.memory
+        self.lookup_bytes += other.lookup_bytes
+        self.topk_elements += other.topk_elements
+        self.ops += other.ops
+
+    def scaled(self, factor: int) -> Kernels:
+        """This work ``factor`` times (``factor`` layers alike)."""
+        out = Kernels(
+            self.dtype,
+            attention_dtype=self.attention_dtype,
+            attention_phase=self.attention_phase,
+            lookup_phase=self.lookup_phase,
+        )
+        out.gemms = [(m, n, k, c * factor) for m, n, k, c in self.gemms]
+        out.attention_flops = self.attention_flops * factor
+        out.memory = [(nbytes, c * factor) for nbytes, c in self.memory]
+        out.lookup_bytes = self.lookup_bytes * factor
+        out.topk_elements = self.topk_elements * factor
+        out.ops = self.ops * factor
+        return out
+
+    def seconds(self, profile: Profile) -> Dict[str, float]:
+        """The phase's time by component on ``profile``: device seconds of each kind, the host's
+        issue seconds, and ``total`` (their larger where the host issues ahead of the device,
+        their sum where one thread does both)."""
+        parts = {
+            "gemm": sum(c * gemm_seconds(profile, m, n, k, self.dtype) for m, n, k, c in self.gemms),
+            "attention": attention_seconds(
+                profile, self.attention_flops, self.attention_dtype or self.dtype, self.attention_phase
+            )
+            if self.attention_flops
+            else 0.0,
+            "memory": sum(c * memory_seconds(profile, nbytes) for nbytes, c in self.memory),
+            "lookup": self.lookup_bytes / profile.lookup_bandwidth[self.lookup_phase],
+            "topk": self.topk_elements / profile.topk_rate,
+        }
+        device = sum(parts.values())
+        issue = self.ops * profile.op_overhead_s
+        parts["issue"] = issue
+        parts["total"] = max(device, issue) if profile.async_launch else device + issue
+        return parts
+
+
+# -- dense layers -----------------------------------------------------------------------------------
+def _bytes(config) -> int:
+    return DTYPE_BYTES[config.train.precision]
+
+
+def layer_forward(config, tp: int, sp: bool) -> Kernels:
+    """One dense layer's forward on a tensor-parallel rank, one micro-batch (module docstring)."""
+    m = config.model
+    b = _bytes(config)
+    s = m.seq_length
+    T = config.train.micro_batch_size * s
+    k = Kernels(config.train.precision)
+    if m.arch == "rmt":
+        Dk, Dv, R = m.dk, m.dv, m.rank
+        F = m.ffn_hidden_size or 4 * R * Dv
+        k.attention_dtype = "fp32"  # the RMT's core attention runs in fp32 (rmt.models.rmt)
+        k.gemm(T * Dv, 3 * R // tp, Dk)  # attention read, norm fused
+        k.gemm(T * Dv, Dk, R // tp)  # attention write
+        k.gemm(T * Dv, R, Dk)  # FFN read
+        k.gemm(T, F // tp, R * Dv)
+        k.gemm(T, R * Dv, F // tp)
+        k.gemm(T * Dv, Dk, R)  # FFN write
+        k.attention_flops = 4.0 * T * s * Dv * R / tp
+        k.mem(T * Dk * Dv * b, 2)  # the two norm-fused reads of the residual matrix
+        k.mem(2 * T * Dk * Dv * b, 2)  # the two writes, residual added in place
+        k.mem(2 * T * F // tp * b)  # GELU
+        k.mem(2 * 3 * T * Dv * R // tp * 4)  # q, k, v to fp32 for the attention, its context back
+        return k
+    D = m.hidden_size
+    F = m.ffn_hidden_size or 4 * D
+    A = D  # megatron's local spec: heads x head dim = hidden size
+    Ts = T // tp if sp else T
+    window = 2 * m.block_width if m.arch == "recurrent" else s
+    if m.arch == "recurrent":  # windows of 2k tokens over every block: 2T token positions
+        T = 2 * config.train.micro_batch_size * m.block_width * -(-s // m.block_width)
+        Ts = T
+    if m.arch == "mixer":  # token mixing: an N x N product per head, a GEMM over the heads
+        k.gemm(T, D, D, 2)
+        k.gemm(s, D, s, config.train.micro_batch_size)
+    else:
+        k.gemm(T, 3 * A // tp, D)
+        k.gemm(T, D, A // tp)
+        k.attention_flops = 4.0 * T * window * A / tp
+        k.mem(8 * T * A // tp * b)  # q, k, v into the kernel's layout, the context back
+        if m.position == "rope":
+            k.mem(4 * T * A // tp * b)
+    k.gemm(T, F // tp, D)
+    k.gemm(T, D, F // tp)
+    k.mem(2 * Ts * D * b, 2)  # two norms
+    dropout = m.dropout > 0
+    k.mem((3 + (1 if dropout else 0)) * Ts * D * b + (Ts * D if dropout else 0), 2)  # bias-dropout-adds
+    k.mem(2 * T * F // tp * b)  # GELU
+    return k
+
+
+def layer_ops(config) -> float:
+    """Host operations of one layer and micro-batch (forward and backward)."""
+    return LAYER_OPS[config.model.arch] + (SELECTIVE_OPS if config.train.recompute_granularity == "selective" else 0)
+
+
+def layer_param_elements(config, tp: int) -> int:
+    """Weight elements of one dense layer on a tensor-parallel rank (the gradient buffer's)."""
+    from rmt.planner.rank import Layout, _layer_params
+
+    return _layer_params(config, Layout(tp=tp))
+
+
+def embedding_work(config, tp: int, sp: bool, first: bool, last: bool) -> Tuple[Kernels, Kernels]:
+    """The embedding (first stage) and the output layer with the loss (last stage): (forward,
+    backward) of one micro-batch."""
+    from rmt.planner.rank import padded_vocab
+
+    m = config.model
+    b = _bytes(config)
+    T = config.train.micro_batch_size * m.seq_length
+    width = m.dk * m.dv if m.arch == "rmt" else m.hidden_size
+    Vt = padded_vocab(config) // tp
+    fwd, bwd = Kernels(config.train.precision), Kernels(config.train.precision)
+    rows = m.rank * m.dv if m.arch == "rmt" else m.hidden_size
+    if first:
+        fwd.mem(2 * T * rows * b)  # gather of the token rows (and the RMT's write into its matrix)
+        if m.arch == "rmt":
+            fwd.gemm(T * m.dv, m.dk, m.rank)
+            bwd.gemm(T * m.dv, m.rank, m.dk, 2)
+        bwd.mem(2 * T * rows * 4 + GRAD_ACCUMULATE_BYTES * Vt * rows)  # scatter, into the buffer
+    if last:
+        Ts = T // tp if sp else T
+        fwd.mem(2 * Ts * width * b)  # final norm
+        if m.arch == "rmt":
+            fwd.gemm(T * m.dv, m.rank, m.dk)
+            bwd.gemm(T * m.dv, m.dk, m.rank, 2)
+        fwd.gemm(T, Vt, rows)
+        bwd.gemm(T, rows, Vt)
+        bwd.gemm(rows, Vt, T)
+        cast = T * Vt * (b + 4) if b != 4 else 0
+        fwd.mem(6 * T * Vt * 4 + cast)  # the vocab-parallel cross entropy's passes
+        bwd.mem(4 * T * Vt * 4 + cast)
+        bwd.mem(GRAD_ACCUMULATE_BYTES * Vt * rows)
+    return fwd, bwd
+
+
+# -- memory layers --------------------------------------------------------------------------------
+def memory_layer_work(config, index: int, tokens: int) -> Tuple[Kernels, Kernels]:
+    """(forward, backward) of memory layer ``index`` over ``tokens`` tokens on a rank (its
+    lookups; module docstring), the value tables' optimizer not included."""
+    mem = config.memory
+    b = _bytes(config)
+    fwd = Kernels(config.train.precision)
+    T = tokens
+    if mem.type == "moe":
+        from rmt.memory.shapes import expert_hidden_size, memory_width
+
+        W, F = memory_width(config), expert_hidden_size(config)
+        fwd.gemm(T, mem.num_experts, W)
+        fwd.gemm(T * mem.moe_topk, F, W)
+        fwd.gemm(T * mem.moe_topk, W, F)
+        fwd.mem(2 * T * mem.moe_topk * W * b, 2)  # the routed copies out and back
+        fwd.mem(2 * T * mem.moe_topk * F * b)
+        fwd.topk_elements = T * mem.num_experts
+        bwd = fwd.backward()
+        bwd.topk_elements = 0
+        fwd.ops = FORWARD_SHARE * MEMORY_LAYER_OPS
+        bwd.ops = (1 - FORWARD_SHARE) * MEMORY_LAYER_OPS
+        return fwd, bwd
+    from rmt.memory.layer import MemorySpec
+    from rmt.planner.memory import DTYPE_BYTES as VB
+
+    s = MemorySpec.from_config(config, index)
+    W, H, Kd, r, E, C = s.hidden_size, s.num_heads, s.side_dim, s.tucker_rank, s.ive_blocks, s.num_cores
+    n, m, Dv = s.grid, s.topk, s.value_dim
+    vb = VB[mem.value_dtype]
+    tucker = s.retrieval == "tucker"
+    ranks = r if tucker else 1
+    fwd.mem(2 * T * W * b)  # norm
+    if s.version != 2:
+        fwd.mem((s.conv_kernel + 1) * T * W * b)  # causal convolution
+    sides = 2 if (s.version == 2 or not s.share_query) else 1
+    fwd.gemm(T, H * sides * Kd, W)
+    fwd.gemm(T, n * ranks, Kd // ranks if s.version != 2 else Kd, 2 * H)  # row and column key scores
+    scores = T * H * 2 * ranks * n
+    fwd.mem(2 * scores * 4)
+    c = min(2 * m, n)
+    fwd.topk_elements = scores + T * H * c * c
+    rows = T * H * m
+    fwd.lookup_bytes = rows * Dv * vb
+    if s.version == 2 and s.pre_value_dim:
+        fwd.lookup_bytes += rows * s.pre_value_dim * vb
+        fwd.gemm(T, s.pre_value_dim, W)
+    out = E * Dv if s.version != 2 else Dv
+    if s.version == 2 or E > 1 or Dv != W:
+        fwd.gemm(T, W, out)
+    fwd.mem(2 * T * W * b)  # the output added to the residual
+    bwd = fwd.backward()
+    bwd.topk_elements = 0
+    bwd.lookup_bytes = fwd.lookup_bytes + rows * 4 * C  # row gradients and the score gradients
+    fwd.ops = FORWARD_SHARE * MEMORY_LAYER_OPS
+    bwd.ops = (1 - FORWARD_SHARE) * MEMORY_LAYER_OPS
+    return fwd, bwd
+
+
+def table_optimizer_work(config, plan, microbatches: int, in_ddp: bool, device: str) -> Tuple[Kernels, Kernels]:
+    """The value tables' optimizer of one memory layer on a rank (``plan``: its
+    :class:`rmt.planner.memory.TablePlan`): (inside the backward, per micro-batch; in the step)."""
+    from rmt.planner.comm import expected_unique
+
+    mem = config.memory
+    inside, step = Kernels("fp32", lookup_phase="backward"), Kernels("fp32")
+    rows, cols = plan.shard_shape
+    vb = DTYPE_BYTES[mem.value_dtype]
+    lookups = plan.tokens // max(1, plan.tensor_parallel) * plan.topm * max(1, plan.group_size)
+    if plan.partition == "number":
+        lookups //= max(1, plan.group_size)  # a number-wise owner serves 1/P of the group's lookups
+    unique = expected_unique(max(1, lookups // plan.topk), plan.topk, rows) if lookups else 0
+    if mem.value_optimizer == "adamw":
+        per = 4 + (16 if in_ddp else 0) + 4 + 8 + FUSED_ADAMW_BYTES
+        step.mem(per * rows * cols)
+        return inside, step
+    state = 3 * vb + 16 if mem.value_optimizer == "sparse_adam" else 3 * vb
+    row_state = 0 if mem.value_optimizer == "sparse_adam" else 8
+    touched = min(rows, unique * microbatches)
+    if mem.fused_value_optimizer:
+        inside.lookup_bytes = unique * (cols * state + row_state)
+        return inside, step
+    inside.mem(2 * lookups * cols * 4)  # the sparse gradient's rows, written and coalesced
+    step.mem(touched * (cols * state + row_state))
+    return inside, step
+
+
+# -- optimizer ------------------------------------------------------------------------------------
+def dense_optimizer_work(config, elements: int, stepped: int, dp: int, device: str) -> Kernels:
+    """The dense optimizer's step on a rank holding ``elements`` gradient-buffer elements and
+    stepping ``stepped`` of them (module docstring)."""
+    k = Kernels("fp32")
+    k.mem(4 * elements)  # the gradient buffer zeroed
+    if dp > 1:
+        k.mem(8 * elements)  # scaled before its reduction
+    per = 4 + 8 + ADAMW_BYTES[device] + (6 if config.train.precision == "bf16" else 0)
+    k.mem(per * stepped)
+    return k
+
+
+def attention_forward_only(config, tp: int) -> Kernels:
+    """The core attention of one layer, forward (what selective recomputation runs again)."""
+    full = layer_forward(config, tp, False)
+    k = Kernels(config.train.precision, attention_dtype=full.attention_dtype)
+    k.attention_flops = full.attention_flops
+    return k

@@ -1,0 +1,275 @@
+"""The step-time model (``rmt-plan time``, :mod:`rmt.planner.time`) against measured steps.
+
+    PYTHONPATH=. python tools/bench_step_time.py [--quick] [--only NAME ...] [--json out.json]
+
+For each world size of the chosen layouts it first calibrates the machine under that world size
+(``rmt-plan calibrate`` under ``torchrun``, one thread per rank, as the runs), then trains each
+layout (``LAYOUTS``: data, tensor and sequence parallelism, 1F1B and interleaved pipelines, the
+distributed optimizer with both overlaps, full and selective recomputation, UltraMem tables
+sharded number- and dimension-wise with the async memory stream on and off, tables in host
+memory, the RMT and the transformer) on 1-4 gloo ranks through the real trainer, one thread per
+rank: ``--warmup`` steps untimed, then ``--steps`` steps, each the slowest rank's wall time. The
+measured median step is compared with the prediction from that world size's profile:
+``error = predicted / measured - 1``. Goal on a 2-core machine: median absolute error <= 10%,
+every layout within +-20%.
+
+Summary: ``median_abs_error``, ``max_abs_error``, ``within_20_percent`` (layouts), ``layouts``,
+and the load average of the machine before and after (timings on a loaded machine are noisy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+BASE = [
+    "model.num_layers=4",
+    "model.hidden_size=384",
+    "model.num_attention_heads=4",
+    "model.seq_length=128",
+    "model.dropout=0.0",
+    "train.micro_batch_size=4",
+    "train.warmup_steps=0",
+    "train.eval_iters=0",
+    "train.progress=false",
+    "train.log_interval=1000",
+    "train.threads=1",
+    "data.max_documents=40",
+]
+RMT = [
+    "model.arch=rmt",
+    "model.dk=32",
+    "model.dv=32",
+    "model.rank=8",
+    "model.position=alibi",
+    "model.ffn_hidden_size=512",
+]
+ULTRAMEM = [
+    "memory.type=ultramem",
+    "memory.placement='1:3'",
+    "memory.num_keys=256",
+    "memory.topk=8",
+    "memory.key_dim=32",
+    "memory.num_heads=2",
+    "memory.value_optimizer=sparse_adam",
+]
+PP = ["parallel.pipeline_model_parallel_size=2", "train.micro_batch_size=2", "train.global_batch_size=8"]
+FULL = ["train.recompute_granularity=full", "train.recompute_method=uniform", "train.recompute_num_layers=1"]
+# name, ranks, overrides
+LAYOUTS = [
+    ("dp1", 1, []),
+    ("dp1_selective", 1, ["train.recompute_granularity=selective"]),
+    ("dp2", 2, []),
+    ("tp2", 2, ["parallel.tensor_model_parallel_size=2"]),
+    ("tp2_sp", 2, ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]),
+    ("pp2_1f1b", 2, PP),
+    ("pp2_vpp2", 2, PP + ["parallel.virtual_pipeline_model_parallel_size=2"]),
+    (
+        "dp2_distopt_overlap",
+        2,
+        ["train.distributed_optimizer=true", "train.overlap_grad_reduce=true", "train.overlap_param_gather=true"],
+    ),
+    ("dp2_recompute_full", 2, FULL),
+    ("dp2_ultramem_number_async", 2, ULTRAMEM + ["memory.partition=number", "memory.async_stream=true"]),
+    ("dp2_ultramem_number_sync", 2, ULTRAMEM + ["memory.partition=number", "memory.async_stream=false"]),
+    ("dp2_ultramem_dimension_async", 2, ULTRAMEM + ["memory.partition=dimension", "memory.async_stream=true"]),
+    ("dp1_ultramem_host", 1, ULTRAMEM + ["memory.table_location=host", "memory.async_stream=true"]),
+    ("rmt_dp1", 1, RMT),
+    ("rmt_tp2", 2, RMT + ["parallel.tensor_model_parallel_size=2"]),
+    ("tp2_dp2_distopt", 4, ["parallel.tensor_model_parallel_size=2", "train.distributed_optimizer=true"]),
+]
+QUICK = ["dp1", "dp2"]
+
+
+def fail(sentence: str) -> int:
+    print(f"bench_step_time: {sentence}", file=sys.stderr)
+    return 2
+
+
+# -- worker (one rank) ---------------------------------------------------------------------------
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from rmt import parallel
+    from rmt.config import load_config
+    from rmt.config_checks import validate
+    from rmt.training.trainer import Trainer
+
+    config = validate(load_config(None, json.loads(args.run_overrides)))
+    parallel.initialize(config)
+    trainer = Trainer(config)
+    for _ in range(args.warmup):
+        trainer.train_step()
+    times = []
+    for _ in range(args.steps):
+        dist.barrier()
+        start = time.perf_counter()
+        trainer.train_step()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(float(elapsed))
+    if dist.get_rank() == 0:
+        with open(args.worker_out, "w") as f:
+            json.dump({"step_s": times}, f)
+    parallel.destroy()
+
+
+# -- driver --------------------------------------------------------------------------------------
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _torchrun(ranks: int, argv: list) -> list:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] + argv
+
+
+def calibrate(ranks: int, out: str, quick: bool) -> None:
+    cmd = _torchrun(ranks, ["-m", "rmt.planner.cli", "calibrate", f"--out={out}"] + (["--quick"] if quick else []))
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
+        raise SystemExit(f"bench_step_time: calibrating {ranks} rank(s) failed (exit {proc.returncode})")
+
+
+def measure(args, ranks: int, overrides: list) -> list:
+    out = os.path.join(args.workdir, f"steps-{os.getpid()}.json")
+    cmd = _torchrun(
+        ranks,
+        [
+            os.path.abspath(__file__),
+            f"--worker-out={out}",
+            f"--run-overrides={json.dumps(overrides)}",
+            f"--steps={args.steps}",
+            f"--warmup={args.warmup}",
+        ],
+    )
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
+        raise SystemExit(f"bench_step_time: training {overrides} failed (exit {proc.returncode})")
+    with open(out) as f:
+        times = json.load(f)["step_s"]
+    os.remove(out)
+    return times
+
+
+def predict(overrides: list, ranks: int, profile_path: str) -> dict:
+    from rmt.planner.hardware import load_profile
+    from rmt.planner.rank_cli import load_planned
+    from rmt.planner.time import plan_time
+
+    return plan_time(load_planned(None, overrides, ranks), ranks, load_profile(profile_path))
+
+
+def run_overrides(args, extra: list) -> list:
+    steps = args.warmup + args.steps
+    return BASE + [f"train.steps={steps}", f"data.cache_dir={args.cache_dir}"] + extra + list(args.overrides)
+
+
+def print_table(rows: list) -> None:
+    print(f"{'layout':<30}{'ranks':>6}{'measured ms':>13}{'predicted ms':>14}{'error':>8}  {'MFU (pred.)':>11}")
+    for r in rows:
+        print(
+            f"{r['layout']:<30}{r['ranks']:>6}{r['measured_s'] * 1e3:>13.1f}{r['predicted_s'] * 1e3:>14.1f}"
+            f"{r['error']:>+8.1%}  {r['mfu']:>11.1%}"
+        )
+
+
+def summarize(rows: list) -> dict:
+    errors = [abs(r["error"]) for r in rows]
+    return {
+        "median_abs_error": statistics.median(errors),
+        "max_abs_error": max(errors),
+        "within_20_percent": sum(e <= 0.20 for e in errors),
+        "layouts": len(rows),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}, a quick calibration, 2 steps")
+    ap.add_argument("--only", nargs="+", metavar="NAME", help="these layouts: " + ", ".join(n for n, _, _ in LAYOUTS))
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per layout (default 6; --quick 2)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    ap.add_argument("overrides", nargs="*", metavar="section.key=value", help="applied to every layout")
+    ap.add_argument("--json", help="write {benchmark, machine, rows, summary} here")
+    ap.add_argument("--cache-dir", default=os.path.join(ROOT, ".rmt_cache"))
+    ap.add_argument("--worker-out", help=argparse.SUPPRESS)
+    ap.add_argument("--run-overrides", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker_out:
+        worker(args)
+        return 0
+    names = [n for n, _, _ in LAYOUTS]
+    chosen = args.only or (QUICK if args.quick else names)
+    unknown = [n for n in chosen if n not in names]
+    if unknown:
+        return fail(f"unknown layout '{unknown[0]}'; the layouts are {', '.join(names)}.")
+    if args.steps is not None and args.steps < 1 or args.warmup < 0:
+        return fail("--steps must be at least 1 and --warmup at least 0.")
+    args.steps = args.steps or (2 if args.quick else 6)
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        return fail(f"cannot write '{args.json}': its folder does not exist.")
+    layouts = [x for x in LAYOUTS if x[0] in chosen]
+    load_before = os.getloadavg()
+    rows = []
+    with tempfile.TemporaryDirectory() as workdir:
+        args.workdir = workdir
+        for ranks in sorted({r for _, r, _ in layouts}):
+            profile = os.path.join(workdir, f"profile-{ranks}.json")
+            print(f"calibrating {ranks} rank(s) ...", file=sys.stderr, flush=True)
+            calibrate(ranks, profile, args.quick)
+            for name, _, extra in (x for x in layouts if x[1] == ranks):
+                overrides = run_overrides(args, extra)
+                start = time.perf_counter()
+                times = measure(args, ranks, overrides)
+                doc = predict(overrides, ranks, profile)
+                measured = statistics.median(times)
+                rows.append(
+                    {
+                        "layout": name,
+                        "ranks": ranks,
+                        "overrides": extra,
+                        "step_s": times,
+                        "measured_s": measured,
+                        "predicted_s": doc["step_s"],
+                        "error": doc["step_s"] / measured - 1,
+                        "mfu": doc["mfu"],
+                        "prediction": doc,
+                    }
+                )
+                print(
+                    f"  {name}: measured {measured * 1e3:.1f} ms, predicted {doc['step_s'] * 1e3:.1f} ms "
+                    f"({time.perf_counter() - start:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    print_table(rows)
+    summary = dict(summarize(rows), load_average_before=load_before[0], load_average_after=os.getloadavg()[0])
+    print(
+        f"median |error| {summary['median_abs_error']:.1%}, max {summary['max_abs_error']:.1%}, "
+        f"{summary['within_20_percent']} of {summary['layouts']} within 20% "
+        f"(load average {summary['load_average_before']:.1f} before, {summary['load_average_after']:.1f} after)"
+    )
+    if args.json:
+        machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "step_time", "machine": machine, "rows": rows, "summary": summary}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
