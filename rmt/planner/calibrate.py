@@ -36,18 +36,10 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_NAME = "hardware-profile.json"
-GEMM_SHAPES = [  # (m, n, k): tokens x widths of the layers of small and large models
-    (128, 64, 64),
-    (256, 128, 128),
-    (512, 128, 384),
-    (512, 384, 384),
-    (512, 1152, 384),
-    (512, 1536, 384),
-    (2048, 512, 512),
-    (2048, 1024, 1024),
-    (4096, 4096, 1024),
-    (8192, 8192, 4096),
-]
+GEMM_SIDES = {"m": (256, 2048, 16384), "n": (8, 32, 128, 512, 2048), "k": (8, 32, 128, 512, 2048)}
+"""The size classes of GEMMs measured: tokens-like ``m``, widths-like ``n`` and ``k`` (the RMT's
+reads and writes are as narrow as 8)."""
+GEMM_FLOPS_MAX = {"cpu": 2e9, "gpu": 1e13}
 MEMORY_BYTES = [1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28]
 
 
@@ -100,14 +92,27 @@ def _slowest(value: float) -> float:
     return float(t.item())
 
 
+def gemm_shapes(device_kind: str, quick: bool, dtype: str) -> List[tuple]:
+    """The ``(m, n, k)`` measured: the grid of :data:`GEMM_SIDES` up to :data:`GEMM_FLOPS_MAX`
+    (a CPU's bf16 GEMMs, which no CPU run is timed in, and ``--quick`` on a coarser grid)."""
+    import itertools
+
+    coarse = quick or (device_kind == "cpu" and dtype == "bf16")
+    sides = {k: v[::2] if coarse else v for k, v in GEMM_SIDES.items()}
+    if device_kind == "gpu":
+        sides = {k: tuple(x * 4 for x in v) for k, v in sides.items()}
+    limit = GEMM_FLOPS_MAX[device_kind] / (20 if device_kind == "cpu" and dtype == "bf16" else 1)
+    return [s for s in itertools.product(sides["m"], sides["n"], sides["k"]) if 2 * s[0] * s[1] * s[2] <= limit]
+
+
 def measure_gemms(clock: _Clock, device, dtype: torch.dtype, shapes, repeats: int) -> List[List[float]]:
-    """``[[flops, flop/s], ...]`` of the GEMM ``shapes``."""
+    """``[[m, n, k, flop/s], ...]`` of the GEMM ``shapes``."""
     out = []
     for m, n, k in shapes:
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
-        seconds = _slowest(clock.seconds(lambda: torch.mm(a, b), repeats))
-        out.append([2.0 * m * n * k, 2.0 * m * n * k / seconds])
+        seconds = _slowest(clock.seconds(lambda: torch.mm(a, b), repeats, min_s=0.005))
+        out.append([m, n, k, 2.0 * m * n * k / seconds])
     return out
 
 
@@ -254,9 +259,10 @@ def measure_host_link(clock: _Clock, device, repeats: int) -> float:
     return n / _slowest(clock.seconds(lambda: dst.copy_(src), repeats))
 
 
-def _efficiency(points: List[List[float]]) -> Dict:
-    peak = max(rate for _, rate in points)
-    return peak, [[flops, rate / peak] for flops, rate in sorted(points)]
+def _efficiency(points: List[List[float]]):
+    """The fastest rate (the peak) and each shape's rate over it."""
+    peak = max(row[3] for row in points)
+    return peak, [row[:3] + [row[3] / peak] for row in points]
 
 
 def calibrate(out: str, quick: bool = False, threads: int = 1) -> Dict:
@@ -283,11 +289,9 @@ def calibrate(out: str, quick: bool = False, threads: int = 1) -> Dict:
             print(f"rmt-plan calibrate: {message}", flush=True)
 
     say(f"measuring {'a GPU' if cuda else 'the CPU'} with {world} rank(s) of {threads} thread(s) ...")
-    shapes = GEMM_SHAPES[:6] if quick or not cuda else GEMM_SHAPES
-    if not cuda:
-        shapes = [s for s in shapes if 2 * s[0] * s[1] * s[2] <= 2e9]
     gemm, peak = {}, {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        shapes = gemm_shapes("gpu" if cuda else "cpu", quick, name)
         peak[name], gemm[name] = _efficiency(measure_gemms(clock, device, dtype, shapes, repeats))
     say(f"GEMMs: {peak['fp32'] / 1e9:,.1f} GFLOP/s fp32, {peak['bf16'] / 1e9:,.1f} bf16 at best")
     shape = (2, 4, 512, 64) if cuda else (2, 4, 128, 64)

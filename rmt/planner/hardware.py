@@ -9,13 +9,14 @@ reads it) or the name of a shipped one (:mod:`rmt.planner.profiles`). Its fields
 ``peak_flops``
     dense matrix FLOP/s per device for ``fp32`` and ``bf16`` (the training precisions).
 ``gemm_efficiency``
-    per dtype, ``[[flops, efficiency], ...]``: the achieved fraction of the peak of one GEMM of
-    ``2 m n k`` FLOPs, interpolated in ``log(flops)`` and held flat beyond the ends. On a GPU a
-    GEMM also pays its wave quantization (``ceil(tiles / units)`` waves of ``gemm_tile`` output
-    tiles over ``units`` streaming multiprocessors) and never runs faster than its bytes allow
-    (``(mk + kn + mn) b / bandwidth``): the GEMM's efficiency falls with its size through both. A
-    GEMM of fewer tiles than processors splits its reduction over the idle ones (split-K, slices
-    of at least :data:`SPLIT_K_DEPTH`).
+    per dtype, ``[[m, n, k, efficiency], ...]``: the achieved fraction of the peak of measured
+    GEMMs ``[m, k] @ [k, n]`` (size classes); a GEMM takes the efficiency of the measured shape
+    nearest to it in ``(log m, log n, log k)``. On a GPU a GEMM also pays its wave quantization
+    (``ceil(tiles / units)`` waves of ``gemm_tile`` output tiles over ``units`` streaming
+    multiprocessors) and never runs faster than its bytes allow (``(mk + kn + mn) b /
+    bandwidth``): the GEMM's efficiency falls with its size through both. A GEMM of fewer tiles
+    than processors splits its reduction over the idle ones (split-K, slices of at least
+    :data:`SPLIT_K_DEPTH`).
 ``gemm_tile``, ``units``
     ``[rows, cols]`` of one output tile and the processors that run tiles side by side (a CPU
     rank: ``[1, 1]`` and 1, no quantization).
@@ -138,12 +139,22 @@ SPLIT_K_DEPTH = 512
 processors its few output tiles leave idle."""
 
 
+def nearest_efficiency(table: Sequence[Sequence[float]], m: int, n: int, k: int) -> float:
+    """The efficiency of the measured shape of ``table`` nearest to ``(m, n, k)`` in log space."""
+    point = (math.log(m), math.log(n), math.log(k))
+
+    def distance(row):
+        return sum((math.log(a) - b) ** 2 for a, b in zip(row[:3], point))
+
+    return min(table, key=distance)[3]
+
+
 def gemm_seconds(profile: Profile, m: int, n: int, k: int, dtype: str) -> float:
     """Device seconds of one ``[m, k] @ [k, n]`` GEMM in ``dtype`` (module docstring)."""
     if min(m, n, k) <= 0:
         return 0.0
     flops = 2.0 * m * n * k
-    rate = profile.peak_flops[dtype] * _interpolate(profile.gemm_efficiency[dtype], flops)
+    rate = profile.peak_flops[dtype] * nearest_efficiency(profile.gemm_efficiency[dtype], m, n, k)
     tm, tn = profile.gemm_tile
     tiles = math.ceil(m / tm) * math.ceil(n / tn)
     if tiles < profile.units:  # split-K: a deep reduction spread over the idle processors
@@ -213,14 +224,15 @@ def _positive(where: str, value) -> float:
     return float(value)
 
 
-def _table(where: str, value) -> List[List[float]]:
+def _table(where: str, value, width: int = 2) -> List[List[float]]:
+    what = "[size, value] pairs" if width == 2 else "[m, n, k, efficiency] rows"
     if not isinstance(value, list) or not value:
-        raise ValueError(f"hardware profile field {where} must be a non-empty list of [size, value] pairs.")
+        raise ValueError(f"hardware profile field {where} must be a non-empty list of {what}.")
     out = []
-    for i, pair in enumerate(value):
-        if not isinstance(pair, list) or len(pair) != 2:
-            raise ValueError(f"hardware profile field {where}[{i}] must be a [size, value] pair, got {pair!r}.")
-        out.append([_positive(f"{where}[{i}][0]", pair[0]), _positive(f"{where}[{i}][1]", pair[1])])
+    for i, row in enumerate(value):
+        if not isinstance(row, list) or len(row) != width:
+            raise ValueError(f"hardware profile field {where}[{i}] must be one of its {what}, got {row!r}.")
+        out.append([_positive(f"{where}[{i}][{j}]", x) for j, x in enumerate(row)])
     return out
 
 
@@ -267,7 +279,7 @@ def profile_from_dict(doc: Dict) -> Profile:
         name=str(doc["name"]),
         device=doc["device"],
         peak_flops={d: _positive(f"peak_flops.{d}", peak[d]) for d in DTYPES},
-        gemm_efficiency={d: _table(f"gemm_efficiency.{d}", gemm[d]) for d in DTYPES},
+        gemm_efficiency={d: _table(f"gemm_efficiency.{d}", gemm[d], 4) for d in DTYPES},
         gemm_tile=[int(_positive("gemm_tile[0]", tile[0])), int(_positive("gemm_tile[1]", tile[1]))],
         units=int(_positive("units", doc["units"])),
         attention_efficiency={

@@ -72,7 +72,7 @@ H100_SXM_80GB = {
     "name": "H100 SXM 80GB",
     "device": "gpu",
     "peak_flops": {"bf16": 989.4 * TERA, "fp32": 66.9 * TERA},
-    "gemm_efficiency": {"bf16": [[1e9, 0.801]], "fp32": [[1e9, 0.754]]},
+    "gemm_efficiency": {"bf16": [[6144, 17920, 2816, 0.801]], "fp32": [[4096, 4096, 4096, 0.754]]},
     "gemm_tile": [128, 256],
     "units": 132,
     "attention_efficiency": {
@@ -111,7 +111,7 @@ A100_SXM_80GB = {
     "name": "A100 SXM 80GB",
     "device": "gpu",
     "peak_flops": {"bf16": 312 * TERA, "fp32": 19.5 * TERA},
-    "gemm_efficiency": {"bf16": [[1e9, 0.859]], "fp32": [[1e9, 0.859]]},
+    "gemm_efficiency": {"bf16": [[6912, 16384, 2048, 0.859]], "fp32": [[6912, 16384, 2048, 0.859]]},
     "gemm_tile": [128, 256],
     "units": 108,
     "attention_efficiency": {

@@ -1,0 +1,438 @@
+"""The step-time model (rmt.planner.time, rmt.planner.step_work) and its hardware profiles
+(rmt.planner.hardware, rmt.planner.profiles): each term against its formula on a profile whose
+rates make it exact, the schedule's composition (pipeline bubble, overlaps, MFU), the tables'
+collectives as rmt-plan comm counts them, the shipped H100 profile against the H100 step times of
+docs/benchmarks.md and against published throughput of large runs, the host operations a step
+issues against a traced step, and bad input (one sentence, exit status 2)."""
+
+import json
+import math
+
+import pytest
+
+from rmt.planner import comm
+from rmt.planner.cli import main
+from rmt.planner.hardware import (
+    collective_seconds,
+    gemm_seconds,
+    link,
+    load_profile,
+    profile_from_dict,
+    sent_seconds,
+)
+from rmt.planner.profiles import PROFILES
+from rmt.planner.rank import layout_of
+from rmt.planner.rank_cli import load_planned
+from rmt.planner.step_work import Kernels
+from rmt.planner.time import plan_time, stage_time
+
+TINY = "configs/tiny.yaml"
+
+
+def flat(**changes):
+    """The H100 profile with flat rates (one GEMM efficiency, no wave quantization) and
+    ``changes``: every term then has a closed form."""
+    doc = dict(PROFILES["h100"])
+    doc.update(gemm_tile=[1, 1], units=1, op_overhead_s=0.0)
+    doc.update(changes)
+    return profile_from_dict(doc)
+
+
+# -- profiles ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_shipped_profiles_load_and_state_their_sources(name):
+    p = load_profile(name)
+    assert p.device == "gpu" and p.gpus_per_node == 8
+    for field in ("peak_flops", "gemm_efficiency", "attention_efficiency", "memory_bandwidth", "collectives"):
+        assert p.sources.get(field), f"{name}: no source for {field}"
+
+
+def test_a_profile_round_trips_through_its_file(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(load_profile("a100").to_dict()))
+    assert load_profile(str(path)) == load_profile("a100")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda d: d.pop("memory_bandwidth"), "lacks the field 'memory_bandwidth'"),
+        (lambda d: d["peak_flops"].update(bf16=0), "peak_flops.bf16 must be a positive number, got 0"),
+        (lambda d: d["lookup_bandwidth"].update(forward=-1.0), "lookup_bandwidth.forward must be a positive"),
+        (lambda d: d["collectives"]["inter"].pop("p2p"), "collectives.inter lacks 'p2p'"),
+        (lambda d: d["gemm_efficiency"].update(fp32=[[1, 2, 3]]), "gemm_efficiency.fp32[0] must be one of"),
+    ],
+    ids=["missing-field", "zero-peak", "negative-rate", "missing-collective", "bad-gemm-row"],
+)
+def test_a_bad_profile_is_one_sentence(change, message):
+    doc = json.loads(json.dumps(PROFILES["h100"]))
+    change(doc)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        profile_from_dict(doc)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--hardware", "h200x"], "unknown hardware 'h200x'"),
+        (["--world-size", "3", "parallel.tensor_model_parallel_size=2"], "not divisible by tensor x pipeline"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(argv, message, capsys):
+    base = ["time", "--config", TINY, "--world-size", "2"]
+    assert main(base + argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+def test_a_profile_file_missing_a_field_exits_2(tmp_path, capsys):
+    doc = dict(PROFILES["h100"])
+    doc.pop("host_link")
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(doc))
+    assert main(["time", "--config", TINY, "--world-size", "1", "--hardware", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "lacks the field 'host_link'" in err
+
+
+# -- the terms -----------------------------------------------------------------------------------
+def test_gemm_pays_its_waves_and_its_bytes():
+    p = flat(gemm_tile=[128, 256], units=132)
+    rate = p.peak_flops["bf16"] * 0.801
+    # 133 tiles on 132 processors: two waves, as if 264 tiles had run
+    m, n, k = 133 * 128, 256, 4096
+    assert gemm_seconds(p, m, n, k, "bf16") == pytest.approx(2 * m * n * k * 264 / 133 / rate)
+    # a GEMM of K = 1 moves more bytes than it computes: the bandwidth bounds it
+    m, n = 1 << 14, 1 << 14
+    assert gemm_seconds(p, m, n, 1, "bf16") == pytest.approx((m + n + m * n) * 2 / p.memory_bandwidth[0][1])
+    # two tiles of a deep reduction split it over idle processors, 16 slices of 512: 32 of 132 busy
+    assert gemm_seconds(p, 128, 512, 8192, "bf16") == pytest.approx(2 * 128 * 512 * 8192 * 132 / 32 / rate)
+
+
+def test_collectives_are_alpha_plus_bus_bytes_over_bandwidth():
+    p = load_profile("h100")
+    intra = p.collectives["intra"]["all_reduce"]
+    s = 1 << 30
+    assert collective_seconds(p, "all_reduce", s, 8) == pytest.approx(intra["alpha_s"] + 2 * 7 / 8 * s / intra["busbw"])
+    ag = p.collectives["intra"]["all_gather"]
+    assert collective_seconds(p, "all_gather", s, 4) == pytest.approx(ag["alpha_s"] + 3 / 4 * s / ag["busbw"])
+    assert collective_seconds(p, "all_reduce", s, 1) == 0.0
+    # across nodes: a data-parallel group with 2 ranks a node (TP 4) sends through 2 NICs
+    nic = p.collectives["inter"]["all_reduce"]["busbw"]
+    assert link(p, "all_reduce", 16, 4)["busbw"] == pytest.approx(2 * nic)
+    assert link(p, "all_reduce", 16, 8)["busbw"] == pytest.approx(nic)
+    assert sent_seconds(p, "all_to_all", s, 8) == pytest.approx(
+        p.collectives["intra"]["all_to_all"]["alpha_s"] + s / p.collectives["intra"]["all_to_all"]["busbw"]
+    )
+
+
+def test_kernels_backward_doubles_gemms_and_memory_and_issue_bounds_a_gpu():
+    p = flat()
+    k = Kernels("bf16")
+    k.gemm(4096, 4096, 4096)
+    k.mem(1e9)
+    b = k.backward()
+    assert b.flops() == 2 * k.flops()
+    assert b.seconds(p)["memory"] == pytest.approx(2 * k.seconds(p)["memory"])
+    k.ops = 1e6
+    slow = flat(op_overhead_s=1e-5)
+    assert k.seconds(slow)["total"] == pytest.approx(10.0)  # the host issues slower than the device runs
+    cpu = profile_from_dict(dict(slow.to_dict(), async_launch=False))
+    assert k.seconds(cpu)["total"] == pytest.approx(10.0 + k.seconds(p)["total"])
+
+
+# -- the schedule --------------------------------------------------------------------------------
+def _time(overrides, world, profile=None):
+    config = load_planned(TINY, overrides, world)
+    return config, plan_time(config, world, profile or load_profile("h100"))
+
+
+def test_mfu_is_model_flops_over_step_and_peak():
+    from rmt.planner.flops import plan_model
+
+    config, doc = _time([], 1)
+    tokens = config.train.micro_batch_size * config.model.seq_length
+    flops = 3 * plan_model(config)["flops_per_token"] * tokens
+    assert doc["model_flops_per_step"] == flops
+    assert doc["tflops_per_gpu"] * 1e12 * doc["step_s"] == pytest.approx(flops)
+    assert doc["mfu"] == pytest.approx(doc["tflops_per_gpu"] * 1e12 / load_profile("h100").peak_flops["fp32"])
+    assert doc["tokens_per_s"] == pytest.approx(tokens / doc["step_s"])
+
+
+@pytest.mark.parametrize("vpp", [1, 2])
+def test_the_pipeline_bubble_is_the_other_stages_over_vpp(vpp):
+    over = [
+        "model.num_layers=4",
+        "parallel.pipeline_model_parallel_size=2",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=16",
+    ] + ([f"parallel.virtual_pipeline_model_parallel_size={vpp}"] if vpp > 1 else [])
+    config, doc = _time(over, 2)
+    per = [doc["stages"][s]["microbatch_s"] for s in ("0", "1")]
+    m = 8
+    assert doc["pipeline_s"] == pytest.approx(m * max(per))
+    assert doc["bubble_s"] == pytest.approx(min(per) / vpp)
+    send = sent_seconds(load_profile("h100"), "p2p", 2 * 128 * 128 * 4, 2, 1)
+    assert doc["pipeline_sends_s"] == pytest.approx(2 * (m * vpp + 1) * send)
+    tail = max(s["data_parallel"]["exposed_reduce_s"] + s["optimizer"]["total_s"] for s in doc["stages"].values())
+    assert doc["step_s"] == pytest.approx(doc["pipeline_s"] + doc["bubble_s"] + doc["pipeline_sends_s"] + tail)
+
+
+def test_gradient_reduction_hides_behind_the_last_backward_but_its_last_bucket():
+    big = ["model.num_layers=8", "model.hidden_size=2048", "model.num_attention_heads=16"]
+    p = load_profile("a100")
+    config, plain = _time(big, 8, p)
+    _, overlapped = _time(big + ["train.overlap_grad_reduce=true"], 8, p)
+    d = plain["stages"]["0"]["data_parallel"]
+    assert d["exposed_reduce_s"] == d["reduce_s"] > 0
+    o = overlapped["stages"]["0"]["data_parallel"]
+    params = o["reduce_s"]  # buckets of 40 M elements: reduced during the backward
+    window = overlapped["stages"]["0"]["backward_s"]
+    buckets = math.ceil(
+        (config.model.num_layers * 12 * 2048**2 + 2 * 2048 * 4 + 2 * 2048 * 256 + 128 * 2048) / 40_000_000
+    )
+    assert buckets >= 2
+    assert o["exposed_reduce_s"] == pytest.approx(max(params - window, params / buckets), rel=0.02)
+    assert overlapped["step_s"] < plain["step_s"]
+
+
+def test_sequence_parallelism_swaps_all_reduces_for_gathers_and_scatters():
+    tp = ["parallel.tensor_model_parallel_size=2"]
+    p = load_profile("h100")
+    _, plain = _time(tp, 2, p)
+    _, sp = _time(tp + ["parallel.sequence_parallel=true"], 2, p)
+    hidden = 8 * 128 * 128 * 4  # micro-batch 8 x sequence 128 x hidden 128, fp32
+    layers = 2
+    ar = collective_seconds(p, "all_reduce", hidden, 2)
+    ag_rs = collective_seconds(p, "all_gather", hidden, 2) + collective_seconds(p, "reduce_scatter", hidden, 2)
+    assert plain["stages"]["0"]["tensor_parallel_s"] == pytest.approx(4 * layers * ar)
+    assert sp["stages"]["0"]["tensor_parallel_s"] == pytest.approx(4 * layers * ag_rs)
+
+
+def test_full_recompute_adds_the_forward_of_every_layer_and_selective_the_attention():
+    p = flat()
+    base, none = _time([], 1, p)
+    _, full = _time(
+        ["train.recompute_granularity=full", "train.recompute_method=uniform", "train.recompute_num_layers=1"], 1, p
+    )
+    _, sel = _time(["train.recompute_granularity=selective"], 1, p)
+    from rmt.planner.step_work import attention_forward_only, layer_forward
+
+    layer = layer_forward(base, 1, False).seconds(p)["total"]
+    attention = attention_forward_only(base, 1).seconds(p)["total"]
+    assert full["stages"]["0"]["recompute_s"] == pytest.approx(2 * layer)
+    assert sel["stages"]["0"]["recompute_s"] == pytest.approx(2 * attention)
+    assert none["stages"]["0"]["recompute_s"] == 0.0
+
+
+SHARDED = [
+    "memory.type=ultramem",
+    "memory.placement='1:2'",
+    "memory.num_keys=64",
+    "memory.topk=8",
+    "memory.key_dim=32",
+    "memory.num_heads=2",
+    "memory.value_optimizer=sparse_adam",
+]
+
+
+@pytest.mark.parametrize("partition", ["number", "dimension"])
+def test_the_tables_collectives_are_rmt_plan_comm_bytes_at_alpha_beta(partition):
+    """One sharded memory layer's collectives: every collective rmt-plan comm counts for the
+    micro-batch, at its kind's alpha plus its bytes over the bus bandwidth (the number-wise
+    all-to-alls also exchange their split sizes); without the async stream all of it is exposed."""
+    p = load_profile("h100")
+    over = SHARDED + [f"memory.partition={partition}", "memory.async_stream=false"]
+    config, doc = _time(over, 4, p)
+    r = doc["stages"]["0"]["memory"][0]
+    vol = comm.comm_volume(
+        partition, 8 * 128, 16, config.model.hidden_size // 2, 4, ive=4, cores=2, value_bytes=4, activation_bytes=4
+    )
+    expected = 0.0
+    for phase in ("forward", "backward"):
+        for name, sent in vol[phase].items():
+            kind = next(k for k in ("all_to_all", "all_gather", "reduce_scatter") if k in name)
+            expected += sent_seconds(p, kind, sent, 4)
+            if kind == "all_to_all" and partition == "number":
+                expected += sent_seconds(p, "all_to_all", 32, 4)
+    assert r["collectives_s"] == pytest.approx(expected)
+    assert r["exposed_s"] == pytest.approx(expected)
+
+
+def test_the_async_stream_hides_the_waits_its_window_covers():
+    p = flat()
+    over = SHARDED + ["memory.partition=number", "model.num_layers=4", "memory.placement='1:4'"]
+    config, sync = _time(over + ["memory.async_stream=false"], 4, p)
+    _, stream = _time(over + ["memory.async_stream=true"], 4, p)
+    s, a = sync["stages"]["0"]["memory"][0], stream["stages"]["0"]["memory"][0]
+    assert s["collectives_s"] == a["collectives_s"] > 0
+    assert s["exposed_s"] == pytest.approx(s["collectives_s"])
+    assert a["exposed_s"] < s["exposed_s"]
+    from rmt.planner.step_work import layer_forward
+
+    fwd = layer_forward(config, 1, False)
+    window = 3 * fwd.seconds(p)["total"]  # layers 2..4 beside the layer at 1:4, forward
+    assert a["exposed_s"] >= max(0.0, s["collectives_s"] - 3 * window) - 1e-12
+    assert stream["step_s"] < sync["step_s"]
+
+
+def test_tables_in_host_memory_wait_on_the_host_link():
+    over = SHARDED + ["memory.partition=local", "memory.table_location=host", "memory.async_stream=false"]
+    p = flat(host_link=1e8)
+    config, doc = _time(over, 1, p)
+    from rmt.planner.host import layer_link_bytes
+    from rmt.planner.rank import stage_table_plan
+
+    per = layer_link_bytes(stage_table_plan(config, layout_of(config, 1, "gpu"), 0))
+    r = doc["stages"]["0"]["memory"][0]
+    assert r["host_link_s"] == pytest.approx(sum(sum(v.values()) for v in per.values()) / 1e8)
+    assert r["exposed_s"] == pytest.approx(r["host_link_s"])
+
+
+# -- against measured and published steps -------------------------------------------------------
+H100_STEP_MS = {  # docs/benchmarks.md, "Async memory stream": one H100, UltraMem-151M-x12 shape, seq 2048, fp32
+    "dense": (["memory.type=none"], 97.6),
+    "sync, fused SparseAdam": (
+        ["memory.value_optimizer=sparse_adam", "memory.fused_value_optimizer=true", "memory.async_stream=false"],
+        116.9,
+    ),
+    "sync (AdamW values)": (["memory.async_stream=false"], 205.4),
+}
+BENCH = ["train.global_batch_size=1", "train.micro_batch_size=1", "model.dropout=0.0"]
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "dense",
+        "sync, fused SparseAdam",
+        pytest.param(
+            "sync (AdamW values)",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="the model counts ~60 bytes an element of the 1.87 B values' dense gradient and "
+                "AdamW (147 ms predicted); the H100 spent 85 ms of device time more than the fused run, "
+                "which the bytes at the HBM's rate do not explain (not profiled yet)",
+            ),
+        ),
+    ],
+)
+def test_the_h100_profile_predicts_the_measured_h100_steps(variant):
+    overrides, measured_ms = H100_STEP_MS[variant]
+    config = load_planned("configs/ultramem_151m_x12.yaml", BENCH + overrides, 1)
+    predicted = plan_time(config, 1, load_profile("h100"))["step_s"] * 1e3
+    assert abs(predicted / measured_ms - 1) <= 0.20, f"{variant}: {predicted:.1f} ms against {measured_ms} ms"
+
+
+GPT = [
+    "memory.type=none",
+    "model.position=learned",
+    "model.dropout=0.0",
+    "train.precision=bf16",
+    "train.micro_batch_size=1",
+]
+FULL_RECOMPUTE = ["train.recompute_granularity=full", "train.recompute_method=uniform", "train.recompute_num_layers=1"]
+PUBLISHED = {
+    # Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+    # Megatron-LM" (SC'21), Table 1: TFLOP/s per A100 with activation recomputation counted
+    "GPT 175B, 1024 A100": (
+        [
+            "model.num_layers=96",
+            "model.hidden_size=12288",
+            "model.num_attention_heads=96",
+            "model.vocab_size=51200",
+            "model.seq_length=2048",
+            "train.global_batch_size=1536",
+            "parallel.tensor_model_parallel_size=8",
+            "parallel.pipeline_model_parallel_size=16",
+        ],
+        1024,
+        140.0,
+    ),
+    "GPT 1T, 3072 A100": (
+        [
+            "model.num_layers=128",
+            "model.hidden_size=25600",
+            "model.num_attention_heads=160",
+            "model.vocab_size=51200",
+            "model.seq_length=2048",
+            "train.global_batch_size=3072",
+            "parallel.tensor_model_parallel_size=8",
+            "parallel.pipeline_model_parallel_size=64",
+        ],
+        3072,
+        163.0,
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", sorted(PUBLISHED))
+def test_published_megatron_throughput_is_predicted_within_a_quarter(run):
+    """A sanity check, not a fit: the A100 profile (public specifications and kernel
+    measurements) on the published layouts lands within 25% of the published throughput."""
+    overrides, world, published = PUBLISHED[run]
+    config = load_planned("configs/tiny.yaml", GPT + FULL_RECOMPUTE + overrides, world)
+    doc = plan_time(config, world, load_profile("a100"))
+    assert abs(doc["hardware_tflops_per_gpu"] / published - 1) <= 0.25, doc["hardware_tflops_per_gpu"]
+
+
+# -- host operations -----------------------------------------------------------------------------
+def test_each_operation_costs_its_issue_time_where_the_host_is_slower():
+    config = load_planned(TINY, [], 1)
+    layout = layout_of(config, 1, "gpu")
+    slow = stage_time(config, layout, flat(op_overhead_s=1e-3), 0)
+    fast = stage_time(config, layout, flat(), 0)
+    issued = 2 * 129 / 3 * 1e-3  # two layers' forward operations at 1 ms each, far above their device time
+    assert issued <= slow["forward_s"] <= issued + fast["forward_s"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["transformer", "rmt"])
+def test_the_operations_counted_per_layer_are_those_a_step_dispatches(arch):
+    """A traced training step (every aten operation dispatched, under a TorchDispatchMode) of the
+    tiny model with 2 and 4 layers: its operations per layer and besides the layers are the
+    counts the model charges (rmt.planner.step_work.LAYER_OPS, STEP_OPS)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from rmt import parallel
+    from rmt.config import load_config
+    from rmt.config_checks import validate
+    from rmt.planner.step_work import LAYER_OPS, STEP_OPS
+    from rmt.training.trainer import Trainer
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    shape = [
+        "model.hidden_size=64",
+        "model.num_attention_heads=4",
+        "model.seq_length=32",
+        "train.micro_batch_size=2",
+        "train.eval_iters=0",
+        "train.progress=false",
+        "data.max_documents=40",
+    ]
+    if arch == "rmt":
+        shape += ["model.arch=rmt", "model.dk=16", "model.dv=16", "model.rank=4", "model.position=alibi"]
+    counts = {}
+    torch.set_num_threads(1)
+    for layers in (2, 4):
+        config = validate(load_config(TINY, shape + [f"model.num_layers={layers}"]))
+        parallel.initialize(config)
+        try:
+            trainer = Trainer(config)
+            trainer.train_step()
+            Count.n = 0
+            with Count():
+                trainer.train_step()
+            counts[layers] = Count.n
+        finally:
+            parallel.destroy()
+    assert (counts[4] - counts[2]) // 2 == LAYER_OPS[arch]
+    assert counts[2] - 2 * LAYER_OPS[arch] == STEP_OPS[arch]
