@@ -128,7 +128,12 @@ def test_same_command_resumes_and_logs_every_step_once(six_steps, cache_dir, tmp
         first.stdout.index(f"finished: step 6 of 6; checkpoint '{ckpt / 'iter_0000006'}'\n") :
     ].splitlines()
     assert re.fullmatch(r"  this run: 6 steps, 768 tokens in [0-9.]+ s \([0-9,]+ tokens/s\)", summary[1])
-    assert summary[2:] == [
+    assert re.fullmatch(
+        r"  step time: median [0-9.,]+ ms(, predicted [0-9.,]+ ms by rmt-plan time on .+"
+        r"| \(no hardware profile for a prediction: rmt-plan calibrate\))",
+        summary[2],
+    )
+    assert summary[3:] == [
         "  no validation loss (train.eval_iters is 0)",
         f"  TensorBoard: '{tb / run}'",
         f"  metrics log: '{log}'",

@@ -117,3 +117,32 @@ def test_step_lines_printed_without_progress_bar(capsys):
     assert capsys.readouterr().out == (
         "step    20 loss 3.2500 val_loss 3.5000 lr 1.000e-03 grad_norm 0.500 tok/s 1000\n"
     )
+    _emit(dict(m, tflops_per_gpu=412.5, mfu=0.417), None, None, None, True)
+    assert capsys.readouterr().out.endswith("tok/s 1000 TFLOP/s/GPU 412 MFU 41.7%\n")
+
+
+def test_the_trainer_is_told_the_model_flops_and_the_predicted_step(tmp_path, monkeypatch):
+    """rmt.training.fit.step_prediction: the step's model FLOPs per token always (three times
+    rmt-plan model's forward), and with a calibrated profile at its default path (here through
+    $RMT_HARDWARE_PROFILE) that profile's peak and rmt-plan time's predicted step."""
+    import json
+
+    from rmt.config import load_config
+    from rmt.planner.flops import plan_model
+    from rmt.planner.hardware import load_profile
+    from rmt.planner.profiles import PROFILES
+    from rmt.planner.time import plan_time
+    from rmt.training.fit import step_prediction
+
+    config = load_config("configs/tiny.yaml", ["model.vocab_size=257"])
+    monkeypatch.setenv("RMT_HARDWARE_PROFILE", str(tmp_path / "absent.json"))
+    bare = step_prediction(config, 1, "cpu")
+    assert bare["flops_per_token"] == 3 * plan_model(config)["flops_per_token"]
+    assert bare["profile"] is bare["peak_flops"] is bare["predicted_step_s"] is None
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps(dict(PROFILES["a100"], name="a calibrated machine", device="cpu")))
+    monkeypatch.setenv("RMT_HARDWARE_PROFILE", str(path))
+    told = step_prediction(config, 1, "cpu")
+    profile = load_profile(str(path))
+    assert told["profile"] == "a calibrated machine" and told["peak_flops"] == profile.peak_flops["fp32"]
+    assert told["predicted_step_s"] == plan_time(config, 1, profile)["step_s"]

@@ -240,3 +240,45 @@ def check_fits(
         f"more than the {available / _GIB:,.1f} GiB a rank can have here; lower model.seq_length, "
         f"train.micro_batch_size or the model size, or split the model over more tensor/pipeline ranks"
     )
+
+
+def step_prediction(config: RMTConfig, world_size: int, device: str) -> dict:
+    """What the step-time model (``rmt-plan time``, :mod:`rmt.planner.time`) says of this run,
+    for the trainer's log: ``flops_per_token`` (the model FLOPs of a training step per token,
+    three times ``rmt-plan model``'s forward: recomputation not counted) and, where a hardware
+    profile for this device is known, its ``profile`` name, ``peak_flops`` (of
+    ``train.precision``) and ``predicted_step_s``. The profile: on a GPU the shipped one of its
+    kind (H100, A100), else the calibrated profile at ``rmt-plan calibrate``'s default path
+    (``$RMT_HARDWARE_PROFILE``), which is also a CPU's; without one these three are None."""
+    from rmt.planner.flops import plan_model
+    from rmt.planner.profiles import PROFILES
+
+    out = {"flops_per_token": None, "profile": None, "peak_flops": None, "predicted_step_s": None}
+    try:
+        config = copy.deepcopy(config)
+        out["flops_per_token"] = 3.0 * plan_model(config)["flops_per_token"]
+    except ValueError:  # the vocabulary is known only once the data is built
+        return out
+    import torch
+
+    from rmt.planner.calibrate import default_profile_path
+    from rmt.planner.hardware import load_profile
+    from rmt.planner.rank import with_vocabulary
+    from rmt.planner.time import plan_time
+
+    name = None
+    if device == "gpu" and torch.cuda.is_available():
+        card = torch.cuda.get_device_name().upper()
+        name = next((key for key in PROFILES if key.upper() in card), None)
+    if name is None and os.path.isfile(default_profile_path()):
+        name = default_profile_path()
+    if name is None:
+        return out
+    try:
+        profile = load_profile(name)
+        doc = plan_time(with_vocabulary(config), world_size, profile)
+    except ValueError as err:  # a profile that does not load, a layout the model cannot time
+        _say(f"no step-time prediction ({err})")
+        return out
+    out.update(profile=profile.name, peak_flops=doc["peak_tflops"] * 1e12, predicted_step_s=doc["step_s"])
+    return out

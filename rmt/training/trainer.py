@@ -27,6 +27,7 @@ from rmt.models.documents import causal_mask
 from rmt.parallel import compat
 from rmt.training import checkpoint, preemption
 from rmt.training.ddp import wrap_chunks
+from rmt.training.fit import step_prediction
 from rmt.training.host_heap import retain_freed_memory
 from rmt.training.loss import lm_loss
 from rmt.training.lr_control import ValidationLR
@@ -81,6 +82,9 @@ class Trainer:
         self.history: List[Dict] = []
         self.tokens_this_run = 0  # tokens trained on since this process started
         self.is_logger = (dist.get_rank() if dist.is_initialized() else 0) == 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        # the model FLOPs of a step and the step-time model's prediction (rmt-plan time), for the log
+        self.prediction = step_prediction(config, self.world_size, "cpu" if self.device.type == "cpu" else "gpu")
         self._bar = None
         self.stopped_by: Optional[str] = None  # the signal that ended the run early
         self.last_save: Optional[str] = None
@@ -231,8 +235,22 @@ class Trainer:
         self.tokens_this_run += self.batch_tokens
         elapsed = time.perf_counter() - start
         metrics["tokens_per_s"] = self.batch_tokens / elapsed
+        metrics["step_s"] = elapsed
+        metrics.update(self._throughput(elapsed))
         metrics["step"] = self.iteration
         return metrics
+
+    def _throughput(self, elapsed: float) -> Dict[str, float]:
+        """Model TFLOP/s per GPU of a step that took ``elapsed`` seconds and, with a hardware
+        profile, its MFU (:func:`rmt.training.fit.step_prediction`)."""
+        per_token = self.prediction["flops_per_token"]
+        if per_token is None:
+            return {}
+        achieved = per_token * self.batch_tokens / self.world_size / elapsed
+        out = {"tflops_per_gpu": achieved / 1e12}
+        if self.prediction["peak_flops"]:
+            out["mfu"] = achieved / self.prediction["peak_flops"]
+        return out
 
     def gather_weights(self) -> None:
         """With ``train.overlap_param_gather`` the distributed optimizer's updated weights reach
@@ -374,6 +392,18 @@ class Trainer:
             f"  this run: {steps} steps, {self.tokens_this_run:,} tokens in {seconds:.1f} s "
             f"({self.tokens_this_run / max(seconds, 1e-9):,.0f} tokens/s)"
         )
+        timed = sorted(m["step_s"] for m in self.history if "step_s" in m)
+        if timed:
+            median = timed[len(timed) // 2]
+            predicted = self.prediction["predicted_step_s"]
+            self.say(
+                f"  step time: median {median * 1e3:,.1f} ms"
+                + (
+                    f", predicted {predicted * 1e3:,.1f} ms by rmt-plan time on {self.prediction['profile']}"
+                    if predicted
+                    else " (no hardware profile for a prediction: rmt-plan calibrate)"
+                )
+            )
         vals = [m for m in self.history if "val_loss" in m]
         ema = f" (weight average {vals[-1]['val_loss_ema']:.4f})" if vals and "val_loss_ema" in vals[-1] else ""
         self.say(
@@ -392,7 +422,17 @@ class Trainer:
 def _emit(m: Dict, writer, log, bar, verbose: bool) -> None:
     step = m["step"]
     if writer is not None:
-        for k in ("loss", "lm loss", "lr", "grad_norm", "tokens_per_s", "val_loss", "val_loss_ema"):
+        for k in (
+            "loss",
+            "lm loss",
+            "lr",
+            "grad_norm",
+            "tokens_per_s",
+            "tflops_per_gpu",
+            "mfu",
+            "val_loss",
+            "val_loss_ema",
+        ):
             if k in m and math.isfinite(m[k]):
                 name = {"val_loss": "valid/loss", "val_loss_ema": "valid/loss_ema"}.get(
                     k, f"train/{k.replace(' ', '_')}"
@@ -411,6 +451,8 @@ def _emit(m: Dict, writer, log, bar, verbose: bool) -> None:
         line = (
             f"step {step:5d} loss {m['lm loss']:.4f}{val} lr {m['lr']:.3e} "
             f"grad_norm {m['grad_norm']:.3f} tok/s {m['tokens_per_s']:.0f}"
+            + (f" TFLOP/s/GPU {m['tflops_per_gpu']:.3g}" if "tflops_per_gpu" in m else "")
+            + (f" MFU {m['mfu']:.1%}" if "mfu" in m else "")
         )
     if bar is not None:
         bar.set_postfix(loss=f"{m['lm loss']:.4f}", lr=f"{m['lr']:.2e}", refresh=False)
