@@ -8,10 +8,14 @@ layout (``LAYOUTS``: data, tensor and sequence parallelism, 1F1B and interleaved
 distributed optimizer with both overlaps, full and selective recomputation, UltraMem tables
 sharded number- and dimension-wise with the async memory stream on and off, tables in host
 memory, the RMT and the transformer) on 1-4 gloo ranks through the real trainer, one thread per
-rank: ``--warmup`` steps untimed, then ``--steps`` steps, each the slowest rank's wall time. The
+rank: ``--warmup`` steps untimed, then ``--steps`` steps, each the slowest rank's wall time (a
+step ends with its losses and gradient norm read, so on a GPU it waits for the device). The
 measured median step is compared with the prediction from that world size's profile:
 ``error = predicted / measured - 1``. Goal on a 2-core machine: median absolute error <= 10%,
 every layout within +-20%.
+
+With ``--gpu``: the same on one GPU for the UltraMem-151M-x12 shape (sequence 2048, fp32) and its
+dense twin, each layout against the GPU's calibrated profile (goal: within 15%).
 
 Summary: ``median_abs_error``, ``max_abs_error``, ``within_20_percent`` (layouts), ``layouts``,
 and the load average of the machine before and after (timings on a loaded machine are noisy).
@@ -89,6 +93,24 @@ LAYOUTS = [
     ("tp2_dp2_distopt", 4, ["parallel.tensor_model_parallel_size=2", "train.distributed_optimizer=true"]),
 ]
 QUICK = ["dp1", "dp2"]
+GPU_CONFIG = "configs/ultramem_151m_x12.yaml"
+GPU_BASE = [
+    "train.global_batch_size=1",
+    "train.micro_batch_size=1",
+    "model.dropout=0.0",
+    "train.eval_iters=0",
+    "train.progress=false",
+    "train.log_interval=1000",
+    "data.max_documents=40",
+]
+FUSED = ["memory.value_optimizer=sparse_adam", "memory.fused_value_optimizer=true"]
+# --gpu: one-GPU layouts of the UltraMem-151M-x12 shape (sequence 2048, fp32) and its dense twin
+GPU_LAYOUTS = [
+    ("gpu_dense", 1, ["memory.type=none"]),
+    ("gpu_sync_fused", 1, FUSED + ["memory.async_stream=false"]),
+    ("gpu_async_fused", 1, FUSED + ["memory.async_stream=true"]),
+    ("gpu_dense_bf16", 1, ["memory.type=none", "train.precision=bf16"]),
+]
 
 
 def fail(sentence: str) -> int:
@@ -106,7 +128,7 @@ def worker(args) -> None:
     from rmt.config_checks import validate
     from rmt.training.trainer import Trainer
 
-    config = validate(load_config(None, json.loads(args.run_overrides)))
+    config = validate(load_config(args.config, json.loads(args.run_overrides)))
     parallel.initialize(config)
     trainer = Trainer(config)
     for _ in range(args.warmup):
@@ -154,7 +176,8 @@ def measure(args, ranks: int, overrides: list) -> list:
             f"--run-overrides={json.dumps(overrides)}",
             f"--steps={args.steps}",
             f"--warmup={args.warmup}",
-        ],
+        ]
+        + ([f"--config={args.config}"] if args.config else []),
     )
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True)
     if proc.returncode != 0:
@@ -166,17 +189,18 @@ def measure(args, ranks: int, overrides: list) -> list:
     return times
 
 
-def predict(overrides: list, ranks: int, profile_path: str) -> dict:
+def predict(config_path, overrides: list, ranks: int, profile_path: str) -> dict:
     from rmt.planner.hardware import load_profile
     from rmt.planner.rank_cli import load_planned
     from rmt.planner.time import plan_time
 
-    return plan_time(load_planned(None, overrides, ranks), ranks, load_profile(profile_path))
+    return plan_time(load_planned(config_path, overrides, ranks), ranks, load_profile(profile_path))
 
 
 def run_overrides(args, extra: list) -> list:
     steps = args.warmup + args.steps
-    return BASE + [f"train.steps={steps}", f"data.cache_dir={args.cache_dir}"] + extra + list(args.overrides)
+    base = GPU_BASE if args.gpu else BASE
+    return base + [f"train.steps={steps}", f"data.cache_dir={args.cache_dir}"] + extra + list(args.overrides)
 
 
 def print_table(rows: list) -> None:
@@ -207,14 +231,24 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", metavar="section.key=value", help="applied to every layout")
     ap.add_argument("--json", help="write {benchmark, machine, rows, summary} here")
     ap.add_argument("--cache-dir", default=os.path.join(ROOT, ".rmt_cache"))
+    ap.add_argument(
+        "--gpu",
+        action="store_true",
+        help=f"on a GPU: calibrate it, then the one-GPU layouts {', '.join(n for n, _, _ in GPU_LAYOUTS)} of "
+        f"{GPU_CONFIG} at sequence 2048 (goal: each within 15%%)",
+    )
+    ap.add_argument("--config", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     ap.add_argument("--run-overrides", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker_out:
         worker(args)
         return 0
-    names = [n for n, _, _ in LAYOUTS]
-    chosen = args.only or (QUICK if args.quick else names)
+    table = GPU_LAYOUTS if args.gpu else LAYOUTS
+    if args.gpu:
+        args.config = args.config or GPU_CONFIG
+    names = [n for n, _, _ in table]
+    chosen = args.only or (QUICK if args.quick and not args.gpu else names)
     unknown = [n for n in chosen if n not in names]
     if unknown:
         return fail(f"unknown layout '{unknown[0]}'; the layouts are {', '.join(names)}.")
@@ -223,7 +257,7 @@ def main(argv=None) -> int:
     args.steps = args.steps or (2 if args.quick else 6)
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         return fail(f"cannot write '{args.json}': its folder does not exist.")
-    layouts = [x for x in LAYOUTS if x[0] in chosen]
+    layouts = [x for x in table if x[0] in chosen]
     load_before = os.getloadavg()
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
@@ -236,7 +270,7 @@ def main(argv=None) -> int:
                 overrides = run_overrides(args, extra)
                 start = time.perf_counter()
                 times = measure(args, ranks, overrides)
-                doc = predict(overrides, ranks, profile)
+                doc = predict(args.config, overrides, ranks, profile)
                 measured = statistics.median(times)
                 rows.append(
                     {
@@ -267,7 +301,7 @@ def main(argv=None) -> int:
     if args.json:
         machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "step_time", "machine": machine, "rows": rows, "summary": summary}, f, indent=1)
+            json.dump({"benchmark": "bench_step_time", "machine": machine, "rows": rows, "summary": summary}, f, indent=1)
     return 0
 
 

@@ -12,13 +12,16 @@
 # resumed; tools/bench_dense_switches.py at the UltraMem-151M-x12 shape, each switch on and off),
 # and the lookup-reduce benchmark. Logs and JSON go to $OUT (default ./gpu_checks); python is
 # $PYTHON (default python3). $CHECKS picks the checks by name (default: all of stream tests
-# recompute torchrun architectures dense rank_memory host_table lookup); host_table: value tables in
+# recompute torchrun architectures dense rank_memory host_table step_time lookup); host_table: value tables in
 # host memory (memory.table_location: host) against the device table at the UltraMem-151M-x12
 # shape (step time ratio, hidden share, link bytes and bandwidth; with a device cache of a quarter
 # of the rows, memory.host_cache_rows, refreshed every 5 steps), a table 4x the device memory
 # the run may use, and the host-table tests on the GPU; rank_memory: the whole-rank
 # planner against torch.cuda.max_memory_allocated per phase for one-GPU layouts of the
-# UltraMem-151M-x12 shape (tools/bench_rank_memory.py --device gpu); the extensions are built
+# UltraMem-151M-x12 shape (tools/bench_rank_memory.py --device gpu); step_time: rmt-plan
+# calibrate on the GPU, then the step-time model against measured one-GPU steps of the
+# UltraMem-151M-x12 shape and its dense twin (tools/bench_step_time.py --gpu, goal within 15%),
+# and the shipped H100 profile against docs/benchmarks.md's H100 steps; the extensions are built
 # whenever any check runs, since the rest use them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +31,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # the card's own architecture only: a quarter of the CUDA build's time
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$($PY -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')}
-CHECKS=${CHECKS:-stream tests recompute torchrun architectures dense rank_memory host_table lookup}
+CHECKS=${CHECKS:-stream tests recompute torchrun architectures dense rank_memory host_table step_time lookup}
 wanted() { [[ " $CHECKS " == *" $1 "* ]]; }
 step() { echo "== $(date +%T) $*"; }
 step "environment"; $PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'
@@ -96,6 +99,11 @@ step "a host table 4x the device memory the run may use (12 GiB cap, 47 GB of ta
 $PY tools/bench_memory_stream.py --device-mem-gib 12 --variants async_host --steps 12 --warmup 4 \
     memory.num_keys=1600 --json "$OUT/bench_host_table_large.json" 2>&1 | tee "$OUT/bench_host_table_large.log"
 $PY -m pytest -q -p no:cacheprovider -m "not slow" tests/test_memory_host_table.py 2>&1 | tee "$OUT/test_memory_host_table.log"
+fi
+if wanted step_time; then
+step "step-time model: calibrate the GPU, then measured one-GPU steps against the prediction"
+$PY tools/bench_step_time.py --gpu --steps 10 --warmup 4 --json "$OUT/bench_step_time.json" 2>&1 | tee "$OUT/bench_step_time.log"
+$PY -m pytest -q -p no:cacheprovider tests/test_planner_time.py -k h100 2>&1 | tee -a "$OUT/bench_step_time.log"
 fi
 if wanted lookup; then
 step "lookup-reduce benchmark"
