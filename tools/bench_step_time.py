@@ -2,9 +2,9 @@
 
     PYTHONPATH=. python tools/bench_step_time.py [--quick] [--only NAME ...] [--json out.json]
 
-For each world size of the chosen layouts it first calibrates the machine under that world size
-(``rmt-plan calibrate`` under ``torchrun``, one thread per rank, as the runs), then trains each
-layout (``LAYOUTS``: data, tensor and sequence parallelism, 1F1B and interleaved pipelines, the
+Right before each layout it calibrates the machine under the layout's world size (``rmt-plan
+calibrate`` under ``torchrun``, one thread per rank, as the runs; ``--calibrate once``: once per
+world size), then trains the layout (``LAYOUTS``: data, tensor and sequence parallelism, 1F1B and interleaved pipelines, the
 distributed optimizer with both overlaps, full and selective recomputation, UltraMem tables
 sharded number- and dimension-wise with the async memory stream on and off, tables in host
 memory, the RMT and the transformer) on 1-4 gloo ranks through the real trainer, one thread per
@@ -238,6 +238,13 @@ def main(argv=None) -> int:
         f"{GPU_CONFIG} at sequence 2048 (goal: each within 15%%)",
     )
     ap.add_argument("--config", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--calibrate",
+        choices=("each", "once"),
+        default="each",
+        help="calibrate right before each layout (default: the machine's load drifts on a shared "
+        "machine) or once per world size",
+    )
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     ap.add_argument("--run-overrides", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -264,11 +271,11 @@ def main(argv=None) -> int:
         args.workdir = workdir
         for ranks in sorted({r for _, r, _ in layouts}):
             profile = os.path.join(workdir, f"profile-{ranks}.json")
-            print(f"calibrating {ranks} rank(s) ...", file=sys.stderr, flush=True)
-            calibrate(ranks, profile, args.quick)
             for name, _, extra in (x for x in layouts if x[1] == ranks):
                 overrides = run_overrides(args, extra)
                 start = time.perf_counter()
+                if args.calibrate == "each" or not os.path.exists(profile):
+                    calibrate(ranks, profile, args.quick)
                 times = measure(args, ranks, overrides)
                 doc = predict(args.config, overrides, ranks, profile)
                 measured = statistics.median(times)
@@ -301,7 +308,9 @@ def main(argv=None) -> int:
     if args.json:
         machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "bench_step_time", "machine": machine, "rows": rows, "summary": summary}, f, indent=1)
+            json.dump(
+                {"benchmark": "bench_step_time", "machine": machine, "rows": rows, "summary": summary}, f, indent=1
+            )
     return 0
 
 

@@ -384,7 +384,7 @@ def _add_memory_arguments(p: argparse.ArgumentParser) -> None:
         "--tflops",
         type=positive_float,
         help=f"host tables: achieved TFLOP/s per GPU of the dense layers the transfers overlap "
-        f"(default {host.TFLOPS:g}, as rmt-plan layouts)",
+        f"(default {host.TFLOPS:g}; rmt-plan time times the window on a hardware profile)",
     )
     p.add_argument(
         "--window-gflops",

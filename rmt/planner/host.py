@@ -66,8 +66,9 @@ HOST_LINK_GBPS = 25.0
 after its 128b/130b coding, of which pinned copies achieve about 25 (CUDA's bandwidthTest on
 such hosts); PCIe 5.0 x16 (H100, H200) doubles both."""
 TFLOPS = 400.0
-"""Achieved dense TFLOP/s per GPU, the default of ``rmt-plan layouts --tflops`` (about 40% of an
-H100's bf16 peak)."""
+"""Achieved dense TFLOP/s per GPU of the window's layers, the default of ``rmt-plan memory
+--tflops`` (about 40% of an H100's bf16 peak; ``rmt-plan time`` times the window with a hardware
+profile instead)."""
 BACKWARD_WINDOW = 2
 """The backward of the window's layers does about twice their forward FLOPs (the gradients of
 the inputs and of the weights)."""
@@ -265,21 +266,3 @@ def stage_placements(config, layout, stage: int) -> List:
 
     spans = chunks_of(config, layout, stage)
     return [(i, j) for i, j in memory_placement(config) if any(f <= i <= last for f, last in spans)]
-
-
-def exposed_seconds(config, layout, link_gbps: float = HOST_LINK_GBPS, tflops: float = TFLOPS) -> float:
-    """Seconds per step the host tables' transfers leave exposed on the busiest pipeline stage
-    (0 for tables on the device): :func:`overlap` of :func:`window_flops`."""
-    from rmt.planner.rank import stage_table_plan
-
-    if config.memory.table_location != "host":
-        return 0.0
-    worst = 0.0
-    for stage in range(layout.pp):
-        plan = stage_table_plan(config, layout, stage)
-        if plan is None:
-            continue
-        windows = window_flops(config, stage_placements(config, layout, stage), layout.tp)
-        doc = overlap(plan, windows, link_gbps, tflops, config.memory.async_stream)
-        worst = max(worst, doc["exposed_s_per_step"])
-    return worst

@@ -38,7 +38,7 @@ from operator import attrgetter
 from typing import Optional, Sequence
 
 from rmt.config import RMTConfig
-from rmt.errors import ConfigError
+from rmt.errors import ConfigError, UserError
 from rmt.parallel.launch_env import world_size_from_env
 
 _GIB = 2**30
@@ -277,7 +277,7 @@ def step_prediction(config: RMTConfig, world_size: int, device: str) -> dict:
     try:
         profile = load_profile(name)
         doc = plan_time(with_vocabulary(config), world_size, profile)
-    except ValueError as err:  # a profile that does not load, a layout the model cannot time
+    except (ValueError, UserError) as err:  # a profile that does not load, a layout it cannot time
         _say(f"no step-time prediction ({err})")
         return out
     out.update(profile=profile.name, peak_flops=doc["peak_tflops"] * 1e12, predicted_step_s=doc["step_s"])
