@@ -436,3 +436,10 @@ def test_the_operations_counted_per_layer_are_those_a_step_dispatches(arch):
             parallel.destroy()
     assert (counts[4] - counts[2]) // 2 == LAYER_OPS[arch]
     assert counts[2] - 2 * LAYER_OPS[arch] == STEP_OPS[arch]
+
+
+def test_calibrate_refuses_a_folder_that_does_not_exist(tmp_path, capsys):
+    out = tmp_path / "missing" / "profile.json"
+    assert main(["calibrate", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "its folder does not exist" in err and not out.parent.exists()

@@ -6,14 +6,15 @@ with the world size and threads of the runs the profile will predict.
 
 Each figure is the slowest rank's median over repeats (a synchronous step waits for the slowest):
 
+* the host's cost per operation: a tiny autograd forward and backward (a few linear layers on
+  one row) over the aten operations it dispatches; the model charges it per operation, so it is
+  taken off each GEMM's and memory-bound operation's time below;
 * GEMMs per dtype over a range of sizes (``[m, k] @ [k, n]``, ``m`` tokens-like, ``n``, ``k``
   widths-like): the fastest rate is the profile's peak, each size's rate over it its efficiency;
 * fused attention (``scaled_dot_product_attention`` with an explicit mask, as rmt calls it),
   forward and backward, as fractions of the GEMM peak;
 * memory-bound operations: ``x += y`` over sizes from cache-resident to DRAM-sized (bytes read
   and written per second);
-* the host's cost per operation: a tiny autograd forward and backward (a few linear layers on
-  one row) over the aten operations it dispatches;
 * the lookup-reduce kernel (:func:`rmt.ops.lookup_reduce`) forward and backward at UltraMem's
   shape, bytes of value rows per second; ``torch.topk`` elements per second;
 * each collective (all-reduce, all-gather, reduce-scatter, all-to-all, a point-to-point send)
@@ -107,13 +108,21 @@ def gemm_shapes(device_kind: str, quick: bool, dtype: str) -> List[tuple]:
     return [s for s in itertools.product(sides["m"], sides["n"], sides["k"]) if 2 * s[0] * s[1] * s[2] <= limit]
 
 
-def measure_gemms(clock: _Clock, device, dtype: torch.dtype, shapes, repeats: int) -> List[List[float]]:
-    """``[[m, n, k, flop/s], ...]`` of the GEMM ``shapes``."""
+def device_seconds(seconds: float, overhead: float) -> float:
+    """The device's part of one operation's ``seconds``: less the host's issue cost, which the
+    step-time model charges per operation on its own (at least a tenth of the measured time)."""
+    return max(seconds - overhead, 0.1 * seconds)
+
+
+def measure_gemms(
+    clock: _Clock, device, dtype: torch.dtype, shapes, repeats: int, overhead: float = 0.0
+) -> List[List[float]]:
+    """``[[m, n, k, flop/s], ...]`` of the GEMM ``shapes`` (the issue cost ``overhead`` taken off)."""
     out = []
     for m, n, k in shapes:
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
-        seconds = _slowest(clock.seconds(lambda: torch.mm(a, b), repeats, min_s=0.005))
+        seconds = device_seconds(_slowest(clock.seconds(lambda: torch.mm(a, b), repeats, min_s=0.005)), overhead)
         out.append([m, n, k, 2.0 * m * n * k / seconds])
     return out
 
@@ -138,14 +147,15 @@ def measure_attention(clock: _Clock, device, dtype: torch.dtype, repeats: int, s
     return {"forward": flops / forward, "backward": 2.5 * flops / max(total - forward, 1e-9)}
 
 
-def measure_memory(clock: _Clock, device, sizes, repeats: int) -> List[List[float]]:
-    """``[[bytes, bytes/s], ...]`` of ``x += y`` touching each size (two reads, a write)."""
+def measure_memory(clock: _Clock, device, sizes, repeats: int, overhead: float = 0.0) -> List[List[float]]:
+    """``[[bytes, bytes/s], ...]`` of ``x += y`` touching each size (two reads, a write; the issue
+    cost ``overhead`` taken off)."""
     out = []
     for nbytes in sizes:
         n = max(1, nbytes // 12)
         x = torch.zeros(n, device=device)
         y = torch.ones(n, device=device)
-        seconds = _slowest(clock.seconds(lambda: x.add_(y), repeats))
+        seconds = device_seconds(_slowest(clock.seconds(lambda: x.add_(y), repeats)), overhead)
         out.append([12.0 * n, 12.0 * n / seconds])
     return out
 
@@ -215,15 +225,15 @@ def measure_collectives(clock: _Clock, device, repeats: int, quick: bool) -> Dic
             outs = [torch.empty_like(c) for c in parts]
             rank = dist.get_rank()
 
-            def run(kind=kind, buf=buf, parts=parts, outs=outs, rank=rank):
+            own = parts[rank].clone()
+
+            def run(kind=kind, buf=buf, parts=parts, outs=outs, rank=rank, own=own):
                 if kind == "all_reduce":
                     dist.all_reduce(buf)
                 elif kind == "all_gather":
-                    dist.all_gather(outs, parts[0])
+                    dist.all_gather_into_tensor(buf, own)
                 elif kind == "reduce_scatter":
-                    dist.reduce_scatter(outs[0], parts) if dist.get_backend() == "nccl" else _reduce_scatter(
-                        outs[0], buf
-                    )
+                    dist.reduce_scatter_tensor(outs[0], buf)
                 elif kind == "all_to_all":
                     dist.all_to_all(outs, parts)
                 else:  # ring of sends: each rank sends to the next and receives from the previous
@@ -240,13 +250,6 @@ def measure_collectives(clock: _Clock, device, repeats: int, quick: bool) -> Dic
         beyond = max(seconds[large] - alpha, 1e-9)
         out[kind] = {"alpha_s": alpha, "busbw": bus_factor(kind, p) * size[large] / beyond}
     return out
-
-
-def _reduce_scatter(out: torch.Tensor, buf: torch.Tensor) -> None:
-    """gloo has no reduce-scatter: rmt's CPU runs (megatron-core's on gloo) all-reduce, then keep
-    their chunk."""
-    dist.all_reduce(buf)
-    out.copy_(buf.chunk(dist.get_world_size())[dist.get_rank()])
 
 
 def measure_host_link(clock: _Clock, device, repeats: int) -> float:
@@ -291,10 +294,12 @@ def calibrate(out: str, quick: bool = False, threads: int = 1) -> Dict:
             print(f"rmt-plan calibrate: {message}", flush=True)
 
     say(f"measuring {'a GPU' if cuda else 'the CPU'} with {world} rank(s) of {threads} thread(s) ...")
+    overhead = measure_op_overhead(clock, device, repeats)
+    say(f"host: {overhead * 1e6:.1f} us per operation")
     gemm, peak = {}, {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         shapes = gemm_shapes("gpu" if cuda else "cpu", quick, name)
-        peak[name], gemm[name] = _efficiency(measure_gemms(clock, device, dtype, shapes, repeats))
+        peak[name], gemm[name] = _efficiency(measure_gemms(clock, device, dtype, shapes, repeats, overhead))
     say(f"GEMMs: {peak['fp32'] / 1e9:,.1f} GFLOP/s fp32, {peak['bf16'] / 1e9:,.1f} bf16 at best")
     shape = (2, 4, 512, 64) if cuda else (2, 4, 128, 64)
     attention = {}
@@ -302,12 +307,11 @@ def calibrate(out: str, quick: bool = False, threads: int = 1) -> Dict:
         rates = measure_attention(clock, device, dtype, repeats, shape)
         attention[name] = {p: min(1.0, r / peak[name]) for p, r in rates.items()}
     sizes = MEMORY_BYTES if cuda else MEMORY_BYTES[:-1]
-    memory = measure_memory(clock, device, sizes, repeats)
+    memory = measure_memory(clock, device, sizes, repeats, overhead)
     say(
-        f"memory: {max(r for _, r in memory) / 1e9:,.1f} GB/s at best, {memory[-1][1] / 1e9:,.1f} at {sizes[-1] >> 20} MiB"
+        f"memory: {max(r for _, r in memory) / 1e9:,.1f} GB/s at best, "
+        f"{memory[-1][1] / 1e9:,.1f} at {sizes[-1] >> 20} MiB"
     )
-    overhead = measure_op_overhead(clock, device, repeats)
-    say(f"host: {overhead * 1e6:.1f} us per operation")
     lookup = measure_lookup(clock, device, repeats, quick)
     topk = measure_topk(clock, device, repeats)
     if world > 1:
