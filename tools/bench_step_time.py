@@ -34,7 +34,10 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
 sys.path.insert(0, ROOT)
+
+import bench_rank_memory as rank_memory  # noqa: E402
 
 BASE = [
     "model.num_layers=4",
@@ -50,23 +53,9 @@ BASE = [
     "train.threads=1",
     "data.max_documents=40",
 ]
-RMT = [
-    "model.arch=rmt",
-    "model.dk=32",
-    "model.dv=32",
-    "model.rank=8",
-    "model.position=alibi",
-    "model.ffn_hidden_size=512",
-]
-ULTRAMEM = [
-    "memory.type=ultramem",
-    "memory.placement='1:3'",
-    "memory.num_keys=256",
-    "memory.topk=8",
-    "memory.key_dim=32",
-    "memory.num_heads=2",
-    "memory.value_optimizer=sparse_adam",
-]
+# the RMT and the UltraMem layer of tools/bench_rank_memory.py, the layer spanning more layers
+ULTRAMEM = rank_memory.ULTRAMEM + ["memory.placement='1:3'", "memory.value_optimizer=sparse_adam"]
+RMT = rank_memory.RMT
 PP = ["parallel.pipeline_model_parallel_size=2", "train.micro_batch_size=2", "train.global_batch_size=8"]
 FULL = ["train.recompute_granularity=full", "train.recompute_method=uniform", "train.recompute_num_layers=1"]
 # name, ranks, overrides
