@@ -205,8 +205,11 @@ def test_sequence_parallelism_swaps_all_reduces_for_gathers_and_scatters():
     layers = 2
     ar = collective_seconds(p, "all_reduce", hidden, 2)
     ag_rs = collective_seconds(p, "all_gather", hidden, 2) + collective_seconds(p, "reduce_scatter", hidden, 2)
-    assert plain["stages"]["0"]["tensor_parallel_s"] == pytest.approx(4 * layers * ar)
-    assert sp["stages"]["0"]["tensor_parallel_s"] == pytest.approx(4 * layers * ag_rs)
+    rs = collective_seconds(p, "reduce_scatter", hidden, 2)
+    loss = 3 * collective_seconds(p, "all_reduce", 4 * 8 * 128, 2)  # the cross entropy's three sums
+    # the embedding's output and the output layer's input gradient: summed (scattered under SP)
+    assert plain["stages"]["0"]["tensor_parallel_s"] == pytest.approx(4 * layers * ar + 2 * ar + loss)
+    assert sp["stages"]["0"]["tensor_parallel_s"] == pytest.approx(4 * layers * ag_rs + 2 * rs + loss)
 
 
 def test_full_recompute_adds_the_forward_of_every_layer_and_selective_the_attention():

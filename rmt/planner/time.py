@@ -91,9 +91,13 @@ def _width(config) -> int:
     return m.dk * m.dv if m.arch == "rmt" else m.hidden_size
 
 
-def tensor_parallel_seconds(config, layout: Layout, profile: Profile, layers: int) -> Dict[str, float]:
+def tensor_parallel_seconds(
+    config, layout: Layout, profile: Profile, layers: int, first: bool = False, last: bool = False
+) -> Dict[str, float]:
     """Seconds of the tensor-parallel collectives of ``layers`` layers, one micro-batch, forward
-    and backward (module docstring)."""
+    and backward (module docstring); with ``first`` the vocab-parallel embedding's (its output
+    summed over the ranks), with ``last`` the output layer's (its input's gradient summed, and the
+    vocab-parallel cross entropy's three sums of one fp32 per token)."""
     t = layout.tp
     if t == 1:
         return {"forward": 0.0, "backward": 0.0}
@@ -103,15 +107,25 @@ def tensor_parallel_seconds(config, layout: Layout, profile: Profile, layers: in
     if m.arch == "rmt":
         matrix = collective_seconds(profile, "all_reduce", T * m.dk * m.dv * b, t)
         hidden = collective_seconds(profile, "all_reduce", T * m.rank * m.dv * b, t)
-        return {"forward": layers * (matrix + hidden), "backward": layers * (matrix + hidden)}
-    hidden = T * m.hidden_size * b
-    if layout.sequence_parallel:
-        one = collective_seconds(profile, "all_gather", hidden, t) + collective_seconds(
-            profile, "reduce_scatter", hidden, t
-        )
+        out = {"forward": layers * (matrix + hidden), "backward": layers * (matrix + hidden)}
+        edge = collective_seconds(profile, "all_reduce", T * m.rank * m.dv * b, t)
     else:
-        one = collective_seconds(profile, "all_reduce", hidden, t)
-    return {"forward": 2 * layers * one, "backward": 2 * layers * one}
+        hidden = T * m.hidden_size * b
+        if layout.sequence_parallel:
+            one = collective_seconds(profile, "all_gather", hidden, t) + collective_seconds(
+                profile, "reduce_scatter", hidden, t
+            )
+            edge = collective_seconds(profile, "reduce_scatter", hidden, t)
+        else:
+            one = collective_seconds(profile, "all_reduce", hidden, t)
+            edge = one
+        out = {"forward": 2 * layers * one, "backward": 2 * layers * one}
+    if first:
+        out["forward"] += edge
+    if last:
+        out["forward"] += 3 * collective_seconds(profile, "all_reduce", 4 * T, t)
+        out["backward"] += edge
+    return out
 
 
 def _memory_comm(config, layout: Layout, profile: Profile, plan) -> Dict[str, float]:
@@ -238,7 +252,9 @@ def stage_time(config, layout: Layout, profile: Profile, stage: int) -> Dict:
             recompute.seconds(profile)["total"] if recompute.gemms or recompute.attention_flops else 0.0
         )
         flops += forward.flops() + backward.flops() + recompute.flops()
-        tps = tensor_parallel_seconds(config, layout, profile, n)
+        tps = tensor_parallel_seconds(
+            config, layout, profile, n, stage == 0 and c == 0, stage == layout.pp - 1 and c == len(chunks) - 1
+        )
         out["tensor_parallel_s"] += tps["forward"] + tps["backward"]
         on_chunk = [(k, p) for k, p in enumerate(placements) if first <= p[0] <= last]
         if mlp_moe:
