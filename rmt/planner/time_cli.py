@@ -121,7 +121,12 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
         "world size of the runs the profile will predict",
     )
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (seconds; a rougher profile)")
-    p.add_argument("--threads", type=positive_int, default=1, help="threads per rank (default 1, as rmt-train)")
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=1,
+        help="threads per rank (default 1): the train.threads of the runs the profile will predict",
+    )
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
