@@ -36,20 +36,11 @@ from typing import Callable, Dict, List
 import torch
 import torch.distributed as dist
 
-DEFAULT_NAME = "hardware-profile.json"
 GEMM_SIDES = {"m": (256, 2048, 16384), "n": (8, 32, 128, 512, 2048), "k": (8, 32, 128, 512, 2048)}
 """The size classes of GEMMs measured: tokens-like ``m``, widths-like ``n`` and ``k`` (the RMT's
 reads and writes are as narrow as 8)."""
 GEMM_FLOPS_MAX = {"cpu": 2e9, "gpu": 1e13}
 MEMORY_BYTES = [1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28]
-
-
-def default_profile_path() -> str:
-    """Where ``rmt-plan calibrate`` writes by default and ``rmt-train`` looks on a CPU:
-    ``$RMT_HARDWARE_PROFILE``, else ``~/.cache/rmt/hardware-profile.json``."""
-    return os.environ.get("RMT_HARDWARE_PROFILE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "rmt", DEFAULT_NAME
-    )
 
 
 class _Clock:

@@ -218,6 +218,14 @@ def sent_seconds(profile: Profile, kind: str, sent: float, ranks: int, stride: i
 
 
 # -- loading and validation -------------------------------------------------------------------------
+def default_profile_path() -> str:
+    """Where ``rmt-plan calibrate`` writes by default and ``rmt-train`` looks for a profile of
+    its machine: ``$RMT_HARDWARE_PROFILE``, else ``~/.cache/rmt/hardware-profile.json``."""
+    return os.environ.get("RMT_HARDWARE_PROFILE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "rmt", "hardware-profile.json"
+    )
+
+
 def _positive(where: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
         raise ValueError(f"hardware profile field {where} must be a positive number, got {value!r}.")

@@ -104,7 +104,7 @@ def run_time(args: argparse.Namespace) -> int:
 
 
 def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
-    from rmt.planner.calibrate import default_profile_path
+    from rmt.planner.hardware import default_profile_path
 
     p.add_argument(
         "--out",
@@ -132,7 +132,8 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
 def run_calibrate(args: argparse.Namespace) -> int:
     """Measure this machine: under torchrun already, every rank measures; otherwise launch
     ``--nproc`` ranks under torchrun (the launcher the runs use) and let them."""
-    from rmt.planner.calibrate import calibrate, default_profile_path
+    from rmt.planner.calibrate import calibrate
+    from rmt.planner.hardware import default_profile_path
 
     out = args.out or default_profile_path()
     parent = os.path.dirname(os.path.abspath(out))

@@ -261,8 +261,7 @@ def step_prediction(config: RMTConfig, world_size: int, device: str) -> dict:
         return out
     import torch
 
-    from rmt.planner.calibrate import default_profile_path
-    from rmt.planner.hardware import load_profile
+    from rmt.planner.hardware import default_profile_path, load_profile
     from rmt.planner.rank import with_vocabulary
     from rmt.planner.time import plan_time
 
