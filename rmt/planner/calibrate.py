@@ -7,8 +7,9 @@ with the world size and threads of the runs the profile will predict.
 Each figure is the slowest rank's median over repeats (a synchronous step waits for the slowest):
 
 * the host's cost per operation: a tiny autograd forward and backward (a few linear layers on
-  one row) over the aten operations it dispatches; the model charges it per operation, so it is
-  taken off each GEMM's and memory-bound operation's time below;
+  one row) over the aten operations it dispatches; the model charges it per operation, so the
+  bare dispatch of one operation (a one-element ``add_``) is taken off each GEMM's and
+  memory-bound operation's time below;
 * GEMMs per dtype over a range of sizes (``[m, k] @ [k, n]``, ``m`` tokens-like, ``n``, ``k``
   widths-like): the fastest rate is the profile's peak, each size's rate over it its efficiency;
 * fused attention (``scaled_dot_product_attention`` with an explicit mask, as rmt calls it),
@@ -99,21 +100,28 @@ def gemm_shapes(device_kind: str, quick: bool, dtype: str) -> List[tuple]:
     return [s for s in itertools.product(sides["m"], sides["n"], sides["k"]) if 2 * s[0] * s[1] * s[2] <= limit]
 
 
-def device_seconds(seconds: float, overhead: float) -> float:
-    """The device's part of one operation's ``seconds``: less the host's issue cost, which the
-    step-time model charges per operation on its own (at least a tenth of the measured time)."""
-    return max(seconds - overhead, 0.1 * seconds)
+def device_seconds(seconds: float, dispatch: float) -> float:
+    """The device's part of one operation's ``seconds``: less the bare dispatch of one operation
+    (:func:`measure_dispatch`), which the step-time model charges per operation as part of the
+    host's issue cost (at least half the measured time stays)."""
+    return max(seconds - dispatch, 0.5 * seconds)
+
+
+def measure_dispatch(clock: _Clock, device, repeats: int) -> float:
+    """Seconds of the bare dispatch of one operation: a one-element ``add_``."""
+    x = torch.zeros(1, device=device)
+    return _slowest(clock.seconds(lambda: x.add_(1.0), repeats))
 
 
 def measure_gemms(
-    clock: _Clock, device, dtype: torch.dtype, shapes, repeats: int, overhead: float = 0.0
+    clock: _Clock, device, dtype: torch.dtype, shapes, repeats: int, dispatch: float = 0.0
 ) -> List[List[float]]:
-    """``[[m, n, k, flop/s], ...]`` of the GEMM ``shapes`` (the issue cost ``overhead`` taken off)."""
+    """``[[m, n, k, flop/s], ...]`` of the GEMM ``shapes`` (the bare ``dispatch`` taken off)."""
     out = []
     for m, n, k in shapes:
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
-        seconds = device_seconds(_slowest(clock.seconds(lambda: torch.mm(a, b), repeats, min_s=0.005)), overhead)
+        seconds = device_seconds(_slowest(clock.seconds(lambda: torch.mm(a, b), repeats, min_s=0.005)), dispatch)
         out.append([m, n, k, 2.0 * m * n * k / seconds])
     return out
 
@@ -138,15 +146,15 @@ def measure_attention(clock: _Clock, device, dtype: torch.dtype, repeats: int, s
     return {"forward": flops / forward, "backward": 2.5 * flops / max(total - forward, 1e-9)}
 
 
-def measure_memory(clock: _Clock, device, sizes, repeats: int, overhead: float = 0.0) -> List[List[float]]:
-    """``[[bytes, bytes/s], ...]`` of ``x += y`` touching each size (two reads, a write; the issue
-    cost ``overhead`` taken off)."""
+def measure_memory(clock: _Clock, device, sizes, repeats: int, dispatch: float = 0.0) -> List[List[float]]:
+    """``[[bytes, bytes/s], ...]`` of ``x += y`` touching each size (two reads, a write; the bare
+    ``dispatch`` taken off)."""
     out = []
     for nbytes in sizes:
         n = max(1, nbytes // 12)
         x = torch.zeros(n, device=device)
         y = torch.ones(n, device=device)
-        seconds = device_seconds(_slowest(clock.seconds(lambda: x.add_(y), repeats)), overhead)
+        seconds = device_seconds(_slowest(clock.seconds(lambda: x.add_(y), repeats)), dispatch)
         out.append([12.0 * n, 12.0 * n / seconds])
     return out
 
@@ -255,10 +263,17 @@ def measure_host_link(clock: _Clock, device, repeats: int) -> float:
     return n / _slowest(clock.seconds(lambda: dst.copy_(src), repeats))
 
 
+PEAK_MIN_FLOPS = 1e7
+"""The peak is the fastest GEMM of at least this many FLOPs: a smaller one's time is mostly its
+fixed costs, and its rate mostly their noise."""
+
+
 def _efficiency(points: List[List[float]]):
-    """The fastest rate (the peak) and each shape's rate over it."""
-    peak = max(row[3] for row in points)
-    return peak, [row[:3] + [row[3] / peak] for row in points]
+    """The fastest rate of a GEMM of :data:`PEAK_MIN_FLOPS` or more (the peak) and each shape's
+    rate over it (at most 1)."""
+    large = [row for row in points if 2 * row[0] * row[1] * row[2] >= PEAK_MIN_FLOPS] or points
+    peak = max(row[3] for row in large)
+    return peak, [row[:3] + [min(1.0, row[3] / peak)] for row in points]
 
 
 def calibrate(out: str, quick: bool = False, threads: int = 1) -> Dict:
@@ -286,11 +301,12 @@ def calibrate(out: str, quick: bool = False, threads: int = 1) -> Dict:
 
     say(f"measuring {'a GPU' if cuda else 'the CPU'} with {world} rank(s) of {threads} thread(s) ...")
     overhead = measure_op_overhead(clock, device, repeats)
-    say(f"host: {overhead * 1e6:.1f} us per operation")
+    dispatch = min(overhead, measure_dispatch(clock, device, repeats))
+    say(f"host: {overhead * 1e6:.1f} us per operation of an autograd step, {dispatch * 1e6:.1f} us a bare dispatch")
     gemm, peak = {}, {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         shapes = gemm_shapes("gpu" if cuda else "cpu", quick, name)
-        peak[name], gemm[name] = _efficiency(measure_gemms(clock, device, dtype, shapes, repeats, overhead))
+        peak[name], gemm[name] = _efficiency(measure_gemms(clock, device, dtype, shapes, repeats, dispatch))
     say(f"GEMMs: {peak['fp32'] / 1e9:,.1f} GFLOP/s fp32, {peak['bf16'] / 1e9:,.1f} bf16 at best")
     shape = (2, 4, 512, 64) if cuda else (2, 4, 128, 64)
     attention = {}
@@ -298,7 +314,7 @@ def calibrate(out: str, quick: bool = False, threads: int = 1) -> Dict:
         rates = measure_attention(clock, device, dtype, repeats, shape)
         attention[name] = {p: min(1.0, r / peak[name]) for p, r in rates.items()}
     sizes = MEMORY_BYTES if cuda else MEMORY_BYTES[:-1]
-    memory = measure_memory(clock, device, sizes, repeats, overhead)
+    memory = measure_memory(clock, device, sizes, repeats, dispatch)
     say(
         f"memory: {max(r for _, r in memory) / 1e9:,.1f} GB/s at best, "
         f"{memory[-1][1] / 1e9:,.1f} at {sizes[-1] >> 20} MiB"
