@@ -446,3 +446,14 @@ def test_calibrate_refuses_a_folder_that_does_not_exist(tmp_path, capsys):
     assert main(["calibrate", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "its folder does not exist" in err and not out.parent.exists()
+
+
+def test_an_moe_layers_token_all_to_alls_over_expert_parallel_ranks_are_in_series():
+    p = load_profile("h100")
+    base = ["memory.type=moe", "memory.placement='1:2'", "memory.num_experts=4", "memory.moe_topk=2"]
+    config, ep1 = _time(base, 2, p)
+    _, ep2 = _time(base + ["parallel.expert_model_parallel_size=2"], 2, p)
+    sent = 8 * 128 * 2 * 128 * 4 / 2  # T k W fp32 bytes, half of them to the other rank
+    expected = 4 * sent_seconds(p, "all_to_all", sent, 2)
+    assert ep1["stages"]["0"]["memory"][0]["exposed_s"] == 0.0
+    assert ep2["stages"]["0"]["memory"][0]["exposed_s"] == pytest.approx(expected)

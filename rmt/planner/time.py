@@ -24,7 +24,8 @@ memory-parallel group) and, for tables in host memory, their host-link transfers
 (:func:`rmt.planner.host.layer_link_bytes`) are waits, not work: with ``memory.async_stream`` a
 layer placed ``i:j`` hides them behind the forward of the dense layers ``i+1..j`` (their backward
 for the backward's; UltraMemV2's behind its block's FFN), and what exceeds that window is
-exposed; without the stream all of it is.
+exposed; without the stream all of it is. An MoE layer's token all-to-alls over its
+expert-parallel group (dispatch and combine, forward and backward) are in series with it.
 
 **The pipeline** (megatron-core's 1F1B, interleaved with ``VPP`` model chunks): ``m`` micro-batches
 take ``m t_max + (sum_s t_s - t_max) / VPP`` for stage times ``t_s`` per micro-batch (the bubble
@@ -158,6 +159,20 @@ def _memory_comm(config, layout: Layout, profile: Profile, plan) -> Dict[str, fl
     return out
 
 
+def _expert_all_to_all(config, layout: Layout, profile: Profile) -> float:
+    """Seconds of an MoE layer's token all-to-alls over the expert-parallel group per micro-batch:
+    each of the ``T k`` routed copies sent to its expert's rank and back, forward and backward
+    (megatron's all-to-all dispatcher; in series with the layer)."""
+    mem = config.memory
+    if mem.type != "moe" or layout.ep <= 1:
+        return 0.0
+    from rmt.memory.shapes import memory_width
+
+    T = config.train.micro_batch_size * config.model.seq_length
+    sent = T * mem.moe_topk * memory_width(config) * DTYPE_BYTES[config.train.precision] * (layout.ep - 1) / layout.ep
+    return 4 * sent_seconds(profile, "all_to_all", sent, layout.ep, layout.tp)
+
+
 def _host_link(plan, profile: Profile) -> Dict[str, float]:
     """Seconds of one host table lookup's transfers over the host link, forward and backward."""
     if plan is None or plan.location != "host":
@@ -184,6 +199,7 @@ def memory_layer_time(
     compute_b = bwd.seconds(profile)["total"] + inside.seconds(profile)["total"]
     waits = _memory_comm(config, layout, profile, plan)
     link = _host_link(plan, profile)
+    moe = _expert_all_to_all(config, layout, profile)
     i, j = placement
     span = max(j - i, 1) if j > i else 0.5  # UltraMemV2 beside its block's FFN: about half the layer
     window_f = span * layer_fwd_s if mem.async_stream else 0.0
@@ -193,9 +209,9 @@ def memory_layer_time(
     return {
         "forward_s": compute_f,
         "backward_s": compute_b,
-        "collectives_s": waits["forward"] + waits["backward"],
+        "collectives_s": waits["forward"] + waits["backward"] + moe,
         "host_link_s": link["forward"] + link["backward"],
-        "exposed_s": max(0.0, wait_f - window_f) + max(0.0, wait_b - window_b),
+        "exposed_s": max(0.0, wait_f - window_f) + max(0.0, wait_b - window_b) + moe,
         "flops": fwd.flops() + bwd.flops(),
     }
 
