@@ -147,6 +147,19 @@ def _torchrun(ranks: int, argv: list) -> list:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] + argv
 
 
+def wait_for_quiet(max_load) -> None:
+    """With ``--max-load L``: wait until the machine's 1-minute load average is at most ``L``
+    (other jobs on a shared machine stretch both the calibration and the steps, differently)."""
+    if max_load is None:
+        return
+    said = False
+    while os.getloadavg()[0] > max_load:
+        if not said:
+            print(f"  waiting for the load average to fall to {max_load:g} ...", file=sys.stderr, flush=True)
+            said = True
+        time.sleep(10)
+
+
 def calibrate(ranks: int, out: str, quick: bool) -> None:
     cmd = _torchrun(ranks, ["-m", "rmt.planner.cli", "calibrate", f"--out={out}"] + (["--quick"] if quick else []))
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True)
@@ -219,6 +232,12 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     ap.add_argument("overrides", nargs="*", metavar="section.key=value", help="applied to every layout")
     ap.add_argument("--json", help="write {benchmark, machine, rows, summary} here")
+    ap.add_argument(
+        "--max-load",
+        type=float,
+        metavar="L",
+        help="before each layout wait until the 1-minute load average is at most L (a shared machine)",
+    )
     ap.add_argument("--cache-dir", default=os.path.join(ROOT, ".rmt_cache"))
     ap.add_argument(
         "--gpu",
@@ -263,6 +282,7 @@ def main(argv=None) -> int:
             for name, _, extra in (x for x in layouts if x[1] == ranks):
                 overrides = run_overrides(args, extra)
                 start = time.perf_counter()
+                wait_for_quiet(args.max_load)
                 if args.calibrate == "each" or not os.path.exists(profile):
                     calibrate(ranks, profile, args.quick)
                 times = measure(args, ranks, overrides)
