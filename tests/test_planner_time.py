@@ -23,7 +23,7 @@ from rmt.planner.hardware import (
 from rmt.planner.profiles import PROFILES
 from rmt.planner.rank import layout_of
 from rmt.planner.rank_cli import load_planned
-from rmt.planner.step_work import Kernels
+from rmt.planner.step_work import Kernels, layer_param_elements
 from rmt.planner.time import plan_time, stage_time
 
 TINY = "configs/tiny.yaml"
@@ -271,11 +271,16 @@ def test_the_async_stream_hides_the_waits_its_window_covers():
     assert s["collectives_s"] == a["collectives_s"] > 0
     assert s["exposed_s"] == pytest.approx(s["collectives_s"])
     assert a["exposed_s"] < s["exposed_s"]
-    from rmt.planner.step_work import layer_forward
+    from rmt.planner.step_work import LAYER_OPS, layer_forward
 
     fwd = layer_forward(config, 1, False)
-    window = 3 * fwd.seconds(p)["total"]  # layers 2..4 beside the layer at 1:4, forward
-    assert a["exposed_s"] >= max(0.0, s["collectives_s"] - 3 * window) - 1e-12
+    fwd.ops = LAYER_OPS["transformer"] / 3
+    bwd = fwd.backward()
+    bwd.ops = LAYER_OPS["transformer"] * 2 / 3
+    bwd.mem(12 * layer_param_elements(config, 1))
+    window_f, window_b = 3 * fwd.seconds(p)["total"], 3 * bwd.seconds(p)["total"]  # layers 2..4 beside 1:4
+    w = a["waits_s"]
+    assert a["exposed_s"] == pytest.approx(max(0.0, w["forward"] - window_f) + max(0.0, w["backward"] - window_b))
     assert stream["step_s"] < sync["step_s"]
 
 

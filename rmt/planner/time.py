@@ -210,6 +210,7 @@ def memory_layer_time(
         "forward_s": compute_f,
         "backward_s": compute_b,
         "collectives_s": waits["forward"] + waits["backward"] + moe,
+        "waits_s": {"forward": wait_f, "backward": wait_b},
         "host_link_s": link["forward"] + link["backward"],
         "exposed_s": max(0.0, wait_f - window_f) + max(0.0, wait_b - window_b) + moe,
         "flops": fwd.flops() + bwd.flops(),
