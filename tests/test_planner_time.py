@@ -391,7 +391,7 @@ def test_each_operation_costs_its_issue_time_where_the_host_is_slower():
     layout = layout_of(config, 1, "gpu")
     slow = stage_time(config, layout, flat(op_overhead_s=1e-3), 0)
     fast = stage_time(config, layout, flat(), 0)
-    issued = 2 * 129 / 3 * 1e-3  # two layers' forward operations at 1 ms each, far above their device time
+    issued = (2 * 129 + 134) / 3 * 1e-3  # two layers' and the micro-batch's forward operations at 1 ms each
     assert issued <= slow["forward_s"] <= issued + fast["forward_s"]
 
 
@@ -399,15 +399,16 @@ def test_each_operation_costs_its_issue_time_where_the_host_is_slower():
 @pytest.mark.parametrize("arch", ["transformer", "rmt"])
 def test_the_operations_counted_per_layer_are_those_a_step_dispatches(arch):
     """A traced training step (every aten operation dispatched, under a TorchDispatchMode) of the
-    tiny model with 2 and 4 layers: its operations per layer and besides the layers are the
-    counts the model charges (rmt.planner.step_work.LAYER_OPS, STEP_OPS)."""
+    tiny model with 2 and 4 layers, 1 and 2 micro-batches: its operations per layer, per
+    micro-batch besides the layers and per step are the counts the model charges
+    (rmt.planner.step_work.LAYER_OPS, MICROBATCH_OPS, STEP_OPS)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from rmt import parallel
     from rmt.config import load_config
     from rmt.config_checks import validate
-    from rmt.planner.step_work import LAYER_OPS, STEP_OPS
+    from rmt.planner.step_work import LAYER_OPS, MICROBATCH_OPS, STEP_OPS
     from rmt.training.trainer import Trainer
 
     class Count(TorchDispatchMode):
@@ -430,8 +431,8 @@ def test_the_operations_counted_per_layer_are_those_a_step_dispatches(arch):
         shape += ["model.arch=rmt", "model.dk=16", "model.dv=16", "model.rank=4", "model.position=alibi"]
     counts = {}
     torch.set_num_threads(1)
-    for layers in (2, 4):
-        config = validate(load_config(TINY, shape + [f"model.num_layers={layers}"]))
+    for layers, batch in ((2, 2), (4, 2), (2, 4)):  # 1 or 2 micro-batches of 2 sequences
+        config = validate(load_config(TINY, shape + [f"model.num_layers={layers}", f"train.global_batch_size={batch}"]))
         parallel.initialize(config)
         try:
             trainer = Trainer(config)
@@ -439,26 +440,9 @@ def test_the_operations_counted_per_layer_are_those_a_step_dispatches(arch):
             Count.n = 0
             with Count():
                 trainer.train_step()
-            counts[layers] = Count.n
+            counts[layers, batch] = Count.n
         finally:
             parallel.destroy()
-    assert (counts[4] - counts[2]) // 2 == LAYER_OPS[arch]
-    assert counts[2] - 2 * LAYER_OPS[arch] == STEP_OPS[arch]
-
-
-def test_calibrate_refuses_a_folder_that_does_not_exist(tmp_path, capsys):
-    out = tmp_path / "missing" / "profile.json"
-    assert main(["calibrate", "--out", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "its folder does not exist" in err and not out.parent.exists()
-
-
-def test_an_moe_layers_token_all_to_alls_over_expert_parallel_ranks_are_in_series():
-    p = load_profile("h100")
-    base = ["memory.type=moe", "memory.placement='1:2'", "memory.num_experts=4", "memory.moe_topk=2"]
-    config, ep1 = _time(base, 2, p)
-    _, ep2 = _time(base + ["parallel.expert_model_parallel_size=2"], 2, p)
-    sent = 8 * 128 * 2 * 128 * 4 / 2  # T k W fp32 bytes, half of them to the other rank
-    expected = 4 * sent_seconds(p, "all_to_all", sent, 2)
-    assert ep1["stages"]["0"]["memory"][0]["exposed_s"] == 0.0
-    assert ep2["stages"]["0"]["memory"][0]["exposed_s"] == pytest.approx(expected)
+    assert (counts[4, 2] - counts[2, 2]) // 2 == LAYER_OPS[arch]
+    assert counts[2, 4] - counts[2, 2] - 2 * LAYER_OPS[arch] == MICROBATCH_OPS[arch]
+    assert counts[2, 2] - 2 * LAYER_OPS[arch] - MICROBATCH_OPS[arch] == STEP_OPS[arch]

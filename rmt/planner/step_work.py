@@ -55,8 +55,8 @@ zeroed once a step (4 bytes) and, with data parallelism, scaled before its reduc
 
 Host operations per layer (counted by tracing a tiny model's step under a ``TorchDispatchMode``:
 every aten operation dispatched, views included; ``tests/test_planner_time.py`` counts them
-again): :data:`LAYER_OPS`, :data:`MEMORY_LAYER_OPS`, :data:`STEP_OPS`; a third of a layer's in
-its forward.
+again): :data:`LAYER_OPS`, :data:`MEMORY_LAYER_OPS`, :data:`MICROBATCH_OPS`, :data:`STEP_OPS`; a
+third of a layer's and a micro-batch's in its forward.
 """
 
 from __future__ import annotations
@@ -73,8 +73,11 @@ SELECTIVE_OPS = 21
 """More per layer under selective recomputation (the core attention run again)."""
 MEMORY_LAYER_OPS = 370
 """Per UltraMem / PKM / UltraMemV2 / MoE layer and micro-batch, forward, backward and its step."""
-STEP_OPS = {"transformer": 164, "rmt": 206, "recurrent": 164, "mixer": 164}
-"""Per step besides the layers: the embedding, the loss, the gradient norm, the optimizer."""
+MICROBATCH_OPS = {"transformer": 134, "rmt": 177, "recurrent": 134, "mixer": 134}
+"""Per micro-batch besides the layers: the batch to the device, the embedding, the loss, the
+schedule's calls."""
+STEP_OPS = {"transformer": 30, "rmt": 29, "recurrent": 30, "mixer": 30}
+"""Per step besides the micro-batches: the gradient norm, the clip, the optimizer."""
 FORWARD_SHARE = 1 / 3
 """The forward's share of a layer's operations."""
 

@@ -71,6 +71,7 @@ from rmt.planner.rank import (
 from rmt.planner.step_work import (
     FORWARD_SHARE,
     GRAD_ACCUMULATE_BYTES,
+    MICROBATCH_OPS,
     STEP_OPS,
     Kernels,
     attention_forward_only,
@@ -260,6 +261,9 @@ def stage_time(config, layout: Layout, profile: Profile, stage: int) -> Dict:
         edge_f, edge_b = embedding_work(
             config, tp, sp, stage == 0 and c == 0, stage == layout.pp - 1 and c == len(chunks) - 1
         )
+        if c == 0:  # the schedule's, the batch's, the embedding's and the loss's operations
+            edge_f.ops += FORWARD_SHARE * MICROBATCH_OPS[config.model.arch]
+            edge_b.ops += (1 - FORWARD_SHARE) * MICROBATCH_OPS[config.model.arch]
         forward.add(edge_f)
         backward.add(edge_b)
         recompute = _recompute(config, layout, fwd_layer, n)
