@@ -319,7 +319,7 @@ BENCH = ["train.global_batch_size=1", "train.micro_batch_size=1", "model.dropout
             marks=pytest.mark.xfail(
                 strict=True,
                 reason="the model counts ~60 bytes an element of the 1.87 B values' dense gradient and "
-                "AdamW (147 ms predicted); the H100 spent 85 ms of device time more than the fused run, "
+                "AdamW (146 ms predicted); the H100 spent 85 ms of device time more than the fused run, "
                 "which the bytes at the HBM's rate do not explain (not profiled yet)",
             ),
         ),
