@@ -29,6 +29,7 @@ Each figure is the slowest rank's median over repeats (a synchronous step waits 
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
@@ -53,36 +54,37 @@ class _Clock:
             torch.cuda.synchronize()
 
     def seconds(self, fn: Callable[[], object], repeats: int, min_s: float = 0.02) -> float:
-        """Median seconds of ``fn`` (each timing loops it until ``min_s`` has passed), all ranks
-        starting together."""
+        """Median seconds of ``fn`` over ``repeats`` timings, all ranks starting together; each
+        timing calls it the number of times one call's time says fills ``min_s``, the same number
+        on every rank (the largest), since a collective must be called equally often by all."""
         fn()
         self.sync()
+        start = time.perf_counter()
+        fn()
+        self.sync()
+        calls = _largest(max(1, math.ceil(min_s / max(time.perf_counter() - start, 1e-9))))
         times = []
         for _ in range(repeats):
             if dist.is_initialized():
                 dist.barrier()
             self.sync()
-            start, n = time.perf_counter(), 0
-            while True:
+            start = time.perf_counter()
+            for _ in range(calls):
                 fn()
-                n += 1
-                self.sync()
-                elapsed = time.perf_counter() - start
-                if elapsed >= min_s:
-                    break
-            times.append(elapsed / n)
+            self.sync()
+            times.append((time.perf_counter() - start) / calls)
         return statistics.median(times)
 
 
-def _slowest(value: float) -> float:
-    """The largest of the ranks' ``value`` (a time)."""
+def _largest(value: float) -> float:
+    """The largest of the ranks' ``value``."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
     t = torch.tensor([value], dtype=torch.float64)
     if dist.get_backend() == "nccl":
         t = t.cuda()
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    return type(value)(t.item())
 
 
 def gemm_shapes(device_kind: str, quick: bool, dtype: str) -> List[tuple]:
@@ -110,7 +112,7 @@ def device_seconds(seconds: float, dispatch: float) -> float:
 def measure_dispatch(clock: _Clock, device, repeats: int) -> float:
     """Seconds of the bare dispatch of one operation: a one-element ``add_``."""
     x = torch.zeros(1, device=device)
-    return _slowest(clock.seconds(lambda: x.add_(1.0), repeats))
+    return _largest(clock.seconds(lambda: x.add_(1.0), repeats))
 
 
 def measure_gemms(
@@ -121,7 +123,7 @@ def measure_gemms(
     for m, n, k in shapes:
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
-        seconds = device_seconds(_slowest(clock.seconds(lambda: torch.mm(a, b), repeats, min_s=0.005)), dispatch)
+        seconds = device_seconds(_largest(clock.seconds(lambda: torch.mm(a, b), repeats, min_s=0.005)), dispatch)
         out.append([m, n, k, 2.0 * m * n * k / seconds])
     return out
 
@@ -134,7 +136,7 @@ def measure_attention(clock: _Clock, device, dtype: torch.dtype, repeats: int, s
     q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     mask = torch.ones(s, s, dtype=torch.bool, device=device).tril()
     flops = 4.0 * b * h * s * s * d
-    forward = _slowest(clock.seconds(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), repeats))
+    forward = _largest(clock.seconds(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), repeats))
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     grad = torch.randn_like(out)
 
@@ -142,7 +144,7 @@ def measure_attention(clock: _Clock, device, dtype: torch.dtype, repeats: int, s
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         torch.autograd.grad(o, (q, k, v), grad)
 
-    total = _slowest(clock.seconds(both, repeats))
+    total = _largest(clock.seconds(both, repeats))
     return {"forward": flops / forward, "backward": 2.5 * flops / max(total - forward, 1e-9)}
 
 
@@ -154,7 +156,7 @@ def measure_memory(clock: _Clock, device, sizes, repeats: int, dispatch: float =
         n = max(1, nbytes // 12)
         x = torch.zeros(n, device=device)
         y = torch.ones(n, device=device)
-        seconds = device_seconds(_slowest(clock.seconds(lambda: x.add_(y), repeats)), dispatch)
+        seconds = device_seconds(_largest(clock.seconds(lambda: x.add_(y), repeats)), dispatch)
         out.append([12.0 * n, 12.0 * n / seconds])
     return out
 
@@ -178,7 +180,7 @@ def measure_op_overhead(clock: _Clock, device, repeats: int) -> float:
 
     with Count():
         step()
-    return _slowest(clock.seconds(step, repeats)) / Count.n
+    return _largest(clock.seconds(step, repeats)) / Count.n
 
 
 def measure_lookup(clock: _Clock, device, repeats: int, quick: bool) -> Dict[str, float]:
@@ -191,21 +193,21 @@ def measure_lookup(clock: _Clock, device, repeats: int, quick: bool) -> Dict[str
     indices = torch.randint(0, rows, (tokens, k), device=device)
     scores = torch.randn(tokens, k, 1, device=device, requires_grad=True)
     nbytes = tokens * k * dim * 4
-    forward = _slowest(clock.seconds(lambda: lookup_reduce(table, indices, scores, sparse_grad=True), repeats))
+    forward = _largest(clock.seconds(lambda: lookup_reduce(table, indices, scores, sparse_grad=True), repeats))
     grad = torch.randn(tokens, 1, dim, device=device)
 
     def both():
         out = lookup_reduce(table, indices, scores, sparse_grad=True)
         torch.autograd.grad(out, (table, scores), grad)
 
-    total = _slowest(clock.seconds(both, repeats))
+    total = _largest(clock.seconds(both, repeats))
     return {"forward": nbytes / forward, "backward": nbytes / max(total - forward, 1e-9)}
 
 
 def measure_topk(clock: _Clock, device, repeats: int) -> float:
     """Elements per second of ``torch.topk`` over rows of 2,048 keys (k = 32)."""
     x = torch.randn(512, 2048, device=device)
-    return x.numel() / _slowest(clock.seconds(lambda: torch.topk(x, 32, dim=-1), repeats))
+    return x.numel() / _largest(clock.seconds(lambda: torch.topk(x, 32, dim=-1), repeats))
 
 
 def measure_collectives(clock: _Clock, device, repeats: int, quick: bool) -> Dict[str, Dict[str, float]]:
@@ -243,7 +245,7 @@ def measure_collectives(clock: _Clock, device, repeats: int, quick: bool) -> Dic
                     for req in dist.batch_isend_irecv(ops):
                         req.wait()
 
-            seconds[nbytes] = _slowest(clock.seconds(run, repeats, min_s=0.01))
+            seconds[nbytes] = _largest(clock.seconds(run, repeats, min_s=0.01))
         size = {k: 4 * max(p, k // 4 // p * p) for k in (small, large)}
         alpha = seconds[small]
         beyond = max(seconds[large] - alpha, 1e-9)
@@ -257,10 +259,10 @@ def measure_host_link(clock: _Clock, device, repeats: int) -> float:
     if device.type == "cuda":
         src = torch.empty(n, dtype=torch.uint8, pin_memory=True)
         dst = torch.empty(n, dtype=torch.uint8, device=device)
-        return n / _slowest(clock.seconds(lambda: dst.copy_(src, non_blocking=True), repeats))
+        return n / _largest(clock.seconds(lambda: dst.copy_(src, non_blocking=True), repeats))
     src = torch.empty(n, dtype=torch.uint8)
     dst = torch.empty(n, dtype=torch.uint8)
-    return n / _slowest(clock.seconds(lambda: dst.copy_(src), repeats))
+    return n / _largest(clock.seconds(lambda: dst.copy_(src), repeats))
 
 
 PEAK_MIN_FLOPS = 1e7
