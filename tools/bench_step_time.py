@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,8 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 sys.path.insert(0, ROOT)
 
 import bench_rank_memory as rank_memory  # noqa: E402
+
+from rmt.bench_report import check_report, write_report  # noqa: E402
 
 BASE = [
     "model.num_layers=4",
@@ -112,11 +113,13 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
+    import rmt
     from rmt import parallel
     from rmt.config import load_config
     from rmt.config_checks import validate
     from rmt.training.trainer import Trainer
 
+    rmt.setup_process()
     config = validate(load_config(args.config, json.loads(args.run_overrides)))
     parallel.initialize(config)
     trainer = Trainer(config)
@@ -256,6 +259,7 @@ def main(argv=None) -> int:
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     ap.add_argument("--run-overrides", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    check_report(args.json, "bench_step_time")
     if args.worker_out:
         worker(args)
         return 0
@@ -270,8 +274,6 @@ def main(argv=None) -> int:
     if args.steps is not None and args.steps < 1 or args.warmup < 0:
         return fail("--steps must be at least 1 and --warmup at least 0.")
     args.steps = args.steps or (2 if args.quick else 6)
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        return fail(f"cannot write '{args.json}': its folder does not exist.")
     layouts = [x for x in table if x[0] in chosen]
     load_before = os.getloadavg()
     rows = []
@@ -314,12 +316,7 @@ def main(argv=None) -> int:
         f"{summary['within_20_percent']} of {summary['layouts']} within 20% "
         f"(load average {summary['load_average_before']:.1f} before, {summary['load_average_after']:.1f} after)"
     )
-    if args.json:
-        machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
-        with open(args.json, "w") as f:
-            json.dump(
-                {"benchmark": "bench_step_time", "machine": machine, "rows": rows, "summary": summary}, f, indent=1
-            )
+    write_report(args.json, "bench_step_time", rows, summary)
     return 0
 
 
