@@ -1,30 +1,11 @@
-"""Decoding-speed paths of the retrieval: the grouped top-m equals ``topk``, TDQKR through it
-equals the exact top-m of a rank-1 core on a grid large enough to take that path, the closed-form
-rank-2 singular vectors and values equal the SVD's, the fused CPU selection equals the torch one,
-and a memory layer without autograd (cached weight terms) equals the layer with autograd, also
-after its weights change."""
+"""The retrieval's pieces: TDQKR equals the exact top-m of a rank-1 core on a large grid, the
+closed-form rank-2 singular vectors and values equal the SVD's, and a memory layer without
+autograd (cached weight terms) equals the layer with autograd, also after its weights change."""
 
-import pytest
 import torch
 
 from rmt.memory.layer import MemoryLayer, MemorySpec
-from rmt.memory.retrieval import (
-    _select_ext,
-    grouped_topk_indices,
-    leading_singular_vectors,
-    rank1_selector,
-    singular_values,
-    tucker_select,
-    tucker_topk,
-)
-
-
-def test_grouped_topk_equals_topk():
-    x = torch.randn(3, 5, 96, generator=torch.Generator().manual_seed(0))
-    for m in (1, 5, 11):
-        assert torch.equal(grouped_topk_indices(x, m), x.topk(m, dim=-1).indices)
-    odd = torch.randn(4, 90)  # not a multiple of the group: plain topk
-    assert torch.equal(grouped_topk_indices(odd, 3), odd.topk(3, dim=-1).indices)
+from rmt.memory.retrieval import leading_singular_vectors, singular_values, tucker_topk
 
 
 def test_tucker_topk_exact_for_rank1_core_on_large_grid():
@@ -97,30 +78,6 @@ def test_rank2_singular_values_and_their_gradient_are_the_svds():
     assert ((values.detach() - want).abs() <= 8 * eps * want[:, :1] + 2 * torch.finfo(torch.float64).tiny ** 0.5).all()
     values.sum().backward()
     assert torch.isfinite(special.grad).all()
-
-
-@pytest.mark.parametrize(
-    "dtype,n,m", [(torch.float64, 200, 7), (torch.float32, 96, 16), (torch.float64, 20, 16), (torch.float64, 4, 16)]
-)
-def test_fused_selection_equals_torch(dtype, n, m):
-    """Same rows/cols in the same (best-first) order; the last two keep all n candidates (2m >= n),
-    the last with fewer than 2m grid entries.
-    Inputs are non-contiguous views, as the layer passes them."""
-    assert _select_ext() is not None
-    gen = torch.Generator().manual_seed(n)
-    T, H, r = 9, 3, 2
-    both = torch.randn(T, H, 2, r, n, generator=gen, dtype=torch.float64).to(dtype)
-    cores = torch.randn(H, 2, r, r, generator=gen, dtype=torch.float64).to(dtype)
-    sel = rank1_selector(cores)
-    fused = tucker_select(both[:, :, 0], both[:, :, 1], sel, m, backend="cpu")
-    ref = tucker_select(both[:, :, 0], both[:, :, 1], sel, m, backend="torch")
-    assert torch.equal(fused[0], ref[0]) and torch.equal(fused[1], ref[1])
-    addr, scores = tucker_topk(both[:, :, 0], both[:, :, 1], cores, m, backend="cpu")
-    addr_ref, scores_ref = tucker_topk(both[:, :, 0], both[:, :, 1], cores, m, backend="torch")
-    assert torch.equal(addr, addr_ref)
-    torch.testing.assert_close(scores, scores_ref)
-    with pytest.raises(ValueError, match="backend must be one of"):
-        tucker_select(both[:, :, 0], both[:, :, 1], sel, m, backend="cuda")
 
 
 def test_layer_without_autograd_equals_training_path_and_follows_weight_changes():

@@ -1,9 +1,11 @@
 """Key retrieval of memory layers: product keys (PKM, UltraMem Eq. 2-3) and Tucker-decomposed
 query-key retrieval with multi-core scoring (TDQKR + MCS, Eq. 4-12 and 16-17).
 
-All functions take per-side scores of shape ``[T, H, r, n]`` (T tokens, H heads, Tucker rank r
-(1 for product keys), n keys per side) and return grid addresses ``row * n + col`` of shape
-``[T, H, m]`` with their scores ``[T, H, m, C]`` (C = number of cores, 1 for product keys).
+The selections here take per-side scores of shape ``[T, H, r, n]`` (T tokens, H heads, Tucker
+rank r (1 for product keys), n keys per side) and return grid addresses ``row * n + col`` of shape
+``[T, H, m]`` with their scores ``[T, H, m, C]`` (C = number of cores, 1 for product keys): the
+unfused path, the reference of the fused op (:mod:`rmt.ops.fused_retrieval`), which selects the
+same addresses under the same tie rule (:mod:`rmt.ops.topm`) without the score tensors.
 """
 
 from __future__ import annotations
@@ -14,46 +16,29 @@ from typing import Tuple
 
 import torch
 
+from rmt.ops.topm import grid_topm, selected_scores, side_candidates
+
 
 def product_topk(s_row: torch.Tensor, s_col: torch.Tensor, m: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Two-phase top-m of ``s_row[i] + s_col[j]`` (Eq. 2-3); exact. Inputs ``[T, H, 1, n]``."""
+    """Two-phase top-m of ``s_row[i] + s_col[j]`` (Eq. 2-3); exact, under the tie rule of
+    :mod:`rmt.ops.topm`. Inputs ``[T, H, 1, n]``; returns addresses ``[T, H, m]`` (best first)
+    and their scores ``[T, H, m, 1]``, differentiable in both sides."""
     n = s_row.shape[-1]
-    vr, ir = s_row[:, :, 0].topk(m, dim=-1)
-    vc, ic = s_col[:, :, 0].topk(m, dim=-1)
-    grid = (vr.unsqueeze(-1) + vc.unsqueeze(-2)).flatten(-2)
-    best, pos = grid.topk(m, dim=-1)
-    addr = ir.gather(-1, pos // m) * n + ic.gather(-1, pos % m)
-    return addr, best.unsqueeze(-1)
+    rows, cols = side_candidates(s_row.detach(), None, m), side_candidates(s_col.detach(), None, m)
+    addr, _ = grid_topm(rows, _at(s_row.detach(), rows), cols, _at(s_col.detach(), cols), m, n)
+    return addr, selected_scores(_selected(s_row, s_col, addr), None)
 
 
-# Entries per group of the grouped top-m below (fastest of 4..48 on CPU for n ~ 10^3, m = 16).
-_GROUP = 8
+def _at(s: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Side scores ``[T, H, r, c]`` of ``s [T, H, r, n]`` at key indices ``idx [T, H, c]``."""
+    return s.gather(-1, idx.unsqueeze(2).expand(-1, -1, s.shape[2], -1))
 
 
-def grouped_topk_indices(x: torch.Tensor, m: int) -> torch.Tensor:
-    """Indices of the top-m along the last dim, as ``x.topk(m).indices``. When that dim splits
-    into groups of ``_GROUP``, the top-m entries lie in the m groups of largest maxima, so one
-    cheap max-reduction, a top-m over n / _GROUP maxima and a top-m over those m groups replace
-    the top-m over all n (CPU ``topk`` costs ~7 ns per entry; decoding spends most of the
-    retrieval time in it)."""
-    n = x.shape[-1]
-    if n % _GROUP or n // _GROUP <= m:
-        return x.topk(m, dim=-1).indices
-    groups = x.unflatten(-1, (n // _GROUP, _GROUP))
-    best = groups.amax(-1).topk(m, dim=-1).indices
-    pos = groups.gather(-2, best.unsqueeze(-1).expand(*best.shape, _GROUP)).flatten(-2).topk(m, dim=-1).indices
-    return best.gather(-1, pos // _GROUP) * _GROUP + pos % _GROUP
-
-
-def _candidates(a: torch.Tensor, b: torch.Tensor, m: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per side, indices of the m largest and the m smallest entries of the rank-1 side scores
-    ``a``, ``b`` (``[T, H, n]`` -> ``[T, H, 2m]``, or all n when ``2m >= n``), one top-m call."""
-    n = a.shape[-1]
-    if 2 * m >= n:
-        every = torch.arange(n, device=a.device).expand(*a.shape[:-1], n)
-        return every, every
-    idx = grouped_topk_indices(torch.stack([a, -a, b, -b]), m)
-    return torch.cat([idx[0], idx[1]], -1), torch.cat([idx[2], idx[3]], -1)
+def _selected(s_row: torch.Tensor, s_col: torch.Tensor, addr: torch.Tensor) -> torch.Tensor:
+    """The side scores at grid addresses ``addr [T, H, m]``: ``[T, H, 2, r, m]`` (row side first),
+    differentiable."""
+    n = s_row.shape[-1]
+    return torch.stack([_at(s_row, addr // n), _at(s_col, addr % n)], 2)
 
 
 def leading_singular_vectors(core: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -118,50 +103,24 @@ def rank1_selector(cores: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, tor
     return (total,) + leading_singular_vectors(total)
 
 
-def _select_ext():
-    from rmt.ops.extensions import load_extension
-
-    return load_extension("rmt_tucker_select_cpu")
-
-
-SELECT_BACKENDS = ("cpu", "torch")
-
-
-def tucker_select(s_row: torch.Tensor, s_col: torch.Tensor, selector, m: int, backend: str = None):
-    """Rows and columns ``[T, H, m]`` of the TDQKR two-phase top-m (Eq. 7-10), best first.
+def tucker_select(s_row: torch.Tensor, s_col: torch.Tensor, selector, m: int) -> torch.Tensor:
+    """Grid addresses ``[T, H, m]`` of the TDQKR two-phase top-m (Eq. 7-10), best first, under
+    the tie rule of :mod:`rmt.ops.topm`.
 
     ``selector`` is :func:`rank1_selector`'s ``(C, u, t)``. Phase 1 keeps, per side, the
     candidates of the rank-1 objective ``u^T S_row`` / ``t^T S_col`` (Eq. 8-9). Singular vectors
     have no canonical sign and side scores take both signs, so the m largest *and* the m smallest
     entries are kept: then the selection is exact whenever C has rank 1 and the m-th best grid
     score is positive. Phase 2 takes the exact top-m of ``S_row^T C S_col`` over the candidate
-    grid (Eq. 10). ``backend``: ``"cpu"`` (the fused kernel of ``csrc/tucker_select_cpu.cpp``,
-    the default for CPU float tensors when it builds) or ``"torch"`` (the reference here)."""
+    grid (Eq. 10). The fused op (:mod:`rmt.ops.fused_retrieval`) selects the same addresses
+    without the ``[T, H, r, n]`` scores."""
     total, u, t = selector
     s_row, s_col = s_row.detach(), s_col.detach()
-    if backend is None:
-        fused = s_row.device.type == "cpu" and s_row.dtype in (torch.float32, torch.float64)
-        backend = "cpu" if fused and _select_ext() is not None else "torch"
-    if backend == "cpu":
-        return tuple(_select_ext().tucker_select(s_row, s_col, u, t, total, m))
-    if backend != "torch":
-        raise ValueError(f"tucker_select: backend must be one of {SELECT_BACKENDS}; got {backend!r}")
-    H, r = u.shape
-    # u^T S_row and t^T S_col as batched GEMVs (a broadcast matmul; einsum permutes and copies).
-    rows, cols = _candidates(
-        torch.matmul(u.view(1, H, 1, r), s_row).squeeze(2), torch.matmul(t.view(1, H, 1, r), s_col).squeeze(2), m
-    )
-    sr = s_row.gather(-1, rows.unsqueeze(2).expand(-1, -1, r, -1))
-    sc = s_col.gather(-1, cols.unsqueeze(2).expand(-1, -1, r, -1))
-    grid = torch.einsum("thai,hab,thbj->thij", sr, total, sc).flatten(2)
-    cc = cols.shape[-1]
-    pos = grid.topk(m, dim=-1).indices
-    return rows.gather(-1, pos // cc), cols.gather(-1, pos % cc)
+    rows, cols = side_candidates(s_row, u, m), side_candidates(s_col, t, m)
+    return grid_topm(rows, _at(s_row, rows), cols, _at(s_col, cols), m, s_row.shape[-1], total)[0]
 
 
-def tucker_topk(
-    s_row: torch.Tensor, s_col: torch.Tensor, cores: torch.Tensor, m: int, selector=None, backend: str = None
-):
+def tucker_topk(s_row: torch.Tensor, s_col: torch.Tensor, cores: torch.Tensor, m: int, selector=None):
     """TDQKR two-phase top-m (Eq. 7-10) with multi-core scoring (Eq. 16).
 
     ``cores`` is ``[H, h, r, r]``; the selection (:func:`tucker_select`) uses the aggregated core
@@ -169,15 +128,8 @@ def tucker_topk(
     grid addresses ``[T, H, m]`` and each core's score ``S_row^T C^(i) S_col`` (Eq. 16) at them
     as the C columns ``[T, H, m, h]``, differentiable in ``s_row``, ``s_col`` and ``cores``.
     """
-    n, r = s_row.shape[-1], s_row.shape[2]
-    rows, cols = tucker_select(s_row, s_col, selector or rank1_selector(cores), m, backend)
-    sr = s_row.gather(-1, rows.unsqueeze(2).expand(-1, -1, r, -1))
-    sc = s_col.gather(-1, cols.unsqueeze(2).expand(-1, -1, r, -1))
-    # Eq. 16 at the m selected pairs: [T, H, m, r*r] outer products times [H, r*r, h] cores.
-    H, h = cores.shape[:2]
-    outer = (sr.unsqueeze(3) * sc.unsqueeze(2)).flatten(2, 3).transpose(2, 3)
-    scores = torch.matmul(outer, cores.reshape(H, h, r * r).transpose(1, 2))
-    return rows * n + cols, scores
+    addr = tucker_select(s_row, s_col, selector or rank1_selector(cores), m)
+    return addr, selected_scores(_selected(s_row, s_col, addr), cores)
 
 
 def tucker_aux_loss(cores: torch.Tensor, weight: float, margin: float) -> torch.Tensor:

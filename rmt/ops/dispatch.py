@@ -1,6 +1,8 @@
-"""Where ``lookup_reduce``'s front (:mod:`rmt.ops.lookup_reduce`, :mod:`rmt.ops.fused_update`)
-meets its backends: the interface a backend implements, the registry that declares each
-backend's optional kernels, and the choice of a backend for a device and dtype.
+"""Where the fused ops' fronts meet their backends: ``lookup_reduce``'s
+(:mod:`rmt.ops.lookup_reduce`, :mod:`rmt.ops.fused_update`) and the fused retrieval's
+(:mod:`rmt.ops.fused_retrieval`, at the end): the interface a backend implements, the registry
+that declares each backend's optional kernels (lookup-reduce) or the tensors it covers
+(retrieval), and the choice of a backend for a device and dtype.
 
 A backend is a module with the functions of :class:`LookupReduceBackend`. ``is_available``,
 ``forward`` and ``backward`` are required; the others are optional kernels, and the registry
@@ -14,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-from typing import Dict, FrozenSet, Protocol
+from typing import Dict, FrozenSet, Optional, Protocol
 
 import torch
 
@@ -186,3 +188,76 @@ def select_backend(device, backend=None, dtype=torch.float32):
     if dtype == torch.float64:
         order = tuple(name for name in order if name in FLOAT64_BACKENDS)
     return next(name for name in order if get_backend(name).is_available(device))
+
+
+# -- the fused retrieval op (rmt.ops.fused_retrieval) ----------------------------------------------
+
+ENV_RETRIEVAL_BACKEND = "RMT_RETRIEVAL_BACKEND"
+
+
+@dataclasses.dataclass(frozen=True)
+class RetrievalBackendSpec:
+    """A fused-retrieval backend's declaration: its module (``is_available(device)`` and
+    ``select(q_row, q_col, keys, m, selector, key_tile, token_block)``, the contract of
+    :func:`rmt.ops.retrieval_reference.select`), the device type whose tensors it takes (None:
+    any) and the input dtypes it covers. What it declares is what validation promises before
+    training, so a backend covers every shape of its dtypes."""
+
+    name: str
+    module: str
+    device_type: Optional[str]
+    dtypes: FrozenSet[torch.dtype]
+
+
+#: Fused-retrieval backends, fastest first. A GPU backend (Triton, CUDA) is a module with the
+#: two functions above and an entry before "cpu" with ``device_type="cuda"``; ``auto`` then picks
+#: it, and ``memory.retrieval_kernel: fused`` is accepted on a GPU for the dtypes it declares.
+RETRIEVAL_REGISTRY: Dict[str, RetrievalBackendSpec] = {
+    "reference": RetrievalBackendSpec(
+        "reference",
+        "rmt.ops.retrieval_reference",
+        None,
+        frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64}),
+    ),
+}
+
+
+def _covers(spec: RetrievalBackendSpec, device_type: str, dtype: torch.dtype) -> bool:
+    return spec.device_type in (None, device_type) and dtype in spec.dtypes
+
+
+def fused_retrieval_backends(device_type: str, dtype: torch.dtype):
+    """Names of the fused-retrieval backends other than the reference that declare ``device_type``
+    tensors of ``dtype``, fastest first (none is imported or built)."""
+    return [
+        name for name, spec in RETRIEVAL_REGISTRY.items() if name != "reference" and _covers(spec, device_type, dtype)
+    ]
+
+
+def retrieval_module(name: str):
+    """The module of fused-retrieval backend ``name``."""
+    spec = RETRIEVAL_REGISTRY.get(name)
+    if spec is None:
+        raise ValueError(f"fused_retrieval: backend must be one of {', '.join(RETRIEVAL_REGISTRY)}; got {name!r}")
+    return importlib.import_module(spec.module)
+
+
+def select_retrieval_backend(device, dtype, backend: Optional[str] = None) -> Optional[str]:
+    """The fused-retrieval backend for ``device`` tensors of ``dtype``: ``backend``, else
+    $RMT_RETRIEVAL_BACKEND, else the fastest declared one that is available here (its extension
+    built); None when none but the reference is (the caller then takes the unfused path, or
+    refuses). A forced backend that does not cover the tensors raises."""
+    device = torch.device(device)
+    forced = backend or os.environ.get(ENV_RETRIEVAL_BACKEND) or None
+    if forced is not None:
+        spec = RETRIEVAL_REGISTRY.get(forced)
+        if spec is None or not _covers(spec, device.type, dtype) or not retrieval_module(forced).is_available(device):
+            raise ValueError(
+                f"fused_retrieval: backend {forced!r} does not run {device.type} tensors of {dtype} here "
+                f"(backends: {', '.join(RETRIEVAL_REGISTRY)})"
+            )
+        return forced
+    for name in fused_retrieval_backends(device.type, dtype):
+        if retrieval_module(name).is_available(device):
+            return name
+    return None

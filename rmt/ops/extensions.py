@@ -66,9 +66,6 @@ EXTENSIONS: Dict[str, dict] = {
         extra_cflags=_NATIVE_CPU + ["-ffp-contract=off", "-fno-math-errno"],
         extra_ldflags=["-fopenmp"],
     ),
-    "rmt_tucker_select_cpu": dict(
-        sources=["tucker_select_cpu.cpp"], extra_cflags=_NATIVE_CPU, extra_ldflags=["-fopenmp"]
-    ),
     "rmt_matrix_rmsnorm_cpu": dict(
         sources=["matrix_rmsnorm_cpu.cpp"], extra_cflags=_NATIVE_CPU, extra_ldflags=["-fopenmp"]
     ),
