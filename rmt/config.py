@@ -571,6 +571,13 @@ class MemoryConfig:
     retrieval: Literal["tucker", "product"] = "tucker"
     """UltraMem retrieval: ``tucker`` (TDQKR, Eq. 4–10) or ``product`` (product keys)."""
 
+    retrieval_kernel: Literal["auto", "fused", "unfused"] = "auto"
+    """How UltraMem, UltraMemV2 and PKM layers select their top-m: ``fused`` streams the keys in
+    tiles and never holds the ``[tokens, heads, rank, keys]`` scores (:mod:`rmt.ops.fused_retrieval`;
+    refused before training where it has no backend for the device and precision: today CPU);
+    ``unfused`` builds the scores and selects from them (the reference); ``auto`` takes ``fused``
+    where it has a backend, else ``unfused``. Both select the same addresses."""
+
     tucker_rank: Annotated[int, Range(gt=0)] = 2
     """Tucker rank r of TDQKR."""
 

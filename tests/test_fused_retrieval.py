@@ -6,6 +6,7 @@ grid), the bytes its backward keeps, and its input checks."""
 import pytest
 import torch
 
+from rmt.memory.retrieval import rank1_selector
 from rmt.ops import dispatch
 from rmt.ops.fused_retrieval import fused_retrieval
 from rmt.ops.topm import ordered_topm
@@ -25,22 +26,46 @@ def test_ordered_topm_takes_the_lower_position_among_equal_values():
             assert torch.equal(values[row], x[row, want])
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize(
     "dtype,values",
     [(torch.float32, "integer"), (torch.bfloat16, "integer"), (torch.float64, "random"), (torch.float32, "random")],
 )
-def test_reference_equals_unfused(name, dtype, values):
+def test_backend_equals_unfused(backend, name, dtype, values):
     """Tiles of 8 keys and blocks of 4 tokens, neither dividing the shapes."""
-    check(name, dtype, values, "reference", key_tile=8, token_block=4)
+    check(name, dtype, values, backend, key_tile=8, token_block=4)
 
 
-def test_tiles_do_not_change_the_result():
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_tiles_do_not_change_the_result(backend):
     leaves, views, _ = make_case("tucker", torch.float32, "integer", seed=3)
     want = fused(*views, leaves[1], 4, leaves[2], backend="reference", key_tile=1000)
     for key_tile, token_block in ((1, None), (5, 1), (36, 2), (37, 100)):
-        got = fused(*views, leaves[1], 4, leaves[2], backend="reference", key_tile=key_tile, token_block=token_block)
+        got = fused(*views, leaves[1], 4, leaves[2], backend=backend, key_tile=key_tile, token_block=token_block)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def _select(backend, name, dtype, seed=0, **tiles):
+    leaves, (q_row, q_col), _ = make_case(name, dtype, "random", seed)
+    cores = leaves[2]
+    selector = None if cores is None else rank1_selector(cores.detach())
+    m = CASES[name][5]
+    with torch.no_grad():
+        return dispatch.retrieval_module(backend).select(q_row, q_col, leaves[1], m, selector, **tiles)
+
+
+def test_cpu_gives_the_same_bits_on_any_thread_count():
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            results.append(_select("cpu", "tucker", torch.float32, key_tile=7, token_block=2))
+    finally:
+        torch.set_num_threads(threads)
+    for got in results[1:]:
+        assert torch.equal(got[0], results[0][0]) and torch.equal(got[1], results[0][1])
 
 
 def test_all_equal_scores_select_the_lowest_addresses():
@@ -81,6 +106,8 @@ def test_backends_and_selection():
     with pytest.raises(ValueError, match="backend 'reference' does not run cpu tensors of torch.int64"):
         dispatch.select_retrieval_backend("cpu", torch.int64, "reference")
     assert dispatch.fused_retrieval_backends("cuda", torch.bfloat16) == []
+    assert dispatch.fused_retrieval_backends("cpu", torch.bfloat16) == ["cpu"]
+    assert dispatch.select_retrieval_backend("cpu", torch.float32) == "cpu"
 
 
 @pytest.mark.parametrize(

@@ -137,6 +137,33 @@ def validate_value_optimizer(mem) -> None:
         )
 
 
+def validate_retrieval_kernel(config) -> None:
+    """``memory.retrieval_kernel: fused`` needs a backend of the fused retrieval op for the
+    run's device and precision (:func:`rmt.ops.dispatch.fused_retrieval_backends`, what the
+    backends declare: nothing is built here)."""
+    import torch
+
+    from rmt.ops.dispatch import RETRIEVAL_REGISTRY, fused_retrieval_backends
+    from rmt.parallel.compat import cuda_available
+
+    if config.memory.retrieval_kernel != "fused":
+        return
+    device = "cuda" if cuda_available() else "cpu"
+    precision = config.train.precision
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    if not fused_retrieval_backends(device, dtype):
+        where = "; ".join(
+            f"{spec.device_type} {', '.join(sorted(str(d).removeprefix('torch.') for d in spec.dtypes))}"
+            for name, spec in RETRIEVAL_REGISTRY.items()
+            if name != "reference"
+        )
+        raise ConfigError(
+            f"memory.retrieval_kernel 'fused' has no backend for {device} tensors in train.precision "
+            f"'{precision}' (the fused retrieval runs on: {where}); use 'auto' (the unfused path where "
+            f"the fused one has no backend) or 'unfused'"
+        )
+
+
 def validate_table_location(mem) -> None:
     """``memory.table_location: host``: value tables to hold, stepped on the host by a row-wise
     optimizer from their gathered row gradients; ``memory.host_cache_rows`` caches rows of them."""
@@ -201,6 +228,7 @@ def validate_memory(config, world_size: Optional[int] = None) -> None:
         return
     validate_memory_pipeline(config, memory_placement(config))
     validate_value_optimizer(mem)
+    validate_retrieval_kernel(config)
     if mem.type == "pkm":
         if mem.key_dim % 2:
             raise ConfigError(f"memory.key_dim ({mem.key_dim}) must be even for PKM (row and column halves)")

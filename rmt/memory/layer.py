@@ -7,7 +7,9 @@ Forward of one layer on hidden states ``x [s, b, hidden]`` (sequence first):
 2. query projection, per head, shared by row and column keys or not (item 5), with an optional
    bias and BatchNorm (PKM as published, :mod:`rmt.memory.batchnorm`);
 3. optional LayerNorm of queries and keys (item 2), gains per Appendix A;
-4. retrieval: product keys (Eq. 2-3) or TDQKR with multi-core scoring (Eq. 4-10, 16);
+4. retrieval: product keys (Eq. 2-3) or TDQKR with multi-core scoring (Eq. 4-10, 16), by the
+   fused streaming top-m (:mod:`rmt.ops.fused_retrieval`) or the unfused path
+   (:mod:`rmt.memory.retrieval`), ``memory.retrieval_kernel``;
 5. optional softmax over the top-m (PKM; removed in UltraMem, item 1);
 6. IVE: shuffled virtual address -> (physical slot, virtual block) (Eq. 14);
 7. ``MemoryTable.lookup_reduce`` pools per virtual block and core column (Eq. 15, 17);
@@ -41,6 +43,7 @@ from rmt.memory.shapes import memory_width
 from rmt.memory.shapes import value_dim as config_value_dim
 from rmt.memory.table import MemoryTable
 from rmt.ops.counter_normal import stream_key
+from rmt.ops.fused_retrieval import choose_backend, fused_retrieval
 
 
 @dataclass
@@ -54,6 +57,7 @@ class MemorySpec:
     side_dim: int = _MEM.key_dim
     num_keys: int = _MEM.num_keys
     retrieval: str = _MEM.retrieval
+    retrieval_kernel: str = _MEM.retrieval_kernel  # fused | unfused | auto (memory.retrieval_kernel)
     tucker_rank: int = _MEM.tucker_rank
     num_cores: int = _MEM.num_cores
     ive_blocks: int = _MEM.ive_blocks
@@ -104,6 +108,7 @@ class MemorySpec:
             sparse_grad=mem.value_optimizer != "adamw",
             seed=config.train.seed * 1000 + index,
             query_batchnorm=mem.query_batchnorm,
+            retrieval_kernel=mem.retrieval_kernel,
             query_bias=mem.query_bias,
             value_init_std=mem.value_init_std,
             value_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[mem.value_dtype],
@@ -346,9 +351,9 @@ class MemoryLayer(torch.nn.Module):
             self._frozen = (tag, *compute())
         return self._frozen[1:]
 
-    def side_scores(self, h: torch.Tensor, keys: torch.Tensor):
-        """Row and column scores ``S_row, S_col`` of Eq. 4, each ``[T, H, r, n]`` (``keys``: the
-        normalised keys of :meth:`_weight_terms`)."""
+    def queries(self, h: torch.Tensor):
+        """Row and column queries ``q_row, q_col``, each ``[T, H, r, sub_dim]`` (a shared query
+        is one tensor twice)."""
         s = self.spec
         T = h.shape[0]
         q = self.query(h)
@@ -357,21 +362,30 @@ class MemoryLayer(torch.nn.Module):
         q = q.view(T, s.num_heads, 1 if s.share_query else 2, s.tucker_rank, self.sub_dim)
         if s.query_key_norm:
             q = self.query_norm(q)
+        return q[:, :, 0], q[:, :, -1]
+
+    def side_scores(self, h: torch.Tensor, keys: torch.Tensor):
+        """Row and column scores ``S_row, S_col`` of Eq. 4, each ``[T, H, r, n]`` (``keys``: the
+        normalised keys of :meth:`_weight_terms`): the unfused path's."""
         # One product per side (a shared query serves both): slices of one [T, H, 2, r, n] product
         # would backpropagate through two zero-filled copies of it and their sum.
-        return tuple(
-            torch.einsum("thrd,hrnd->thrn", q[:, :, min(side, q.shape[2] - 1)], keys[:, side]) for side in (0, 1)
-        )
+        return tuple(torch.einsum("thrd,hrnd->thrn", q, keys[:, side]) for side, q in enumerate(self.queries(h)))
 
     def retrieve(self, h: torch.Tensor):
         """Flat ``[T, H*m]`` virtual addresses and ``[T, H*m, C]`` scores."""
         s = self.spec
         keys, selector = self._weight_terms()
-        s_row, s_col = self.side_scores(h, keys)
-        if s.retrieval == "tucker":
-            addr, scores = tucker_topk(s_row, s_col, self.cores, s.topk, selector)
+        cores = self.cores if s.retrieval == "tucker" else None
+        backend = choose_backend(s.retrieval_kernel, keys.device, keys.dtype)
+        if backend is not None:
+            q_row, q_col = self.queries(h)
+            addr, scores = fused_retrieval(q_row, q_col, keys, s.topk, cores, selector, backend=backend)
         else:
-            addr, scores = product_topk(s_row, s_col, s.topk)
+            s_row, s_col = self.side_scores(h, keys)
+            if cores is not None:
+                addr, scores = tucker_topk(s_row, s_col, cores, s.topk, selector)
+            else:
+                addr, scores = product_topk(s_row, s_col, s.topk)
         if self.training:
             self._record_scores(scores.detach().sum(-1))
         if s.softmax:

@@ -95,14 +95,17 @@ class UltraMemV2Layer(MemoryLayer):
         """The input itself (the block's normed FFN input: no norm, no convolution here)."""
         return x
 
-    def side_scores(self, h: torch.Tensor, keys: torch.Tensor):
-        """Row and column scores ``[T, H, r, n]``: each side's query against every rank's keys."""
+    def queries(self, h: torch.Tensor):
+        """Row and column queries ``[T, H, r, Kd]``: each side's one query, expanded over the
+        Tucker ranks (every rank's keys score the same query)."""
         s = self.spec
-        q = self.query(h).view(h.shape[0], s.num_heads, 2, s.side_dim)
+        T = h.shape[0]
+        q = self.query(h).view(T, s.num_heads, 2, s.side_dim)
         # The norm in its gain's dtype: autocast has no rule for rms_norm (a bf16 query against an
         # fp32 gain would take torch's unfused path), as it computes layer_norm in fp32.
         q = self.query_norm(q.to(self.query_norm.weight.dtype))
-        return tuple(torch.einsum("thd,hrnd->thrn", q[:, :, side], keys[:, side]) for side in (0, 1))
+        shape = (T, s.num_heads, s.tucker_rank, s.side_dim)
+        return q[:, :, 0, None].expand(shape), q[:, :, 1, None].expand(shape)
 
     def gates(self, h: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """PEER-style value processing: ``act(<P[slot], W_pre h>)`` per lookup, ``[T, K]``. The

@@ -213,6 +213,9 @@ class RetrievalBackendSpec:
 #: two functions above and an entry before "cpu" with ``device_type="cuda"``; ``auto`` then picks
 #: it, and ``memory.retrieval_kernel: fused`` is accepted on a GPU for the dtypes it declares.
 RETRIEVAL_REGISTRY: Dict[str, RetrievalBackendSpec] = {
+    "cpu": RetrievalBackendSpec(
+        "cpu", "rmt.ops.retrieval_cpu", "cpu", frozenset({torch.float32, torch.bfloat16, torch.float64})
+    ),
     "reference": RetrievalBackendSpec(
         "reference",
         "rmt.ops.retrieval_reference",

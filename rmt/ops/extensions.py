@@ -66,6 +66,13 @@ EXTENSIONS: Dict[str, dict] = {
         extra_cflags=_NATIVE_CPU + ["-ffp-contract=off", "-fno-math-errno"],
         extra_ldflags=["-fopenmp"],
     ),
+    # -ffp-contract=off: the selection's objectives and grids rounded operation by operation, as
+    # the torch reference computes them (rmt.ops.topm), so both select the same addresses
+    "rmt_retrieval_select_cpu": dict(
+        sources=["retrieval_select_cpu.cpp"],
+        extra_cflags=_NATIVE_CPU + ["-ffp-contract=off"],
+        extra_ldflags=["-fopenmp"],
+    ),
     "rmt_matrix_rmsnorm_cpu": dict(
         sources=["matrix_rmsnorm_cpu.cpp"], extra_cflags=_NATIVE_CPU, extra_ldflags=["-fopenmp"]
     ),

@@ -26,7 +26,9 @@ Inputs (one floating dtype, one device):
 Selection (the backends' ``select``), per token and head:
 
 1. side scores ``S[a, j] = q_side[a] . keys[side, a, j]``, accumulated in fp32 (fp64 for fp64)
-   and rounded to the inputs' dtype, as the unfused ``einsum`` rounds them;
+   and rounded once to the inputs' dtype, as the unfused ``einsum`` rounds them (in an order the
+   matrix product chooses: for bfloat16 inputs torch's product on a CPU may round a score to the
+   neighbouring value, where the backends here widen the inputs and use the float32 product);
 2. per side, the candidates: product keys, the m best ``S[0, j]``; TDQKR, the m largest and the m
    smallest rank-1 objectives ``u^T S`` / ``t^T S`` (Eq. 8-9; all n keys while ``2m >= n``),
    each kept with its r side scores;
@@ -35,9 +37,9 @@ Selection (the backends' ``select``), per token and head:
 
 Tie rule (:mod:`rmt.ops.topm`): among equal scores the lower key index, or the lower grid
 address, wins; TDQKR's m smallest are the last m of that order. The unfused path obeys it too,
-so both select the same addresses wherever their side scores carry the same bits (they may
-differ in the last bit where the matrix products sum in another order: then an address whose
-score ties another's within that rounding may swap with it).
+so both select the same addresses wherever their side scores carry the same bits (float32 and
+float64 on a CPU, where both products are MKL's; where the products sum in another order, an
+address whose score ties another's within that rounding may swap with it).
 
 Outputs: ``addr [T, H, m]`` int64 grid addresses ``row * n + col``, best first; ``scores [T, H,
 m, C]`` in the inputs' dtype: ``s_row + s_col`` (C = 1) or each core's ``S_row^T C^(i) S_col``
@@ -156,6 +158,28 @@ def selected_keys_backward(q_row, q_col, keys, addr, grad_sel, want_q: bool, wan
         queries = torch.stack([q_row, q_col], 2).reshape(T * H * 2 * r, 1, D)
         grad_keys = impl.backward_dense(queries, table, indices, weights, None, 1)[0].view(keys.shape)
     return grad_q, grad_keys
+
+
+KERNELS = ("auto", "fused", "unfused")
+
+
+def choose_backend(kernel: str, device, dtype) -> Optional[str]:
+    """The fused op's backend for a layer's retrieval under ``memory.retrieval_kernel`` =
+    ``kernel``, or None for the unfused path: ``unfused`` None; ``auto`` the backend
+    :func:`~rmt.ops.dispatch.select_retrieval_backend` picks, None where only the reference would
+    run; ``fused`` the same, raising where there is none (validation refuses the configurations
+    without a declared backend before training; this is an extension that failed to build)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"retrieval kernel must be one of {', '.join(KERNELS)}; got {kernel!r}")
+    if kernel == "unfused":
+        return None
+    name = select_retrieval_backend(device, dtype)
+    if name is None and kernel == "fused":
+        raise RuntimeError(
+            f"memory.retrieval_kernel 'fused' has no backend running {torch.device(device).type} tensors of "
+            f"{dtype} here (its extension did not build); use 'auto' or 'unfused'"
+        )
+    return name
 
 
 def fused_retrieval(

@@ -2,8 +2,8 @@
 the semantics every backend implements, streamed as a kernel streams them.
 
 For each block of ``token_block`` tokens and each grid side, the keys are read in tiles of
-``key_tile``; a tile's side scores ``[Tb, H, r, tile]`` are computed (the product ``q . k``,
-rounded to the inputs' dtype as torch's matmul rounds it), and only the running candidates stay:
+``key_tile``; a tile's side scores ``[Tb, H, r, tile]`` are computed (the product ``q . k`` of the
+inputs widened to the accumulation dtype, rounded once to the inputs' dtype), and only the running candidates stay:
 product keys, the m best scores; TDQKR, the m largest and the m smallest rank-1 objectives
 (Eq. 8-9), each with its r side scores (all keys while ``2m >= n``). Merging keeps the tie rule of
 :mod:`rmt.ops.topm`: the running lists hold lower key indices than the tile, so in the
@@ -92,10 +92,10 @@ def select(q_row, q_col, keys, m, selector=None, key_tile=None, token_block=None
         sides = []
         for side, q in enumerate((q_row, q_col)):
             stream = _SideStream(weights[side], m, n)
-            qb = q[t0 : t0 + step]
+            qb = q[t0 : t0 + step].to(acc)
             for j0 in range(0, n, key_tile):
-                tile = keys[:, side, :, j0 : j0 + key_tile]
-                s = torch.einsum("thad,hajd->thaj", qb, tile).to(acc)
+                tile = keys[:, side, :, j0 : j0 + key_tile].to(acc)
+                s = torch.einsum("thad,hajd->thaj", qb, tile).to(keys.dtype).to(acc)
                 stream.add(s, torch.arange(j0, j0 + tile.shape[2], device=keys.device))
             sides.append(stream.candidates())
         addr, sel = grid_topm(*sides[0], *sides[1], m, n, core)

@@ -1,0 +1,25 @@
+"""CPU backend of the fused retrieval op (:mod:`rmt.ops.fused_retrieval`): the OpenMP C++ selection
+of csrc/retrieval_select_cpu.cpp (built by :mod:`rmt.ops.extensions`)."""
+
+from .extensions import load_extension
+
+NAME = "rmt_retrieval_select_cpu"
+
+#: Keys per tile and tokens per block (measured on CPU: tools/bench_retrieval.py).
+KEY_TILE = 512
+TOKEN_BLOCK = 64
+
+
+def _ext():
+    return load_extension(NAME)
+
+
+def is_available(device):
+    """True for CPU tensors once the extension builds."""
+    return device.type == "cpu" and _ext() is not None
+
+
+def select(q_row, q_col, keys, m, selector=None, key_tile=None, token_block=None):
+    """The contract of :func:`rmt.ops.retrieval_reference.select`."""
+    core, u, t = selector if selector is not None else (None, None, None)
+    return tuple(_ext().select(q_row, q_col, keys, m, core, u, t, key_tile or KEY_TILE, token_block or TOKEN_BLOCK))
