@@ -2,7 +2,8 @@
 bits whatever x86-64 they are built for: their register tiles (csrc/key_tiles.h) use 16 lanes
 where the build targets AVX-512 and 8 elsewhere, and each output element is one lane summing in
 a fixed order. A build for AVX2 and FMA only (``-mavx2 -mfma``) is compared with this host's
-build on shapes that reach every tile size and remainder, both layouts, forward and backward."""
+build on shapes that reach every tile size and remainder, both layouts, forward and backward.
+The fused retrieval's selection (csrc/retrieval_select_cpu.cpp) is compared the same way."""
 
 import pytest
 import torch
@@ -36,7 +37,12 @@ SHAPES = [
 
 
 def _avx2_build(name):
-    spec = dict(EXTENSIONS[name], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"])
+    flags = [
+        f
+        for flag in EXTENSIONS[name]["extra_cflags"]
+        for f in (["-mavx2", "-mfma"] if flag == "-march=native" else [flag])
+    ]
+    spec = dict(EXTENSIONS[name], extra_cflags=flags)
     module = extensions.load_extension(f"{name}_avx2", spec)
     assert module is not None, f"{name} did not build for AVX2"
     return module
@@ -77,3 +83,23 @@ def test_an_avx2_build_gives_this_hosts_bits():
                 assert torch.equal(a, b), (T, dv, dk, heads, layout.is_contiguous())
                 compared += 1
     assert compared == len(SHAPES) * (2 * 5 + 2 * 3)
+
+
+@pytest.mark.slow
+def test_an_avx2_build_selects_the_hosts_retrieval():
+    """The fused retrieval's selection (csrc/retrieval_select_cpu.cpp, no ISA-specific code):
+    the AVX2 build returns the host build's addresses and side scores, bit for bit, for product
+    keys and TDQKR in every dtype it covers."""
+    from rmt.memory.retrieval import rank1_selector
+    from rmt.ops.retrieval_cpu import _ext as select_ext
+
+    avx2 = _avx2_build("rmt_retrieval_select_cpu")
+    gen = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        for r, n, m in ((1, 300, 7), (2, 513, 16), (2, 20, 16)):
+            q = torch.randn(37, 2, 2, r, 24, generator=gen).to(dtype)
+            keys = torch.randn(2, 2, r, n, 24, generator=gen).to(dtype)
+            selector = rank1_selector(torch.randn(2, 2, r, r, generator=gen).to(dtype)) if r > 1 else (None,) * 3
+            args = (q[:, :, 0], q[:, :, 1], keys, m, *selector, 64, 16)
+            for a, b in zip(select_ext().select(*args), avx2.select(*args)):
+                assert torch.equal(a, b), (dtype, r, n)

@@ -6,8 +6,8 @@ from .extensions import load_extension
 NAME = "rmt_retrieval_select_cpu"
 
 #: Keys per tile and tokens per block (measured on CPU: tools/bench_retrieval.py).
-KEY_TILE = 512
-TOKEN_BLOCK = 64
+KEY_TILE = 256
+TOKEN_BLOCK = 128
 
 
 def _ext():
