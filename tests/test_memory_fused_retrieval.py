@@ -25,21 +25,15 @@ LAYERS = {
         retrieval="tucker", tucker_rank=3, side_dim=9, num_cores=1, ive_blocks=1, query_key_norm=False
     ),
     "ultramem_product": dict(retrieval="product", tucker_rank=1, num_cores=1, ive_blocks=4),
-    "pkm_published": dict(
-        retrieval="product",
-        tucker_rank=1,
-        num_cores=1,
-        ive_blocks=1,
-        ive_shuffle=False,
-        softmax=True,
-        value_dim=24,
-        side_dim=4,
-        query_key_norm=False,
-        conv_kernel=0,
-        improved_init=False,
-        query_batchnorm=True,
-        query_bias=True,
-    ),
+    # PKM as published (query bias and BatchNorm), its spec from the config as the trainer builds it
+    "pkm_published": [
+        "memory.type=pkm",
+        "memory.key_dim=8",
+        "memory.num_keys=6",
+        "memory.topk=5",
+        "memory.query_batchnorm=true",
+        "memory.query_bias=true",
+    ],
     "ultramem_v2": dict(
         version=2, retrieval="tucker", tucker_rank=2, num_cores=2, ive_blocks=4, value_dim=8, pre_value_dim=4
     ),
@@ -51,7 +45,12 @@ def _layers(name, dtype):
     built = []
     for kernel in ("fused", "unfused"):
         torch.manual_seed(0)
-        spec = MemorySpec(**{**BASE, **LAYERS[name], "retrieval_kernel": kernel})
+        if isinstance(LAYERS[name], list):
+            config = load_config(None, ["model.hidden_size=24", "memory.placement='1:2'"] + LAYERS[name])
+            spec = MemorySpec.from_config(config)
+            spec.retrieval_kernel = kernel
+        else:
+            spec = MemorySpec(**{**BASE, **LAYERS[name], "retrieval_kernel": kernel})
         layer = (UltraMemV2Layer if spec.version == 2 else MemoryLayer)(spec).to(dtype)
         with torch.no_grad():
             for p in layer.parameters():
