@@ -90,7 +90,7 @@ struct Shape {
 // Phase 1 for one (token block, head, side): writes the block's candidates to cand_idx [T, H, 2, c]
 // and cand_side [T, H, 2, r, c].
 template <typename scalar_t>
-void stream_side(const Shape& s, const at::Tensor& q, const scalar_t* keys, const scalar_t* weights, int64_t t0,
+void stream_side(const Shape& s, const at::Tensor& q, const scalar_t* keys, const acc_of<scalar_t>* weights, int64_t t0,
                  int64_t h, int64_t side, int64_t* cand_idx, acc_of<scalar_t>* cand_side) {
   using A = acc_of<scalar_t>;
   const int64_t Tb = std::min(s.block, s.T - t0), r = s.r, D = s.D, n = s.n, m = s.m, c = s.c, tile = s.tile;
@@ -126,7 +126,7 @@ void stream_side(const Shape& s, const at::Tensor& q, const scalar_t* keys, cons
     }
   A w[16];
   if (s.tucker)
-    for (int64_t a = 0; a < r; ++a) w[a] = static_cast<A>(weights[h * r + a]);
+    for (int64_t a = 0; a < r; ++a) w[a] = weights[h * r + a];
   int64_t kept = 0;  // keep_all: keys stored so far
   for (int64_t j0 = 0; j0 < n; j0 += tile) {
     const int64_t L = std::min(tile, n - j0);
@@ -215,7 +215,7 @@ struct GridWork {
 
 // Phase 2 for one (token, head): the grid top-m over both sides' candidates.
 template <typename scalar_t>
-void finish(const Shape& s, const scalar_t* core, int64_t th, const int64_t* cand_idx,
+void finish(const Shape& s, const acc_of<scalar_t>* core, int64_t th, const int64_t* cand_idx,
             const acc_of<scalar_t>* cand_side, int64_t* addr, scalar_t* sel, GridWork<acc_of<scalar_t>>& w) {
   using A = acc_of<scalar_t>;
   const int64_t r = s.r, c = s.c, m = s.m, h = th % s.H;
@@ -233,11 +233,11 @@ void finish(const Shape& s, const scalar_t* core, int64_t th, const int64_t* can
   const A* sr = w.sides.data();
   const A* sc = sr + r * c;
   if (core != nullptr) {  // rv[i, b] = sum_a s_row[a, i] C[a, b], in order of a
-    const scalar_t* C = core + h * r * r;
+    const A* C = core + h * r * r;
     for (int64_t i = 0; i < c; ++i)
       for (int64_t b = 0; b < r; ++b) {
-        A v = static_cast<A>(C[b]) * sr[i];
-        for (int64_t a = 1; a < r; ++a) v = v + static_cast<A>(C[a * r + b]) * sr[a * c + i];
+        A v = C[b] * sr[i];
+        for (int64_t a = 1; a < r; ++a) v = v + C[a * r + b] * sr[a * c + i];
         w.rv[i * r + b] = v;
       }
   }
@@ -276,8 +276,8 @@ void select(const Shape& s, const at::Tensor& q_row, const at::Tensor& q_col, co
   at::Tensor cand_idx = at::empty({s.T * s.H * 2 * s.c}, at::TensorOptions().dtype(at::kLong));
   at::Tensor cand_side = at::empty({s.T * s.H * 2 * s.r * s.c}, opts);
   const scalar_t* kp = keys.data_ptr<scalar_t>();
-  const scalar_t* up = s.tucker ? u.data_ptr<scalar_t>() : nullptr;
-  const scalar_t* tp = s.tucker ? t.data_ptr<scalar_t>() : nullptr;
+  const A* up = s.tucker ? u.data_ptr<A>() : nullptr;
+  const A* tp = s.tucker ? t.data_ptr<A>() : nullptr;
   const int64_t blocks = (s.T + s.block - 1) / s.block, tasks = blocks * s.H * 2;
   int64_t* ci = cand_idx.data_ptr<int64_t>();
   A* cs = cand_side.data_ptr<A>();
@@ -286,7 +286,7 @@ void select(const Shape& s, const at::Tensor& q_row, const at::Tensor& q_col, co
     const int64_t side = task % 2, h = (task / 2) % s.H, b = task / (2 * s.H);
     stream_side<scalar_t>(s, side == 0 ? q_row : q_col, kp, side == 0 ? up : tp, b * s.block, h, side, ci, cs);
   }
-  const scalar_t* cp = s.tucker ? core.data_ptr<scalar_t>() : nullptr;
+  const A* cp = s.tucker ? core.data_ptr<A>() : nullptr;
   int64_t* ap = addr.data_ptr<int64_t>();
   scalar_t* sp = sel.data_ptr<scalar_t>();
   const int64_t pairs = s.T * s.H;
@@ -330,9 +330,10 @@ std::vector<at::Tensor> retrieval_select(const at::Tensor& q_row, const at::Tens
     TORCH_CHECK(core.sizes() == at::IntArrayRef({s.H, s.r, s.r}) && u.sizes() == at::IntArrayRef({s.H, s.r}) &&
                     t.sizes() == u.sizes(),
                 "retrieval_select: the selector must be C [H, r, r], u and t [H, r]");
-    TORCH_CHECK(core.scalar_type() == keys.scalar_type() && u.scalar_type() == keys.scalar_type() &&
-                    t.scalar_type() == keys.scalar_type(),
-                "retrieval_select: the selector must have the keys' dtype");
+    const auto acc = keys.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    TORCH_CHECK(core.scalar_type() == acc && u.scalar_type() == acc && t.scalar_type() == acc,
+                "retrieval_select: the selector must have the accumulation dtype (float64 for float64 keys, else "
+                "float32)");
   }
   at::Tensor addr = at::empty({s.T, s.H, m}, keys.options().dtype(at::kLong));
   at::Tensor sel = at::empty({s.T, s.H, 2, s.r, m}, keys.options());

@@ -99,7 +99,9 @@ def test_an_avx2_build_selects_the_hosts_retrieval():
         for r, n, m in ((1, 300, 7), (2, 513, 16), (2, 20, 16)):
             q = torch.randn(37, 2, 2, r, 24, generator=gen).to(dtype)
             keys = torch.randn(2, 2, r, n, 24, generator=gen).to(dtype)
-            selector = rank1_selector(torch.randn(2, 2, r, r, generator=gen).to(dtype)) if r > 1 else (None,) * 3
+            acc = torch.float64 if dtype == torch.float64 else torch.float32
+            cores = torch.randn(2, 2, r, r, generator=gen).to(dtype)
+            selector = [x.to(acc) for x in rank1_selector(cores)] if r > 1 else (None,) * 3
             args = (q[:, :, 0], q[:, :, 1], keys, m, *selector, 64, 16)
             for a, b in zip(select_ext().select(*args), avx2.select(*args)):
                 assert torch.equal(a, b), (dtype, r, n)

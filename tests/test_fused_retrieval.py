@@ -11,7 +11,7 @@ from rmt.ops import dispatch
 from rmt.ops.fused_retrieval import fused_retrieval
 from rmt.ops.topm import ordered_topm
 
-from retrieval_cases import CASES, check, fused, make_case
+from retrieval_cases import CASES, check, fused, make_case, unfused
 
 
 def test_ordered_topm_takes_the_lower_position_among_equal_values():
@@ -66,6 +66,20 @@ def test_cpu_gives_the_same_bits_on_any_thread_count():
         torch.set_num_threads(threads)
     for got in results[1:]:
         assert torch.equal(got[0], results[0][0]) and torch.equal(got[1], results[0][1])
+
+
+def test_autocast_runs_the_op_in_its_dtype():
+    """Under CPU autocast to bf16, float32 inputs are cast as the unfused path's product casts
+    them: the same addresses and scores as the op on bf16 inputs, and as the unfused path."""
+    leaves, views, _ = make_case("tucker", torch.float32, "integer", seed=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = fused(*views, leaves[1], 4, leaves[2])
+        want = unfused(*views, leaves[1], 4, leaves[2])
+    low = [x.detach().to(torch.bfloat16) for x in (*views, leaves[1], leaves[2])]
+    plain = fused(*low[:3], 4, low[3])
+    assert got[1].dtype == torch.bfloat16
+    for other in (want, plain):
+        assert torch.equal(got[0], other[0]) and torch.equal(got[1], other[1].to(got[1].dtype))
 
 
 def test_all_equal_scores_select_the_lowest_addresses():

@@ -59,6 +59,9 @@ dense table gradient the keys' (sorted by row, no atomics: bit-identical from ru
 the backward runs on the lookup-reduce backend of the device and a retrieval backend implements
 only ``select``.
 
+Under autocast the queries and keys are cast to its dtype first, as the unfused path's product
+is.
+
 Tiles: ``key_tile`` keys per tile, ``token_block`` tokens per block (None: the backend's
 defaults). They set the working memory, ``token_block x H x r x key_tile`` scores per block in
 flight, not the result.
@@ -198,6 +201,9 @@ def fused_retrieval(
     (the module docstring states the contract). ``backend``: None ($RMT_RETRIEVAL_BACKEND, else
     the fastest declared and available one, else the reference) or a name of
     :data:`rmt.ops.dispatch.RETRIEVAL_REGISTRY`."""
+    if torch.is_autocast_enabled(keys.device.type):  # the unfused path's products run in its dtype
+        low = torch.get_autocast_dtype(keys.device.type)
+        q_row, q_col, keys = (x.to(low) for x in (q_row, q_col, keys))
     _check(q_row, q_col, keys, m, cores, selector)
     name = select_retrieval_backend(keys.device, keys.dtype, backend) or "reference"
     if selector is not None:

@@ -133,7 +133,8 @@ class _MultiCoreScores(torch.autograd.Function):
     def forward(ctx, sel, cores):
         ctx.save_for_backward(sel, cores)
         acc = acc_dtype(sel.dtype)
-        return torch.einsum("thak,hcab,thbk->thkc", sel[:, :, 0].to(acc), cores.to(acc), sel[:, :, 1].to(acc))
+        with torch.autocast(sel.device.type, enabled=False):  # in the accumulation dtype under autocast too
+            return torch.einsum("thak,hcab,thbk->thkc", sel[:, :, 0].to(acc), cores.to(acc), sel[:, :, 1].to(acc))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
