@@ -164,9 +164,10 @@ def test_forward_flops_within_one_percent_of_deepspeed_profiler(single_process, 
     bmm, baddbmm, einsum, conv, SDPA, ...); ``rmt-plan model``'s exact count (every matmul-like
     product, 2 FLOPs per MAC; MoE: the router and the k experts each token is routed to) must
     agree within 1%, and its parameters must equal the built model's. The RMT's norm + read and
-    its write run their torch references here (a norm, then the read's GEMM; F.linear): the
-    profiler cannot see inside the C++ kernels, which test_matrix_rmsnorm and test_matrix_write
-    check against those references."""
+    its write run their torch references here (a norm, then the read's GEMM; F.linear), and the
+    memory layers' fused retrieval its torch reference (one einsum per key tile): the profiler
+    cannot see inside the C++ kernels, which test_matrix_rmsnorm, test_matrix_write and
+    test_fused_retrieval check against those references."""
     from deepspeed.profiling.flops_profiler import get_model_profile
 
     import rmt.ops.matrix_rmsnorm
@@ -174,6 +175,7 @@ def test_forward_flops_within_one_percent_of_deepspeed_profiler(single_process, 
 
     monkeypatch.setattr(rmt.ops.matrix_rmsnorm, "_ext", lambda: None)
     monkeypatch.setattr(rmt.ops.matrix_write, "_ext", lambda: None)
+    monkeypatch.setenv("RMT_RETRIEVAL_BACKEND", "reference")
 
     config = validate(load_config(None, ORACLE + ORACLE_CASES[case]), world_size=1)
     (model,) = build(config)
