@@ -66,8 +66,9 @@ Tiles: ``key_tile`` keys per tile, ``token_block`` tokens per block (None: the b
 defaults). They set the working memory, ``token_block x H x r x key_tile`` scores per block in
 flight, not the result.
 
-Backends (:data:`rmt.ops.dispatch.RETRIEVAL_REGISTRY`): ``reference`` (this contract in plain
-torch, every device and dtype). Force one with ``backend=`` or ``$RMT_RETRIEVAL_BACKEND``.
+Backends (:data:`rmt.ops.dispatch.RETRIEVAL_REGISTRY`): ``cpu`` (C++/OpenMP,
+``csrc/retrieval_select_cpu.cpp``: float32, bfloat16, float64) and ``reference`` (this contract in
+plain torch, every device and dtype). Force one with ``backend=`` or ``$RMT_RETRIEVAL_BACKEND``.
 """
 
 from __future__ import annotations
