@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -42,6 +41,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 import rmt  # noqa: E402
+from rmt.bench_report import check_report, machine, write_report  # noqa: E402
 
 rmt.setup_process()
 
@@ -170,6 +170,7 @@ def main(argv=None):
     ap.add_argument("--peak-child", nargs=2, metavar=("METHOD", "KEYS"), help=argparse.SUPPRESS)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
+    check_report(args.json, "bench_retrieval")
     args.passed = [a for i, a in enumerate(argv) if a != "--json" and (i == 0 or argv[i - 1] != "--json")]
     try:
         keys = [int(k) for k in (args.keys or ("1024,16384" if args.quick else "1024,16384,100000,200000")).split(",")]
@@ -228,27 +229,9 @@ def main(argv=None):
     )
     print(json.dumps(summary))
     if args.json:
-        machine = {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "torch": torch.__version__,
-            "cpus": os.cpu_count(),
-            "threads": torch.get_num_threads(),
-            "load_average": os.getloadavg(),
-        }
         config = {k: v for k, v in vars(args).items() if k not in ("torch_dtype", "passed", "peak_child")}
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "benchmark": "bench_retrieval",
-                    "machine": machine,
-                    "config": config,
-                    "rows": rows,
-                    "summary": summary,
-                },
-                f,
-                indent=1,
-            )
+        where = machine(threads=torch.get_num_threads(), load_average=os.getloadavg())
+        write_report(args.json, "bench_retrieval", rows, summary, where, config=config)
         print(f"wrote {args.json}")
     return 0
 
