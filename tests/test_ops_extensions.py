@@ -74,6 +74,19 @@ def test_building_leaves_the_spec_and_its_key_unchanged(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+def test_a_killed_builds_leftover_lock_does_not_stall_the_next_build(tmp_path, monkeypatch):
+    """A build killed mid-way leaves torch's own lock file in the folder, which torch would wait on
+    for ever; under rmt's lock no other build can be running, so the next build goes ahead."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(extensions, "_cache", {})
+    spec = _spec(tmp_path)
+    folder = extensions.build_dir("rmt_probe_stale", spec)
+    folder.mkdir(parents=True)
+    (folder / "lock").touch()
+    assert extensions.load_extension("rmt_probe_stale", spec).twice(21) == 42
+
+
+@pytest.mark.slow
 def test_second_process_loads_without_rebuilding(tmp_path):
     spec = _spec(tmp_path)
     env = dict(os.environ, PYTHONPATH=ROOT, TORCH_EXTENSIONS_DIR=str(tmp_path / "cache"))

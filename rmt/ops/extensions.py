@@ -185,6 +185,9 @@ def _build(name: str, spec: dict, folder: Path):
         if _built(folder):
             return _import(name, binary)
         _say(f"building C++ extension {name} (once per environment; cached in {folder}) ...")
+        # torch's own build lock (a file it deletes when its build ends) is left behind by a build
+        # that was killed, and torch then waits for it for ever; under this lock it is stale
+        (folder / "lock").unlink(missing_ok=True)
         start = time.perf_counter()
         # a copy of the flags: torch's load() appends its own link flags to the extra_ldflags list
         # it is given, which changed the spec, and so its cache key, for the rest of the process
