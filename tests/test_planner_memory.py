@@ -22,7 +22,7 @@ SMALL = dict(slots=64, dim=8, group_size=4, tokens=10, heads=2, topk=3, key_dim=
 
 
 def test_components_of_a_small_number_wise_adamw_table():
-    c = components(TablePlan(**SMALL))
+    c = components(TablePlan(**SMALL, retrieval_kernel="unfused"))
     rows, cols, n = 16, 8, 8 * 2  # 64 / 4 rows; grid side 8 keys x sqrt(4)
     assert c == {
         "table": rows * cols * 4,
@@ -46,7 +46,8 @@ def test_optimizer_states_and_dtypes():
     assert adam["optimizer_states"] == 2 * 16 * 8 * 4  # fp32 moments
     ada = components(TablePlan(**SMALL, value_optimizer="rowwise_adagrad"))
     assert ada["optimizer_states"] == 16 * 4  # one fp32 per row
-    assert components(TablePlan(**SMALL, precision="bf16"))["retrieval_activations"] == 2 * 10 * 2 * 2 * 2 * 16 * 2
+    bf16 = TablePlan(**SMALL, precision="bf16", retrieval_kernel="unfused")
+    assert components(bf16)["retrieval_activations"] == 2 * 10 * 2 * 2 * 2 * 16 * 2
 
 
 def test_sparse_gradients_are_bounded_by_the_coalescing_hook():
@@ -140,6 +141,7 @@ def test_planned_tensors_match_a_built_layer():
             "memory.num_keys=16",
             "memory.key_dim=8",
             "memory.topk=4",
+            "memory.retrieval_kernel=unfused",
         ],
     )
     layer = MemoryLayer(MemorySpec.from_config(config))

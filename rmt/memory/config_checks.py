@@ -139,21 +139,19 @@ def validate_value_optimizer(mem) -> None:
 
 def validate_retrieval_kernel(config) -> None:
     """``memory.retrieval_kernel: fused`` needs a backend of the fused retrieval op for the
-    run's device and precision (:func:`rmt.ops.dispatch.fused_retrieval_backends`, what the
-    backends declare: nothing is built here)."""
-    import torch
-
-    from rmt.ops.dispatch import RETRIEVAL_REGISTRY, fused_retrieval_backends
+    run's device and precision (:func:`rmt.retrieval_backends.fused_retrieval_backends`, what
+    the backends declare: nothing is built here)."""
     from rmt.parallel.compat import cuda_available
+    from rmt.retrieval_backends import RETRIEVAL_REGISTRY, fused_retrieval_backends
 
     if config.memory.retrieval_kernel != "fused":
         return
     device = "cuda" if cuda_available() else "cpu"
     precision = config.train.precision
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    dtype = {"fp32": "float32", "bf16": "bfloat16"}[precision]
     if not fused_retrieval_backends(device, dtype):
         where = "; ".join(
-            f"{spec.device_type} {', '.join(sorted(str(d).removeprefix('torch.') for d in spec.dtypes))}"
+            f"{spec.device_type} {', '.join(sorted(spec.dtypes))}"
             for name, spec in RETRIEVAL_REGISTRY.items()
             if name != "reference"
         )

@@ -1,8 +1,8 @@
 """Where the fused ops' fronts meet their backends: ``lookup_reduce``'s
 (:mod:`rmt.ops.lookup_reduce`, :mod:`rmt.ops.fused_update`) and the fused retrieval's
 (:mod:`rmt.ops.fused_retrieval`, at the end): the interface a backend implements, the registry
-that declares each backend's optional kernels (lookup-reduce) or the tensors it covers
-(retrieval), and the choice of a backend for a device and dtype.
+that declares each backend's optional kernels (lookup-reduce; the retrieval backends' tensors are
+declared torch-free in :mod:`rmt.retrieval_backends`), and the choice of a backend for a device and dtype.
 
 A backend is a module with the functions of :class:`LookupReduceBackend`. ``is_available``,
 ``forward`` and ``backward`` are required; the others are optional kernels, and the registry
@@ -19,6 +19,8 @@ import os
 from typing import Dict, FrozenSet, Optional, Protocol
 
 import torch
+
+from rmt.retrieval_backends import RETRIEVAL_REGISTRY, covers, fused_retrieval_backends
 
 from . import reference
 
@@ -195,48 +197,6 @@ def select_backend(device, backend=None, dtype=torch.float32):
 ENV_RETRIEVAL_BACKEND = "RMT_RETRIEVAL_BACKEND"
 
 
-@dataclasses.dataclass(frozen=True)
-class RetrievalBackendSpec:
-    """A fused-retrieval backend's declaration: its module (``is_available(device)`` and
-    ``select(q_row, q_col, keys, m, selector, key_tile, token_block)``, the contract of
-    :func:`rmt.ops.retrieval_reference.select`), the device type whose tensors it takes (None:
-    any) and the input dtypes it covers. What it declares is what validation promises before
-    training, so a backend covers every shape of its dtypes."""
-
-    name: str
-    module: str
-    device_type: Optional[str]
-    dtypes: FrozenSet[torch.dtype]
-
-
-#: Fused-retrieval backends, fastest first. A GPU backend (Triton, CUDA) is a module with the
-#: two functions above and an entry before "cpu" with ``device_type="cuda"``; ``auto`` then picks
-#: it, and ``memory.retrieval_kernel: fused`` is accepted on a GPU for the dtypes it declares.
-RETRIEVAL_REGISTRY: Dict[str, RetrievalBackendSpec] = {
-    "cpu": RetrievalBackendSpec(
-        "cpu", "rmt.ops.retrieval_cpu", "cpu", frozenset({torch.float32, torch.bfloat16, torch.float64})
-    ),
-    "reference": RetrievalBackendSpec(
-        "reference",
-        "rmt.ops.retrieval_reference",
-        None,
-        frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64}),
-    ),
-}
-
-
-def _covers(spec: RetrievalBackendSpec, device_type: str, dtype: torch.dtype) -> bool:
-    return spec.device_type in (None, device_type) and dtype in spec.dtypes
-
-
-def fused_retrieval_backends(device_type: str, dtype: torch.dtype):
-    """Names of the fused-retrieval backends other than the reference that declare ``device_type``
-    tensors of ``dtype``, fastest first (none is imported or built)."""
-    return [
-        name for name, spec in RETRIEVAL_REGISTRY.items() if name != "reference" and _covers(spec, device_type, dtype)
-    ]
-
-
 def retrieval_module(name: str):
     """The module of fused-retrieval backend ``name``."""
     spec = RETRIEVAL_REGISTRY.get(name)
@@ -254,7 +214,7 @@ def select_retrieval_backend(device, dtype, backend: Optional[str] = None) -> Op
     forced = backend or os.environ.get(ENV_RETRIEVAL_BACKEND) or None
     if forced is not None:
         spec = RETRIEVAL_REGISTRY.get(forced)
-        if spec is None or not _covers(spec, device.type, dtype) or not retrieval_module(forced).is_available(device):
+        if spec is None or not covers(spec, device.type, dtype) or not retrieval_module(forced).is_available(device):
             raise ValueError(
                 f"fused_retrieval: backend {forced!r} does not run {device.type} tensors of {dtype} here "
                 f"(backends: {', '.join(RETRIEVAL_REGISTRY)})"

@@ -66,7 +66,7 @@ Tiles: ``key_tile`` keys per tile, ``token_block`` tokens per block (None: the b
 defaults). They set the working memory, ``token_block x H x r x key_tile`` scores per block in
 flight, not the result.
 
-Backends (:data:`rmt.ops.dispatch.RETRIEVAL_REGISTRY`): ``cpu`` (C++/OpenMP,
+Backends (:data:`rmt.retrieval_backends.RETRIEVAL_REGISTRY`): ``cpu`` (C++/OpenMP,
 ``csrc/retrieval_select_cpu.cpp``: float32, bfloat16, float64) and ``reference`` (this contract in
 plain torch, every device and dtype). Force one with ``backend=`` or ``$RMT_RETRIEVAL_BACKEND``.
 """
@@ -76,6 +76,8 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+
+from rmt.retrieval_backends import takes_fused
 
 from .dispatch import get_backend, retrieval_module, select_backend, select_retrieval_backend
 from .topm import selected_scores
@@ -164,23 +166,20 @@ def selected_keys_backward(q_row, q_col, keys, addr, grad_sel, want_q: bool, wan
     return grad_q, grad_keys
 
 
-KERNELS = ("auto", "fused", "unfused")
-
-
 def choose_backend(kernel: str, device, dtype) -> Optional[str]:
     """The fused op's backend for a layer's retrieval under ``memory.retrieval_kernel`` =
-    ``kernel``, or None for the unfused path: ``unfused`` None; ``auto`` the backend
-    :func:`~rmt.ops.dispatch.select_retrieval_backend` picks, None where only the reference would
-    run; ``fused`` the same, raising where there is none (validation refuses the configurations
+    ``kernel``, or None for the unfused path: where
+    :func:`~rmt.retrieval_backends.takes_fused` (the rule the planner counts by) says fused,
+    the backend :func:`~rmt.ops.dispatch.select_retrieval_backend` picks; ``auto`` takes the
+    unfused path where none is available, ``fused`` raises (validation refuses the configurations
     without a declared backend before training; this is an extension that failed to build)."""
-    if kernel not in KERNELS:
-        raise ValueError(f"retrieval kernel must be one of {', '.join(KERNELS)}; got {kernel!r}")
-    if kernel == "unfused":
+    device = torch.device(device)
+    if not takes_fused(kernel, device.type, dtype):
         return None
     name = select_retrieval_backend(device, dtype)
     if name is None and kernel == "fused":
         raise RuntimeError(
-            f"memory.retrieval_kernel 'fused' has no backend running {torch.device(device).type} tensors of "
+            f"memory.retrieval_kernel 'fused' has no backend running {device.type} tensors of "
             f"{dtype} here (its extension did not build); use 'auto' or 'unfused'"
         )
     return name
@@ -201,7 +200,7 @@ def fused_retrieval(
     """Grid addresses ``[T, H, m]`` and scores ``[T, H, m, C]`` of the top-m retrieval, fused
     (the module docstring states the contract). ``backend``: None ($RMT_RETRIEVAL_BACKEND, else
     the fastest declared and available one, else the reference) or a name of
-    :data:`rmt.ops.dispatch.RETRIEVAL_REGISTRY`."""
+    :data:`rmt.retrieval_backends.RETRIEVAL_REGISTRY`."""
     if torch.is_autocast_enabled(keys.device.type):  # the unfused path's products run in its dtype
         low = torch.get_autocast_dtype(keys.device.type)
         q_row, q_col, keys = (x.to(low) for x in (q_row, q_col, keys))

@@ -3,13 +3,11 @@ of csrc/retrieval_select_cpu.cpp (built by :mod:`rmt.ops.extensions`)."""
 
 import torch
 
+from rmt.retrieval_backends import CPU_KEY_TILE, CPU_TOKEN_BLOCK
+
 from .extensions import load_extension
 
 NAME = "rmt_retrieval_select_cpu"
-
-#: Keys per tile and tokens per block (measured on CPU: tools/bench_retrieval.py).
-KEY_TILE = 256
-TOKEN_BLOCK = 128
 
 
 def _ext():
@@ -26,4 +24,6 @@ def select(q_row, q_col, keys, m, selector=None, key_tile=None, token_block=None
     accumulation dtype, exactly, as the reference widens it)."""
     acc = torch.float64 if keys.dtype == torch.float64 else torch.float32
     core, u, t = (x.to(acc) for x in selector) if selector is not None else (None, None, None)
-    return tuple(_ext().select(q_row, q_col, keys, m, core, u, t, key_tile or KEY_TILE, token_block or TOKEN_BLOCK))
+    return tuple(
+        _ext().select(q_row, q_col, keys, m, core, u, t, key_tile or CPU_KEY_TILE, token_block or CPU_TOKEN_BLOCK)
+    )

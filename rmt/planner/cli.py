@@ -324,6 +324,20 @@ def _add_memory_arguments(p: argparse.ArgumentParser) -> None:
         )
     p.add_argument("--precision", choices=memory.PRECISIONS, default=d.precision, help="train.precision")
     p.add_argument(
+        "--retrieval-kernel",
+        choices=memory.KERNELS,
+        default=d.retrieval_kernel,
+        help="memory.retrieval_kernel: auto (the fused retrieval where a backend covers the device and "
+        "precision), fused or unfused (the score tensors); what the retrieval activations count",
+    )
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=d.threads,
+        help="train.threads of a CPU rank, each holding one tile working set of the fused retrieval "
+        f"(default {d.threads})",
+    )
+    p.add_argument(
         "--device",
         choices=("cpu", "gpu"),
         default=d.device,
@@ -435,6 +449,8 @@ def _plan_from_flags(args: argparse.Namespace) -> memory.TablePlan:
                 "device",
                 "fused",
                 "cores",
+                "retrieval_kernel",
+                "threads",
             )
         },
         group_size=args.group_size or 1,
@@ -493,7 +509,8 @@ def table_lines(args: argparse.Namespace, config=None) -> dict:
         f"a {rows:,} x {cols:,} shard per rank" + (" in host memory" if plan.location == "host" else ""),
         f"each step: {plan.microbatches} micro-batch(es) of {plan.tokens:,} tokens, {plan.heads} heads x "
         f"top-{plan.topk}, keys {plan.key_dim} (rank {plan.tucker_rank}, grid side {doc['grid_side']:,}), "
-        f"{plan.precision}",
+        f"{plan.precision}; retrieval "
+        + ("fused (streaming top-m)" if plan.fused_retrieval else "unfused (score tensors)"),
         "bytes per memory layer on a rank:",
     ]
     lines += _human_rows(doc["components_per_layer"].items())

@@ -40,10 +40,26 @@ of ``D``, a dimension-wise one ``N`` rows of ``D/P``; ``n = num_keys * sqrt(E)``
     the row and column keys ``[H, 2, r, n, Dk / r]`` (fp32, on every rank): with their fp32 DDP
     gradient and two Adam moments, 4 copies in training.
 ``retrieval_activations``
-    the score tensors of both grid sides, ``A = T x H x 2 x r x n`` scores (fp32, or bf16 under
-    ``precision: bf16``): their backward holds ``2 A`` (each side's score gradient and the copy
-    its product's backward makes; measured with a TorchDispatchMode at three grid sizes). One
-    layer's backward at a time.
+    one layer's retrieval at its peak, by the path ``memory.retrieval_kernel`` takes on the
+    device and precision (:func:`rmt.retrieval_backends.takes_fused`, the runtime's rule), with
+    ``b`` the bytes of the retrieval's dtype (4, or 2 under ``precision: bf16``), ``r`` the Tucker
+    rank (1 for product keys), ``m`` the top-m, ``Ds = key_dim / r``:
+
+    * unfused: the score tensors of both grid sides, ``A = T x H x 2 x r x n`` scores: their
+      backward holds ``2 A`` bytes of them (each side's score gradient and the copy its product's
+      backward makes; measured with a TorchDispatchMode at three grid sizes);
+    * fused (:mod:`rmt.ops.fused_retrieval`, :func:`fused_retrieval_bytes`): the larger of its
+      forward, ``T H 2 c (8 + 4 r)`` bytes of candidates (``c`` = m for product keys, ``2m`` for
+      TDQKR, ``n`` while ``2m >= n``), the outputs it keeps and, on a CPU, each worker thread's
+      tile working set; and its backward, the side scores' gradient and its score-gradient
+      buffer, the lookups' int64 rows, the queries' gradient and their stacked copy
+      (``T H 2 r Ds b`` each) and the keys' gradient (the keys' elements in ``b``).
+
+    What the backward keeps from the forward (:func:`retrieval_saved_bytes`: the fused op's
+    addresses and, for TDQKR, selected side scores, ``T H m (8 + 2 r b)``, product keys ``8 T H
+    m``; the unfused path's ``T H 2 r n 4`` scores) is
+    counted with the rest of the activations by the whole-rank plan (:mod:`rmt.planner.rank`).
+    One layer's backward at a time.
 
 Phases (per rank; ``L`` memory layers on the rank):
 
@@ -87,9 +103,11 @@ missed rows' lookups between refreshes, at most 32 bytes a shard row, not counte
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, replace
 
 from rmt.planner.comm import expected_unique
+from rmt.retrieval_backends import CPU_KEY_TILE, CPU_TOKEN_BLOCK, KERNELS, takes_fused
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 VALUE_OPTIMIZERS = ("adamw", "sparse_adam", "rowwise_adagrad")
@@ -99,7 +117,8 @@ PHASES = ("init", "step", "save", "load", "load_resharded")
 LOCATIONS = ("device", "host")
 HOST_OPTIMIZERS = ("sparse_adam", "rowwise_adagrad")
 CHECKPOINT_CHUNK_BYTES = 64 << 20  # rmt.training.table_checkpoint's read and staging chunk
-RETRIEVAL_ACTIVATION_FACTOR = 2  # score tensors alive in the retrieval backward (see above)
+RETRIEVAL_ACTIVATION_FACTOR = 2  # score tensors alive in the unfused retrieval's backward (see above)
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 SPARSE_INDEX_BYTES = 8
 CACHE_INDEX_BYTES = (
     33  # a cache slot's row, lookup count and hit flag, a cached row's sorted index (rmt.memory.host_cache)
@@ -173,6 +192,19 @@ class TablePlan:
     """Host tables with a cache: the fraction of a lookup's distinct rows the cache holds
     (measured: ``tools/bench_host_cache.py``); None: uniform access, the cache's share of the
     shard's rows (:func:`hit_fraction`)."""
+    retrieval_kernel: str = "auto"
+    """``memory.retrieval_kernel``: ``auto``, ``fused`` or ``unfused`` (:attr:`fused_retrieval`)."""
+    threads: int = 1
+    """Worker threads of a CPU rank (``train.threads``): each holds one tile working set of the
+    fused retrieval's CPU selection."""
+
+    @property
+    def fused_retrieval(self) -> bool:
+        """Whether the retrieval runs the fused op here (:func:`rmt.retrieval_backends.takes_fused`
+        for the plan's device and precision)."""
+        return takes_fused(
+            self.retrieval_kernel, "cuda" if self.device == "gpu" else "cpu", TORCH_DTYPES[self.precision]
+        )
 
     @property
     def num_keys(self) -> int:
@@ -217,6 +249,7 @@ def validate_plan(plan: TablePlan) -> None:
         "tucker_rank",
         "ive_blocks",
         "cores",
+        "threads",
     ):
         _positive_int(name.replace("_", " "), getattr(plan, name))
     for name, value, allowed in (
@@ -226,6 +259,7 @@ def validate_plan(plan: TablePlan) -> None:
         ("precision", plan.precision, PRECISIONS),
         ("device", plan.device, ("cpu", "gpu")),
         ("table location", plan.location, LOCATIONS),
+        ("retrieval kernel", plan.retrieval_kernel, KERNELS),
     ):
         if value not in allowed:
             raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}.")
@@ -376,7 +410,12 @@ def components(plan: TablePlan) -> dict:
     if plan.fused:
         gradients = (2 * plan.microbatches - 1) * fused_kept_bytes(plan) if plan.microbatches > 1 else 0
     keys = plan.heads * 2 * plan.grid_side * plan.key_dim * 4
-    scores = plan.tokens * plan.heads * 2 * plan.tucker_rank * plan.grid_side * (2 if plan.precision == "bf16" else 4)
+    if plan.fused_retrieval:
+        fused = fused_retrieval_bytes(plan)
+        retrieval = max(fused["forward"], fused["backward"])
+    else:
+        scores = plan.tokens * plan.heads * 2 * plan.tucker_rank * plan.grid_side * DTYPE_BYTES[plan.precision]
+        retrieval = RETRIEVAL_ACTIVATION_FACTOR * scores
     table = elements * b
     out = {
         "table": table,
@@ -384,7 +423,7 @@ def components(plan: TablePlan) -> dict:
         "gradients": gradients,
         "optimizer_states": states,
         "keys": keys,
-        "retrieval_activations": RETRIEVAL_ACTIVATION_FACTOR * scores,
+        "retrieval_activations": retrieval,
         "checkpoint_chunk": min(CHECKPOINT_CHUNK_BYTES, resharding_read(plan, table)),
     }
     if host:
@@ -396,6 +435,45 @@ def components(plan: TablePlan) -> dict:
         hits = round(staged * hit)
         out["cache_gradients"] = _sparse_gradient(plan.microbatches, hits, C) * (cols * b + SPARSE_INDEX_BYTES)
     return out
+
+
+def fused_retrieval_bytes(plan: TablePlan) -> dict:
+    """Bytes of one layer's fused retrieval (:mod:`rmt.ops.fused_retrieval`, the module docstring's
+    ``retrieval_activations``) per micro-batch: ``saved`` (what its backward keeps: the int64
+    addresses and, for TDQKR, the selected side scores), ``forward`` (its peak while selecting) and
+    ``backward`` (its peak while differentiating)."""
+    T, H, m, r, n = plan.tokens, plan.heads, plan.topk, plan.tucker_rank, plan.grid_side
+    b = DTYPE_BYTES[plan.precision]
+    Ds = plan.key_dim // r
+    tucker = r > 1
+    keep_all = tucker and 2 * m >= n
+    c = n if keep_all else (2 * m if tucker else m)
+    saved = T * H * m * (8 + (2 * r * b if tucker else 0))  # product keys' sum keeps no operand
+    candidates = T * H * 2 * c * (8 + 4 * r)  # int64 keys and r float32 side scores each
+    forward = candidates + saved
+    if plan.device == "cpu":  # a GPU backend's tiles live in shared memory
+        Tb, tile = min(CPU_TOKEN_BLOCK, T), min(CPU_KEY_TILE, n)
+        lists, width = (1, n) if keep_all else (2 if tucker else 1, m)
+        task = 4 * (r * Tb * (Ds + tile) + (tile * Ds if b < 4 else 0) + tile) + 8 * tile
+        task += Tb * lists * width * (4 * (1 + r) + 8)  # a block's running lists: scores, keys
+        forward += plan.threads * task
+    lookups = T * H * 2 * r * m
+    backward = (
+        2 * lookups * b  # the selected side scores' gradient and the score-gradient buffer
+        + lookups * 8
+        + T * H * 2 * m * 8  # the lookups' rows and the (row, column) pairs they come from
+        + 2 * T * H * 2 * r * Ds * b  # the queries' gradient and their stacked copy
+        + H * 2 * r * n * Ds * b  # the keys' gradient
+    )
+    return {"saved": saved, "forward": forward, "backward": backward}
+
+
+def retrieval_saved_bytes(plan: TablePlan) -> int:
+    """Bytes one layer's retrieval keeps for its backward per micro-batch: the fused op's
+    addresses and selected side scores, or the unfused path's fp32 scores of both grid sides."""
+    if plan.fused_retrieval:
+        return fused_retrieval_bytes(plan)["saved"]
+    return plan.tokens * plan.heads * 2 * plan.tucker_rank * plan.grid_side * 4
 
 
 def _sparse_gradient(microbatches: int, served: int, rows: int) -> int:
@@ -604,4 +682,6 @@ def plan_from_config(
         staged_layers=staged_layers,
         index_tables=2 if v2 and mem.pre_value_dim else 1,
         cache_rows=mem.host_cache_rows,
+        retrieval_kernel=mem.retrieval_kernel,
+        threads=t.threads or os.cpu_count() or 1,
     )

@@ -289,9 +289,10 @@ def _layer_activation_elements(config, layout: Layout):
     return whole, 4 * D + (0 if fused else H * m.seq_length) + 2 * Dff, 4 * H if fused else 0
 
 
-def _memory_activation_bytes(config, layers: List[Dict]) -> int:
-    """Bytes per token the memory layers of a chunk keep for the backward (retrieval scores,
-    selected indices and scores, pooled rows; MoE: the routed copies and expert activations)."""
+def _memory_activation_bytes(config, layers: List[Dict], device: str) -> int:
+    """Bytes per token the memory layers of a chunk keep for the backward (what the retrieval's
+    path keeps on ``device``, :func:`rmt.planner.memory.retrieval_saved_bytes`; the selected
+    indices and scores, pooled rows; MoE: the routed copies and expert activations)."""
     if not layers:
         return 0
     mem = config.memory
@@ -307,12 +308,26 @@ def _memory_activation_bytes(config, layers: List[Dict]) -> int:
             per += 2 * W * b
         return len(layers) * per
     from rmt.memory.layer import MemorySpec
+    from rmt.planner.memory import TablePlan, retrieval_saved_bytes
 
     total = 0
     for k in range(len(layers)):
         s = MemorySpec.from_config(config, k)
         r = 1 if s.retrieval != "tucker" else s.tucker_rank
-        scores = s.num_heads * 2 * r * s.grid * 4
+        one_token = TablePlan(
+            slots=s.num_keys**2,
+            dim=1,
+            tokens=1,
+            heads=s.num_heads,
+            topk=s.topk,
+            key_dim=r,
+            tucker_rank=r,
+            ive_blocks=s.ive_blocks,
+            precision=config.train.precision,
+            device="gpu" if device == "gpu" else "cpu",
+            retrieval_kernel=mem.retrieval_kernel,
+        )
+        scores = retrieval_saved_bytes(one_token)
         picked = s.num_heads * s.topk * (8 + 4 * s.num_cores)
         total += 3 * W * b + scores + picked + s.ive_blocks * s.value_dim * b
     return total
@@ -336,7 +351,7 @@ def chunk_activations(config, layout: Layout, stage: int, chunk: int) -> Dict[st
     hidden = width * b // (t if sp else 1)
     first, last = chunks_of(config, layout, stage)[chunk]
     n = last - first + 1
-    memory = _memory_activation_bytes(config, _memory_layers_on(config, first, last))
+    memory = _memory_activation_bytes(config, _memory_layers_on(config, first, last), layout.device)
     kept, span = n * layer + memory, 0
     if layout.recompute == "selective":
         kept -= n * core
