@@ -42,6 +42,7 @@ sys.path.insert(0, ROOT)
 
 import rmt  # noqa: E402
 from rmt.bench_report import check_report, machine, write_report  # noqa: E402
+from rmt.training.fit import meminfo_bytes  # noqa: E402
 
 rmt.setup_process()
 
@@ -53,14 +54,7 @@ def fail(sentence: str) -> int:
 
 def available_bytes() -> int:
     """MemAvailable of /proc/meminfo (Linux), else the physical memory."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return meminfo_bytes("MemAvailable") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def inputs(args, n, seed=0):

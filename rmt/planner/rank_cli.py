@@ -54,11 +54,15 @@ def layout_line(layout: dict) -> str:
     )
 
 
-def whole_rank_lines(config, doc: dict) -> List[str]:
+def run_line(config, layout: dict) -> str:
+    """The layout, the micro-batch and the precision of a run, as the planner's printouts head it."""
     m, t = config.model, config.train
+    return f"{layout_line(layout)} of {t.micro_batch_size} x {m.seq_length} tokens, {t.precision}"
+
+
+def whole_rank_lines(config, doc: dict) -> List[str]:
     lines = [
-        f"whole rank on {doc['world_size']} {doc['layout']['device'].upper()} ranks: "
-        f"{layout_line(doc['layout'])} of {t.micro_batch_size} x {m.seq_length} tokens, {t.precision}"
+        f"whole rank on {doc['world_size']} {doc['layout']['device'].upper()} ranks: {run_line(config, doc['layout'])}"
     ]
     for stage, s in doc["stages"].items():
         c = s["components"]

@@ -33,13 +33,9 @@ def _ms(seconds: float) -> str:
 
 def time_lines(config, doc: Dict) -> List[str]:
     """``rmt-plan time``'s printout of a :func:`rmt.planner.time.plan_time` document."""
-    from rmt.planner.rank_cli import layout_line
+    from rmt.planner.rank_cli import run_line
 
-    m, t = config.model, config.train
-    lines = [
-        f"step time on {doc['world_size']} x {doc['hardware']}: {layout_line(doc['layout'])} of "
-        f"{t.micro_batch_size} x {m.seq_length} tokens, {t.precision}"
-    ]
+    lines = [f"step time on {doc['world_size']} x {doc['hardware']}: {run_line(config, doc['layout'])}"]
     for stage, s in doc["stages"].items():
         parts = [
             f"forward {_ms(s['forward_s'])}",

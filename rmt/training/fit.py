@@ -53,18 +53,24 @@ MAX_RANKS = 1024
 """The largest rank count :func:`changes_that_fit` searches for a layout that fits."""
 
 
-def _machine_memory() -> int:
-    """RAM plus swap of this machine (bytes)."""
+def meminfo_bytes(*fields: str) -> int:
+    """The sum of ``fields`` of /proc/meminfo (``MemTotal``, ``MemAvailable``, ...) in bytes; 0
+    where it cannot be read (not Linux)."""
     total = 0
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 key, value = line.split(":", 1)
-                if key in ("MemTotal", "SwapTotal"):
+                if key in fields:
                     total += int(value.split()[0]) * 1024
     except OSError:
         pass
-    return total or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total
+
+
+def _machine_memory() -> int:
+    """RAM plus swap of this machine (bytes)."""
+    return meminfo_bytes("MemTotal", "SwapTotal") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _ranks_per_node() -> int:
