@@ -117,17 +117,22 @@ def activated_flops_per_token(chunk: torch.nn.Module, config) -> float:
     """Forward FLOPs per token of one microbatch as torch's FlopCounterMode counts them (the matmuls
     that run: for MoE only the routed experts), plus the score-weighted sums of the memory
     lookups (2 x retrieved values x value dim per token, and UltraMemV2's pre-value dot
-    products), which run in rmt's own op."""
+    products), which run in rmt's own op. The retrieval runs its torch reference here (one
+    einsum per key tile): the counter cannot see inside the C++ selection."""
+    from unittest import mock
+
     from torch.utils.flop_counter import FlopCounterMode
 
     from rmt.memory.layer import MemoryLayer
     from rmt.models.documents import causal_mask
+    from rmt.ops.dispatch import ENV_RETRIEVAL_BACKEND
 
     b, s = config.train.micro_batch_size, config.model.seq_length
     ids = torch.randint(0, config.model.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
     was_training = chunk.training
     chunk.eval()  # no BatchNorm statistics or slot counters recorded
-    with FlopCounterMode(display=False) as counter, torch.no_grad():
+    reference = mock.patch.dict(os.environ, {ENV_RETRIEVAL_BACKEND: "reference"})
+    with reference, FlopCounterMode(display=False) as counter, torch.no_grad():
         chunk(ids, torch.arange(s).expand(b, s), causal_mask(s, ids.device))
     chunk.train(was_training)
     lookups = sum(
