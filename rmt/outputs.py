@@ -3,8 +3,9 @@
 Every command that writes uses :func:`check_output` on each place it will write before it starts
 its work: ``rmt-train`` (``train.save``, ``train.log_file``, ``train.tensorboard_dir``,
 ``--json``), ``rmt-preprocess`` (``--output-prefix``), ``rmt-export --out``, ``rmt-eval --json``,
-``rmt-plan ... --json`` and the benchmarks' ``--json`` (:mod:`rmt.bench_report`). A problem is one
-sentence (:class:`rmt.errors.UserError`: exit status 2), and nothing has been written.
+``rmt-plan``'s ``--json``, ``--plot`` and ``--out`` (:data:`rmt.planner.cli.OUTPUT_OPTIONS`) and
+the benchmarks' ``--json`` (:mod:`rmt.bench_report`). A problem is one sentence
+(:class:`rmt.errors.UserError`: exit status 2), and nothing has been written.
 
 A path is checked without creating anything: its nearest existing ancestor must be a directory in
 which a file can be created, tried with a real file removed at once (permission bits do not bind

@@ -179,6 +179,17 @@ def _commands(cache, inputs):
             [(lambda p: ["--json", p], "--json")],
         ),
         (
+            "rmt-plan comm",
+            [sys.executable, "-m", "rmt.planner.cli", "comm", "--tokens", "64", "--topm", "4", "--v-dim", "8"]
+            + ["--group-size", "2"],
+            [(lambda p: ["--json", p], "--json"), (lambda p: ["--plot", p], "--plot")],
+        ),
+        (
+            "rmt-plan calibrate",
+            [sys.executable, "-m", "rmt.planner.cli", "calibrate", "--quick"],
+            [(lambda p: ["--out", p], "--out")],
+        ),
+        (
             "bench_optimizer",
             [sys.executable, "tools/bench_optimizer.py", "--quick"],
             [(lambda p: ["--json", p], "--json")],

@@ -201,3 +201,63 @@ def test_comm_activation_bytes(capsys):
     assert "2 B/value, 4 B/score and pooled element" in out
     assert "14,680,064" in out  # all_to_all_values: 2 T K D (P-1)/P, unchanged
     assert "3,670,016" in out  # all_gather_scores: 4 T K (P-1), twice the bf16 figure
+
+
+OUTPUTS = [
+    (COMM, "--json"),
+    (COMM, "--plot"),
+    (["memory", "--slots", "64", "--dim", "4"], "--json"),
+    (["memory", "--config", "configs/ultramem_tiny.yaml", "--world-size", "2"], "--json"),
+    (["model", "--config", "configs/tiny.yaml"], "--json"),
+    (["layouts", "--config", "configs/tiny.yaml", "--gpus", "2"], "--json"),
+    (["time", "--config", "configs/tiny.yaml", "--world-size", "2"], "--json"),
+    (["calibrate", "--quick"], "--out"),
+]
+
+
+@pytest.mark.parametrize("argv, flag", OUTPUTS, ids=[f"{a[0]}{f}" for a, f in OUTPUTS])
+def test_every_output_is_checked_before_the_work(argv, flag, tmp_path, monkeypatch, capsys):
+    """An output below a file or under /proc is one sentence and exit status 2 before the
+    subcommand runs (its run fails here if called), and nothing is written."""
+
+    def work(args):
+        raise AssertionError("the subcommand ran")
+
+    monkeypatch.setattr(cli, "SUBCOMMANDS", [c._replace(run=work) for c in cli.SUBCOMMANDS])
+    (tmp_path / "f").write_text("")
+    proc = "/proc/rmt-output-test/out"
+    for path, sentence in [
+        (
+            f"{tmp_path}/f/out",
+            f"{flag} '{tmp_path}/f/out' cannot be created: '{tmp_path}/f' is a file, not a directory",
+        ),
+        (proc, f"{flag} '{proc}' cannot be written: no file can be created in '/proc' ("),
+    ]:
+        assert cli.main(argv + [flag, path]) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"rmt-plan {argv[0]}: error: {sentence}"), line
+    assert os.listdir(tmp_path) == ["f"]
+
+
+def test_every_option_that_writes_is_checked():
+    """The options whose help says they write a file are exactly the checked ones
+    (:data:`cli.OUTPUT_OPTIONS`), in every subcommand; each is exercised above."""
+    sub = next(a for a in cli.build_parser()._actions if a.dest == "command")
+    for name, parser in sub.choices.items():
+        for action in parser._actions:
+            writes = action.help.startswith(("write ", "draw ", "where to write "))
+            assert writes == (action.dest in cli.OUTPUT_OPTIONS), (name, action.dest)
+            if writes:
+                assert any(a[0] == name and f == action.option_strings[0] for a, f in OUTPUTS), (name, action.dest)
+
+
+def test_the_json_outputs_are_written_whole(tmp_path):
+    """Each subcommand's --json (and calibrate's profile) goes through rmt.outputs.write_json:
+    the document, and no temporary beside it."""
+    for argv, flag in OUTPUTS:
+        if flag != "--json":
+            continue
+        path = tmp_path / f"{argv[0]}.json"
+        assert cli.main(argv + ["--json", str(path)]) == 0, argv
+        assert isinstance(json.loads(path.read_text()), dict)
+    assert sorted(os.listdir(tmp_path)) == sorted({f"{a[0]}.json" for a, f in OUTPUTS if f == "--json"})

@@ -28,7 +28,6 @@ Each figure is the slowest rank's median over repeats (a synchronous step waits 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
@@ -37,6 +36,8 @@ from typing import Callable, Dict, List
 
 import torch
 import torch.distributed as dist
+
+from rmt.outputs import write_json
 
 GEMM_SIDES = {"m": (256, 2048, 16384), "n": (8, 32, 128, 512, 2048), "k": (8, 32, 128, 512, 2048)}
 """The size classes of GEMMs measured: tokens-like ``m``, widths-like ``n`` and ``k`` (the RMT's
@@ -369,9 +370,7 @@ def calibrate(out: str, quick: bool = False, threads: int = 1) -> Dict:
     if rank == 0:
         parent = os.path.dirname(os.path.abspath(out))
         os.makedirs(parent, exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
+        write_json(out, doc)
         say(f"wrote '{out}' (rmt-plan time --hardware {out})")
     if dist.is_initialized():
         dist.barrier()

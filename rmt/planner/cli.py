@@ -3,26 +3,25 @@
 Subcommands are entries of :data:`SUBCOMMANDS`; a new one (e.g. ``model`` from
 ``rmt.planner.flops``) is registered with one line::
 
-    SUBCOMMANDS.append(Subcommand("layouts", "the layouts (TP, PP, VPP, DP, distributed optimizer, recomputation, "
-                              "table partition) of a config that fit a GPU count, ranked by predicted step time, and the "
-                              "smallest count that fits", _layout_arguments, _run_layouts))
-SUBCOMMANDS.append(Subcommand("model", "parameters and FLOPs", add_arguments, run))
+    SUBCOMMANDS.append(Subcommand("model", "parameters and FLOPs", add_arguments, run))
 
 ``add_arguments(parser)`` declares its options; ``run(args) -> int`` does the work and
-raises ``ValueError`` (one sentence) for impossible input, which :func:`main` prints to
-stderr with exit status 2. Argument errors (unknown flags, non-positive sizes) also exit
-with status 2 and one line on stderr.
+raises ``ValueError`` or :class:`rmt.errors.UserError` (one sentence) for impossible input,
+which :func:`main` prints to stderr with exit status 2 (once, on global rank 0 under
+torchrun). Argument errors (unknown flags, non-positive sizes) also exit with status 2 and one
+line on stderr. Every file a subcommand writes is named by one of :data:`OUTPUT_OPTIONS` and
+checked (:func:`rmt.outputs.check_output`) before its work starts.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import replace
 from typing import Callable, NamedTuple
 
-from rmt.errors import reader_may_leave
+from rmt.errors import UserError, global_rank, reader_may_leave
+from rmt.outputs import check_output, write_json
 from rmt.planner import comm, flops, host, memory, time_cli
 from rmt.planner.argtypes import non_negative_float, non_negative_int, positive_float, positive_int
 from rmt.process import setup_process
@@ -56,11 +55,21 @@ def human(n: int) -> str:
     raise AssertionError("unreachable")
 
 
+OUTPUT_OPTIONS = {"json": "--json", "out": "--out", "plot": "--plot"}
+"""The options that name a file a subcommand writes, by their ``argparse`` destination."""
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Raise :class:`UserError` for the first output of ``args`` that cannot be written."""
+    for dest, flag in OUTPUT_OPTIONS.items():
+        path = getattr(args, dest, None)
+        if path:
+            check_output(path, flag)
+
+
 def _write_json(path: str | None, doc: dict) -> None:
     if path:
-        with open(path, "w") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
+        write_json(path, doc)
 
 
 COMM_EPILOG = """\
@@ -709,15 +718,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        check_outputs(args)
         with reader_may_leave():
             return args.run(args)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 0
-    except (_UsageError, ValueError, OSError) as exc:
+    except (_UsageError, UserError, ValueError, OSError) as exc:
         message = str(exc)
         if not isinstance(exc, _UsageError):
             message = f"{parser.prog} {getattr(args, 'command', '')}: error: {message}"
-        print(message, file=sys.stderr)
+        if global_rank() == 0:
+            print(message, file=sys.stderr)
         return 2
 
 

@@ -41,11 +41,11 @@ further leaves out the experts and value rows a token does not use (2x it is Tab
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Dict, List
 
 from rmt.config import RMTConfig, load_config
 from rmt.errors import UserError
+from rmt.outputs import write_json
 from rmt.planner.memory import DTYPE_BYTES
 from rmt.planner.recurrent_ops import recurrent_ops_per_sample, transformer_ops_per_sample
 
@@ -420,7 +420,5 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(str(err)) from None
     print("\n".join(_lines(doc)))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
+        write_json(args.json, doc)
     return 0

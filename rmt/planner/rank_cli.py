@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 from typing import List
 
+from rmt.outputs import write_json
 from rmt.planner import layouts, rank
 from rmt.planner.argtypes import positive_float, positive_int
 from rmt.planner.hardware import load_profile
@@ -116,7 +116,8 @@ def run_memory(args: argparse.Namespace, table_lines, check_host_flags) -> int:
     if "host_link" in tables:
         doc["host_link"] = tables["host_link"]
     print("\n".join(tables.get("lines", []) + whole_rank_lines(config, doc)))
-    _write(args.json, doc)
+    if args.json:
+        write_json(args.json, doc)
     return 0
 
 
@@ -200,11 +201,6 @@ def run_layouts(args: argparse.Namespace) -> int:
     if not doc["fitting"]:
         lines.append("  none: more GPUs (leave --gpus out for the smallest count), or a larger --gib")
     print("\n".join(lines))
-    _write(args.json, doc)
+    if args.json:
+        write_json(args.json, doc)
     return 0
-
-
-def _write(path, doc) -> None:
-    if path:
-        with open(path, "w") as f:
-            json.dump(doc, f, indent=1)

@@ -4,14 +4,14 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 from typing import Dict, List
 
+from rmt.outputs import write_json
 from rmt.planner.argtypes import positive_int
-from rmt.planner.hardware import load_profile
+from rmt.planner.hardware import default_profile_path, load_profile
 
 
 def add_time_arguments(p: argparse.ArgumentParser) -> None:
@@ -93,20 +93,17 @@ def run_time(args: argparse.Namespace) -> int:
     doc = plan_time(config, args.world_size, profile)
     print("\n".join(time_lines(config, doc)))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
+        write_json(args.json, doc)
     return 0
 
 
 def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
-    from rmt.planner.hardware import default_profile_path
-
+    out = default_profile_path()
     p.add_argument(
         "--out",
         metavar="FILE",
-        default=None,
-        help=f"where to write the profile (default {default_profile_path()}, which rmt-train reads on a CPU)",
+        default=out,
+        help=f"where to write the profile (default {out}, which rmt-train reads on a CPU)",
     )
     p.add_argument(
         "--nproc",
@@ -129,14 +126,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
     """Measure this machine: under torchrun already, every rank measures; otherwise launch
     ``--nproc`` ranks under torchrun (the launcher the runs use) and let them."""
     from rmt.planner.calibrate import calibrate
-    from rmt.planner.hardware import default_profile_path
 
-    out = args.out or default_profile_path()
-    parent = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(parent):
-        raise ValueError(f"cannot write the profile to '{out}': its folder does not exist.")
     if "LOCAL_RANK" in os.environ:
-        calibrate(out, quick=args.quick, threads=args.threads)
+        calibrate(args.out, quick=args.quick, threads=args.threads)
         return 0
     cmd = [
         sys.executable,
@@ -147,7 +139,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         "-m",
         "rmt.planner.cli",
         "calibrate",
-        f"--out={out}",
+        f"--out={args.out}",
         f"--threads={args.threads}",
     ] + (["--quick"] if args.quick else [])
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
