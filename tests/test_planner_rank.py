@@ -1,9 +1,11 @@
 """The whole-rank planner (rmt.planner.rank) against the built models and measured runs, its CLI
 (``rmt-plan memory --config``), and the layout search (``rmt-plan layouts``)."""
 
+import itertools
 import json
 
 import pytest
+import torch
 from test_flops import CASES, COMMON, single_process  # noqa: F401  (a fixture)
 
 from rmt.config import load_config
@@ -13,8 +15,17 @@ from rmt.planner import cli
 from rmt.planner.dense import dense_bytes_per_param
 from rmt.planner.hardware import load_profile
 from rmt.planner.layouts import search
-from rmt.planner.rank import in_flight, layout_of, plan_rank, rank_phases, stage_params, with_vocabulary
+from rmt.planner.rank import (
+    in_flight,
+    layout_of,
+    loss_bytes_per_logit,
+    plan_rank,
+    rank_phases,
+    stage_params,
+    with_vocabulary,
+)
 from rmt.planner.time import stage_time
+from rmt.profiling import step_peak_bytes
 from rmt.training.optimizer import is_table
 
 from conftest import load_script, run_python
@@ -30,6 +41,39 @@ def test_rank_params_equal_the_built_model(single_process, case):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "precision, z_loss, arch", list(itertools.product(("bf16", "fp32"), (0.0, 1e-4), ("transformer", "mixer")))
+)
+def test_the_loss_holds_what_is_counted_per_logit(single_process, precision, z_loss, arch):
+    """The output layer's logits through the trainer's loss, forward and backward: the peak of the
+    allocated bytes (the profiler's running sum) is ``kept + workspace`` per logit element, plus
+    the loss's per-token vectors (maxima, sums, targets, masks: at most 64 bytes a token). The
+    transformer's logits come out ``[s, b]``-ordered and are copied into ``[b, s]`` order; the
+    mixer's come out ``[b, s]``-ordered."""
+    from rmt.training.loss import lm_loss
+
+    config = load_config(None, [f"train.precision={precision}", f"train.z_loss={z_loss}", f"model.arch={arch}"])
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    s, b, hidden, vocab = 64, 2, 4, 4096
+    torch.manual_seed(0)
+    shape = (s, b, hidden) if arch == "transformer" else (b, s, hidden)
+    h = torch.randn(*shape, dtype=dtype, requires_grad=True)
+    w = torch.randn(vocab, hidden, dtype=dtype, requires_grad=True)
+    labels, mask = torch.randint(0, vocab, (b, s)), torch.ones(b, s)
+
+    def step():
+        logits = h @ w.t()
+        if arch == "transformer":
+            logits = logits.transpose(0, 1).contiguous()  # megatron-core's GPTModel returns [b, s, V]
+        loss, _ = lm_loss(logits, labels, mask, z_loss)
+        del logits
+        loss.backward()
+
+    counted = loss_bytes_per_logit(config)
+    measured = step_peak_bytes(step, torch.device("cpu")) - (counted["kept"] + counted["workspace"]) * s * b * vocab
+    assert 0 <= measured <= 64 * s * b
+
+
 def test_rank_params_under_tensor_pipeline_expert_parallelism(tmp_path):
     """Every rank of TP2 x PP2, PP2 x VPP2, TP4 with UltraMem, TP2 with MoE experts over EP2, the
     RMT at TP2 x PP2 and TP4 (4 gloo ranks): exact."""

@@ -33,9 +33,10 @@ tensor-parallel ranks, ``P_r`` the dense parameters the rank holds):
     Transformer Engine or apex, takes the second moments' square root out of place: 4 bytes per
     element stepped; none with their fused Adam, nor on a CPU, where rmt uses torch's fused form).
 ``loss_workspace``
-    on the last stage, the vocab-parallel cross entropy's transient beside the kept fp32 logits:
-    the logits' fp32 copy under bf16 (``4 x Vp/t`` bytes per token; none in fp32, where the loss
-    works in place) and their gradient in the model dtype (``b x Vp/t``).
+    on the last stage, what the loss (:func:`rmt.training.loss.lm_loss` over megatron-core's
+    vocab-parallel cross entropy) holds at its forward's peak beside what it keeps for the
+    backward (:func:`loss_bytes_per_logit`, per element of the ``T x Vp/t`` logits; the kept part
+    is among the last chunk's ``activations``).
 ``tables``
     the memory tables, their gradients, optimizer states and checkpoint buffers of the rank's
     memory layers, :func:`rmt.planner.memory.phases` without the keys (counted above). With
@@ -366,7 +367,7 @@ def chunk_activations(config, layout: Layout, stage: int, chunk: int) -> Dict[st
         extra += m.rank * m.dv * b + 4 * m.rank * m.seq_length // t // config.train.micro_batch_size
     if stage == layout.pp - 1 and chunk == layout.vpp - 1:
         extra += (width + (2 * m.rank * m.dv if m.arch == "rmt" else width)) * b // (t if sp else 1)
-        extra += 4 * Vp // t
+        extra += loss_bytes_per_logit(config)["kept"] * Vp // t
     return {"kept": T * (kept + extra), "span": T * span, "layers": n}
 
 
@@ -391,14 +392,40 @@ def stage_activations(config, layout: Layout, stage: int) -> Dict[str, int]:
     return {"kept": kept, "in_flight": live, "recompute_span": max(c["span"] for c in chunks)}
 
 
+def loss_bytes_per_logit(config) -> Dict[str, int]:
+    """Bytes per element of the last stage's vocab-parallel logits ``[T, Vp/t]`` around the loss
+    (:func:`rmt.training.loss.lm_loss` over megatron-core's vocab-parallel cross entropy):
+    ``kept`` from the loss's forward to its backward (among the ``activations``), ``workspace``
+    beside them at the forward's peak (the ``transient``).
+
+    The cross entropy takes fp32 logits, overwrites them in place with their softmax and keeps it
+    (4 bytes); under bf16 those fp32 logits are a copy, beside the model's bf16 logits (``b``),
+    which the caller holds until the loss returns. With ``train.z_loss`` the cross entropy gets a
+    copy (it would overwrite what the z-loss reads), so the logits in the model dtype stay beside
+    it in fp32 too, with their fp32 copy under bf16 (4); the z-loss's ``log sum exp`` makes the
+    max-shifted logits (4, freed after their exponential) and their exponential (4, kept). The
+    backward holds less: its first gradient (4) replaces the temporaries. Before the loss, the
+    transformer's and the RMT's output layers write ``[s, b]``-ordered logits that are copied into
+    ``[b, s]`` order (``2 b`` at once), which is the peak in fp32 without the z-loss. Measured in
+    the whole step (``tools/bench_rank_memory.py``'s ``tiny`` layout with a 50,257-token
+    vocabulary, 8 x 512 tokens): ``kept + workspace`` is 6.0 and 18.0 bytes in bf16 without and
+    with the z-loss, 8.2 and 16.1 in fp32 (the model's own activations included), as counted."""
+    b = DTYPE_BYTES[config.train.precision]
+    copy = 4 if b != 4 else 0
+    if config.train.z_loss > 0:
+        kept, loss = 4 + 4, b + copy + 4
+    else:
+        kept, loss = 4, b if copy else 0
+    transposed = 2 * b if config.model.arch in ("transformer", "rmt") else 0
+    return {"kept": kept, "workspace": max(loss, transposed - kept)}
+
+
 def loss_workspace(config, layout: Layout, stage: int) -> int:
-    """The vocab-parallel cross entropy's transient on the last stage (module docstring)."""
+    """The loss's transient on the last stage (:func:`loss_bytes_per_logit`'s ``workspace``)."""
     if stage != layout.pp - 1:
         return 0
-    b = DTYPE_BYTES[config.train.precision]
     T = config.train.micro_batch_size * config.model.seq_length
-    per = padded_vocab(config) // layout.tp
-    return T * per * ((4 if b != 4 else 0) + b)
+    return T * (padded_vocab(config) // layout.tp) * loss_bytes_per_logit(config)["workspace"]
 
 
 # -- tables ---------------------------------------------------------------------------------------
