@@ -1,11 +1,11 @@
-"""rmt.planner.comm against UltraMem Appendix D, Fig. 9 and the derived variants."""
+"""rmt.memory.comm_volume (and rmt.planner.comm's plot) against UltraMem Appendix D, Fig. 9 and the derived variants."""
 
 import itertools
 import random
 
 import pytest
 
-from rmt.planner.comm import boundary_v_dim, choose_partition, comm_volume, expected_unique, plan_comm
+from rmt.memory.comm_volume import boundary_v_dim, choose_partition, comm_volume, expected_unique, plan_comm
 
 
 def appendix_d(T, K, D, P):

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
+from rmt.memory.byte_sizes import CHECKPOINT_CHUNK_BYTES
 from rmt.planner.memory import (
-    CHECKPOINT_CHUNK_BYTES,
     TablePlan,
     checkpoint_bytes,
     components,

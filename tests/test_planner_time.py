@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from rmt.planner import comm
+from rmt.memory import comm_volume
 from rmt.planner.cli import main
 from rmt.planner.hardware import (
     collective_seconds,
@@ -248,7 +248,7 @@ def test_the_tables_collectives_are_rmt_plan_comm_bytes_at_alpha_beta(partition)
     over = SHARDED + [f"memory.partition={partition}", "memory.async_stream=false"]
     config, doc = _time(over, 4, p)
     r = doc["stages"]["0"]["memory"][0]
-    vol = comm.comm_volume(
+    vol = comm_volume.comm_volume(
         partition, 8 * 128, 16, config.model.hidden_size // 2, 4, ive=4, cores=2, value_bytes=4, activation_bytes=4
     )
     expected = 0.0

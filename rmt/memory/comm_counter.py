@@ -1,9 +1,9 @@
 """Bytes a rank actually puts on the wire, per collective, for the sharded memory table.
 
-Counted under the conventions of :mod:`rmt.planner.comm` (UltraMem Appendix D): the chunk a
+Counted under the conventions of :mod:`rmt.memory.comm_volume` (UltraMem Appendix D): the chunk a
 collective keeps locally is excluded, split-size metadata is not counted, and each backward
 collective is recorded under the name the planner gives it. Tests compare these counts with
-:func:`rmt.planner.comm.comm_volume` exactly.
+:func:`rmt.memory.comm_volume.comm_volume` exactly.
 """
 
 from __future__ import annotations

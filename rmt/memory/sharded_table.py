@@ -26,7 +26,7 @@ Every collective is an ``all_to_all_single`` with per-rank split sizes, so token
 differ between ranks (the counts are exchanged first; no padding row). Gradients run back
 along the reverse routes inside autograd Functions. Each rank counts the bytes it sends to
 other ranks per collective in a :class:`~rmt.memory.comm_counter.CommCounter` under the
-names and conventions of :mod:`rmt.planner.comm`.
+names and conventions of :mod:`rmt.memory.comm_volume`.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def _route_to_owners(indices: torch.Tensor, rows_per: int, P: int, group):
 
 def number_lookup(shard, indices, scores, block_ids, num_blocks, group, counter: CommCounter, record=None):
     """Plain number-wise: every distinct row travels once to the requester, which pools
-    (Appendix D with index dedup: ``rmt.planner.comm``'s ``dedup`` counts exactly this; the
+    (Appendix D with index dedup: ``rmt.memory.comm_volume``'s ``dedup`` counts exactly this; the
     row gradients of duplicates are summed by the local lookup-reduce before they go back).
     ``shard`` (every route): this rank's rows, read through its ``gather`` and ``lookup``
     (:class:`rmt.memory.table.DeviceRows`, or :class:`rmt.memory.host_table.HostTable` for a

@@ -32,13 +32,6 @@ def validate_attention_shapes(config: RMTConfig) -> None:
         )
 
 
-def padded_vocab_size(config: RMTConfig) -> int:
-    """Vocabulary padded to a multiple of ``make_vocab_size_divisible_by`` (kept independent of
-    the TP size so that every parallel layout has the same embedding table)."""
-    multiple = config.model.make_vocab_size_divisible_by
-    return -(-config.model.vocab_size // multiple) * multiple
-
-
 def recompute_settings(config: RMTConfig) -> dict:
     """``train.recompute_*`` as megatron's ``TransformerConfig`` keys (``none`` = None). Selective
     recompute is megatron's default module list, the core attention (``recompute_modules``

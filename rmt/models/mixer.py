@@ -46,8 +46,9 @@ from rmt.models.activation import activation
 from rmt.models.build import register
 from rmt.models.documents import document_starts, per_document
 from rmt.models.init import default_std_rule
-from rmt.models.megatron_config import padded_vocab_size, transformer_config, validate_attention_shapes
+from rmt.models.megatron_config import transformer_config, validate_attention_shapes
 from rmt.models.recompute import run_layers
+from rmt.models.vocab import padded_vocab_size
 
 _DECAY_MIN = 0.9
 

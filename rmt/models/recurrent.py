@@ -43,9 +43,10 @@ from rmt.errors import ConfigError
 from rmt.models.attention import with_attention_kernel
 from rmt.models.build import register
 from rmt.models.documents import document_starts, per_document
-from rmt.models.megatron_config import padded_vocab_size, transformer_config, validate_attention_shapes
+from rmt.models.megatron_config import transformer_config, validate_attention_shapes
 from rmt.models.mixer import norm
 from rmt.models.recompute import run_layers
+from rmt.models.vocab import padded_vocab_size
 
 
 def window_mask(length: int, device) -> torch.Tensor:

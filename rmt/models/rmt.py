@@ -59,8 +59,9 @@ from rmt.config import RMTConfig
 from rmt.errors import ConfigError
 from rmt.models.build import register
 from rmt.models.init import EMBEDDING_TABLES, embedding_std
-from rmt.models.megatron_config import padded_vocab_size, transformer_config
+from rmt.models.megatron_config import transformer_config
 from rmt.models.recompute import core_attention, run_layers
+from rmt.models.vocab import padded_vocab_size
 from rmt.ops.matrix_rmsnorm import matrix_rms_norm, matrix_rms_norm_read
 from rmt.ops.matrix_write import matrix_write
 

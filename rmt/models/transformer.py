@@ -18,8 +18,9 @@ from rmt.config import RMTConfig
 from rmt.errors import ConfigError
 from rmt.models.attention import with_attention_kernel
 from rmt.models.build import register
-from rmt.models.megatron_config import padded_vocab_size, transformer_config, validate_attention_shapes
+from rmt.models.megatron_config import transformer_config, validate_attention_shapes
 from rmt.models.sequence_parallel import with_sequence_parallel_norms
+from rmt.models.vocab import padded_vocab_size
 
 _POSITIONS = {"learned": "learned_absolute", "rope": "rope"}
 

@@ -1,9 +1,4 @@
-"""Planning formulas: communication volume, memory per rank and partition choice.
-
-See :mod:`rmt.planner.comm` (UltraMem Appendix D) and :mod:`rmt.planner.memory`.
-"""
-
-from rmt.planner.comm import choose_partition, comm_volume, plan_comm
-from rmt.planner.memory import TablePlan, min_group_size, phases, plan_memory
-
-__all__ = ["choose_partition", "comm_volume", "plan_comm", "TablePlan", "phases", "min_group_size", "plan_memory"]
+"""Planning formulas: FLOPs, communication volume, memory per rank, step time and layouts
+(``rmt-plan``, :mod:`rmt.planner.cli`). The arithmetic the runtime shares with it lives in
+torch-free leaves it imports: :mod:`rmt.memory.comm_volume` (UltraMem Appendix D and the
+partition choice), :mod:`rmt.memory.byte_sizes` and :mod:`rmt.models.vocab`."""

@@ -21,6 +21,8 @@ from dataclasses import replace
 from typing import Callable, NamedTuple
 
 from rmt.errors import UserError, global_rank, reader_may_leave
+from rmt.memory import comm_volume
+from rmt.memory.byte_sizes import DTYPE_BYTES
 from rmt.outputs import check_output, write_json
 from rmt.planner import comm, flops, host, memory, time_cli
 from rmt.planner.argtypes import non_negative_float, non_negative_int, positive_float, positive_int
@@ -183,7 +185,7 @@ def _add_comm_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--phase",
-        choices=comm.PHASES,
+        choices=comm_volume.PHASES,
         default="forward",
         help="which totals are the headline and decide the choice: forward "
         "(default, Appendix D) or forward_backward (a training step)",
@@ -216,7 +218,7 @@ def _comm_table(args, doc: dict) -> str:
         + (" (dedup)" if args.dedup and not args.owner_reduce else ""),
         "dimension": "dimension-wise",
     }
-    for part in comm.PARTITIONS:
+    for part in comm_volume.PARTITIONS:
         vol = doc["collectives"][part]
         lines += ["", names[part]]
         for phase in ("forward", "backward"):
@@ -244,7 +246,7 @@ def _run_comm(args: argparse.Namespace) -> int:
         block_id_bytes=args.block_id_bytes,
         tensor_parallel=args.tensor_parallel,
     )
-    doc = comm.plan_comm(args.tokens, args.topm, args.v_dim, args.group_size, phase=args.phase, **options)
+    doc = comm_volume.plan_comm(args.tokens, args.topm, args.v_dim, args.group_size, phase=args.phase, **options)
     print(_comm_table(args, doc))
     _write_json(args.json, doc)
     if args.plot:
@@ -287,7 +289,7 @@ def _add_memory_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--partition",
-        choices=memory.PARTITIONS,
+        choices=comm_volume.PARTITIONS,
         default=d.partition,
         help="number (rows split, default) or dimension (columns split)",
     )
@@ -299,7 +301,7 @@ def _add_memory_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--value-dtype",
-        choices=sorted(memory.DTYPE_BYTES),
+        choices=sorted(DTYPE_BYTES),
         default=d.value_dtype,
         help="memory.value_dtype (default fp32)",
     )

@@ -45,13 +45,10 @@ from typing import Dict, List
 
 from rmt.config import RMTConfig, load_config
 from rmt.errors import UserError
+from rmt.memory.byte_sizes import DTYPE_BYTES
+from rmt.models.vocab import padded_vocab_size
 from rmt.outputs import write_json
-from rmt.planner.memory import DTYPE_BYTES
 from rmt.planner.recurrent_ops import recurrent_ops_per_sample, transformer_ops_per_sample
-
-
-def _pad(v: int, multiple: int) -> int:
-    return -(-v // multiple) * multiple
 
 
 def _layer_counts(D: int, H: int, Dh: int, Dff: int, w: int, norm: int) -> Dict[str, int]:
@@ -265,7 +262,7 @@ def plan_model(config: RMTConfig) -> Dict:
                 "model.vocab_size must be set to count parameters (only the byte tokenizer's "
                 "vocabulary and a dataset's recorded one are known without building data)"
             )
-    Vp = _pad(m.vocab_size, m.make_vocab_size_divisible_by)
+    Vp = padded_vocab_size(config)
     dtype = DTYPE_BYTES[config.train.precision]
     learned = m.position == "learned"
     if m.arch == "transformer":

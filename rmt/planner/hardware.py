@@ -209,7 +209,7 @@ def collective_seconds(profile: Profile, kind: str, nbytes: float, ranks: int, s
 
 def sent_seconds(profile: Profile, kind: str, sent: float, ranks: int, stride: int = 1) -> float:
     """Seconds of one collective in which each rank sends ``sent`` bytes to the others (the
-    convention of :mod:`rmt.planner.comm`, which is the bus bytes of nccl-tests' convention):
+    convention of :mod:`rmt.memory.comm_volume`, which is the bus bytes of nccl-tests' convention):
     ``alpha + sent / busbw``."""
     if ranks <= 1 or sent <= 0:
         return 0.0

@@ -233,17 +233,17 @@ def dense_layer_flops_per_token(config) -> float:
     """Forward FLOPs per token of one dense layer of ``config``'s model
     (:func:`rmt.planner.flops.plan_model` without its memory layers, logits and the RMT's
     embedding writes, over the layers)."""
+    from rmt.models.vocab import padded_vocab_size
     from rmt.planner.flops import plan_model
-    from rmt.planner.rank import padded_vocab
 
     m = config.model
     doc = plan_model(config)
     rest = doc["flops_per_token"] - doc.get("memory", {}).get("flops_per_token", 0)
     if m.arch == "rmt":
         key = 2 * m.dk * m.dv * m.rank  # one read or write of R key vectors (rmt_counts)
-        rest -= 2 * m.rank * m.dv * padded_vocab(config) + key * (3 if m.position == "learned" else 2)
+        rest -= 2 * m.rank * m.dv * padded_vocab_size(config) + key * (3 if m.position == "learned" else 2)
     else:
-        rest -= 2 * m.hidden_size * padded_vocab(config)
+        rest -= 2 * m.hidden_size * padded_vocab_size(config)
     return rest / m.num_layers
 
 

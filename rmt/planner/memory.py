@@ -25,7 +25,7 @@ of ``D``, a dimension-wise one ``N`` rows of ``D/P``; ``n = num_keys * sqrt(E)``
     indices, scores and block ids, :mod:`rmt.ops.fused_update`) and the last one concatenates
     all ``m``, so ``(2m - 1) x kept`` for ``m > 1`` micro-batches and nothing for one (the kernel
     reads the backward's own tensors). ``kept`` per micro-batch, with ``s`` = 4 bytes (2 under
-    ``precision: bf16`` with a bf16 table, :func:`lookup_bytes`) per score and output gradient
+    ``precision: bf16`` with a bf16 table, :func:`rmt.memory.byte_sizes.lookup_bytes`) per score and output gradient
     element: a local table (``P = 1``)
     ``T x (E x D x s + topm x (8 + C x s + 8 [E > 1]))``; number-wise, the owner's unit-score
     lookup of the served rows in the table's dtype, ``served x (cols x b + 8 + b)``;
@@ -72,7 +72,7 @@ Phases (per rank; ``L`` memory layers on the rank):
 ``load``  ``L x (table + slot_stats + 4 keys + optimizer_states)`` + ``max(2 keys, chunk)``:
           a checkpoint of the same partition is read straight into the shard (chunk 0);
           ``load_resharded`` is a load from the other partition (one read buffer of at
-          most :data:`CHECKPOINT_CHUNK_BYTES`, and at most the overlap of one saved block with
+          most :data:`rmt.memory.byte_sizes.CHECKPOINT_CHUNK_BYTES`, and at most the overlap of one saved block with
           the new shard: the shard for a dimension-wise target, ``1/P`` of it for a number-wise one).
 
 Bytes that do not grow with the slots (the dense model, its optimizer and activations, the
@@ -106,17 +106,15 @@ import math
 import os
 from dataclasses import asdict, dataclass, replace
 
-from rmt.planner.comm import expected_unique
+from rmt.memory.byte_sizes import CHECKPOINT_CHUNK_BYTES, DTYPE_BYTES, lookup_bytes
+from rmt.memory.comm_volume import PARTITIONS, expected_unique
 from rmt.retrieval_backends import CPU_KEY_TILE, CPU_TOKEN_BLOCK, KERNELS, takes_fused
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 VALUE_OPTIMIZERS = ("adamw", "sparse_adam", "rowwise_adagrad")
-PARTITIONS = ("number", "dimension")
 PRECISIONS = ("fp32", "bf16")
 PHASES = ("init", "step", "save", "load", "load_resharded")
 LOCATIONS = ("device", "host")
 HOST_OPTIMIZERS = ("sparse_adam", "rowwise_adagrad")
-CHECKPOINT_CHUNK_BYTES = 64 << 20  # rmt.training.table_checkpoint's read and staging chunk
 RETRIEVAL_ACTIVATION_FACTOR = 2  # score tensors alive in the unfused retrieval's backward (see above)
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 SPARSE_INDEX_BYTES = 8
@@ -124,13 +122,6 @@ CACHE_INDEX_BYTES = (
     33  # a cache slot's row, lookup count and hit flag, a cached row's sorted index (rmt.memory.host_cache)
 )
 GIB = 1 << 30
-
-
-def lookup_bytes(precision: str, value_dtype: str) -> int:
-    """Bytes per score and pooled-output element of a lookup: the training precision's, widened
-    to the table's when the table is wider (bf16 scores of a float32 table are widened to
-    float32, :meth:`rmt.memory.table.MemoryTable.lookup_reduce`)."""
-    return max(DTYPE_BYTES[precision], DTYPE_BYTES[value_dtype])
 
 
 @dataclass(frozen=True)
@@ -351,7 +342,7 @@ def staged_rows(plan: TablePlan, microbatches: int = 1) -> float:
     Each of the group's ``P T' H`` (token, head) pairs per micro-batch draws its top-k distinct
     slots uniformly from the ``N`` physical rows (IVE's virtual blocks index the same rows), so a
     row is missed by all ``G`` pairs with probability ``(1 - k/N)^G`` and the expected distinct
-    rows are ``N (1 - (1 - k/N)^G)`` (:func:`rmt.planner.comm.expected_unique`; with ``k = 1``
+    rows are ``N (1 - (1 - k/N)^G)`` (:func:`rmt.memory.comm_volume.expected_unique`; with ``k = 1``
     the familiar ``N (1 - (1 - 1/N)^n)`` of ``n`` uniform draws). A dimension-wise shard stages
     all of them; a number-wise owner the ``1/P`` in its range (plain or owner-reduce: the union
     of the requesters' distinct rows is the distinct rows of their union); a local table those

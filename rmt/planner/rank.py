@@ -71,8 +71,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Dict, List, Optional
 
+from rmt.memory.byte_sizes import DTYPE_BYTES
+from rmt.models.vocab import padded_vocab_size
 from rmt.planner.dense import dense_bytes_per_param
-from rmt.planner.memory import DTYPE_BYTES, GIB
+from rmt.planner.memory import GIB
 
 CPU_PROCESS_BYTES = 385 << 20
 """Resident set of one CPU rank before its model is built (interpreter, torch, megatron-core,
@@ -161,11 +163,6 @@ def with_vocabulary(config):
 
 
 # -- parameters -----------------------------------------------------------------------------------
-def padded_vocab(config) -> int:
-    m = config.model
-    return -(-m.vocab_size // m.make_vocab_size_divisible_by) * m.make_vocab_size_divisible_by
-
-
 def _layer_params(config, layout: Layout) -> int:
     """Dense parameters of one transformer / RMT layer on a tensor-parallel rank."""
     m, t = config.model, layout.tp
@@ -180,7 +177,7 @@ def _layer_params(config, layout: Layout) -> int:
 
 def _embedding_params(config, layout: Layout, first: bool, last: bool) -> int:
     """The embedding (first stage) and the final norm and output layer (last stage) of a rank."""
-    m, t, Vp = config.model, layout.tp, padded_vocab(config)
+    m, t, Vp = config.model, layout.tp, padded_vocab_size(config)
     learned = m.position == "learned"
     n = 0
     if m.arch == "rmt":
@@ -362,7 +359,7 @@ def chunk_activations(config, layout: Layout, stage: int, chunk: int) -> Dict[st
         kept -= recomputed * layer - spans * hidden
         span = (k if layout.recompute_method == "uniform" else 1) * layer
     extra = 0
-    Vp = padded_vocab(config)
+    Vp = padded_vocab_size(config)
     if stage == 0 and chunk == 0 and m.arch == "rmt":
         extra += m.rank * m.dv * b + 4 * m.rank * m.seq_length // t // config.train.micro_batch_size
     if stage == layout.pp - 1 and chunk == layout.vpp - 1:
@@ -425,7 +422,7 @@ def loss_workspace(config, layout: Layout, stage: int) -> int:
     if stage != layout.pp - 1:
         return 0
     T = config.train.micro_batch_size * config.model.seq_length
-    return T * (padded_vocab(config) // layout.tp) * loss_bytes_per_logit(config)["workspace"]
+    return T * (padded_vocab_size(config) // layout.tp) * loss_bytes_per_logit(config)["workspace"]
 
 
 # -- tables ---------------------------------------------------------------------------------------

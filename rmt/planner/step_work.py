@@ -43,7 +43,7 @@ fused AdamW ``28``), the unfused row-wise optimizers on the touched rows (the sp
 rows, their coalescing, and ``U`` rows stepped: ``3 b + 16`` bytes an element for SparseAdam,
 ``3 b`` and 8 bytes a row for row-wise Adagrad), or the fused step inside the backward
 (``U`` rows at the lookup's backward rate). ``U`` is the expected distinct rows of uniform
-access (:func:`rmt.planner.comm.expected_unique`, an upper bound: skewed access repeats rows).
+access (:func:`rmt.memory.comm_volume.expected_unique`, an upper bound: skewed access repeats rows).
 MoE: the router GEMM and ``k`` experts' two GEMMs per routed token.
 
 The dense optimizer step per element the rank steps (``1/DP`` of them with the distributed
@@ -64,8 +64,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
+from rmt.memory.byte_sizes import DTYPE_BYTES
 from rmt.planner.hardware import Profile, attention_seconds, gemm_seconds, memory_seconds
-from rmt.planner.memory import DTYPE_BYTES
 
 LAYER_OPS = {"transformer": 129, "rmt": 156, "recurrent": 129, "mixer": 129}
 """Operations the host issues per layer and micro-batch, forward and backward."""
@@ -247,13 +247,13 @@ def layer_param_elements(config, tp: int) -> int:
 def embedding_work(config, tp: int, sp: bool, first: bool, last: bool) -> Tuple[Kernels, Kernels]:
     """The embedding (first stage) and the output layer with the loss (last stage): (forward,
     backward) of one micro-batch."""
-    from rmt.planner.rank import padded_vocab
+    from rmt.models.vocab import padded_vocab_size
 
     m = config.model
     b = _bytes(config)
     T = config.train.micro_batch_size * m.seq_length
     width = m.dk * m.dv if m.arch == "rmt" else m.hidden_size
-    Vt = padded_vocab(config) // tp
+    Vt = padded_vocab_size(config) // tp
     fwd, bwd = Kernels(config.train.precision), Kernels(config.train.precision)
     rows = m.rank * m.dv if m.arch == "rmt" else m.hidden_size
     if first:
@@ -301,8 +301,8 @@ def memory_layer_work(config, index: int, tokens: int) -> Tuple[Kernels, Kernels
         fwd.ops = FORWARD_SHARE * MEMORY_LAYER_OPS
         bwd.ops = (1 - FORWARD_SHARE) * MEMORY_LAYER_OPS
         return fwd, bwd
+    from rmt.memory.byte_sizes import DTYPE_BYTES as VB
     from rmt.memory.layer import MemorySpec
-    from rmt.planner.memory import DTYPE_BYTES as VB
 
     s = MemorySpec.from_config(config, index)
     W, H, Kd, r, E, C = s.hidden_size, s.num_heads, s.side_dim, s.tucker_rank, s.ive_blocks, s.num_cores
@@ -340,7 +340,7 @@ def memory_layer_work(config, index: int, tokens: int) -> Tuple[Kernels, Kernels
 def table_optimizer_work(config, plan, microbatches: int, in_ddp: bool, device: str) -> Tuple[Kernels, Kernels]:
     """The value tables' optimizer of one memory layer on a rank (``plan``: its
     :class:`rmt.planner.memory.TablePlan`): (inside the backward, per micro-batch; in the step)."""
-    from rmt.planner.comm import expected_unique
+    from rmt.memory.comm_volume import expected_unique
 
     mem = config.memory
     inside, step = Kernels("fp32", lookup_phase="backward"), Kernels("fp32")

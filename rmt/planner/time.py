@@ -18,7 +18,7 @@ hidden state), and the memory layers (:func:`memory_layer_time`).
 **Memory layers**: their kernels (scoring, top-m, lookup-reduce forward and backward, the fused
 row-wise optimizer) run on the rank's device in series with the dense layers (on one device they
 share its cores: ``docs/notes/memory-stream-gpu.md`` measured the async stream hiding 5-10% of
-their time on one GPU). Their tables' collectives (:func:`rmt.planner.comm.comm_volume`, the
+their time on one GPU). Their tables' collectives (:func:`rmt.memory.comm_volume.comm_volume`, the
 bytes ``rmt-plan comm`` counts, each collective at its kind's alpha-beta over the
 memory-parallel group) and, for tables in host memory, their host-link transfers
 (:func:`rmt.planner.host.layer_link_bytes`) are waits, not work: with ``memory.async_stream`` a
@@ -56,9 +56,10 @@ import copy
 from dataclasses import asdict
 from typing import Dict
 
-from rmt.planner import comm, host
+from rmt.memory import comm_volume
+from rmt.memory.byte_sizes import DTYPE_BYTES, lookup_bytes
+from rmt.planner import host
 from rmt.planner.hardware import Profile, collective_seconds, sent_seconds
-from rmt.planner.memory import DTYPE_BYTES, lookup_bytes
 from rmt.planner.rank import (
     TABLE_TYPES,
     Layout,
@@ -135,7 +136,7 @@ def _memory_comm(config, layout: Layout, profile: Profile, plan) -> Dict[str, fl
     mem = config.memory
     if mem.type not in TABLE_TYPES or mem.partition == "local" or plan is None or plan.group_size <= 1:
         return {"forward": 0.0, "backward": 0.0}
-    vol = comm.comm_volume(
+    vol = comm_volume.comm_volume(
         plan.partition,
         plan.tokens,
         plan.topm,

@@ -114,12 +114,6 @@ def verify(path: str) -> Optional[str]:
     return None
 
 
-def size_on_disk(path: str) -> int:
-    """Total bytes of checkpoint ``path`` as its manifest records them (0 without one)."""
-    manifest = read_manifest(path)
-    return sum(manifest["files"].values()) if manifest else 0
-
-
 def complete_checkpoints(root: str) -> Tuple[List[str], List[str]]:
     """``(complete, skipped)``: the complete checkpoints under ``root``, newest first, and one
     sentence for each incomplete one newer than the newest complete one."""

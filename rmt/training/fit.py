@@ -95,9 +95,10 @@ def rank_memory() -> int:
 def memory_floor(config: RMTConfig) -> dict:
     """Bytes a rank of ``config`` certainly holds at once: ``{"state", "activations", "mask"}``."""
     from rmt.data.metadata import known_vocab_size
+    from rmt.memory.byte_sizes import DTYPE_BYTES
+    from rmt.models.vocab import padded_vocab_size
     from rmt.planner.dense import dense_bytes_per_param
-    from rmt.planner.flops import _pad, plan_model
-    from rmt.planner.memory import DTYPE_BYTES
+    from rmt.planner.flops import plan_model
 
     config = copy.deepcopy(config)
     m, t, p = config.model, config.train, config.parallel
@@ -115,7 +116,7 @@ def memory_floor(config: RMTConfig) -> dict:
     elif "activation_bytes_per_token" in doc:
         activations = doc["activation_bytes_per_token"] * tokens // model_ranks
     else:
-        Vp = _pad(m.vocab_size, m.make_vocab_size_divisible_by)
+        Vp = padded_vocab_size(config)
         activations = max(4, DTYPE_BYTES[t.precision]) * Vp * tokens // p.tensor_model_parallel_size
     return {"state": state, "activations": activations, "mask": m.seq_length**2}
 

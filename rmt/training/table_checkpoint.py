@@ -27,12 +27,11 @@ from typing import Dict, Iterable, List, Tuple
 import torch
 
 from rmt.errors import UserError
+from rmt.memory.byte_sizes import CHECKPOINT_CHUNK_BYTES
 from rmt.memory.host_table import host_cache
 from rmt.parallel.sharding import Shard, shards
-from rmt.planner.memory import CHECKPOINT_CHUNK_BYTES
 
 FORMAT = 1
-CHUNK_BYTES = CHECKPOINT_CHUNK_BYTES  # the planner counts it in a resharding load's peak
 STATES = ("exp_avg", "exp_avg_sq", "sum")  # Adam moments (AdamW, SparseAdam); RowWiseAdagrad's row sums
 ROW_STATES = ("sum",)  # one value per table row
 SAVED_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
@@ -72,7 +71,7 @@ def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def save_tables(root: str, chunks, optimizer, chunk_bytes: int = CHUNK_BYTES) -> int:
+def save_tables(root: str, chunks, optimizer, chunk_bytes: int = CHECKPOINT_CHUNK_BYTES) -> int:
     """Write this rank's main-replica table shards under ``root``; returns the bytes written."""
     written = 0
     for shard in table_shards(chunks):
@@ -161,7 +160,7 @@ def read_overlap(block: dict, target: torch.Tensor, row0: int, col0: int, chunk_
     return (r_b - r_a) * (c_b - c_a)
 
 
-def load_tables(root: str, chunks, optimizer, chunk_bytes: int = CHUNK_BYTES) -> None:
+def load_tables(root: str, chunks, optimizer, chunk_bytes: int = CHECKPOINT_CHUNK_BYTES) -> None:
     """Fill every table shard of ``chunks`` (and its optimizer states, which must exist) in place
     from the blocks saved under ``root``, whatever layout saved them; a host table's device cache
     forgets its rows (``memory.host_cache_rows``: the next refresh admits rows anew)."""

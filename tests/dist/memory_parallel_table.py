@@ -21,7 +21,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from rmt.memory.table import MemoryTable  # noqa: E402
-from rmt.planner.comm import comm_volume  # noqa: E402
+from rmt.memory.comm_volume import comm_volume  # noqa: E402
 
 N, D, K, C, E = 64, 16, 6, 2, 4
 
