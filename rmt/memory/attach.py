@@ -56,6 +56,7 @@ from megatron.core.tensor_parallel.random import is_checkpointing
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+from rmt.memory.byte_sizes import lookup_bytes
 from rmt.memory.groups import memory_parallel_groups
 from rmt.memory.layer import MemoryLayer, MemorySpec
 from rmt.memory.layer_v2 import UltraMemV2Layer
@@ -65,7 +66,6 @@ from rmt.memory.stream import ForkMemory, InlineStream, JoinMemory, MemoryLink, 
 from rmt.memory.table import MemoryTable
 from rmt.models.documents import document_starts
 from rmt.parallel import compat
-from rmt.planner.memory import lookup_bytes
 
 
 def build_memory_layer(config, index: int, base=None) -> torch.nn.Module:

@@ -18,6 +18,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from rmt.memory import sharded_table
 from rmt.memory.comm_counter import CommCounter
+from rmt.memory.comm_volume import choose_partition
 from rmt.memory.host_table import HostTable
 from rmt.ops import lookup_reduce
 from rmt.ops.counter_normal import fill_normal_
@@ -63,8 +64,6 @@ def resolve_partition(
         return partition
     if plan is None:
         raise ValueError("MemoryTable partition 'auto' needs plan={'tokens', 'topm', 'ive', 'cores'}")
-    from rmt.planner.comm import choose_partition
-
     return choose_partition(
         plan["tokens"],
         plan["topm"],
