@@ -11,7 +11,6 @@ import torch
 pytest.importorskip("lm_eval")
 
 import lm_eval  # noqa: E402
-from eval_models import MODELS, tiny_model  # noqa: E402
 
 from rmt import parallel  # noqa: E402
 from rmt.data.tokenizers import ByteTokenizer  # noqa: E402
@@ -20,6 +19,7 @@ from rmt.evaluation.cli import main, task_manager  # noqa: E402
 from rmt.evaluation.harness import RMTLM  # noqa: E402
 
 from conftest import fast_cases  # noqa: E402
+from eval_models import MODELS, tiny_model  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -125,9 +125,9 @@ def test_generate_until_equals_rmt_decoding(model_of, name):
 
 def test_cli_from_checkpoint(tmp_path, capsys):
     """rmt-eval on a trained checkpoint equals the model class on the same loaded model."""
-    from eval_models import train_tiny
-
     from rmt.generate import load_model
+
+    from eval_models import train_tiny
 
     train_tiny(tmp_path, "transformer")
     out = tmp_path / "eval.json"

@@ -10,7 +10,6 @@ import torch
 
 pytest.importorskip("transformers")
 
-from eval_models import MODELS, causal_logits, train_tiny  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from rmt import parallel  # noqa: E402
@@ -20,6 +19,7 @@ from rmt.generate import load_model  # noqa: E402
 from rmt.generate import main as generate_main
 
 from conftest import fast_cases  # noqa: E402
+from eval_models import MODELS, causal_logits, train_tiny  # noqa: E402
 
 warnings.filterwarnings("ignore")
 

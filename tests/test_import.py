@@ -9,12 +9,13 @@ import torch
 
 pytest.importorskip("transformers")
 
-from eval_models import causal_logits, tiny_config, train_tiny  # noqa: E402
 from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig  # noqa: E402
 
 from rmt import parallel  # noqa: E402
 from rmt.errors import UserError  # noqa: E402
 from rmt.export.cli import main as export_main  # noqa: E402
+
+from eval_models import causal_logits, tiny_config, train_tiny  # noqa: E402
 
 warnings.filterwarnings("ignore")
 

@@ -7,7 +7,8 @@ import torch
 from rmt.ops import cpu_backend, lookup_reduce
 from rmt.ops.fused_update import FusedValueUpdate
 from rmt.ops.sparse_optim import RowWiseAdagrad, SparseAdam
-from rmt.ops.testing import ADAM_REL, adagrad_rel, assert_rounded_within, check_fused_zero_decay, round_fp32
+
+from kernel_checks import ADAM_REL, adagrad_rel, assert_rounded_within, check_fused_zero_decay, round_fp32
 
 OPTIMIZERS = {
     "sparse_adam": lambda p: SparseAdam([p], lr=2e-2, betas=(0.8, 0.95), eps=1e-6),
@@ -266,7 +267,7 @@ def test_bf16_table_is_the_fp32_step_rounded_once(kind, shape):
 @pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16])
 def test_cpu_kernel_matches_torch_reference(kind, table_dtype):
     """The C++ fused step against the plain torch formulation (reference backward, then the torch
-    updates of rmt.ops.sparse_optim): within the rounding bounds of rmt.ops.testing (the torch
+    updates of rmt.ops.sparse_optim): within the rounding bounds of tests/kernel_checks.py (the torch
     CPU sqrt is off by an ulp; the gradient sums in another order, within fp32 rounding)."""
     shape = SHAPES[1]
     steps = [[b] for b in batches(shape, 1)]
@@ -307,7 +308,7 @@ def test_flush_steps_lookups_left_without_their_final_backward():
 def test_rowwise_adagrad_without_weight_decay_adds_no_term():
     """weight_decay 0 adds no decay term to the fused row-wise Adagrad step, as the reference and
     torch's Adagrad: rows holding infinite weights keep finite gradients and sums
-    (rmt.ops.testing.check_fused_zero_decay), where g + 0 * p made them NaN."""
+    (kernel_checks.check_fused_zero_decay), where g + 0 * p made them NaN."""
     check_fused_zero_decay("cpu")
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from rmt.ops import cuda_backend, lookup_reduce, reference_backward, select_backend, triton_backend
-from rmt.ops.testing import (
+
+from kernel_checks import (
     CASES,
     DTYPE_PAIRS,
     check_backend,
@@ -46,7 +47,7 @@ def test_gpu_backend_matches_reference(backend, table_dtype, dtype, sparse_grad)
 @pytest.mark.parametrize("sparse_grad", [False, True])
 def test_gpu_narrow_table_is_the_fp32_computation_rounded_once(backend, table_dtype, sparse_grad):
     """bf16/fp16 table, fp32 scores: the fp32 kernels' results on the table's values, the table
-    gradient rounded once to nearest even (rmt.ops.testing.check_narrow_table), at the small
+    gradient rounded once to nearest even (kernel_checks.check_narrow_table), at the small
     cases and at a headline-sized one."""
     for case in CASES + [(1 << 20, 64, 4096, 32, 1, 1), (100_003, 200, 300, 64, 2, 4)]:
         check_narrow_table(backend, case, table_dtype, sparse_grad=sparse_grad, device="cuda")
@@ -244,5 +245,5 @@ def test_gpu_fused_update_equals_the_cpu_step(backend, kind, shape):
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_gpu_fused_rowwise_adagrad_without_weight_decay_adds_no_term(backend):
     """weight_decay 0 adds no decay term in the GPU kernels' fused row-wise Adagrad step: rows
-    holding infinite weights keep finite gradients and sums (rmt.ops.testing.check_fused_zero_decay)."""
+    holding infinite weights keep finite gradients and sums (kernel_checks.check_fused_zero_decay)."""
     check_fused_zero_decay(backend, device="cuda")

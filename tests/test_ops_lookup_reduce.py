@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from rmt.ops import cpu_backend, extensions, lookup_reduce, reference_backward, reference_forward, select_backend
-from rmt.ops.testing import CASES, DTYPE_PAIRS, check_backend, check_narrow_table, make_case, run_op
 
 from conftest import run_python
+from kernel_checks import CASES, DTYPE_PAIRS, check_backend, check_narrow_table, make_case, run_op
 
 PAIRS = DTYPE_PAIRS + [(torch.float64, torch.float64)]
 
@@ -27,7 +27,7 @@ def test_backend_matches_reference(backend, case, table_dtype, dtype):
 def test_narrow_table_is_the_fp32_computation_rounded_once(backend, table_dtype, sparse_grad):
     """A bf16/fp16 table with fp32 scores: output and score gradients are the fp32 computation on
     the table's values bit for bit, the table gradient the fp32 one rounded once, and all lie
-    within the derived fp32-accumulation bound of the exact result (rmt.ops.testing)."""
+    within the derived fp32-accumulation bound of the exact result (tests/kernel_checks.py)."""
     for case in CASES:
         check_narrow_table(backend, case, table_dtype, sparse_grad=sparse_grad)
 

@@ -17,7 +17,8 @@ from rmt.ops.sparse_optim import (
     fused_kernels,
     make_sparse_optimizer,
 )
-from rmt.ops.testing import check_row_optimizer_kernels
+
+from kernel_checks import check_row_optimizer_kernels
 
 
 def _loss(table, indices, scores, target, sparse_grad):
@@ -111,7 +112,7 @@ def test_sparse_adam_reference_is_torch_bit_for_bit(dtype, maximize, monkeypatch
 def test_cpu_kernels_on_narrow_tables(dtype):
     """The C++ kernels against the torch references on fp32/bf16/fp16 tables with fp32 state:
     (a) kernel == reference to the stated rounding, (b) a narrow step == the fp32 step rounded
-    once (rmt.ops.testing.check_row_optimizer_kernels)."""
+    once (kernel_checks.check_row_optimizer_kernels)."""
     for seed in range(3):
         check_row_optimizer_kernels(_ext(), dtype, seed=seed)
 

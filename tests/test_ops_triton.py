@@ -22,7 +22,8 @@ def run_checks():
     import torch
 
     from rmt.ops import lookup_reduce, triton_backend
-    from rmt.ops.testing import CASES, check_backend, check_narrow_table, make_case
+
+    from kernel_checks import CASES, check_backend, check_narrow_table, make_case
 
     for case in CASES:
         check_backend("triton", case, torch.float32)
@@ -64,7 +65,8 @@ def check_fused_update():
     from rmt.ops import lookup_reduce
     from rmt.ops.fused_update import FusedValueUpdate
     from rmt.ops.sparse_optim import RowWiseAdagrad, SparseAdam
-    from rmt.ops.testing import ADAM_REL, adagrad_rel, assert_rounded_within, check_fused_zero_decay
+
+    from kernel_checks import ADAM_REL, adagrad_rel, assert_rounded_within, check_fused_zero_decay
 
     N, D, T, K, C, E = 60, 20, 6, 5, 2, 3
     gen = torch.Generator().manual_seed(3)
@@ -121,12 +123,13 @@ def check_fused_update():
 def check_sparse_optim():
     """The Triton row-wise optimizer steps against torch's SparseAdam and the torch row-wise
     Adagrad reference, over two steps on the same rows, D not a power of two included; and on
-    narrow tables (rmt.ops.testing.check_row_optimizer_kernels)."""
+    narrow tables (kernel_checks.check_row_optimizer_kernels)."""
     import torch
 
     from rmt.ops import triton_sparse_optim
     from rmt.ops.sparse_optim import rowwise_adagrad_update_
-    from rmt.ops.testing import check_row_optimizer_kernels
+
+    from kernel_checks import check_row_optimizer_kernels
 
     gen = torch.Generator().manual_seed(5)
     rows = torch.tensor([0, 3, 17, 49])

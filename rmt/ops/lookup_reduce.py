@@ -37,7 +37,7 @@ once to its dtype: with a bf16 table and fp32 scores the only rounding beyond fp
 the table's storage and the table gradient's final rounding (each row's gradient is summed in
 fp32 and rounded to bf16 once), so the output equals the fp32 computation on the same
 (bf16-representable) table values, and the table gradient is the fp32 gradient rounded to bf16
-(``rmt.ops.testing.check_narrow_table``, run for every backend). A bf16 table halves the bytes
+(``check_narrow_table`` in tests/kernel_checks.py, run for every backend). A bf16 table halves the bytes
 the op gathers and the gradient rows it writes; its scores should stay fp32.
 """
 

@@ -5,7 +5,7 @@ unique, so programs own disjoint rows (no atomics). Arithmetic in fp32; any D (m
 A bf16/fp16 table keeps fp32 state (Adam's moments, Adagrad's per-row sums): the row and its
 gradient are loaded as fp32 and only the new row is rounded, once, to the table's dtype on store
 (to nearest even on a GPU; the Triton interpreter truncates fp32 -> bf16, see
-``rmt.ops.testing.round_fp32``).
+``round_fp32`` in tests/kernel_checks.py).
 
 The launchers take the same arguments as the C++ extension's functions, so the optimizers call
 either through one interface. Like the C++ kernels (and torch's formulation, which the

@@ -1,9 +1,12 @@
-"""Random inputs and reference comparisons for lookup_reduce backends (used by the tests)."""
+"""The lookup-reduce and row-optimizer kernels' shared checks: random cases, derived rounding bounds
+and comparisons with the plain references, run by the tests for every backend."""
 
 import torch
 
-from .lookup_reduce import lookup_reduce
-from .reference import acc_dtype, reference_backward, reference_forward
+from rmt.ops.fused_update import FusedValueUpdate
+from rmt.ops.lookup_reduce import lookup_reduce
+from rmt.ops.reference import acc_dtype, reference_backward, reference_forward
+from rmt.ops.sparse_optim import RowWiseAdagrad, rowwise_adagrad_update_, sparse_adam_update_
 
 # (N, D, T, K, C, E): D not a power of two, C=2, E=4, T=0, K=1, a tiny table forcing duplicates.
 CASES = [
@@ -201,7 +204,6 @@ def check_row_optimizer_kernels(impl, table_dtype, device="cpu", rounding="rne",
     (c) with weight_decay 0 the row-wise Adagrad kernel adds no decay term, as the reference: a
         touched row holding infinite weights keeps its finite gradient and sum (``check_zero_decay``).
     """
-    from .sparse_optim import rowwise_adagrad_update_, sparse_adam_update_
 
     gen = torch.Generator().manual_seed(seed)
     N, D = 50, 20
@@ -262,7 +264,6 @@ def check_zero_decay(step, table, rows, values, state, lr, eps):
     term at weight_decay 0, so those rows' gradients, and their sums, stay finite; a kernel
     computing g + 0 * p would make them NaN. Finite entries within the bounds of
     check_row_optimizer_kernels (a), the sums within 2 gamma_{D+1}; the infinite ones equal."""
-    from .sparse_optim import rowwise_adagrad_update_
 
     start = table.clone()
     start[rows[0], 0], start[rows[1], -1] = float("inf"), float("-inf")
@@ -287,8 +288,6 @@ def check_fused_zero_decay(backend, device="cpu", seed=0):
     with weight_decay 0, one step from non-zero sums, against the reference: ``check_zero_decay``,
     the step being the fused backward's update of the touched rows (their gradients taken by the
     reference backend for the reference step)."""
-    from .fused_update import FusedValueUpdate
-    from .sparse_optim import RowWiseAdagrad
 
     gen = torch.Generator().manual_seed(seed)
     N, D, T, K = 40, 24, 6, 4
