@@ -541,7 +541,7 @@ class TrainConfig:
 class MemoryConfig:
     """Sparse memory layers added to the dense model (``type: none`` adds none): UltraMem
     (arXiv 2411.12364), PKM and MoE (:mod:`rmt.memory`), and memory-parallel tables (UltraMem
-    Appendix C/D; :mod:`rmt.memory.sharded_table`)."""
+    Appendix C/D; :mod:`rmt.memory.distribution`)."""
 
     type: Literal["none", "ultramem", "ultramem_v2", "pkm", "moe"] = "none"
     """``none``, ``ultramem``, ``ultramem_v2`` (UltraMemV2, arXiv 2508.18756: a memory beside the
@@ -748,7 +748,7 @@ class MemoryConfig:
     and copies it to the device (beside layers i+1..j with ``async_stream``); the backward brings
     the row gradients back and ``value_optimizer`` (``sparse_adam`` or ``rowwise_adagrad``, not
     fused) steps the rows on the host on a thread of its own, finished before the next lookup of
-    the table (:mod:`rmt.memory.host_table`). Keys, queries and the dense model stay on the
+    the table (:mod:`rmt.memory.storage`). Keys, queries and the dense model stay on the
     device; checkpoints read and write the host shards directly."""
 
     host_cache_rows: Annotated[int, Range(ge=0)] = 0

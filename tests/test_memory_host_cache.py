@@ -17,7 +17,7 @@ from rmt.config_checks import validate
 from rmt.errors import ConfigError
 from rmt.memory.groups import square_sum
 from rmt.memory.host_cache import HotRows
-from rmt.memory.host_table import launch_host_steps, settle_all
+from rmt.memory.host_steps import launch_host_steps, settle_all
 from rmt.memory.table import MemoryTable
 from rmt.ops.sparse_optim import RowWiseAdagrad, SparseAdam
 
@@ -71,14 +71,16 @@ def test_cached_rows_give_the_uncached_gradients_steps_and_link_bytes(optimizer)
     torch.manual_seed(0)
     plain, cached = _host(), _host(cache_rows=10)
     opts = [optimizer([t.weight], lr=0.05) for t in (plain, cached)]
-    cache = cached.host.cache
+    cache = cached.storage.cache
     row = 8 * 4
     evicted = 0
     for step in range(3):
         if cache.due:
-            before = dict(cached.host.link.phases.get("refresh", {}))
-            cache.refresh()
-            evicted += cached.host.link.phases["refresh"]["d2h_evicted_indices"] - before.get("d2h_evicted_indices", 0)
+            before = dict(cached.storage.link.phases.get("refresh", {}))
+            cached.storage.refresh()
+            evicted += cached.storage.link.phases["refresh"]["d2h_evicted_indices"] - before.get(
+                "d2h_evicted_indices", 0
+            )
         lookups = [
             (torch.randint(0, 64, (6, 4)) % (16 + 8 * step), torch.randn(6, 4, 1), torch.randn(6, 1, 8))
             for _ in range(3)
@@ -86,7 +88,7 @@ def test_cached_rows_give_the_uncached_gradients_steps_and_link_bytes(optimizer)
         for t in (plain, cached):
             for indices, scores, grad_out in lookups:
                 (t.lookup_reduce(indices, scores, None, 1) * grad_out).sum().backward()
-            t.weight.grad = t.host.take_grad()
+            t.weight.grad = t.storage.take_grad()
         cache.grad = cache.take_grad()
         full = plain.weight.grad.to_dense()
         parts = cached.weight.grad.to_dense() + (0 if cache.grad is None else cache.grad.to_dense())
@@ -105,8 +107,8 @@ def test_cached_rows_give_the_uncached_gradients_steps_and_link_bytes(optimizer)
     counts = cache.pop_counts()
     assert counts["row_hits"] > 0 and counts["lookups"] == 3 * 3 * 6 * 4
     for phase in ("forward", "backward"):
-        for name, nbytes in plain.host.link.phases[phase].items():
-            assert cached.host.link.phases[phase][name] + cache.saved.phases[phase][name] == nbytes
+        for name, nbytes in plain.storage.link.phases[phase].items():
+            assert cached.storage.link.phases[phase][name] + cache.saved.phases[phase][name] == nbytes
     assert cache.saved.forward == {"d2h_indices": 8 * counts["row_hits"], "h2d_rows": row * counts["row_hits"]}
     assert cache.saved.backward == {"d2h_row_grads": row * counts["row_hits"]}
 
@@ -114,12 +116,12 @@ def test_cached_rows_give_the_uncached_gradients_steps_and_link_bytes(optimizer)
 def test_cache_stats_and_device_bytes():
     """The hit fractions a layer logs, and the device bytes: rows, state and index."""
     table = _host(cache_rows=4)
-    cache = table.host.cache
+    cache = table.storage.cache
     opt = SparseAdam([table.weight], lr=0.1)
     (table.lookup_reduce(torch.tensor([[1, 2], [1, 3]]), torch.ones(2, 2, 1), None, 1)).sum().backward()
-    table.weight.grad, cache.grad = table.host.take_grad(), cache.take_grad()
+    table.weight.grad, cache.grad = table.storage.take_grad(), cache.take_grad()
     launch_host_steps(opt)
-    cache.refresh()
+    table.storage.refresh()
     assert cache.rows.sorted_rows.tolist() == [1, 2, 3]
     assert cache.device_bytes == 4 * (8 * 4 + 2 * 8 * 4) + 33 * 4 - 16 * (4 - 3)
     table.pop_cache_stats()
@@ -133,7 +135,7 @@ def test_cache_stats_and_device_bytes():
 
 
 def test_cache_larger_than_the_shard_holds_it_all():
-    assert _host(cache_rows=1000).host.cache.capacity == 64
+    assert _host(cache_rows=1000).storage.cache.capacity == 64
 
 
 @pytest.mark.parametrize(

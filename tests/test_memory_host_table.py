@@ -114,17 +114,17 @@ def test_next_lookup_waits_for_the_host_step(cache_dir, tmp_path, monkeypatch):
 def test_device_holds_one_micro_batch_of_staged_rows(cache_dir, tmp_path, monkeypatch):
     """Two micro-batches a step, one in flight at a time: each table's staged rows peak at its
     largest single lookup's, so every micro-batch's rows are released by its backward."""
-    from rmt.memory.host_table import HostTable
+    from rmt.memory.storage import HostStorage
 
     sizes = {}
-    fetch = HostTable.fetch
+    fetch = HostStorage.fetch
 
     def recorded(self, rows):
         out = fetch(self, rows)
         sizes.setdefault(id(self), []).append(out.numel() * out.element_size())
         return out
 
-    monkeypatch.setattr(HostTable, "fetch", recorded)
+    monkeypatch.setattr(HostStorage, "fetch", recorded)
     got = train_steps(tmp_path / "host.pt", overrides(cache_dir, ["memory.value_optimizer=sparse_adam"] + HOST))
     ((table,),) = [list(rank.values()) for rank in got["host"]]
     ((fetched),) = sizes.values()
@@ -145,8 +145,8 @@ def test_lookup_reads_the_rows_after_the_launched_step():
         time.sleep(0.2)
         table.weight.data.add_(1.0)
 
-    table.host.launch_step(step)
-    rows = table.host.gather(torch.tensor([5, 1, 5]))
+    table.storage.launch_step(step)
+    rows = table.storage.gather(torch.tensor([5, 1, 5]))
     torch.testing.assert_close(rows, before[[5, 1, 5]] + 1.0, rtol=0, atol=0)
 
 
@@ -159,13 +159,13 @@ def test_link_bytes_and_staged_rows():
     outs = [table.lookup_reduce(i, torch.randn(10, 4, 1), None, 1) for i in indices]
     unique = [int(torch.unique(i).numel()) for i in indices]
     row = 8 * 4  # fp32 rows of 8
-    assert table.host.link.forward == {"d2h_indices": 8 * sum(unique), "h2d_rows": row * sum(unique)}
-    assert table.host.staged_bytes == table.host.staged_peak == row * sum(unique)
+    assert table.storage.link.forward == {"d2h_indices": 8 * sum(unique), "h2d_rows": row * sum(unique)}
+    assert table.storage.staged_bytes == table.storage.staged_peak == row * sum(unique)
     sum(o.sum() for o in outs).backward()
     del outs
-    assert table.host.link.backward == {"d2h_row_grads": row * sum(unique)}
-    assert table.host.staged_bytes == 0 and table.host.staged_peak == row * sum(unique)
-    grad = table.host.take_grad()
+    assert table.storage.link.backward == {"d2h_row_grads": row * sum(unique)}
+    assert table.storage.staged_bytes == 0 and table.storage.staged_peak == row * sum(unique)
+    grad = table.storage.take_grad()
     assert grad.is_sparse and grad.device.type == "cpu"
     assert grad.indices()[0].tolist() == torch.unique(torch.cat([i.reshape(-1) for i in indices])).tolist()
 
@@ -179,7 +179,7 @@ def test_host_gradient_and_step_equal_the_device_tables():
     grad_out = torch.randn(12, 2, 8)
     for t in (host, device):
         (t.lookup_reduce(indices, scores, blocks, 2) * grad_out).sum().backward()
-    host.weight.grad = host.host.take_grad()
+    host.weight.grad = host.storage.take_grad()
     assert torch.equal(host.weight.grad.to_dense(), device.weight.grad.to_dense())
     for t in (host, device):
         RowWiseAdagrad([t.weight], lr=0.1).step()
@@ -208,11 +208,11 @@ def test_slot_counters_live_on_the_host(cache_rows):
     assert host.hits.device.type == "cpu" and host.hits.numel() == 64
     if cache_rows:
         opt = SparseAdam([host.weight], lr=0.1)
-        host.host.cache.optimizer = opt  # a stepped table: the refresh caches rows
+        host.storage.cache.optimizer = opt  # a stepped table: the refresh caches rows
         opt.state[host.weight].update(SparseAdam.initial_state(host.weight))
-        host.host.cache.rows.record(torch.zeros(0, dtype=torch.int64), torch.arange(6))
-        host.host.cache.refresh()
-        assert host.host.cache.rows.sorted_rows.tolist() == list(range(6))
+        host.storage.cache.rows.record(torch.zeros(0, dtype=torch.int64), torch.arange(6))
+        host.storage.refresh()
+        assert host.storage.cache.rows.sorted_rows.tolist() == list(range(6))
     for t in (host, device):
         t.lookup_reduce(torch.tensor([[1, 9], [9, 40]]), torch.ones(2, 2, 1), None, 1)
         t.eval()
@@ -226,7 +226,7 @@ def test_slot_counters_live_on_the_host(cache_rows):
 def test_union_count_in_chunks_equals_the_whole():
     import torch.distributed as dist
 
-    from rmt.memory.table import union_count
+    from rmt.memory.distribution.local import union_count
 
     flags = (torch.arange(10) % 3 == 0).to(torch.uint8)
     owned = not dist.is_initialized()  # a one-process group (an earlier test's, or this one)

@@ -107,7 +107,7 @@ def test_auto_partition_is_the_planners_training_step_choice():
     """``auto`` picks the partition with fewer bytes per step (forward + backward): wide values
     and many lookups favour dimension-wise, narrow values number-wise (Appendix D, Fig. 9)."""
     from rmt.memory.comm_volume import plan_comm
-    from rmt.memory.table import resolve_partition
+    from rmt.memory.distribution import resolve_partition
 
     plan = {"tokens": 64, "topm": 32, "ive": 4, "cores": 2}
     for dim, slots, expected in (

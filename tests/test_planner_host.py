@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from rmt.memory import host_table
+from rmt.memory import host_cache, host_steps
 from rmt.memory.table import MemoryTable
 from rmt.planner import host
 from rmt.planner.cli import main
@@ -47,10 +47,10 @@ def test_link_bytes_equal_the_host_tables_counters(dtype, blocks):
     U = indices.unique().numel()
     assert U < T * K  # repeats, deduplicated before they cross
     want = host.host_link_bytes(U, D, torch.finfo(dtype).bits // 8)
-    assert dict(table.host.link.forward) == want["forward"]
-    assert dict(table.host.link.backward) == want["backward"]
-    assert table.host.take_grad().indices().shape[1] == U  # the step's gradient: the staged rows
-    assert host.INDEX_BYTES == host_table.INDEX_BYTES
+    assert dict(table.storage.link.forward) == want["forward"]
+    assert dict(table.storage.link.backward) == want["backward"]
+    assert table.storage.take_grad().indices().shape[1] == U  # the step's gradient: the staged rows
+    assert host.INDEX_BYTES == host_cache.INDEX_BYTES
 
 
 def _binomial_spread(plan, microbatches=1):
@@ -78,7 +78,7 @@ def test_uniform_lookups_stage_the_expected_rows_of_a_host_table():
         table = MemoryTable(4096, 4, 0.02, sparse_grad=True, location="host", device="cpu")
         slots = _draw(64 * 2, 16, 4096, gen).reshape(64, 2 * 16)
         _lookup(table, slots, 1, 1)
-        counted.append(table.host.link.forward["h2d_rows"] // (4 * 4))
+        counted.append(table.storage.link.forward["h2d_rows"] // (4 * 4))
         assert abs(counted[-1] - expected) < 4 * spread
     assert abs(sum(counted) / len(counted) - expected) < 4 * spread / math.sqrt(len(counted))
 
@@ -333,7 +333,7 @@ def test_an_ultramem_v2_layer_stages_its_rows_through_both_tables():
         slots, _ = layer.physical(layer.retrieve(x.reshape(10, 12))[0])
     U = slots.unique().numel()
     assert U < slots.numel()
-    links = [layer.values.host.link, layer.pre_values.host.link]
+    links = [layer.values.storage.link, layer.pre_values.storage.link]
     forward = {k: sum(link.forward[k] for link in links) for k in ("d2h_indices", "h2d_rows")}
     backward = {"d2h_row_grads": sum(link.backward["d2h_row_grads"] for link in links)}
     plan = TablePlan(slots=16, dim=8 + 6, tokens=10, heads=2, topk=3, ive_blocks=1, location="host",
@@ -368,10 +368,10 @@ def _cached_table(optimizer, capacity, dtype=torch.float32, N=256, D=8):
     )
     opt = (SparseAdam if optimizer == "sparse_adam" else RowWiseAdagrad)([table.weight], lr=0.01)
     _lookup(table, torch.arange(capacity).view(1, -1), 1, 1)
-    table.weight.grad, table.host.cache.grad = table.host.take_grad(), table.host.cache.take_grad()
-    host_table.launch_host_steps(opt)
-    table.host.cache.refresh()
-    assert table.host.cache.rows.sorted_rows.tolist() == list(range(capacity))
+    table.weight.grad, table.storage.cache.grad = table.storage.take_grad(), table.storage.cache.take_grad()
+    host_steps.launch_host_steps(opt)
+    table.storage.refresh()
+    assert table.storage.cache.rows.sorted_rows.tolist() == list(range(capacity))
     return table, opt
 
 
@@ -383,8 +383,8 @@ def test_cache_device_bytes_equal_the_caches(optimizer, dtype):
     table, _ = _cached_table(optimizer, 24, dtype)
     plan = TablePlan(slots=256, dim=8, location="host", value_optimizer=optimizer, cache_rows=24,
                      value_dtype="bf16" if dtype == torch.bfloat16 else "fp32")  # fmt: skip
-    assert components(plan)["cache"] == table.host.cache.device_bytes
-    assert host.host_report(plan)["cache"]["device_bytes"] == table.host.cache.device_bytes
+    assert components(plan)["cache"] == table.storage.cache.device_bytes
+    assert host.host_report(plan)["cache"]["device_bytes"] == table.storage.cache.device_bytes
 
 
 def test_cached_link_bytes_equal_the_tables_counters():
@@ -393,7 +393,7 @@ def test_cached_link_bytes_equal_the_tables_counters():
     refresh replacing every cached row moves the plan's refresh bytes exactly."""
     torch.manual_seed(4)
     table, opt = _cached_table("sparse_adam", 24)
-    link = table.host.link
+    link = table.storage.link
     link.reset()
     indices = torch.randint(0, 64, (12, 6))
     _lookup(table, indices, 1, 1)
@@ -406,17 +406,17 @@ def test_cached_link_bytes_equal_the_tables_counters():
         "forward": want["forward"],
         "backward": want["backward"],
     }
-    table.weight.grad, table.host.cache.grad = table.host.take_grad(), table.host.cache.take_grad()
-    table.host.cache.grad_sq_norm(table.weight.grad)
+    table.weight.grad, table.storage.cache.grad = table.storage.take_grad(), table.storage.cache.take_grad()
+    table.storage.cache.grad_sq_norm(table.weight.grad)
     assert dict(link.phases["step"]) == want["step"]
-    host_table.launch_host_steps(opt)
+    host_steps.launch_host_steps(opt)
     for _ in range(2):  # 24 other rows, none cached, looked up more often than any since the refresh
         _lookup(table, torch.arange(100, 124).view(1, -1), 1, 1)
-    table.weight.grad, table.host.cache.grad = table.host.take_grad(), table.host.cache.take_grad()
-    host_table.launch_host_steps(opt)
+    table.weight.grad, table.storage.cache.grad = table.storage.take_grad(), table.storage.cache.take_grad()
+    host_steps.launch_host_steps(opt)
     link.reset()
-    table.host.cache.refresh()
-    assert table.host.cache.rows.sorted_rows.tolist() == list(range(100, 124))
+    table.storage.refresh()
+    assert table.storage.cache.rows.sorted_rows.tolist() == list(range(100, 124))
     assert dict(link.phases["refresh"]) == host.cache_refresh_bytes(plan)
 
 

@@ -191,6 +191,7 @@ def test_fused_kept_lookups_match_what_a_built_layer_keeps():
     """The bytes a local layer's backward keeps for the fused step (all but the step's last
     micro-batch) are the planner's ``kept``."""
     from rmt.config import load_config
+    from rmt.memory.descriptor import amend
     from rmt.memory.layer import MemoryLayer, MemorySpec
     from rmt.ops.fused_update import FusedValueUpdate
     from rmt.ops.sparse_optim import SparseAdam
@@ -211,13 +212,11 @@ def test_fused_kept_lookups_match_what_a_built_layer_keeps():
     )
     layer = MemoryLayer(MemorySpec.from_config(config))
     weight = layer.values.weight
-    weight.memory_fused_update = FusedValueUpdate(weight, SparseAdam([weight], lr=1e-3))
-    weight.memory_fused_update.final = False  # an early micro-batch of the step
+    update = amend(weight, fused_update=FusedValueUpdate(weight, SparseAdam([weight], lr=1e-3))).fused_update
+    update.final = False  # an early micro-batch of the step
     T = config.train.micro_batch_size * config.model.seq_length
     layer(torch.randn(T, 1, 32)).sum().backward()
-    kept = sum(
-        t.numel() * t.element_size() for entry in weight.memory_fused_update.stash for t in entry[:4] if t is not None
-    )
+    kept = sum(t.numel() * t.element_size() for entry in update.stash for t in entry[:4] if t is not None)
     plan = plan_from_config(config, group_size=1, layers=1, microbatches=2)
     assert plan.fused and plan.cores == config.memory.num_cores
     assert kept == fused_kept_bytes(plan)

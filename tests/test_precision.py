@@ -68,6 +68,7 @@ def test_bf16_keeps_bf16_weights_and_tables_in_their_own_dtype(cache_dir):
     from rmt import parallel
     from rmt.config import load_config
     from rmt.config_checks import validate
+    from rmt.memory.descriptor import is_table
     from rmt.training.dense_state import dense_states
     from rmt.training.trainer import Trainer
 
@@ -79,7 +80,7 @@ def test_bf16_keeps_bf16_weights_and_tables_in_their_own_dtype(cache_dir):
         assert isinstance(dense, Float16OptimizerWithFloat16Params)
         states = dense_states([dense])
         for name, p in trainer.chunks[0].module.named_parameters():
-            if getattr(p, "memory_value", False):
+            if is_table(p):
                 assert p.dtype.is_floating_point and str(p.dtype) == "torch.float32" and p not in states, name
             else:
                 assert str(p.dtype) == "torch.bfloat16", name

@@ -49,13 +49,15 @@ class _Update:
 def test_fused_updates_step_on_the_last_microbatch_of_each_chunk():
     """``before_forward`` counts each chunk's micro-batches of the step: only the last one's
     backward steps the fused tables (``final``), again from the next :meth:`start_step`."""
+    from rmt.memory.descriptor import TableDescriptor, describe
     from rmt.memory.hooks import MemoryHooks
+    from rmt.memory.storage import DeviceStorage
 
     config = validate(load_config(None, ["model.vocab_size=300"]))
     chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
     updates = [_Update(), _Update()]
     for chunk, update in zip(chunks, updates):
-        chunk.weight.memory_fused_update = update
+        describe(chunk.weight, TableDescriptor(2, 2, DeviceStorage("cpu"), fused_update=update))
     hooks = MemoryHooks(config)
     hooks.bind(chunks, num_microbatches=3)
     for step in range(2):

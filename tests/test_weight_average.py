@@ -12,6 +12,7 @@ import torch
 from rmt import parallel
 from rmt.config import load_config
 from rmt.config_checks import validate
+from rmt.memory.descriptor import TableDescriptor, describe
 from rmt.training.weight_average import WeightAverage
 
 warnings.filterwarnings("ignore")
@@ -39,7 +40,7 @@ TASK = [
 def test_average_follows_the_formula_leaves_tables_out_and_swaps_back():
     torch.manual_seed(0)
     chunk = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Embedding(5, 3))
-    chunk[1].weight.memory_value = True  # a memory value table
+    describe(chunk[1].weight, TableDescriptor(5, 3))  # a memory value table
     average = WeightAverage([chunk], 0.75)
     assert average.params == [chunk[0].weight, chunk[0].bias]
     expected = [p.detach().clone() for p in average.params]

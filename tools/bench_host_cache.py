@@ -66,7 +66,7 @@ def record(args, cache_rows: int):
     from rmt.config import load_config
     from rmt.config_checks import validate
     from rmt.memory.host_cache import HostCache
-    from rmt.memory.host_table import host_tables
+    from rmt.memory.host_steps import host_tables
     from rmt.training.trainer import Trainer
 
     config = validate(load_config(args.config, overrides(args, cache_rows)))

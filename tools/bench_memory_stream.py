@@ -14,7 +14,7 @@ time. Variants: ``dense`` (``memory.type=none``: the same backbone without its m
 lookups' backward, ``memory.fused_value_optimizer``).
 
 With ``--host`` also the value tables in host memory (``memory.table_location: host``, rows
-staged per lookup, :mod:`rmt.memory.host_table`), against the device table with the same
+staged per lookup, :class:`rmt.memory.storage.HostStorage`), against the device table with the same
 unfused value optimizer: ``async_sparse`` (device, ``sparse_adam``), ``sync_host``,
 ``async_host`` and ``async_host_cache`` (with a device cache of ``--cache-rows`` rows of each
 table, ``memory.host_cache_rows``, refreshed every 10 steps). A host row adds the bytes its tables
@@ -159,7 +159,7 @@ def worker(args):
 
 
 def host_tables(trainer):
-    from rmt.memory.host_table import host_tables as tables
+    from rmt.memory.host_steps import host_tables as tables
 
     return tables([c.module for c in trainer.chunks])
 

@@ -35,7 +35,7 @@ hidden state (:class:`AuxLossToActivation`, megatron-core's ``MoEAuxLossAutoScal
 with the async stream in training they backpropagate with the memory layer's own graph instead
 (:mod:`rmt.memory.stream`), on every stage at the schedule's loss scale. With
 ``memory.partition`` other than ``local`` the value tables are sharded over the
-memory-parallel group (:mod:`rmt.memory.groups`, :mod:`rmt.memory.sharded_table`).
+memory-parallel group (:mod:`rmt.memory.groups`, :mod:`rmt.memory.distribution`).
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from rmt.memory.byte_sizes import lookup_bytes
+from rmt.memory.descriptor import is_table
 from rmt.memory.groups import memory_parallel_groups
 from rmt.memory.layer import MemoryLayer, MemorySpec
 from rmt.memory.layer_v2 import UltraMemV2Layer
@@ -300,15 +301,19 @@ class MemoryWiring:
             self.pending[k] = (self.stream.launch(partial(self._run, k, documents=self.documents), x), link)
         return hidden, link
 
-    def _join(self, k: int, hidden: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """``hidden`` plus memory layer k's output from the stream. With a link, the output and
-        the auxiliary loss (its gradient at the schedule's loss scale) backpropagate on the
-        stream and the module keeps the loss detached, for the reported value only; otherwise
-        the output is returned for the caller to add, with ``hidden`` unchanged."""
+    def _join(
+        self, k: int, hidden: torch.Tensor, links: List[Tuple[int, MemoryLink, bool]]
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``hidden`` plus memory layer k's output from the stream. With a link (noted in
+        ``links`` as joined here), the output and the auxiliary loss (its gradient at the
+        schedule's loss scale) backpropagate on the stream and the module keeps the loss detached,
+        for the reported value only; otherwise the output is returned for the caller to add, with
+        ``hidden`` unchanged."""
         pending, link = self.pending.pop(k)
         y = self.stream.wait(pending)
         if link is None:
             return hidden, self._local(y)
+        links.append((k, link, False))
         module = self.modules[k]
         link.outputs = [y]
         if module.aux_loss is not None:
@@ -347,59 +352,107 @@ class MemoryWiring:
         def hook(module, args, output):
             if is_checkpointing() and torch.is_grad_enabled():  # a span recomputed in the backward
                 return self._relink(site, output)
-            # A recomputed span's first forward (under no_grad) of a training step: the memory
-            # layers record their graphs on links (the stream, or InlineStream without it), and
-            # the hook notes each link it forks or joins, for the recomputation.
-            checkpointed = is_checkpointing() and self.recording
-            links: List[Tuple[int, MemoryLink, bool]] = []
-            hidden = original = _hidden(output)
-            if keep and self.stream is not None:
-                for k, (i, _) in self.placement.items():
-                    if i == number:
-                        hidden, link = self._launch(k, hidden, checkpointed)
-                        if link is not None:
-                            links.append((k, link, True))
-            elif keep:
-                self.kept[number] = self._gather(hidden)
-                if torch.is_grad_enabled() and hidden.requires_grad:
-                    # The dense layers read a copy, so layer i's output gradient is (their
-                    # gradient, summed) + (the memory layers' input gradient, summed), added
-                    # once: the two partial sums the async stream's ForkMemory adds, so both
-                    # modes round alike and give the same gradients bit for bit.
-                    hidden = ForkMemory.apply(hidden, None)
-            added, aux = None, None
-            for k, (i, j) in self.placement.items():
-                if not join or j != number:
-                    continue
-                if self.stream is not None:
-                    link = self.pending[k][1]
-                    hidden, y = self._join(k, hidden)
-                    if link is not None:
-                        links.append((k, link, False))
-                    if y is None:
-                        continue
-                else:
-                    start = time.perf_counter()
-                    y = self._local(self._run(k, self._read(k, self.kept[i]), self.documents))
-                    self.sync_s += time.perf_counter() - start
-                added = y if added is None else added + y
-                if self.aux_scale is not None:
-                    module = self.modules[k]
-                    if module.aux_loss is not None:
-                        aux = module.aux_loss if aux is None else aux + module.aux_loss
-                        module.aux_loss = None
-            if checkpointed and links:
-                self.relink[site].append(links)
-            if join and number == max(j for _, j in self.placement.values()):
-                self.kept.clear()
-            if added is None:
-                return None if hidden is original else _replace_hidden(output, hidden)
-            hidden = hidden + added
-            if aux is not None:
-                hidden = AuxLossToActivation.apply(hidden, aux, self.aux_scale)
-            return _replace_hidden(output, hidden)
+            return self._forward(site, keep, output)
 
         return hook
+
+    def _forward(self, site: Tuple[int, bool], keep: bool, output):
+        """A hook's call in a forward (``site``: the layer number and whether it is the layer's
+        output hook): the memory layers placed there start (:meth:`_start`) and those ending there
+        are added (:meth:`_finish`). In a recomputed span's first forward (under no_grad) of a
+        training step the memory layers record their graphs on links (the stream, or
+        InlineStream without it), and the hook notes each link it forks or joins, for the
+        recomputation (:meth:`_relink`)."""
+        number, join = site
+        checkpointed = is_checkpointing() and self.recording
+        links: List[Tuple[int, MemoryLink, bool]] = []
+        hidden = original = _hidden(output)
+        if keep:
+            hidden = self._start(number, hidden, checkpointed, links)
+        added, aux = None, None
+        if join:
+            hidden, added, aux = self._finish(number, hidden, links)
+        if checkpointed and links:
+            self.relink[site].append(links)
+        if join and number == max(j for _, j in self.placement.values()):
+            self.kept.clear()
+        return self._output(output, original, hidden, added, aux)
+
+    def _start(
+        self, number: int, hidden: torch.Tensor, checkpointed: bool, links: List[Tuple[int, MemoryLink, bool]]
+    ) -> torch.Tensor:
+        """The memory layers placed ``number:j`` start from ``hidden``: launched on the stream
+        (:meth:`_launch`; each link noted in ``links`` as forked here), or kept for layer j's hook
+        (:meth:`_keep`)."""
+        if self.stream is None:
+            return self._keep(number, hidden)
+        for k, (i, _) in self.placement.items():
+            if i == number:
+                hidden, link = self._launch(k, hidden, checkpointed)
+                if link is not None:
+                    links.append((k, link, True))
+        return hidden
+
+    def _keep(self, number: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Keep layer ``number``'s output (gathered under sequence parallelism) for the memory
+        layers that run at a later hook without the stream."""
+        self.kept[number] = self._gather(hidden)
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            # The dense layers read a copy, so layer i's output gradient is (their gradient,
+            # summed) + (the memory layers' input gradient, summed), added once: the two partial
+            # sums the async stream's ForkMemory adds, so both modes round alike and give the
+            # same gradients bit for bit.
+            hidden = ForkMemory.apply(hidden, None)
+        return hidden
+
+    def _finish(
+        self, number: int, hidden: torch.Tensor, links: List[Tuple[int, MemoryLink, bool]]
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The memory layers placed ``i:number`` end: joined from the stream (:meth:`_join`) or
+        run now (:meth:`_run_now`). Returns ``hidden`` (behind the stream's joins), the sum of the
+        outputs to add (None: none) and of the auxiliary losses to carry (:meth:`_carry_aux`)."""
+        added, aux = None, None
+        for k, (i, j) in self.placement.items():
+            if j != number:
+                continue
+            if self.stream is not None:
+                hidden, y = self._join(k, hidden, links)
+                if y is None:
+                    continue
+            else:
+                y = self._run_now(k, i)
+            added = y if added is None else added + y
+            aux = self._carry_aux(k, aux)
+        return hidden, added, aux
+
+    def _run_now(self, k: int, i: int) -> torch.Tensor:
+        """Memory layer k on the output kept at layer ``i``, without the stream (its time in
+        ``sync_s``); this rank's share of its output."""
+        start = time.perf_counter()
+        y = self._local(self._run(k, self._read(k, self.kept[i]), self.documents))
+        self.sync_s += time.perf_counter() - start
+        return y
+
+    def _carry_aux(self, k: int, aux: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """On a stage before the last (``aux_scale``): memory layer k's auxiliary loss taken from
+        the module and added to ``aux``, to ride on the hidden state (:meth:`_output`)."""
+        if self.aux_scale is None:
+            return aux
+        module = self.modules[k]
+        if module.aux_loss is not None:
+            aux = module.aux_loss if aux is None else aux + module.aux_loss
+            module.aux_loss = None
+        return aux
+
+    def _output(self, output, original: torch.Tensor, hidden: torch.Tensor, added, aux):
+        """The hook's result: None (the output unchanged), or the output with its hidden state
+        ``hidden`` plus ``added``, carrying ``aux`` (:class:`AuxLossToActivation`)."""
+        if added is None:
+            return None if hidden is original else _replace_hidden(output, hidden)
+        hidden = hidden + added
+        if aux is not None:
+            hidden = AuxLossToActivation.apply(hidden, aux, self.aux_scale)
+        return _replace_hidden(output, hidden)
 
 
 def attach_memory(chunks: List[torch.nn.Module], config, std_rule: Callable[[str, torch.Tensor], Optional[float]]):
@@ -451,7 +504,7 @@ def attach_memory(chunks: List[torch.nn.Module], config, std_rule: Callable[[str
             )
 
     def rule(key: str, param: torch.Tensor) -> Optional[float]:
-        if getattr(param, "memory_value", False):
+        if is_table(param):
             return None  # a value table draws its own shard (MemoryTable)
         if hasattr(param, "memory_init_std"):
             return param.memory_init_std

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from rmt.memory.host_table import host_cache, host_table
+from rmt.memory.descriptor import amend, descriptor
 from rmt.ops.sparse_optim import coalesced, row_square_sums
 from rmt.parallel import compat
 
@@ -67,7 +67,14 @@ def memory_parallel_groups(group_size: int = 0):
 def fused_update(p: torch.nn.Parameter):
     """The :class:`rmt.ops.fused_update.FusedValueUpdate` that steps ``p`` inside its lookups'
     backward (``memory.fused_value_optimizer``), or None."""
-    return getattr(p, "memory_fused_update", None)
+    record = descriptor(p)
+    return None if record is None else record.fused_update
+
+
+def host_cache(p: torch.nn.Parameter):
+    """The device cache of table ``p``'s host shard (``memory.host_cache_rows``), or None."""
+    record = descriptor(p)
+    return None if record is None else record.storage.cache
 
 
 def attach_fused_updates(params: Iterable[torch.nn.Parameter], optimizer) -> List:
@@ -81,31 +88,31 @@ def attach_fused_updates(params: Iterable[torch.nn.Parameter], optimizer) -> Lis
     scale = 1.0 / parallel_state.get_data_parallel_world_size()
     updates = []
     for p in params:
-        if not getattr(p, "memory_sparse_grad", False):
+        record = descriptor(p)
+        if record is None or not record.sparse_grad:
             continue
-        group = replica_group(p)
-        p.memory_fused_update = FusedValueUpdate(p, optimizer, group=group, grad_scale=scale)
-        updates.append(p.memory_fused_update)
+        update = FusedValueUpdate(p, optimizer, group=replica_group(p), grad_scale=scale)
+        amend(p, fused_update=update)
+        updates.append(update)
     return updates
 
 
 def replica_group(p: torch.nn.Parameter):
     """The ranks holding copies of table ``p``'s shard, over which its gradient is summed: the
     replica group of a sharded table, the data-parallel group of a local one."""
-    if getattr(p, "memory_sharded", False):
-        return p.memory_replica_group
+    record = descriptor(p)
+    if record.sharded:
+        return record.replica_group
     return parallel_state.get_data_parallel_group()
 
 
 def self_reduced(p: torch.nn.Parameter) -> bool:
     """Whether the memory code, not megatron DDP, reduces ``p``'s gradient: sharded tables
     (gradients through the collectives), tables with sparse touched-row gradients, and the
-    tables :func:`reduce_tables_outside_ddp` marked."""
-    return (
-        getattr(p, "memory_sharded", False)
-        or getattr(p, "memory_sparse_grad", False)
-        or getattr(p, "memory_self_reduced", False)
-    )
+    tables :func:`reduce_tables_outside_ddp` marked (:attr:`TableDescriptor.self_reduced
+    <rmt.memory.descriptor.TableDescriptor.self_reduced>`)."""
+    record = descriptor(p)
+    return record is not None and record.self_reduced
 
 
 def reduce_tables_outside_ddp(module: torch.nn.Module) -> None:
@@ -114,8 +121,8 @@ def reduce_tables_outside_ddp(module: torch.nn.Module) -> None:
     the gradient buffers, leaving each rank the gradient of its shard of the buffer only, while a
     table is stepped whole by its own optimizer on every rank."""
     for p in module.parameters():
-        if getattr(p, "memory_value", False) and not self_reduced(p):
-            p.memory_self_reduced = True
+        if descriptor(p) is not None and not self_reduced(p):
+            amend(p, outside_ddp=True)
 
 
 def self_reduced_params(modules: Iterable[torch.nn.Module]) -> List[torch.nn.Parameter]:
@@ -190,18 +197,18 @@ def finish_memory_grads(modules: Iterable[torch.nn.Module]) -> None:
     by ``DP``, as DDP does for dense ones. Sparse gradients stay sparse (coalesced). Tables with a
     :func:`fused_update` have no gradient: their rows were stepped in the backward (the update's
     leftover lookups, if any, are stepped here). A host table's gradient is the row gradients its
-    backwards brought to the host (:meth:`rmt.memory.host_table.HostTable.take_grad`)."""
+    backwards brought to the host (:meth:`rmt.memory.storage.HostStorage.collect_grad`)."""
     scale = 1.0 / parallel_state.get_data_parallel_world_size()
     for p in self_reduced_params(modules):
-        if host_table(p) is not None:
-            p.grad = host_table(p).take_grad()
-        if fused_update(p) is not None:
-            fused_update(p).flush()
+        record = descriptor(p)
+        record.storage.collect_grad()
+        if record.fused_update is not None:
+            record.fused_update.flush()
             continue
         group = replica_group(p)
-        if getattr(p, "memory_sparse_grad", False):
+        if record.sparse_grad:
             p.grad = sum_sparse_grads(p.grad, p, group) * scale
-            cache = host_cache(p)
+            cache = record.storage.cache
             if cache is not None:
                 cache.grad = sum_sparse_grads(cache.take_grad(), p, group, home=cache.device) * scale
             continue
@@ -235,17 +242,18 @@ def memory_grad_sq_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
     )
     group = None
     for p in params:
-        if not (self_reduced(p) or getattr(p, "memory_value", False)) or (p.grad is None and fused_update(p) is None):
+        record = descriptor(p)
+        if record is None or (p.grad is None and record.fused_update is None):
             continue
-        if fused_update(p) is not None:
-            sq = torch.as_tensor(fused_update(p).pop_sq_norm(host=False), dtype=torch.float64, device=device)
-        elif host_cache(p) is not None:
-            sq = host_cache(p).grad_sq_norm(p.grad.detach())
+        if record.fused_update is not None:
+            sq = torch.as_tensor(record.fused_update.pop_sq_norm(host=False), dtype=torch.float64, device=device)
+        elif record.storage.cache is not None:
+            sq = record.storage.cache.grad_sq_norm(p.grad.detach())
         else:
             sq = square_sum(grad_values(p.grad.detach())).to(device)
-        if getattr(p, "memory_sharded", False):
+        if record.sharded:
             sharded += sq
-            group = p.memory_group
+            group = record.group
         else:
             local += sq
     if group is not None:

@@ -16,14 +16,16 @@ from megatron.core import parallel_state
 
 from rmt.memory.attach import pop_aux_loss, pop_memory_stats
 from rmt.memory.batchnorm import sync_running_stats
+from rmt.memory.descriptor import descriptor, is_table
 from rmt.memory.groups import (
     excluded_from_ddp,
     finish_memory_grads,
     fused_update,
+    host_cache,
     reduce_tables_outside_ddp,
     replica_group,
 )
-from rmt.memory.host_table import host_cache, settle_all
+from rmt.memory.host_steps import settle_all
 from rmt.memory.table import values_from_checkpoint
 
 
@@ -54,10 +56,16 @@ class MemoryHooks:
         self.chunks: List[torch.nn.Module] = []
         self.num_microbatches = 1
         self._fused: List[List] = []
-        self._caches: List[Tuple] = []  # (host table cache, its replica group)
+        self._caches: List[Tuple] = []  # (cached host storage, its replica group)
         self._forwards: List[int] = []
 
     # -- setup -------------------------------------------------------------------------
+    @staticmethod
+    def is_table(p: torch.nn.Parameter) -> bool:
+        """Whether ``p`` is a memory value table's weight (its own dtype, optimizer and
+        reduction)."""
+        return is_table(p)
+
     def building(self, from_checkpoint: bool) -> ContextManager:
         """Context for building the model: with ``from_checkpoint`` the value tables are
         allocated but not drawn, as a checkpoint load overwrites every value."""
@@ -79,7 +87,9 @@ class MemoryHooks:
         optimizer is built (it attaches the fused value updates)."""
         self.chunks, self.num_microbatches = list(chunks), num_microbatches
         self._fused = [[fused_update(p) for p in c.parameters() if fused_update(p) is not None] for c in self.chunks]
-        self._caches = [(host_cache(p), replica_group(p)) for c in self.chunks for p in c.parameters() if host_cache(p)]
+        self._caches = [
+            (descriptor(p).storage, replica_group(p)) for c in self.chunks for p in c.parameters() if host_cache(p)
+        ]
         self._forwards = [0] * len(self.chunks)
 
     # -- one step ----------------------------------------------------------------------
@@ -88,9 +98,9 @@ class MemoryHooks:
         tables whose refresh is due admit and evict rows (``memory.host_cache_refresh``,
         :meth:`rmt.memory.host_cache.HostCache.refresh`; collective over each table's replicas)."""
         self._forwards = [0] * len(self.chunks)
-        for cache, replicas in self._caches:
-            if cache.due:
-                cache.refresh(replicas)
+        for storage, replicas in self._caches:
+            if storage.cache.due:
+                storage.refresh(replicas)
 
     def before_forward(self, chunk: int) -> None:
         """Before a micro-batch's forward through chunk number ``chunk``: the fused value
@@ -113,7 +123,7 @@ class MemoryHooks:
 
     def settle(self) -> None:
         """Finish the host-memory tables' steps still running on their thread and write their
-        device caches back (``memory.table_location: host``, :mod:`rmt.memory.host_table`)."""
+        device caches back (``memory.table_location: host``, :mod:`rmt.memory.host_steps`)."""
         settle_all(self.chunks)
 
     # -- logging -----------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """A device cache of a host-memory table's hot rows (``memory.host_cache_rows``), written back.
 
-With ``memory.table_location: host`` (:mod:`rmt.memory.host_table`) every lookup stages its
+With ``memory.table_location: host`` (:class:`rmt.memory.storage.HostStorage`) every lookup stages its
 distinct rows from the host. A :class:`HostCache` keeps up to ``C`` rows of a table shard on the
 compute device together with their row-wise optimizer state (``sparse_adam``'s two moments,
 ``rowwise_adagrad``'s accumulator), as FBGEMM's UVM-caching embeddings keep a device cache of
@@ -29,7 +29,7 @@ refresh
 
 It is a write-back cache: the host copy of a cached row is stale until the row is evicted or the
 cache is flushed (:meth:`HostCache.flush`: before a checkpoint, an evaluation or the end of
-training, :func:`rmt.memory.host_table.settle_all`), and a checkpoint load empties it
+training, :func:`rmt.memory.host_steps.settle_all`), and a checkpoint load empties it
 (:meth:`HostCache.clear`).
 
 Counters (training lookups, ``torch.is_grad_enabled``): ``rows`` / ``row_hits`` (the lookups'
@@ -241,15 +241,18 @@ class HotRows:
 
 
 class HostCache:
-    """Up to ``capacity`` rows of the shard of ``table`` (a :class:`rmt.memory.host_table.HostTable`)
-    and their optimizer state on its device, refreshed every ``refresh`` steps (module
-    docstring). The row values and state are allocated at the first refresh, once the table's
-    optimizer has stepped it (the state's shape is the optimizer's)."""
+    """Up to ``capacity`` rows of the host shard ``weight`` and their optimizer state on
+    ``device``, refreshed every ``refresh`` steps (module docstring); what it moves over the host
+    link is counted in ``link`` (the storage's). The row values and state are allocated at the
+    first refresh, once the table's optimizer has stepped it (the state's shape is the
+    optimizer's). Its storage (:class:`rmt.memory.storage.CachedHostStorage`) waits for the
+    shard's host step before a refresh or a flush."""
 
-    def __init__(self, table, capacity: int, refresh: int):
-        self.table = table
-        self.device = table.device
-        self.capacity = min(capacity, table.weight.shape[0])
+    def __init__(self, weight: torch.nn.Parameter, device, link: CommCounter, capacity: int, refresh: int):
+        self.weight = weight
+        self.device = torch.device(device)
+        self.link = link
+        self.capacity = min(capacity, weight.shape[0])
         self.refresh_steps = refresh
         self.rows = HotRows(self.capacity, self.device)
         self.values: Optional[torch.Tensor] = None
@@ -274,11 +277,9 @@ class HostCache:
         ``inverse``: each index's position among its distinct rows): the bytes its hits kept off
         the link always, the counters and the policy's counts for training lookups only."""
         n = hits.pos.numel()
-        row = self.table.weight.shape[1] * self.table.weight.element_size()
+        row = self.weight.shape[1] * self.weight.element_size()
         self.saved.add("forward", "d2h_indices", n * INDEX_BYTES)
         self.saved.add("forward", "h2d_rows", n * row)
-        if self.table.recording:
-            self.rows.touch(hits.slots)
         if not torch.is_grad_enabled():
             return
         self.rows.record(hits.slots, missed_rows)
@@ -305,13 +306,13 @@ class HostCache:
         self.reset_counts()
         return out
 
-    def mark_hits(self) -> None:
-        """Hand the rows that training lookups found in the cache since the last call to the
-        table's slot counters (``HostTable.mark_rows``; before the slots change hands too)."""
+    def pop_touched_rows(self) -> torch.Tensor:
+        """The rows that training lookups found in the cache since the last call (device), for
+        the table's slot counters (before the slots change hands too); they cross to the host
+        (``link`` ``stats`` ``d2h_hit_rows``)."""
         rows = self.rows.pop_touched()
-        self.table.link.add("stats", "d2h_hit_rows", rows.numel() * INDEX_BYTES)
-        if self.table.mark_rows is not None:
-            self.table.mark_rows(rows.cpu())
+        self.link.add("stats", "d2h_hit_rows", rows.numel() * INDEX_BYTES)
+        return rows
 
     # -- gradients ----------------------------------------------------------------------
     def add_grad(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
@@ -329,7 +330,7 @@ class HostCache:
         if not self._grads:
             return None
         grads, self._grads = self._grads, []
-        return sparse_rows(grads, self.table.weight.shape)
+        return sparse_rows(grads, self.weight.shape)
 
     def grad_sq_norm(self, host_grad: torch.Tensor) -> torch.Tensor:
         """The squared norm of the shard's gradient, ``host_grad`` (the uncached rows', on the
@@ -339,7 +340,7 @@ class HostCache:
         ``h2d_grad_row_norms``)."""
         rows, values = rows_and_values(host_grad)
         sums = row_square_sums(values)
-        self.table.link.add("step", "h2d_grad_row_norms", rows.numel() * (INDEX_BYTES + COUNT_BYTES))
+        self.link.add("step", "h2d_grad_row_norms", rows.numel() * (INDEX_BYTES + COUNT_BYTES))
         rows, sums = rows.to(self.device), sums.to(self.device)
         if self.grad is not None:
             cached_rows, cached_values = rows_and_values(self.grad)
@@ -377,46 +378,44 @@ class HostCache:
     @torch.no_grad()
     def refresh(self, group=None) -> None:
         """Admit and evict (module docstring), at a step boundary on every replica of the table
-        alike (``group``: the replicas). The table's host step must be launched and is waited
-        for. Before the table's first step there is no state to cache: nothing happens."""
+        alike (``group``: the replicas), once the shard's host step is done. Before the table's
+        first step there is no state to cache: nothing happens."""
         self.steps = 0
         if self.optimizer is None:
             return
-        self.table.wait()
-        state = self.optimizer.state[self.table.weight]
-        chosen = self.rows.choose(group, self.table.link)
-        self.mark_hits()
+        state = self.optimizer.state[self.weight]
+        chosen = self.rows.choose(group, self.link)
         evicted_slots, evicted_rows, admitted_slots, admitted_rows = self.rows.assign(chosen)
         if self.values is None:
             self._allocate(state)
         self._write_back(evicted_slots, evicted_rows, state, "refresh", "d2h_evicted")
-        self.table.link.add("refresh", "d2h_admitted_indices", admitted_rows.numel() * INDEX_BYTES)
+        self.link.add("refresh", "d2h_admitted_indices", admitted_rows.numel() * INDEX_BYTES)
         host_rows = admitted_rows.cpu()
-        self.values[admitted_slots] = self.table.weight.detach()[host_rows].to(self.device)
+        self.values[admitted_slots] = self.weight.detach()[host_rows].to(self.device)
         for name in self._row_state:
             self.state[name][admitted_slots] = state[name][host_rows].to(self.device)
-        self.table.link.add("refresh", "h2d_admitted_rows", admitted_rows.numel() * self.row_bytes)
+        self.link.add("refresh", "h2d_admitted_rows", admitted_rows.numel() * self.row_bytes)
         self.state.update((k, v) for k, v in state.items() if k not in self._row_state)
 
     @torch.no_grad()
     def flush(self) -> None:
-        """Write every cached row's value and state back to the host (the cache keeps them)."""
+        """Write every cached row's value and state back to the host (the cache keeps them), once
+        the shard's host step is done."""
         if self.values is None or not len(self.rows):
             return
-        self.table.wait()
-        state = self.optimizer.state[self.table.weight]
+        state = self.optimizer.state[self.weight]
         self._write_back(self.rows.sorted_slots, self.rows.sorted_rows, state, "flush", "d2h")
 
     def clear(self) -> None:
-        """Forget the cached rows (the host holds new values: a checkpoint was loaded)."""
-        self.mark_hits()
+        """Forget the cached rows (the host holds new values: a checkpoint was loaded; the rows
+        found since the slot counters last took them are taken first, :meth:`pop_touched_rows`)."""
         self.rows.clear()
         self._grads, self.grad, self.steps = [], None, 0
 
     def _allocate(self, state: dict) -> None:
-        rows = self.table.weight.shape[0]
+        rows = self.weight.shape[0]
         self.values = torch.empty(
-            (self.capacity,) + tuple(self.table.weight.shape[1:]), dtype=self.table.weight.dtype, device=self.device
+            (self.capacity,) + tuple(self.weight.shape[1:]), dtype=self.weight.dtype, device=self.device
         )
         self._row_state = [k for k, v in state.items() if torch.is_tensor(v) and v.dim() and v.shape[0] == rows]
         for name in self._row_state:
@@ -425,10 +424,10 @@ class HostCache:
             )
 
     def _write_back(self, slots, rows, state: dict, phase: str, name: str) -> None:
-        self.table.link.add(phase, f"{name}_indices", rows.numel() * INDEX_BYTES)
-        self.table.link.add(phase, f"{name}_rows", rows.numel() * self.row_bytes)
+        self.link.add(phase, f"{name}_indices", rows.numel() * INDEX_BYTES)
+        self.link.add(phase, f"{name}_rows", rows.numel() * self.row_bytes)
         host_rows = rows.cpu()
-        self.table.weight.detach()[host_rows] = self.values[slots].cpu()
+        self.weight.detach()[host_rows] = self.values[slots].cpu()
         for key in self._row_state:
             state[key][host_rows] = self.state[key][slots].cpu()
 

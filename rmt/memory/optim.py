@@ -8,6 +8,8 @@ from typing import List
 
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from rmt.memory.descriptor import is_table
+
 
 def value_lr_multiplier(step: int, total_steps: int, mult: float) -> float:
     """``mult`` at step 0, 1 at ``total_steps`` and after, linear in between."""
@@ -16,9 +18,9 @@ def value_lr_multiplier(step: int, total_steps: int, mult: float) -> float:
 
 
 def split_value_group(groups: List[dict], mult: float) -> List[dict]:
-    """Move parameters tagged ``memory_value`` into their own group (no weight decay, like
-    embeddings) carrying ``value_lr_mult``."""
-    values = [p for g in groups for p in g["params"] if getattr(p, "memory_value", False)]
+    """Move the value tables' weights (:func:`~rmt.memory.descriptor.is_table`) into their own
+    group (no weight decay, like embeddings) carrying ``value_lr_mult``."""
+    values = [p for g in groups for p in g["params"] if is_table(p)]
     if not values:
         return groups
     ids = {id(p) for p in values}

@@ -214,7 +214,7 @@ class SparseAdam(_TableOptimizer, torch.optim.SparseAdam):
     def step_param(self, group: dict, p, grad, state=None) -> None:
         """One table's step with gradient ``grad`` and ``group``'s hyper-parameters (a copy of its
         param group may be passed: a host table steps on a thread of its own,
-        :mod:`rmt.memory.host_table`, while the scheduler sets the next step's ``lr``). ``state``:
+        :mod:`rmt.memory.host_steps`, while the scheduler sets the next step's ``lr``). ``state``:
         the state of ``p`` when it is not this optimizer's own (the rows a host table caches on the
         device, :mod:`rmt.memory.host_cache`, with their moments and the table's step count)."""
         if not grad.is_sparse:

@@ -1,10 +1,10 @@
 """What tables in host memory move and compute per step: ``rmt-plan memory --table-location host``.
 
-With ``memory.table_location: host`` (:mod:`rmt.memory.host_table`) a rank's shard, its row-wise
+With ``memory.table_location: host`` (:class:`rmt.memory.storage.HostStorage`) a rank's shard, its row-wise
 optimizer state and its gradient live in host memory (:func:`rmt.planner.memory.host_phases`);
 every lookup of a table stages its ``U`` distinct rows (:func:`rmt.planner.memory.staged_rows`)
 on the device. Per table lookup (one micro-batch, ``D`` the shard's columns, ``b`` bytes of
-``memory.value_dtype``), as :class:`rmt.memory.host_table.HostTable` counts in its ``link``:
+``memory.value_dtype``), as :class:`rmt.memory.storage.HostStorage` counts in its ``link``:
 
 ``forward``
     ``d2h_indices`` = ``8 U`` (the distinct rows' int64 indices to the host), ``h2d_rows`` =
@@ -19,7 +19,7 @@ step's sparse gradient (``G`` rows of the step, :func:`rmt.planner.memory.staged
 ``m`` micro-batches) is summed over them through the device (NCCL takes device tensors,
 :func:`rmt.memory.groups.sum_sparse_grads`): ``h2d_grad_rows`` = ``G (8 + D b)`` up,
 ``d2h_summed_grad_rows`` = ``replicas G (8 + D b)`` (every copy's rows) back, once per step, outside
-the overlap window and outside ``HostTable.link``.
+the overlap window and outside ``HostStorage.link``.
 
 The host optimizer steps the rows the step touched on any copy, ``R`` = the distinct rows of
 ``replicas x m`` micro-batches: ``R D`` elements, each reading the gradient and the row and
@@ -60,7 +60,7 @@ from rmt.planner.memory import (
 )
 
 INDEX_BYTES = 8
-"""Bytes per staged row's index: int64, as :data:`rmt.memory.host_table.INDEX_BYTES`."""
+"""Bytes per staged row's index: int64, as :data:`rmt.memory.host_cache.INDEX_BYTES`."""
 HOST_LINK_GBPS = 25.0
 """GB/s per direction of a GPU's host link: PCIe 4.0 x16 signals 16 GT/s on 16 lanes, 31.5 GB/s
 after its 128b/130b coding, of which pinned copies achieve about 25 (CUDA's bandwidthTest on
@@ -82,7 +82,7 @@ ADAGRAD_STATE_BYTES = 8  # one fp32 accumulator, read and written, per row
 def host_link_bytes(unique_rows: int, cols: int, value_bytes: int) -> Dict[str, Dict[str, int]]:
     """Bytes one lookup of a host table moves over the host link when it stages ``unique_rows``
     distinct rows of ``cols`` columns of ``value_bytes`` each, under the names of
-    :class:`rmt.memory.host_table.HostTable`'s ``link`` counter."""
+    :class:`rmt.memory.storage.HostStorage`'s ``link`` counter."""
     row = unique_rows * cols * value_bytes
     return {"forward": {"d2h_indices": INDEX_BYTES * unique_rows, "h2d_rows": row}, "backward": {"d2h_row_grads": row}}
 

@@ -79,7 +79,7 @@ Bytes that do not grow with the slots (the dense model, its optimizer and activa
 framework) are not counted here: ``--reserve-gib`` sets them aside.
 
 Tables in host memory (``location="host"``, ``memory.table_location: host``,
-:mod:`rmt.memory.host_table`): ``table``, ``slot_stats``, ``optimizer_states`` and ``gradients``
+:mod:`rmt.memory.storage`): ``table``, ``slot_stats``, ``optimizer_states`` and ``gradients``
 leave the device's phases for the host's (:func:`host_phases`); the host's gradient is the staged rows'
 (``U`` per lookup, :func:`staged_rows`, not the ``served`` lookups: the device sums a row's
 lookups before its gradient crosses), bounded as above at ``2 rows + U``. The device instead
@@ -321,7 +321,7 @@ def fused_kept_bytes(plan: TablePlan) -> int:
         b = DTYPE_BYTES[plan.value_dtype]
         return T * plan.topm * (cols * b + 8 + b)
     core_width = plan.dim // plan.cores
-    spanned = cols // math.gcd(cols, core_width)  # rmt.memory.sharded_table._core_columns
+    spanned = cols // math.gcd(cols, core_width)  # rmt.memory.distribution.dimension._core_columns
     return plan.group_size * T * (E * cols * s + plan.topm * (8 + spanned * s + block))
 
 

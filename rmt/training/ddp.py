@@ -35,7 +35,7 @@ def to_training_precision(chunk: torch.nn.Module, config: RMTConfig) -> None:
         return
     for module in chunk.modules():
         for name, p in module.named_parameters(recurse=False):
-            if p.is_floating_point() and not getattr(p, "memory_value", False):
+            if p.is_floating_point() and not MemoryHooks.is_table(p):
                 p.data = p.data.to(torch.bfloat16)
         for name, b in module.named_buffers(recurse=False):
             if b.is_floating_point() and not name.startswith("running_"):

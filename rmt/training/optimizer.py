@@ -39,8 +39,9 @@ from megatron.core.optimizer.optimizer_config import ParamWithNamePredicate
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from rmt.config import RMTConfig
-from rmt.memory.groups import attach_fused_updates, frozen, memory_grad_sq_norm, self_reduced
-from rmt.memory.host_table import held_back, host_cache, launch_host_steps
+from rmt.memory.descriptor import descriptor, is_table
+from rmt.memory.groups import attach_fused_updates, frozen, host_cache, memory_grad_sq_norm, self_reduced
+from rmt.memory.host_steps import held_back, launch_host_steps
 from rmt.memory.optim import ValueLRScheduler, split_value_group
 from rmt.models.rmt import RMT_KEY_MATRICES
 from rmt.ops.sparse_optim import RowWiseAdagrad, SparseAdam
@@ -60,11 +61,6 @@ def decay_coefficient(config: RMTConfig) -> float:
     (AdamW shrinks by ``lr_t * coefficient``)."""
     t = config.train
     return t.weight_decay / t.lr if t.weight_decay_mode == "schedule" else t.weight_decay
-
-
-def is_table(p: torch.nn.Parameter) -> bool:
-    """A memory value table (stepped by the tables' own optimizers)."""
-    return getattr(p, "memory_value", False)
 
 
 def param_groups(chunks: List[torch.nn.Module], config: RMTConfig, tables: Optional[bool] = None) -> List[dict]:
@@ -148,7 +144,7 @@ def build_table_optimizers(chunks: List[torch.nn.Module], config: RMTConfig) -> 
     t = config.train
     kwargs = dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
     groups = param_groups(chunks, config, tables=True)
-    is_sparse = [any(getattr(p, "memory_sparse_grad", False) for p in g["params"]) for g in groups]
+    is_sparse = [any(descriptor(p).sparse_grad for p in g["params"]) for g in groups]
     optimizers = []
     dense = [g for g, flag in zip(groups, is_sparse) if not flag]
     if dense:
@@ -247,7 +243,7 @@ class Optimizers:
 
     def step(self) -> None:
         """The host-memory tables' steps launched on their thread
-        (:func:`~rmt.memory.host_table.launch_host_steps`), megatron's step (and its copy to, or
+        (:func:`~rmt.memory.host_steps.launch_host_steps`), megatron's step (and its copy to, or
         all-gather of, the model parameters) beside them, then the other tables'."""
         launched = [launch_host_steps(o) for o in self.tables]
         self.dense.step_with_ready_grads()

@@ -28,7 +28,7 @@ import torch
 
 from rmt.errors import UserError
 from rmt.memory.byte_sizes import CHECKPOINT_CHUNK_BYTES
-from rmt.memory.host_table import host_cache
+from rmt.memory.descriptor import descriptor, is_table
 from rmt.parallel.sharding import Shard, shards
 
 FORMAT = 1
@@ -38,8 +38,9 @@ SAVED_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.
 
 
 def table_shards(chunks: Iterable[torch.nn.Module]) -> List[Shard]:
-    """The shard of every memory value table of ``chunks`` (parameters tagged ``memory_value``)."""
-    return [s for s in shards(chunks) if getattr(s.param, "memory_value", False)]
+    """The shard of every memory value table of ``chunks`` (parameters with a
+    :class:`~rmt.memory.descriptor.TableDescriptor`)."""
+    return [s for s in shards(chunks) if is_table(s.param)]
 
 
 def table_tensors(shard: Shard, optimizer) -> Dict[str, torch.Tensor]:
@@ -165,8 +166,7 @@ def load_tables(root: str, chunks, optimizer, chunk_bytes: int = CHECKPOINT_CHUN
     from the blocks saved under ``root``, whatever layout saved them; a host table's device cache
     forgets its rows (``memory.host_cache_rows``: the next refresh admits rows anew)."""
     for shard in table_shards(chunks):
-        if host_cache(shard.param) is not None:
-            host_cache(shard.param).clear()
+        descriptor(shard.param).storage.forget_cache()
         for name, tensor in table_tensors(shard, optimizer).items():
             row0, col0, global_shape = _block(shard, name)
             blocks = saved_blocks(root, shard.key, name)

@@ -6,7 +6,7 @@ tensors). torch's ``AveragedModel`` would deep-copy the module, gradient buffers
 process-group handles included; here only the parameters' shards are copied, each rank averaging
 the shard it holds, so no communication is added and every parallel layout averages alike.
 
-Left out are the memory value tables (parameters tagged ``memory_value``), whatever their layout:
+Left out are the memory value tables (parameters with a :class:`~rmt.memory.descriptor.TableDescriptor`), whatever their layout:
 averaging them would cost a pass over every slot at every step where the step touches a few rows,
 and a second copy of tables sized to fill the ranks. The averaged model uses the trained tables.
 
@@ -23,6 +23,8 @@ from typing import Dict, Iterator, List
 import torch
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
+from rmt.memory.descriptor import is_table
+
 
 class WeightAverage:
     """The average of the trainable parameters of ``chunks`` other than memory value tables,
@@ -30,9 +32,7 @@ class WeightAverage:
 
     def __init__(self, chunks: List[torch.nn.Module], decay: float):
         self.decay = decay
-        self.params = [
-            p for c in chunks for p in c.parameters() if p.requires_grad and not getattr(p, "memory_value", False)
-        ]
+        self.params = [p for c in chunks for p in c.parameters() if p.requires_grad and not is_table(p)]
         self.averages = [p.detach().clone() for p in self.params]
         self._update = get_ema_multi_avg_fn(decay)
 

@@ -21,7 +21,7 @@ from rmt.config import load_config  # noqa: E402
 from rmt.config_checks import validate  # noqa: E402
 from rmt.models.build import build  # noqa: E402
 from rmt.planner.rank import layout_of, stage_params  # noqa: E402
-from rmt.training.optimizer import is_table  # noqa: E402
+from rmt.memory.descriptor import is_table  # noqa: E402
 
 COMMON = ["model.num_layers=4", "model.seq_length=16", "model.vocab_size=64", "model.make_vocab_size_divisible_by=16",
           "model.ffn_hidden_size=32"]

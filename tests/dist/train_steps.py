@@ -20,6 +20,8 @@ import rmt
 rmt.setup_process()  # as rmt's commands do (rmt.process), before torch is imported
 import torch  # noqa: E402
 
+from rmt.memory.descriptor import descriptor, is_table  # noqa: E402
+
 
 def record(overrides):
     """Train the run ``overrides`` describe on this launch's processes; rank 0 gets the record
@@ -84,17 +86,18 @@ def host_tables(trainer):
     out = {}
     for c in trainer.chunks:
         for n, m in c.module.named_modules():
-            if getattr(m, "host", None) is None:
+            storage = getattr(m, "storage", None)
+            if storage is None or storage.location != "host":
                 continue
-            link = m.host.link
+            link = storage.link
             out[n] = {
                 "forward": dict(link.forward),
                 "backward": dict(link.backward),
                 "other": {phase: dict(v) for phase, v in link.phases.items() if phase not in ("forward", "backward")},
-                "staged_peak": m.host.staged_peak,
-                "staged_now": m.host.staged_bytes,
+                "staged_peak": storage.staged_peak,
+                "staged_now": storage.staged_bytes,
             }
-            cache = m.host.cache
+            cache = storage.cache
             if cache is not None:
                 out[n]["cache"] = {
                     "counts": cache.pop_counts(),
@@ -112,7 +115,7 @@ def table_states(trainer):
     for c in trainer.chunks:
         names = {p: n for n, p in c.module.named_parameters()}
         for p, name in names.items():
-            if getattr(p, "memory_value", False) and p in trainer.optimizer.state:
+            if is_table(p) and p in trainer.optimizer.state:
                 state = trainer.optimizer.state[p]
                 out[name] = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
     return out
@@ -153,11 +156,11 @@ def step_gradients(trainer):
     full = {}
     for chunk in trainer.chunks:
         for p in chunk.parameters():
-            if getattr(p, "memory_value", False):
+            if is_table(p):
                 full[p] = (
                     torch.zeros_like(p) if p.grad is None else p.grad.to_dense() if p.grad.is_sparse else p.grad
                 ).float()
-                cache = getattr(p, "memory_host", None) and p.memory_host.cache
+                cache = descriptor(p).storage.cache
                 if cache is not None and cache.grad is not None:  # the cached rows' part, disjoint
                     full[p] += cache.grad.to_dense().to(full[p].device).float()
                 continue
