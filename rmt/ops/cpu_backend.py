@@ -2,6 +2,7 @@
 (built by :mod:`rmt.ops.extensions`)."""
 
 from .extensions import load_extension
+from .row_step import RowStep
 
 NAME = "rmt_lookup_reduce_cpu"
 
@@ -34,47 +35,13 @@ def score_gradients(grad_out, table, indices, scores, block_ids, num_blocks):
 
 
 def backward_update(
-    grad_out,
-    table,
-    indices,
-    scores,
-    block_ids,
-    num_blocks,
-    score_first,
-    score_tokens,
-    optimizer,
-    state1,
-    state2,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    step,
-    grad_scale,
+    grad_out, table, indices, scores, block_ids, num_blocks, score_first, score_tokens, update: RowStep
 ):
-    """The backward with the optimizer step fused in (:mod:`rmt.ops.fused_update`): (score
-    gradients of tokens ``[score_first, score_first + score_tokens)``, squared norm of the scaled
-    table gradient)."""
+    """The backward with the optimizer step ``update`` fused in (:mod:`rmt.ops.fused_update`):
+    (score gradients of tokens ``[score_first, score_first + score_tokens)``, squared norm of the
+    scaled table gradient)."""
     return tuple(
         _ext().backward_update(
-            grad_out,
-            table,
-            indices,
-            scores,
-            block_ids,
-            num_blocks,
-            score_first,
-            score_tokens,
-            optimizer,
-            state1,
-            state2,
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            step,
-            grad_scale,
+            grad_out, table, indices, scores, block_ids, num_blocks, score_first, score_tokens, *update.arguments()
         )
     )

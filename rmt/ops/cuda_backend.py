@@ -10,7 +10,7 @@ csrc/lookup_reduce_cuda.cpp).
 import torch
 
 from .extensions import load_extension
-from .optimizer_codes import SPARSE_ADAM
+from .row_step import RowStep
 
 NAME = "rmt_lookup_reduce_cuda"
 
@@ -80,33 +80,13 @@ def score_gradients(grad_out, table, indices, scores, block_ids, num_blocks):
 
 
 def backward_update(
-    grad_out,
-    table,
-    indices,
-    scores,
-    block_ids,
-    num_blocks,
-    score_first,
-    score_tokens,
-    optimizer,
-    state1,
-    state2,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    step,
-    grad_scale,
+    grad_out, table, indices, scores, block_ids, num_blocks, score_first, score_tokens, update: RowStep
 ):
     """The backward with the optimizer step fused in (:mod:`rmt.ops.fused_update`), no host
     sync: (score gradients of tokens ``[score_first, score_first + score_tokens)``, squared norm of
     the scaled gradient as a device scalar). Rows wider than 512 go to the Triton kernel."""
-    import math
-
     K, C, M = indices.shape[1], scores.shape[2], indices.numel()
-    adam = optimizer == SPARSE_ADAM
-    rate = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step) if adam else lr
+    u = update
     prep = sort(table, indices)
     grad_scores = torch.empty(score_tokens, K, C, dtype=scores.dtype, device=scores.device)
     row_sq = torch.zeros(M, dtype=torch.float32, device=table.device)
@@ -122,37 +102,20 @@ def backward_update(
         grad_scores,
         score_first * K,
         (score_first + score_tokens) * K,
-        adam,
-        state1,
-        state2,
+        u.adam,
+        u.state1,
+        u.state2,
         row_sq,
-        grad_scale,
-        rate,
-        beta1,
-        beta2,
-        eps,
-        weight_decay,
+        u.grad_scale,
+        u.rate,
+        u.beta1,
+        u.beta2,
+        u.eps,
+        u.weight_decay,
     ):
         from . import triton_backend
 
         return triton_backend.backward_update(
-            grad_out,
-            table,
-            indices,
-            scores,
-            block_ids,
-            num_blocks,
-            score_first,
-            score_tokens,
-            optimizer,
-            state1,
-            state2,
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            step,
-            grad_scale,
+            grad_out, table, indices, scores, block_ids, num_blocks, score_first, score_tokens, update
         )
     return grad_scores, row_sq.double().sum()

@@ -56,27 +56,10 @@ class LookupReduceBackend(Protocol):
         """Optional: the score gradients alone."""
 
     def backward_update(
-        self,
-        grad_out,
-        table,
-        indices,
-        scores,
-        block_ids,
-        num_blocks,
-        score_first,
-        score_tokens,
-        optimizer,
-        state1,
-        state2,
-        lr,
-        beta1,
-        beta2,
-        eps,
-        weight_decay,
-        step,
-        grad_scale,
+        self, grad_out, table, indices, scores, block_ids, num_blocks, score_first, score_tokens, update
     ):
-        """Optional: the backward with the row optimizer's step fused in (:mod:`rmt.ops.fused_update`)."""
+        """Optional: the backward with the row optimizer's step ``update`` (a
+        :class:`~rmt.ops.row_step.RowStep`) fused in (:mod:`rmt.ops.fused_update`)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from .dispatch import get_backend, select_backend
 from .optimizer_codes import ROWWISE_ADAGRAD, SPARSE_ADAM
+from .row_step import RowStep
 from .validate import contiguous_as
 
 
@@ -149,9 +150,10 @@ class FusedValueUpdate:
             backend = backend or select_backend(self.param.device, dtype=self.param.dtype)
             self._step(backend, self.param.detach(), self.stash, None)
 
-    def _hyper(self):
-        """(optimizer state tensors, lr, beta1, beta2, eps, weight_decay, step, sign) for one step;
-        creates the state on first use and counts Adam's step."""
+    def _row_step(self) -> RowStep:
+        """The optimizer's step of the rows (its state, its param group's hyper-parameters,
+        ``grad_scale`` negated to maximise); creates the state on first use and counts Adam's
+        step."""
         g = self.param_group
         state = self.optimizer.state[self.param]
         if not state:
@@ -160,7 +162,8 @@ class FusedValueUpdate:
             state["step"] += 1
             beta1, beta2 = g["betas"]
             sign = -1.0 if g.get("maximize", False) else 1.0
-            return (
+            return RowStep(
+                SPARSE_ADAM,
                 state["exp_avg"],
                 state["exp_avg_sq"],
                 float(g["lr"]),
@@ -169,9 +172,11 @@ class FusedValueUpdate:
                 g["eps"],
                 0.0,
                 int(state["step"]),
-                sign,
+                sign * self.grad_scale,
             )
-        return state["sum"], None, float(g["lr"]), 0.0, 0.0, g["eps"], g["weight_decay"], 0, 1.0
+        return RowStep(
+            self.kind, state["sum"], None, float(g["lr"]), 0.0, 0.0, g["eps"], g["weight_decay"], 0, self.grad_scale
+        )
 
     @torch.no_grad()
     def _step(self, backend, table, entries, current: Optional[int]):
@@ -190,7 +195,6 @@ class FusedValueUpdate:
             grad_out, indices, scores = (torch.cat(x) for x in every)
             if block_ids is not None:
                 block_ids = torch.cat(_all_gather_tokens(block_ids, self.group))
-        state1, state2, lr, beta1, beta2, eps, wd, step, sign = self._hyper()
         grad_scores, sq = get_backend(backend).backward_update(
             grad_out.contiguous(),
             table,
@@ -200,16 +204,7 @@ class FusedValueUpdate:
             num_blocks,
             first,
             count,
-            self.kind,
-            state1,
-            state2,
-            lr,
-            beta1,
-            beta2,
-            eps,
-            wd,
-            step,
-            sign * self.grad_scale,
+            self._row_step(),
         )
         torch.autograd.graph.increment_version(self.param)
         self.sq_norm = self.sq_norm + sq  # a device scalar on a GPU: read when clipping

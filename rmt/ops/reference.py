@@ -14,7 +14,7 @@ each row's gradient summed in the accumulation dtype and rounded once.
 
 import torch
 
-from .optimizer_codes import SPARSE_ADAM
+from .row_step import RowStep
 
 
 def acc_dtype(scores_dtype):
@@ -78,27 +78,10 @@ def score_gradients(grad_out, table, indices, scores, block_ids, num_blocks):
 
 
 def reference_backward_update(
-    grad_out,
-    table,
-    indices,
-    scores,
-    block_ids,
-    num_blocks,
-    score_first,
-    score_tokens,
-    optimizer,
-    state1,
-    state2,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    step,
-    grad_scale,
+    grad_out, table, indices, scores, block_ids, num_blocks, score_first, score_tokens, update: RowStep
 ):
-    """Plain torch: the reference backward's gradient rows (unrounded), times ``grad_scale``, stepped
-    by :func:`~rmt.ops.sparse_optim.sparse_adam_update_` or
+    """Plain torch: the reference backward's gradient rows (unrounded), times ``update.grad_scale``,
+    stepped (``update``: :class:`~rmt.ops.row_step.RowStep`) by :func:`~rmt.ops.sparse_optim.sparse_adam_update_` or
     :func:`~rmt.ops.sparse_optim.rowwise_adagrad_update_`. Returns (score gradients of tokens
     ``[score_first, score_first + score_tokens)``, squared norm of the scaled gradient)."""
     from .sparse_optim import rowwise_adagrad_update_, sparse_adam_update_
@@ -106,13 +89,14 @@ def reference_backward_update(
     rows, values, grad_scores = reference_backward(
         grad_out, table, indices, scores, block_ids, num_blocks, grad_dtype=acc_dtype(scores.dtype)
     )
-    if grad_scale != 1.0:
-        values = values * grad_scale
+    u = update
+    if u.grad_scale != 1.0:
+        values = values * u.grad_scale
     sq = float(values.double().pow(2).sum())
-    if optimizer == SPARSE_ADAM:
-        sparse_adam_update_(table, state1, state2, rows, values, lr, beta1, beta2, eps, step)
+    if u.adam:
+        sparse_adam_update_(table, u.state1, u.state2, rows, values, u.lr, u.beta1, u.beta2, u.eps, u.step)
     else:
-        rowwise_adagrad_update_(table, state1, rows, values, lr, eps, weight_decay)
+        rowwise_adagrad_update_(table, u.state1, rows, values, u.lr, u.eps, u.weight_decay)
     return grad_scores[score_first : score_first + score_tokens], sq
 
 

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from .optimizer_codes import SPARSE_ADAM
+from .row_step import RowStep
 
 
 def is_available(device):
@@ -126,32 +126,13 @@ def score_gradients(grad_out, table, indices, scores, block_ids, num_blocks):
 
 
 def backward_update(
-    grad_out,
-    table,
-    indices,
-    scores,
-    block_ids,
-    num_blocks,
-    score_first,
-    score_tokens,
-    optimizer,
-    state1,
-    state2,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    step,
-    grad_scale,
+    grad_out, table, indices, scores, block_ids, num_blocks, score_first, score_tokens, update: RowStep
 ):
     """The backward with the optimizer step fused in (:mod:`rmt.ops.fused_update`): one program
     per unique row sums its gradient, computes its lookups' score gradients and steps the row and
     its state in place; no gradient row is stored. Returns (score gradients of tokens
     ``[score_first, score_first + score_tokens)``, squared norm of the scaled gradient, a device
     scalar: no host sync)."""
-    import math
-
     from .triton_kernels import lookup_reduce_bwd_update_kernel
 
     K = indices.shape[1]
@@ -161,9 +142,7 @@ def backward_update(
     positions, rows, seg_start, num_unique = sort_by_row(indices)
     grad_scores = torch.empty(score_tokens, K, C, dtype=scores.dtype, device=scores.device)
     row_sq = torch.zeros(M, dtype=torch.float32, device=table.device)
-    adam = optimizer == SPARSE_ADAM
-    # Adam's lr argument is the bias-corrected step size, as in the unfused step
-    rate = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step) if adam else lr
+    u = update
     has_blocks = block_ids is not None
     if M:
         lookup_reduce_bwd_update_kernel[(M,)](
@@ -178,22 +157,22 @@ def backward_update(
             grad_scores,
             score_first * K,
             (score_first + score_tokens) * K,
-            state1,
-            state2 if state2 is not None else state1,
+            u.state1,
+            u.state2 if u.state2 is not None else u.state1,
             row_sq,
             K,
             D,
             num_blocks,
             D // C,
-            grad_scale,
-            rate,
-            1 - beta1,
-            1 - beta2,
-            eps,
-            weight_decay,
+            u.grad_scale,
+            u.rate,  # Adam's bias-corrected step size, as in the unfused step
+            1 - u.beta1,
+            1 - u.beta2,
+            u.eps,
+            u.weight_decay,
             C=C,
             HAS_BLOCKS=has_blocks,
-            ADAM=adam,
+            ADAM=u.adam,
             BLOCK_D=_block_d(D),
             enable_fp_fusion=False,
         )
