@@ -142,12 +142,14 @@ def row_square_sums(values: torch.Tensor, chunk_elements: int = 1 << 18) -> torc
 
 
 class _TableOptimizer:
-    """What the row-wise table optimizers share (mixed in before their torch base class):
-    :meth:`step` hands each parameter with a gradient to the subclass's ``step_param``, and
-    ``load_state_dict`` keeps the dtypes of the tensors ``initial_state`` creates
-    (``_STATE_TENSORS``, of dtype ``state_dtype(param)``). torch's casts every floating state
-    tensor to its parameter's dtype, which would round a bf16 table's fp32 state to bf16; these
-    tensors are held back from it and converted to the state dtype directly."""
+    """What the row-wise table optimizers share (mixed in before their torch base class): the
+    step (:meth:`step` hands each parameter with a gradient to :meth:`step_param`, which checks
+    it, creates its state and hands the gradient's touched rows to the subclass's
+    ``update_rows``), and ``load_state_dict``, which keeps the dtypes of the tensors
+    ``initial_state`` creates (``_STATE_TENSORS``, of dtype ``state_dtype(param)``). torch's casts
+    every floating state tensor to its parameter's dtype, which would round a bf16 table's fp32
+    state to bf16; these tensors are held back from it and converted to the state dtype
+    directly."""
 
     _STATE_TENSORS = ()
 
@@ -162,6 +164,20 @@ class _TableOptimizer:
                 if p.grad is not None:
                     self.step_param(group, p, p.grad)
         return loss
+
+    @torch.no_grad()
+    def step_param(self, group: dict, p, grad, state=None) -> None:
+        """One table's step with gradient ``grad`` and ``group``'s hyper-parameters (a copy of its
+        param group may be passed: a host table steps on a thread of its own,
+        :mod:`rmt.memory.host_steps`, while the scheduler sets the next step's ``lr``). ``state``:
+        the state of ``p`` when it is not this optimizer's own (the rows a host table caches on the
+        device, :mod:`rmt.memory.host_cache`, with their state and the table's step count)."""
+        self.check(p, grad)
+        state = self.state[p] if state is None else state
+        if not state:
+            state.update(self.initial_state(p))
+        rows, values = rows_and_values(grad)
+        self.update_rows(group, p, state, rows, values)
 
     def load_state_dict(self, state_dict):
         held = {}
@@ -210,21 +226,16 @@ class SparseAdam(_TableOptimizer, torch.optim.SparseAdam):
             "exp_avg_sq": torch.zeros_like(p, dtype=adam_state_dtype(p), memory_format=torch.preserve_format),
         }
 
-    @torch.no_grad()
-    def step_param(self, group: dict, p, grad, state=None) -> None:
-        """One table's step with gradient ``grad`` and ``group``'s hyper-parameters (a copy of its
-        param group may be passed: a host table steps on a thread of its own,
-        :mod:`rmt.memory.host_steps`, while the scheduler sets the next step's ``lr``). ``state``:
-        the state of ``p`` when it is not this optimizer's own (the rows a host table caches on the
-        device, :mod:`rmt.memory.host_cache`, with their moments and the table's step count)."""
+    @staticmethod
+    def check(p, grad) -> None:
         if not grad.is_sparse:
             raise RuntimeError("SparseAdam does not support dense gradients, please consider Adam instead")
+
+    def update_rows(self, group: dict, p, state: dict, rows, values) -> None:
+        """The Adam step of the touched ``rows`` (gradient rows ``values``): the fused kernel where
+        one applies, else :func:`sparse_adam_update_`; the step is counted even without rows."""
         beta1, beta2 = group["betas"]
-        state = self.state[p] if state is None else state
-        if not state:
-            state.update(self.initial_state(p))
         state["step"] += 1
-        rows, values = rows_and_values(grad)
         if group["maximize"]:
             values = -values
         if not rows.numel():
@@ -282,16 +293,14 @@ class RowWiseAdagrad(_TableOptimizer, torch.optim.Optimizer):
         """One fp32 accumulator per row."""
         return {"sum": torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)}
 
-    @torch.no_grad()
-    def step_param(self, group: dict, p, grad, state=None) -> None:
-        """One table's step with gradient ``grad``, ``group``'s hyper-parameters and ``state``
-        (see :meth:`SparseAdam.step_param`)."""
+    @staticmethod
+    def check(p, grad) -> None:
         if p.dim() != 2:
             raise ValueError(f"RowWiseAdagrad: parameters must be 2-D tables; got shape {tuple(p.shape)}")
-        state = self.state[p] if state is None else state
-        if not state:
-            state.update(self.initial_state(p))
-        rows, values = rows_and_values(grad)
+
+    def update_rows(self, group: dict, p, state: dict, rows, values) -> None:
+        """The row-wise Adagrad step of the touched ``rows`` (gradient rows ``values``): the fused
+        kernel where one applies, else :func:`rowwise_adagrad_update_`."""
         ext = fused_kernels(p)
         if ext is not None:
             ext.rowwise_adagrad_step(
