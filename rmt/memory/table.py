@@ -11,7 +11,7 @@ here without touching the layers or the training loop.
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 import torch.distributed as dist
@@ -55,8 +55,9 @@ def _bound_sparse_grad(weight: torch.Tensor) -> None:
 class MemoryTable(torch.nn.Module):
     """``num_slots x dim`` values; this rank holds a shard of them, and only that shard exists here.
 
-    ``partition`` (the distribution, :func:`rmt.memory.distribution.make_distribution`):
-    ``"local"`` (the whole table on every rank), ``"number"`` (rows split over ``group``, each
+    ``partition`` and ``sharding`` (the distribution,
+    :func:`rmt.memory.distribution.make_distribution`'s ``owner_reduce``, ``replica_index``,
+    ``replica_group``, ``split_group``, ``plan``): ``"local"`` (the whole table on every rank), ``"number"`` (rows split over ``group``, each
     distinct row requested once; ``owner_reduce`` pools at the owner), ``"dimension"`` (columns
     split) or ``"auto"`` (the planner's choice for the ``plan`` shapes). ``replica_index`` numbers
     this group among the groups holding copies of the same table (checkpoint replica id);
@@ -91,11 +92,6 @@ class MemoryTable(torch.nn.Module):
         partition: str = "local",
         group=None,
         *,
-        owner_reduce: bool = False,
-        replica_index: int = 0,
-        replica_group=None,
-        split_group=None,
-        plan: Optional[dict] = None,
         dtype: torch.dtype = torch.float32,
         sparse_grad: bool = False,
         init_key: int = 0,
@@ -103,6 +99,7 @@ class MemoryTable(torch.nn.Module):
         location: str = "device",
         host_cache_rows: int = 0,
         host_cache_refresh: int = 1,
+        **sharding,
     ):
         super().__init__()
         if location not in LOCATIONS:
@@ -115,16 +112,7 @@ class MemoryTable(torch.nn.Module):
             )
         self.num_slots, self.dim = num_slots, dim
         self.distribution = make_distribution(
-            partition,
-            num_slots,
-            dim,
-            group,
-            owner_reduce=owner_reduce,
-            replica_index=replica_index,
-            replica_group=replica_group,
-            split_group=split_group,
-            plan=plan,
-            value_bytes=torch.finfo(dtype).bits // 8,
+            partition, num_slots, dim, group, value_bytes=torch.finfo(dtype).bits // 8, **sharding
         )
         self.storage = make_storage(location, device, host_cache_rows, host_cache_refresh)
         # Only this rank's shard is ever allocated; its values are the global table's at the
