@@ -14,6 +14,7 @@ import torch
 from rmt.config import load_config
 from rmt.config_checks import validate
 from rmt.errors import ConfigError
+from rmt.memory.descriptor import descriptor
 from rmt.memory.table import MemoryTable
 from rmt.ops.sparse_optim import RowWiseAdagrad, SparseAdam
 
@@ -323,3 +324,19 @@ def test_parallel_host_tables_equal_single_process(single, cache_dir, tmp_path, 
     assert resumed["losses"] == pytest.approx(got["losses"][2:], rel=1e-5)
     for key, value in got["params"].items():
         torch.testing.assert_close(resumed["params"][key], value, rtol=1e-5, atol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("location,cache_rows", [("device", 0), ("host", 0), ("host", 16)])
+def test_table_reads_a_weight_a_loader_put_in_its_place(location, cache_rows):
+    """A loader that puts a new Parameter in the table's place (transformers' ``from_pretrained``,
+    ``load_state_dict(assign=True)``) is read by the next lookup, and the new Parameter carries the
+    table's descriptor: the lookup equals a table built with those values."""
+    table = MemoryTable(64, 8, 0.02, sparse_grad=True, location=location, device="cpu", host_cache_rows=cache_rows)
+    values = torch.randn(64, 8, generator=torch.Generator().manual_seed(4))
+    table.load_state_dict({"weight": values.clone()}, assign=True)
+    want = MemoryTable(64, 8, 0.02, sparse_grad=True, device="cpu")
+    want.weight.data.copy_(values)
+    idx = torch.randint(0, 64, (5, 3), generator=torch.Generator().manual_seed(5))
+    scores = torch.rand(5, 3, 1)
+    assert torch.equal(table.lookup_reduce(idx, scores, None, 1), want.lookup_reduce(idx, scores, None, 1))
+    assert descriptor(table.weight) is not None and descriptor(table.weight).storage is table.storage

@@ -241,18 +241,18 @@ class HotRows:
 
 
 class HostCache:
-    """Up to ``capacity`` rows of the host shard ``weight`` and their optimizer state on
+    """Up to ``capacity`` rows of the host shard ``storage.weight`` and their optimizer state on
     ``device``, refreshed every ``refresh`` steps (module docstring); what it moves over the host
     link is counted in ``link`` (the storage's). The row values and state are allocated at the
     first refresh, once the table's optimizer has stepped it (the state's shape is the
     optimizer's). Its storage (:class:`rmt.memory.storage.CachedHostStorage`) waits for the
     shard's host step before a refresh or a flush."""
 
-    def __init__(self, weight: torch.nn.Parameter, device, link: CommCounter, capacity: int, refresh: int):
-        self.weight = weight
+    def __init__(self, storage, device, link: CommCounter, capacity: int, refresh: int):
+        self.storage = storage
         self.device = torch.device(device)
         self.link = link
-        self.capacity = min(capacity, weight.shape[0])
+        self.capacity = min(capacity, storage.weight.shape[0])
         self.refresh_steps = refresh
         self.rows = HotRows(self.capacity, self.device)
         self.values: Optional[torch.Tensor] = None
@@ -264,6 +264,11 @@ class HostCache:
         self.steps = 0
         self.saved = CommCounter()
         self.reset_counts()
+
+    @property
+    def weight(self) -> torch.nn.Parameter:
+        """The host shard, as its storage holds it now."""
+        return self.storage.weight
 
     # -- lookups ------------------------------------------------------------------------
     def find(self, unique: torch.Tensor) -> Hits:

@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from rmt.memory.comm_counter import CommCounter
-from rmt.memory.descriptor import descriptor
+from rmt.memory.descriptor import describe, descriptor
 from rmt.memory.host_cache import INDEX_BYTES, Hits, HostCache, sparse_rows
 from rmt.ops import lookup_reduce
 
@@ -90,20 +90,34 @@ class Storage:
     those of a storage with nothing to wait for, no cache and no step of its own.
 
     Built before the weight: :meth:`allocate` gives the shard's tensor and :meth:`flags` the slot
-    counters' bytes, then :meth:`bind` hands over the weight and the table's ``mark`` (called with
-    the shard's local row numbers a training lookup reads, while ``recording``)."""
+    counters' bytes, then :meth:`bind` hands over the table (whose ``weight`` is the shard) and its
+    ``mark`` (called with the shard's local row numbers a training lookup reads, while
+    ``recording``)."""
 
     location = "device"
     cache: Optional[HostCache] = None
 
     def __init__(self, device):
         self.device = torch.device(device if device is not None else "cpu")
-        self.weight: Optional[torch.nn.Parameter] = None
+        self.table: Optional[torch.nn.Module] = None
+        self._bound: Optional[torch.nn.Parameter] = None
         self.mark: Optional[Callable[[torch.Tensor], None]] = None
         self.recording = False
 
-    def bind(self, weight: torch.nn.Parameter, mark: Callable[[torch.Tensor], None]) -> None:
-        self.weight, self.mark = weight, mark
+    def bind(self, table: torch.nn.Module, mark: Callable[[torch.Tensor], None]) -> None:
+        self.table, self._bound, self.mark = table, table.weight, mark
+
+    @property
+    def weight(self) -> torch.nn.Parameter:
+        """The table's weight as the module holds it now. A loader may put a new Parameter in its
+        place (transformers' ``from_pretrained`` materialises every parameter anew, as does
+        ``load_state_dict(assign=True)``); the new one is given the table's descriptor."""
+        weight = self.table.weight
+        if weight is not self._bound:
+            if descriptor(weight) is None:
+                describe(weight, descriptor(self._bound))
+            self._bound = weight
+        return weight
 
     @property
     def shape(self) -> torch.Size:
@@ -375,9 +389,9 @@ class CachedHostStorage(HostStorage):
         super().__init__(device)
         self.cache_rows, self.cache_refresh = cache_rows, cache_refresh
 
-    def bind(self, weight: torch.nn.Parameter, mark: Callable[[torch.Tensor], None]) -> None:
-        super().bind(weight, mark)
-        self.cache = HostCache(weight, self.device, self.link, self.cache_rows, self.cache_refresh)
+    def bind(self, table: torch.nn.Module, mark: Callable[[torch.Tensor], None]) -> None:
+        super().bind(table, mark)
+        self.cache = HostCache(self, self.device, self.link, self.cache_rows, self.cache_refresh)
 
     def _split(self, unique: torch.Tensor) -> Tuple[torch.Tensor, Optional[Hits]]:
         hits = self.cache.find(unique)

@@ -133,7 +133,7 @@ class MemoryTable(torch.nn.Module):
         # the storage keeps them; the storage marks the rows its training lookups read.
         self.owned_rows = d.owned_rows
         self.register_buffer("hits", self.storage.flags(len(self.owned_rows)), persistent=False)
-        self.storage.bind(self.weight, self._mark_shard_rows)
+        self.storage.bind(self, self._mark_shard_rows)
 
     def _apply(self, fn, recurse=True):
         """The storage decides what stays where it is when the module is moved or cast."""
