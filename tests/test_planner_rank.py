@@ -11,7 +11,7 @@ from test_flops import CASES, COMMON, single_process  # noqa: F401  (a fixture)
 from rmt.config import load_config
 from rmt.config_checks import validate
 from rmt.models.build import build
-from rmt.planner import cli
+from rmt.planner import cli, rank_cli
 from rmt.planner.dense import dense_bytes_per_param
 from rmt.planner.hardware import load_profile
 from rmt.planner.layouts import search
@@ -159,6 +159,29 @@ def test_memory_from_a_config_prints_the_whole_rank(capsys, tmp_path):
     step = doc["stages"]["0"]["phases"]["step"]
     assert doc["stages"]["0"]["totals"]["step"] == sum(step.values())
     assert step["tables"] > 0 and doc["peak"] == max(doc["stages"]["0"]["totals"].values())
+
+
+@pytest.mark.parametrize(
+    "extra, gib, note",
+    [
+        ([], 1.5, True),  # a CPU plan: this machine's 3 GiB of RAM and swap over the run's 2 ranks
+        (["--device", "gpu"], 80, False),
+        (["--gpu-mem-gib", "0.5"], 0.5, False),
+    ],
+)
+def test_memory_from_a_config_is_held_against_the_rank_memory(capsys, tmp_path, monkeypatch, extra, gib, note):
+    """Without --gpu-mem-gib a CPU plan is held against what rmt-train's start-up check gives a rank
+    of a run on this machine, a GPU plan against an 80 GB GPU."""
+    monkeypatch.setattr(rank_cli, "machine_memory", lambda: 3 * 2**30)
+    path = tmp_path / "plan.json"
+    argv = ["memory", "--config", "configs/tiny.yaml", "--world-size", "2", "--json", str(path), *extra]
+    assert cli.main(argv) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    doc = json.loads(path.read_text())
+    assert doc["gib"] == gib
+    assert last == (
+        f"fits {doc['gib']:.3g} GiB per rank" + (" (this machine's RAM and swap over the run's ranks)" if note else "")
+    )
 
 
 def test_memory_from_a_config_without_tables(capsys):

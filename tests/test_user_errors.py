@@ -156,10 +156,10 @@ def test_host_tables_over_the_machines_memory_are_said_once(capsys, monkeypatch)
     host = ["memory.table_location=host", "memory.value_optimizer=sparse_adam", "model.vocab_size=257"]
     config = validate(load_config("configs/ultramem_tiny.yaml", host), 1)
     host_peak = plan_rank(config, 1, "gpu")["host_peak"]
-    monkeypatch.setattr(fit, "_machine_memory", lambda: host_peak)
+    monkeypatch.setattr(fit, "machine_memory", lambda: host_peak)
     fit.check_fits(config, "configs/ultramem_tiny.yaml", host, available=2**40, device="gpu", world_size=1)
     assert capsys.readouterr().err == ""
-    monkeypatch.setattr(fit, "_machine_memory", lambda: host_peak - 1)
+    monkeypatch.setattr(fit, "machine_memory", lambda: host_peak - 1)
     fit.check_fits(config, "configs/ultramem_tiny.yaml", host, available=2**40, device="gpu", world_size=1)
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"rmt-train: rmt-plan counts {host_peak / 2**30:,.1f} GiB of host memory per rank")

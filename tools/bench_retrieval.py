@@ -42,7 +42,7 @@ sys.path.insert(0, ROOT)
 
 import rmt  # noqa: E402
 from rmt.bench_report import check_report, machine, write_report  # noqa: E402
-from rmt.training.fit import meminfo_bytes  # noqa: E402
+from rmt.machine_memory import meminfo_bytes  # noqa: E402
 
 rmt.setup_process()
 

@@ -355,7 +355,11 @@ def _add_memory_arguments(p: argparse.ArgumentParser) -> None:
         help="where the tables live (a GPU save stages one chunk in host memory)",
     )
     p.add_argument(
-        "--gpu-mem-gib", type=positive_float, default=80.0, metavar="GIB", help="memory per rank in GiB (default 80)"
+        "--gpu-mem-gib",
+        type=positive_float,
+        metavar="GIB",
+        help=f"memory per rank in GiB (default {memory.DEFAULT_GIB:g}; with --config on a CPU, this machine's RAM and "
+        "swap shared by the run's ranks, as rmt-train counts it)",
     )
     p.add_argument(
         "--reserve-gib",
@@ -509,7 +513,7 @@ def table_lines(args: argparse.Namespace, config=None) -> dict:
         async_stream = config.memory.async_stream
     doc = memory.plan_memory(
         plan,
-        gpu_mem_gib=args.gpu_mem_gib,
+        gpu_mem_gib=args.gpu_mem_gib or memory.DEFAULT_GIB,
         reserve_gib=args.reserve_gib,
         host_gib=args.host_gib if config is None else None,
     )
@@ -546,7 +550,7 @@ def table_lines(args: argparse.Namespace, config=None) -> dict:
         lines += _host_lines(plan, doc, link, placements=None if config is None else placements)
     if config is None:
         lines.append(
-            f"budget per rank: {args.gpu_mem_gib:g} GiB - {args.reserve_gib:g} GiB reserve -> "
+            f"budget per rank: {args.gpu_mem_gib or memory.DEFAULT_GIB:g} GiB - {args.reserve_gib:g} GiB reserve -> "
             f"{'fits' if doc['fits'] else 'does not fit'} at P={plan.group_size} "
             f"(peak {human(doc['peak'])})"
         )

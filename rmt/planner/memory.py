@@ -114,6 +114,8 @@ VALUE_OPTIMIZERS = ("adamw", "sparse_adam", "rowwise_adagrad")
 PRECISIONS = ("fp32", "bf16")
 PHASES = ("init", "step", "save", "load", "load_resharded")
 LOCATIONS = ("device", "host")
+DEFAULT_GIB = 80.0
+"""Memory per rank of a plan given none: an 80 GB GPU (H100, A100 SXM)."""
 HOST_OPTIMIZERS = ("sparse_adam", "rowwise_adagrad")
 RETRIEVAL_ACTIVATION_FACTOR = 2  # score tensors alive in the unfused retrieval's backward (see above)
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -571,7 +573,7 @@ def min_group_size(plan: TablePlan, budget_bytes: int, host_budget_bytes: int | 
 
 
 def plan_memory(
-    plan: TablePlan, gpu_mem_gib: float = 80.0, reserve_gib: float = 0.0, host_gib: float | None = None
+    plan: TablePlan, gpu_mem_gib: float = DEFAULT_GIB, reserve_gib: float = 0.0, host_gib: float | None = None
 ) -> dict:
     """The ``rmt-plan memory`` JSON document: the inputs, the per-layer components and per-rank
     phases at ``plan.group_size``, the peak, the checkpoint size, and the smallest group whose

@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 from typing import List
 
+from rmt.machine_memory import machine_memory
 from rmt.outputs import write_json
-from rmt.planner import layouts, rank
+from rmt.planner import layouts, memory, rank
 from rmt.planner.argtypes import positive_float, positive_int
 from rmt.planner.hardware import load_profile
 
@@ -85,13 +86,25 @@ def whole_rank_lines(config, doc: dict) -> List[str]:
         lines.append(f"host memory per rank (tables in host memory): peak {rank.human(doc['host_peak'])}")
     if "gib" in doc:
         lines.append(
-            f"{'fits' if doc['peak'] <= doc['gib'] * rank.GIB else 'does not fit'} {doc['gib']:g} GiB per rank"
+            f"{'fits' if doc['peak'] <= doc['gib'] * rank.GIB else 'does not fit'} {doc['gib']:.3g} GiB per rank"
+            + (" (this machine's RAM and swap over the run's ranks)" if doc.get("gib_source") == "machine" else "")
         )
     if "host_gib" in doc:
         lines.append(
             f"{'fits' if doc['host_fits'] else 'does not fit'} {doc['host_gib']:g} GiB of host memory per rank"
         )
     return lines
+
+
+def rank_gib(args: argparse.Namespace) -> float:
+    """The memory per rank a whole-rank plan is held against: ``--gpu-mem-gib``; without it an 80 GB
+    GPU, or on a CPU this machine's RAM and swap shared by the run's ranks (what ``rmt-train``'s
+    start-up check gives each rank of a run on this machine)."""
+    if args.gpu_mem_gib is not None:
+        return args.gpu_mem_gib
+    if args.device == "cpu":
+        return machine_memory() / args.world_size / rank.GIB
+    return memory.DEFAULT_GIB
 
 
 def run_memory(args: argparse.Namespace, table_lines, check_host_flags) -> int:
@@ -109,7 +122,9 @@ def run_memory(args: argparse.Namespace, table_lines, check_host_flags) -> int:
         location.append(f"memory.host_cache_rows={args.cache_rows}")
     config = load_planned(args.config, list(args.overrides) + location, args.world_size)
     check_host_flags(args, config.memory.table_location if config.memory.type in rank.TABLE_TYPES else "device")
-    doc = rank.plan_rank(config, args.world_size, args.device, args.gpu_mem_gib, host_gib=args.host_gib)
+    doc = rank.plan_rank(config, args.world_size, args.device, rank_gib(args), host_gib=args.host_gib)
+    if args.gpu_mem_gib is None and args.device == "cpu":
+        doc["gib_source"] = "machine"
     if config.memory.type in ("ultramem", "ultramem_v2", "pkm"):
         doc["tables"] = table_lines(args, config)
     tables = doc.pop("tables", {})

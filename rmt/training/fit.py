@@ -39,6 +39,7 @@ from typing import Optional, Sequence
 
 from rmt.config import RMTConfig
 from rmt.errors import ConfigError, UserError
+from rmt.machine_memory import machine_memory
 from rmt.parallel.launch_env import world_size_from_env
 
 _GIB = 2**30
@@ -51,26 +52,6 @@ rank's memory; errors the other way (the plan short of the measurement) never re
 would fit."""
 MAX_RANKS = 1024
 """The largest rank count :func:`changes_that_fit` searches for a layout that fits."""
-
-
-def meminfo_bytes(*fields: str) -> int:
-    """The sum of ``fields`` of /proc/meminfo (``MemTotal``, ``MemAvailable``, ...) in bytes; 0
-    where it cannot be read (not Linux)."""
-    total = 0
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, value = line.split(":", 1)
-                if key in fields:
-                    total += int(value.split()[0]) * 1024
-    except OSError:
-        pass
-    return total
-
-
-def _machine_memory() -> int:
-    """RAM plus swap of this machine (bytes)."""
-    return meminfo_bytes("MemTotal", "SwapTotal") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _ranks_per_node() -> int:
@@ -89,7 +70,7 @@ def rank_memory() -> int:
 
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0))).total_memory
-    return _machine_memory() // _ranks_per_node()
+    return machine_memory() // _ranks_per_node()
 
 
 def memory_floor(config: RMTConfig) -> dict:
@@ -231,7 +212,7 @@ def check_fits(
                 f"rmt-plan counts {peak / _GIB:,.1f} GiB per rank for this run, more than the "
                 f"{available / _GIB:,.1f} GiB a rank has here, so it may run out of memory; {itemized}"
             )
-        host = _machine_memory() // _ranks_per_node()
+        host = machine_memory() // _ranks_per_node()
         if device == "gpu" and plan.get("host_peak", 0) > host:
             _say(
                 f"rmt-plan counts {plan['host_peak'] / _GIB:,.1f} GiB of host memory per rank for the "
