@@ -34,45 +34,15 @@
 #include <vector>
 
 #include "blas_gemm.h"
+#include "ranked_list.h"
 
 namespace {
 
 template <typename T>
 using acc_of = typename std::conditional<std::is_same<T, double>::value, double, float>::type;
 
-// A sorted list of up to k (value, key index, r side scores) entries. kTop: decreasing values,
-// equal values in increasing index; else increasing values, equal values in decreasing index.
-// Entries are offered in increasing key index.
 template <typename A, bool kTop>
-struct Ranked {
-  int64_t k, r, size = 0;
-  A* val;
-  int64_t* idx;
-  A* side;  // [k, r]
-
-  inline bool enters(A v) const {
-    if (size < k) return true;
-    return kTop ? v > val[k - 1] : v <= val[k - 1];
-  }
-  inline A bound() const {
-    if (size < k) return kTop ? -std::numeric_limits<A>::infinity() : std::numeric_limits<A>::infinity();
-    return val[k - 1];
-  }
-  inline void push(A v, int64_t i, const A* s, int64_t stride) {
-    if (!enters(v)) return;
-    if (size == k) --size;
-    int64_t p = size++;
-    while (p > 0 && (kTop ? val[p - 1] < v : val[p - 1] >= v)) {
-      val[p] = val[p - 1];
-      idx[p] = idx[p - 1];
-      for (int64_t a = 0; a < r; ++a) side[p * r + a] = side[(p - 1) * r + a];
-      --p;
-    }
-    val[p] = v;
-    idx[p] = i;
-    for (int64_t a = 0; a < r; ++a) side[p * r + a] = s[a * stride];
-  }
-};
+using Ranked = rmt_select::Ranked<A, int64_t, kTop>;
 
 template <typename scalar_t>
 inline acc_of<scalar_t> rounded(acc_of<scalar_t> x) {

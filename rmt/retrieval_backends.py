@@ -35,10 +35,13 @@ class RetrievalBackendSpec:
     dtypes: FrozenSet[str]
 
 
-#: Fused-retrieval backends, fastest first. A GPU backend (Triton, CUDA) is a module with the
-#: two functions above and an entry before "cpu" with ``device_type="cuda"``; ``auto`` then picks
-#: it, and ``memory.retrieval_kernel: fused`` is accepted on a GPU for the dtypes it declares.
+#: Fused-retrieval backends, fastest first (on a GPU: CUDA before Triton, as lookup-reduce orders
+#: them; ``tools/bench_retrieval.py --device gpu --backend NAME`` measures each). ``auto`` picks the
+#: first one available for the tensors, and ``memory.retrieval_kernel: fused`` is accepted for the
+#: devices and dtypes they declare.
 RETRIEVAL_REGISTRY: Dict[str, RetrievalBackendSpec] = {
+    "cuda": RetrievalBackendSpec("cuda", "rmt.ops.retrieval_cuda", "cuda", frozenset({"float32", "bfloat16"})),
+    "triton": RetrievalBackendSpec("triton", "rmt.ops.retrieval_triton", "cuda", frozenset({"float32", "bfloat16"})),
     "cpu": RetrievalBackendSpec("cpu", "rmt.ops.retrieval_cpu", "cpu", frozenset({"float32", "bfloat16", "float64"})),
     "reference": RetrievalBackendSpec(
         "reference", "rmt.ops.retrieval_reference", None, frozenset({"float32", "bfloat16", "float16", "float64"})
@@ -62,6 +65,16 @@ def fused_retrieval_backends(device_type: str, dtype) -> List[str]:
     return [
         name for name, spec in RETRIEVAL_REGISTRY.items() if name != "reference" and covers(spec, device_type, dtype)
     ]
+
+
+def declared_devices() -> str:
+    """What the fused retrieval's backends other than the reference declare, each device once:
+    ``cpu bfloat16, float32, float64; cuda bfloat16, float32``."""
+    dtypes: Dict[str, set] = {}
+    for name, spec in RETRIEVAL_REGISTRY.items():
+        if name != "reference":
+            dtypes.setdefault(spec.device_type, set()).update(spec.dtypes)
+    return "; ".join(f"{device} {', '.join(sorted(names))}" for device, names in sorted(dtypes.items()))
 
 
 def takes_fused(kernel: str, device_type: str, dtype) -> bool:

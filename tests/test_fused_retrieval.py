@@ -119,7 +119,8 @@ def test_backends_and_selection():
         dispatch.select_retrieval_backend("cpu", torch.float32, "cuda")
     with pytest.raises(ValueError, match="backend 'reference' does not run cpu tensors of torch.int64"):
         dispatch.select_retrieval_backend("cpu", torch.int64, "reference")
-    assert dispatch.fused_retrieval_backends("cuda", torch.bfloat16) == []
+    assert dispatch.fused_retrieval_backends("cuda", torch.bfloat16) == ["cuda", "triton"]
+    assert dispatch.fused_retrieval_backends("cuda", torch.float64) == []
     assert dispatch.fused_retrieval_backends("cpu", torch.bfloat16) == ["cpu"]
     assert dispatch.select_retrieval_backend("cpu", torch.float32) == "cpu"
 

@@ -119,16 +119,27 @@ def _config(kernel, precision="fp32"):
 
 
 def test_fused_without_a_backend_for_the_device_is_refused(monkeypatch):
-    """On a GPU (no GPU backend declared yet) ``fused`` is refused in one sentence; ``auto``
-    takes the unfused path there; on a CPU every precision has the C++ backend."""
+    """``fused`` is accepted where a backend declares the device and precision (the C++ backend on
+    a CPU, CUDA and Triton on a GPU); where none does (here the GPU backends narrowed to float32)
+    it is refused in one sentence naming each device once, and ``auto`` takes the unfused path."""
+    import dataclasses
+
+    from rmt.retrieval_backends import RETRIEVAL_REGISTRY
+
     validate(_config("fused", "bf16"), 1)
     monkeypatch.setattr("rmt.parallel.compat.cuda_available", lambda: True)
+    validate(_config("fused", "bf16"), 1)
+    validate(_config("fused", "fp32"), 1)
+    for name in ("cuda", "triton"):
+        narrowed = dataclasses.replace(RETRIEVAL_REGISTRY[name], dtypes=frozenset({"float32"}))
+        monkeypatch.setitem(RETRIEVAL_REGISTRY, name, narrowed)
+    validate(_config("fused", "fp32"), 1)
     with pytest.raises(ConfigError) as err:
         validate(_config("fused", "bf16"), 1)
     assert str(err.value) == (
         "memory.retrieval_kernel 'fused' has no backend for cuda tensors in train.precision 'bf16' (the "
-        "fused retrieval runs on: cpu bfloat16, float32, float64); use 'auto' (the unfused path where the "
-        "fused one has no backend) or 'unfused'"
+        "fused retrieval runs on: cpu bfloat16, float32, float64; cuda float32); use 'auto' (the unfused "
+        "path where the fused one has no backend) or 'unfused'"
     )
     validate(_config("auto", "bf16"), 1)
 

@@ -1,8 +1,10 @@
 """The CUDA sources must keep compiling although CI has no GPU.
 
-* ``csrc/lookup_reduce_cuda_kernels.cu`` (no torch headers) is compiled with ``nvcc -c``.
-* The torch binding ``csrc/lookup_reduce_cuda.cpp`` is syntax-checked against the installed
-  torch headers and the CUDA toolkit headers. The CPU torch wheel lacks the CMake-generated
+* The kernels (no torch headers: ``csrc/lookup_reduce_cuda_kernels.cu``, the fused retrieval's
+  ``csrc/retrieval_select_cuda_kernels.cu``) are compiled with ``nvcc -c`` and the flags
+  :mod:`rmt.ops.extensions` builds them with.
+* The torch bindings (``csrc/lookup_reduce_cuda.cpp``, ``csrc/retrieval_select_cuda.cpp``) are
+  syntax-checked against the installed torch headers and the CUDA toolkit headers. The CPU torch wheel lacks the CMake-generated
   ``c10/cuda/impl/cuda_cmake_macros.h``, so an empty stand-in is put on the include path.
 """
 
@@ -40,25 +42,30 @@ NVCC = _nvcc()
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH or in /usr/local/cuda/bin")
 
 
+# extension name: (kernels, binding)
+SOURCES = {
+    "rmt_lookup_reduce_cuda": ("lookup_reduce_cuda_kernels.cu", "lookup_reduce_cuda.cpp"),
+    "rmt_retrieval_select_cuda": ("retrieval_select_cuda_kernels.cu", "retrieval_select_cuda.cpp"),
+}
+
+
 @needs_nvcc
-def test_cuda_kernels_compile_with_nvcc(tmp_path):
-    cmd = [
-        NVCC,
-        "-std=c++17",
-        "-O3",
-        "-arch=sm_80",
-        "-c",
-        str(CSRC / "lookup_reduce_cuda_kernels.cu"),
-        "-o",
-        str(tmp_path / "lookup_reduce_cuda_kernels.o"),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+@pytest.mark.parametrize("name", SOURCES)
+def test_cuda_kernels_compile_with_nvcc(tmp_path, name):
+    from rmt.ops.extensions import EXTENSIONS
+
+    kernels = SOURCES[name][0]
+    assert EXTENSIONS[name]["sources"] == [SOURCES[name][1], kernels]
+    obj = tmp_path / "kernels.o"
+    cmd = [NVCC, "-std=c++17", *EXTENSIONS[name]["extra_cuda_cflags"], "-arch=sm_80", "-c", str(CSRC / kernels)]
+    proc = subprocess.run(cmd + ["-o", str(obj)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    assert (tmp_path / "lookup_reduce_cuda_kernels.o").stat().st_size > 0
+    assert obj.stat().st_size > 0
 
 
 @needs_nvcc
-def test_cuda_binding_compiles_against_torch_headers(tmp_path):
+@pytest.mark.parametrize("name", SOURCES)
+def test_cuda_binding_compiles_against_torch_headers(tmp_path, name):
     include = _cuda_include(NVCC)
     if include is None:
         pytest.skip("CUDA toolkit headers not found")
@@ -72,7 +79,7 @@ def test_cuda_binding_compiles_against_torch_headers(tmp_path):
         "-fsyntax-only",
         "-DTORCH_EXTENSION_NAME=rmt_check",
         *flags,
-        str(CSRC / "lookup_reduce_cuda.cpp"),
+        str(CSRC / SOURCES[name][1]),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr

@@ -142,7 +142,7 @@ def validate_retrieval_kernel(config) -> None:
     run's device and precision (:func:`rmt.retrieval_backends.fused_retrieval_backends`, what
     the backends declare: nothing is built here)."""
     from rmt.parallel.compat import cuda_available
-    from rmt.retrieval_backends import RETRIEVAL_REGISTRY, fused_retrieval_backends
+    from rmt.retrieval_backends import declared_devices, fused_retrieval_backends
 
     if config.memory.retrieval_kernel != "fused":
         return
@@ -150,14 +150,9 @@ def validate_retrieval_kernel(config) -> None:
     precision = config.train.precision
     dtype = {"fp32": "float32", "bf16": "bfloat16"}[precision]
     if not fused_retrieval_backends(device, dtype):
-        where = "; ".join(
-            f"{spec.device_type} {', '.join(sorted(spec.dtypes))}"
-            for name, spec in RETRIEVAL_REGISTRY.items()
-            if name != "reference"
-        )
         raise ConfigError(
             f"memory.retrieval_kernel 'fused' has no backend for {device} tensors in train.precision "
-            f"'{precision}' (the fused retrieval runs on: {where}); use 'auto' (the unfused path where "
+            f"'{precision}' (the fused retrieval runs on: {declared_devices()}); use 'auto' (the unfused path where "
             f"the fused one has no backend) or 'unfused'"
         )
 

@@ -84,6 +84,13 @@ EXTENSIONS: Dict[str, dict] = {
         extra_cflags=["-O3"],
         extra_cuda_cflags=["-O3"],
     ),
+    # --fmad=false: the selection's objectives and grids rounded operation by operation, as the
+    # torch reference computes them (rmt.ops.topm), so both select the same addresses
+    "rmt_retrieval_select_cuda": dict(
+        sources=["retrieval_select_cuda.cpp", "retrieval_select_cuda_kernels.cu"],
+        extra_cflags=["-O3"],
+        extra_cuda_cflags=["-O3", "--fmad=false"],
+    ),
 }
 
 _cache: Dict[str, object] = {}

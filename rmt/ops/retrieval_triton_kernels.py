@@ -19,8 +19,8 @@ bitonic sequence), then a bitonic merge.
 import triton
 import triton.language as tl
 
-EMPTY = -(2**63)  # below every key of a float32 that is not NaN
-LOW = 2**31 - 1
+EMPTY = tl.constexpr(-(2**63))  # below every key of a float32 that is not NaN
+LOW = tl.constexpr(2**31 - 1)
 
 
 @triton.jit
@@ -108,11 +108,11 @@ def candidates_kernel(
             else:
                 o = s
         valid = (j < n)[None, :]
-        top = _merge(top, tl.where(valid, _ordered(o, LOW - j[None, :]), EMPTY), M)
+        top = _merge(top, tl.where(valid, _ordered(o, (-j + LOW)[None, :]), EMPTY), M)
         if TUCKER:
             bottom = _merge(bottom, tl.where(valid, _ordered(-o, j[None, :]), EMPTY), M)
     first = (tl.arange(0, M) >= M - m)[None, :]
-    top_idx = tl.where(first, LOW - _low(top), LOW)
+    top_idx = tl.where(first, -_low(top) + LOW, LOW)
     if TUCKER:
         both = tl.reshape(tl.join(top_idx, tl.where(first, _low(bottom), LOW)), [BT, 2 * M])
         out = tl.sort(both, 1)
@@ -226,11 +226,11 @@ def grid_topm_kernel(
             else:
                 g = _side(scores, th, 0, 0, i, imask, R, c)[:, None] + _side(scores, th, 1, 0, j, jmask, R, c)[None, :]
             pos = i[:, None] * c + j[None, :]
-            key = tl.where(imask[:, None] & jmask[None, :], _ordered(g, LOW - pos), EMPTY)
+            key = tl.where(imask[:, None] & jmask[None, :], _ordered(g, -pos + LOW), EMPTY)
             best = _merge(best, tl.reshape(key, [1, BI * BJ]), MP)
     k = tl.arange(0, MP)
     kmask = k < m
-    pos = LOW - _low(tl.reshape(tl.flip(best, 1), [MP]))
+    pos = -_low(tl.reshape(tl.flip(best, 1), [MP])) + LOW
     pi = tl.where(kmask, pos // c, 0)
     pj = tl.where(kmask, pos % c, 0)
     ri = tl.load(cand + (th * 2 + 0) * c + pi, mask=kmask, other=0).to(tl.int64)
