@@ -574,7 +574,8 @@ class MemoryConfig:
     retrieval_kernel: Literal["auto", "fused", "unfused"] = "auto"
     """How UltraMem, UltraMemV2 and PKM layers select their top-m: ``fused`` streams the keys in
     tiles and never holds the ``[tokens, heads, rank, keys]`` scores (:mod:`rmt.ops.fused_retrieval`;
-    refused before training where it has no backend for the device and precision: today CPU);
+    refused before training where it has no backend for the device and precision: every precision
+    on a CPU, fp32 and bf16 on a CUDA GPU);
     ``unfused`` builds the scores and selects from them (the reference); ``auto`` takes ``fused``
     where it has a backend, else ``unfused``. Both select the same addresses."""
 

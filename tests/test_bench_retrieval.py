@@ -34,6 +34,10 @@ def test_bench_smoke_writes_json(tmp_path):
         (["--keys", "10,x"], "--keys takes comma-separated integers; got '10,x'"),
         (["--keys", "8", "--topm", "16"], "--keys must all be at least --topm (16); got 8"),
         (["--tokens", "0"], "--tokens must be at least 1; got 0"),
+        (
+            ["--backend", "triton"],
+            "backend 'triton' does not run cpu tensors of torch.float32 here (backends: cuda, triton, cpu, reference)",
+        ),
     ],
 )
 def test_bad_arguments_exit_2_with_one_sentence(argv, message, capsys):

@@ -67,9 +67,9 @@ def test_triton_interpreter_equals_unfused_every_case():
 
 
 KERNELS = {
-    # kernel: (signature, constexprs)
+    # kernel: (pointer arguments, constexprs); every other argument an int32
     "candidates_kernel": (
-        dict(q="*bf16", keys="*bf16", weights="*fp32", cand="*i32", **dict.fromkeys(["T", "H", "n", "D", "m", "c"], "i32")),
+        dict(q="*bf16", keys="*bf16", weights="*fp32", cand="*i32"),
         dict(R=2, TUCKER=True, FP32=False, WIDEN=False, BT=32, BN=128, BD=64, M=16),
     ),
     "candidate_scores_kernel": (

@@ -3,14 +3,21 @@ time of one forward plus backward of a memory layer's key retrieval, as the key 
 
     python tools/bench_retrieval.py --json out.json    # 4,096 tokens; 1,024 to 200,000 keys per side
     python tools/bench_retrieval.py --quick            # seconds
+    python tools/bench_retrieval.py --device gpu --backend triton --quick   # on a CUDA GPU
 
 Each row retrieves the top-m of ``--tokens`` tokens and ``--heads`` heads from a grid of
 ``--keys`` keys per side (TDQKR at Tucker rank ``--rank`` with ``--cores`` multi-core scores, or
 product keys at rank 1), key width ``--width``, and backpropagates a random gradient of the
 scores to the queries, the keys and the cores. ``unfused`` is the memory layers' reference path
 (the side scores ``[T, H, r, n]`` as tensors, ``rmt.memory.retrieval``), ``fused`` the op on its
-default backend (CPU: the C++/OpenMP kernel). The unfused path is skipped where its score tensors
-(about 3.5 x ``T H 2 r n`` x 4 bytes at their peak) would not fit in 80% of the available memory.
+default backend (CPU: the C++/OpenMP kernel; GPU: CUDA, then Triton) or on ``--backend``. The
+unfused path is skipped where its score tensors (about 3.5 x ``T H 2 r n`` x 4 bytes at their
+peak) would not fit in 80% of the available memory.
+
+``--device gpu``: the tensors on the current CUDA device; ``time_s`` is then the median wall time
+of a step ended by a device synchronization, and ``peak_bytes`` the step's growth of
+``torch.cuda.max_memory_allocated`` over the memory allocated at its start (in this process: the
+allocator's count needs no fresh one).
 
 Per row: ``time_s``, the median wall time of ``--reps`` steps after one warm-up (``cpu_s``: the
 process's CPU time, the figure that stays put on a shared machine); ``peak_bytes``, the growth of
@@ -72,11 +79,16 @@ def inputs(args, n, seed=0):
     if r > 1:
         cores = (torch.randn(H, args.cores, r, r, generator=gen) / r).to(args.torch_dtype).requires_grad_()
     grad = torch.randn(T, H, args.topm, args.cores if r > 1 else 1, generator=gen).to(args.torch_dtype)
+    device = "cuda" if args.device == "gpu" else "cpu"
+    q, keys, grad = (x.detach().to(device).requires_grad_(x.requires_grad) for x in (q, keys, grad))
+    if cores is not None:
+        cores = cores.detach().to(device).requires_grad_()
     return q, keys, cores, None if cores is None else rank1_selector(cores), grad
 
 
-def step(method, q, keys, cores, selector, grad, m):
-    """One forward and backward of the retrieval ``method``; returns the addresses."""
+def step(method, q, keys, cores, selector, grad, m, backend=None):
+    """One forward and backward of the retrieval ``method`` (the fused op on ``backend``, None: its
+    default); returns the addresses."""
     import torch
 
     from rmt.memory.retrieval import product_topk, tucker_topk
@@ -86,7 +98,7 @@ def step(method, q, keys, cores, selector, grad, m):
         if leaf is not None:
             leaf.grad = None
     if method == "fused":
-        addr, scores = fused_retrieval(q[:, :, 0], q[:, :, 1], keys, m, cores, selector)
+        addr, scores = fused_retrieval(q[:, :, 0], q[:, :, 1], keys, m, cores, selector, backend=backend)
     else:
         s_row = torch.einsum("thrd,hrnd->thrn", q[:, :, 0], keys[:, 0])
         s_col = torch.einsum("thrd,hrnd->thrn", q[:, :, 1], keys[:, 1])
@@ -95,6 +107,8 @@ def step(method, q, keys, cores, selector, grad, m):
         else:
             addr, scores = tucker_topk(s_row, s_col, cores, m, selector)
     scores.backward(grad)
+    if keys.is_cuda:
+        torch.cuda.synchronize()
     return addr
 
 
@@ -119,22 +133,37 @@ def peak_child(args, method, n) -> int:
     return _status("VmHWM") - start
 
 
+def peak_gpu(args, method, tensors) -> int:
+    """The growth of ``torch.cuda.max_memory_allocated`` over one step (module docstring)."""
+    import torch
+
+    q, keys, cores, selector, grad = tensors
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step(method, q, keys, cores, selector, grad, args.topm, args.backend)
+    return torch.cuda.max_memory_allocated() - start
+
+
 def measure(args, method, n, tensors):
     import subprocess
 
     q, keys, cores, selector, grad = tensors
-    addr = step(method, q, keys, cores, selector, grad, args.topm)  # warm-up (extension load, pools)
+    addr = step(method, q, keys, cores, selector, grad, args.topm, args.backend)  # warm-up (extension load, pools)
     walls, cpus = [], []
     for _ in range(args.reps):
         w0, c0 = time.perf_counter(), time.process_time()
-        step(method, q, keys, cores, selector, grad, args.topm)
+        step(method, q, keys, cores, selector, grad, args.topm, args.backend)
         walls.append(time.perf_counter() - w0)
         cpus.append(time.process_time() - c0)
     for leaf in (q, keys, cores):
         if leaf is not None:
             leaf.grad = None
-    child = [sys.executable, os.path.abspath(__file__), "--peak-child", method, str(n)] + args.passed
-    peak = int(subprocess.run(child, check=True, capture_output=True, text=True).stdout.split()[-1])
+    if args.device == "gpu":
+        peak = peak_gpu(args, method, tensors)
+    else:
+        child = [sys.executable, os.path.abspath(__file__), "--peak-child", method, str(n)] + args.passed
+        peak = int(subprocess.run(child, check=True, capture_output=True, text=True).stdout.split()[-1])
     key_grad = keys.numel() * keys.element_size()
     return addr, {
         "keys_per_side": n,
@@ -159,6 +188,8 @@ def main(argv=None):
     ap.add_argument("--topm", type=int, default=16)
     ap.add_argument("--keys", default=None, help="keys per side, comma-separated (default 1024,16384,100000,200000)")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu", help="where the tensors live")
+    ap.add_argument("--backend", default=None, help="the fused op's backend (default: the device's first)")
     ap.add_argument("--reps", type=int, default=3, help="timed steps per row after one warm-up (median)")
     ap.add_argument("--json", help="write {benchmark, machine, rows, summary} here")
     ap.add_argument("--peak-child", nargs=2, metavar=("METHOD", "KEYS"), help=argparse.SUPPRESS)
@@ -181,7 +212,16 @@ def main(argv=None):
         args.cores = 1  # product keys score one column
     import torch
 
+    if args.device == "gpu" and not torch.cuda.is_available():
+        return fail("--device gpu needs a CUDA GPU; none is visible")
     args.torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    if args.backend is not None:
+        from rmt.ops.dispatch import select_retrieval_backend
+
+        try:
+            select_retrieval_backend("cuda" if args.device == "gpu" else "cpu", args.torch_dtype, args.backend)
+        except ValueError as exc:
+            return fail(str(exc).removeprefix("fused_retrieval: "))
     if args.peak_child:
         print(peak_child(args, args.peak_child[0], int(args.peak_child[1])))
         return 0
@@ -189,7 +229,8 @@ def main(argv=None):
     print(f"{'keys/side':>9} {'method':>8} {'time s':>8} {'cpu s':>8} {'peak MiB':>10} {'w/o dkeys MiB':>14}")
     for n in keys:
         tensors = inputs(args, n)
-        fits = 3.5 * args.tokens * args.heads * 2 * args.rank * n * 4 < 0.8 * available_bytes()
+        free = torch.cuda.mem_get_info()[0] if args.device == "gpu" else available_bytes()
+        fits = 3.5 * args.tokens * args.heads * 2 * args.rank * n * 4 < 0.8 * free
         picked = {}
         for method in ("unfused", "fused") if fits else ("fused",):
             addr, row = measure(args, method, n, tensors)
@@ -225,6 +266,8 @@ def main(argv=None):
     if args.json:
         config = {k: v for k, v in vars(args).items() if k not in ("torch_dtype", "passed", "peak_child")}
         where = machine(threads=torch.get_num_threads(), load_average=os.getloadavg())
+        if args.device == "gpu":
+            where["gpu"] = torch.cuda.get_device_name()
         write_report(args.json, "bench_retrieval", rows, summary, where, config=config)
         print(f"wrote {args.json}")
     return 0

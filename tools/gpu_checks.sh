@@ -12,7 +12,7 @@
 # resumed; tools/bench_dense_switches.py at the UltraMem-151M-x12 shape, each switch on and off),
 # and the lookup-reduce benchmark. Logs and JSON go to $OUT (default ./gpu_checks); python is
 # $PYTHON (default python3). $CHECKS picks the checks by name (default: all of stream tests
-# recompute torchrun architectures dense rank_memory host_table step_time lookup); host_table: value tables in
+# recompute torchrun architectures dense rank_memory host_table step_time lookup retrieval); host_table: value tables in
 # host memory (memory.table_location: host) against the device table at the UltraMem-151M-x12
 # shape (step time ratio, hidden share, link bytes and bandwidth; with a device cache of a quarter
 # of the rows, memory.host_cache_rows, refreshed every 5 steps), a table 4x the device memory
@@ -31,7 +31,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # the card's own architecture only: a quarter of the CUDA build's time
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$($PY -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')}
-CHECKS=${CHECKS:-stream tests recompute torchrun architectures dense rank_memory host_table step_time lookup}
+CHECKS=${CHECKS:-stream tests recompute torchrun architectures dense rank_memory host_table step_time lookup retrieval}
 wanted() { [[ " $CHECKS " == *" $1 "* ]]; }
 step() { echo "== $(date +%T) $*"; }
 step "environment"; $PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'
@@ -108,5 +108,16 @@ fi
 if wanted lookup; then
 step "lookup-reduce benchmark"
 $PY tools/bench_lookup_reduce.py --quick --json "$OUT/bench_lookup_reduce.json" 2>&1 | tee "$OUT/bench_lookup_reduce.log"
+fi
+if wanted retrieval; then
+step "fused retrieval on the GPU: CUDA and Triton against the unfused path"
+$PY -m pytest -q -p no:cacheprovider tests/test_retrieval_gpu.py 2>&1 | tee "$OUT/test_retrieval_gpu.log"
+for backend in cuda triton; do
+    for dtype in fp32 bf16; do
+        step "fused retrieval benchmark: $backend $dtype"
+        $PY tools/bench_retrieval.py --device gpu --backend $backend --dtype $dtype ${RETRIEVAL_ARGS:---reps 3} \
+            --json "$OUT/bench_retrieval_${backend}_${dtype}.json" 2>&1 | tee "$OUT/bench_retrieval_${backend}_${dtype}.log"
+    done
+done
 fi
 step "done"

@@ -66,8 +66,10 @@ Tiles: ``key_tile`` keys per tile, ``token_block`` tokens per block (None: the b
 defaults). They set the working memory, ``token_block x H x r x key_tile`` scores per block in
 flight, not the result.
 
-Backends (:data:`rmt.retrieval_backends.RETRIEVAL_REGISTRY`): ``cpu`` (C++/OpenMP,
-``csrc/retrieval_select_cpu.cpp``: float32, bfloat16, float64) and ``reference`` (this contract in
+Backends (:data:`rmt.retrieval_backends.RETRIEVAL_REGISTRY`): ``cuda``
+(``csrc/retrieval_select_cuda_kernels.cu``, :mod:`rmt.ops.retrieval_cuda`) and ``triton``
+(:mod:`rmt.ops.retrieval_triton`) on CUDA tensors of float32 and bfloat16; ``cpu`` (C++/OpenMP,
+``csrc/retrieval_select_cpu.cpp``: float32, bfloat16, float64); ``reference`` (this contract in
 plain torch, every device and dtype). Force one with ``backend=`` or ``$RMT_RETRIEVAL_BACKEND``.
 """
 
