@@ -20,10 +20,9 @@ Runs on CUDA tensors, and on CPU tensors only under ``TRITON_INTERPRET=1`` (test
 set before Triton is first imported. Inputs: float32 or bfloat16.
 """
 
-import importlib.util
-import os
-
 import torch
+
+from .triton_backend import is_available  # noqa: F401  (CUDA tensors; CPU ones in the interpreter)
 
 KEY_TILE = 128
 """Keys per tile of the candidates' stream (at least the list width)."""
@@ -31,15 +30,6 @@ TOKEN_BLOCK = 32
 """Tokens per program of the candidates' stream."""
 GRID_TILE = 1024
 """Grid entries per tile of the grid top-m (at least its list width)."""
-
-
-def is_available(device):
-    """CUDA tensors with Triton installed; CPU tensors only in the Triton interpreter."""
-    if importlib.util.find_spec("triton") is None:
-        return False
-    if device.type == "cuda":
-        return True
-    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _pow2(x, least=1):
