@@ -82,6 +82,12 @@ def whole_rank_lines(config, doc: dict) -> List[str]:
                 f"  {'host memory':<20}" + "".join(f"{rank.human(s['host_tables'][p]):>14}" for p in rank.PHASES)
             )
     lines.append(f"peak per rank: {rank.human(doc['peak'])}; checkpoint {rank.human(doc['checkpoint_bytes'])}")
+    if "known_shortfall" in doc:
+        lines.append(
+            "measured above this plan in bf16 on a CPU (tools/bench_rank_memory.py, the shipped configs): "
+            + ", ".join(f"{p} up to +{v:.0%}" for p, v in doc["known_shortfall"].items())
+            + "; the step, the peak, within 1%"
+        )
     if "host_peak" in doc:
         lines.append(f"host memory per rank (tables in host memory): peak {rank.human(doc['host_peak'])}")
     if "gib" in doc:
