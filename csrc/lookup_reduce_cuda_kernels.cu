@@ -22,11 +22,12 @@
 // fixed shuffle-reduction tree per column slice).
 #include "lookup_reduce_cuda_kernels.h"
 
+#include "cuda_numerics.cuh"
+
 #include <cub/cub.cuh>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <type_traits>
 
 namespace {
 
@@ -36,19 +37,6 @@ constexpr int kWarpsPerBlock = 4;
 constexpr int kThreads = kWarp * kWarpsPerBlock;
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kRowLoadsInFlight = 16;  // forward: row loads a lane issues before its FMAs
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half(x); }
 
 __device__ __forceinline__ int64_t warp_id() {
   return static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;

@@ -27,8 +27,8 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
-#include <type_traits>
 
+#include "cuda_numerics.cuh"
 #include "ranked_list.h"
 
 namespace {
@@ -37,24 +37,6 @@ constexpr int kTokens = 32;      // threads (tokens) per block of candidates_ker
 constexpr int kMaxKeys = 32;     // keys per shared-memory tile, at most
 constexpr int kGridThreads = 128;
 constexpr int kMaxRank = 16;
-
-__device__ inline float widen(float x) { return x; }
-__device__ inline float widen(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T>
-__device__ inline float rounded(float x) {
-  if constexpr (std::is_same<T, __nv_bfloat16>::value)
-    return __bfloat162float(__float2bfloat16_rn(x));
-  else
-    return x;
-}
-
-template <typename T>
-__device__ inline T narrow(float x);
-template <>
-__device__ inline float narrow<float>(float x) { return x; }
-template <>
-__device__ inline __nv_bfloat16 narrow<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
 template <typename scalar_t>
 __global__ void __launch_bounds__(kTokens)
@@ -83,7 +65,7 @@ __global__ void __launch_bounds__(kTokens)
     __syncthreads();
     for (int64_t e = threadIdx.x; e < L * r * D; e += kTokens) {
       const int64_t jj = e / (r * D), a = (e / D) % r, d = e % D;
-      ks[e] = widen(kside[(a * n + j0 + jj) * D + d]);
+      ks[e] = to_float(kside[(a * n + j0 + jj) * D + d]);
     }
     __syncthreads();
     if (!active) continue;
@@ -92,7 +74,7 @@ __global__ void __launch_bounds__(kTokens)
         const float* k = ks + (jj * r + a) * D;
         const scalar_t* qa = qt + a * sq2;
         float acc = 0.f;
-        for (int64_t d = 0; d < D; ++d) acc = acc + widen(qa[d]) * k[d];
+        for (int64_t d = 0; d < D; ++d) acc = acc + to_float(qa[d]) * k[d];
         s[a] = rounded<scalar_t>(acc);
       }
       const int32_t j = int32_t(j0 + jj);
@@ -173,8 +155,8 @@ __global__ void __launch_bounds__(kGridThreads)
     const int64_t pos = addr[th * m + k], i = pos / c, j = pos % c;
     addr[th * m + k] = int64_t(ri[i]) * n + ci[j];
     for (int64_t a = 0; a < r; ++a) {
-      sel[((th * 2 + 0) * r + a) * m + k] = narrow<scalar_t>(sr[i * r + a]);
-      sel[((th * 2 + 1) * r + a) * m + k] = narrow<scalar_t>(sc[j * r + a]);
+      sel[((th * 2 + 0) * r + a) * m + k] = from_float<scalar_t>(sr[i * r + a]);
+      sel[((th * 2 + 1) * r + a) * m + k] = from_float<scalar_t>(sc[j * r + a]);
     }
   }
 }
