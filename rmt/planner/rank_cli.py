@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import List
+from typing import List, Tuple
 
 from rmt.machine_memory import machine_memory
 from rmt.outputs import write_json
@@ -102,15 +102,15 @@ def whole_rank_lines(config, doc: dict) -> List[str]:
     return lines
 
 
-def rank_gib(args: argparse.Namespace) -> float:
-    """The memory per rank a whole-rank plan is held against: ``--gpu-mem-gib``; without it an 80 GB
-    GPU, or on a CPU this machine's RAM and swap shared by the run's ranks (what ``rmt-train``'s
-    start-up check gives each rank of a run on this machine)."""
+def rank_gib(args: argparse.Namespace) -> Tuple[float, str]:
+    """The memory per rank a whole-rank plan is held against and where it comes from: ``--gpu-mem-gib``
+    ("flag"); without it an 80 GB GPU ("default"), or on a CPU this machine's RAM and swap shared by
+    the run's ranks ("machine": what ``rmt-train``'s start-up check gives each rank of a run here)."""
     if args.gpu_mem_gib is not None:
-        return args.gpu_mem_gib
+        return args.gpu_mem_gib, "flag"
     if args.device == "cpu":
-        return machine_memory() / args.world_size / rank.GIB
-    return memory.DEFAULT_GIB
+        return machine_memory() / args.world_size / rank.GIB, "machine"
+    return memory.DEFAULT_GIB, "default"
 
 
 def run_memory(args: argparse.Namespace, table_lines, check_host_flags) -> int:
@@ -128,9 +128,8 @@ def run_memory(args: argparse.Namespace, table_lines, check_host_flags) -> int:
         location.append(f"memory.host_cache_rows={args.cache_rows}")
     config = load_planned(args.config, list(args.overrides) + location, args.world_size)
     check_host_flags(args, config.memory.table_location if config.memory.type in rank.TABLE_TYPES else "device")
-    doc = rank.plan_rank(config, args.world_size, args.device, rank_gib(args), host_gib=args.host_gib)
-    if args.gpu_mem_gib is None and args.device == "cpu":
-        doc["gib_source"] = "machine"
+    gib, source = rank_gib(args)
+    doc = dict(rank.plan_rank(config, args.world_size, args.device, gib, host_gib=args.host_gib), gib_source=source)
     if config.memory.type in ("ultramem", "ultramem_v2", "pkm"):
         doc["tables"] = table_lines(args, config)
     tables = doc.pop("tables", {})
