@@ -84,7 +84,7 @@ def _ephemeral_ports():
         return 32768, 60999
 
 
-def _free_port():
+def free_port():
     """A free TCP port for launchers that must be told one (multi-node emulations, launch
     scripts): drawn outside the kernel's ephemeral range, so no process binding port 0 or
     opening a connection can take it before the launcher binds it (a port the kernel handed out
@@ -117,9 +117,12 @@ def _env():
 
 
 def run_python(args, nproc=1, timeout=600, check=True):
-    """``python ARGS`` (nproc == 1) or ``torchrun --nproc_per_node=nproc ARGS``."""
+    """``python ARGS`` (nproc == 1) or ``torchrun --nproc_per_node=nproc ARGS``; the tests' own
+    scripts (``tests/dist/``) on ranks forked from one process instead (``tests/dist/forkrun.py``)."""
     if nproc == 1:
         cmd = [sys.executable] + args
+    elif args[0].startswith("tests/dist/"):
+        cmd = [sys.executable, "tests/dist/forkrun.py", str(nproc)] + args
     else:
         # --standalone: torchrun's store binds a free port itself and the workers join that store
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] + args

@@ -1,6 +1,6 @@
 """tools/bench_optimizer.py runs end to end (--quick): torch's foreach and fused AdamW and
 DeepSpeed's CPU Adam step the same parameters to the same values, and the JSON has the figures
-the README quotes (DeepSpeed's op compiles on first use, about a minute, then is cached). A lock
+the README quotes (DeepSpeed's op is built by ``python -m rmt.ops.extensions`` in the setup). A lock
 file that a killed DeepSpeed build left behind (torch's FileBaton: every later build waited for it
 forever) is removed, and said so."""
 

@@ -18,7 +18,7 @@ from rmt.data.shards import write_indexed
 from rmt.data.tokenizers import ByteTokenizer, HFTokenizer, train_bpe
 from rmt.errors import ConfigError, UserError
 
-from conftest import _free_port, rmt_train, tiny_overrides
+from conftest import free_port, rmt_train, tiny_overrides
 
 # each corpus writes only its own letters, so a sample's tokens tell which corpus it came from
 LETTERS = {"web": "abcdefgh", "code": "ijklmnop", "books": "qrstuvwx"}
@@ -45,7 +45,7 @@ def process_group():
     """megatron-core's BlendedDataset asks torch.distributed for the rank: one gloo process."""
     created = not dist.is_initialized()
     if created:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
     if created:
         dist.destroy_process_group()

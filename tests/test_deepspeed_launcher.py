@@ -6,13 +6,13 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT, _env, _free_port, json_history, rmt_train, tiny_overrides
+from conftest import ROOT, _env, free_port, json_history, rmt_train, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
 
 def _launch(args, timeout=600, **env):
-    full = dict(_env(), MASTER_PORT=str(_free_port()), **env)
+    full = dict(_env(), MASTER_PORT=str(free_port()), **env)
     return subprocess.run(
         ["bash", "launch/deepspeed.sh"] + args, cwd=ROOT, env=full, capture_output=True, text=True, timeout=timeout
     )

@@ -62,6 +62,6 @@ def test_single_node_launcher_runs_two_processes(cache_dir, tmp_path):
 
 
 def _port():
-    from conftest import _free_port
+    from conftest import free_port
 
-    return _free_port()
+    return free_port()

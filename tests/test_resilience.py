@@ -17,7 +17,7 @@ import uuid
 import psutil
 import pytest
 
-from conftest import ROOT, _env, _free_port, tiny_overrides
+from conftest import ROOT, _env, free_port, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -210,7 +210,7 @@ def test_survivors_of_a_killed_rank_stop_with_one_line(cache_dir, tmp_path):
         SLURM_JOB_NODELIST="n1",
         SLURM_TASKS_PER_NODE="2",
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(free_port()),
     )
     cmd = (
         [sys.executable, "-m", "rmt.training.cli"] + _config(cache_dir, tmp_path, 2000) + ["parallel.timeout_minutes=5"]
@@ -323,7 +323,7 @@ def test_missing_node_is_named_when_the_join_timeout_expires(cache_dir):
         NNODES="2",
         NODE_RANK="0",
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(free_port()),
         NPROC="1",
         JOIN_TIMEOUT="3",
     )
@@ -334,7 +334,7 @@ def test_missing_node_is_named_when_the_join_timeout_expires(cache_dir):
 
 
 def test_two_nodes_on_one_machine_train_like_two_ranks(uninterrupted, cache_dir, tmp_path):
-    port = str(_free_port())
+    port = str(free_port())
     nodes = [
         _start(
             ["bash", "launch/torchrun_multi_node.sh"] + _config(cache_dir, tmp_path, 30),
@@ -362,7 +362,7 @@ def test_missing_rank_is_named_when_the_join_timeout_expires(cache_dir):
         SLURM_JOB_NODELIST="n[1-2]",
         SLURM_TASKS_PER_NODE="1(x2)",
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(free_port()),
     )
     code, _, err = _finish(
         _start(
@@ -391,7 +391,7 @@ def _sbatch(args, tmp_path, **env):
         SLURM_TASKS_PER_NODE="2",
         SLURM_CPUS_PER_TASK="1",
         FAKE_SLURM_LOG=str(tmp_path / "slurm.log"),
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(free_port()),
         PY=os.path.join(ROOT, ".venv", "bin", "python"),
     )
     slurm.update(env)

@@ -1,11 +1,7 @@
 """Tensor, pipeline and data parallel RMT == the single-process run (fp32, 1e-5): losses of two
 train steps through the trainer (megatron-core schedules, DDP, clipping, AdamW), and every
-gradient and weight afterwards. One torchrun launch with 2 gloo ranks runs all three layouts;
+gradient and weight afterwards. One launch of 2 gloo ranks runs all three layouts;
 the TP=2 run's checkpoint then loads into TP=1 with the reference's weights."""
-
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,12 +12,10 @@ from rmt.config_checks import validate
 from rmt.parallel.sharding import gather_full
 from rmt.training.trainer import Trainer
 
-from conftest import load_script
+from conftest import load_script, run_python
 
 pytestmark = pytest.mark.slow
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 rmt_parallel = load_script("tests/dist/rmt_parallel.py")
 
 
@@ -36,27 +30,7 @@ def test_tp_pp_dp_equal_single_process(tmp_path):
     ref["cache_dir"], ref["save_dir"] = cache, str(tmp_path / "ckpt_tp2")
     path = tmp_path / "reference.pt"
     torch.save(ref, path)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    proc = subprocess.run(  # --standalone: the workers rendezvous at the store torchrun binds
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            os.path.join(HERE, "dist", "rmt_parallel.py"),
-            str(path),
-            "tp",
-            "pp",
-            "dp",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    proc = run_python(["tests/dist/rmt_parallel.py", str(path), "tp", "pp", "dp"], nproc=2)
     assert "all layouts equal the single-process run" in proc.stdout
 
     overrides = rmt_parallel.tiny_overrides(cache) + [f"train.load={ref['save_dir']}"]

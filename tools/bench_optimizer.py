@@ -4,7 +4,8 @@ side by side on the parameters of one rmt model, same gradients, same hyperparam
 
 Each optimizer steps the same parameters from the same start; after the timed steps their
 parameters must agree (checked: the three compute the same AdamW update), so the table compares
-speed only. DeepSpeed's op is compiled on first use (about a minute, cached by torch).
+speed only. DeepSpeed's op is built with rmt's extensions (``launch/setup_env.sh``), else on its
+first use (minutes).
 
     python tools/bench_optimizer.py [--quick] [--config configs/transformer_49m.yaml] [--json FILE]
 """
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
@@ -44,17 +44,13 @@ def optimizers():
     kw = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
     def deepspeed(params):
-        # DeepSpeed guesses its accelerator on import and warns when it falls back to the CPU;
-        # rmt's device choice is made already (compat.device), so it is passed on.
+        from rmt.ops.extensions import load_deepspeed_op
         from rmt.parallel import compat
 
-        os.environ.setdefault("DS_ACCELERATOR", compat.device().type)
+        load_deepspeed_op("cpu_adam", compat.device().type)  # built by launch/setup_env.sh, else now
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        from rmt.ops.extensions import deepspeed_build_guard
-
-        with deepspeed_build_guard("cpu_adam"):
-            return DeepSpeedCPUAdam(params, adamw_mode=True, **kw)
+        return DeepSpeedCPUAdam(params, adamw_mode=True, **kw)
 
     return {
         "torch_foreach": lambda p: torch.optim.AdamW(p, foreach=True, **kw),

@@ -249,6 +249,26 @@ def deepspeed_build_guard(op_name: str):
         yield
 
 
+#: DeepSpeed ops the benchmarks compare with (``cpu_adam``: tools/bench_optimizer.py) -> their
+#: builder in ``deepspeed.ops.op_builder``. DeepSpeed builds an op on its first use (minutes on
+#: two cores); :func:`main` builds them beside rmt's own where DeepSpeed is installed.
+DEEPSPEED_OPS = {"cpu_adam": "CPUAdamBuilder"}
+
+
+def load_deepspeed_op(op_name: str, accelerator: str):
+    """DeepSpeed's op ``op_name`` (of :data:`DEEPSPEED_OPS`), built first where DeepSpeed's cache
+    has none, under :func:`deepspeed_build_guard`; ``accelerator`` (``cpu``, ``cuda``) is passed
+    to DeepSpeed, which otherwise guesses it on import and warns. None where DeepSpeed is not
+    installed."""
+    os.environ.setdefault("DS_ACCELERATOR", accelerator)
+    try:
+        from deepspeed.ops import op_builder
+    except ImportError:
+        return None
+    with deepspeed_build_guard(op_name):
+        return getattr(op_builder, DEEPSPEED_OPS[op_name])().load()
+
+
 def main(argv=None) -> int:
     """``python -m rmt.ops.extensions [NAME ...]``: build the named extensions, by default every
     one this machine can (the CUDA one where torch has CUDA and nvcc is present), each once per
@@ -260,11 +280,21 @@ def main(argv=None) -> int:
     from torch.utils import cpp_extension
 
     argv = sys.argv[1:] if argv is None else argv
+    accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     if argv:
-        return 0 if all(load_extension(n) is not None for n in argv) else 1
+        loaded = [
+            load_deepspeed_op(n.split(":", 1)[1], accelerator) if n.startswith("deepspeed:") else load_extension(n)
+            for n in argv
+        ]
+        return 0 if all(module is not None for module in loaded) else 1
     cuda = torch.cuda.is_available() and cpp_extension.CUDA_HOME is not None
     names = [n for n, s in EXTENSIONS.items() if cuda or not is_cuda(s)]
     missing = [n for n in names if not _built(build_dir(n))]
+    if importlib.util.find_spec("deepspeed") is not None:
+        from torch.utils.cpp_extension import LIB_EXT, _get_build_directory
+
+        built = {op for op in DEEPSPEED_OPS if (Path(_get_build_directory(op, False)) / f"{op}{LIB_EXT}").exists()}
+        missing += [f"deepspeed:{op}" for op in DEEPSPEED_OPS if op not in built]
     if not missing:
         _say(f"C++ extensions up to date in {cache_root()}")
         return 0
@@ -277,7 +307,7 @@ def main(argv=None) -> int:
         running.append((name, subprocess.Popen([sys.executable, "-m", "rmt.ops.extensions", name])))
     failed += [name for name, proc in running if proc.wait()]
     if failed:
-        _say(f"could not build {', '.join(failed)}: the plain-torch fallbacks will be used")
+        _say(f"could not build {', '.join(failed)}: rmt's kernels fall back to plain torch")
     return 0
 
 
