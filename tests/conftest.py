@@ -75,6 +75,33 @@ TINY_RMT = [
 ]
 
 
+def memory_spec(index=0, **keys):
+    """The ``MemorySpec`` of memory layer ``index`` of a validated one-process config, as the
+    trainer builds it: a 2-layer model, ``memory.type`` ultramem at placement ``1:2`` unless
+    ``keys`` say otherwise, ``train.seed`` 0. ``keys`` are config keys by name: ``model.*``'s,
+    ``seed`` (``train.seed``), and any other ``memory.*``'s (``type="pkm"``, ``key_dim=8``,
+    ``query_conv=False``, ...)."""
+    import dataclasses
+
+    from rmt.config import ModelConfig, load_config
+    from rmt.config_checks import validate
+    from rmt.memory.layer import MemorySpec
+
+    keys = {"type": "ultramem", "seed": 0, **keys}
+    if keys["type"] != "ultramem_v2":
+        keys.setdefault("placement", "1:2")
+    model = {f.name for f in dataclasses.fields(ModelConfig)}
+    overrides = []
+    for key, value in keys.items():
+        section = "train" if key == "seed" else "model" if key in model else "memory"
+        if isinstance(value, bool):
+            value = str(value).lower()
+        elif isinstance(value, str):
+            value = f"'{value}'"  # quoted: YAML reads an unquoted 1:2 as a number
+        overrides.append(f"{section}.{key}={'null' if value is None else value}")
+    return MemorySpec.from_config(validate(load_config(None, overrides), world_size=1), index)
+
+
 def _ephemeral_ports():
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:

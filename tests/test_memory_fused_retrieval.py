@@ -12,30 +12,22 @@ import rmt.memory.layer as layer_module
 from rmt.config import load_config
 from rmt.config_checks import validate
 from rmt.errors import ConfigError
-from rmt.memory.layer import MemoryLayer, MemorySpec
+from rmt.memory.layer import MemoryLayer
 from rmt.memory.layer_v2 import UltraMemV2Layer
 
-from conftest import TINY_ULTRAMEM, TINY_ULTRAMEM_V2, fast_cases, tiny_overrides, train_runs
+from conftest import TINY_ULTRAMEM, TINY_ULTRAMEM_V2, fast_cases, memory_spec, tiny_overrides, train_runs
 
-BASE = dict(hidden_size=24, num_layers=2, num_heads=2, topk=5, side_dim=8, num_keys=6, init_samples=2)
+BASE = dict(hidden_size=24, num_heads=2, topk=5, key_dim=8, num_keys=6, init_samples=2)
 LAYERS = {
-    "ultramem": dict(retrieval="tucker", tucker_rank=2, num_cores=2, ive_blocks=4),
+    "ultramem": dict(retrieval="tucker", tucker_rank=2, num_cores=2, ive_blocks=4, share_query=False),
     "ultramem_shared_query": dict(retrieval="tucker", tucker_rank=2, num_cores=2, ive_blocks=4, share_query=True),
     "ultramem_rank3_no_norm": dict(
-        retrieval="tucker", tucker_rank=3, side_dim=9, num_cores=1, ive_blocks=1, query_key_norm=False
+        retrieval="tucker", tucker_rank=3, key_dim=9, num_cores=1, ive_blocks=1, query_key_norm=False
     ),
-    "ultramem_product": dict(retrieval="product", tucker_rank=1, num_cores=1, ive_blocks=4),
-    # PKM as published (query bias and BatchNorm), its spec from the config as the trainer builds it
-    "pkm_published": [
-        "memory.type=pkm",
-        "memory.key_dim=8",
-        "memory.num_keys=6",
-        "memory.topk=5",
-        "memory.query_batchnorm=true",
-        "memory.query_bias=true",
-    ],
+    "ultramem_product": dict(retrieval="product", num_cores=1, ive_blocks=4),
+    "pkm_published": dict(type="pkm", query_batchnorm=True, query_bias=True),  # query bias and BatchNorm
     "ultramem_v2": dict(
-        version=2, retrieval="tucker", tucker_rank=2, num_cores=2, ive_blocks=4, value_dim=8, pre_value_dim=4
+        type="ultramem_v2", retrieval="tucker", tucker_rank=2, num_cores=2, ive_blocks=4, value_dim=8, pre_value_dim=4
     ),
 }
 
@@ -45,12 +37,7 @@ def _layers(name, dtype):
     built = []
     for kernel in ("fused", "unfused"):
         torch.manual_seed(0)
-        if isinstance(LAYERS[name], list):
-            config = load_config(None, ["model.hidden_size=24", "memory.placement='1:2'"] + LAYERS[name])
-            spec = MemorySpec.from_config(config)
-            spec.retrieval_kernel = kernel
-        else:
-            spec = MemorySpec(**{**BASE, **LAYERS[name], "retrieval_kernel": kernel})
+        spec = memory_spec(**{**BASE, **LAYERS[name]}, retrieval_kernel=kernel)
         layer = (UltraMemV2Layer if spec.version == 2 else MemoryLayer)(spec).to(dtype)
         with torch.no_grad():
             for p in layer.parameters():

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from rmt.memory.batchnorm import QueryBatchNorm, sync_running_stats
-from rmt.memory.layer import MemoryLayer, MemorySpec
+from rmt.memory.layer import MemoryLayer
 
-from conftest import tiny_overrides, train_cases
+from conftest import memory_spec, tiny_overrides, train_cases
 
 warnings.filterwarnings("ignore")
 
@@ -21,26 +21,14 @@ PKM = ["memory.type=pkm", "memory.key_dim=8", "memory.num_keys=4", "memory.topk=
 PUBLISHED = ["memory.query_batchnorm=true", "memory.query_bias=true"]
 
 
-def pkm_layer(hidden=16, heads=2, keys=6, topk=3, key_dim=8):
-    spec = MemorySpec(
-        hidden_size=hidden,
-        num_layers=2,
-        num_heads=heads,
-        topk=topk,
-        side_dim=key_dim // 2,
-        num_keys=keys,
-        retrieval="product",
-        tucker_rank=1,
-        num_cores=1,
-        ive_blocks=1,
-        ive_shuffle=False,
-        softmax=True,
-        value_dim=hidden,
-        share_query=False,
-        query_key_norm=False,
-        conv_kernel=0,
-        improved_init=False,
-        aux_loss_weight=0.0,
+def pkm_layer():
+    spec = memory_spec(
+        type="pkm",
+        hidden_size=16,
+        num_heads=2,
+        topk=3,
+        key_dim=8,
+        num_keys=6,
         query_batchnorm=True,
         query_bias=True,
         seed=5,

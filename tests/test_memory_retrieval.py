@@ -4,8 +4,10 @@ autograd (cached weight terms) equals the layer with autograd, also after its we
 
 import torch
 
-from rmt.memory.layer import MemoryLayer, MemorySpec
+from rmt.memory.layer import MemoryLayer
 from rmt.memory.retrieval import leading_singular_vectors, singular_values, tucker_topk
+
+from conftest import memory_spec
 
 
 def test_tucker_topk_exact_for_rank1_core_on_large_grid():
@@ -81,12 +83,11 @@ def test_rank2_singular_values_and_their_gradient_are_the_svds():
 
 
 def test_layer_without_autograd_equals_training_path_and_follows_weight_changes():
-    spec = MemorySpec(
+    spec = memory_spec(
         hidden_size=32,
-        num_layers=2,
         num_heads=2,
         topk=4,
-        side_dim=8,
+        key_dim=8,
         num_keys=8,
         tucker_rank=2,
         num_cores=2,

@@ -25,6 +25,8 @@ from rmt.planner.memory import (
     staged_rows,
 )
 
+from conftest import memory_spec
+
 SMALL = dict(slots=64, dim=8, group_size=4, tokens=10, heads=2, topk=3, key_dim=4, tucker_rank=2, ive_blocks=4)
 HOST = dict(SMALL, location="host", value_optimizer="sparse_adam")
 
@@ -316,13 +318,11 @@ def test_the_layout_search_fits_the_host_budget_and_times_the_exposed_transfers(
 def test_an_ultramem_v2_layer_stages_its_rows_through_both_tables():
     """The value and pre-value tables of an UltraMemV2 layer in host memory each send the
     layer's distinct slots' indices and rows: the plan's ``index_tables = 2`` and ``D = Dv + Dp``."""
-    from rmt.memory.layer import MemorySpec
     from rmt.memory.layer_v2 import UltraMemV2Layer
 
-    spec = MemorySpec(
-        version=2, hidden_size=12, num_layers=2, num_heads=2, topk=3, side_dim=5, num_keys=4,
-        retrieval="tucker", tucker_rank=2, num_cores=2, ive_blocks=1, value_dim=8, share_query=False,
-        conv_kernel=0, improved_init=False, pre_value_dim=6, sparse_grad=True,
+    spec = memory_spec(
+        type="ultramem_v2", hidden_size=12, num_heads=2, topk=3, key_dim=5, num_keys=4, retrieval="tucker",
+        tucker_rank=2, num_cores=2, ive_blocks=1, value_dim=8, pre_value_dim=6, value_optimizer="sparse_adam",
     )  # fmt: skip
     torch.manual_seed(3)
     tables = dict(location="host", device="cpu")

@@ -9,14 +9,15 @@ import torch
 from rmt.memory.layer import MemoryLayer, MemorySpec
 from rmt.memory.retrieval import expected_topm_mean, product_topk, tucker_aux_loss, tucker_topk
 
+from conftest import memory_spec
+
 
 def _spec(**kw):
     base = dict(
         hidden_size=16,
-        num_layers=2,
         num_heads=2,
         topk=4,
-        side_dim=8,
+        key_dim=8,
         num_keys=6,
         retrieval="tucker",
         tucker_rank=2,
@@ -25,7 +26,7 @@ def _spec(**kw):
         init_samples=2,
     )
     base.update(kw)
-    return MemorySpec(**base)
+    return memory_spec(**base)
 
 
 def _layer(seed=0, **kw):
@@ -102,22 +103,10 @@ def _naive_output(layer, h, softmax=False):
         dict(),  # TDQKR + MCS + IVE (shuffled)
         dict(ive_shuffle=False),
         dict(num_cores=1, ive_blocks=1),  # half value dim + output projection
-        dict(
-            retrieval="product",
-            tucker_rank=1,
-            num_cores=1,
-            softmax=True,
-            value_dim=16,
-            ive_blocks=1,
-            share_query=False,
-            query_key_norm=False,
-            conv_kernel=0,
-            improved_init=False,
-        ),  # PKM
+        dict(type="pkm", key_dim=16),  # PKM: product keys of width 8 per side, softmax, value dim 16
     ],
 )
 def test_layer_equals_expanded_split_tables(kw):
-    kw.setdefault("value_dim", 8)
     layer = _layer(**kw)
     x = torch.randn(5, 2, 16, dtype=torch.float64)
     out = layer(x)
@@ -126,18 +115,7 @@ def test_layer_equals_expanded_split_tables(kw):
 
 
 def test_pkm_against_full_dense_scores_with_softmax():
-    layer = _layer(
-        retrieval="product",
-        tucker_rank=1,
-        num_cores=1,
-        softmax=True,
-        value_dim=16,
-        ive_blocks=1,
-        share_query=False,
-        query_key_norm=False,
-        conv_kernel=0,
-        improved_init=False,
-    )
+    layer = _layer(type="pkm", key_dim=16)
     assert not layer.has_proj
     x = torch.randn(3, 1, 16, dtype=torch.float64)
     h = layer.norm(x).reshape(3, 16)

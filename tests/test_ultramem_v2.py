@@ -18,9 +18,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rmt.memory.layer import MemorySpec
 from rmt.memory.layer_v2 import UltraMemV2Layer
 from rmt.memory.retrieval import rank1_selector
+
+from conftest import memory_spec
 
 
 def _rms(x, weight, eps):
@@ -78,22 +79,18 @@ def authors_forward(hidden, w, knn, value_num, all_value_num, offset, use_glu_ac
 def _layer(dtype, pre_value_dim=6, ive_blocks=4, num_cores=2, topk=None, activation="none", seed=0):
     num_keys = 3
     n = num_keys * math.isqrt(ive_blocks)
-    spec = MemorySpec(
-        version=2,
+    spec = memory_spec(
+        type="ultramem_v2",
         hidden_size=12,
-        num_layers=2,
         num_heads=1,
         topk=topk or n,
-        side_dim=5,
+        key_dim=5,
         num_keys=num_keys,
         retrieval="tucker",
         tucker_rank=2,
         num_cores=num_cores,
         ive_blocks=ive_blocks,
         value_dim=8,
-        share_query=False,
-        conv_kernel=0,
-        improved_init=False,
         pre_value_dim=pre_value_dim,
         pre_value_activation=activation,
         seed=seed,
@@ -233,13 +230,12 @@ def test_selection_is_at_least_the_authors():
 
 
 def test_initialization_follows_the_authors():
-    spec = MemorySpec(
-        version=2,
+    spec = memory_spec(
+        type="ultramem_v2",
         hidden_size=64,
-        num_layers=2,
         num_heads=1,
         topk=4,
-        side_dim=16,
+        key_dim=16,
         num_keys=8,
         tucker_rank=2,
         num_cores=2,

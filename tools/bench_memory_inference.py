@@ -115,43 +115,36 @@ class DecodeModel(torch.nn.Module):
         return x
 
 
-def _ultramem(d, layers, num_keys, topk, seed):
-    spec = MemorySpec(
-        hidden_size=d,
-        num_layers=layers,
-        num_heads=2,
-        topk=topk,
-        side_dim=d // 4,
-        num_keys=num_keys,
-        tucker_rank=2,
-        num_cores=2,
-        ive_blocks=4,
-        init_samples=1,
-        seed=seed,
-    )
-    return MemoryLayer(spec).eval()
+def _config(d, heads, layers, memory, seed=None):
+    """A validated one-process config of the decode model's width, attention heads and layers
+    with ``memory``, its ``memory.*`` overrides, and ``train.seed`` ``seed`` where given (memory
+    layer k's seed is ``seed * 1000 + k``)."""
+    from rmt.config import load_config
+    from rmt.config_checks import validate
+
+    model = [f"model.hidden_size={d}", f"model.num_attention_heads={heads}", f"model.num_layers={layers}"]
+    train = [] if seed is None else [f"train.seed={seed}"]
+    overrides = model + ["model.vocab_size=256"] + train + [f"memory.{o}" for o in memory]
+    return validate(load_config(None, overrides), world_size=1)
 
 
-def _ultramem_v2(d, layers, num_keys, topk, seed):
-    spec = MemorySpec(
-        version=2,
-        hidden_size=d,
-        num_layers=layers,
-        num_heads=1,
-        topk=topk,
-        side_dim=d // 4,
-        num_keys=num_keys,
-        tucker_rank=2,
-        num_cores=2,
-        ive_blocks=1,
-        value_dim=d // 4,
-        pre_value_dim=d // 4,
-        share_query=False,
-        conv_kernel=0,
-        improved_init=False,
-        seed=seed,
-    )
-    return UltraMemV2Layer(spec).eval()
+def _ultramem(d, heads, layers, placement, num_keys, topk, seed):
+    """UltraMem layers at ``placement`` with every §3.2 improvement on: 2 heads, key dim d/4,
+    TDQKR rank 2, 2 cores, IVE E = 4."""
+    where = "/".join(f"{i}:{j}" for i, j in placement)
+    memory = ["type=ultramem", f"placement='{where}'", "num_heads=2", f"topk={topk}", f"key_dim={d // 4}"]
+    memory += [f"num_keys={num_keys}", "tucker_rank=2", "num_cores=2", "ive_blocks=4", "init_samples=1"]
+    config = _config(d, heads, layers, memory, seed)
+    return [MemoryLayer(MemorySpec.from_config(config, k)).eval() for k in range(len(placement))]
+
+
+def _ultramem_v2(d, heads, layers, num_keys, topk, seed):
+    """An UltraMemV2 layer beside every FFN: one head, key, value and pre-value dims d/4, TDQKR
+    rank 2, 2 cores, no key expansion."""
+    memory = ["type=ultramem_v2", "num_heads=1", f"topk={topk}", f"key_dim={d // 4}", f"num_keys={num_keys}"]
+    memory += ["tucker_rank=2", "num_cores=2", "ive_blocks=1", f"value_dim={d // 4}", f"pre_value_dim={d // 4}"]
+    config = _config(d, heads, layers, memory, seed)
+    return [UltraMemV2Layer(MemorySpec.from_config(config, k)).eval() for k in range(layers)]
 
 
 def ultramem_macs(spec: MemorySpec) -> int:
@@ -176,27 +169,10 @@ def megatron_moe(d, heads, layers, experts, inner):
     from megatron.core import parallel_state
 
     from rmt import parallel
-    from rmt.config import load_config
-    from rmt.config_checks import validate
     from rmt.models.megatron_config import transformer_config
 
-    cfg = validate(
-        load_config(
-            None,
-            [
-                f"model.hidden_size={d}",
-                f"model.num_attention_heads={heads}",
-                f"model.num_layers={layers}",
-                "model.vocab_size=256",
-                "memory.type=moe",
-                "memory.placement='1:1'",
-                f"memory.num_experts={experts}",
-                "memory.moe_topk=2",
-                f"memory.expert_hidden_size={inner}",
-            ],
-        ),
-        world_size=1,
-    )
+    memory = ["type=moe", "placement='1:1'", f"num_experts={experts}", "moe_topk=2", f"expert_hidden_size={inner}"]
+    cfg = _config(d, heads, layers, memory)
     if not parallel_state.model_parallel_is_initialized():
         parallel.initialize(cfg)
     return SkipMoE(cfg, transformer_config(cfg)).eval()
@@ -217,7 +193,7 @@ def build_models(d, heads, layers, expansion, topk, seed=0):
             heads,
             layers,
             lambda: DenseFFN(d, inner),
-            [_ultramem(d, layers, keys, topk, seed + k) for k in range(len(placement))],
+            _ultramem(d, heads, layers, placement, keys, topk, seed),
             placement,
         )
         m.load_state_dict(dense.state_dict(), strict=False)
@@ -240,7 +216,7 @@ def build_models(d, heads, layers, expansion, topk, seed=0):
         heads,
         layers,
         lambda: DenseFFN(d, inner),
-        [_ultramem_v2(d, layers, v2_keys, 2 * topk, seed + k) for k in range(layers)],
+        _ultramem_v2(d, heads, layers, v2_keys, 2 * topk, seed),
         beside_ffn=True,
     )
     v2.load_state_dict(dense.state_dict(), strict=False)

@@ -27,8 +27,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from rmt.config import MemoryConfig as _MEM
-from rmt.config import ModelConfig
 from rmt.memory.batchnorm import QueryBatchNorm
 from rmt.memory.ive import AddressShuffle
 from rmt.memory.retrieval import (
@@ -46,65 +44,68 @@ from rmt.ops.counter_normal import stream_key
 from rmt.ops.fused_retrieval import choose_backend, fused_retrieval
 
 
-@dataclass
+@dataclass(frozen=True)
 class MemorySpec:
-    """Resolved shape and switches of one memory layer (defaults: ``MemoryConfig``'s)."""
+    """The resolved record of one memory layer: its shape and switches, built only by
+    :meth:`from_config` from a config (which holds the defaults and their validation,
+    :class:`~rmt.config.MemoryConfig` and :mod:`rmt.memory.config_checks`)."""
 
     hidden_size: int
     num_layers: int
-    num_heads: int = _MEM.num_heads
-    topk: int = _MEM.topk
-    side_dim: int = _MEM.key_dim
-    num_keys: int = _MEM.num_keys
-    retrieval: str = _MEM.retrieval
-    retrieval_kernel: str = _MEM.retrieval_kernel  # fused | unfused | auto (memory.retrieval_kernel)
-    tucker_rank: int = _MEM.tucker_rank
-    num_cores: int = _MEM.num_cores
-    ive_blocks: int = _MEM.ive_blocks
-    ive_shuffle: bool = _MEM.ive_shuffle
-    softmax: bool = _MEM.softmax
-    value_dim: int = 0  # 0: hidden_size // 2 (§3.2 item 6)
-    share_query: bool = _MEM.share_query
-    query_key_norm: bool = _MEM.query_key_norm
-    query_batchnorm: bool = _MEM.query_batchnorm
-    query_bias: bool = _MEM.query_bias
-    conv_kernel: int = _MEM.conv_kernel
-    improved_init: bool = _MEM.improved_init
-    init_samples: int = _MEM.init_samples
-    value_init_std: Optional[float] = _MEM.value_init_std
-    aux_loss_weight: float = _MEM.aux_loss_weight
-    aux_loss_margin: float = _MEM.aux_loss_margin
-    init_std: float = ModelConfig.init_std
-    sparse_grad: bool = False  # value table gradients as touched rows (sparse optimizers)
-    value_dtype: torch.dtype = torch.float32  # storage dtype of the value table (memory.value_dtype)
-    host_cache_rows: int = 0  # rows of a host table's shard cached on the device (memory.host_cache_rows)
-    host_cache_refresh: int = _MEM.host_cache_refresh  # steps between the cache's refreshes
-    seed: int = 0
-    version: int = 1  # 2: UltraMemV2 (:mod:`rmt.memory.layer_v2`)
-    pre_value_dim: int = 0  # UltraMemV2: width of the PEER-style pre-values (0: none)
-    pre_value_activation: str = "none"  # UltraMemV2: applied to the pre-value scores
-    norm_eps: float = 1e-5  # UltraMemV2: epsilon of the query and key RMSNorms
-
-    def __post_init__(self):
-        if not self.value_dim:
-            self.value_dim = self.hidden_size // 2
+    num_heads: int
+    topk: int
+    side_dim: int
+    num_keys: int
+    retrieval: str
+    retrieval_kernel: str  # fused | unfused | auto (memory.retrieval_kernel)
+    tucker_rank: int
+    num_cores: int
+    ive_blocks: int
+    ive_shuffle: bool
+    softmax: bool
+    value_dim: int
+    share_query: bool
+    query_key_norm: bool
+    query_batchnorm: bool
+    query_bias: bool
+    conv_kernel: int  # 0: no query convolution
+    improved_init: bool
+    init_samples: int
+    value_init_std: Optional[float]
+    aux_loss_weight: float
+    aux_loss_margin: float
+    init_std: float
+    sparse_grad: bool  # value table gradients as touched rows (sparse optimizers)
+    value_dtype: torch.dtype  # storage dtype of the value table
+    host_cache_rows: int  # rows of a host table's shard cached on the device
+    host_cache_refresh: int  # steps between the cache's refreshes
+    seed: int
+    version: int  # 2: UltraMemV2 (:mod:`rmt.memory.layer_v2`)
+    pre_value_dim: int  # UltraMemV2: width of the PEER-style pre-values (0: none)
+    pre_value_activation: str  # UltraMemV2: applied to the pre-value scores
+    norm_eps: float  # UltraMemV2: epsilon of the query and key RMSNorms
 
     @classmethod
     def from_config(cls, config, index: int = 0) -> MemorySpec:
-        """``memory.type`` ultramem (every switch from ``memory.*``), ultramem_v2 (version 2,
+        """Memory layer ``index`` of ``config`` (its seed ``train.seed * 1000 + index``):
+        ``memory.type`` ultramem (every switch from ``memory.*``), ultramem_v2 (version 2,
         :mod:`rmt.memory.layer_v2`: its value and pre-value widths, no softmax, conv or Table 2
         switches) or pkm (Lample et al.: product keys split in row/column halves, softmax, value
         dim = hidden, no norm/conv/IVE).
-        The hidden width is :func:`~rmt.memory.shapes.memory_width` (``dk * dv`` for the RMT)."""
+        The hidden width is :func:`~rmt.memory.shapes.memory_width` (``dk * dv`` for the RMT);
+        the value width :func:`~rmt.memory.shapes.value_dim`."""
         mem, m = config.memory, config.model
-        width = memory_width(config)
         common = dict(
-            hidden_size=width,
+            hidden_size=memory_width(config),
             num_layers=m.num_layers,
             num_heads=mem.num_heads,
             topk=mem.topk,
             num_keys=mem.num_keys,
+            value_dim=config_value_dim(config),
             init_std=m.init_std,
+            norm_eps=m.layernorm_epsilon,
+            init_samples=mem.init_samples,
+            aux_loss_margin=mem.aux_loss_margin,
             sparse_grad=mem.value_optimizer != "adamw",
             seed=config.train.seed * 1000 + index,
             query_batchnorm=mem.query_batchnorm,
@@ -115,28 +116,30 @@ class MemorySpec:
             host_cache_rows=mem.host_cache_rows,
             host_cache_refresh=mem.host_cache_refresh,
         )
+        product = mem.retrieval == "product"
+        key_grid = dict(  # UltraMem's and UltraMemV2's retrieval (TDQKR or product keys) and IVE
+            side_dim=mem.key_dim,
+            retrieval=mem.retrieval,
+            tucker_rank=1 if product else mem.tucker_rank,
+            num_cores=mem.num_cores,
+            ive_blocks=mem.ive_blocks,
+            ive_shuffle=mem.ive_shuffle,
+            aux_loss_weight=0.0 if product else mem.aux_loss_weight,
+        )
         if mem.type == "ultramem_v2":
             return cls(
                 version=2,
-                side_dim=mem.key_dim,
-                retrieval=mem.retrieval,
-                tucker_rank=1 if mem.retrieval == "product" else mem.tucker_rank,
-                num_cores=mem.num_cores,
-                ive_blocks=mem.ive_blocks,
-                ive_shuffle=mem.ive_shuffle,
                 softmax=False,
-                value_dim=config_value_dim(config),
                 share_query=False,
                 query_key_norm=True,
                 conv_kernel=0,
                 improved_init=False,
-                aux_loss_weight=0.0 if mem.retrieval == "product" else mem.aux_loss_weight,
-                aux_loss_margin=mem.aux_loss_margin,
                 pre_value_dim=mem.pre_value_dim,
                 pre_value_activation=mem.pre_value_activation,
-                norm_eps=m.layernorm_epsilon,
+                **key_grid,
                 **common,
             )
+        v1 = dict(version=1, pre_value_dim=0, pre_value_activation="none")
         if mem.type == "pkm":
             return cls(
                 side_dim=mem.key_dim // 2,
@@ -146,31 +149,22 @@ class MemorySpec:
                 ive_blocks=1,
                 ive_shuffle=False,
                 softmax=True,
-                value_dim=width,
                 share_query=False,
                 query_key_norm=False,
                 conv_kernel=0,
                 improved_init=False,
                 aux_loss_weight=0.0,
+                **v1,
                 **common,
             )
-        product = mem.retrieval == "product"
         return cls(
-            side_dim=mem.key_dim,
-            retrieval=mem.retrieval,
-            tucker_rank=1 if product else mem.tucker_rank,
-            num_cores=mem.num_cores,
-            ive_blocks=mem.ive_blocks,
-            ive_shuffle=mem.ive_shuffle,
             softmax=mem.softmax,
-            value_dim=width // 2 if mem.half_value_dim else width,
             share_query=mem.share_query,
             query_key_norm=mem.query_key_norm,
             conv_kernel=mem.conv_kernel if mem.query_conv else 0,
             improved_init=mem.improved_init,
-            init_samples=mem.init_samples,
-            aux_loss_weight=0.0 if product else mem.aux_loss_weight,
-            aux_loss_margin=mem.aux_loss_margin,
+            **key_grid,
+            **v1,
             **common,
         )
 
