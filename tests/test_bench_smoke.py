@@ -65,6 +65,17 @@ def test_bench_memory_inference_smoke(tmp_path):
         assert row["ultramem_v2_bytes"] > row["dense_bytes"]
 
 
+def test_bench_memory_inference_refuses_a_bad_memory_setting(capsys, tmp_path):
+    """A memory setting rmt-train would refuse is one sentence and exit status 2, nothing written."""
+    from tools.bench_memory_inference import main
+
+    out = tmp_path / "bench.json"
+    assert main(["--hidden", "64", "--heads", "2", "--layers", "2", "--topk", "0", "--json", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("bench_memory_inference: ") and "memory.topk" in err
+    assert not out.exists()
+
+
 @pytest.mark.slow
 def test_bench_memory_parallel_smoke(tmp_path):
     out = tmp_path / "bench.json"

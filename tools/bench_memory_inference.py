@@ -41,6 +41,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import time
 
 import rmt
@@ -330,7 +331,13 @@ def main(argv=None):
     kv = args.kv_len or (64 if args.quick else 256)
     reps = args.reps or (8 if args.quick else 20)
     batches = [int(b) for b in (args.batches or ("1,16,64,256" if args.quick else "1,4,16,64,256,512")).split(",")]
-    models, shapes = build_models(d, heads, args.layers, args.expansion, args.topk)
+    from rmt.errors import ConfigError
+
+    try:
+        models, shapes = build_models(d, heads, args.layers, args.expansion, args.topk)
+    except ConfigError as err:  # the memory layers' settings, checked as rmt-train checks them
+        print(f"bench_memory_inference: {err}", file=sys.stderr)
+        return 2
     rows = []
     print(f"{'batch':>6} " + " ".join(f"{n + ' ms':>15} {n + ' MB':>15}" for n in models))
     for b in batches:
