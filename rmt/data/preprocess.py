@@ -86,8 +86,8 @@ def preprocess(
             chunk_bytes = max(1, int(chunk_mib * (1 << 20)))
         chunks = plan_chunks(sources, chunk_bytes)
         _start_afresh(work, dict(identity, chunks=[[c.source, c.start, c.stop, c.size] for c in chunks]))
-    shard = lambda k: os.path.join(work, f"{k:06d}")  # noqa: E731
-    done = {k for k in range(len(chunks)) if all(os.path.isfile(shard(k) + e) for e in (".bin", ".idx", ".json"))}
+    shard = lambda k: _shard(work, k)  # noqa: E731
+    done = _complete_shards(work, len(chunks))
     if done:
         print(
             f"rmt-preprocess: resuming the run in '{work}': {len(done)} of {len(chunks)} chunks are done",
@@ -189,6 +189,16 @@ def _resumable_chunks(work: str, identity: dict) -> Optional[List[Chunk]]:
     return [Chunk(*c) for c in chunks]
 
 
+def _shard(work: str, k: int) -> str:
+    return os.path.join(work, f"{k:06d}")
+
+
+def _complete_shards(work: str, count: int) -> set:
+    """The chunks of ``work``'s ``count`` whose shards are complete there: what a resumed run
+    reuses (a shard's files are renamed into place once written)."""
+    return {k for k in range(count) if all(os.path.isfile(_shard(work, k) + e) for e in (".bin", ".idx", ".json"))}
+
+
 def _start_afresh(work: str, plan: dict) -> None:
     """A new ``work`` directory holding ``plan``. A shard's files are renamed into place once
     complete, so a shard present there is done."""
@@ -273,10 +283,12 @@ def _run(todo, sources, chunks, done, tokenizer_spec, text_key, workers, progres
     start, finished = time.perf_counter(), 0
 
     def left() -> str:
-        count = len(chunks) - len(done) - finished
+        # the shards on disk, not the chunks reported here: a worker may have finished one whose
+        # report had not arrived when the run was stopped
+        kept = len(_complete_shards(work, len(chunks)))
         return (
-            f"{len(chunks) - count} of {len(chunks)} chunks are done and kept in '{work}'; the same "
-            f"command resumes with the other {count}"
+            f"{kept} of {len(chunks)} chunks are done and kept in '{work}'; the same "
+            f"command resumes with the other {len(chunks) - kept}"
         )
 
     try:
