@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from rmt.memory.layer_v2 import UltraMemV2Layer
 from rmt.memory.retrieval import rank1_selector
+from rmt.models.init import std_of
 
 from conftest import memory_spec
 
@@ -245,13 +246,17 @@ def test_initialization_follows_the_authors():
         seed=5,
     )
     layer = UltraMemV2Layer(spec)
-    assert layer.query.weight.memory_init_std == pytest.approx(16**-0.5)
-    assert layer.keys.memory_init_std == pytest.approx(16**-0.5)
-    assert layer.proj.weight.memory_init_std == pytest.approx(32**-0.5)
-    assert layer.pre_proj.weight.memory_init_std == pytest.approx(64**-0.5)
+
+    def std(param):  # the std the layer gives the parameter (None: its values as built are kept)
+        return std_of(param, "", lambda key, p: pytest.fail("the layer gave the parameter no std of its own"))
+
+    assert std(layer.query.weight) == pytest.approx(16**-0.5)
+    assert std(layer.keys) == pytest.approx(16**-0.5)
+    assert std(layer.proj.weight) == pytest.approx(32**-0.5)
+    assert std(layer.pre_proj.weight) == pytest.approx(64**-0.5)
     assert torch.equal(layer.query_norm.weight, torch.full((16,), 16**-0.4))
     assert torch.equal(layer.key_norm.weight, torch.full((16,), 16**-0.4))
-    assert layer.cores.memory_init_std is None and 0 <= layer.cores.min() and layer.cores.max() <= 1
+    assert std(layer.cores) is None and 0 <= layer.cores.min() and layer.cores.max() <= 1
     assert torch.equal(layer.cores, UltraMemV2Layer(spec).cores)  # drawn from the layer's seed
     for table in (layer.values.weight, layer.pre_values.weight):
         assert table.shape[0] == 64 and abs(table.std().item() - 0.02) < 0.002

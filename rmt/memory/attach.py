@@ -459,8 +459,8 @@ def attach_memory(chunks: List[torch.nn.Module], config, std_rule: Callable[[str
     """Add the ``config.memory`` layers of this pipeline stage to every chunk (as
     ``chunk.memory``, :class:`MemoryModules`, so they are in the chunk's parameters and
     ``sharded_state_dict``) and return the init rule that
-    gives memory parameters their own std (``memory_init_std``; None keeps the module's init, as
-    for value tables, which draw their own shard at construction). An MoE replacing MLPs
+    leaves value tables, which draw their own shard at construction, as they are (the memory
+    layers' other parameters carry their own std, :func:`rmt.models.init.set_init_std`). An MoE replacing MLPs
     (``memory.moe_placement: mlp``) is the architecture's own: nothing to attach."""
     mem, t = config.memory, config.train
     dp = parallel_state.get_data_parallel_world_size()
@@ -506,8 +506,6 @@ def attach_memory(chunks: List[torch.nn.Module], config, std_rule: Callable[[str
     def rule(key: str, param: torch.Tensor) -> Optional[float]:
         if is_table(param):
             return None  # a value table draws its own shard (MemoryTable)
-        if hasattr(param, "memory_init_std"):
-            return param.memory_init_std
         return std_rule(key, param)
 
     return rule

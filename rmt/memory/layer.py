@@ -40,6 +40,7 @@ from rmt.memory.retrieval import (
 from rmt.memory.shapes import memory_width
 from rmt.memory.shapes import value_dim as config_value_dim
 from rmt.memory.table import MemoryTable
+from rmt.models.init import set_init_std
 from rmt.ops.counter_normal import stream_key
 from rmt.ops.fused_retrieval import choose_backend, fused_retrieval
 
@@ -225,11 +226,6 @@ class MemorySpec:
         )
 
 
-def _tag(param: torch.nn.Parameter, std: Optional[float]) -> torch.nn.Parameter:
-    param.memory_init_std = std
-    return param
-
-
 class MemoryLayer(torch.nn.Module):
     """One UltraMem / PKM layer; see the module docstring. ``aux_loss`` holds Eq. 12 of the
     last forward; slot-usage statistics accumulate in training mode (:meth:`pop_stats`).
@@ -247,10 +243,10 @@ class MemoryLayer(torch.nn.Module):
             # Causal depthwise conv (§3.2 item 4), initialised to the identity (current token).
             w = torch.zeros(s.hidden_size, 1, s.conv_kernel)
             w[..., -1] = 1.0
-            self.conv = _tag(torch.nn.Parameter(w), None)
+            self.conv = set_init_std(torch.nn.Parameter(w), None)
         sides = 1 if s.share_query else 2
         self.query = torch.nn.Linear(s.hidden_size, H * sides * s.side_dim, bias=s.query_bias)
-        _tag(self.query.weight, s.init_std)
+        set_init_std(self.query.weight, s.init_std)
         if s.query_bias:
             torch.nn.init.zeros_(self.query.bias)
             # BatchNorm subtracts the mean the bias adds (in training, and in evaluation through
@@ -258,7 +254,7 @@ class MemoryLayer(torch.nn.Module):
             self.query.bias.requires_grad_(not s.query_batchnorm)
         self.query_bn = QueryBatchNorm(H * sides * s.side_dim) if s.query_batchnorm else None
         key_std = 1.0 / math.sqrt(self.sub_dim)
-        self.keys = _tag(torch.nn.Parameter(torch.randn(H, 2, r, n, self.sub_dim) * key_std), key_std)
+        self.keys = set_init_std(torch.nn.Parameter(torch.randn(H, 2, r, n, self.sub_dim) * key_std), key_std)
         if s.query_key_norm:
             self.query_norm = torch.nn.LayerNorm(self.sub_dim)
             self.key_norm = torch.nn.LayerNorm(self.sub_dim)
@@ -270,14 +266,16 @@ class MemoryLayer(torch.nn.Module):
                     self.key_norm.weight.fill_(1.0 / math.sqrt(self.sub_dim))
         if s.retrieval == "tucker":
             core_std = 1.0 / (r * math.sqrt(s.num_cores))
-            self.cores = _tag(torch.nn.Parameter(torch.randn(H, s.num_cores, r, r) * core_std), core_std)
+            self.cores = set_init_std(torch.nn.Parameter(torch.randn(H, s.num_cores, r, r) * core_std), core_std)
         self.values = values if values is not None else s.table()
         self.has_proj = E > 1 or s.value_dim != s.hidden_size
         if self.has_proj:
             proj_std = (
                 1.0 / math.sqrt(E * s.value_dim) if s.improved_init else s.init_std / math.sqrt(2.0 * s.num_layers)
             )
-            self.proj = _tag(torch.nn.Parameter(torch.randn(E, s.value_dim, s.hidden_size) * proj_std), proj_std)
+            self.proj = set_init_std(
+                torch.nn.Parameter(torch.randn(E, s.value_dim, s.hidden_size) * proj_std), proj_std
+            )
         self.shuffle = AddressShuffle(n, s.seed) if s.ive_shuffle and E > 1 else None
         self.register_buffer("score_stats", torch.zeros(4, dtype=torch.float64), persistent=False)
         self._reset_stats()

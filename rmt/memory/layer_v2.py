@@ -40,9 +40,10 @@ import torch
 import torch.nn.functional as F
 
 from rmt.memory.ive import AddressShuffle
-from rmt.memory.layer import MemoryLayer, MemorySpec, _tag
+from rmt.memory.layer import MemoryLayer, MemorySpec
 from rmt.memory.retrieval import tucker_aux_loss
 from rmt.memory.table import MemoryTable
+from rmt.models.init import set_init_std
 from rmt.ops.counter_normal import stream_key
 
 PRE_VALUE_ACTIVATIONS = {"none": lambda g: g, "gelu": F.gelu}
@@ -63,8 +64,8 @@ class UltraMemV2Layer(MemoryLayer):
         W, H, r, n, C, Kd = s.hidden_size, s.num_heads, s.tucker_rank, s.grid, s.num_cores, s.side_dim
         self.sub_dim = Kd  # every Tucker rank's keys are the full key width
         self.query = torch.nn.Linear(W, H * 2 * Kd, bias=False)
-        _tag(self.query.weight, 1.0 / math.sqrt(Kd))
-        self.keys = _tag(torch.nn.Parameter(torch.randn(H, 2, r, n, Kd) / math.sqrt(Kd)), 1.0 / math.sqrt(Kd))
+        set_init_std(self.query.weight, 1.0 / math.sqrt(Kd))
+        self.keys = set_init_std(torch.nn.Parameter(torch.randn(H, 2, r, n, Kd) / math.sqrt(Kd)), 1.0 / math.sqrt(Kd))
         self.query_norm = torch.nn.RMSNorm(Kd, eps=s.norm_eps)
         self.key_norm = torch.nn.RMSNorm(Kd, eps=s.norm_eps)
         with torch.no_grad():
@@ -74,15 +75,15 @@ class UltraMemV2Layer(MemoryLayer):
             # U(0, 1) from the layer's own seed (the model's init rule leaves a None-tagged tensor
             # as built), so every layout draws the same cores.
             gen = torch.Generator().manual_seed(stream_key(s.seed, "memory.cores") % 2**63)
-            self.cores = _tag(torch.nn.Parameter(torch.rand(H, C, r, r, generator=gen)), None)
+            self.cores = set_init_std(torch.nn.Parameter(torch.rand(H, C, r, r, generator=gen)), None)
         self.values = values if values is not None else s.table()
         self.pre_values = None
         if s.pre_value_dim:
             self.pre_values = pre_values if pre_values is not None else s.pre_table()
             self.pre_proj = torch.nn.Linear(W, s.pre_value_dim, bias=False)
-            _tag(self.pre_proj.weight, 1.0 / math.sqrt(W))
+            set_init_std(self.pre_proj.weight, 1.0 / math.sqrt(W))
         self.proj = torch.nn.Linear(s.value_dim, W, bias=False)
-        _tag(self.proj.weight, 1.0 / math.sqrt(s.value_dim))
+        set_init_std(self.proj.weight, 1.0 / math.sqrt(s.value_dim))
         self.shuffle = AddressShuffle(n, s.seed) if s.ive_shuffle and s.ive_blocks > 1 else None
         self.register_buffer("score_stats", torch.zeros(4, dtype=torch.float64), persistent=False)
         self._reset_stats()

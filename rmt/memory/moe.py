@@ -57,6 +57,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from rmt.memory.shapes import expert_hidden_size, memory_width
 from rmt.models.attention import with_attention_kernel
+from rmt.models.init import set_init_std
 
 
 class _UnknownMLPType(logging.Filter):
@@ -266,12 +267,12 @@ class SkipMoE(MegatronModule):
         self.norm = torch.nn.LayerNorm(width, eps=config.model.layernorm_epsilon)
         spec = moe_spec(config)
         self.moe = MoE(tcfg, spec.submodules, **spec.params)
-        # Layout-independent init for every architecture (rmt.models.init reads memory_init_std):
-        # init_std, the expert output projections init_std / sqrt(2 L) (GPT-2's residual rule).
+        # Layout-independent init for every architecture (rmt.models.init): init_std, the expert
+        # output projections init_std / sqrt(2 L) (GPT-2's residual rule).
         std = config.model.init_std
         for name, param in self.moe.named_parameters():
-            param.memory_init_std = (
-                std / math.sqrt(2.0 * config.model.num_layers) if name.endswith("linear_fc2.weight") else std
+            set_init_std(
+                param, std / math.sqrt(2.0 * config.model.num_layers) if name.endswith("linear_fc2.weight") else std
             )
         self.aux_loss = None  # the balance loss rides on the routing weights (module docstring)
 

@@ -53,13 +53,29 @@ def default_std_rule(config: RMTConfig) -> Callable[[str, torch.Tensor], Optiona
     return rule
 
 
+_OWN_STD = "_rmt_init_std"
+
+
+def set_init_std(param: torch.Tensor, std: Optional[float]) -> torch.Tensor:
+    """Give ``param`` an init std of its own, which :func:`initialize_weights` uses instead of
+    the std rule's (None: keep the values its module built). Memory layers set it where their
+    papers give each parameter its own scale."""
+    setattr(param, _OWN_STD, std)
+    return param
+
+
+def std_of(param: torch.Tensor, key: str, std_rule: Callable[[str, torch.Tensor], Optional[float]]) -> Optional[float]:
+    """The init std of ``param`` (global name ``key``): its own (:func:`set_init_std`), else the rule's."""
+    return getattr(param, _OWN_STD) if hasattr(param, _OWN_STD) else std_rule(key, param)
+
+
 @torch.no_grad()
 def initialize_weights(
     chunks: Iterable[torch.nn.Module], seed: int, std_rule: Callable[[str, torch.Tensor], Optional[float]]
 ) -> None:
     by_key = defaultdict(list)  # layers stacked under one global key share its draw
     for shard in shards(chunks):
-        std = std_rule(shard.key, shard.param)
+        std = std_of(shard.param, shard.key, std_rule)
         if std is not None:
             by_key[shard.key].append((shard, std))
     for key, pieces in by_key.items():
