@@ -291,10 +291,9 @@ def main(argv=None) -> int:
     names = [n for n, s in EXTENSIONS.items() if cuda or not is_cuda(s)]
     missing = [n for n in names if not _built(build_dir(n))]
     if importlib.util.find_spec("deepspeed") is not None:
-        from torch.utils.cpp_extension import LIB_EXT, _get_build_directory
-
-        built = {op for op in DEEPSPEED_OPS if (Path(_get_build_directory(op, False)) / f"{op}{LIB_EXT}").exists()}
-        missing += [f"deepspeed:{op}" for op in DEEPSPEED_OPS if op not in built]
+        # DeepSpeed's own build (torch's ninja) decides whether its binary is current: a binary
+        # another environment built, with other include paths, is rebuilt
+        missing += [f"deepspeed:{op}" for op in DEEPSPEED_OPS]
     if not missing:
         _say(f"C++ extensions up to date in {cache_root()}")
         return 0
