@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 
+import command_server
 import pytest
 
 import rmt
@@ -143,9 +144,20 @@ def _env():
     return env
 
 
+def _comparable(env):
+    """``env`` without what pytest changes from test to test."""
+    return {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
+
+
+# the environment of every launch in a session whose tests leave os.environ as they found it: the
+# one the command server (tests/command_server.py) runs commands in
+_STANDARD_ENV = _comparable(_env())
+
+
 def run_python(args, nproc=1, timeout=600, check=True):
     """``python ARGS`` (nproc == 1) or ``torchrun --nproc_per_node=nproc ARGS``; the tests' own
-    scripts (``tests/dist/``) on ranks forked from one process instead (``tests/dist/forkrun.py``)."""
+    scripts (``tests/dist/``) on ranks forked from one process instead (``tests/dist/forkrun.py``),
+    and single-process commands as forks of the command server (``tests/command_server.py``)."""
     if nproc == 1:
         cmd = [sys.executable] + args
     elif args[0].startswith("tests/dist/"):
@@ -153,16 +165,20 @@ def run_python(args, nproc=1, timeout=600, check=True):
     else:
         # --standalone: torchrun's store binds a free port itself and the workers join that store
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] + args
-    # A session of its own, so a timeout kills torchrun's workers too (not only the launcher).
-    with subprocess.Popen(
-        cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    ) as popen:
-        try:
-            stdout, stderr = popen.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(popen.pid, signal.SIGKILL)
-            raise
-    proc = subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
+    env = _env()
+    if nproc == 1 and command_server.served(args, _comparable(env), _STANDARD_ENV):
+        proc = command_server.run(args, env, ROOT, timeout)
+    else:
+        # A session of its own, so a timeout kills torchrun's workers too (not only the launcher).
+        with subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        ) as popen:
+            try:
+                stdout, stderr = popen.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(popen.pid, signal.SIGKILL)
+                raise
+        proc = subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
