@@ -281,4 +281,4 @@ def test_memory_from_a_config_says_where_the_plan_falls_short(capsys, tmp_path, 
     assert ("known_shortfall" in doc) == said and ("measured above this plan" in out) == said
     if said:
         assert doc["known_shortfall"] == CPU_BF16_SHORTFALL
-        assert "save up to +24%, load up to +36%" in out
+        assert "init up to +26%, step up to +5%, save up to +24%, load up to +36%" in out
