@@ -27,6 +27,7 @@ import atexit
 import json
 import os
 import runpy
+import shutil
 import socket
 import subprocess
 import sys
@@ -126,6 +127,8 @@ class Server:
     def stop(self) -> None:
         self.popen.kill()
         self.popen.wait()
+        self.log.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     def run(self, args: list, env: dict, timeout: float) -> subprocess.CompletedProcess:
         """``python ARGS`` forked from the server: its exit status, standard output and error."""
