@@ -16,6 +16,7 @@ from rmt.planner.dense import dense_bytes_per_param
 from rmt.planner.hardware import load_profile
 from rmt.planner.layouts import search
 from rmt.planner.rank import (
+    CPU_BF16_OVERSTATEMENT,
     CPU_BF16_SHORTFALL,
     in_flight,
     layout_of,
@@ -271,8 +272,9 @@ def test_full_recompute_costs_the_dense_layers_only(memory):
     "precision, device, said", [("bf16", "cpu", True), ("fp32", "cpu", False), ("bf16", "gpu", False)]
 )
 def test_memory_from_a_config_says_where_the_plan_falls_short(capsys, tmp_path, precision, device, said):
-    """A bf16 plan on a CPU states the phases measured above it (rank.CPU_BF16_SHORTFALL), in its
-    lines and its JSON; no other plan claims a shortfall it was not measured with."""
+    """A bf16 plan on a CPU states the phases measured above and below it (rank.CPU_BF16_SHORTFALL,
+    CPU_BF16_OVERSTATEMENT), in its lines and its JSON; no other plan claims a shortfall it was not
+    measured with."""
     path = tmp_path / "plan.json"
     argv = ["memory", "--config", "configs/tiny.yaml", "--world-size", "1", "--device", device, "--json", str(path)]
     assert cli.main(argv + [f"train.precision={precision}"]) == 0
@@ -281,4 +283,5 @@ def test_memory_from_a_config_says_where_the_plan_falls_short(capsys, tmp_path, 
     assert ("known_shortfall" in doc) == said and ("measured above this plan" in out) == said
     if said:
         assert doc["known_shortfall"] == CPU_BF16_SHORTFALL
-        assert "init up to +26%, step up to +5%, save up to +24%, load up to +36%" in out
+        assert doc["known_overstatement"] == CPU_BF16_OVERSTATEMENT
+        assert "init up to +26%, step up to +5%, save up to +24%, load up to +36%; below it: save down to -23%" in out

@@ -97,6 +97,10 @@ transformer_49m_distopt rmt_46m``, 2 gloo ranks; ``configs/transformer_49m.yaml`
 the distributed optimizer, ``configs/rmt_46m.yaml``): init +10%, +26% and +15%, step +1%, +1% and
 +5%, save +14%, +24% and +21%, load +19%, +36% and +20%; outside the step, 50-290 MiB that no term
 itemizes, in phases far below the step's, the peak a fit is decided on."""
+CPU_BF16_OVERSTATEMENT = {"save": 0.23}
+"""Where a shipped bf16 config measured more than 10% below the plan on a CPU (the same runs as
+:data:`CPU_BF16_SHORTFALL`): rank 0's save of ``configs/rmt_46m.yaml``, -23%, while its other
+rank's was +21%."""
 PHASES = ("init", "step", "save", "load")
 TABLE_TYPES = ("ultramem", "ultramem_v2", "pkm")
 """``memory.type``\s with value tables (:mod:`rmt.planner.memory`)."""
@@ -578,7 +582,7 @@ def plan_rank(
     if host:
         doc["host_peak"] = max(max(v["host_tables"].values()) for v in stages.values())
     if layout.device == "cpu" and config.train.precision == "bf16":
-        doc["known_shortfall"] = CPU_BF16_SHORTFALL
+        doc.update(known_shortfall=CPU_BF16_SHORTFALL, known_overstatement=CPU_BF16_OVERSTATEMENT)
     if gib is not None:
         doc.update(gib=gib, fits=peak <= gib * GIB)
     if host_gib is not None:

@@ -86,6 +86,8 @@ def whole_rank_lines(config, doc: dict) -> List[str]:
         lines.append(
             "measured above this plan in bf16 on a CPU (tools/bench_rank_memory.py, the shipped configs): "
             + ", ".join(f"{p} up to +{v:.0%}" for p, v in doc["known_shortfall"].items())
+            + "; below it: "
+            + ", ".join(f"{p} down to -{v:.0%}" for p, v in doc["known_overstatement"].items())
         )
     if "host_peak" in doc:
         lines.append(f"host memory per rank (tables in host memory): peak {rank.human(doc['host_peak'])}")
