@@ -23,7 +23,7 @@ from rmt.planner.hardware import (
 from rmt.planner.profiles import PROFILES
 from rmt.planner.rank import layout_of
 from rmt.planner.rank_cli import load_planned
-from rmt.planner.step_work import Kernels, layer_param_elements
+from rmt.planner.step_work import Kernels, layer_forward, layer_param_elements
 from rmt.planner.time import plan_time, stage_time
 
 TINY = "configs/tiny.yaml"
@@ -61,8 +61,13 @@ def test_a_profile_round_trips_through_its_file(tmp_path):
         (lambda d: d["lookup_bandwidth"].update(forward=-1.0), "lookup_bandwidth.forward must be a positive"),
         (lambda d: d["collectives"]["inter"].pop("p2p"), "collectives.inter lacks 'p2p'"),
         (lambda d: d["gemm_efficiency"].update(fp32=[[1, 2, 3]]), "gemm_efficiency.fp32[0] must be one of"),
+        (lambda d: d["elementwise_rate"]["bf16"].pop("gelu"), "elementwise_rate.bf16 lacks 'gelu'"),
+        (
+            lambda d: d["elementwise_rate"]["fp32"]["norm"].update(backward=0),
+            "elementwise_rate.fp32.norm.backward must be a positive number, got 0",
+        ),
     ],
-    ids=["missing-field", "zero-peak", "negative-rate", "missing-collective", "bad-gemm-row"],
+    ids=["missing-field", "zero-peak", "negative-rate", "missing-collective", "bad-gemm-row", "no-kind", "zero-kind"],
 )
 def test_a_bad_profile_is_one_sentence(change, message):
     doc = json.loads(json.dumps(PROFILES["h100"]))
@@ -139,6 +144,36 @@ def test_kernels_backward_doubles_gemms_and_memory_and_issue_bounds_a_gpu():
     assert k.seconds(slow)["total"] == pytest.approx(10.0)  # the host issues slower than the device runs
     cpu = profile_from_dict(dict(slow.to_dict(), async_launch=False))
     assert k.seconds(cpu)["total"] == pytest.approx(10.0 + k.seconds(p)["total"])
+
+
+def _rates(forward: float, backward: float) -> dict:
+    kinds = {k: {"forward": forward, "backward": backward} for k in ("gelu", "norm", "softmax")}
+    return {"fp32": kinds, "bf16": kinds}
+
+
+def test_an_elementwise_kind_takes_the_longer_of_its_bytes_and_its_elements():
+    k = Kernels("fp32")
+    k.elementwise("gelu", 1e6, 8e6)
+    slow = flat(elementwise_rate=_rates(1e9, 5e8), memory_bandwidth=[[1, 1e12]])
+    assert k.seconds(slow)["memory"] == pytest.approx(1e-3)  # its elements at the rate
+    assert k.backward().seconds(slow)["memory"] == pytest.approx(2e-3)  # the backward's rate
+    fast = flat(elementwise_rate=_rates(1e15, 1e15), memory_bandwidth=[[1, 1e12]])
+    assert k.seconds(fast)["memory"] == pytest.approx(8e-6)  # its bytes at the bandwidth
+    assert k.backward().seconds(fast)["memory"] == pytest.approx(16e-6)
+
+
+def test_a_layers_gelu_and_norms_are_priced_by_their_elements():
+    """Where elements bind (a CPU thread), a transformer layer's memory-bound time is its GELU's
+    and two norms' elements at their rates plus its streamed operations' bytes."""
+    config = load_planned(TINY, [], 1)
+    m = config.model
+    T, D, F = config.train.micro_batch_size * m.seq_length, m.hidden_size, m.ffn_hidden_size or 4 * m.hidden_size
+    stream = flat(elementwise_rate=_rates(1e30, 1e30), memory_bandwidth=[[1, 1e12]])
+    slow = flat(elementwise_rate=_rates(1e6, 1e6), memory_bandwidth=[[1, 1e12]])
+    layer = layer_forward(config, 1, False)
+    streamed = sum(n * c for n, c, kind, _ in layer.memory if kind == "stream") / 1e12
+    assert layer.seconds(slow)["memory"] == pytest.approx(streamed + (T * F + 2 * T * D) / 1e6)
+    assert layer.seconds(stream)["memory"] == pytest.approx(sum(n * c for n, c, _, _ in layer.memory) / 1e12)
 
 
 # -- the schedule --------------------------------------------------------------------------------

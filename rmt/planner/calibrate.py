@@ -16,6 +16,8 @@ Each figure is the slowest rank's median over repeats (a synchronous step waits 
   forward and backward, as fractions of the GEMM peak;
 * memory-bound operations: ``x += y`` over sizes from cache-resident to DRAM-sized (bytes read
   and written per second);
+* the elementwise kinds priced by their elements too (the GELU, a layer norm, a softmax; forward
+  and backward, per dtype): elements per second at the size of a small model's activations;
 * the lookup-reduce kernel (:func:`rmt.ops.lookup_reduce`) forward and backward at UltraMem's
   shape, bytes of value rows per second; ``torch.topk`` elements per second;
 * each collective (all-reduce, all-gather, reduce-scatter, all-to-all, a point-to-point send)
@@ -159,6 +161,40 @@ def measure_memory(clock: _Clock, device, sizes, repeats: int, dispatch: float =
         y = torch.ones(n, device=device)
         seconds = device_seconds(_largest(clock.seconds(lambda: x.add_(y), repeats)), dispatch)
         out.append([12.0 * n, 12.0 * n / seconds])
+    return out
+
+
+ELEMENTWISE_ELEMENTS = {"cpu": 1 << 20, "gpu": 1 << 26}
+"""Elements of the elementwise kinds' measurement (a GPU's large enough for its launch not to
+count)."""
+NORM_WIDTH = 1024
+
+
+def measure_elementwise(clock: _Clock, device, dtype: torch.dtype, repeats: int, dispatch: float = 0.0):
+    """``{kind: {"forward": elements/s, "backward": elements/s}}`` of the GELU, a layer norm over
+    rows of :data:`NORM_WIDTH` and a softmax over such rows (the backward: the forward and the
+    input's gradient less the forward; the bare ``dispatch`` taken off)."""
+    import torch.nn.functional as F
+
+    n = ELEMENTWISE_ELEMENTS["cpu" if device.type == "cpu" else "gpu"]
+    x = torch.randn(n // NORM_WIDTH, NORM_WIDTH, device=device, dtype=dtype, requires_grad=True)
+    weight = torch.ones(NORM_WIDTH, device=device, dtype=dtype)
+    bias = torch.zeros(NORM_WIDTH, device=device, dtype=dtype)
+    grad = torch.randn_like(x)
+    kinds = {
+        "gelu": F.gelu,
+        "norm": lambda t: F.layer_norm(t, (NORM_WIDTH,), weight, bias),
+        "softmax": lambda t: torch.softmax(t, dim=-1),
+    }
+    out = {}
+    for kind, fn in kinds.items():
+        forward = device_seconds(_largest(clock.seconds(lambda: fn(x), repeats)), dispatch)
+
+        def both(fn=fn):
+            torch.autograd.grad(fn(x), x, grad)
+
+        total = device_seconds(_largest(clock.seconds(both, repeats)), dispatch)
+        out[kind] = {"forward": x.numel() / forward, "backward": x.numel() / max(total - forward, 0.1 * forward)}
     return out
 
 
@@ -322,6 +358,15 @@ def calibrate(out: str, quick: bool = False, threads: int = 1) -> Dict:
         f"memory: {max(r for _, r in memory) / 1e9:,.1f} GB/s at best, "
         f"{memory[-1][1] / 1e9:,.1f} at {sizes[-1] >> 20} MiB"
     )
+    elementwise = {
+        name: measure_elementwise(clock, device, dtype, repeats, dispatch)
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+    }
+    say(
+        "elementwise, fp32 forward: "
+        + ", ".join(f"{k} {v['forward'] / 1e9:,.2f}" for k, v in elementwise["fp32"].items())
+        + " G elements/s"
+    )
     lookup = measure_lookup(clock, device, repeats, quick)
     topk = measure_topk(clock, device, repeats)
     if world > 1:
@@ -349,6 +394,7 @@ def calibrate(out: str, quick: bool = False, threads: int = 1) -> Dict:
         "units": props.multi_processor_count if cuda else 1,
         "attention_efficiency": attention,
         "memory_bandwidth": memory,
+        "elementwise_rate": elementwise,
         "op_overhead_s": overhead,
         "async_launch": cuda,
         "lookup_bandwidth": lookup,

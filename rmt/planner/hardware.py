@@ -27,6 +27,12 @@ reads it) or the name of a shipped one (:mod:`rmt.planner.profiles`). Its fields
     ``[[bytes, bytes/s], ...]``: the rate of a memory-bound operation that touches ``bytes``
     (norms, activations, softmax, residual additions, the optimizer step), interpolated like
     the GEMMs' (a CPU's caches make small operations faster than DRAM).
+``elementwise_rate``
+    per dtype, ``{kind: {"forward": elements/s, "backward": elements/s}}`` for the kinds
+    :data:`ELEMENTWISE` (the GELU, a norm, a softmax): the rate their arithmetic allows per element.
+    Such an operation takes the longer of its bytes at ``memory_bandwidth`` and its elements at
+    this rate: a GPU's is far above its bytes' (they are memory-bound), a CPU thread's far below
+    (``erf``, ``exp`` and the norms' reductions are computed, not streamed).
 ``op_overhead_s``
     seconds the host spends issuing one operation (Python, dispatch, a kernel launch).
 ``async_launch``
@@ -63,6 +69,9 @@ from dataclasses import dataclass
 from typing import Dict, List, Sequence
 
 DTYPES = ("fp32", "bf16")
+ELEMENTWISE = ("gelu", "norm", "softmax")
+"""The kinds of elementwise operation priced by their elements as well as their bytes."""
+PHASES = ("forward", "backward")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 SPANS = ("intra", "inter")
 FIELDS = (
@@ -74,6 +83,7 @@ FIELDS = (
     "units",
     "attention_efficiency",
     "memory_bandwidth",
+    "elementwise_rate",
     "op_overhead_s",
     "async_launch",
     "lookup_bandwidth",
@@ -98,6 +108,7 @@ class Profile:
     units: int
     attention_efficiency: Dict[str, Dict[str, float]]
     memory_bandwidth: List[List[float]]
+    elementwise_rate: Dict[str, Dict[str, Dict[str, float]]]
     op_overhead_s: float
     async_launch: bool
     lookup_bandwidth: Dict[str, float]
@@ -132,6 +143,13 @@ def bandwidth(profile: Profile, nbytes: float) -> float:
 def memory_seconds(profile: Profile, nbytes: float) -> float:
     """Device seconds of a memory-bound operation that reads and writes ``nbytes`` in all."""
     return nbytes / bandwidth(profile, nbytes) if nbytes > 0 else 0.0
+
+
+def elementwise_seconds(profile: Profile, kind: str, elements: float, nbytes: float, dtype: str, phase: str) -> float:
+    """Device seconds of an elementwise operation of ``kind`` (:data:`ELEMENTWISE`) over
+    ``elements`` elements that reads and writes ``nbytes``: the longer of its bytes at the
+    memory bandwidth and its elements at the kind's rate."""
+    return max(memory_seconds(profile, nbytes), elements / profile.elementwise_rate[dtype][kind][phase])
 
 
 SPLIT_K_DEPTH = 512
@@ -266,7 +284,7 @@ def profile_from_dict(doc: Dict) -> Profile:
     peak = _mapping("peak_flops", doc["peak_flops"], DTYPES)
     gemm = _mapping("gemm_efficiency", doc["gemm_efficiency"], DTYPES)
     attention = _mapping("attention_efficiency", doc["attention_efficiency"], DTYPES)
-    lookup = _mapping("lookup_bandwidth", doc["lookup_bandwidth"], ("forward", "backward"))
+    lookup = _mapping("lookup_bandwidth", doc["lookup_bandwidth"], PHASES)
     links = _mapping("collectives", doc["collectives"], SPANS)
     tile = doc["gemm_tile"]
     if not isinstance(tile, list) or len(tile) != 2:
@@ -294,16 +312,17 @@ def profile_from_dict(doc: Dict) -> Profile:
             d: {
                 p: _positive(
                     f"attention_efficiency.{d}.{p}",
-                    _mapping(f"attention_efficiency.{d}", attention[d], ("forward", "backward"))[p],
+                    _mapping(f"attention_efficiency.{d}", attention[d], PHASES)[p],
                 )
-                for p in ("forward", "backward")
+                for p in PHASES
             }
             for d in DTYPES
         },
         memory_bandwidth=_table("memory_bandwidth", doc["memory_bandwidth"]),
+        elementwise_rate=_elementwise(doc["elementwise_rate"]),
         op_overhead_s=_non_negative("op_overhead_s", doc["op_overhead_s"]),
         async_launch=bool(doc["async_launch"]),
-        lookup_bandwidth={p: _positive(f"lookup_bandwidth.{p}", lookup[p]) for p in ("forward", "backward")},
+        lookup_bandwidth={p: _positive(f"lookup_bandwidth.{p}", lookup[p]) for p in PHASES},
         topk_rate=_positive("topk_rate", doc["topk_rate"]),
         collectives=collectives,
         gpus_per_node=int(_positive("gpus_per_node", doc["gpus_per_node"])),
@@ -311,6 +330,23 @@ def profile_from_dict(doc: Dict) -> Profile:
         host_memory_bandwidth=_positive("host_memory_bandwidth", doc["host_memory_bandwidth"]),
         sources=dict(doc["sources"]) if isinstance(doc["sources"], dict) else {},
     )
+
+
+def _elementwise(value) -> Dict[str, Dict[str, Dict[str, float]]]:
+    rates = _mapping("elementwise_rate", value, DTYPES)
+    out = {}
+    for d in DTYPES:
+        kinds = _mapping(f"elementwise_rate.{d}", rates[d], ELEMENTWISE)
+        out[d] = {
+            kind: {
+                p: _positive(
+                    f"elementwise_rate.{d}.{kind}.{p}", _mapping(f"elementwise_rate.{d}.{kind}", kinds[kind], PHASES)[p]
+                )
+                for p in PHASES
+            }
+            for kind in ELEMENTWISE
+        }
+    return out
 
 
 def _get(entry, span: str, kind: str, key: str):

@@ -8,7 +8,9 @@ fp32 training runs its GEMMs on the CUDA cores: torch leaves TF32 off for matrix
 on, so the fp32 peak is the non-tensor FP32 rate. bf16 runs on the tensor cores at the dense
 (not sparse) BF16 peak.
 
-Derived, not stated: the top-k selections' rate is the memory bandwidth over the bytes of a
+Derived, not stated: the elementwise kinds' rates are the FP32 peak over their arithmetic per
+element (:data:`ELEMENTWISE_FLOPS`, twice that backward), far above the rate of their bytes: on
+these GPUs they are memory-bound; the top-k selections' rate is the memory bandwidth over the bytes of a
 radix select over fp32 keys (four 8-bit digit passes, each reading the 4-byte keys: 16 bytes an
 element); an A100's lookup-reduce rates are the H100's measured ones scaled by the two HBM
 bandwidths (the kernel is bound by the gathered rows' bytes).
@@ -21,6 +23,15 @@ from typing import Dict
 GIGA = 1e9
 TERA = 1e12
 RADIX_SELECT_BYTES = 16  # 4 passes (8-bit digits of a 32-bit key) x 4 bytes read per element
+ELEMENTWISE_FLOPS = {"gelu": 20, "norm": 8, "softmax": 10}
+"""FP32 operations per element forward: the GELU's ``erf`` (a polynomial of about 20), a norm's
+two reductions, scale and shift (about 8), a softmax's max, ``exp``, sum and division (about 10)."""
+
+
+def _elementwise(fp32_peak: float) -> Dict:
+    """Elements per second of the elementwise kinds, both dtypes (their arithmetic is fp32)."""
+    rates = {k: {"forward": fp32_peak / f, "backward": fp32_peak / (2 * f)} for k, f in ELEMENTWISE_FLOPS.items()}
+    return {"fp32": rates, "bf16": rates}
 
 
 def _collectives(nvlink_busbw: float, nic: float, intra_alpha: float, inter_alpha: float) -> Dict:
@@ -55,6 +66,10 @@ _COMMON_SOURCES = {
     ),
     "async_launch": "CUDA kernels are launched asynchronously: the host issues ahead of the device",
     "topk_rate": "derived: memory bandwidth / 16 bytes per element (radix select, 4 passes over fp32 keys)",
+    "elementwise_rate": (
+        "derived: the FP32 peak over each kind's operations per element (GELU 20, norm 8, softmax 10; twice "
+        "backward); above the rate of the element's bytes, so these kernels are memory-bound"
+    ),
     "collectives": (
         "nccl-tests bus bandwidth as NVIDIA's DGX systems reach it: about 80% of one direction of NVLink "
         "inside a node (ring all-reduce without NVLS), 92% of an InfiniBand NIC's line rate across nodes "
@@ -80,6 +95,7 @@ H100_SXM_80GB = {
         "fp32": {"forward": 0.35, "backward": 0.29},
     },
     "memory_bandwidth": [[1e6, 0.906 * 3.35 * TERA]],
+    "elementwise_rate": _elementwise(66.9 * TERA),
     "op_overhead_s": 5e-6,
     "async_launch": True,
     "lookup_bandwidth": {"forward": 33554432 / 25.8e-6, "backward": 33554432 / 44.3e-6},
@@ -119,6 +135,7 @@ A100_SXM_80GB = {
         "fp32": {"forward": 0.6, "backward": 0.5},
     },
     "memory_bandwidth": [[1e6, 0.906 * 2.039 * TERA]],
+    "elementwise_rate": _elementwise(19.5 * TERA),
     "op_overhead_s": 5e-6,
     "async_launch": True,
     "lookup_bandwidth": {

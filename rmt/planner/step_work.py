@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
 from rmt.memory.byte_sizes import DTYPE_BYTES
-from rmt.planner.hardware import Profile, attention_seconds, gemm_seconds, memory_seconds
+from rmt.planner.hardware import Profile, attention_seconds, elementwise_seconds, gemm_seconds, memory_seconds
 
 LAYER_OPS = {"transformer": 129, "rmt": 156, "recurrent": 129, "mixer": 129}
 """Operations the host issues per layer and micro-batch, forward and backward."""
@@ -98,20 +98,26 @@ class Kernels:
     gemms: List[Tuple[int, int, int, int]] = field(default_factory=list)
     attention_flops: float = 0.0
     attention_dtype: str = ""
-    memory: List[Tuple[float, int]] = field(default_factory=list)
+    memory: List[Tuple[float, int, str, float]] = field(default_factory=list)
     lookup_bytes: float = 0.0
-    lookup_phase: str = "forward"
     topk_elements: float = 0.0
     ops: float = 0.0
-    attention_phase: str = "forward"
+    phase: str = "forward"
 
     def gemm(self, m: int, n: int, k: int, count: int = 1) -> None:
         if count and min(m, n, k) > 0:
             self.gemms.append((int(m), int(n), int(k), int(count)))
 
     def mem(self, nbytes: float, count: int = 1) -> None:
+        """A memory-bound operation reading and writing ``nbytes``."""
         if count and nbytes > 0:
-            self.memory.append((float(nbytes), int(count)))
+            self.memory.append((float(nbytes), int(count), "stream", 0.0))
+
+    def elementwise(self, kind: str, elements: float, nbytes: float, count: int = 1) -> None:
+        """An elementwise operation of ``kind`` (:data:`rmt.planner.hardware.ELEMENTWISE`) over
+        ``elements`` elements, reading and writing ``nbytes``."""
+        if count and nbytes > 0:
+            self.memory.append((float(nbytes), int(count), kind, float(elements)))
 
     def flops(self) -> float:
         """Matrix FLOPs of the phase: its GEMMs and attention."""
@@ -119,14 +125,14 @@ class Kernels:
 
     def backward(self) -> Kernels:
         """The backward of this forward phase: each GEMM's two gradient GEMMs, 2.5x the
-        attention's FLOPs, twice each memory-bound operation's bytes (ops counted by the caller)."""
-        out = Kernels(self.dtype, attention_dtype=self.attention_dtype, attention_phase="backward")
+        attention's FLOPs, twice each memory-bound operation's bytes over the same elements (ops
+        counted by the caller)."""
+        out = Kernels(self.dtype, attention_dtype=self.attention_dtype, phase="backward")
         for m, n, k, c in self.gemms:
             out.gemm(m, k, n, c)  # grad of the input: [m, n] @ [n, k]
             out.gemm(k, n, m, c)  # grad of the weight: [k, m] @ [m, n]
         out.attention_flops = ATTENTION_BACKWARD * self.attention_flops
-        out.memory = [(2 * nbytes, c) for nbytes, c in self.memory]
-        out.lookup_phase = "backward"
+        out.memory = [(2 * nbytes, c, kind, elements) for nbytes, c, kind, elements in self.memory]
         return out
 
     def add(self, other: Kernels) -> None:
@@ -141,19 +147,19 @@ class Kernels:
 
     def scaled(self, factor: int) -> Kernels:
         """This work ``factor`` times (``factor`` layers alike)."""
-        out = Kernels(
-            self.dtype,
-            attention_dtype=self.attention_dtype,
-            attention_phase=self.attention_phase,
-            lookup_phase=self.lookup_phase,
-        )
+        out = Kernels(self.dtype, attention_dtype=self.attention_dtype, phase=self.phase)
         out.gemms = [(m, n, k, c * factor) for m, n, k, c in self.gemms]
         out.attention_flops = self.attention_flops * factor
-        out.memory = [(nbytes, c * factor) for nbytes, c in self.memory]
+        out.memory = [(nbytes, c * factor, kind, elements) for nbytes, c, kind, elements in self.memory]
         out.lookup_bytes = self.lookup_bytes * factor
         out.topk_elements = self.topk_elements * factor
         out.ops = self.ops * factor
         return out
+
+    def _memory_seconds(self, profile: Profile, nbytes: float, kind: str, elements: float) -> float:
+        if kind == "stream":
+            return memory_seconds(profile, nbytes)
+        return elementwise_seconds(profile, kind, elements, nbytes, self.dtype, self.phase)
 
     def seconds(self, profile: Profile) -> Dict[str, float]:
         """The phase's time by component on ``profile``: device seconds of each kind, the host's
@@ -162,12 +168,12 @@ class Kernels:
         parts = {
             "gemm": sum(c * gemm_seconds(profile, m, n, k, self.dtype) for m, n, k, c in self.gemms),
             "attention": attention_seconds(
-                profile, self.attention_flops, self.attention_dtype or self.dtype, self.attention_phase
+                profile, self.attention_flops, self.attention_dtype or self.dtype, self.phase
             )
             if self.attention_flops
             else 0.0,
-            "memory": sum(c * memory_seconds(profile, nbytes) for nbytes, c in self.memory),
-            "lookup": self.lookup_bytes / profile.lookup_bandwidth[self.lookup_phase],
+            "memory": sum(c * self._memory_seconds(profile, nbytes, kind, e) for nbytes, c, kind, e in self.memory),
+            "lookup": self.lookup_bytes / profile.lookup_bandwidth[self.phase],
             "topk": self.topk_elements / profile.topk_rate,
         }
         device = sum(parts.values())
@@ -202,7 +208,7 @@ def layer_forward(config, tp: int, sp: bool) -> Kernels:
         k.attention_flops = 4.0 * T * s * Dv * R / tp
         k.mem(T * Dk * Dv * b, 2)  # the two norm-fused reads of the residual matrix
         k.mem(2 * T * Dk * Dv * b, 2)  # the two writes, residual added in place
-        k.mem(2 * T * F // tp * b)  # GELU
+        k.elementwise("gelu", T * F // tp, 2 * T * F // tp * b)
         k.mem(2 * 3 * T * Dv * R // tp * 4)  # q, k, v to fp32 for the attention, its context back
         return k
     D = m.hidden_size
@@ -225,10 +231,10 @@ def layer_forward(config, tp: int, sp: bool) -> Kernels:
             k.mem(4 * T * A // tp * b)
     k.gemm(T, F // tp, D)
     k.gemm(T, D, F // tp)
-    k.mem(2 * Ts * D * b, 2)  # two norms
+    k.elementwise("norm", Ts * D, 2 * Ts * D * b, 2)  # two norms
     dropout = m.dropout > 0
     k.mem((3 + (1 if dropout else 0)) * Ts * D * b + (Ts * D if dropout else 0), 2)  # bias-dropout-adds
-    k.mem(2 * T * F // tp * b)  # GELU
+    k.elementwise("gelu", T * F // tp, 2 * T * F // tp * b)
     return k
 
 
@@ -264,7 +270,7 @@ def embedding_work(config, tp: int, sp: bool, first: bool, last: bool) -> Tuple[
         bwd.mem(2 * T * rows * 4 + GRAD_ACCUMULATE_BYTES * Vt * rows)  # scatter, into the buffer
     if last:
         Ts = T // tp if sp else T
-        fwd.mem(2 * Ts * width * b)  # final norm
+        fwd.elementwise("norm", Ts * width, 2 * Ts * width * b)  # final norm
         if m.arch == "rmt":
             fwd.gemm(T * m.dv, m.rank, m.dk)
             bwd.gemm(T * m.dv, m.dk, m.rank, 2)
@@ -272,7 +278,8 @@ def embedding_work(config, tp: int, sp: bool, first: bool, last: bool) -> Tuple[
         bwd.gemm(T, rows, Vt)
         bwd.gemm(rows, Vt, T)
         cast = T * Vt * (b + 4) if b != 4 else 0
-        fwd.mem(6 * T * Vt * 4 + cast)  # the vocab-parallel cross entropy's passes
+        fwd.elementwise("softmax", T * Vt, 2 * T * Vt * 4)  # the vocab-parallel cross entropy's exp
+        fwd.mem(4 * T * Vt * 4 + cast)  # its other passes
         bwd.mem(4 * T * Vt * 4 + cast)
         bwd.mem(GRAD_ACCUMULATE_BYTES * Vt * rows)
     return fwd, bwd
@@ -294,7 +301,7 @@ def memory_layer_work(config, index: int, tokens: int) -> Tuple[Kernels, Kernels
         fwd.gemm(T * mem.moe_topk, F, W)
         fwd.gemm(T * mem.moe_topk, W, F)
         fwd.mem(2 * T * mem.moe_topk * W * b, 2)  # the routed copies out and back
-        fwd.mem(2 * T * mem.moe_topk * F * b)
+        fwd.elementwise("gelu", T * mem.moe_topk * F, 2 * T * mem.moe_topk * F * b)
         fwd.topk_elements = T * mem.num_experts
         bwd = fwd.backward()
         bwd.topk_elements = 0
@@ -310,7 +317,7 @@ def memory_layer_work(config, index: int, tokens: int) -> Tuple[Kernels, Kernels
     vb = VB[mem.value_dtype]
     tucker = s.retrieval == "tucker"
     ranks = r if tucker else 1
-    fwd.mem(2 * T * W * b)  # norm
+    fwd.elementwise("norm", T * W, 2 * T * W * b)
     if s.version != 2:
         fwd.mem((s.conv_kernel + 1) * T * W * b)  # causal convolution
     sides = 2 if (s.version == 2 or not s.share_query) else 1
@@ -343,7 +350,7 @@ def table_optimizer_work(config, plan, microbatches: int, in_ddp: bool, device: 
     from rmt.memory.comm_volume import expected_unique
 
     mem = config.memory
-    inside, step = Kernels("fp32", lookup_phase="backward"), Kernels("fp32")
+    inside, step = Kernels("fp32", phase="backward"), Kernels("fp32")
     rows, cols = plan.shard_shape
     vb = DTYPE_BYTES[mem.value_dtype]
     lookups = plan.tokens // max(1, plan.tensor_parallel) * plan.topm * max(1, plan.group_size)
