@@ -231,20 +231,40 @@ def test_gradient_reduction_hides_behind_the_last_backward_but_its_last_bucket()
     assert overlapped["step_s"] < plain["step_s"]
 
 
-def test_sequence_parallelism_swaps_all_reduces_for_gathers_and_scatters():
+@pytest.mark.parametrize("device", ["gpu", "cpu"])
+def test_tensor_parallel_collectives_are_megatrons_and_a_gpu_hides_the_async_ones(device):
+    """Per layer: forward two all-reduces (or an all-gather and a reduce-scatter each under
+    sequence parallelism); backward the two column-parallel linears' input gradients all-reduced
+    beside their weight-gradient GEMMs, or under SP the row-parallel outputs' gradients gathered,
+    each column-parallel input gathered again beside its input-gradient GEMM and its gradient
+    reduce-scattered beside its weight-gradient GEMM: a GPU exposes what outlasts the GEMM, a CPU
+    all of it."""
     tp = ["parallel.tensor_model_parallel_size=2"]
-    p = load_profile("h100")
+    p = profile_from_dict(dict(PROFILES["h100"], device=device))
     _, plain = _time(tp, 2, p)
     _, sp = _time(tp + ["parallel.sequence_parallel=true"], 2, p)
-    hidden = 8 * 128 * 128 * 4  # micro-batch 8 x sequence 128 x hidden 128, fp32
-    layers = 2
+    T, D, F, layers = 8 * 128, 128, 512, 2  # micro-batch 8 x sequence 128, hidden 128, fp32
+    hidden = T * D * 4
     ar = collective_seconds(p, "all_reduce", hidden, 2)
-    ag_rs = collective_seconds(p, "all_gather", hidden, 2) + collective_seconds(p, "reduce_scatter", hidden, 2)
+    ag = collective_seconds(p, "all_gather", hidden, 2)
     rs = collective_seconds(p, "reduce_scatter", hidden, 2)
+
+    def beside(comm, gemm):
+        return max(0.0, comm - gemm) if device == "gpu" else comm
+
+    plain_bwd = sp_bwd = 0.0
+    for width in (3 * D // 2, F // 2):
+        dgrad, wgrad = gemm_seconds(p, T, D, width, "fp32"), gemm_seconds(p, width, D, T, "fp32")
+        plain_bwd += beside(ar, wgrad)
+        sp_bwd += beside(ag, dgrad) + beside(rs, wgrad)
     loss = 3 * collective_seconds(p, "all_reduce", 4 * 8 * 128, 2)  # the cross entropy's three sums
     # the embedding's output and the output layer's input gradient: summed (scattered under SP)
-    assert plain["stages"]["0"]["tensor_parallel_s"] == pytest.approx(4 * layers * ar + 2 * ar + loss)
-    assert sp["stages"]["0"]["tensor_parallel_s"] == pytest.approx(4 * layers * ag_rs + 2 * rs + loss)
+    assert plain["stages"]["0"]["tensor_parallel_s"] == pytest.approx(layers * (2 * ar + plain_bwd) + 2 * ar + loss)
+    assert sp["stages"]["0"]["tensor_parallel_s"] == pytest.approx(
+        layers * (2 * (ag + rs) + 2 * ag + sp_bwd) + 2 * rs + loss
+    )
+    if device == "cpu":
+        assert plain_bwd == 2 * ar and sp_bwd == 2 * (ag + rs)
 
 
 def test_full_recompute_adds_the_forward_of_every_layer_and_selective_the_attention():

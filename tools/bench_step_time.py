@@ -38,6 +38,7 @@ sys.path.insert(0, ROOT)
 
 import bench_rank_memory as rank_memory  # noqa: E402
 
+from rmt import quiet  # noqa: E402
 from rmt.bench_report import check_report, write_report  # noqa: E402
 
 BASE = [
@@ -259,6 +260,7 @@ def main(argv=None) -> int:
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     ap.add_argument("--run-overrides", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    quiet.install()  # megatron's import notices, which the predictions' imports would print
     check_report(args.json, "bench_step_time")
     if args.worker_out:
         worker(args)

@@ -9,11 +9,13 @@ bus bandwidth inside and across nodes), then composed as megatron-core's schedul
 **One micro-batch on a stage** (each distinct pipeline stage; its model chunks in turn): the
 dense layers' forward and backward, recomputation (``full``: the recomputed layers' forward again
 in the backward; ``selective``: the core attention's), the embedding or the output layer and the
-loss, the tensor-parallel collectives on the critical path (megatron-core without Transformer
-Engine overlaps none of them: two all-reduces of the hidden state per layer forward and two
-backward, or under sequence parallelism an all-gather and a reduce-scatter in their place; the
-RMT's residual matrix through its attention's copy-to and reduce-from regions and its FFN's
-hidden state), and the memory layers (:func:`memory_layer_time`).
+loss, the tensor-parallel collectives (two all-reduces of the hidden state per layer forward and
+two backward, or under sequence parallelism an all-gather and a reduce-scatter in place of each
+forward, and backward the row-parallel outputs' gradients gathered, the column-parallel inputs
+gathered again and their gradients reduce-scattered; the backward's asynchronous ones hidden on
+a GPU behind the GEMMs megatron issues after them, :func:`_column_parallel_backward`; the RMT's
+residual matrix through its attention's copy-to and reduce-from regions and its FFN's hidden
+state), and the memory layers (:func:`memory_layer_time`).
 
 **Memory layers**: their kernels (scoring, top-m, lookup-reduce forward and backward, the fused
 row-wise optimizer) run on the rank's device in series with the dense layers (on one device they
@@ -59,7 +61,7 @@ from typing import Dict
 from rmt.memory import comm_volume
 from rmt.memory.byte_sizes import DTYPE_BYTES, lookup_bytes
 from rmt.planner import host
-from rmt.planner.hardware import Profile, collective_seconds, sent_seconds
+from rmt.planner.hardware import Profile, collective_seconds, gemm_seconds, sent_seconds
 from rmt.planner.rank import (
     TABLE_TYPES,
     Layout,
@@ -98,9 +100,11 @@ def tensor_parallel_seconds(
     config, layout: Layout, profile: Profile, layers: int, first: bool = False, last: bool = False
 ) -> Dict[str, float]:
     """Seconds of the tensor-parallel collectives of ``layers`` layers, one micro-batch, forward
-    and backward (module docstring); with ``first`` the vocab-parallel embedding's (its output
-    summed over the ranks), with ``last`` the output layer's (its input's gradient summed, and the
-    vocab-parallel cross entropy's three sums of one fp32 per token)."""
+    and backward (module docstring), of which a GPU hides the backward's asynchronous ones behind
+    the GEMMs megatron issues after them (:func:`_column_parallel_backward`); with ``first`` the
+    vocab-parallel embedding's (its output summed over the ranks), with ``last`` the output
+    layer's (its input's gradient summed, and the vocab-parallel cross entropy's three sums of one
+    fp32 per token)."""
     t = layout.tp
     if t == 1:
         return {"forward": 0.0, "backward": 0.0}
@@ -115,20 +119,52 @@ def tensor_parallel_seconds(
     else:
         hidden = T * m.hidden_size * b
         if layout.sequence_parallel:
-            one = collective_seconds(profile, "all_gather", hidden, t) + collective_seconds(
-                profile, "reduce_scatter", hidden, t
-            )
+            gather = collective_seconds(profile, "all_gather", hidden, t)
+            one = gather + collective_seconds(profile, "reduce_scatter", hidden, t)
             edge = collective_seconds(profile, "reduce_scatter", hidden, t)
         else:
             one = collective_seconds(profile, "all_reduce", hidden, t)
             edge = one
-        out = {"forward": 2 * layers * one, "backward": 2 * layers * one}
+        backward = 2 * layers * gather if layout.sequence_parallel else 0.0  # the row-parallel outputs' gradients
+        out = {
+            "forward": 2 * layers * one,
+            "backward": backward + layers * _column_parallel_backward(config, layout, profile),
+        }
     if first:
         out["forward"] += edge
     if last:
         out["forward"] += 3 * collective_seconds(profile, "all_reduce", 4 * T, t)
         out["backward"] += edge
     return out
+
+
+def _column_parallel_backward(config, layout: Layout, profile: Profile) -> float:
+    """Exposed seconds of the asynchronous collectives in the backward of one layer's two
+    column-parallel linears (the QKV and the first MLP projection; megatron-core's
+    ``LinearWithGradAccumulationAndAsyncCommunication``): without sequence parallelism the input's
+    gradient all-reduced beside the weight-gradient GEMM; with it the input gathered again (the
+    forward kept only its shard) beside the input-gradient GEMM, and the input's gradient
+    reduce-scattered beside the weight-gradient GEMM. A GPU runs NCCL's kernels beside the GEMMs,
+    so only what outlasts its GEMM is exposed; a CPU rank's cores run both, so all of it is."""
+    m = config.model
+    t, b = layout.tp, DTYPE_BYTES[config.train.precision]
+    T = config.train.micro_batch_size * m.seq_length
+    D = m.hidden_size
+    hidden = T * D * b
+    if layout.sequence_parallel:
+        pairs = [("all_gather", "input"), ("reduce_scatter", "weight")]
+    else:
+        pairs = [("all_reduce", "weight")]
+    seconds = 0.0
+    for width in (3 * D // t, (m.ffn_hidden_size or 4 * D) // t):
+        gemm = {
+            "input": gemm_seconds(profile, T, D, width, config.train.precision),
+            "weight": gemm_seconds(profile, width, D, T, config.train.precision),
+        }
+        for kind, beside in pairs:
+            comm = collective_seconds(profile, kind, hidden, t)
+            seconds += max(0.0, comm - gemm[beside]) if profile.device == "gpu" else comm
+    return seconds
 
 
 def _memory_comm(config, layout: Layout, profile: Profile, plan) -> Dict[str, float]:
