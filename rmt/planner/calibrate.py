@@ -11,7 +11,8 @@ Each figure is the slowest rank's median over repeats (a synchronous step waits 
   bare dispatch of one operation (a one-element ``add_``) is taken off each GEMM's and
   memory-bound operation's time below;
 * GEMMs per dtype over a range of sizes (``[m, k] @ [k, n]``, ``m`` tokens-like, ``n``, ``k``
-  widths-like): the fastest rate is the profile's peak, each size's rate over it its efficiency;
+  widths-like), each the median of three passes over them: the fastest rate is the profile's
+  peak, each size's rate over it its efficiency;
 * fused attention (``scaled_dot_product_attention`` with an explicit mask, as rmt calls it),
   forward and backward, as fractions of the GEMM peak;
 * memory-bound operations: ``x += y`` over sizes from cache-resident to DRAM-sized (bytes read
@@ -118,17 +119,25 @@ def measure_dispatch(clock: _Clock, device, repeats: int) -> float:
     return _largest(clock.seconds(lambda: x.add_(1.0), repeats))
 
 
+GEMM_PASSES = 3
+"""Passes over the GEMM shapes, alternating their order; each shape's rate is its median."""
+
+
 def measure_gemms(
     clock: _Clock, device, dtype: torch.dtype, shapes, repeats: int, dispatch: float = 0.0
 ) -> List[List[float]]:
-    """``[[m, n, k, flop/s], ...]`` of the GEMM ``shapes`` (the bare ``dispatch`` taken off)."""
-    out = []
-    for m, n, k in shapes:
-        a = torch.randn(m, k, device=device, dtype=dtype)
-        b = torch.randn(k, n, device=device, dtype=dtype)
-        seconds = device_seconds(_largest(clock.seconds(lambda: torch.mm(a, b), repeats, min_s=0.005)), dispatch)
-        out.append([m, n, k, 2.0 * m * n * k / seconds])
-    return out
+    """``[[m, n, k, flop/s], ...]`` of the GEMM ``shapes`` (the bare ``dispatch`` taken off): the
+    median of :data:`GEMM_PASSES` passes over them in alternating orders, since a burst of other
+    work on a shared machine slows a stretch of one pass (a step's median, which the profile
+    predicts, is robust to such a burst in the same way)."""
+    rates = {shape: [] for shape in shapes}
+    for p in range(GEMM_PASSES):
+        for m, n, k in shapes if p % 2 == 0 else shapes[::-1]:
+            a = torch.randn(m, k, device=device, dtype=dtype)
+            b = torch.randn(k, n, device=device, dtype=dtype)
+            seconds = device_seconds(_largest(clock.seconds(lambda: torch.mm(a, b), repeats, min_s=0.005)), dispatch)
+            rates[m, n, k].append(2.0 * m * n * k / seconds)
+    return [[m, n, k, statistics.median(rates[m, n, k])] for m, n, k in shapes]
 
 
 def measure_attention(clock: _Clock, device, dtype: torch.dtype, repeats: int, shape) -> Dict[str, float]:
