@@ -1,6 +1,6 @@
 """tools/bench_step_time.py runs end to end on one layout (a quick calibration of one rank, one
-timed step) and writes its JSON: the measured steps, the prediction from the calibrated profile
-and the error between them; a bad layout name is one sentence and exit status 2."""
+timed step) and writes its JSON: the measured steps, the prediction from the calibrated profile,
+the error between them and how steady the machine was around them; a bad layout name is one sentence and exit status 2."""
 
 import json
 import statistics
@@ -37,7 +37,9 @@ def test_bench_smoke_writes_json(tmp_path, cache_dir):
     assert row["predicted_s"] == row["prediction"]["step_s"] > 0
     assert row["error"] == pytest.approx(row["predicted_s"] / row["measured_s"] - 1)
     assert "calibrated, 1 rank(s)" in row["prediction"]["hardware"]
+    assert row["attempts"] == 1 and row["speed_spread"] >= 0  # --quick: one attempt
     assert doc["summary"]["layouts"] == 1 and doc["summary"]["median_abs_error"] == abs(row["error"])
+    assert doc["summary"]["unsteady"] == (row["speed_spread"] > 0.10)
 
 
 def test_unknown_layout_exits_2(capsys):
