@@ -16,8 +16,8 @@ every layout within +-20%.
 
 A shared machine's speed drifts over tens of seconds, longer than a calibration: a layout counts
 only when the machine held still around it, the speed of one thread's GEMM (:func:`probe`)
-before the calibration, between it and the run, between the run's steps (their median) and after
-the run within :data:`STEADY` of each other; otherwise the layout is calibrated and run again, up to :data:`ATTEMPTS` times (``--quick``:
+before the calibration, between it and the run, and after the run within :data:`STEADY` of each
+other; otherwise the layout is calibrated and run again, up to :data:`ATTEMPTS` times (``--quick``:
 once), and its row says how many attempts it took and the spread of the last.
 
 With ``--gpu``: the same on one GPU for the UltraMem-151M-x12 shape (sequence 2048, fp32) and its
@@ -117,16 +117,16 @@ ATTEMPTS = 3
 PROBE_SHAPE = (512, 1536, 384)  # [m, k] @ [k, n]: a small model's MLP GEMM
 
 
-def probe(timings: int = 9) -> float:
+def probe() -> float:
     """The machine's speed now: FLOP/s of one thread's :data:`PROBE_SHAPE` GEMM, the median of
-    ``timings`` timings of 50 ms."""
+    nine timings of 50 ms."""
     import torch
 
     torch.set_num_threads(1)
     m, n, k = PROBE_SHAPE
     a, b = torch.randn(m, k), torch.randn(k, n)
     rates = []
-    for _ in range(timings):
+    for _ in range(9):
         calls, start = 0, time.perf_counter()
         while time.perf_counter() - start < 0.05:
             torch.mm(a, b)
@@ -157,7 +157,7 @@ def worker(args) -> None:
     trainer = Trainer(config)
     for _ in range(args.warmup):
         trainer.train_step()
-    times, speeds = [], []
+    times = []
     for _ in range(args.steps):
         dist.barrier()
         start = time.perf_counter()
@@ -165,12 +165,9 @@ def worker(args) -> None:
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(float(elapsed))
-        if dist.get_rank() == 0:  # the machine's speed between the steps, the other ranks waiting
-            speeds.append(probe(timings=5))
-        dist.barrier()
     if dist.get_rank() == 0:
         with open(args.worker_out, "w") as f:
-            json.dump({"step_s": times, "speeds": speeds}, f)
+            json.dump({"step_s": times}, f)
     parallel.destroy()
 
 
@@ -206,9 +203,7 @@ def calibrate(ranks: int, out: str, quick: bool) -> None:
         raise SystemExit(f"bench_step_time: calibrating {ranks} rank(s) failed (exit {proc.returncode})")
 
 
-def measure(args, ranks: int, overrides: list):
-    """The slowest rank's seconds of each timed step and the median speed of the machine
-    (:func:`probe`) between them."""
+def measure(args, ranks: int, overrides: list) -> list:
     out = os.path.join(args.workdir, f"steps-{os.getpid()}.json")
     cmd = _torchrun(
         ranks,
@@ -226,9 +221,9 @@ def measure(args, ranks: int, overrides: list):
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
         raise SystemExit(f"bench_step_time: training {overrides} failed (exit {proc.returncode})")
     with open(out) as f:
-        doc = json.load(f)
+        times = json.load(f)["step_s"]
     os.remove(out)
-    return doc["step_s"], statistics.median(doc["speeds"])
+    return times
 
 
 def predict(config_path, overrides: list, ranks: int, profile_path: str) -> dict:
@@ -329,8 +324,8 @@ def main(argv=None) -> int:
                     if args.calibrate == "each" or not os.path.exists(profile):
                         calibrate(ranks, profile, args.quick)
                     speeds.append(probe())
-                    times, during = measure(args, ranks, overrides)
-                    speeds += [during, probe()]
+                    times = measure(args, ranks, overrides)
+                    speeds.append(probe())
                     spread = max(speeds) / min(speeds) - 1
                     if spread <= STEADY:
                         break
