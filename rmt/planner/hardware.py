@@ -271,6 +271,12 @@ def _mapping(where: str, value, keys: Sequence[str]) -> Dict:
     return value
 
 
+def _rates(where: str, value, keys: Sequence[str]) -> Dict[str, float]:
+    """``{key: positive number}`` for each of ``keys`` of the object ``value``."""
+    entries = _mapping(where, value, keys)
+    return {key: _positive(f"{where}.{key}", entries[key]) for key in keys}
+
+
 def profile_from_dict(doc: Dict) -> Profile:
     """A :class:`Profile` of ``doc``; one sentence (``ValueError``) for a missing field or a
     non-positive rate."""
@@ -281,48 +287,42 @@ def profile_from_dict(doc: Dict) -> Profile:
             raise ValueError(f"the hardware profile lacks the field '{field}' (a profile needs {', '.join(FIELDS)}).")
     if doc["device"] not in ("gpu", "cpu"):
         raise ValueError(f"hardware profile field device must be gpu or cpu, got {doc['device']!r}.")
-    peak = _mapping("peak_flops", doc["peak_flops"], DTYPES)
     gemm = _mapping("gemm_efficiency", doc["gemm_efficiency"], DTYPES)
     attention = _mapping("attention_efficiency", doc["attention_efficiency"], DTYPES)
-    lookup = _mapping("lookup_bandwidth", doc["lookup_bandwidth"], PHASES)
+    elementwise = _mapping("elementwise_rate", doc["elementwise_rate"], DTYPES)
+    kinds = {d: _mapping(f"elementwise_rate.{d}", elementwise[d], ELEMENTWISE) for d in DTYPES}
     links = _mapping("collectives", doc["collectives"], SPANS)
     tile = doc["gemm_tile"]
     if not isinstance(tile, list) or len(tile) != 2:
         raise ValueError("hardware profile field gemm_tile must be [rows, cols].")
     collectives = {}
     for span in SPANS:
-        kinds = _mapping(f"collectives.{span}", links[span], COLLECTIVES)
+        groups = _mapping(f"collectives.{span}", links[span], COLLECTIVES)
         collectives[span] = {
             kind: {
                 "alpha_s": _non_negative(
-                    f"collectives.{span}.{kind}.alpha_s", _get(kinds[kind], span, kind, "alpha_s")
+                    f"collectives.{span}.{kind}.alpha_s", _get(groups[kind], span, kind, "alpha_s")
                 ),
-                "busbw": _positive(f"collectives.{span}.{kind}.busbw", _get(kinds[kind], span, kind, "busbw")),
+                "busbw": _positive(f"collectives.{span}.{kind}.busbw", _get(groups[kind], span, kind, "busbw")),
             }
             for kind in COLLECTIVES
         }
     return Profile(
         name=str(doc["name"]),
         device=doc["device"],
-        peak_flops={d: _positive(f"peak_flops.{d}", peak[d]) for d in DTYPES},
+        peak_flops=_rates("peak_flops", doc["peak_flops"], DTYPES),
         gemm_efficiency={d: _table(f"gemm_efficiency.{d}", gemm[d], 4) for d in DTYPES},
         gemm_tile=[int(_positive("gemm_tile[0]", tile[0])), int(_positive("gemm_tile[1]", tile[1]))],
         units=int(_positive("units", doc["units"])),
-        attention_efficiency={
-            d: {
-                p: _positive(
-                    f"attention_efficiency.{d}.{p}",
-                    _mapping(f"attention_efficiency.{d}", attention[d], PHASES)[p],
-                )
-                for p in PHASES
-            }
+        attention_efficiency={d: _rates(f"attention_efficiency.{d}", attention[d], PHASES) for d in DTYPES},
+        memory_bandwidth=_table("memory_bandwidth", doc["memory_bandwidth"]),
+        elementwise_rate={
+            d: {kind: _rates(f"elementwise_rate.{d}.{kind}", kinds[d][kind], PHASES) for kind in ELEMENTWISE}
             for d in DTYPES
         },
-        memory_bandwidth=_table("memory_bandwidth", doc["memory_bandwidth"]),
-        elementwise_rate=_elementwise(doc["elementwise_rate"]),
         op_overhead_s=_non_negative("op_overhead_s", doc["op_overhead_s"]),
         async_launch=bool(doc["async_launch"]),
-        lookup_bandwidth={p: _positive(f"lookup_bandwidth.{p}", lookup[p]) for p in PHASES},
+        lookup_bandwidth=_rates("lookup_bandwidth", doc["lookup_bandwidth"], PHASES),
         topk_rate=_positive("topk_rate", doc["topk_rate"]),
         collectives=collectives,
         gpus_per_node=int(_positive("gpus_per_node", doc["gpus_per_node"])),
@@ -330,23 +330,6 @@ def profile_from_dict(doc: Dict) -> Profile:
         host_memory_bandwidth=_positive("host_memory_bandwidth", doc["host_memory_bandwidth"]),
         sources=dict(doc["sources"]) if isinstance(doc["sources"], dict) else {},
     )
-
-
-def _elementwise(value) -> Dict[str, Dict[str, Dict[str, float]]]:
-    rates = _mapping("elementwise_rate", value, DTYPES)
-    out = {}
-    for d in DTYPES:
-        kinds = _mapping(f"elementwise_rate.{d}", rates[d], ELEMENTWISE)
-        out[d] = {
-            kind: {
-                p: _positive(
-                    f"elementwise_rate.{d}.{kind}.{p}", _mapping(f"elementwise_rate.{d}.{kind}", kinds[kind], PHASES)[p]
-                )
-                for p in PHASES
-            }
-            for kind in ELEMENTWISE
-        }
-    return out
 
 
 def _get(entry, span: str, kind: str, key: str):
