@@ -15,10 +15,11 @@ measured median step is compared with the prediction from that world size's prof
 every layout within +-20%.
 
 A shared machine's speed drifts over tens of seconds, longer than a calibration: a layout counts
-only when the machine held still around it, the speed of one thread's GEMM (:func:`probe`)
-before the calibration, between it and the run, and after the run within :data:`STEADY` of each
-other; otherwise the layout is calibrated and run again, up to :data:`ATTEMPTS` times (``--quick``:
-once), and its row says how many attempts it took and the spread of the last.
+only when the machine held still around it, the speed of a GEMM (:func:`probe`; on a CPU one
+thread's) before the calibration, between it and the run, and after the run within
+:data:`STEADY` of each other; otherwise the layout is calibrated (``--calibrate once``: not again)
+and run again, up to :data:`ATTEMPTS` times (``--quick``: once), and its row says how many
+attempts it took and the spread of the last.
 
 With ``--gpu``: the same on one GPU for the UltraMem-151M-x12 shape (sequence 2048, fp32) and its
 dense twin, each layout against the GPU's calibrated profile (goal: within 15%).
@@ -117,22 +118,18 @@ ATTEMPTS = 3
 PROBE_SHAPE = (512, 1536, 384)  # [m, k] @ [k, n]: a small model's MLP GEMM
 
 
-def probe() -> float:
-    """The machine's speed now: FLOP/s of one thread's :data:`PROBE_SHAPE` GEMM, the median of
-    nine timings of 50 ms."""
+def probe(gpu: bool) -> float:
+    """The machine's speed now: FLOP/s of :data:`PROBE_SHAPE`'s GEMM on the device the runs use
+    (a CPU: one thread), the median of nine timings of 50 ms."""
     import torch
 
+    from rmt.planner.calibrate import Clock
+
     torch.set_num_threads(1)
+    device = torch.device("cuda" if gpu else "cpu")
     m, n, k = PROBE_SHAPE
-    a, b = torch.randn(m, k), torch.randn(k, n)
-    rates = []
-    for _ in range(9):
-        calls, start = 0, time.perf_counter()
-        while time.perf_counter() - start < 0.05:
-            torch.mm(a, b)
-            calls += 1
-        rates.append(2.0 * m * n * k * calls / (time.perf_counter() - start))
-    return statistics.median(rates)
+    a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
+    return 2.0 * m * n * k / Clock(device).seconds(lambda: torch.mm(a, b), 9, min_s=0.05)
 
 
 def fail(sentence: str) -> int:
@@ -309,6 +306,7 @@ def main(argv=None) -> int:
         return fail("--steps must be at least 1 and --warmup at least 0.")
     args.steps = args.steps or (2 if args.quick else 6)
     layouts = [x for x in table if x[0] in chosen]
+    attempts = 1 if args.quick else ATTEMPTS
     load_before = os.getloadavg()
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
@@ -318,21 +316,21 @@ def main(argv=None) -> int:
             for name, _, extra in (x for x in layouts if x[1] == ranks):
                 overrides = run_overrides(args, extra)
                 start = time.perf_counter()
-                for attempt in range(1, (1 if args.quick else ATTEMPTS) + 1):
+                for attempt in range(1, attempts + 1):
                     wait_for_quiet(args.max_load)
-                    speeds = [probe()]
+                    speeds = [probe(args.gpu)]
                     if args.calibrate == "each" or not os.path.exists(profile):
                         calibrate(ranks, profile, args.quick)
-                    speeds.append(probe())
+                    speeds.append(probe(args.gpu))
                     times = measure(args, ranks, overrides)
-                    speeds.append(probe())
+                    speeds.append(probe(args.gpu))
                     spread = max(speeds) / min(speeds) - 1
                     if spread <= STEADY:
                         break
                     print(
                         f"  {name}: the machine's speed moved {spread:.0%} around it "
                         f"({', '.join(f'{x / 1e9:.0f}' for x in speeds)} GFLOP/s)"
-                        + (", measuring again" if attempt < ATTEMPTS and not args.quick else ""),
+                        + (", measuring again" if attempt < attempts else ""),
                         file=sys.stderr,
                         flush=True,
                     )

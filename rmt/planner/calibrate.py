@@ -49,7 +49,9 @@ GEMM_FLOPS_MAX = {"cpu": 2e9, "gpu": 1e13}
 MEMORY_BYTES = [1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28]
 
 
-class _Clock:
+class Clock:
+    """Times a callable on ``device``, waiting for a GPU's queued work at each end."""
+
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
 
@@ -113,7 +115,7 @@ def device_seconds(seconds: float, dispatch: float) -> float:
     return max(seconds - dispatch, 0.5 * seconds)
 
 
-def measure_dispatch(clock: _Clock, device, repeats: int) -> float:
+def measure_dispatch(clock: Clock, device, repeats: int) -> float:
     """Seconds of the bare dispatch of one operation: a one-element ``add_``."""
     x = torch.zeros(1, device=device)
     return _largest(clock.seconds(lambda: x.add_(1.0), repeats))
@@ -124,7 +126,7 @@ GEMM_PASSES = 3
 
 
 def measure_gemms(
-    clock: _Clock, device, dtype: torch.dtype, shapes, repeats: int, dispatch: float = 0.0
+    clock: Clock, device, dtype: torch.dtype, shapes, repeats: int, dispatch: float = 0.0
 ) -> List[List[float]]:
     """``[[m, n, k, flop/s], ...]`` of the GEMM ``shapes`` (the bare ``dispatch`` taken off): the
     median of :data:`GEMM_PASSES` passes over them in alternating orders, since a burst of other
@@ -140,7 +142,7 @@ def measure_gemms(
     return [[m, n, k, statistics.median(rates[m, n, k])] for m, n, k in shapes]
 
 
-def measure_attention(clock: _Clock, device, dtype: torch.dtype, repeats: int, shape) -> Dict[str, float]:
+def measure_attention(clock: Clock, device, dtype: torch.dtype, repeats: int, shape) -> Dict[str, float]:
     """FLOP/s of masked fused attention forward and backward on ``shape`` ``(b, h, s, d)``."""
     import torch.nn.functional as F
 
@@ -160,7 +162,7 @@ def measure_attention(clock: _Clock, device, dtype: torch.dtype, repeats: int, s
     return {"forward": flops / forward, "backward": 2.5 * flops / max(total - forward, 1e-9)}
 
 
-def measure_memory(clock: _Clock, device, sizes, repeats: int, dispatch: float = 0.0) -> List[List[float]]:
+def measure_memory(clock: Clock, device, sizes, repeats: int, dispatch: float = 0.0) -> List[List[float]]:
     """``[[bytes, bytes/s], ...]`` of ``x += y`` touching each size (two reads, a write; the bare
     ``dispatch`` taken off)."""
     out = []
@@ -179,7 +181,7 @@ count)."""
 NORM_WIDTH = 1024
 
 
-def measure_elementwise(clock: _Clock, device, dtype: torch.dtype, repeats: int, dispatch: float = 0.0):
+def measure_elementwise(clock: Clock, device, dtype: torch.dtype, repeats: int, dispatch: float = 0.0):
     """``{kind: {"forward": elements/s, "backward": elements/s}}`` of the GELU, a layer norm over
     rows of :data:`NORM_WIDTH` and a softmax over such rows (the backward: the forward and the
     input's gradient less the forward; the bare ``dispatch`` taken off)."""
@@ -207,7 +209,7 @@ def measure_elementwise(clock: _Clock, device, dtype: torch.dtype, repeats: int,
     return out
 
 
-def measure_op_overhead(clock: _Clock, device, repeats: int) -> float:
+def measure_op_overhead(clock: Clock, device, repeats: int) -> float:
     """Seconds per dispatched aten operation of a tiny autograd forward and backward."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -229,7 +231,7 @@ def measure_op_overhead(clock: _Clock, device, repeats: int) -> float:
     return _largest(clock.seconds(step, repeats)) / Count.n
 
 
-def measure_lookup(clock: _Clock, device, repeats: int, quick: bool) -> Dict[str, float]:
+def measure_lookup(clock: Clock, device, repeats: int, quick: bool) -> Dict[str, float]:
     """Bytes of value rows per second of :func:`rmt.ops.lookup_reduce`, forward and backward
     (the table gradient as touched rows), at UltraMem's shape (rows of 64 fp32, top-32)."""
     from rmt.ops import lookup_reduce
@@ -250,13 +252,13 @@ def measure_lookup(clock: _Clock, device, repeats: int, quick: bool) -> Dict[str
     return {"forward": nbytes / forward, "backward": nbytes / max(total - forward, 1e-9)}
 
 
-def measure_topk(clock: _Clock, device, repeats: int) -> float:
+def measure_topk(clock: Clock, device, repeats: int) -> float:
     """Elements per second of ``torch.topk`` over rows of 2,048 keys (k = 32)."""
     x = torch.randn(512, 2048, device=device)
     return x.numel() / _largest(clock.seconds(lambda: torch.topk(x, 32, dim=-1), repeats))
 
 
-def measure_collectives(clock: _Clock, device, repeats: int, quick: bool) -> Dict[str, Dict[str, float]]:
+def measure_collectives(clock: Clock, device, repeats: int, quick: bool) -> Dict[str, Dict[str, float]]:
     """``{kind: {"alpha_s", "busbw"}}`` over the launched world (module docstring)."""
     from rmt.planner.hardware import bus_factor
 
@@ -299,7 +301,7 @@ def measure_collectives(clock: _Clock, device, repeats: int, quick: bool) -> Dic
     return out
 
 
-def measure_host_link(clock: _Clock, device, repeats: int) -> float:
+def measure_host_link(clock: Clock, device, repeats: int) -> float:
     """Bytes/s of a pinned host-to-device copy (on a CPU: of a large copy)."""
     n = 1 << 26
     if device.type == "cuda":
@@ -340,7 +342,7 @@ def calibrate(out: str, quick: bool = False, threads: int = 1) -> Dict:
         dist.init_process_group("nccl" if cuda else "gloo")
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    clock = _Clock(device)
+    clock = Clock(device)
     repeats = 3 if quick else 5
 
     def say(message: str) -> None:
