@@ -23,7 +23,8 @@ from rmt.planner.hardware import (
 from rmt.planner.profiles import PROFILES
 from rmt.planner.rank import layout_of
 from rmt.planner.rank_cli import load_planned
-from rmt.planner.step_work import Kernels, layer_forward, layer_param_elements
+from rmt.models.vocab import padded_vocab_size
+from rmt.planner.step_work import Kernels, embedding_work, layer_forward, layer_param_elements
 from rmt.planner.time import plan_time, stage_time
 
 TINY = "configs/tiny.yaml"
@@ -171,9 +172,27 @@ def test_a_layers_gelu_and_norms_are_priced_by_their_elements():
     stream = flat(elementwise_rate=_rates(1e30, 1e30), memory_bandwidth=[[1, 1e12]])
     slow = flat(elementwise_rate=_rates(1e6, 1e6), memory_bandwidth=[[1, 1e12]])
     layer = layer_forward(config, 1, False)
-    streamed = sum(n * c for n, c, kind, _ in layer.memory if kind == "stream") / 1e12
+    streamed = sum(p.nbytes * p.count for p in layer.memory if p.kind == "stream") / 1e12
     assert layer.seconds(slow)["memory"] == pytest.approx(streamed + (T * F + 2 * T * D) / 1e6)
-    assert layer.seconds(stream)["memory"] == pytest.approx(sum(n * c for n, c, _, _ in layer.memory) / 1e12)
+    assert layer.seconds(stream)["memory"] == pytest.approx(sum(p.nbytes * p.count for p in layer.memory) / 1e12)
+
+
+def test_the_loss_is_priced_in_fp32_and_the_final_norm_both_ways_under_bf16():
+    """The output layer's work under bf16: the cross entropy's exponent at the fp32 softmax rate
+    (it runs in fp32), the final norm forward and backward at the bf16 norm's rates."""
+    config = load_planned(TINY, ["train.precision=bf16"], 1)
+    m = config.model
+    T, D = config.train.micro_batch_size * m.seq_length, m.hidden_size
+    V = padded_vocab_size(config)
+    rates = {
+        d: {k: {"forward": 1e30, "backward": 1e30} for k in ("gelu", "norm", "softmax")} for d in ("fp32", "bf16")
+    }
+    rates["fp32"]["softmax"] = {"forward": 1e6, "backward": 1e30}
+    rates["bf16"]["norm"] = {"forward": 2e6, "backward": 1e6}
+    profile = flat(elementwise_rate=rates, memory_bandwidth=[[1, 1e30]])
+    fwd, bwd = embedding_work(config, 1, False, first=False, last=True)
+    assert fwd.seconds(profile)["memory"] == pytest.approx(T * V / 1e6 + T * D / 2e6)
+    assert bwd.seconds(profile)["memory"] == pytest.approx(T * D / 1e6)
 
 
 # -- the schedule --------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ third of a layer's and a micro-batch's in its forward.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, NamedTuple, Tuple
 
 from rmt.memory.byte_sizes import DTYPE_BYTES
 from rmt.planner.hardware import Profile, attention_seconds, elementwise_seconds, gemm_seconds, memory_seconds
@@ -90,6 +90,19 @@ FUSED_ADAMW_BYTES = 28  # read parameter, gradient, two moments; write parameter
 GRAD_ACCUMULATE_BYTES = 12  # main_grad += grad: two reads and a write of fp32
 
 
+class Pass(NamedTuple):
+    """``count`` memory-bound operations each reading and writing ``nbytes``: plain streams
+    (``kind`` ``stream``) or elementwise operations of a kind of
+    :data:`rmt.planner.hardware.ELEMENTWISE` over ``elements`` elements in ``dtype`` (``""``: the
+    phase's)."""
+
+    nbytes: float
+    count: int
+    kind: str = "stream"
+    elements: float = 0.0
+    dtype: str = ""
+
+
 @dataclass
 class Kernels:
     """The work of one phase (module docstring); every size in elements or bytes."""
@@ -98,7 +111,7 @@ class Kernels:
     gemms: List[Tuple[int, int, int, int]] = field(default_factory=list)
     attention_flops: float = 0.0
     attention_dtype: str = ""
-    memory: List[Tuple[float, int, str, float]] = field(default_factory=list)
+    memory: List[Pass] = field(default_factory=list)
     lookup_bytes: float = 0.0
     topk_elements: float = 0.0
     ops: float = 0.0
@@ -111,13 +124,14 @@ class Kernels:
     def mem(self, nbytes: float, count: int = 1) -> None:
         """A memory-bound operation reading and writing ``nbytes``."""
         if count and nbytes > 0:
-            self.memory.append((float(nbytes), int(count), "stream", 0.0))
+            self.memory.append(Pass(float(nbytes), int(count)))
 
-    def elementwise(self, kind: str, elements: float, nbytes: float, count: int = 1) -> None:
+    def elementwise(self, kind: str, elements: float, nbytes: float, count: int = 1, dtype: str = "") -> None:
         """An elementwise operation of ``kind`` (:data:`rmt.planner.hardware.ELEMENTWISE`) over
-        ``elements`` elements, reading and writing ``nbytes``."""
+        ``elements`` elements, reading and writing ``nbytes``, computed in ``dtype`` (default the
+        phase's)."""
         if count and nbytes > 0:
-            self.memory.append((float(nbytes), int(count), kind, float(elements)))
+            self.memory.append(Pass(float(nbytes), int(count), kind, float(elements), dtype))
 
     def flops(self) -> float:
         """Matrix FLOPs of the phase: its GEMMs and attention."""
@@ -132,7 +146,7 @@ class Kernels:
             out.gemm(m, k, n, c)  # grad of the input: [m, n] @ [n, k]
             out.gemm(k, n, m, c)  # grad of the weight: [k, m] @ [m, n]
         out.attention_flops = ATTENTION_BACKWARD * self.attention_flops
-        out.memory = [(2 * nbytes, c, kind, elements) for nbytes, c, kind, elements in self.memory]
+        out.memory = [p._replace(nbytes=2 * p.nbytes) for p in self.memory]
         return out
 
     def add(self, other: Kernels) -> None:
@@ -150,16 +164,16 @@ class Kernels:
         out = Kernels(self.dtype, attention_dtype=self.attention_dtype, phase=self.phase)
         out.gemms = [(m, n, k, c * factor) for m, n, k, c in self.gemms]
         out.attention_flops = self.attention_flops * factor
-        out.memory = [(nbytes, c * factor, kind, elements) for nbytes, c, kind, elements in self.memory]
+        out.memory = [p._replace(count=p.count * factor) for p in self.memory]
         out.lookup_bytes = self.lookup_bytes * factor
         out.topk_elements = self.topk_elements * factor
         out.ops = self.ops * factor
         return out
 
-    def _memory_seconds(self, profile: Profile, nbytes: float, kind: str, elements: float) -> float:
-        if kind == "stream":
-            return memory_seconds(profile, nbytes)
-        return elementwise_seconds(profile, kind, elements, nbytes, self.dtype, self.phase)
+    def _pass_seconds(self, profile: Profile, p: Pass) -> float:
+        if p.kind == "stream":
+            return memory_seconds(profile, p.nbytes)
+        return elementwise_seconds(profile, p.kind, p.elements, p.nbytes, p.dtype or self.dtype, self.phase)
 
     def seconds(self, profile: Profile) -> Dict[str, float]:
         """The phase's time by component on ``profile``: device seconds of each kind, the host's
@@ -172,7 +186,7 @@ class Kernels:
             )
             if self.attention_flops
             else 0.0,
-            "memory": sum(c * self._memory_seconds(profile, nbytes, kind, e) for nbytes, c, kind, e in self.memory),
+            "memory": sum(p.count * self._pass_seconds(profile, p) for p in self.memory),
             "lookup": self.lookup_bytes / profile.lookup_bandwidth[self.phase],
             "topk": self.topk_elements / profile.topk_rate,
         }
@@ -186,6 +200,16 @@ class Kernels:
 # -- dense layers -----------------------------------------------------------------------------------
 def _bytes(config) -> int:
     return DTYPE_BYTES[config.train.precision]
+
+
+def layer_tokens(config) -> int:
+    """Token positions one dense layer processes per micro-batch: the recurrent transformer's
+    windows of two blocks over every block are ``2 x`` the padded sequence, the others' the
+    sequence."""
+    m = config.model
+    if m.arch == "recurrent":
+        return 2 * config.train.micro_batch_size * m.block_width * -(-m.seq_length // m.block_width)
+    return config.train.micro_batch_size * m.seq_length
 
 
 def layer_forward(config, tp: int, sp: bool) -> Kernels:
@@ -216,9 +240,8 @@ def layer_forward(config, tp: int, sp: bool) -> Kernels:
     A = D  # megatron's local spec: heads x head dim = hidden size
     Ts = T // tp if sp else T
     window = 2 * m.block_width if m.arch == "recurrent" else s
-    if m.arch == "recurrent":  # windows of 2k tokens over every block: 2T token positions
-        T = 2 * config.train.micro_batch_size * m.block_width * -(-s // m.block_width)
-        Ts = T
+    if m.arch == "recurrent":
+        T = Ts = layer_tokens(config)
     if m.arch == "mixer":  # token mixing: an N x N product per head, a GEMM over the heads
         k.gemm(T, D, D, 2)
         k.gemm(s, D, s, config.train.micro_batch_size)
@@ -260,7 +283,8 @@ def embedding_work(config, tp: int, sp: bool, first: bool, last: bool) -> Tuple[
     T = config.train.micro_batch_size * m.seq_length
     width = m.dk * m.dv if m.arch == "rmt" else m.hidden_size
     Vt = padded_vocab_size(config) // tp
-    fwd, bwd = Kernels(config.train.precision), Kernels(config.train.precision)
+    fwd = Kernels(config.train.precision)
+    bwd = Kernels(config.train.precision, phase="backward")
     rows = m.rank * m.dv if m.arch == "rmt" else m.hidden_size
     if first:
         fwd.mem(2 * T * rows * b)  # gather of the token rows (and the RMT's write into its matrix)
@@ -271,6 +295,7 @@ def embedding_work(config, tp: int, sp: bool, first: bool, last: bool) -> Tuple[
     if last:
         Ts = T // tp if sp else T
         fwd.elementwise("norm", Ts * width, 2 * Ts * width * b)  # final norm
+        bwd.elementwise("norm", Ts * width, 4 * Ts * width * b)
         if m.arch == "rmt":
             fwd.gemm(T * m.dv, m.rank, m.dk)
             bwd.gemm(T * m.dv, m.dk, m.rank, 2)
@@ -278,7 +303,7 @@ def embedding_work(config, tp: int, sp: bool, first: bool, last: bool) -> Tuple[
         bwd.gemm(T, rows, Vt)
         bwd.gemm(rows, Vt, T)
         cast = T * Vt * (b + 4) if b != 4 else 0
-        fwd.elementwise("softmax", T * Vt, 2 * T * Vt * 4)  # the vocab-parallel cross entropy's exp
+        fwd.elementwise("softmax", T * Vt, 2 * T * Vt * 4, dtype="fp32")  # the cross entropy's exp
         fwd.mem(4 * T * Vt * 4 + cast)  # its other passes
         bwd.mem(4 * T * Vt * 4 + cast)
         bwd.mem(GRAD_ACCUMULATE_BYTES * Vt * rows)

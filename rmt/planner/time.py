@@ -81,6 +81,7 @@ from rmt.planner.step_work import (
     dense_optimizer_work,
     embedding_work,
     layer_forward,
+    layer_tokens,
     layer_ops,
     layer_param_elements,
     memory_layer_work,
@@ -110,21 +111,21 @@ def tensor_parallel_seconds(
         return {"forward": 0.0, "backward": 0.0}
     m = config.model
     b = DTYPE_BYTES[config.train.precision]
-    T = config.train.micro_batch_size * m.seq_length
+    T = config.train.micro_batch_size * m.seq_length  # the embedding's and the output layer's
     if m.arch == "rmt":
         matrix = collective_seconds(profile, "all_reduce", T * m.dk * m.dv * b, t)
         hidden = collective_seconds(profile, "all_reduce", T * m.rank * m.dv * b, t)
         out = {"forward": layers * (matrix + hidden), "backward": layers * (matrix + hidden)}
         edge = collective_seconds(profile, "all_reduce", T * m.rank * m.dv * b, t)
     else:
-        hidden = T * m.hidden_size * b
+        hidden = layer_tokens(config) * m.hidden_size * b
         if layout.sequence_parallel:
             gather = collective_seconds(profile, "all_gather", hidden, t)
             one = gather + collective_seconds(profile, "reduce_scatter", hidden, t)
-            edge = collective_seconds(profile, "reduce_scatter", hidden, t)
+            edge = collective_seconds(profile, "reduce_scatter", T * m.hidden_size * b, t)
         else:
             one = collective_seconds(profile, "all_reduce", hidden, t)
-            edge = one
+            edge = collective_seconds(profile, "all_reduce", T * m.hidden_size * b, t)
         backward = 2 * layers * gather if layout.sequence_parallel else 0.0  # the row-parallel outputs' gradients
         out = {
             "forward": 2 * layers * one,
@@ -147,23 +148,21 @@ def _column_parallel_backward(config, layout: Layout, profile: Profile) -> float
     reduce-scattered beside the weight-gradient GEMM. A GPU runs NCCL's kernels beside the GEMMs,
     so only what outlasts its GEMM is exposed; a CPU rank's cores run both, so all of it is."""
     m = config.model
-    t, b = layout.tp, DTYPE_BYTES[config.train.precision]
-    T = config.train.micro_batch_size * m.seq_length
-    D = m.hidden_size
-    hidden = T * D * b
+    t, dtype = layout.tp, config.train.precision
+    T, D = layer_tokens(config), m.hidden_size
+    hidden = T * D * DTYPE_BYTES[dtype]
     if layout.sequence_parallel:
         pairs = [("all_gather", "input"), ("reduce_scatter", "weight")]
     else:
         pairs = [("all_reduce", "weight")]
     seconds = 0.0
     for width in (3 * D // t, (m.ffn_hidden_size or 4 * D) // t):
-        gemm = {
-            "input": gemm_seconds(profile, T, D, width, config.train.precision),
-            "weight": gemm_seconds(profile, width, D, T, config.train.precision),
-        }
         for kind, beside in pairs:
             comm = collective_seconds(profile, kind, hidden, t)
-            seconds += max(0.0, comm - gemm[beside]) if profile.device == "gpu" else comm
+            if profile.device == "gpu":
+                shape = (T, D, width) if beside == "input" else (width, D, T)
+                comm = max(0.0, comm - gemm_seconds(profile, *shape, dtype))
+            seconds += comm
     return seconds
 
 
