@@ -24,7 +24,7 @@ from rmt.planner.profiles import PROFILES
 from rmt.planner.rank import layout_of
 from rmt.planner.rank_cli import load_planned
 from rmt.models.vocab import padded_vocab_size
-from rmt.planner.step_work import Kernels, embedding_work, layer_forward, layer_param_elements
+from rmt.planner.step_work import Kernels, core_attention, embedding_work, layer_forward, layer_param_elements
 from rmt.planner.time import plan_time, stage_time
 
 TINY = "configs/tiny.yaml"
@@ -195,6 +195,40 @@ def test_the_loss_is_priced_in_fp32_and_the_final_norm_both_ways_under_bf16():
     assert bwd.seconds(profile)["memory"] == pytest.approx(T * D / 1e6)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_megatrons_unfused_attention_is_two_batched_gemms_and_its_softmax_passes(precision):
+    """``model.attention_kernel: megatron``: the same FLOPs as the fused kernel, as per-head GEMMs
+    ``[s, d] @ [d, s]`` and ``[s, s] @ [s, d]``, and over the ``E`` scores the fp32 mask fill
+    (9 bytes an element), the fp32 softmax, and under bf16 the two casts."""
+    over = [f"train.precision={precision}"]
+    fused = load_planned(TINY, over, 1)
+    unfused = load_planned(TINY, over + ["model.attention_kernel=megatron"], 1)
+    m = unfused.model
+    mb, s, H, d = unfused.train.micro_batch_size, m.seq_length, m.num_attention_heads, m.hidden_size // m.num_attention_heads
+    assert layer_forward(unfused, 1, False).flops() == layer_forward(fused, 1, False).flops()
+    k = core_attention(unfused, 1)
+    assert k.attention_flops == 0 and k.gemms == [(s, s, d, mb * H), (s, d, s, mb * H)]
+    E, b = mb * H * s * s, {"fp32": 4, "bf16": 2}[precision]
+    rates = {
+        dt: {kind: {"forward": 1e30, "backward": 1e30} for kind in ("gelu", "norm", "softmax")}
+        for dt in ("fp32", "bf16")
+    }
+    rates["fp32"]["softmax"] = {"forward": 1e6, "backward": 1e30}
+    bw = 1e12
+    profile = flat(elementwise_rate=rates, memory_bandwidth=[[1, bw]])
+    casts = 2 * E * (b + 4) if b == 2 else 0
+    assert k.seconds(profile)["memory"] == pytest.approx((casts + 9 * E) / bw + E / 1e6)
+
+
+def test_selective_recomputation_runs_megatrons_attention_again():
+    p = flat()
+    config, doc = _time(["train.recompute_granularity=selective", "model.attention_kernel=megatron"], 1, p)
+    again = core_attention(config, 1)
+    assert again.gemms and doc["stages"]["0"]["recompute_s"] == pytest.approx(
+        config.model.num_layers * again.seconds(p)["total"]
+    )
+
+
 # -- the schedule --------------------------------------------------------------------------------
 def _time(overrides, world, profile=None):
     config = load_planned(TINY, overrides, world)
@@ -293,10 +327,8 @@ def test_full_recompute_adds_the_forward_of_every_layer_and_selective_the_attent
         ["train.recompute_granularity=full", "train.recompute_method=uniform", "train.recompute_num_layers=1"], 1, p
     )
     _, sel = _time(["train.recompute_granularity=selective"], 1, p)
-    from rmt.planner.step_work import attention_forward_only, layer_forward
-
     layer = layer_forward(base, 1, False).seconds(p)["total"]
-    attention = attention_forward_only(base, 1).seconds(p)["total"]
+    attention = core_attention(base, 1).seconds(p)["total"]
     assert full["stages"]["0"]["recompute_s"] == pytest.approx(2 * layer)
     assert sel["stages"]["0"]["recompute_s"] == pytest.approx(2 * attention)
     assert none["stages"]["0"]["recompute_s"] == 0.0

@@ -72,6 +72,7 @@ FULL = ["train.recompute_granularity=full", "train.recompute_method=uniform", "t
 LAYOUTS = [
     ("dp1", 1, []),
     ("dp1_selective", 1, ["train.recompute_granularity=selective"]),
+    ("dp1_megatron_attention", 1, ["model.attention_kernel=megatron"]),
     ("dp2", 2, []),
     ("tp2", 2, ["parallel.tensor_model_parallel_size=2"]),
     ("tp2_sp", 2, ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]),

@@ -212,6 +212,42 @@ def layer_tokens(config) -> int:
     return config.train.micro_batch_size * m.seq_length
 
 
+def core_attention(config, tp: int) -> Kernels:
+    """One layer's core attention, forward, one micro-batch on a tensor-parallel rank (what
+    selective recomputation runs again): a fused kernel's FLOPs (torch's
+    ``scaled_dot_product_attention``; the RMT's in fp32), or under ``model.attention_kernel:
+    megatron`` megatron-core's ``DotProductAttention`` as rmt configures it (no fused softmax):
+    per head and window the scores ``[w, d] @ [d, w]`` (``baddbmm``) and the context
+    ``[w, w] @ [w, d]`` (``bmm``) as batched GEMMs, and over the ``E`` scores the causal mask
+    filled in place and the softmax, both in fp32 (``attention_softmax_in_fp32``: under bf16 the
+    scores cast up and the probabilities back), the dropout with ``model.dropout``."""
+    m = config.model
+    b = _bytes(config)
+    k = Kernels(config.train.precision)
+    if m.arch == "rmt":
+        k.attention_dtype = "fp32"
+        k.attention_flops = 4.0 * config.train.micro_batch_size * m.seq_length**2 * m.dv * m.rank / tp
+        return k
+    if m.arch == "mixer":
+        return k
+    T, heads, d = layer_tokens(config), m.num_attention_heads // tp, m.hidden_size // m.num_attention_heads
+    w = 2 * m.block_width if m.arch == "recurrent" else m.seq_length
+    if m.attention_kernel == "sdpa":
+        k.attention_flops = 4.0 * T * w * heads * d
+        return k
+    batches = heads * T // w
+    k.gemm(w, w, d, batches)
+    k.gemm(w, d, w, batches)
+    E = heads * T * w
+    if b != 4:
+        k.mem(E * (b + 4), 2)
+    k.mem(E * 9)  # read and write the fp32 scores, read the bool mask
+    k.elementwise("softmax", E, 8 * E, dtype="fp32")
+    if m.dropout > 0:
+        k.mem(E * (2 * b + 1))
+    return k
+
+
 def layer_forward(config, tp: int, sp: bool) -> Kernels:
     """One dense layer's forward on a tensor-parallel rank, one micro-batch (module docstring)."""
     m = config.model
@@ -222,14 +258,13 @@ def layer_forward(config, tp: int, sp: bool) -> Kernels:
     if m.arch == "rmt":
         Dk, Dv, R = m.dk, m.dv, m.rank
         F = m.ffn_hidden_size or 4 * R * Dv
-        k.attention_dtype = "fp32"  # the RMT's core attention runs in fp32 (rmt.models.rmt)
+        k.add(core_attention(config, tp))  # in fp32 (rmt.models.rmt)
         k.gemm(T * Dv, 3 * R // tp, Dk)  # attention read, norm fused
         k.gemm(T * Dv, Dk, R // tp)  # attention write
         k.gemm(T * Dv, R, Dk)  # FFN read
         k.gemm(T, F // tp, R * Dv)
         k.gemm(T, R * Dv, F // tp)
         k.gemm(T * Dv, Dk, R)  # FFN write
-        k.attention_flops = 4.0 * T * s * Dv * R / tp
         k.mem(T * Dk * Dv * b, 2)  # the two norm-fused reads of the residual matrix
         k.mem(2 * T * Dk * Dv * b, 2)  # the two writes, residual added in place
         k.elementwise("gelu", T * F // tp, 2 * T * F // tp * b)
@@ -239,7 +274,6 @@ def layer_forward(config, tp: int, sp: bool) -> Kernels:
     F = m.ffn_hidden_size or 4 * D
     A = D  # megatron's local spec: heads x head dim = hidden size
     Ts = T // tp if sp else T
-    window = 2 * m.block_width if m.arch == "recurrent" else s
     if m.arch == "recurrent":
         T = Ts = layer_tokens(config)
     if m.arch == "mixer":  # token mixing: an N x N product per head, a GEMM over the heads
@@ -248,7 +282,7 @@ def layer_forward(config, tp: int, sp: bool) -> Kernels:
     else:
         k.gemm(T, 3 * A // tp, D)
         k.gemm(T, D, A // tp)
-        k.attention_flops = 4.0 * T * window * A / tp
+        k.add(core_attention(config, tp))
         k.mem(8 * T * A // tp * b)  # q, k, v into the kernel's layout, the context back
         if m.position == "rope":
             k.mem(4 * T * A // tp * b)
@@ -410,9 +444,3 @@ def dense_optimizer_work(config, elements: int, stepped: int, dp: int, device: s
     return k
 
 
-def attention_forward_only(config, tp: int) -> Kernels:
-    """The core attention of one layer, forward (what selective recomputation runs again)."""
-    full = layer_forward(config, tp, False)
-    k = Kernels(config.train.precision, attention_dtype=full.attention_dtype)
-    k.attention_flops = full.attention_flops
-    return k

@@ -77,13 +77,13 @@ from rmt.planner.step_work import (
     MICROBATCH_OPS,
     STEP_OPS,
     Kernels,
-    attention_forward_only,
+    core_attention,
     dense_optimizer_work,
     embedding_work,
     layer_forward,
-    layer_tokens,
     layer_ops,
     layer_param_elements,
+    layer_tokens,
     memory_layer_work,
     table_optimizer_work,
 )
@@ -268,7 +268,7 @@ def _recompute(config, layout: Layout, forward_layer: Kernels, layers: int) -> K
         again = layers if layout.recompute_method == "uniform" else min(k, layers)
         return forward_layer.scaled(again)
     if layout.recompute == "selective":
-        return attention_forward_only(config, layout.tp).scaled(layers)
+        return core_attention(config, layout.tp).scaled(layers)
     return Kernels(config.train.precision)
 
 
