@@ -446,37 +446,34 @@ GPT = [
     "train.micro_batch_size=1",
 ]
 FULL_RECOMPUTE = ["train.recompute_granularity=full", "train.recompute_method=uniform", "train.recompute_num_layers=1"]
+def _gpt(heads, hidden, layers, tp, pp, batch):
+    return [
+        f"model.num_layers={layers}",
+        f"model.hidden_size={hidden}",
+        f"model.num_attention_heads={heads}",
+        "model.vocab_size=51200",
+        "model.seq_length=2048",
+        f"train.global_batch_size={batch}",
+        f"parallel.tensor_model_parallel_size={tp}",
+        f"parallel.pipeline_model_parallel_size={pp}",
+    ]
+
+
+# Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+# Megatron-LM" (SC'21): TFLOP/s per A100 with activation recomputation counted; Table 1's weak
+# scaling of GPT models (heads, hidden, layers, TP, PP, GPUs, batch) and §5.1's GPT-3 estimate
 PUBLISHED = {
-    # Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
-    # Megatron-LM" (SC'21), Table 1: TFLOP/s per A100 with activation recomputation counted
-    "GPT 175B, 1024 A100": (
-        [
-            "model.num_layers=96",
-            "model.hidden_size=12288",
-            "model.num_attention_heads=96",
-            "model.vocab_size=51200",
-            "model.seq_length=2048",
-            "train.global_batch_size=1536",
-            "parallel.tensor_model_parallel_size=8",
-            "parallel.pipeline_model_parallel_size=16",
-        ],
-        1024,
-        140.0,
-    ),
-    "GPT 1T, 3072 A100": (
-        [
-            "model.num_layers=128",
-            "model.hidden_size=25600",
-            "model.num_attention_heads=160",
-            "model.vocab_size=51200",
-            "model.seq_length=2048",
-            "train.global_batch_size=3072",
-            "parallel.tensor_model_parallel_size=8",
-            "parallel.pipeline_model_parallel_size=64",
-        ],
-        3072,
-        163.0,
-    ),
+    "GPT 1.7B, 32 A100": (_gpt(24, 2304, 24, 1, 1, 512), 32, 137.0),
+    "GPT 3.6B, 64 A100": (_gpt(32, 3072, 30, 2, 1, 512), 64, 138.0),
+    "GPT 7.5B, 128 A100": (_gpt(32, 4096, 36, 4, 1, 512), 128, 142.0),
+    "GPT 18.4B, 256 A100": (_gpt(48, 6144, 40, 8, 1, 1024), 256, 135.0),
+    "GPT 39.1B, 512 A100": (_gpt(64, 8192, 48, 8, 2, 1536), 512, 138.0),
+    "GPT 76.1B, 1024 A100": (_gpt(80, 10240, 60, 8, 4, 1792), 1024, 140.0),
+    "GPT 145.6B, 1536 A100": (_gpt(96, 12288, 80, 8, 8, 2304), 1536, 148.0),
+    "GPT 175B, 1024 A100": (_gpt(96, 12288, 96, 8, 16, 1536), 1024, 140.0),
+    "GPT 310.1B, 1920 A100": (_gpt(128, 16384, 96, 8, 16, 2160), 1920, 155.0),
+    "GPT 529.6B, 2520 A100": (_gpt(128, 20480, 105, 8, 35, 2520), 2520, 163.0),
+    "GPT 1T, 3072 A100": (_gpt(160, 25600, 128, 8, 64, 3072), 3072, 163.0),
 }
 
 
