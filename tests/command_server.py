@@ -24,6 +24,7 @@ own processes) run in new interpreters.
 """
 
 import atexit
+import contextlib
 import json
 import os
 import runpy
@@ -32,7 +33,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 
 #: what the server imports before it forks: every command's heavy imports
 PRELOAD = ("torch", "megatron.core.parallel_state", "rmt.training.trainer", "rmt.training.cli", "rmt.planner.cli")
@@ -83,10 +83,8 @@ def serve(path: str, parent: int) -> list:
 
 
 def _answer(conn, number: int) -> None:
-    try:
+    with contextlib.suppress(OSError):  # the test gave up on the command (a timeout) and closed its end
         conn.send(str(number).encode())
-    except OSError:  # the test gave up on the command (a timeout) and closed its end
-        pass
 
 
 def execute(args: list) -> None:
@@ -154,13 +152,19 @@ class Server:
 
 
 _server = None
-_lock = threading.Lock()
 
 
-#: variables that libraries set in ``os.environ`` when they run, none read on import, which a test
-#: running them in its own process leaves behind: megatron-core's attention-backend switches for
-#: TransformerEngine (set where it builds attention) and inductor's cache folder (set on first use)
-SET_WHEN_RUN = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN", "TORCHINDUCTOR_CACHE_DIR")
+#: variables set in ``os.environ`` while tests run, none read on import: pytest's name of the
+#: running test, and what libraries set when a test runs them in its own process: megatron-core's
+#: attention-backend switches for TransformerEngine (set where it builds attention) and inductor's
+#: cache folder (set on first use)
+SET_WHEN_RUN = (
+    "PYTEST_CURRENT_TEST",
+    "NVTE_FLASH_ATTN",
+    "NVTE_FUSED_ATTN",
+    "NVTE_UNFUSED_ATTN",
+    "TORCHINDUCTOR_CACHE_DIR",
+)
 
 
 def _imported_with(env: dict) -> dict:
@@ -177,9 +181,8 @@ def served(args: list, env: dict, standard_env: dict) -> bool:
 def run(args: list, env: dict, cwd: str, timeout: float) -> subprocess.CompletedProcess:
     """``python ARGS`` as a fork of this test process's server (started on first use)."""
     global _server
-    with _lock:
-        if _server is None or _server.popen.poll() is not None:
-            _server = Server(_imported_with(env), cwd)
+    if _server is None or _server.popen.poll() is not None:
+        _server = Server(_imported_with(env), cwd)
     return _server.run(args, env, timeout)
 
 

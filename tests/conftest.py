@@ -144,14 +144,9 @@ def _env():
     return env
 
 
-def _comparable(env):
-    """``env`` without what pytest changes from test to test."""
-    return {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
-
-
 # the environment of every launch in a session whose tests leave os.environ as they found it: the
 # one the command server (tests/command_server.py) runs commands in
-_STANDARD_ENV = _comparable(_env())
+_STANDARD_ENV = _env()
 
 
 def run_python(args, nproc=1, timeout=600, check=True):
@@ -166,7 +161,7 @@ def run_python(args, nproc=1, timeout=600, check=True):
         # --standalone: torchrun's store binds a free port itself and the workers join that store
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] + args
     env = _env()
-    if nproc == 1 and command_server.served(args, _comparable(env), _STANDARD_ENV):
+    if nproc == 1 and command_server.served(args, env, _STANDARD_ENV):
         proc = command_server.run(args, env, ROOT, timeout)
     else:
         # A session of its own, so a timeout kills torchrun's workers too (not only the launcher).

@@ -9,7 +9,7 @@ import sys
 import command_server
 import pytest
 
-from conftest import ROOT, _comparable, _env, run_python
+from conftest import ROOT, _env, run_python
 
 pytestmark = pytest.mark.slow
 
@@ -65,12 +65,13 @@ def test_a_timeout_kills_the_command(script):
 
 
 def test_only_the_servers_environment_is_served(script, monkeypatch):
-    standard = _comparable(_env())
+    standard = _env()
     assert command_server.served(["-m", "rmt.training.cli"], standard, standard)
     assert command_server.served([script], dict(standard, NVTE_FLASH_ATTN="0"), standard)
+    assert command_server.served([script], dict(standard, PYTEST_CURRENT_TEST="another test (call)"), standard)
     assert not command_server.served(["-c", "pass"], standard, standard)
     assert not command_server.served(["-m", "torch.distributed.run"], standard, standard)
     monkeypatch.setenv("RMT_PROBE", "set")
-    assert not command_server.served([script], _comparable(_env()), standard)
+    assert not command_server.served([script], _env(), standard)
     proc = run_python([script, "0"])  # a new interpreter, which sees the variable
     assert proc.stdout.split()[-2:] == ["set", "True"]
