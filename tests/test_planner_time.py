@@ -11,6 +11,7 @@ import math
 import pytest
 
 from rmt.memory import comm_volume
+from rmt.models.vocab import padded_vocab_size
 from rmt.planner.cli import main
 from rmt.planner.hardware import (
     collective_seconds,
@@ -23,7 +24,6 @@ from rmt.planner.hardware import (
 from rmt.planner.profiles import PROFILES
 from rmt.planner.rank import layout_of
 from rmt.planner.rank_cli import load_planned
-from rmt.models.vocab import padded_vocab_size
 from rmt.planner.step_work import Kernels, core_attention, embedding_work, layer_forward, layer_param_elements
 from rmt.planner.time import plan_time, stage_time
 
@@ -184,9 +184,7 @@ def test_the_loss_is_priced_in_fp32_and_the_final_norm_both_ways_under_bf16():
     m = config.model
     T, D = config.train.micro_batch_size * m.seq_length, m.hidden_size
     V = padded_vocab_size(config)
-    rates = {
-        d: {k: {"forward": 1e30, "backward": 1e30} for k in ("gelu", "norm", "softmax")} for d in ("fp32", "bf16")
-    }
+    rates = {d: {k: {"forward": 1e30, "backward": 1e30} for k in ("gelu", "norm", "softmax")} for d in ("fp32", "bf16")}
     rates["fp32"]["softmax"] = {"forward": 1e6, "backward": 1e30}
     rates["bf16"]["norm"] = {"forward": 2e6, "backward": 1e6}
     profile = flat(elementwise_rate=rates, memory_bandwidth=[[1, 1e30]])
@@ -204,7 +202,12 @@ def test_megatrons_unfused_attention_is_two_batched_gemms_and_its_softmax_passes
     fused = load_planned(TINY, over, 1)
     unfused = load_planned(TINY, over + ["model.attention_kernel=megatron"], 1)
     m = unfused.model
-    mb, s, H, d = unfused.train.micro_batch_size, m.seq_length, m.num_attention_heads, m.hidden_size // m.num_attention_heads
+    mb, s, H, d = (
+        unfused.train.micro_batch_size,
+        m.seq_length,
+        m.num_attention_heads,
+        m.hidden_size // m.num_attention_heads,
+    )
     assert layer_forward(unfused, 1, False).flops() == layer_forward(fused, 1, False).flops()
     k = core_attention(unfused, 1)
     assert k.attention_flops == 0 and k.gemms == [(s, s, d, mb * H), (s, d, s, mb * H)]
@@ -446,6 +449,8 @@ GPT = [
     "train.micro_batch_size=1",
 ]
 FULL_RECOMPUTE = ["train.recompute_granularity=full", "train.recompute_method=uniform", "train.recompute_num_layers=1"]
+
+
 def _gpt(heads, hidden, layers, tp, pp, batch):
     return [
         f"model.num_layers={layers}",

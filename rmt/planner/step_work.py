@@ -13,7 +13,9 @@ under sequence parallelism, ``b`` bytes of ``train.precision``):
 
 * transformer (megatron's local spec): GEMMs ``[T, D] @ [D, 3A/t]``, ``[T, A/t] @ [A/t, D]``,
   ``[T, D] @ [D, F/t]``, ``[T, F/t] @ [F/t, D]``; attention ``4 T s A/t`` FLOPs (every ``s x s``
-  pair: rmt passes an explicit causal mask, so the kernel skips none); memory-bound: two norms
+  pair: rmt passes an explicit causal mask, so the kernel skips none), or with
+  ``model.attention_kernel: megatron`` the same as batched GEMMs and the passes of an unfused
+  softmax (:func:`core_attention`); memory-bound: two norms
   ``2 T' D b`` each, two bias-dropout-adds ``3 T' D b`` each (a dropout mask byte and one more
   pass each with ``model.dropout``), the GELU ``2 T F/t b``, the attention's layout copies
   (q, k, v into the kernel's ``[b, h, s, d]`` and the context back, ``8 T A/t b``), RoPE on q and
@@ -442,5 +444,3 @@ def dense_optimizer_work(config, elements: int, stepped: int, dp: int, device: s
     per = 4 + 8 + ADAMW_BYTES[device] + (6 if config.train.precision == "bf16" else 0)
     k.mem(per * stepped)
     return k
-
-
