@@ -521,20 +521,33 @@ def test_each_operation_costs_its_issue_time_where_the_host_is_slower():
     assert issued <= slow["forward_s"] <= issued + fast["forward_s"]
 
 
+TRACED = {
+    "transformer": [],
+    "transformer, selective": ["train.recompute_granularity=selective"],
+    "transformer, megatron attention, selective": [
+        "model.attention_kernel=megatron",
+        "train.recompute_granularity=selective",
+    ],
+    "rmt": ["model.arch=rmt", "model.dk=16", "model.dv=16", "model.rank=4", "model.position=alibi"],
+    "mixer": ["model.arch=mixer"],
+    "recurrent, 4 blocks": ["model.arch=recurrent", "model.seq_length=128"],
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["transformer", "rmt"])
-def test_the_operations_counted_per_layer_are_those_a_step_dispatches(arch):
+@pytest.mark.parametrize("variant", sorted(TRACED))
+def test_the_operations_counted_per_layer_are_those_a_step_dispatches(variant):
     """A traced training step (every aten operation dispatched, under a TorchDispatchMode) of the
     tiny model with 2 and 4 layers, 1 and 2 micro-batches: its operations per layer, per
     micro-batch besides the layers and per step are the counts the model charges
-    (rmt.planner.step_work.LAYER_OPS, MICROBATCH_OPS, STEP_OPS)."""
+    (rmt.planner.step_work.layer_ops, MICROBATCH_OPS, STEP_OPS)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from rmt import parallel
     from rmt.config import load_config
     from rmt.config_checks import validate
-    from rmt.planner.step_work import LAYER_OPS, MICROBATCH_OPS, STEP_OPS
+    from rmt.planner.step_work import MICROBATCH_OPS, STEP_OPS, layer_ops
     from rmt.training.trainer import Trainer
 
     class Count(TorchDispatchMode):
@@ -552,9 +565,7 @@ def test_the_operations_counted_per_layer_are_those_a_step_dispatches(arch):
         "train.eval_iters=0",
         "train.progress=false",
         "data.max_documents=40",
-    ]
-    if arch == "rmt":
-        shape += ["model.arch=rmt", "model.dk=16", "model.dv=16", "model.rank=4", "model.position=alibi"]
+    ] + TRACED[variant]
     counts = {}
     torch.set_num_threads(1)
     for layers, batch in ((2, 2), (4, 2), (2, 4)):  # 1 or 2 micro-batches of 2 sequences
@@ -569,6 +580,7 @@ def test_the_operations_counted_per_layer_are_those_a_step_dispatches(arch):
             counts[layers, batch] = Count.n
         finally:
             parallel.destroy()
-    assert (counts[4, 2] - counts[2, 2]) // 2 == LAYER_OPS[arch]
-    assert counts[2, 4] - counts[2, 2] - 2 * LAYER_OPS[arch] == MICROBATCH_OPS[arch]
-    assert counts[2, 2] - 2 * LAYER_OPS[arch] - MICROBATCH_OPS[arch] == STEP_OPS[arch]
+    per_layer, arch = layer_ops(config), config.model.arch
+    assert (counts[4, 2] - counts[2, 2]) // 2 == per_layer
+    assert counts[2, 4] - counts[2, 2] - 2 * per_layer == MICROBATCH_OPS[arch]
+    assert counts[2, 2] - 2 * per_layer - MICROBATCH_OPS[arch] == STEP_OPS[arch]

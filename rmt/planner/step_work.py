@@ -57,8 +57,9 @@ zeroed once a step (4 bytes) and, with data parallelism, scaled before its reduc
 
 Host operations per layer (counted by tracing a tiny model's step under a ``TorchDispatchMode``:
 every aten operation dispatched, views included; ``tests/test_planner_time.py`` counts them
-again): :data:`LAYER_OPS`, :data:`MEMORY_LAYER_OPS`, :data:`MICROBATCH_OPS`, :data:`STEP_OPS`; a
-third of a layer's and a micro-batch's in its forward.
+again): :data:`LAYER_OPS` and the kernels' and recomputation's more (:func:`layer_ops`),
+:data:`MEMORY_LAYER_OPS`, :data:`MICROBATCH_OPS`, :data:`STEP_OPS`; a third of a layer's and a
+micro-batch's in its forward.
 """
 
 from __future__ import annotations
@@ -69,13 +70,19 @@ from typing import Dict, List, NamedTuple, Tuple
 from rmt.memory.byte_sizes import DTYPE_BYTES
 from rmt.planner.hardware import Profile, attention_seconds, elementwise_seconds, gemm_seconds, memory_seconds
 
-LAYER_OPS = {"transformer": 129, "rmt": 156, "recurrent": 129, "mixer": 129}
-"""Operations the host issues per layer and micro-batch, forward and backward."""
-SELECTIVE_OPS = 21
-"""More per layer under selective recomputation (the core attention run again)."""
+LAYER_OPS = {"transformer": 129, "rmt": 156, "recurrent": 129, "mixer": 176}
+"""Operations the host issues per layer and micro-batch, forward and backward, with torch's fused
+attention (the recurrent transformer's per application of its layer, :func:`layer_ops`)."""
+MEGATRON_ATTENTION_OPS = 35
+"""More per layer with megatron-core's unfused attention (``model.attention_kernel: megatron``)."""
+SELECTIVE_OPS = {"sdpa": 21, "megatron": 30, "rmt": 8}
+"""More per layer under selective recomputation (the core attention run again), by kernel."""
+RECURRENT_FEWER_OPS = 6
+"""Fewer per recurrent layer than its applications of the layer issue (its parameters' gradient
+hooks run once a layer, its windows' masks and mixing once a window)."""
 MEMORY_LAYER_OPS = 370
 """Per UltraMem / PKM / UltraMemV2 / MoE layer and micro-batch, forward, backward and its step."""
-MICROBATCH_OPS = {"transformer": 134, "rmt": 177, "recurrent": 134, "mixer": 134}
+MICROBATCH_OPS = {"transformer": 134, "rmt": 177, "recurrent": 129, "mixer": 119}
 """Per micro-batch besides the layers: the batch to the device, the embedding, the loss, the
 schedule's calls."""
 STEP_OPS = {"transformer": 30, "rmt": 29, "recurrent": 30, "mixer": 30}
@@ -298,8 +305,20 @@ def layer_forward(config, tp: int, sp: bool) -> Kernels:
 
 
 def layer_ops(config) -> float:
-    """Host operations of one layer and micro-batch (forward and backward)."""
-    return LAYER_OPS[config.model.arch] + (SELECTIVE_OPS if config.train.recompute_granularity == "selective" else 0)
+    """Host operations of one layer and micro-batch, forward and backward: the architecture's,
+    megatron-core's unfused attention's more, selective recomputation's more by kernel; a
+    recurrent layer issues them once per application of its layer (``blocks + 1``, eqs. 6-8 of
+    :mod:`rmt.models.recurrent`), less :data:`RECURRENT_FEWER_OPS`."""
+    m = config.model
+    kernel = "rmt" if m.arch == "rmt" else m.attention_kernel
+    ops = LAYER_OPS[m.arch]
+    if kernel == "megatron" and m.arch != "mixer":
+        ops += MEGATRON_ATTENTION_OPS
+    if config.train.recompute_granularity == "selective":
+        ops += SELECTIVE_OPS[kernel]
+    if m.arch == "recurrent":
+        return ops * (-(-m.seq_length // m.block_width) + 1) - RECURRENT_FEWER_OPS
+    return ops
 
 
 def layer_param_elements(config, tp: int) -> int:
