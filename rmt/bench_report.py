@@ -2,7 +2,8 @@
 
 Every ``tools/bench_*.py`` checks its ``--json`` path with :func:`check_report` right after its
 arguments are parsed, before it measures anything (a path that cannot be written is one sentence,
-``bench_x: error: ...``, and exit status 2: :mod:`rmt.outputs`), and writes the report with
+``bench_x: error: ...``, and exit status 2: :mod:`rmt.outputs`), refuses other bad input with
+:func:`refuse` (``bench_x: sentence``, exit status 2), and writes the report with
 :func:`write_report` (atomically: a kill or a full disk leaves no torn file).
 """
 
@@ -15,6 +16,13 @@ from typing import Optional
 
 from rmt.errors import USER_ERROR_EXIT
 from rmt.outputs import output_problem, write_json
+
+
+def refuse(benchmark: str, sentence: str) -> int:
+    """Bad input to ``benchmark``: ``benchmark: sentence`` on stderr, once, and the exit status
+    (2) for its ``main`` to return."""
+    print(f"{benchmark}: {sentence}", file=sys.stderr, flush=True)
+    return USER_ERROR_EXIT
 
 
 def check_report(path: Optional[str], benchmark: str) -> None:

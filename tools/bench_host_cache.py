@@ -32,12 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from rmt.bench_report import check_report, write_report  # noqa: E402
-
-
-def fail(sentence: str) -> int:
-    print(f"bench_host_cache: {sentence}", file=sys.stderr)
-    return 2
+from rmt.bench_report import check_report, refuse, write_report  # noqa: E402
 
 
 def overrides(args, cache_rows: int):
@@ -158,15 +153,19 @@ def main(argv=None):
         args.fractions = [_fraction(f) for f in fractions.split(",")]
         args.refresh = [int(r) for r in refresh.split(",")]
     except ValueError:
-        return fail(
-            f"--fractions takes fractions in (0, 1] and --refresh positive steps, got '{fractions}', '{refresh}'"
+        return refuse(
+            "bench_host_cache",
+            f"--fractions takes fractions in (0, 1] and --refresh positive steps, got '{fractions}', '{refresh}'",
         )
     if not all(0 < f <= 1 for f in args.fractions) or not all(r > 0 for r in args.refresh):
-        return fail(
-            f"--fractions takes fractions in (0, 1] and --refresh positive steps, got '{fractions}', '{refresh}'"
+        return refuse(
+            "bench_host_cache",
+            f"--fractions takes fractions in (0, 1] and --refresh positive steps, got '{fractions}', '{refresh}'",
         )
     if args.steps <= max(args.refresh):
-        return fail(f"--steps ({args.steps}) must exceed every refresh interval ({max(args.refresh)})")
+        return refuse(
+            "bench_host_cache", f"--steps ({args.steps}) must exceed every refresh interval ({max(args.refresh)})"
+        )
     if not any(o.startswith("memory.num_keys=") for o in args.override):
         args.override = ["memory.num_keys=256", "model.seq_length=128"] + list(args.override)
     from rmt.config import load_config
@@ -176,7 +175,7 @@ def main(argv=None):
     try:
         config = validate(load_config(args.config, overrides(args, 1)), world_size=1)
     except (ConfigError, FileNotFoundError) as err:
-        return fail(str(err))
+        return refuse("bench_host_cache", str(err))
     shard = config.memory.num_keys**2
     sizes = [max(1, round(f * shard)) for f in args.fractions]
     tables = record(args, sizes[0])

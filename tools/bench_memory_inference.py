@@ -41,7 +41,6 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import time
 
 import rmt
@@ -50,7 +49,7 @@ rmt.setup_process()  # rmt's process settings (rmt.process), before torch is imp
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from rmt.bench_report import check_report, machine, write_report  # noqa: E402
+from rmt.bench_report import check_report, machine, refuse, write_report  # noqa: E402
 from rmt.memory import MemoryLayer, MemorySpec, SkipMoE  # noqa: E402
 from rmt.memory.layer_v2 import UltraMemV2Layer  # noqa: E402
 
@@ -336,8 +335,7 @@ def main(argv=None):
     try:
         models, shapes = build_models(d, heads, args.layers, args.expansion, args.topk)
     except ConfigError as err:  # the memory layers' settings, checked as rmt-train checks them
-        print(f"bench_memory_inference: {err}", file=sys.stderr)
-        return 2
+        return refuse("bench_memory_inference", str(err))
     rows = []
     print(f"{'batch':>6} " + " ".join(f"{n + ' ms':>15} {n + ' MB':>15}" for n in models))
     for b in batches:

@@ -49,7 +49,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from rmt.bench_report import check_report, machine, write_report  # noqa: E402
+from rmt.bench_report import check_report, machine, refuse, write_report  # noqa: E402
 
 SPARSE = ["memory.value_optimizer=sparse_adam"]
 FUSED = SPARSE + ["memory.fused_value_optimizer=true"]
@@ -66,11 +66,6 @@ VARIANTS = {
     "async_host_cache": ["memory.async_stream=true"] + HOST,  # + memory.host_cache_rows=--cache-rows
 }
 PAIRS = [("sync", "async", ""), ("sync_fused", "async_fused", "_fused"), ("sync_host", "async_host", "_host")]
-
-
-def fail(sentence: str) -> int:
-    print(f"bench_memory_stream: {sentence}", file=sys.stderr)
-    return 2
 
 
 def base_overrides(args):
@@ -363,9 +358,11 @@ def main(argv=None):
         )
     )
     if not 0 <= args.warmup < args.steps:
-        return fail("--warmup must be at least 0 and less than --steps")
+        return refuse("bench_memory_stream", "--warmup must be at least 0 and less than --steps")
     if not set(names) <= set(VARIANTS):
-        return fail(f"--variants takes names from {', '.join(VARIANTS)}, got '{args.variants}'")
+        return refuse(
+            "bench_memory_stream", f"--variants takes names from {', '.join(VARIANTS)}, got '{args.variants}'"
+        )
     from rmt.config import load_config
     from rmt.config_checks import validate
     from rmt.errors import ConfigError
@@ -374,7 +371,7 @@ def main(argv=None):
         for name in names:
             validate(load_config(args.config, variant_overrides(args, name)), world_size=1)
     except (ConfigError, FileNotFoundError) as err:
-        return fail(str(err))
+        return refuse("bench_memory_stream", str(err))
     out = os.path.abspath((args.json or "bench_memory_stream") + ".row.tmp")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     rows = []

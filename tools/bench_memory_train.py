@@ -43,7 +43,7 @@ from rmt import setup_process  # noqa: E402
 setup_process()  # rmt's process settings (rmt.process), before torch is imported
 import torch  # noqa: E402
 
-from rmt.bench_report import check_report, machine, write_report  # noqa: E402
+from rmt.bench_report import check_report, machine, refuse, write_report  # noqa: E402
 from rmt.config import load_config  # noqa: E402
 from rmt.config_checks import validate  # noqa: E402
 from rmt.errors import ConfigError  # noqa: E402
@@ -313,17 +313,12 @@ def main(argv=None) -> int:
     try:
         mults, fixed = parse_value_lr_mults(args.value_lr_mults or ("none" if q else "1,3,10,30"))
     except ValueError as err:
-        print(f"bench_memory_train: {err}", file=sys.stderr)
-        return 2
+        return refuse("bench_memory_train", str(err))
     eval_iters = args.eval_iters or (2 if q else 16)
     kinds = [k for k in args.variants.split(",") if k]
     unknown = [k for k in kinds if k not in VARIANTS]
     if unknown or not kinds:
-        print(
-            f"bench_memory_train: --variants must name some of {', '.join(VARIANTS)}; got {args.variants}",
-            file=sys.stderr,
-        )
-        return 2
+        return refuse("bench_memory_train", f"--variants must name some of {', '.join(VARIANTS)}; got {args.variants}")
     try:
         configs = {
             k: variant_config(k, steps, seeds[0], eval_iters, args.overrides, threads=args.threads)
@@ -331,8 +326,7 @@ def main(argv=None) -> int:
         }  # dense: the backbone to check
         check_backbone(configs)
     except ConfigError as err:
-        print(f"bench_memory_train: {err}", file=sys.stderr)
-        return 2
+        return refuse("bench_memory_train", str(err))
     from rmt.parallel import destroy, initialize
 
     with socket.socket() as s:

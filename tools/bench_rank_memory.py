@@ -42,7 +42,7 @@ sys.path.insert(0, ROOT)
 
 from bench_memory_scale import _measure, _status  # noqa: E402
 
-from rmt.bench_report import check_report, write_report  # noqa: E402
+from rmt.bench_report import check_report, refuse, write_report  # noqa: E402
 
 MIB = 1 << 20
 PHASES = ("init", "step", "save", "load")
@@ -370,8 +370,7 @@ def main(argv=None) -> int:
     names = QUICK if args.quick else (args.only or [n for n, _, _, _ in every])
     unknown = sorted(set(names) - {n for n, _, _, _ in every})
     if unknown:
-        print(f"bench_rank_memory: unknown layout(s) {', '.join(unknown)}", file=sys.stderr)
-        return 2
+        return refuse("bench_rank_memory", f"unknown layout(s) {', '.join(unknown)}")
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="bench_rank_memory.")
     rows = []
     for name, ranks, extra, config in every:

@@ -73,7 +73,7 @@ setup_process()  # rmt's process settings (rmt.process), before torch is importe
 import torch  # noqa: E402
 
 from rmt import parallel  # noqa: E402
-from rmt.bench_report import check_report, machine, write_report  # noqa: E402
+from rmt.bench_report import check_report, machine, refuse, write_report  # noqa: E402
 from rmt.config import load_config  # noqa: E402
 from rmt.config_checks import validate  # noqa: E402
 from rmt.data.tasks import noise_token, recall_accuracy  # noqa: E402
@@ -633,8 +633,7 @@ def main(argv=None) -> int:
     try:
         args, tasks, seeds = parse_args(argv)
     except UsageError as err:
-        print(f"bench_recurrent: {err}", file=sys.stderr)
-        return 2
+        return refuse("bench_recurrent", str(err))
     check_report(args.json, "bench_recurrent")
     q, cores = args.quick, sorted(os.sched_getaffinity(0))
     rows: list = []

@@ -48,15 +48,10 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 import rmt  # noqa: E402
-from rmt.bench_report import check_report, machine, write_report  # noqa: E402
+from rmt.bench_report import check_report, machine, refuse, write_report  # noqa: E402
 from rmt.machine_memory import meminfo_bytes  # noqa: E402
 
 rmt.setup_process()
-
-
-def fail(sentence: str) -> int:
-    print(f"bench_retrieval: {sentence}", file=sys.stderr)
-    return 2
 
 
 def available_bytes() -> int:
@@ -200,20 +195,20 @@ def main(argv=None):
     try:
         keys = [int(k) for k in (args.keys or ("1024,16384" if args.quick else "1024,16384,100000,200000")).split(",")]
     except ValueError:
-        return fail(f"--keys takes comma-separated integers; got {args.keys!r}")
+        return refuse("bench_retrieval", f"--keys takes comma-separated integers; got {args.keys!r}")
     if args.tokens is None:
         args.tokens = 512 if args.quick else 4096
     for name in ("tokens", "heads", "rank", "cores", "width", "topm", "reps"):
         if getattr(args, name) < 1:
-            return fail(f"--{name} must be at least 1; got {getattr(args, name)}")
+            return refuse("bench_retrieval", f"--{name} must be at least 1; got {getattr(args, name)}")
     if min(keys) < args.topm:
-        return fail(f"--keys must all be at least --topm ({args.topm}); got {min(keys)}")
+        return refuse("bench_retrieval", f"--keys must all be at least --topm ({args.topm}); got {min(keys)}")
     if args.rank == 1 and args.cores != 1:
         args.cores = 1  # product keys score one column
     import torch
 
     if args.device == "gpu" and not torch.cuda.is_available():
-        return fail("--device gpu needs a CUDA GPU; none is visible")
+        return refuse("bench_retrieval", "--device gpu needs a CUDA GPU; none is visible")
     args.torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     if args.backend is not None:
         from rmt.ops.dispatch import select_retrieval_backend
@@ -221,7 +216,7 @@ def main(argv=None):
         try:
             select_retrieval_backend("cuda" if args.device == "gpu" else "cpu", args.torch_dtype, args.backend)
         except ValueError as exc:
-            return fail(str(exc).removeprefix("fused_retrieval: "))
+            return refuse("bench_retrieval", str(exc).removeprefix("fused_retrieval: "))
     if args.peak_child:
         print(peak_child(args, args.peak_child[0], int(args.peak_child[1])))
         return 0

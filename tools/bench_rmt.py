@@ -37,7 +37,7 @@ setup_process()  # rmt's process settings (rmt.process), before torch is importe
 import torch  # noqa: E402
 
 from rmt import parallel, profiling  # noqa: E402
-from rmt.bench_report import check_report, machine, write_report  # noqa: E402
+from rmt.bench_report import check_report, machine, refuse, write_report  # noqa: E402
 from rmt.config import load_config  # noqa: E402
 from rmt.config_checks import validate  # noqa: E402
 from rmt.errors import ConfigError  # noqa: E402
@@ -185,15 +185,13 @@ def main(argv=None) -> int:
     check_report(args.json, "bench_rmt")
     sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
     if args.train and args.overrides:
-        print("bench_rmt: config overrides apply to the step-time run, not to --train", file=sys.stderr)
-        return 2
+        return refuse("bench_rmt", "config overrides apply to the step-time run, not to --train")
     try:
         for size in sizes:
             for overrides in twin_overrides(size, 1, args.overrides).values():
                 validate(load_config(None, overrides), world_size=1)
     except ConfigError as err:
-        print(f"bench_rmt: {err}", file=sys.stderr)
-        return 2
+        return refuse("bench_rmt", str(err))
     parallel.initialize(validate(load_config(None, []), world_size=1))
     where = machine(torch_threads=torch.get_num_threads(), device="cuda" if torch.cuda.is_available() else "cpu")
     try:

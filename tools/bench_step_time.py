@@ -47,7 +47,7 @@ sys.path.insert(0, ROOT)
 import bench_rank_memory as rank_memory  # noqa: E402
 
 from rmt import quiet  # noqa: E402
-from rmt.bench_report import check_report, write_report  # noqa: E402
+from rmt.bench_report import check_report, refuse, write_report  # noqa: E402
 
 BASE = [
     "model.num_layers=4",
@@ -131,11 +131,6 @@ def probe(gpu: bool) -> float:
     m, n, k = PROBE_SHAPE
     a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
     return 2.0 * m * n * k / Clock(device).seconds(lambda: torch.mm(a, b), 9, min_s=0.05)
-
-
-def fail(sentence: str) -> int:
-    print(f"bench_step_time: {sentence}", file=sys.stderr)
-    return 2
 
 
 # -- worker (one rank) ---------------------------------------------------------------------------
@@ -302,9 +297,9 @@ def main(argv=None) -> int:
     chosen = args.only or (QUICK if args.quick and not args.gpu else names)
     unknown = [n for n in chosen if n not in names]
     if unknown:
-        return fail(f"unknown layout '{unknown[0]}'; the layouts are {', '.join(names)}.")
+        return refuse("bench_step_time", f"unknown layout '{unknown[0]}'; the layouts are {', '.join(names)}.")
     if args.steps is not None and args.steps < 1 or args.warmup < 0:
-        return fail("--steps must be at least 1 and --warmup at least 0.")
+        return refuse("bench_step_time", "--steps must be at least 1 and --warmup at least 0.")
     args.steps = args.steps or (2 if args.quick else 6)
     layouts = [x for x in table if x[0] in chosen]
     attempts = 1 if args.quick else ATTEMPTS
