@@ -4,11 +4,11 @@
 
 Right before each layout it calibrates the machine under the layout's world size (``rmt-plan
 calibrate`` under ``torchrun``, one thread per rank, as the runs; ``--calibrate once``: once per
-world size), then trains the layout (``LAYOUTS``: data, tensor and sequence parallelism, 1F1B and interleaved pipelines, the
-distributed optimizer with both overlaps, full and selective recomputation, UltraMem tables
-sharded number- and dimension-wise with the async memory stream on and off, tables in host
-memory, the RMT and the transformer) on 1-4 gloo ranks through the real trainer, one thread per
-rank: ``--warmup`` steps untimed, then ``--steps`` steps, each the slowest rank's wall time (a
+world size), then trains the layout (``LAYOUTS``: data, tensor and sequence parallelism, 1F1B
+and interleaved pipelines, the distributed optimizer with both overlaps, full and selective
+recomputation, UltraMem tables sharded number- and dimension-wise with the async memory stream on
+and off, tables in host memory, the RMT, the transformer, the recurrent transformer and the
+mixer) on 1-4 gloo ranks through the real trainer, one thread per rank: ``--warmup`` steps untimed, then ``--steps`` steps, each the slowest rank's wall time (a
 step ends with its losses and gradient norm read, so on a GPU it waits for the device). The
 measured median step is compared with the prediction from that world size's profile:
 ``error = predicted / measured - 1``. Goal on a 2-core machine: median absolute error <= 10%,
@@ -90,6 +90,8 @@ LAYOUTS = [
     ("dp1_ultramem_host", 1, ULTRAMEM + ["memory.table_location=host", "memory.async_stream=true"]),
     ("rmt_dp1", 1, RMT),
     ("rmt_tp2", 2, RMT + ["parallel.tensor_model_parallel_size=2"]),
+    ("recurrent_dp1", 1, ["model.arch=recurrent", "model.block_width=32"]),
+    ("mixer_dp2", 2, ["model.arch=mixer"]),
     ("tp2_dp2_distopt", 4, ["parallel.tensor_model_parallel_size=2", "train.distributed_optimizer=true"]),
 ]
 QUICK = ["dp1", "dp2"]
