@@ -294,12 +294,17 @@ def test_tensor_parallel_collectives_are_megatrons_and_a_gpu_hides_the_async_one
     beside their weight-gradient GEMMs, or under SP the row-parallel outputs' gradients gathered,
     each column-parallel input gathered again beside its input-gradient GEMM and its gradient
     reduce-scattered beside its weight-gradient GEMM: a GPU exposes what outlasts the GEMM, a CPU
-    all of it."""
+    all of it. The output layer is one more column-parallel linear, the embedding's output is
+    summed (and split under SP: its gradient gathered), and full recomputation issues the
+    recomputed layers' forward collectives again."""
     tp = ["parallel.tensor_model_parallel_size=2"]
+    full = ["train.recompute_granularity=full", "train.recompute_method=uniform", "train.recompute_num_layers=1"]
     p = profile_from_dict(dict(PROFILES["h100"], device=device))
-    _, plain = _time(tp, 2, p)
+    base, plain = _time(tp, 2, p)
     _, sp = _time(tp + ["parallel.sequence_parallel=true"], 2, p)
+    _, sp_full = _time(tp + ["parallel.sequence_parallel=true"] + full, 2, p)
     T, D, F, layers = 8 * 128, 128, 512, 2  # micro-batch 8 x sequence 128, hidden 128, fp32
+    Vt = padded_vocab_size(base) // 2
     hidden = T * D * 4
     ar = collective_seconds(p, "all_reduce", hidden, 2)
     ag = collective_seconds(p, "all_gather", hidden, 2)
@@ -308,19 +313,21 @@ def test_tensor_parallel_collectives_are_megatrons_and_a_gpu_hides_the_async_one
     def beside(comm, gemm):
         return max(0.0, comm - gemm) if device == "gpu" else comm
 
-    plain_bwd = sp_bwd = 0.0
-    for width in (3 * D // 2, F // 2):
+    def column_parallel(width):  # the backward's asynchronous collectives, without and with SP
         dgrad, wgrad = gemm_seconds(p, T, D, width, "fp32"), gemm_seconds(p, width, D, T, "fp32")
-        plain_bwd += beside(ar, wgrad)
-        sp_bwd += beside(ag, dgrad) + beside(rs, wgrad)
-    loss = 3 * collective_seconds(p, "all_reduce", 4 * 8 * 128, 2)  # the cross entropy's three sums
-    # the embedding's output and the output layer's input gradient: summed (scattered under SP)
-    assert plain["stages"]["0"]["tensor_parallel_s"] == pytest.approx(layers * (2 * ar + plain_bwd) + 2 * ar + loss)
-    assert sp["stages"]["0"]["tensor_parallel_s"] == pytest.approx(
-        layers * (2 * (ag + rs) + 2 * ag + sp_bwd) + 2 * rs + loss
-    )
+        return beside(ar, wgrad), beside(ag, dgrad) + beside(rs, wgrad)
+
+    qkv, fc1, output = (column_parallel(w) for w in (3 * D // 2, F // 2, Vt))
+    loss = 3 * collective_seconds(p, "all_reduce", 4 * T, 2)  # the cross entropy's three sums
+    plain_layer = 2 * ar + qkv[0] + fc1[0]
+    assert plain["stages"]["0"]["tensor_parallel_s"] == pytest.approx(layers * plain_layer + ar + output[0] + loss)
+    sp_layer = 2 * (ag + rs) + 2 * ag + qkv[1] + fc1[1]
+    sp_edges = ar + ag + ag + output[1] + loss  # the embedding's sum, its split's gradient, the output's input
+    assert sp["stages"]["0"]["tensor_parallel_s"] == pytest.approx(layers * sp_layer + sp_edges)
+    recomputed = sp_full["stages"]["0"]["tensor_parallel_s"] - sp["stages"]["0"]["tensor_parallel_s"]
+    assert recomputed == pytest.approx(layers * 2 * (ag + rs))
     if device == "cpu":
-        assert plain_bwd == 2 * ar and sp_bwd == 2 * (ag + rs)
+        assert (qkv, fc1, output) == 3 * ((ar, ag + rs),)
 
 
 def test_full_recompute_adds_the_forward_of_every_layer_and_selective_the_attention():
@@ -584,3 +591,71 @@ def test_the_operations_counted_per_layer_are_those_a_step_dispatches(variant):
     assert (counts[4, 2] - counts[2, 2]) // 2 == per_layer
     assert counts[2, 4] - counts[2, 2] - 2 * per_layer == MICROBATCH_OPS[arch]
     assert counts[2, 2] - 2 * per_layer - MICROBATCH_OPS[arch] == STEP_OPS[arch]
+
+
+SMALL = [
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.seq_length=32",
+    "train.micro_batch_size=2",
+    "train.eval_iters=0",
+    "train.progress=false",
+    "data.max_documents=20",
+]
+TP2 = ["parallel.tensor_model_parallel_size=2"]
+SP = TP2 + ["parallel.sequence_parallel=true"]
+COUNTED = {  # layouts on two ranks whose step's collectives are counted
+    "tp": TP2,
+    "tp_sp": SP,
+    "tp_sp_full_recompute": SP
+    + ["train.recompute_granularity=full", "train.recompute_method=uniform", "train.recompute_num_layers=1"],
+    "tp_block_recompute": TP2
+    + ["train.recompute_granularity=full", "train.recompute_method=block", "train.recompute_num_layers=1"],
+    "tp_selective_bf16": TP2 + ["train.recompute_granularity=selective", "train.precision=bf16"],
+    "rmt_tp": TP2 + ["model.arch=rmt", "model.dk=16", "model.dv=16", "model.rank=8", "model.position=alibi"],
+    "pp": ["parallel.pipeline_model_parallel_size=2", "train.global_batch_size=8"],
+    "dp_distributed_optimizer": ["train.distributed_optimizer=true"],
+}
+
+
+def test_the_collectives_priced_are_those_a_step_issues(tmp_path):
+    """Every tensor-parallel collective and every once-a-step sum of a traced training step
+    (``tests/dist/step_collectives.py``, two gloo ranks, rank 0: the first pipeline stage) by kind,
+    bytes, group size and whether it was asynchronous, against :mod:`rmt.planner.step_collectives`
+    as :func:`rmt.planner.time.stage_time` composes it (collectives over one rank are free and not
+    counted)."""
+    from collections import Counter
+
+    from rmt.planner.rank import chunks_of
+    from rmt.planner.step_collectives import edge_collectives, layer_collectives, step_sums
+    from rmt.planner.step_work import layer_tokens
+    from rmt.planner.time import _recomputed_layers
+
+    from conftest import run_python
+
+    out = tmp_path / "calls.json"
+    argv = ["tests/dist/step_collectives.py", str(out)]
+    for overrides in COUNTED.values():
+        argv += SMALL + overrides + ["--"]
+    run_python(argv[:-1], nproc=2)
+    traced = json.loads(out.read_text())
+    for (name, overrides), calls in zip(COUNTED.items(), traced):
+        config = load_planned(TINY, SMALL + overrides, 2)
+        layout = layout_of(config, 2)
+        tp, sp = layout.tp, layout.sequence_parallel
+        expected = Counter()
+        chunks = chunks_of(config, layout, 0)
+        for c, (first, last) in enumerate(chunks):
+            n = last - first + 1
+            layer = layer_collectives(config, tp, sp, layer_tokens(config))
+            edges = edge_collectives(config, tp, sp, c == 0, layout.pp == 1 and c == len(chunks) - 1)
+            per_microbatch = (
+                n * (layer["forward"] + layer["backward"]) + _recomputed_layers(layout, n) * layer["forward"]
+            )
+            for x in per_microbatch + edges["forward"] + edges["backward"]:
+                expected[x.kind, x.nbytes, x.ranks, x.beside is not None] += layout.microbatches
+        for x in step_sums(config, layout, 0):
+            expected[x.kind, x.nbytes, x.ranks, False] += 1
+        seen = Counter({tuple(k): n for *k, n in calls if k[2] > 1})
+        assert seen == Counter({k: n for k, n in expected.items() if k[2] > 1}), name

@@ -9,13 +9,10 @@ bus bandwidth inside and across nodes), then composed as megatron-core's schedul
 **One micro-batch on a stage** (each distinct pipeline stage; its model chunks in turn): the
 dense layers' forward and backward, recomputation (``full``: the recomputed layers' forward again
 in the backward; ``selective``: the core attention's), the embedding or the output layer and the
-loss, the tensor-parallel collectives (two all-reduces of the hidden state per layer forward and
-two backward, or under sequence parallelism an all-gather and a reduce-scatter in place of each
-forward, and backward the row-parallel outputs' gradients gathered, the column-parallel inputs
-gathered again and their gradients reduce-scattered; the backward's asynchronous ones hidden on
-a GPU behind the GEMMs megatron issues after them, :func:`_column_parallel_backward`; the RMT's
-residual matrix through its attention's copy-to and reduce-from regions and its FFN's hidden
-state), and the memory layers (:func:`memory_layer_time`).
+loss, the tensor-parallel collectives (:mod:`rmt.planner.step_collectives`: those megatron-core
+and rmt issue per layer, the embedding's, the output layer's and the loss's, the recomputed
+layers' again; the backward's asynchronous ones hidden on a GPU behind the GEMMs megatron runs
+while they are in flight), and the memory layers (:func:`memory_layer_time`).
 
 **Memory layers**: their kernels (scoring, top-m, lookup-reduce forward and backward, the fused
 row-wise optimizer) run on the rank's device in series with the dense layers (on one device they
@@ -44,7 +41,9 @@ bucket, is exposed; the distributed optimizer's parameter all-gather, exposed un
 first bucket stays). Local value tables with a dense gradient are reduced with them.
 
 **The optimizer step**: memory-bound (:func:`rmt.planner.step_work.dense_optimizer_work`, the
-tables' optimizers), the host tables' step on the host beside it.
+tables' optimizers), the host tables' step on the host beside it, and the step's small sums (the
+reported losses, the gradient norm, the sequence-parallel parameters' gradients: each a
+collective's latency).
 
 **Totals**: step seconds on the busiest stage, tokens per second, model FLOPs per GPU (three
 times ``rmt-plan model``'s forward FLOPs per token over the step's tokens and GPUs, recomputation
@@ -61,7 +60,7 @@ from typing import Dict
 from rmt.memory import comm_volume
 from rmt.memory.byte_sizes import DTYPE_BYTES, lookup_bytes
 from rmt.planner import host
-from rmt.planner.hardware import Profile, collective_seconds, gemm_seconds, sent_seconds
+from rmt.planner.hardware import Profile, collective_seconds, sent_seconds
 from rmt.planner.rank import (
     TABLE_TYPES,
     Layout,
@@ -71,6 +70,7 @@ from rmt.planner.rank import (
     stage_params,
     stage_table_plan,
 )
+from rmt.planner.step_collectives import edge_collectives, exposed_seconds, layer_collectives, step_sums
 from rmt.planner.step_work import (
     FORWARD_SHARE,
     GRAD_ACCUMULATE_BYTES,
@@ -98,72 +98,22 @@ def _width(config) -> int:
 
 
 def tensor_parallel_seconds(
-    config, layout: Layout, profile: Profile, layers: int, first: bool = False, last: bool = False
+    config, layout: Layout, profile: Profile, layers: int, first: bool, last: bool, recomputed: int
 ) -> Dict[str, float]:
-    """Seconds of the tensor-parallel collectives of ``layers`` layers, one micro-batch, forward
-    and backward (module docstring), of which a GPU hides the backward's asynchronous ones behind
-    the GEMMs megatron issues after them (:func:`_column_parallel_backward`); with ``first`` the
-    vocab-parallel embedding's (its output summed over the ranks), with ``last`` the output
-    layer's (its input's gradient summed, and the vocab-parallel cross entropy's three sums of one
-    fp32 per token)."""
-    t = layout.tp
-    if t == 1:
-        return {"forward": 0.0, "backward": 0.0}
-    m = config.model
-    b = DTYPE_BYTES[config.train.precision]
-    T = config.train.micro_batch_size * m.seq_length  # the embedding's and the output layer's
-    if m.arch == "rmt":
-        matrix = collective_seconds(profile, "all_reduce", T * m.dk * m.dv * b, t)
-        hidden = collective_seconds(profile, "all_reduce", T * m.rank * m.dv * b, t)
-        out = {"forward": layers * (matrix + hidden), "backward": layers * (matrix + hidden)}
-        edge = collective_seconds(profile, "all_reduce", T * m.rank * m.dv * b, t)
-    else:
-        hidden = layer_tokens(config) * m.hidden_size * b
-        if layout.sequence_parallel:
-            gather = collective_seconds(profile, "all_gather", hidden, t)
-            one = gather + collective_seconds(profile, "reduce_scatter", hidden, t)
-            edge = collective_seconds(profile, "reduce_scatter", T * m.hidden_size * b, t)
-        else:
-            one = collective_seconds(profile, "all_reduce", hidden, t)
-            edge = collective_seconds(profile, "all_reduce", T * m.hidden_size * b, t)
-        backward = 2 * layers * gather if layout.sequence_parallel else 0.0  # the row-parallel outputs' gradients
-        out = {
-            "forward": 2 * layers * one,
-            "backward": backward + layers * _column_parallel_backward(config, layout, profile),
-        }
-    if first:
-        out["forward"] += edge
-    if last:
-        out["forward"] += 3 * collective_seconds(profile, "all_reduce", 4 * T, t)
-        out["backward"] += edge
-    return out
-
-
-def _column_parallel_backward(config, layout: Layout, profile: Profile) -> float:
-    """Exposed seconds of the asynchronous collectives in the backward of one layer's two
-    column-parallel linears (the QKV and the first MLP projection; megatron-core's
-    ``LinearWithGradAccumulationAndAsyncCommunication``): without sequence parallelism the input's
-    gradient all-reduced beside the weight-gradient GEMM; with it the input gathered again (the
-    forward kept only its shard) beside the input-gradient GEMM, and the input's gradient
-    reduce-scattered beside the weight-gradient GEMM. A GPU runs NCCL's kernels beside the GEMMs,
-    so only what outlasts its GEMM is exposed; a CPU rank's cores run both, so all of it is."""
-    m = config.model
-    t, dtype = layout.tp, config.train.precision
-    T, D = layer_tokens(config), m.hidden_size
-    hidden = T * D * DTYPE_BYTES[dtype]
-    if layout.sequence_parallel:
-        pairs = [("all_gather", "input"), ("reduce_scatter", "weight")]
-    else:
-        pairs = [("all_reduce", "weight")]
-    seconds = 0.0
-    for width in (3 * D // t, (m.ffn_hidden_size or 4 * D) // t):
-        for kind, beside in pairs:
-            comm = collective_seconds(profile, kind, hidden, t)
-            if profile.device == "gpu":
-                shape = (T, D, width) if beside == "input" else (width, D, T)
-                comm = max(0.0, comm - gemm_seconds(profile, *shape, dtype))
-            seconds += comm
-    return seconds
+    """Exposed seconds of the tensor-parallel collectives of a chunk of ``layers`` layers on one
+    micro-batch, forward and backward (:mod:`rmt.planner.step_collectives`): with ``first`` the
+    embedding's, with ``last`` the output layer's and the loss's, and the forward's of
+    ``recomputed`` layers again in the backward."""
+    tp, sp, dtype = layout.tp, layout.sequence_parallel, config.train.precision
+    layer = layer_collectives(config, tp, sp, layer_tokens(config))
+    edge = edge_collectives(config, tp, sp, first, last)
+    return {
+        "forward": layers * exposed_seconds(profile, layer["forward"], dtype)
+        + exposed_seconds(profile, edge["forward"], dtype),
+        "backward": layers * exposed_seconds(profile, layer["backward"], dtype)
+        + recomputed * exposed_seconds(profile, layer["forward"], dtype)
+        + exposed_seconds(profile, edge["backward"], dtype),
+    }
 
 
 def _memory_comm(config, layout: Layout, profile: Profile, plan) -> Dict[str, float]:
@@ -261,12 +211,17 @@ def _table_in_ddp(config) -> bool:
     return mem.partition == "local" and mem.value_optimizer == "adamw" and not config.train.distributed_optimizer
 
 
+def _recomputed_layers(layout: Layout, layers: int) -> int:
+    """Layers of a chunk of ``layers`` whose forward full recomputation runs again."""
+    if layout.recompute != "full":
+        return 0
+    return layers if layout.recompute_method == "uniform" else min(layout.recompute_num_layers, layers)
+
+
 def _recompute(config, layout: Layout, forward_layer: Kernels, layers: int) -> Kernels:
     """What the backward of a chunk of ``layers`` layers runs again."""
     if layout.recompute == "full":
-        k = layout.recompute_num_layers
-        again = layers if layout.recompute_method == "uniform" else min(k, layers)
-        return forward_layer.scaled(again)
+        return forward_layer.scaled(_recomputed_layers(layout, layers))
     if layout.recompute == "selective":
         return core_attention(config, layout.tp).scaled(layers)
     return Kernels(config.train.precision)
@@ -310,7 +265,13 @@ def stage_time(config, layout: Layout, profile: Profile, stage: int) -> Dict:
         )
         flops += forward.flops() + backward.flops() + recompute.flops()
         tps = tensor_parallel_seconds(
-            config, layout, profile, n, stage == 0 and c == 0, stage == layout.pp - 1 and c == len(chunks) - 1
+            config,
+            layout,
+            profile,
+            n,
+            stage == 0 and c == 0,
+            stage == layout.pp - 1 and c == len(chunks) - 1,
+            _recomputed_layers(layout, n),
         )
         out["tensor_parallel_s"] += tps["forward"] + tps["backward"]
         on_chunk = [(k, p) for k, p in enumerate(placements) if first <= p[0] <= last]
@@ -399,7 +360,8 @@ def optimizer_seconds(config, layout: Layout, profile: Profile, stage: int) -> D
             sent = plan.layers * min(plan.shard_shape[0], plan.tokens * plan.topm * layout.microbatches) * rows
             out["tables_s"] += 2 * sent_seconds(profile, "all_gather", sent * (layout.dp - 1), layout.dp, layout.tp)
     out["issue_s"] = STEP_OPS[config.model.arch] * profile.op_overhead_s
-    out["total_s"] = out["dense_s"] + out["tables_s"] + out["host_s"] + out["issue_s"]
+    out["sums_s"] = exposed_seconds(profile, step_sums(config, layout, stage), config.train.precision)
+    out["total_s"] = out["dense_s"] + out["tables_s"] + out["host_s"] + out["issue_s"] + out["sums_s"]
     return out
 
 
