@@ -17,7 +17,8 @@ bytes, group), for :mod:`rmt.planner.time` to price.
   (the residual matrix, ``T Dk Dv b``) and the FFN's second linear (``T R Dv b``); backward: the
   copy-to region's sums of the residual matrix's and the norm gain's (``Dk Dv``) gradients, and
   the FFN's first linear's input gradient beside its weight-gradient GEMM;
-- full recomputation runs the recomputed layers' forward collectives again in the backward.
+- full recomputation runs the recomputed layers' forward collectives again in the backward;
+- a memory layer under sequence parallelism gathers its input whole and its output's gradient.
 
 **The edges**: the vocab-parallel embedding's output all-reduced (under sequence parallelism then
 split, whose gradient is gathered); the output layer is a column-parallel linear (its input
@@ -26,7 +27,8 @@ values a token (:mod:`rmt.training.loss`).
 
 **Once a step**: the losses every rank reports (:data:`REPORTED_LOSSES` fp64 values over the
 world), the gradient norm's sum (fp32, over the model-parallel group; with the distributed
-optimizer over the world), the memory tables' norm summed over the pipeline stages, and under sequence
+optimizer over the world), the sharded memory tables' norm over their group and the tables' norm
+over the pipeline stages, and under sequence
 parallelism the gradients of the parameters every tensor-parallel rank holds whole (norms,
 row-parallel biases), summed in one all-reduce by megatron-core's ``finalize_model_grads``.
 
@@ -40,6 +42,8 @@ from typing import Dict, List, Optional, Tuple
 
 from rmt.memory.byte_sizes import DTYPE_BYTES
 from rmt.planner.hardware import Profile, collective_seconds, gemm_seconds
+from rmt.planner.rank import chunks_of, stage_table_plan
+from rmt.planner.step_work import layer_tokens
 
 REPORTED_LOSSES = 2
 """fp64 means every rank reads after a step (``rmt.training.trainer.LOSSES``)."""
@@ -134,10 +138,19 @@ def edge_collectives(config, tp: int, sp: bool, first: bool, last: bool) -> Dict
     return out
 
 
+def memory_layer_collectives(config, tp: int, sp: bool) -> Dict[str, List[Collective]]:
+    """A memory layer's own tensor-parallel collectives on one micro-batch: under sequence
+    parallelism its input gathered whole (every rank's replicated layer reads the whole
+    sequence) and, backward, its output's gradient gathered (the output split back to the rank's
+    share); none otherwise."""
+    if tp == 1 or not sp:
+        return {"forward": [], "backward": []}
+    rows = layer_tokens(config) * config.model.hidden_size * DTYPE_BYTES[config.train.precision]
+    return {"forward": [Collective("all_gather", rows, tp)], "backward": [Collective("all_gather", rows, tp)]}
+
+
 def step_sums(config, layout, stage: int) -> List[Collective]:
     """The small collectives a rank of pipeline ``stage`` issues once a step (module docstring)."""
-    from rmt.planner.rank import chunks_of
-
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     world = tp * pp * dp
     out = [Collective("all_reduce", 8 * REPORTED_LOSSES, world)]
@@ -145,6 +158,9 @@ def step_sums(config, layout, stage: int) -> List[Collective]:
         out.append(Collective("all_reduce", 4, world))
     else:
         out.append(Collective("all_reduce", 4, tp * pp, dp if pp > 1 else 1))
+    plan = stage_table_plan(config, layout, stage)
+    if plan is not None and plan.partition != "local" and plan.group_size > 1:
+        out.append(Collective("all_reduce", 8, plan.group_size))
     if pp > 1:
         out.append(Collective("all_reduce", 8, pp, tp * dp))
     if layout.sequence_parallel:

@@ -70,7 +70,13 @@ from rmt.planner.rank import (
     stage_params,
     stage_table_plan,
 )
-from rmt.planner.step_collectives import edge_collectives, exposed_seconds, layer_collectives, step_sums
+from rmt.planner.step_collectives import (
+    edge_collectives,
+    exposed_seconds,
+    layer_collectives,
+    memory_layer_collectives,
+    step_sums,
+)
 from rmt.planner.step_work import (
     FORWARD_SHARE,
     GRAD_ACCUMULATE_BYTES,
@@ -277,7 +283,11 @@ def stage_time(config, layout: Layout, profile: Profile, stage: int) -> Dict:
         on_chunk = [(k, p) for k, p in enumerate(placements) if first <= p[0] <= last]
         if mlp_moe:
             on_chunk = [(k, (i, i)) for k, (i, _) in enumerate(_moe_layers(config)) if first <= i <= last]
+        own = memory_layer_collectives(config, tp, sp and not mlp_moe)
         for k, p in on_chunk:
+            out["tensor_parallel_s"] += exposed_seconds(
+                profile, own["forward"] + own["backward"], config.train.precision
+            )
             r = memory_layer_time(config, layout, profile, k, p, plan, layer_f, layer_b)
             out["memory"].append(dict(r, placement=f"{p[0]}:{p[1]}"))
             flops += r["flops"]
