@@ -528,6 +528,15 @@ def test_each_operation_costs_its_issue_time_where_the_host_is_slower():
     assert issued <= slow["forward_s"] <= issued + fast["forward_s"]
 
 
+SHAPE = [  # a small model whose steps the tests trace
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.seq_length=32",
+    "train.micro_batch_size=2",
+    "train.eval_iters=0",
+    "train.progress=false",
+    "data.max_documents=40",
+]
 TRACED = {
     "transformer": [],
     "transformer, selective": ["train.recompute_granularity=selective"],
@@ -564,15 +573,7 @@ def test_the_operations_counted_per_layer_are_those_a_step_dispatches(variant):
             Count.n += 1
             return func(*args, **(kwargs or {}))
 
-    shape = [
-        "model.hidden_size=64",
-        "model.num_attention_heads=4",
-        "model.seq_length=32",
-        "train.micro_batch_size=2",
-        "train.eval_iters=0",
-        "train.progress=false",
-        "data.max_documents=40",
-    ] + TRACED[variant]
+    shape = SHAPE + TRACED[variant]
     counts = {}
     torch.set_num_threads(1)
     for layers, batch in ((2, 2), (4, 2), (2, 4)):  # 1 or 2 micro-batches of 2 sequences
@@ -593,16 +594,7 @@ def test_the_operations_counted_per_layer_are_those_a_step_dispatches(variant):
     assert counts[2, 2] - 2 * per_layer - MICROBATCH_OPS[arch] == STEP_OPS[arch]
 
 
-SMALL = [
-    "model.num_layers=2",
-    "model.hidden_size=64",
-    "model.num_attention_heads=4",
-    "model.seq_length=32",
-    "train.micro_batch_size=2",
-    "train.eval_iters=0",
-    "train.progress=false",
-    "data.max_documents=20",
-]
+SMALL = SHAPE + ["model.num_layers=2"]
 TP2 = ["parallel.tensor_model_parallel_size=2"]
 SP = TP2 + ["parallel.sequence_parallel=true"]
 COUNTED = {  # layouts on two ranks whose step's collectives are counted

@@ -174,6 +174,12 @@ def with_vocabulary(config):
 
 
 # -- parameters -----------------------------------------------------------------------------------
+def norm_params(config) -> int:
+    """Parameters of one norm of the hidden state: LayerNorm's gain and bias, RMSNorm's gain."""
+    m = config.model
+    return 2 * m.hidden_size if m.normalization == "LayerNorm" else m.hidden_size
+
+
 def _layer_params(config, layout: Layout) -> int:
     """Dense parameters of one transformer / RMT layer on a tensor-parallel rank."""
     m, t = config.model, layout.tp
@@ -182,8 +188,7 @@ def _layer_params(config, layout: Layout) -> int:
         Dk, Dv, R = m.dk, m.dv, m.rank
         return (3 * R * Dk + R * Dk + 2 * R * Dv * Dff) // t + 2 * Dk * Dv + 2 * R * Dk
     D, A = m.hidden_size, m.hidden_size  # megatron's local spec: heads x head dim = hidden size
-    norm = 2 * D if m.normalization == "LayerNorm" else D
-    return (D * 3 * A + 3 * A + A * D + D * Dff + Dff + Dff * D) // t + 2 * norm + 2 * D
+    return (D * 3 * A + 3 * A + A * D + D * Dff + Dff + Dff * D) // t + 2 * norm_params(config) + 2 * D
 
 
 def _embedding_params(config, layout: Layout, first: bool, last: bool) -> int:
@@ -199,11 +204,10 @@ def _embedding_params(config, layout: Layout, first: bool, last: bool) -> int:
             n += Dk * Dv + R * Dk + Vp * Dv * R // t
         return n
     D = m.hidden_size
-    norm = 2 * D if m.normalization == "LayerNorm" else D
     if first:
         n += Vp * D // t + (m.seq_length * D if learned else 0)
     if last:
-        n += norm + Vp * D // t
+        n += norm_params(config) + Vp * D // t
     return n
 
 

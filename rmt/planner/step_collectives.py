@@ -28,9 +28,9 @@ values a token (:mod:`rmt.training.loss`).
 **Once a step**: the losses every rank reports (:data:`REPORTED_LOSSES` fp64 values over the
 world), the gradient norm's sum (fp32, over the model-parallel group; with the distributed
 optimizer over the world), the sharded memory tables' norm over their group and the tables' norm
-over the pipeline stages, and under sequence
-parallelism the gradients of the parameters every tensor-parallel rank holds whole (norms,
-row-parallel biases), summed in one all-reduce by megatron-core's ``finalize_model_grads``.
+over the pipeline stages, and under sequence parallelism the gradients of the parameters every
+tensor-parallel rank holds whole (norms, row-parallel biases), summed in one all-reduce by
+megatron-core's ``finalize_model_grads``.
 
 ``tests/test_planner_time.py`` counts these in traced steps of each layout.
 """
@@ -42,7 +42,7 @@ from typing import Dict, List, Optional, Tuple
 
 from rmt.memory.byte_sizes import DTYPE_BYTES
 from rmt.planner.hardware import Profile, collective_seconds, gemm_seconds
-from rmt.planner.rank import chunks_of, stage_table_plan
+from rmt.planner.rank import chunks_of, norm_params, stage_table_plan
 from rmt.planner.step_work import layer_tokens
 
 REPORTED_LOSSES = 2
@@ -164,9 +164,8 @@ def step_sums(config, layout, stage: int) -> List[Collective]:
     if pp > 1:
         out.append(Collective("all_reduce", 8, pp, tp * dp))
     if layout.sequence_parallel:
-        m = config.model
-        norm = 2 * m.hidden_size if m.normalization == "LayerNorm" else m.hidden_size
+        norm = norm_params(config)
         layers = sum(last - first + 1 for first, last in chunks_of(config, layout, stage))
-        whole = layers * (2 * norm + 2 * m.hidden_size) + (norm if stage == pp - 1 else 0)
+        whole = layers * (2 * norm + 2 * config.model.hidden_size) + (norm if stage == pp - 1 else 0)
         out.append(Collective("all_reduce", 4 * whole, tp))
     return out
