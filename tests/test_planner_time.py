@@ -459,16 +459,17 @@ FULL_RECOMPUTE = ["train.recompute_granularity=full", "train.recompute_method=un
 SELECTIVE_SP = ["train.recompute_granularity=selective", "parallel.sequence_parallel=true"]
 
 
-def _gpt(heads, hidden, layers, tp, pp, batch, recompute=FULL_RECOMPUTE):
+def _gpt(heads, hidden, layers, tp, pp, batch, recompute=FULL_RECOMPUTE, vocab=51200, seq=2048, extra=()):
     return (
         GPT
         + recompute
+        + list(extra)
         + [
             f"model.num_layers={layers}",
             f"model.hidden_size={hidden}",
             f"model.num_attention_heads={heads}",
-            "model.vocab_size=51200",
-            "model.seq_length=2048",
+            f"model.vocab_size={vocab}",
+            f"model.seq_length={seq}",
             f"train.global_batch_size={batch}",
             f"parallel.tensor_model_parallel_size={tp}",
             f"parallel.pipeline_model_parallel_size={pp}",
@@ -476,45 +477,95 @@ def _gpt(heads, hidden, layers, tp, pp, batch, recompute=FULL_RECOMPUTE):
     )
 
 
-# Published A100 runs of GPT models in Megatron-LM (sequence 2048, vocabulary 51,200, bf16 or fp16,
-# one sequence per micro-batch): run -> (overrides, GPUs, the plan_time field, its published value).
-# Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
-# Megatron-LM" (SC'21): Table 1's weak scaling (heads, hidden, layers, TP, PP, batch; TFLOP/s per
-# GPU with full recomputation counted) and its section 5.1 GPT-3 estimate. Korthikanti et al.,
-# "Reducing Activation Recomputation in Large Transformer Models" (MLSys'23): Table 5's iteration
-# seconds of its Table 3 models, with sequence parallelism and selective recomputation and with
-# full recomputation (data parallel size 1).
+OVERLAPPED = ["train.distributed_optimizer=true", "train.overlap_grad_reduce=true", "train.overlap_param_gather=true"]
+
+
+def _mcore_h100(heads, hidden, layers, tp, pp, batch):
+    """A run of Megatron-Core's H100 weak-scaling table in rmt's nearest layout: vocabulary
+    131,072, sequence 4,096, the distributed optimizer with both overlaps, sequence parallelism
+    with tensor parallelism, no recomputation."""
+    sp = ["parallel.sequence_parallel=true"] if tp > 1 else []
+    return _gpt(heads, hidden, layers, tp, pp, batch, [], vocab=131072, seq=4096, extra=OVERLAPPED + sp)
+
+
+# Published runs of GPT models in Megatron-LM, one sequence per micro-batch: run -> (overrides,
+# GPUs, the profile, the plan_time field, its published value). On A100s (sequence 2048,
+# vocabulary 51,200, bf16 or fp16): Narayanan et al., "Efficient Large-Scale Language Model
+# Training on GPU Clusters Using Megatron-LM" (SC'21): Table 1's weak scaling (heads, hidden,
+# layers, TP, PP, batch; TFLOP/s per GPU with full recomputation counted) and its section 5.1 GPT-3
+# estimate. Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models"
+# (MLSys'23): Table 5's iteration seconds of its Table 3 models, with sequence parallelism and
+# selective recomputation and with full recomputation (data parallel size 1). On H100s:
+# Megatron-LM's README, "Training Speed and Scalability" (Megatron-Core r0.8.0): its weak-scaling
+# table's model TFLOP/s per GPU (data parallel size 48).
 PUBLISHED = {
-    "SC21 1.7B, 32 A100": (_gpt(24, 2304, 24, 1, 1, 512), 32, "hardware_tflops_per_gpu", 137.0),
-    "SC21 3.6B, 64 A100": (_gpt(32, 3072, 30, 2, 1, 512), 64, "hardware_tflops_per_gpu", 138.0),
-    "SC21 7.5B, 128 A100": (_gpt(32, 4096, 36, 4, 1, 512), 128, "hardware_tflops_per_gpu", 142.0),
-    "SC21 18.4B, 256 A100": (_gpt(48, 6144, 40, 8, 1, 1024), 256, "hardware_tflops_per_gpu", 135.0),
-    "SC21 39.1B, 512 A100": (_gpt(64, 8192, 48, 8, 2, 1536), 512, "hardware_tflops_per_gpu", 138.0),
-    "SC21 76.1B, 1024 A100": (_gpt(80, 10240, 60, 8, 4, 1792), 1024, "hardware_tflops_per_gpu", 140.0),
-    "SC21 145.6B, 1536 A100": (_gpt(96, 12288, 80, 8, 8, 2304), 1536, "hardware_tflops_per_gpu", 148.0),
-    "SC21 175B, 1024 A100": (_gpt(96, 12288, 96, 8, 16, 1536), 1024, "hardware_tflops_per_gpu", 140.0),
-    "SC21 310.1B, 1920 A100": (_gpt(128, 16384, 96, 8, 16, 2160), 1920, "hardware_tflops_per_gpu", 155.0),
-    "SC21 529.6B, 2520 A100": (_gpt(128, 20480, 105, 8, 35, 2520), 2520, "hardware_tflops_per_gpu", 163.0),
-    "SC21 1T, 3072 A100": (_gpt(160, 25600, 128, 8, 64, 3072), 3072, "hardware_tflops_per_gpu", 163.0),
-    "MLSys23 22B, 8 A100, selective + SP": (_gpt(64, 6144, 48, 8, 1, 4, SELECTIVE_SP), 8, "step_s", 1.10),
-    "MLSys23 22B, 8 A100, full": (_gpt(64, 6144, 48, 8, 1, 4), 8, "step_s", 1.42),
-    "MLSys23 175B, 64 A100, selective + SP": (_gpt(96, 12288, 96, 8, 8, 64, SELECTIVE_SP), 64, "step_s", 13.75),
-    "MLSys23 175B, 64 A100, full": (_gpt(96, 12288, 96, 8, 8, 64), 64, "step_s", 18.13),
-    "MLSys23 530B, 280 A100, selective + SP": (_gpt(128, 20480, 105, 8, 35, 280, SELECTIVE_SP), 280, "step_s", 37.83),
-    "MLSys23 530B, 280 A100, full": (_gpt(128, 20480, 105, 8, 35, 280), 280, "step_s", 49.05),
-    "MLSys23 1T, 512 A100, selective + SP": (_gpt(160, 25600, 128, 8, 64, 512, SELECTIVE_SP), 512, "step_s", 71.49),
-    "MLSys23 1T, 512 A100, full": (_gpt(160, 25600, 128, 8, 64, 512), 512, "step_s", 94.42),
+    "SC21 1.7B, 32 A100": (_gpt(24, 2304, 24, 1, 1, 512), 32, "a100", "hardware_tflops_per_gpu", 137.0),
+    "SC21 3.6B, 64 A100": (_gpt(32, 3072, 30, 2, 1, 512), 64, "a100", "hardware_tflops_per_gpu", 138.0),
+    "SC21 7.5B, 128 A100": (_gpt(32, 4096, 36, 4, 1, 512), 128, "a100", "hardware_tflops_per_gpu", 142.0),
+    "SC21 18.4B, 256 A100": (_gpt(48, 6144, 40, 8, 1, 1024), 256, "a100", "hardware_tflops_per_gpu", 135.0),
+    "SC21 39.1B, 512 A100": (_gpt(64, 8192, 48, 8, 2, 1536), 512, "a100", "hardware_tflops_per_gpu", 138.0),
+    "SC21 76.1B, 1024 A100": (_gpt(80, 10240, 60, 8, 4, 1792), 1024, "a100", "hardware_tflops_per_gpu", 140.0),
+    "SC21 145.6B, 1536 A100": (_gpt(96, 12288, 80, 8, 8, 2304), 1536, "a100", "hardware_tflops_per_gpu", 148.0),
+    "SC21 175B, 1024 A100": (_gpt(96, 12288, 96, 8, 16, 1536), 1024, "a100", "hardware_tflops_per_gpu", 140.0),
+    "SC21 310.1B, 1920 A100": (_gpt(128, 16384, 96, 8, 16, 2160), 1920, "a100", "hardware_tflops_per_gpu", 155.0),
+    "SC21 529.6B, 2520 A100": (_gpt(128, 20480, 105, 8, 35, 2520), 2520, "a100", "hardware_tflops_per_gpu", 163.0),
+    "SC21 1T, 3072 A100": (_gpt(160, 25600, 128, 8, 64, 3072), 3072, "a100", "hardware_tflops_per_gpu", 163.0),
+    "MLSys23 22B, 8 A100, selective + SP": (_gpt(64, 6144, 48, 8, 1, 4, SELECTIVE_SP), 8, "a100", "step_s", 1.10),
+    "MLSys23 22B, 8 A100, full": (_gpt(64, 6144, 48, 8, 1, 4), 8, "a100", "step_s", 1.42),
+    "MLSys23 175B, 64 A100, selective + SP": (_gpt(96, 12288, 96, 8, 8, 64, SELECTIVE_SP), 64, "a100", "step_s", 13.75),
+    "MLSys23 175B, 64 A100, full": (_gpt(96, 12288, 96, 8, 8, 64), 64, "a100", "step_s", 18.13),
+    "MLSys23 530B, 280 A100, selective + SP": (
+        _gpt(128, 20480, 105, 8, 35, 280, SELECTIVE_SP),
+        280,
+        "a100",
+        "step_s",
+        37.83,
+    ),
+    "MLSys23 530B, 280 A100, full": (_gpt(128, 20480, 105, 8, 35, 280), 280, "a100", "step_s", 49.05),
+    "MLSys23 1T, 512 A100, selective + SP": (
+        _gpt(160, 25600, 128, 8, 64, 512, SELECTIVE_SP),
+        512,
+        "a100",
+        "step_s",
+        71.49,
+    ),
+    "MLSys23 1T, 512 A100, full": (_gpt(160, 25600, 128, 8, 64, 512), 512, "a100", "step_s", 94.42),
+    "Megatron-Core 1.7B, 48 H100": (_mcore_h100(16, 2048, 24, 1, 1, 192), 48, "h100", "tflops_per_gpu", 408.8),
+    "Megatron-Core 7.1B, 96 H100": (_mcore_h100(32, 4096, 30, 2, 1, 192), 96, "h100", "tflops_per_gpu", 465.9),
+    "Megatron-Core 16B, 192 H100": (_mcore_h100(48, 6144, 32, 4, 1, 192), 192, "h100", "tflops_per_gpu", 489.1),
+    "Megatron-Core 32B, 384 H100": (_mcore_h100(56, 7168, 48, 8, 1, 192), 384, "h100", "tflops_per_gpu", 459.6),
+    "Megatron-Core 70B, 768 H100": (_mcore_h100(64, 8192, 84, 8, 2, 384), 768, "h100", "tflops_per_gpu", 419.7),
+    "Megatron-Core 119B, 1536 H100": (_mcore_h100(80, 10240, 92, 8, 4, 768), 1536, "h100", "tflops_per_gpu", 420.5),
+    "Megatron-Core 177B, 2304 H100": (_mcore_h100(96, 12288, 96, 8, 6, 1152), 2304, "h100", "tflops_per_gpu", 432.8),
+    "Megatron-Core 314B, 3072 H100": (_mcore_h100(128, 16384, 96, 8, 8, 1536), 3072, "h100", "tflops_per_gpu", 474.4),
+    "Megatron-Core 462B, 6144 H100": (_mcore_h100(144, 18432, 112, 8, 16, 3072), 6144, "h100", "tflops_per_gpu", 459.9),
 }
 
 
+EXPOSED_DATA_PARALLEL = pytest.mark.xfail(
+    strict=True,
+    reason="at one sequence per micro-batch the fp32 gradient reduce-scatter and the parameter gather of "
+    "4 B parameters a rank across 48 nodes (0.34 s and 0.17 s at a NIC per GPU) outlast the last "
+    "micro-batch's backward and the first's forward that megatron-core overlaps them with (1.28 s predicted); "
+    "the published step (0.89 s) leaves them no room: the table does not state its micro-batch, and a larger "
+    "one widens both windows",
+)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("run", sorted(PUBLISHED))
+@pytest.mark.parametrize(
+    "run",
+    [
+        pytest.param(r, marks=EXPOSED_DATA_PARALLEL) if r.startswith("Megatron-Core 32B") else r
+        for r in sorted(PUBLISHED)
+    ],
+)
 def test_published_megatron_throughput_is_predicted_within_a_quarter(run):
-    """A sanity check, not a fit: the A100 profile (public specifications and kernel
-    measurements) on the published layouts lands within 25% of the published throughput."""
-    overrides, world, field, published = PUBLISHED[run]
+    """A sanity check, not a fit: the shipped profiles (public specifications and kernel
+    measurements) on the published layouts land within 25% of the published throughput."""
+    overrides, world, hardware, field, published = PUBLISHED[run]
     config = load_planned("configs/tiny.yaml", overrides, world)
-    doc = plan_time(config, world, load_profile("a100"))
+    doc = plan_time(config, world, load_profile(hardware))
     assert abs(doc[field] / published - 1) <= 0.25, f"{field} {doc[field]:.2f}, published {published}"
 
 
