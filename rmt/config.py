@@ -537,6 +537,10 @@ class TrainConfig:
     this says."""
 
 
+TABLE_TYPES = ("ultramem", "ultramem_v2", "pkm")
+"""The ``memory.type`` values whose layers hold value tables (an MoE's experts are dense)."""
+
+
 @dataclass
 class MemoryConfig:
     """Sparse memory layers added to the dense model (``type: none`` adds none): UltraMem

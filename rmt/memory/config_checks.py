@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import List, Optional, Tuple
 
+from rmt.config import TABLE_TYPES
 from rmt.errors import ConfigError
 from rmt.memory.shapes import (
     expert_hidden_size,
@@ -167,7 +168,7 @@ def validate_table_location(mem) -> None:
                 f"it needs memory.table_location 'host', got '{mem.table_location}'"
             )
         return
-    if mem.type not in ("ultramem", "ultramem_v2", "pkm"):
+    if mem.type not in TABLE_TYPES:
         raise ConfigError(
             f"memory.table_location 'host' keeps the value tables of memory.type 'ultramem', "
             f"'ultramem_v2' or 'pkm' in host memory; memory.type '{mem.type}' has none"

@@ -21,6 +21,7 @@ import copy
 import itertools
 from typing import Dict, Iterator, List, Optional
 
+from rmt.config import TABLE_TYPES
 from rmt.planner.hardware import Profile, load_profile
 from rmt.planner.rank import plan_rank, with_vocabulary
 from rmt.planner.time import plan_time
@@ -35,7 +36,7 @@ def candidates(config, gpus: int) -> Iterator[Dict[str, object]]:
     (unvalidated)."""
     m, mem = config.model, config.memory
     pps = [p for p in range(1, min(MAX_PP, m.num_layers) + 1) if m.num_layers % p == 0]
-    tables = mem.type in ("ultramem", "ultramem_v2", "pkm")
+    tables = mem.type in TABLE_TYPES
     partitions = ("local", "number", "dimension") if tables else (None,)
     for tp, pp in itertools.product(TP_CHOICES, pps):
         if gpus % (tp * pp):

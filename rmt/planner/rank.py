@@ -71,6 +71,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Dict, List, Optional
 
+from rmt.config import TABLE_TYPES
 from rmt.memory.byte_sizes import DTYPE_BYTES
 from rmt.models.vocab import padded_vocab_size
 from rmt.planner.dense import dense_bytes_per_param
@@ -102,7 +103,6 @@ CPU_BF16_OVERSTATEMENT = {"save": 0.23}
 :data:`CPU_BF16_SHORTFALL`): rank 0's save of ``configs/rmt_46m.yaml``, -23%, while its other
 rank's was +21%."""
 PHASES = ("init", "step", "save", "load")
-TABLE_TYPES = ("ultramem", "ultramem_v2", "pkm")
 """``memory.type``\s with value tables (:mod:`rmt.planner.memory`)."""
 
 
@@ -234,7 +234,7 @@ def _memory_layers_on(config, first: int, last: int) -> List[Dict]:
 def _value_elements(config) -> int:
     """Elements of one memory layer's value tables (counted by :mod:`rmt.planner.memory`)."""
     mem = config.memory
-    if mem.type not in ("ultramem", "ultramem_v2", "pkm"):
+    if mem.type not in TABLE_TYPES:
         return 0
     from rmt.memory.shapes import value_dim
 
@@ -446,7 +446,7 @@ def stage_table_plan(config, layout: Layout, stage: int):
     when it holds none): its layers, group, tensor-parallel split, replicas and, for tables in host
     memory, the layers whose staged rows the micro-batches in flight hold (:func:`in_flight`, the
     in-flight chunks cycling through the model chunks)."""
-    if config.memory.type not in ("ultramem", "ultramem_v2", "pkm"):
+    if config.memory.type not in TABLE_TYPES:
         return None
     from rmt.planner.memory import plan_from_config
 
@@ -539,8 +539,7 @@ def rank_phases(config, layout: Layout, stage: int, writer: bool = True) -> Dict
         terms["framework"] = (
             0
             if layout.device != "cpu"
-            else CPU_FRAMEWORK_BYTES[phase]
-            + (CPU_EXTENSION_BYTES if config.memory.type in ("ultramem", "ultramem_v2", "pkm") else 0)
+            else CPU_FRAMEWORK_BYTES[phase] + (CPU_EXTENSION_BYTES if config.memory.type in TABLE_TYPES else 0)
         )
         terms["process"] = c["process"]
     return out

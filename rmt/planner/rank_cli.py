@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import List, Tuple
 
+from rmt.config import TABLE_TYPES
 from rmt.machine_memory import machine_memory
 from rmt.outputs import write_json
 from rmt.planner import layouts, memory, rank
@@ -128,10 +129,10 @@ def run_memory(args: argparse.Namespace, table_lines, check_host_flags) -> int:
     if args.cache_rows is not None:
         location.append(f"memory.host_cache_rows={args.cache_rows}")
     config = load_planned(args.config, list(args.overrides) + location, args.world_size)
-    check_host_flags(args, config.memory.table_location if config.memory.type in rank.TABLE_TYPES else "device")
+    check_host_flags(args, config.memory.table_location if config.memory.type in TABLE_TYPES else "device")
     gib, source = rank_gib(args)
     doc = dict(rank.plan_rank(config, args.world_size, args.device, gib, host_gib=args.host_gib), gib_source=source)
-    if config.memory.type in ("ultramem", "ultramem_v2", "pkm"):
+    if config.memory.type in TABLE_TYPES:
         doc["tables"] = table_lines(args, config)
     tables = doc.pop("tables", {})
     if "host_link" in tables:

@@ -27,8 +27,8 @@ values a token (:mod:`rmt.training.loss`).
 
 **Once a step**: the losses every rank reports (:data:`REPORTED_LOSSES` fp64 values over the
 world), the gradient norm's sum (fp32, over the model-parallel group; with the distributed
-optimizer over the world), the sharded memory tables' norm over their group and the tables' norm
-over the pipeline stages, and under sequence parallelism the gradients of the parameters every
+optimizer over the world), the sharded memory tables' norm over their group and, where the model
+has tables, their norm over the pipeline stages, and under sequence parallelism the gradients of the parameters every
 tensor-parallel rank holds whole (norms, row-parallel biases), summed in one all-reduce by
 megatron-core's ``finalize_model_grads``.
 
@@ -40,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+from rmt.config import TABLE_TYPES
 from rmt.memory.byte_sizes import DTYPE_BYTES
 from rmt.planner.hardware import Profile, collective_seconds, gemm_seconds
 from rmt.planner.rank import chunks_of, norm_params, stage_table_plan
@@ -161,7 +162,7 @@ def step_sums(config, layout, stage: int) -> List[Collective]:
     plan = stage_table_plan(config, layout, stage)
     if plan is not None and plan.partition != "local" and plan.group_size > 1:
         out.append(Collective("all_reduce", 8, plan.group_size))
-    if pp > 1:
+    if pp > 1 and config.memory.type in TABLE_TYPES:
         out.append(Collective("all_reduce", 8, pp, tp * dp))
     if layout.sequence_parallel:
         norm = norm_params(config)

@@ -85,7 +85,7 @@ MEMORY_LAYER_OPS = 370
 MICROBATCH_OPS = {"transformer": 134, "rmt": 177, "recurrent": 129, "mixer": 119}
 """Per micro-batch besides the layers: the batch to the device, the embedding, the loss, the
 schedule's calls."""
-STEP_OPS = {"transformer": 30, "rmt": 29, "recurrent": 30, "mixer": 30}
+STEP_OPS = {"transformer": 26, "rmt": 25, "recurrent": 26, "mixer": 26}
 """Per step besides the micro-batches: the gradient norm, the clip, the optimizer."""
 FORWARD_SHARE = 1 / 3
 """The forward's share of a layer's operations."""

@@ -57,12 +57,12 @@ import copy
 from dataclasses import asdict
 from typing import Dict
 
+from rmt.config import TABLE_TYPES
 from rmt.memory import comm_volume
 from rmt.memory.byte_sizes import DTYPE_BYTES, lookup_bytes
 from rmt.planner import host
 from rmt.planner.hardware import Profile, collective_seconds, sent_seconds
 from rmt.planner.rank import (
-    TABLE_TYPES,
     Layout,
     chunks_of,
     distinct_stages,

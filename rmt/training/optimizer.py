@@ -38,7 +38,7 @@ from megatron.core.optimizer import OptimizerConfig, ParamKey, get_megatron_opti
 from megatron.core.optimizer.optimizer_config import ParamWithNamePredicate
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from rmt.config import RMTConfig
+from rmt.config import TABLE_TYPES, RMTConfig
 from rmt.memory.descriptor import descriptor, is_table
 from rmt.memory.groups import attach_fused_updates, frozen, host_cache, memory_grad_sq_norm, self_reduced
 from rmt.memory.host_steps import held_back, launch_host_steps
@@ -164,12 +164,14 @@ def build_table_optimizers(chunks: List[torch.nn.Module], config: RMTConfig) -> 
 class Optimizers:
     """megatron's optimizer of the dense parameters (``dense``) and the memory tables' own
     (``tables``), stepped as one: ``param_groups`` is theirs concatenated (the LR scheduler sets
-    each group's ``lr``); ``state[p]`` is a table's state. megatron's ChainedOptimizer chains
-    only megatron optimizers, hence this class."""
+    each group's ``lr``); ``state[p]`` is a table's state. ``model_has_tables``: whether any
+    pipeline stage holds tables (a rank of a stage without any still joins their norm's sum).
+    megatron's ChainedOptimizer chains only megatron optimizers, hence this class."""
 
-    def __init__(self, dense, tables: List[torch.optim.Optimizer]):
+    def __init__(self, dense, tables: List[torch.optim.Optimizer], model_has_tables: bool = True):
         self.dense = dense
         self.tables = tables
+        self.model_has_tables = model_has_tables
         self._owner: Dict[torch.nn.Parameter, torch.optim.Optimizer] = {
             p: o for o in tables for g in o.param_groups for p in g["params"]
         }
@@ -222,13 +224,15 @@ class Optimizers:
         """Squared global L2 norm of the step's gradients, each TP-duplicated parameter counted
         once: megatron's main gradients over each optimizer's gradient-statistics group (the
         model-parallel group; the whole world with the distributed optimizer, whose shards are
-        distinct; for expert-parallel experts their expert group), and the tables' by
-        :func:`~rmt.memory.groups.memory_grad_sq_norm`. The same collectives on every rank,
-        whichever tables its pipeline stage holds. A one-element fp64 tensor on the compute
+        distinct; for expert-parallel experts their expert group), and where the model has tables
+        theirs by :func:`~rmt.memory.groups.memory_grad_sq_norm`. The same collectives on every
+        rank, whichever tables its pipeline stage holds. A one-element fp64 tensor on the compute
         device: nothing here waits for it."""
         norm_sq = torch.zeros(1, dtype=torch.float64, device=compat.device())
         for o in self.dense_optimizers:
             norm_sq += grad_sq_norm(o.get_main_grads_for_grad_norm(), o.get_grad_stats_parallel_group())
+        if not self.model_has_tables:
+            return norm_sq
         return norm_sq + memory_grad_sq_norm(list(self._owner))
 
     def clip(self, max_norm: float, norm: float) -> None:
@@ -272,7 +276,11 @@ class _TableState:
 
 def build_optimizer(chunks: List[torch.nn.Module], config: RMTConfig) -> Optimizers:
     """The run's :class:`Optimizers` over DDP-wrapped ``chunks``."""
-    return Optimizers(build_dense_optimizer(chunks, config), build_table_optimizers(chunks, config))
+    return Optimizers(
+        build_dense_optimizer(chunks, config),
+        build_table_optimizers(chunks, config),
+        model_has_tables=config.memory.type in TABLE_TYPES,
+    )
 
 
 def warmup_steps(config: RMTConfig) -> int:
