@@ -6,10 +6,11 @@ with the world size and threads of the runs the profile will predict.
 
 Each figure is the slowest rank's median over repeats (a synchronous step waits for the slowest):
 
-* the host's cost per operation: a tiny autograd forward and backward (a few linear layers on
-  one row) over the aten operations it dispatches; the model charges it per operation, so the
-  bare dispatch of one operation (a one-element ``add_``) is taken off each GEMM's and
-  memory-bound operation's time below;
+* the host's cost per operation: rmt's transformer as the trainer runs it, forward and backward
+  at a width where issuing its operations is all of its time, over the aten operations it
+  dispatches (:mod:`rmt.planner.issue_probe`); the model charges it per operation, so the bare
+  dispatch of one operation (a one-element ``add_``) is taken off each GEMM's and memory-bound
+  operation's time below;
 * GEMMs per dtype over a range of sizes (``[m, k] @ [k, n]``, ``m`` tokens-like, ``n``, ``k``
   widths-like), each the median of three passes over them: the fastest rate is the profile's
   peak, each size's rate over it its efficiency;
@@ -210,25 +211,15 @@ def measure_elementwise(clock: Clock, device, dtype: torch.dtype, repeats: int, 
 
 
 def measure_op_overhead(clock: Clock, device, repeats: int) -> float:
-    """Seconds per dispatched aten operation of a tiny autograd forward and backward."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    """Seconds per dispatched aten operation of a training step's forward and backward whose
+    time is all issue (:mod:`rmt.planner.issue_probe`)."""
+    from rmt.planner.issue_probe import probe_step
 
-    layers = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(8)]).to(device)
-    x = torch.randn(1, 4, device=device)
-
-    def step():
-        layers(x).sum().backward()
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        step()
-    return _largest(clock.seconds(step, repeats)) / Count.n
+    step, operations, close = probe_step(device)
+    try:
+        return _largest(clock.seconds(step, repeats)) / operations
+    finally:
+        close()
 
 
 def measure_lookup(clock: Clock, device, repeats: int, quick: bool) -> Dict[str, float]:
@@ -352,7 +343,7 @@ def calibrate(out: str, quick: bool = False, threads: int = 1) -> Dict:
     say(f"measuring {'a GPU' if cuda else 'the CPU'} with {world} rank(s) of {threads} thread(s) ...")
     overhead = measure_op_overhead(clock, device, repeats)
     dispatch = min(overhead, measure_dispatch(clock, device, repeats))
-    say(f"host: {overhead * 1e6:.1f} us per operation of an autograd step, {dispatch * 1e6:.1f} us a bare dispatch")
+    say(f"host: {overhead * 1e6:.1f} us per operation of a training step, {dispatch * 1e6:.1f} us a bare dispatch")
     gemm, peak = {}, {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         shapes = gemm_shapes("gpu" if cuda else "cpu", quick, name)
