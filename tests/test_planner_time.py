@@ -645,6 +645,24 @@ def test_the_operations_counted_per_layer_are_those_a_step_dispatches(variant):
     assert counts[2, 2] - 2 * per_layer - MICROBATCH_OPS[arch] == STEP_OPS[arch]
 
 
+@pytest.mark.slow
+def test_the_calibrated_issue_cost_is_probed_on_the_operations_a_step_counts():
+    """``rmt-plan calibrate`` times the host's cost per operation on rmt's layers as a training
+    step runs them: each layer the probe adds dispatches the operations the model counts a layer
+    (the traced step's, :func:`rmt.planner.step_work.layer_ops`)."""
+    import torch
+
+    from rmt.config import load_config
+    from rmt.planner.issue_probe import SHAPE, probe_step
+    from rmt.planner.step_work import layer_ops
+
+    counts = {}
+    for layers in (2, 3):
+        step, counts[layers], close = probe_step(torch.device("cpu"), layers)
+        close()
+    assert counts[3] - counts[2] == layer_ops(load_config(None, SHAPE))
+
+
 SMALL = SHAPE + ["model.num_layers=2"]
 TP2 = ["parallel.tensor_model_parallel_size=2"]
 SP = TP2 + ["parallel.sequence_parallel=true"]

@@ -17,7 +17,6 @@ from megatron.core import parallel_state
 from torch.utils._python_dispatch import TorchDispatchMode
 
 SHAPE = [
-    "model.num_layers=2",
     "model.hidden_size=64",
     "model.num_attention_heads=4",
     "model.seq_length=16",
@@ -25,7 +24,7 @@ SHAPE = [
     "model.dropout=0.0",
     "train.micro_batch_size=1",
 ]
-"""The probed model: two layers, 16 tokens of width 64 (microseconds of arithmetic an operation)."""
+"""The probed model: 16 tokens of width 64 (microseconds of arithmetic an operation)."""
 
 
 class _Count(TorchDispatchMode):
@@ -38,10 +37,10 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def probe_step(device: torch.device) -> Tuple[Callable[[], None], int, Callable[[], None]]:
-    """``(step, operations, close)``: one forward and backward of the probed model on ``device``,
-    the aten operations one dispatches, and what undoes the model-parallel state made for it (the
-    process group, when it was made here, too)."""
+def probe_step(device: torch.device, layers: int = 2) -> Tuple[Callable[[], None], int, Callable[[], None]]:
+    """``(step, operations, close)``: one forward and backward of the probed model of ``layers``
+    layers on ``device``, the aten operations one dispatches, and what undoes the model-parallel
+    state made for it (the process group, when it was made here, too)."""
     from rmt import parallel
     from rmt.config import load_config
     from rmt.config_checks import validate
@@ -51,7 +50,7 @@ def probe_step(device: torch.device) -> Tuple[Callable[[], None], int, Callable[
     from rmt.training.loss import lm_loss
 
     world = dist.get_world_size() if dist.is_initialized() else 1
-    config = validate(load_config(None, SHAPE + [f"train.global_batch_size={world}"]))
+    config = validate(load_config(None, SHAPE + [f"model.num_layers={layers}", f"train.global_batch_size={world}"]))
     owned = not dist.is_initialized()
     parallel.initialize(config)
     chunk = wrap_chunks(build(config), config)[0]
