@@ -530,16 +530,27 @@ PUBLISHED = {
         71.49,
     ),
     "MLSys23 1T, 512 A100, full": (_gpt(160, 25600, 128, 8, 64, 512), 512, "a100", "step_s", 94.42),
-    "Megatron-Core 1.7B, 48 H100": (_mcore_h100(16, 2048, 24, 1, 1, 192), 48, "h100", "tflops_per_gpu", 408.8),
-    "Megatron-Core 7.1B, 96 H100": (_mcore_h100(32, 4096, 30, 2, 1, 192), 96, "h100", "tflops_per_gpu", 465.9),
-    "Megatron-Core 16B, 192 H100": (_mcore_h100(48, 6144, 32, 4, 1, 192), 192, "h100", "tflops_per_gpu", 489.1),
-    "Megatron-Core 32B, 384 H100": (_mcore_h100(56, 7168, 48, 8, 1, 192), 384, "h100", "tflops_per_gpu", 459.6),
-    "Megatron-Core 70B, 768 H100": (_mcore_h100(64, 8192, 84, 8, 2, 384), 768, "h100", "tflops_per_gpu", 419.7),
-    "Megatron-Core 119B, 1536 H100": (_mcore_h100(80, 10240, 92, 8, 4, 768), 1536, "h100", "tflops_per_gpu", 420.5),
-    "Megatron-Core 177B, 2304 H100": (_mcore_h100(96, 12288, 96, 8, 6, 1152), 2304, "h100", "tflops_per_gpu", 432.8),
-    "Megatron-Core 314B, 3072 H100": (_mcore_h100(128, 16384, 96, 8, 8, 1536), 3072, "h100", "tflops_per_gpu", 474.4),
-    "Megatron-Core 462B, 6144 H100": (_mcore_h100(144, 18432, 112, 8, 16, 3072), 6144, "h100", "tflops_per_gpu", 459.9),
 }
+# Megatron-Core's H100 table: size, heads, hidden, layers, TP, PP, batch, model TFLOP/s per GPU
+MCORE_H100 = [
+    ("1.7B", 16, 2048, 24, 1, 1, 192, 408.8),
+    ("7.1B", 32, 4096, 30, 2, 1, 192, 465.9),
+    ("16B", 48, 6144, 32, 4, 1, 192, 489.1),
+    ("32B", 56, 7168, 48, 8, 1, 192, 459.6),
+    ("70B", 64, 8192, 84, 8, 2, 384, 419.7),
+    ("119B", 80, 10240, 92, 8, 4, 768, 420.5),
+    ("177B", 96, 12288, 96, 8, 6, 1152, 432.8),
+    ("314B", 128, 16384, 96, 8, 8, 1536, 474.4),
+    ("462B", 144, 18432, 112, 8, 16, 3072, 459.9),
+]
+for size, heads, hidden, layers, tp, pp, batch, tflops in MCORE_H100:
+    PUBLISHED[f"Megatron-Core {size}, {48 * tp * pp} H100"] = (
+        _mcore_h100(heads, hidden, layers, tp, pp, batch),
+        48 * tp * pp,
+        "h100",
+        "tflops_per_gpu",
+        tflops,
+    )
 
 
 EXPOSED_DATA_PARALLEL = pytest.mark.xfail(

@@ -103,7 +103,6 @@ CPU_BF16_OVERSTATEMENT = {"save": 0.23}
 :data:`CPU_BF16_SHORTFALL`): rank 0's save of ``configs/rmt_46m.yaml``, -23%, while its other
 rank's was +21%."""
 PHASES = ("init", "step", "save", "load")
-"""``memory.type``\s with value tables (:mod:`rmt.planner.memory`)."""
 
 
 @dataclass(frozen=True)
