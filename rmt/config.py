@@ -128,11 +128,14 @@ class ModelConfig:
     dropout: Annotated[float, Range(ge=0, lt=1)] = 0.0
     """Dropout probability, in [0, 1); must be 0 for the RMT."""
 
-    attention_kernel: Literal["sdpa", "megatron"] = "sdpa"
+    attention_kernel: Literal["sdpa", "megatron", "megatron_fused"] = "sdpa"
     """Core attention of the architectures built on megatron-core layers (``transformer``,
-    ``recurrent``): ``sdpa`` (torch's fused ``scaled_dot_product_attention``) or ``megatron``
-    (megatron-core's unfused ``DotProductAttention``, the reference). The same function: fp32
-    outputs agree to rounding. The RMT always uses torch's; the mixer has no attention."""
+    ``recurrent``): ``sdpa`` (torch's fused ``scaled_dot_product_attention``), ``megatron``
+    (megatron-core's unfused ``DotProductAttention``, the reference) or ``megatron_fused`` (the
+    same with megatron's fused scale-mask-softmax CUDA kernel under bf16, where Megatron-LM's or
+    Apex's ``scaled_upper_triang_masked_softmax_cuda`` extension is installed; in fp32 megatron
+    runs its unfused softmax). The same function: fp32 outputs agree to rounding. The RMT always
+    uses torch's; the mixer has no attention."""
 
     block_width: Annotated[int, Range(gt=0)] = 32
     """Recurrent transformer (``arch: recurrent``): block width k; one layer slides over blocks

@@ -1,9 +1,11 @@
-"""``model.attention_kernel: sdpa`` (torch's fused attention) against megatron-core's
-``DotProductAttention`` (``megatron``, the reference): the same weights give the same outputs and
-gradients in every architecture built on megatron layers, with causal and document masks, a
-single decoding query, dropout, and the validator's sentence."""
+"""``model.attention_kernel: sdpa`` (torch's fused attention) and ``megatron_fused`` (megatron's
+fused softmax) against megatron-core's ``DotProductAttention`` (``megatron``, the reference): the
+same weights give the same outputs and gradients in every architecture built on megatron layers,
+with causal and document masks, a single decoding query, dropout, and the validator's and the
+builder's sentences."""
 
 import copy
+import importlib.util
 import warnings
 
 import pytest
@@ -17,7 +19,10 @@ from rmt.config_checks import validate
 from rmt.errors import ConfigError
 from rmt.models.attention import SDPAttention
 from rmt.models.build import build
+from rmt.models.fused_softmax import FUSED_SOFTMAX_EXTENSIONS
 from rmt.models.megatron_config import transformer_config
+
+from conftest import run_python
 
 warnings.filterwarnings("ignore")
 
@@ -83,12 +88,15 @@ def assert_same(a, b):
 
 @pytest.mark.parametrize("masks", ["causal", "documents"])
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_sdpa_equals_megatron_kernel(arch, masks):
+@pytest.mark.parametrize("kernel", ["sdpa", "megatron_fused"])
+def test_each_kernel_equals_megatron_kernel(kernel, arch, masks):
+    """fp32: ``megatron_fused`` runs megatron's unfused softmax (its fused kernel takes 16-bit
+    scores only), so it equals the reference; ``sdpa`` to rounding."""
     torch.manual_seed(0)
     tokens = torch.randint(0, 61, (3, 24))
     mask = torch.ones(24, 24, dtype=torch.bool).triu(1)[None, None] if masks == "causal" else document_mask(3, 24)
     ref, ref_grads, state = forward_backward("megatron", ARCHS[arch], None, tokens, mask)
-    out, grads, _ = forward_backward("sdpa", ARCHS[arch], state, tokens, mask)
+    out, grads, _ = forward_backward(kernel, ARCHS[arch], state, tokens, mask)
     assert_same(out, ref)
     assert ref_grads.keys() == grads.keys() and len(grads) > 10
     for name in ref_grads:
@@ -96,15 +104,65 @@ def test_sdpa_equals_megatron_kernel(arch, masks):
 
 
 def test_the_kernel_is_in_every_attention_layer():
-    for kernel, cls in (("sdpa", SDPAttention), ("megatron", DotProductAttention)):
+    for kernel, cls, fusion in (
+        ("sdpa", SDPAttention, False),
+        ("megatron", DotProductAttention, False),
+        ("megatron_fused", DotProductAttention, True),
+    ):
         for arch in ARCHS.values():
             cfg = config(kernel, arch)
             parallel.initialize(cfg)
             try:
-                kinds = {type(m) for m in build(cfg)[0].modules() if isinstance(m, DotProductAttention)}
+                cores = [m for m in build(cfg)[0].modules() if isinstance(m, DotProductAttention)]
             finally:
                 parallel.destroy()
-            assert kinds == {cls}
+            assert {type(m) for m in cores} == {cls}
+            assert {m.scale_mask_softmax.scaled_masked_softmax_fusion for m in cores} == {fusion}
+
+
+NO_FUSED_SOFTMAX = pytest.mark.skipif(
+    all(importlib.util.find_spec(name) for name in FUSED_SOFTMAX_EXTENSIONS),
+    reason="megatron's fused softmax extensions are installed here",
+)
+
+
+@NO_FUSED_SOFTMAX
+@pytest.mark.parametrize(
+    "kernel, precision", [("megatron_fused", "bf16"), ("megatron_fused", "fp32"), ("megatron", "bf16")]
+)
+def test_rmt_train_check_refuses_megatron_fused_where_its_extension_is_missing(kernel, precision):
+    """Only the fused softmax on 16-bit scores needs the extension."""
+    proc = run_python(
+        ["-m", "rmt.training.cli", "--check", "--config", "configs/tiny.yaml", "model.arch=transformer"]
+        + [f"model.attention_kernel={kernel}", f"train.precision={precision}"],
+        check=False,
+    )
+    if (kernel, precision) != ("megatron_fused", "bf16"):
+        assert proc.returncode == 0 and proc.stdout.startswith("rmt-train: config OK"), proc.stderr[-2000:]
+        return
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "rmt-train: error: model.attention_kernel 'megatron_fused' under train.precision 'bf16' needs megatron's "
+        "fused softmax extension scaled_upper_triang_masked_softmax_cuda (built by Megatron-LM's fused_kernels or "
+        "Apex), which is not installed here; use 'megatron' or 'sdpa'"
+    )
+
+
+@NO_FUSED_SOFTMAX
+def test_megatron_fused_under_bf16_needs_the_fused_softmax_extension():
+    """The extension is a CUDA build (Megatron-LM's fused_kernels or Apex), absent from a CPU
+    install: the model is refused at build, not in its first forward."""
+    cfg = config("megatron_fused", ARCHS["transformer"] + ["train.precision=bf16"])
+    parallel.initialize(cfg)
+    try:
+        with pytest.raises(
+            ConfigError,
+            match="^model.attention_kernel 'megatron_fused' under train.precision 'bf16' needs megatron's fused "
+            "softmax extension scaled_upper_triang_masked_softmax_cuda \\(built by Megatron-LM's fused_kernels or "
+            "Apex\\), which is not installed here; use 'megatron' or 'sdpa'$",
+        ):
+            build(cfg)
+    finally:
+        parallel.destroy()
 
 
 @pytest.fixture
@@ -145,5 +203,7 @@ def test_attention_dropout_acts_in_training_only(kernels):
 
 
 def test_unknown_kernel_is_one_sentence():
-    with pytest.raises(ConfigError, match="^model.attention_kernel must be one of 'sdpa', 'megatron', got 'flash'$"):
+    with pytest.raises(
+        ConfigError, match="^model.attention_kernel must be one of 'sdpa', 'megatron', 'megatron_fused', got 'flash'$"
+    ):
         config("flash", [])

@@ -133,7 +133,10 @@ def test_bench_rmt_smoke(tmp_path):
 def test_bench_rmt_bad_override_is_one_sentence():
     proc = run_python(["tools/bench_rmt.py", "model.attention_kernel=flash", "--sizes", "tiny"], check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip() == "bench_rmt: model.attention_kernel must be one of 'sdpa', 'megatron', got 'flash'"
+    assert (
+        proc.stderr.strip()
+        == "bench_rmt: model.attention_kernel must be one of 'sdpa', 'megatron', 'megatron_fused', got 'flash'"
+    )
 
 
 @pytest.mark.slow

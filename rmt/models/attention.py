@@ -7,7 +7,11 @@ only kernel. ``model.attention_kernel: sdpa`` (the default) swaps it for
 :class:`SDPAttention`: the same module and arguments, computed by torch's
 ``scaled_dot_product_attention``, which fuses the steps (a flash-attention kernel on CPU and
 GPU for causal attention, no ``s x s`` tensor kept for the backward). ``megatron`` keeps
-megatron's kernel, the reference the tests compare against.
+megatron's kernel, the reference the tests compare against. ``megatron_fused`` keeps it with
+megatron's fused scale-mask-softmax (``masked_softmax_fusion``): under bf16 one CUDA kernel
+scales, masks and normalizes the 16-bit scores where megatron's shape rules allow it; that kernel
+is a compiled extension (Megatron-LM's ``fused_kernels`` or Apex), so a bf16 model is refused
+where it is not installed.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from rmt.config import RMTConfig
+from rmt.models.fused_softmax import check_fused_softmax
 
-KERNELS = ("sdpa", "megatron")
+KERNELS = ("sdpa", "megatron", "megatron_fused")
 
 
 class SDPAttention(DotProductAttention):
@@ -68,7 +73,8 @@ class SDPAttention(DotProductAttention):
 def with_attention_kernel(layer_spec: ModuleSpec, config: RMTConfig) -> ModuleSpec:
     """``layer_spec`` (a megatron-core transformer layer spec) with its self-attention's core
     attention computed by ``model.attention_kernel``."""
-    if config.model.attention_kernel == "megatron":
+    check_fused_softmax(config)
+    if config.model.attention_kernel != "sdpa":
         return layer_spec
     attention = layer_spec.submodules.self_attention
     core = dataclasses.replace(attention.submodules, core_attention=SDPAttention)

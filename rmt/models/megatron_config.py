@@ -70,7 +70,7 @@ def transformer_config(config: RMTConfig, **extra) -> TransformerConfig:
         activation_func=activation(config),
         gradient_accumulation_fusion=False,
         bias_activation_fusion=False,
-        masked_softmax_fusion=False,
+        masked_softmax_fusion=m.attention_kernel == "megatron_fused",
         persist_layer_norm=False,
         apply_rope_fusion=False,
         bias_dropout_fusion=False,

@@ -15,7 +15,7 @@ under sequence parallelism, ``b`` bytes of ``train.precision``):
   ``[T, D] @ [D, F/t]``, ``[T, F/t] @ [F/t, D]``; attention ``4 T s A/t`` FLOPs (every ``s x s``
   pair: rmt passes an explicit causal mask, so the kernel skips none), or with
   ``model.attention_kernel: megatron`` the same as batched GEMMs and the passes of an unfused
-  softmax (:func:`core_attention`); memory-bound: two norms
+  softmax, under ``megatron_fused`` one fused softmax pass (:func:`core_attention`); memory-bound: two norms
   ``2 T' D b`` each, two bias-dropout-adds ``3 T' D b`` each (a dropout mask byte and one more
   pass each with ``model.dropout``), the GELU ``2 T F/t b``, the attention's layout copies
   (q, k, v into the kernel's ``[b, h, s, d]`` and the context back, ``8 T A/t b``), RoPE on q and
@@ -74,8 +74,9 @@ LAYER_OPS = {"transformer": 129, "rmt": 156, "recurrent": 129, "mixer": 176}
 """Operations the host issues per layer and micro-batch, forward and backward, with torch's fused
 attention (the recurrent transformer's per application of its layer, :func:`layer_ops`)."""
 MEGATRON_ATTENTION_OPS = 35
-"""More per layer with megatron-core's unfused attention (``model.attention_kernel: megatron``)."""
-SELECTIVE_OPS = {"sdpa": 21, "megatron": 30, "rmt": 8}
+"""More per layer with megatron-core's attention (``model.attention_kernel: megatron``; counted
+the same for ``megatron_fused``, whose fused softmax was not traced)."""
+SELECTIVE_OPS = {"sdpa": 21, "megatron": 30, "megatron_fused": 30, "rmt": 8}
 """More per layer under selective recomputation (the core attention run again), by kernel."""
 RECURRENT_FEWER_OPS = 6
 """Fewer per recurrent layer than its applications of the layer issue (its parameters' gradient
@@ -229,7 +230,9 @@ def core_attention(config, tp: int) -> Kernels:
     per head and window the scores ``[w, d] @ [d, w]`` (``baddbmm``) and the context
     ``[w, w] @ [w, d]`` (``bmm``) as batched GEMMs, and over the ``E`` scores the causal mask
     filled in place and the softmax, both in fp32 (``attention_softmax_in_fp32``: under bf16 the
-    scores cast up and the probabilities back), the dropout with ``model.dropout``."""
+    scores cast up and the probabilities back), the dropout with ``model.dropout``; under
+    ``megatron_fused`` one pass that reads the 16-bit scores and writes the probabilities where
+    the fused kernel runs (:func:`fused_softmax_runs`), else the unfused passes."""
     m = config.model
     b = _bytes(config)
     k = Kernels(config.train.precision)
@@ -248,13 +251,24 @@ def core_attention(config, tp: int) -> Kernels:
     k.gemm(w, w, d, batches)
     k.gemm(w, d, w, batches)
     E = heads * T * w
-    if b != 4:
-        k.mem(E * (b + 4), 2)
-    k.mem(E * 9)  # read and write the fp32 scores, read the bool mask
-    k.elementwise("softmax", E, 8 * E, dtype="fp32")
+    if m.attention_kernel == "megatron_fused" and fused_softmax_runs(b, w, batches):
+        k.elementwise("softmax", E, 2 * b * E, dtype="fp32")  # read the scores, write the probabilities
+    else:
+        if b != 4:
+            k.mem(E * (b + 4), 2)
+        k.mem(E * 9)  # read and write the fp32 scores, read the bool mask
+        k.elementwise("softmax", E, 8 * E, dtype="fp32")
     if m.dropout > 0:
         k.mem(E * (2 * b + 1))
     return k
+
+
+def fused_softmax_runs(b: int, w: int, batches: int) -> bool:
+    """Whether megatron-core takes its fused scale-mask-softmax kernel (``model.attention_kernel:
+    megatron_fused``; ``FusedScaleMaskSoftmax.is_kernel_available``) for ``batches`` score
+    matrices of ``w x w`` in ``b``-byte elements: 16-bit scores, ``16 < w <= 4096``, ``w`` and
+    ``batches`` multiples of 4."""
+    return b == 2 and 16 < w <= 4096 and w % 4 == 0 and batches % 4 == 0
 
 
 def layer_forward(config, tp: int, sp: bool) -> Kernels:
@@ -312,7 +326,7 @@ def layer_ops(config) -> float:
     m = config.model
     kernel = "rmt" if m.arch == "rmt" else m.attention_kernel
     ops = LAYER_OPS[m.arch]
-    if kernel == "megatron" and m.arch != "mixer":
+    if kernel.startswith("megatron") and m.arch != "mixer":
         ops += MEGATRON_ATTENTION_OPS
     if config.train.recompute_granularity == "selective":
         ops += SELECTIVE_OPS[kernel]

@@ -20,6 +20,7 @@ from rmt.config import load_config
 from rmt.config_checks import validate
 from rmt.data.resolution import resolve_from_data
 from rmt.errors import ConfigError, JobError, cli_entry, global_rank
+from rmt.models.fused_softmax import check_fused_softmax
 from rmt.outputs import check_output, write_json
 from rmt.process import require_tested_megatron_core, setup_process
 from rmt.training import checkpoint_dirs, preemption
@@ -51,6 +52,7 @@ def checked_config(args: argparse.Namespace, world_size: Optional[int] = None):
     """The validated config of ``args`` for ``world_size`` (default: the launcher's), with the
     settings its data decides filled in (:func:`rmt.data.resolution.resolve_from_data`)."""
     config, _ = resolve_from_data(validate(load_config(args.config, args.overrides), world_size))
+    check_fused_softmax(config)  # this machine's kernels: validate() also serves the planner's other machines
     if args.eval_only:
         if not config.train.load:
             raise ConfigError("--eval-only needs train.load=<checkpoint directory>")
