@@ -15,6 +15,7 @@ from rmt.config_checks import validate
 from rmt.models.build import build
 from rmt.planner.cli import main as plan_main
 from rmt.planner.flops import plan_model, rmt_counts, transformer_counts
+from rmt.planner.rank import chunk_activations, layout_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMON = [
@@ -322,3 +323,58 @@ def test_activation_bytes_match_what_autograd_saves(overrides):
         + overrides
     )
     assert planned == pytest.approx(measured, rel=0.10)
+
+
+@pytest.mark.parametrize("kernel", ["megatron", "sdpa"])
+def test_dropout_keeps_what_the_cpu_rank_plan_counts(kernel):
+    """What ``model.dropout`` adds to the storages autograd saves against what it adds to a CPU
+    rank's activations (rmt.planner.rank): each dropout's noise in the activations' dtype (the
+    embedding's and two a layer), and where the scores are materialized the attention dropout's
+    noise and dropped probabilities; torch's kernel takes its unfused path under dropout on a CPU,
+    keeping the probabilities too. Equal for megatron's kernel; within 10% for torch's, whose
+    unfused path also keeps a scaled copy of the queries and the transposed keys."""
+    shape = [
+        "model.arch=transformer",
+        f"model.attention_kernel={kernel}",
+        "model.hidden_size=128",
+        "model.num_attention_heads=4",
+        "model.num_layers=2",
+        "model.seq_length=256",
+        "model.vocab_size=257",
+        "train.micro_batch_size=4",
+    ]
+    measured, planned = {}, {}
+    for dropout in (0.0, 0.1):
+        overrides = shape + [f"model.dropout={dropout}"]
+        measured[dropout] = saved_bytes_per_token(overrides)[0]
+        cfg = validate(load_config(None, overrides), world_size=1)
+        planned[dropout] = chunk_activations(cfg, layout_of(cfg, 1, "cpu"), 0, 0)["kept"] / (4 * 256)
+    added, plan = measured[0.1] - measured[0.0], planned[0.1] - planned[0.0]
+    if kernel == "megatron":
+        assert plan == added
+    else:
+        assert plan == pytest.approx(added, rel=0.10)
+
+
+@pytest.mark.parametrize("kernel", ["megatron", "sdpa"])
+def test_dropout_keeps_bool_masks_on_a_gpu(kernel):
+    """On a GPU CUDA's fused dropout keeps a one-byte mask: ``2 D`` bytes a layer for the hidden
+    dropouts, ``D`` for the embedding's, and ``H s (b + 1)`` for the attention dropout of megatron's
+    kernel (its mask and the dropped probabilities); torch's kernel drops in its own pass."""
+    D, H, L, s = 128, 4, 2, 256
+    shape = [
+        "model.arch=transformer",
+        f"model.attention_kernel={kernel}",
+        f"model.hidden_size={D}",
+        f"model.num_attention_heads={H}",
+        f"model.num_layers={L}",
+        f"model.seq_length={s}",
+        "model.vocab_size=257",
+        "train.precision=bf16",
+    ]
+    kept = {}
+    for dropout in (0.0, 0.1):
+        cfg = validate(load_config(None, shape + [f"model.dropout={dropout}"]), world_size=1)
+        kept[dropout] = chunk_activations(cfg, layout_of(cfg, 1, "gpu"), 0, 0)["kept"]
+    attention = H * s * (2 + 1) if kernel == "megatron" else 0
+    assert kept[0.1] - kept[0.0] == cfg.train.micro_batch_size * s * (L * (2 * D + attention) + D)

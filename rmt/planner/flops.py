@@ -22,8 +22,9 @@ skip norms, biases and residual adds.
 Activation bytes per token: tensors kept for the backward pass of one training step without
 recomputation (inputs of every matmul and norm, GELU input and output; the RMT's norms are
 fused with the reads after them, which keep the norm's input only; of the attention, the
-fused kernel's fp32 log-sum-exp per head, or with ``model.attention_kernel: megatron`` the
-unfused softmax's probabilities ``heads x N``), in the model dtype, plus the fp32 logits
+fused kernel's fp32 log-sum-exp per head, or with megatron's kernels the softmax's
+probabilities ``heads x N``; under ``model.dropout`` each dropout's one-byte mask, as a GPU's
+fused dropout keeps it, and the attention's dropped probabilities), in the model dtype, plus the fp32 logits
 (transformer and RMT; memory layers at skip placements not included). Under ``train.recompute_*``
 (:func:`recomputed_activation_bytes`) a recomputed span keeps only its input hidden state.
 
@@ -73,9 +74,11 @@ def transformer_counts(
     normalization: str = "LayerNorm",
     dtype_bytes: int = 4,
     fused_attention: bool = True,
+    dropout: bool = False,
 ) -> Dict:
     """Exact and Table 7 counts of megatron's GPTModel (local spec, linear biases on);
-    ``fused_attention``: ``model.attention_kernel`` is ``sdpa``."""
+    ``fused_attention``: ``model.attention_kernel`` is ``sdpa``; ``dropout``: ``model.dropout``
+    is on."""
     Vp = V if Vp is None else Vp
     A = H * Dh
     norm = 2 * D if normalization == "LayerNorm" else D
@@ -96,12 +99,14 @@ def transformer_counts(
         ("embedding lookup is a gather; Chinchilla counts it as a one-hot matmul (2 D V)", -2 * D * V),
         ("logits over the padded vocabulary 2 D (Vp - V)", 2 * D * (Vp - V)),
     ]
-    layer_act = 4 * D + 4 * A + (0 if fused_attention else H * N) + 2 * Dff
-    act = (L * layer_act + 2 * D) * dtype_bytes + L * attention_lse_bytes(H, fused_attention) + 4 * Vp
+    layer_act = 4 * D + 4 * A + 2 * Dff
+    # the core attention's own state: the fused kernel's log-sum-exp, or the probabilities and
+    # under dropout its mask and the dropped probabilities
+    core = attention_lse_bytes(H, True) if fused_attention else H * N * (dtype_bytes + (dtype_bytes + 1) * dropout)
+    layer_bytes = layer_act * dtype_bytes + core + 2 * D * dropout  # the hidden dropouts' masks
+    act = L * layer_bytes + 2 * D * dtype_bytes + D * dropout + 4 * Vp  # and the embedding's
     doc = _doc("transformer", params, paper_params, diff_params, flops, paper_flops, diff_flops, act)
-    # what one layer keeps; of it the core attention's own state; the hidden state between layers
-    core = H * N * dtype_bytes if not fused_attention else attention_lse_bytes(H, True)
-    doc["layer_activation_bytes_per_token"] = layer_act * dtype_bytes + attention_lse_bytes(H, fused_attention)
+    doc["layer_activation_bytes_per_token"] = layer_bytes
     doc["core_attention_bytes_per_token"] = core
     doc["hidden_bytes_per_token"] = D * dtype_bytes
     doc["first_layer_input_counted"] = True  # among the 2 D: the embedding's output
@@ -279,6 +284,7 @@ def plan_model(config: RMTConfig) -> Dict:
             m.normalization,
             dtype,
             fused_attention=m.attention_kernel == "sdpa",
+            dropout=m.dropout > 0,
         )
         doc["embedding_params"] = 2 * Vp * m.hidden_size + (m.seq_length * m.hidden_size if learned else 0)
     elif m.arch == "rmt":

@@ -285,20 +285,38 @@ def stage_params(config, layout: Layout, stage: int) -> int:
 
 
 # -- activations ----------------------------------------------------------------------------------
+def dropout_mask_bytes(config, device: str) -> int:
+    """Bytes a dropout keeps per element for its backward: none without ``model.dropout``; one
+    on a GPU (CUDA's fused dropout keeps a bool mask); on a CPU the input's (torch's CPU dropout
+    multiplies by a scaled noise tensor of the input's dtype and keeps it)."""
+    if config.model.dropout == 0:
+        return 0
+    return 1 if device == "gpu" else DTYPE_BYTES[config.train.precision]
+
+
 def _layer_activation_elements(config, layout: Layout):
-    """``(whole, split, lse_bytes)`` per token of one layer: elements a tensor-parallel rank keeps
-    whole (``1/t`` under sequence parallelism), elements it keeps ``1/t`` of, and the fused
-    attention's fp32 log-sum-exp bytes (split by heads); :mod:`rmt.planner.flops`' layer model."""
+    """``(whole, split, core_bytes)`` per token of one layer: elements a tensor-parallel rank
+    keeps whole (``1/t`` under sequence parallelism, the two hidden dropouts' masks among them),
+    elements it keeps ``1/t`` of, and the bytes the core attention keeps (split by heads): the
+    fused kernel's fp32 log-sum-exp, or where the scores are materialized (megatron's kernels;
+    torch's on a CPU under dropout, which takes its unfused path) the softmax probabilities and
+    under dropout its mask and the dropped probabilities; :mod:`rmt.planner.flops`' layer model."""
     m = config.model
-    fused = m.attention_kernel == "sdpa"
+    b = DTYPE_BYTES[config.train.precision]
     if m.arch == "rmt":
         Dk, Dv, R = m.dk, m.dv, m.rank
         Dff = m.ffn_hidden_size or 4 * R * Dv
         return 2 * Dk * Dv + R * Dv, 4 * R * Dv + 2 * Dff, 4 * R
     D, H = m.hidden_size, m.num_attention_heads
     Dff = m.ffn_hidden_size or 4 * D
-    whole = 4 * D + (2 * D if m.dropout > 0 else 0) // DTYPE_BYTES[config.train.precision]
-    return whole, 4 * D + (0 if fused else H * m.seq_length) + 2 * Dff, 4 * H if fused else 0
+    mask = dropout_mask_bytes(config, layout.device)
+    whole = 4 * D + 2 * D * mask // b
+    if m.attention_kernel == "sdpa" and not (mask and layout.device == "cpu"):
+        core = 4 * H
+    else:
+        keys = 2 * m.block_width if m.arch == "recurrent" else m.seq_length  # a query's keys
+        core = H * keys * (b + (b + mask if mask else 0))
+    return whole, 4 * D + 2 * Dff, core
 
 
 def _memory_activation_bytes(config, layers: List[Dict], device: str) -> int:
@@ -352,13 +370,11 @@ def chunk_activations(config, layout: Layout, stage: int, chunk: int) -> Dict[st
     b = DTYPE_BYTES[config.train.precision]
     T = config.train.micro_batch_size * m.seq_length
     sp = layout.sequence_parallel
-    whole, split, lse = _layer_activation_elements(config, layout)
-    layer = (whole // (t if sp else 1) + split // t) * b + lse // t
+    whole, split, core = _layer_activation_elements(config, layout)
+    core //= t
+    layer = (whole // (t if sp else 1) + split // t) * b + core
     if m.arch == "recurrent":  # each layer runs on windows: 2k tokens per block of k (rmt.planner.flops)
         layer = layer * 2 * m.block_width * -(-m.seq_length // m.block_width) // m.seq_length
-    core = (
-        (lse // t) if m.attention_kernel == "sdpa" or m.arch == "rmt" else m.num_attention_heads * m.seq_length * b // t
-    )
     width = m.dk * m.dv if m.arch == "rmt" else m.hidden_size
     hidden = width * b // (t if sp else 1)
     first, last = chunks_of(config, layout, stage)[chunk]
@@ -376,6 +392,8 @@ def chunk_activations(config, layout: Layout, stage: int, chunk: int) -> Dict[st
     Vp = padded_vocab_size(config)
     if stage == 0 and chunk == 0 and m.arch == "rmt":
         extra += m.rank * m.dv * b + 4 * m.rank * m.seq_length // t // config.train.micro_batch_size
+    elif stage == 0 and chunk == 0:  # the embedding's dropout mask
+        extra += width * dropout_mask_bytes(config, layout.device) // (t if sp else 1)
     if stage == layout.pp - 1 and chunk == layout.vpp - 1:
         extra += (width + (2 * m.rank * m.dv if m.arch == "rmt" else width)) * b // (t if sp else 1)
         extra += loss_bytes_per_logit(config)["kept"] * Vp // t
