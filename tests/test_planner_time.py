@@ -14,6 +14,7 @@ from rmt.memory import comm_volume
 from rmt.models.vocab import padded_vocab_size
 from rmt.planner.cli import main
 from rmt.planner.hardware import (
+    ELEMENTWISE,
     collective_seconds,
     gemm_seconds,
     link,
@@ -148,7 +149,7 @@ def test_kernels_backward_doubles_gemms_and_memory_and_issue_bounds_a_gpu():
 
 
 def _rates(forward: float, backward: float) -> dict:
-    kinds = {k: {"forward": forward, "backward": backward} for k in ("gelu", "norm", "softmax")}
+    kinds = {k: {"forward": forward, "backward": backward} for k in ELEMENTWISE}
     return {"fp32": kinds, "bf16": kinds}
 
 
@@ -171,10 +172,38 @@ def test_a_layers_gelu_and_norms_are_priced_by_their_elements():
     T, D, F = config.train.micro_batch_size * m.seq_length, m.hidden_size, m.ffn_hidden_size or 4 * m.hidden_size
     stream = flat(elementwise_rate=_rates(1e30, 1e30), memory_bandwidth=[[1, 1e12]])
     slow = flat(elementwise_rate=_rates(1e6, 1e6), memory_bandwidth=[[1, 1e12]])
-    layer = layer_forward(config, 1, False)
+    layer = layer_forward(config, 1, False, "gpu")
     streamed = sum(p.nbytes * p.count for p in layer.memory if p.kind == "stream") / 1e12
     assert layer.seconds(slow)["memory"] == pytest.approx(streamed + (T * F + 2 * T * D) / 1e6)
     assert layer.seconds(stream)["memory"] == pytest.approx(sum(p.nbytes * p.count for p in layer.memory) / 1e12)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "megatron"])
+def test_each_dropout_is_priced_by_its_elements(kernel):
+    """With ``model.dropout``, where elements bind: a layer adds its two hidden dropouts' ``T D``
+    elements each (and the attention dropout's ``E`` scores where they are materialized:
+    megatron's kernel, torch's on a CPU), the embedding its own, at the dropout's rate, forward
+    and backward."""
+    over = [f"model.attention_kernel={kernel}"]
+    off, on = load_planned(TINY, over, 1), load_planned(TINY, over + ["model.dropout=0.1"], 1)
+    m = on.model
+    T, D, H = on.train.micro_batch_size * m.seq_length, m.hidden_size, m.num_attention_heads
+    rates = {d: {k: {"forward": 1e30, "backward": 1e30} for k in ELEMENTWISE} for d in ("fp32", "bf16")}
+    rates["fp32"]["dropout"] = {"forward": 1e6, "backward": 5e5}
+    slow = flat(elementwise_rate=rates, memory_bandwidth=[[1, 1e30]])
+    for device in ("cpu", "gpu"):
+        scores = H * T * m.seq_length if kernel == "megatron" or device == "cpu" else 0
+        added = {}
+        for part, work in (
+            ("layer", lambda c: layer_forward(c, 1, False, device)),
+            ("embedding", lambda c: embedding_work(c, 1, False, True, False, device)[0]),
+        ):
+            added[part] = work(on).seconds(slow)["memory"] - work(off).seconds(slow)["memory"]
+        assert added["embedding"] == pytest.approx(T * D / 1e6)
+        assert added["layer"] == pytest.approx((2 * T * D + scores) / 1e6)
+        assert layer_forward(on, 1, False, device).backward().seconds(slow)["memory"] == pytest.approx(
+            layer_forward(off, 1, False, device).backward().seconds(slow)["memory"] + (2 * T * D + scores) / 5e5
+        )
 
 
 def test_the_loss_is_priced_in_fp32_and_the_final_norm_both_ways_under_bf16():
@@ -184,11 +213,11 @@ def test_the_loss_is_priced_in_fp32_and_the_final_norm_both_ways_under_bf16():
     m = config.model
     T, D = config.train.micro_batch_size * m.seq_length, m.hidden_size
     V = padded_vocab_size(config)
-    rates = {d: {k: {"forward": 1e30, "backward": 1e30} for k in ("gelu", "norm", "softmax")} for d in ("fp32", "bf16")}
+    rates = {d: {k: {"forward": 1e30, "backward": 1e30} for k in ELEMENTWISE} for d in ("fp32", "bf16")}
     rates["fp32"]["softmax"] = {"forward": 1e6, "backward": 1e30}
     rates["bf16"]["norm"] = {"forward": 2e6, "backward": 1e6}
     profile = flat(elementwise_rate=rates, memory_bandwidth=[[1, 1e30]])
-    fwd, bwd = embedding_work(config, 1, False, first=False, last=True)
+    fwd, bwd = embedding_work(config, 1, False, first=False, last=True, device="gpu")
     assert fwd.seconds(profile)["memory"] == pytest.approx(T * V / 1e6 + T * D / 2e6)
     assert bwd.seconds(profile)["memory"] == pytest.approx(T * D / 1e6)
 
@@ -208,14 +237,11 @@ def test_megatrons_unfused_attention_is_two_batched_gemms_and_its_softmax_passes
         m.num_attention_heads,
         m.hidden_size // m.num_attention_heads,
     )
-    assert layer_forward(unfused, 1, False).flops() == layer_forward(fused, 1, False).flops()
-    k = core_attention(unfused, 1)
+    assert layer_forward(unfused, 1, False, "gpu").flops() == layer_forward(fused, 1, False, "gpu").flops()
+    k = core_attention(unfused, 1, "gpu")
     assert k.attention_flops == 0 and k.gemms == [(s, s, d, mb * H), (s, d, s, mb * H)]
     E, b = mb * H * s * s, {"fp32": 4, "bf16": 2}[precision]
-    rates = {
-        dt: {kind: {"forward": 1e30, "backward": 1e30} for kind in ("gelu", "norm", "softmax")}
-        for dt in ("fp32", "bf16")
-    }
+    rates = {dt: {kind: {"forward": 1e30, "backward": 1e30} for kind in ELEMENTWISE} for dt in ("fp32", "bf16")}
     rates["fp32"]["softmax"] = {"forward": 1e6, "backward": 1e30}
     bw = 1e12
     profile = flat(elementwise_rate=rates, memory_bandwidth=[[1, bw]])
@@ -233,9 +259,9 @@ def test_megatrons_fused_softmax_is_one_pass_where_its_kernel_runs(precision, se
     megatron-core takes the fused kernel (16-bit scores, 16 < s <= 4096, s a multiple of 4); the
     unfused passes of ``megatron`` elsewhere."""
     over = [f"train.precision={precision}", f"model.seq_length={seq}", "model.position=learned"]
-    unfused = core_attention(load_planned(TINY, over + ["model.attention_kernel=megatron"], 1), 1)
+    unfused = core_attention(load_planned(TINY, over + ["model.attention_kernel=megatron"], 1), 1, "gpu")
     config = load_planned(TINY, over + ["model.attention_kernel=megatron_fused"], 1)
-    k = core_attention(config, 1)
+    k = core_attention(config, 1, "gpu")
     assert k.gemms == unfused.gemms
     E = config.train.micro_batch_size * config.model.num_attention_heads * seq * seq
     softmax = [p for p in k.memory if p.kind == "softmax"]
@@ -249,10 +275,20 @@ def test_megatrons_fused_softmax_is_one_pass_where_its_kernel_runs(precision, se
         assert k.memory == unfused.memory
 
 
+def test_torchs_attention_under_dropout_takes_its_unfused_path_on_a_cpu_only():
+    """Under ``model.dropout`` torch's ``scaled_dot_product_attention`` keeps the dropout in its
+    fused kernel on a GPU; on a CPU it takes its math path, priced as megatron's unfused passes."""
+    config = load_planned(TINY, ["model.dropout=0.1"], 1)
+    megatron = core_attention(load_planned(TINY, ["model.dropout=0.1", "model.attention_kernel=megatron"], 1), 1, "cpu")
+    on_cpu, on_gpu = core_attention(config, 1, "cpu"), core_attention(config, 1, "gpu")
+    assert (on_cpu.gemms, on_cpu.memory, on_cpu.attention_flops) == (megatron.gemms, megatron.memory, 0)
+    assert not on_gpu.gemms and not on_gpu.memory and on_gpu.attention_flops > 0
+
+
 def test_selective_recomputation_runs_megatrons_attention_again():
     p = flat()
     config, doc = _time(["train.recompute_granularity=selective", "model.attention_kernel=megatron"], 1, p)
-    again = core_attention(config, 1)
+    again = core_attention(config, 1, "gpu")
     assert again.gemms and doc["stages"]["0"]["recompute_s"] == pytest.approx(
         config.model.num_layers * again.seconds(p)["total"]
     )
@@ -363,8 +399,8 @@ def test_full_recompute_adds_the_forward_of_every_layer_and_selective_the_attent
         ["train.recompute_granularity=full", "train.recompute_method=uniform", "train.recompute_num_layers=1"], 1, p
     )
     _, sel = _time(["train.recompute_granularity=selective"], 1, p)
-    layer = layer_forward(base, 1, False).seconds(p)["total"]
-    attention = core_attention(base, 1).seconds(p)["total"]
+    layer = layer_forward(base, 1, False, "gpu").seconds(p)["total"]
+    attention = core_attention(base, 1, "gpu").seconds(p)["total"]
     assert full["stages"]["0"]["recompute_s"] == pytest.approx(2 * layer)
     assert sel["stages"]["0"]["recompute_s"] == pytest.approx(2 * attention)
     assert none["stages"]["0"]["recompute_s"] == 0.0
@@ -415,7 +451,7 @@ def test_the_async_stream_hides_the_waits_its_window_covers():
     assert a["exposed_s"] < s["exposed_s"]
     from rmt.planner.step_work import LAYER_OPS, layer_forward
 
-    fwd = layer_forward(config, 1, False)
+    fwd = layer_forward(config, 1, False, "gpu")
     fwd.ops = LAYER_OPS["transformer"] / 3
     bwd = fwd.backward()
     bwd.ops = LAYER_OPS["transformer"] * 2 / 3
@@ -656,6 +692,14 @@ TRACED = {
     "rmt": ["model.arch=rmt", "model.dk=16", "model.dv=16", "model.rank=4", "model.position=alibi"],
     "mixer": ["model.arch=mixer"],
     "recurrent, 4 blocks": ["model.arch=recurrent", "model.seq_length=128"],
+    "transformer, dropout, selective": ["model.dropout=0.1", "train.recompute_granularity=selective"],
+    "transformer, megatron attention, dropout, selective": [
+        "model.attention_kernel=megatron",
+        "model.dropout=0.1",
+        "train.recompute_granularity=selective",
+    ],
+    "recurrent, 4 blocks, dropout": ["model.arch=recurrent", "model.seq_length=128", "model.dropout=0.1"],
+    "mixer, dropout": ["model.arch=mixer", "model.dropout=0.1"],
 }
 
 
@@ -665,14 +709,14 @@ def test_the_operations_counted_per_layer_are_those_a_step_dispatches(variant):
     """A traced training step (every aten operation dispatched, under a TorchDispatchMode) of the
     tiny model with 2 and 4 layers, 1 and 2 micro-batches: its operations per layer, per
     micro-batch besides the layers and per step are the counts the model charges
-    (rmt.planner.step_work.layer_ops, MICROBATCH_OPS, STEP_OPS)."""
+    (rmt.planner.step_work.layer_ops, microbatch_ops, STEP_OPS)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from rmt import parallel
     from rmt.config import load_config
     from rmt.config_checks import validate
-    from rmt.planner.step_work import MICROBATCH_OPS, STEP_OPS, layer_ops
+    from rmt.planner.step_work import STEP_OPS, layer_ops, microbatch_ops
     from rmt.training.trainer import Trainer
 
     class Count(TorchDispatchMode):
@@ -697,10 +741,10 @@ def test_the_operations_counted_per_layer_are_those_a_step_dispatches(variant):
             counts[layers, batch] = Count.n
         finally:
             parallel.destroy()
-    per_layer, arch = layer_ops(config), config.model.arch
+    per_layer, per_microbatch = layer_ops(config, "cpu"), microbatch_ops(config)
     assert (counts[4, 2] - counts[2, 2]) // 2 == per_layer
-    assert counts[2, 4] - counts[2, 2] - 2 * per_layer == MICROBATCH_OPS[arch]
-    assert counts[2, 2] - 2 * per_layer - MICROBATCH_OPS[arch] == STEP_OPS[arch]
+    assert counts[2, 4] - counts[2, 2] - 2 * per_layer == per_microbatch
+    assert counts[2, 2] - 2 * per_layer - per_microbatch == STEP_OPS[config.model.arch]
 
 
 @pytest.mark.slow
@@ -718,7 +762,7 @@ def test_the_calibrated_issue_cost_is_probed_on_the_operations_a_step_counts():
     for layers in (2, 3):
         step, counts[layers], close = probe_step(torch.device("cpu"), layers)
         close()
-    assert counts[3] - counts[2] == layer_ops(load_config(None, SHAPE))
+    assert counts[3] - counts[2] == layer_ops(load_config(None, SHAPE), "cpu")
 
 
 SMALL = SHAPE + ["model.num_layers=2"]

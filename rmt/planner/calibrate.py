@@ -18,7 +18,7 @@ Each figure is the slowest rank's median over repeats (a synchronous step waits 
   forward and backward, as fractions of the GEMM peak;
 * memory-bound operations: ``x += y`` over sizes from cache-resident to DRAM-sized (bytes read
   and written per second);
-* the elementwise kinds priced by their elements too (the GELU, a layer norm, a softmax; forward
+* the elementwise kinds priced by their elements too (the GELU, a layer norm, a softmax, a dropout; forward
   and backward, per dtype): elements per second at the size of a small model's activations;
 * the lookup-reduce kernel (:func:`rmt.ops.lookup_reduce`) forward and backward at UltraMem's
   shape, bytes of value rows per second; ``torch.topk`` elements per second;
@@ -184,8 +184,8 @@ NORM_WIDTH = 1024
 
 def measure_elementwise(clock: Clock, device, dtype: torch.dtype, repeats: int, dispatch: float = 0.0):
     """``{kind: {"forward": elements/s, "backward": elements/s}}`` of the GELU, a layer norm over
-    rows of :data:`NORM_WIDTH` and a softmax over such rows (the backward: the forward and the
-    input's gradient less the forward; the bare ``dispatch`` taken off)."""
+    rows of :data:`NORM_WIDTH`, a softmax over such rows and a dropout (the backward: the forward
+    and the input's gradient less the forward; the bare ``dispatch`` taken off)."""
     import torch.nn.functional as F
 
     n = ELEMENTWISE_ELEMENTS["cpu" if device.type == "cpu" else "gpu"]
@@ -197,6 +197,7 @@ def measure_elementwise(clock: Clock, device, dtype: torch.dtype, repeats: int, 
         "gelu": F.gelu,
         "norm": lambda t: F.layer_norm(t, (NORM_WIDTH,), weight, bias),
         "softmax": lambda t: torch.softmax(t, dim=-1),
+        "dropout": lambda t: F.dropout(t, 0.1, training=True),
     }
     out = {}
     for kind, fn in kinds.items():

@@ -29,10 +29,11 @@ reads it) or the name of a shipped one (:mod:`rmt.planner.profiles`). Its fields
     the GEMMs' (a CPU's caches make small operations faster than DRAM).
 ``elementwise_rate``
     per dtype, ``{kind: {"forward": elements/s, "backward": elements/s}}`` for the kinds
-    :data:`ELEMENTWISE` (the GELU, a norm, a softmax): the rate their arithmetic allows per element.
-    Such an operation takes the longer of its bytes at ``memory_bandwidth`` and its elements at
-    this rate: a GPU's is far above its bytes' (they are memory-bound), a CPU thread's far below
-    (``erf``, ``exp`` and the norms' reductions are computed, not streamed).
+    :data:`ELEMENTWISE` (the GELU, a norm, a softmax, a dropout): the rate their arithmetic allows
+    per element. Such an operation takes the longer of its bytes at ``memory_bandwidth`` and its
+    elements at this rate: a GPU's is far above its bytes' (they are memory-bound), a CPU thread's
+    far below (``erf``, ``exp``, the norms' reductions and the dropout's random draws are computed,
+    not streamed).
 ``op_overhead_s``
     seconds the host spends issuing one operation (Python, dispatch, a kernel launch).
 ``async_launch``
@@ -69,7 +70,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Sequence
 
 DTYPES = ("fp32", "bf16")
-ELEMENTWISE = ("gelu", "norm", "softmax")
+ELEMENTWISE = ("gelu", "norm", "softmax", "dropout")
 """The kinds of elementwise operation priced by their elements as well as their bytes."""
 PHASES = ("forward", "backward")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")

@@ -5,7 +5,7 @@ all of its time, over the aten operations it dispatches.
 
 The Python around each operation (megatron's modules and autograd functions, the hooks) costs a
 CPU several times a bare dispatch; the step-time model charges this figure for each operation it
-counts in a traced step (:data:`rmt.planner.step_work.MICROBATCH_OPS`, ``layer_ops``)."""
+counts in a traced step (:func:`rmt.planner.step_work.microbatch_ops`, ``layer_ops``)."""
 
 from __future__ import annotations
 

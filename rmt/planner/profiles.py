@@ -23,9 +23,11 @@ from typing import Dict
 GIGA = 1e9
 TERA = 1e12
 RADIX_SELECT_BYTES = 16  # 4 passes (8-bit digits of a 32-bit key) x 4 bytes read per element
-ELEMENTWISE_FLOPS = {"gelu": 20, "norm": 8, "softmax": 10}
+ELEMENTWISE_FLOPS = {"gelu": 20, "norm": 8, "softmax": 10, "dropout": 20}
 """FP32 operations per element forward: the GELU's ``erf`` (a polynomial of about 20), a norm's
-two reductions, scale and shift (about 8), a softmax's max, ``exp``, sum and division (about 10)."""
+two reductions, scale and shift (about 8), a softmax's max, ``exp``, sum and division (about 10),
+a dropout's random draw (Philox-4x32-10: about 60 integer operations for four draws) with its
+compare and scale (about 20)."""
 
 
 def _elementwise(fp32_peak: float) -> Dict:
@@ -67,8 +69,8 @@ _COMMON_SOURCES = {
     "async_launch": "CUDA kernels are launched asynchronously: the host issues ahead of the device",
     "topk_rate": "derived: memory bandwidth / 16 bytes per element (radix select, 4 passes over fp32 keys)",
     "elementwise_rate": (
-        "derived: the FP32 peak over each kind's operations per element (GELU 20, norm 8, softmax 10; twice "
-        "backward); above the rate of the element's bytes, so these kernels are memory-bound"
+        "derived: the FP32 peak over each kind's operations per element (GELU 20, norm 8, softmax 10, "
+        "dropout 20; twice backward); above the rate of the element's bytes, so these kernels are memory-bound"
     ),
     "collectives": (
         "nccl-tests bus bandwidth as NVIDIA's DGX systems reach it: about 80% of one direction of NVLink "

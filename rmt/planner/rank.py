@@ -75,6 +75,7 @@ from rmt.config import TABLE_TYPES
 from rmt.memory.byte_sizes import DTYPE_BYTES
 from rmt.models.vocab import padded_vocab_size
 from rmt.planner.dense import dense_bytes_per_param
+from rmt.planner.kernel_paths import attention_path, dropout_mask_bytes, materializes_scores
 from rmt.planner.memory import GIB
 
 CPU_PROCESS_BYTES = 385 << 20
@@ -285,15 +286,6 @@ def stage_params(config, layout: Layout, stage: int) -> int:
 
 
 # -- activations ----------------------------------------------------------------------------------
-def dropout_mask_bytes(config, device: str) -> int:
-    """Bytes a dropout keeps per element for its backward: none without ``model.dropout``; one
-    on a GPU (CUDA's fused dropout keeps a bool mask); on a CPU the input's (torch's CPU dropout
-    multiplies by a scaled noise tensor of the input's dtype and keeps it)."""
-    if config.model.dropout == 0:
-        return 0
-    return 1 if device == "gpu" else DTYPE_BYTES[config.train.precision]
-
-
 def _layer_activation_elements(config, layout: Layout):
     """``(whole, split, core_bytes)`` per token of one layer: elements a tensor-parallel rank
     keeps whole (``1/t`` under sequence parallelism, the two hidden dropouts' masks among them),
@@ -311,7 +303,7 @@ def _layer_activation_elements(config, layout: Layout):
     Dff = m.ffn_hidden_size or 4 * D
     mask = dropout_mask_bytes(config, layout.device)
     whole = 4 * D + 2 * D * mask // b
-    if m.attention_kernel == "sdpa" and not (mask and layout.device == "cpu"):
+    if not materializes_scores(attention_path(config, layout.device)):
         core = 4 * H
     else:
         keys = 2 * m.block_width if m.arch == "recurrent" else m.seq_length  # a query's keys

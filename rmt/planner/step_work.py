@@ -16,8 +16,8 @@ under sequence parallelism, ``b`` bytes of ``train.precision``):
   pair: rmt passes an explicit causal mask, so the kernel skips none), or with
   ``model.attention_kernel: megatron`` the same as batched GEMMs and the passes of an unfused
   softmax, under ``megatron_fused`` one fused softmax pass (:func:`core_attention`); memory-bound: two norms
-  ``2 T' D b`` each, two bias-dropout-adds ``3 T' D b`` each (a dropout mask byte and one more
-  pass each with ``model.dropout``), the GELU ``2 T F/t b``, the attention's layout copies
+  ``2 T' D b`` each, two bias-adds with the residual ``3 T' D b`` each (and with ``model.dropout``
+  their dropouts, priced by their elements too: the output and the mask or noise written), the GELU ``2 T F/t b``, the attention's layout copies
   (q, k, v into the kernel's ``[b, h, s, d]`` and the context back, ``8 T A/t b``), RoPE on q and
   k ``4 T A/t b``;
 * RMT (:mod:`rmt.models.rmt`): the reads ``[T Dv, Dk] @ [Dk, 3R/t]`` and ``[T Dv, Dk] @ [Dk, R]``
@@ -69,15 +69,24 @@ from typing import Dict, List, NamedTuple, Tuple
 
 from rmt.memory.byte_sizes import DTYPE_BYTES
 from rmt.planner.hardware import Profile, attention_seconds, elementwise_seconds, gemm_seconds, memory_seconds
+from rmt.planner.kernel_paths import attention_path, dropout_mask_bytes, materializes_scores
 
 LAYER_OPS = {"transformer": 129, "rmt": 156, "recurrent": 129, "mixer": 176}
 """Operations the host issues per layer and micro-batch, forward and backward, with torch's fused
 attention (the recurrent transformer's per application of its layer, :func:`layer_ops`)."""
-MEGATRON_ATTENTION_OPS = 35
-"""More per layer with megatron-core's attention (``model.attention_kernel: megatron``; counted
+ATTENTION_OPS = {"rmt": 0, "none": 0, "sdpa": 0, "math": 39, "megatron": 35, "megatron_fused": 35}
+"""More per layer by the core attention's path (:mod:`rmt.planner.kernel_paths`): torch's
+unfused math path under dropout with its attention dropout, megatron-core's attention (counted
 the same for ``megatron_fused``, whose fused softmax was not traced)."""
-SELECTIVE_OPS = {"sdpa": 21, "megatron": 30, "megatron_fused": 30, "rmt": 8}
-"""More per layer under selective recomputation (the core attention run again), by kernel."""
+SELECTIVE_OPS = {"rmt": 8, "none": 0, "sdpa": 21, "math": 42, "megatron": 30, "megatron_fused": 30}
+"""More per layer under selective recomputation (the core attention run again), by path."""
+DROPOUT_OPS = 5
+"""Per dropout, forward and backward, on a CPU (torch's noise drawn, scaled and applied); counted
+the same on a GPU. A layer has two (and megatron's attention one more, run again under selective
+recomputation: :data:`DROPOUT_RECOMPUTE_OPS`); the transformer's and recurrent transformer's
+embedding one a micro-batch."""
+DROPOUT_RECOMPUTE_OPS = 4
+"""More per layer when selective recomputation runs megatron's attention dropout again."""
 RECURRENT_FEWER_OPS = 6
 """Fewer per recurrent layer than its applications of the layer issue (its parameters' gradient
 hooks run once a layer, its windows' masks and mixing once a window)."""
@@ -222,11 +231,13 @@ def layer_tokens(config) -> int:
     return config.train.micro_batch_size * m.seq_length
 
 
-def core_attention(config, tp: int) -> Kernels:
-    """One layer's core attention, forward, one micro-batch on a tensor-parallel rank (what
-    selective recomputation runs again): a fused kernel's FLOPs (torch's
+def core_attention(config, tp: int, device: str) -> Kernels:
+    """One layer's core attention on ``device``, forward, one micro-batch on a tensor-parallel
+    rank (what selective recomputation runs again), by its path
+    (:func:`rmt.planner.kernel_paths.attention_path`): a fused kernel's FLOPs (torch's
     ``scaled_dot_product_attention``; the RMT's in fp32), or under ``model.attention_kernel:
-    megatron`` megatron-core's ``DotProductAttention`` as rmt configures it (no fused softmax):
+    megatron`` (and torch's math path, priced alike) megatron-core's ``DotProductAttention`` as
+    rmt configures it (no fused softmax):
     per head and window the scores ``[w, d] @ [d, w]`` (``baddbmm``) and the context
     ``[w, w] @ [w, d]`` (``bmm``) as batched GEMMs, and over the ``E`` scores the causal mask
     filled in place and the softmax, both in fp32 (``attention_softmax_in_fp32``: under bf16 the
@@ -244,7 +255,7 @@ def core_attention(config, tp: int) -> Kernels:
         return k
     T, heads, d = layer_tokens(config), m.num_attention_heads // tp, m.hidden_size // m.num_attention_heads
     w = 2 * m.block_width if m.arch == "recurrent" else m.seq_length
-    if m.attention_kernel == "sdpa":
+    if not materializes_scores(attention_path(config, device)):
         k.attention_flops = 4.0 * T * w * heads * d
         return k
     batches = heads * T // w
@@ -258,8 +269,8 @@ def core_attention(config, tp: int) -> Kernels:
             k.mem(E * (b + 4), 2)
         k.mem(E * 9)  # read and write the fp32 scores, read the bool mask
         k.elementwise("softmax", E, 8 * E, dtype="fp32")
-    if m.dropout > 0:
-        k.mem(E * (2 * b + 1))
+    if m.dropout > 0:  # read the probabilities, write them dropped and the mask or noise
+        k.elementwise("dropout", E, E * (2 * b + dropout_mask_bytes(config, device)))
     return k
 
 
@@ -271,8 +282,9 @@ def fused_softmax_runs(b: int, w: int, batches: int) -> bool:
     return b == 2 and 16 < w <= 4096 and w % 4 == 0 and batches % 4 == 0
 
 
-def layer_forward(config, tp: int, sp: bool) -> Kernels:
-    """One dense layer's forward on a tensor-parallel rank, one micro-batch (module docstring)."""
+def layer_forward(config, tp: int, sp: bool, device: str) -> Kernels:
+    """One dense layer's forward on a tensor-parallel rank of ``device``, one micro-batch (module
+    docstring)."""
     m = config.model
     b = _bytes(config)
     s = m.seq_length
@@ -281,7 +293,7 @@ def layer_forward(config, tp: int, sp: bool) -> Kernels:
     if m.arch == "rmt":
         Dk, Dv, R = m.dk, m.dv, m.rank
         F = m.ffn_hidden_size or 4 * R * Dv
-        k.add(core_attention(config, tp))  # in fp32 (rmt.models.rmt)
+        k.add(core_attention(config, tp, device))  # in fp32 (rmt.models.rmt)
         k.gemm(T * Dv, 3 * R // tp, Dk)  # attention read, norm fused
         k.gemm(T * Dv, Dk, R // tp)  # attention write
         k.gemm(T * Dv, R, Dk)  # FFN read
@@ -305,34 +317,44 @@ def layer_forward(config, tp: int, sp: bool) -> Kernels:
     else:
         k.gemm(T, 3 * A // tp, D)
         k.gemm(T, D, A // tp)
-        k.add(core_attention(config, tp))
+        k.add(core_attention(config, tp, device))
         k.mem(8 * T * A // tp * b)  # q, k, v into the kernel's layout, the context back
         if m.position == "rope":
             k.mem(4 * T * A // tp * b)
     k.gemm(T, F // tp, D)
     k.gemm(T, D, F // tp)
     k.elementwise("norm", Ts * D, 2 * Ts * D * b, 2)  # two norms
-    dropout = m.dropout > 0
-    k.mem((3 + (1 if dropout else 0)) * Ts * D * b + (Ts * D if dropout else 0), 2)  # bias-dropout-adds
+    k.mem(3 * Ts * D * b, 2)  # bias-adds with the residual
+    if m.dropout > 0:  # their dropouts: the output and the mask or noise written
+        k.elementwise("dropout", Ts * D, Ts * D * (b + dropout_mask_bytes(config, device)), 2)
     k.elementwise("gelu", T * F // tp, 2 * T * F // tp * b)
     return k
 
 
-def layer_ops(config) -> float:
-    """Host operations of one layer and micro-batch, forward and backward: the architecture's,
-    megatron-core's unfused attention's more, selective recomputation's more by kernel; a
-    recurrent layer issues them once per application of its layer (``blocks + 1``, eqs. 6-8 of
-    :mod:`rmt.models.recurrent`), less :data:`RECURRENT_FEWER_OPS`."""
+def layer_ops(config, device: str) -> float:
+    """Host operations of one layer and micro-batch on ``device``, forward and backward: the
+    architecture's, its attention path's more, its dropouts', selective recomputation's more by
+    path; a recurrent layer issues them once per application of its layer (``blocks + 1``, eqs.
+    6-8 of :mod:`rmt.models.recurrent`), less :data:`RECURRENT_FEWER_OPS`."""
     m = config.model
-    kernel = "rmt" if m.arch == "rmt" else m.attention_kernel
-    ops = LAYER_OPS[m.arch]
-    if kernel.startswith("megatron") and m.arch != "mixer":
-        ops += MEGATRON_ATTENTION_OPS
+    path = attention_path(config, device)
+    megatron = path in ("megatron", "megatron_fused")
+    ops = LAYER_OPS[m.arch] + ATTENTION_OPS[path]
+    if m.dropout > 0:
+        ops += DROPOUT_OPS * (3 if megatron else 2)
     if config.train.recompute_granularity == "selective":
-        ops += SELECTIVE_OPS[kernel]
+        ops += SELECTIVE_OPS[path] + (DROPOUT_RECOMPUTE_OPS if megatron and m.dropout > 0 else 0)
     if m.arch == "recurrent":
         return ops * (-(-m.seq_length // m.block_width) + 1) - RECURRENT_FEWER_OPS
     return ops
+
+
+def microbatch_ops(config) -> float:
+    """Host operations per micro-batch besides the layers: :data:`MICROBATCH_OPS` and the
+    embedding's dropout."""
+    m = config.model
+    embedding_dropout = m.dropout > 0 and m.arch in ("transformer", "recurrent")
+    return MICROBATCH_OPS[m.arch] + (DROPOUT_OPS if embedding_dropout else 0)
 
 
 def layer_param_elements(config, tp: int) -> int:
@@ -342,9 +364,9 @@ def layer_param_elements(config, tp: int) -> int:
     return _layer_params(config, Layout(tp=tp))
 
 
-def embedding_work(config, tp: int, sp: bool, first: bool, last: bool) -> Tuple[Kernels, Kernels]:
-    """The embedding (first stage) and the output layer with the loss (last stage): (forward,
-    backward) of one micro-batch."""
+def embedding_work(config, tp: int, sp: bool, first: bool, last: bool, device: str) -> Tuple[Kernels, Kernels]:
+    """The embedding (first stage, with its dropout) and the output layer with the loss (last
+    stage) on ``device``: (forward, backward) of one micro-batch."""
     from rmt.models.vocab import padded_vocab_size
 
     m = config.model
@@ -361,6 +383,11 @@ def embedding_work(config, tp: int, sp: bool, first: bool, last: bool) -> Tuple[
             fwd.gemm(T * m.dv, m.dk, m.rank)
             bwd.gemm(T * m.dv, m.rank, m.dk, 2)
         bwd.mem(2 * T * rows * 4 + GRAD_ACCUMULATE_BYTES * Vt * rows)  # scatter, into the buffer
+        if m.dropout > 0 and m.arch in ("transformer", "recurrent"):
+            Ts = T // tp if sp else T
+            dropped = Ts * rows * (2 * b + dropout_mask_bytes(config, device))
+            fwd.elementwise("dropout", Ts * rows, dropped)
+            bwd.elementwise("dropout", Ts * rows, 2 * dropped)
     if last:
         Ts = T // tp if sp else T
         fwd.elementwise("norm", Ts * width, 2 * Ts * width * b)  # final norm

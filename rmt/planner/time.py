@@ -80,7 +80,6 @@ from rmt.planner.step_collectives import (
 from rmt.planner.step_work import (
     FORWARD_SHARE,
     GRAD_ACCUMULATE_BYTES,
-    MICROBATCH_OPS,
     STEP_OPS,
     Kernels,
     core_attention,
@@ -91,6 +90,7 @@ from rmt.planner.step_work import (
     layer_param_elements,
     layer_tokens,
     memory_layer_work,
+    microbatch_ops,
     table_optimizer_work,
 )
 
@@ -229,7 +229,7 @@ def _recompute(config, layout: Layout, forward_layer: Kernels, layers: int) -> K
     if layout.recompute == "full":
         return forward_layer.scaled(_recomputed_layers(layout, layers))
     if layout.recompute == "selective":
-        return core_attention(config, layout.tp).scaled(layers)
+        return core_attention(config, layout.tp, layout.device).scaled(layers)
     return Kernels(config.train.precision)
 
 
@@ -238,8 +238,8 @@ def stage_time(config, layout: Layout, profile: Profile, stage: int) -> Dict:
     from rmt.memory.shapes import memory_placement
 
     tp, sp = layout.tp, layout.sequence_parallel
-    fwd_layer = layer_forward(config, tp, sp)
-    ops = layer_ops(config)
+    fwd_layer = layer_forward(config, tp, sp, layout.device)
+    ops = layer_ops(config, layout.device)
     fwd_layer.ops = FORWARD_SHARE * ops
     bwd_layer = fwd_layer.backward()
     bwd_layer.ops = (1 - FORWARD_SHARE) * ops
@@ -256,11 +256,11 @@ def stage_time(config, layout: Layout, profile: Profile, stage: int) -> Dict:
         n = last - first + 1
         forward, backward = fwd_layer.scaled(n), bwd_layer.scaled(n)
         edge_f, edge_b = embedding_work(
-            config, tp, sp, stage == 0 and c == 0, stage == layout.pp - 1 and c == len(chunks) - 1
+            config, tp, sp, stage == 0 and c == 0, stage == layout.pp - 1 and c == len(chunks) - 1, layout.device
         )
         if c == 0:  # the schedule's, the batch's, the embedding's and the loss's operations
-            edge_f.ops += FORWARD_SHARE * MICROBATCH_OPS[config.model.arch]
-            edge_b.ops += (1 - FORWARD_SHARE) * MICROBATCH_OPS[config.model.arch]
+            edge_f.ops += FORWARD_SHARE * microbatch_ops(config)
+            edge_b.ops += (1 - FORWARD_SHARE) * microbatch_ops(config)
         forward.add(edge_f)
         backward.add(edge_b)
         recompute = _recompute(config, layout, fwd_layer, n)
