@@ -73,6 +73,7 @@ LAYOUTS = [
     ("dp1", 1, []),
     ("dp1_selective", 1, ["train.recompute_granularity=selective"]),
     ("dp1_megatron_attention", 1, ["model.attention_kernel=megatron"]),
+    ("dp1_dropout", 1, ["model.dropout=0.1"]),
     ("dp2", 2, []),
     ("tp2", 2, ["parallel.tensor_model_parallel_size=2"]),
     ("tp2_sp", 2, ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]),
