@@ -100,11 +100,13 @@ def transformer_counts(
         ("logits over the padded vocabulary 2 D (Vp - V)", 2 * D * (Vp - V)),
     ]
     layer_act = 4 * D + 4 * A + 2 * Dff
+    mask = 1 if dropout else 0  # bytes a dropout keeps an element (a GPU's bool mask)
     # the core attention's own state: the fused kernel's log-sum-exp, or the probabilities and
     # under dropout its mask and the dropped probabilities
-    core = attention_lse_bytes(H, True) if fused_attention else H * N * (dtype_bytes + (dtype_bytes + 1) * dropout)
-    layer_bytes = layer_act * dtype_bytes + core + 2 * D * dropout  # the hidden dropouts' masks
-    act = L * layer_bytes + 2 * D * dtype_bytes + D * dropout + 4 * Vp  # and the embedding's
+    dropped = dtype_bytes + mask if dropout else 0
+    core = attention_lse_bytes(H, True) if fused_attention else H * N * (dtype_bytes + dropped)
+    layer_bytes = layer_act * dtype_bytes + core + 2 * D * mask  # the hidden dropouts' masks
+    act = L * layer_bytes + 2 * D * dtype_bytes + D * mask + 4 * Vp  # and the embedding's
     doc = _doc("transformer", params, paper_params, diff_params, flops, paper_flops, diff_flops, act)
     doc["layer_activation_bytes_per_token"] = layer_bytes
     doc["core_attention_bytes_per_token"] = core

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from rmt.memory.byte_sizes import DTYPE_BYTES
 
-PATHS = ("rmt", "none", "sdpa", "math", "megatron", "megatron_fused")
-
 
 def attention_path(config, device: str) -> str:
     """``rmt`` (the RMT's fused kernel), ``none`` (the mixer), ``sdpa`` (torch's fused kernel),
