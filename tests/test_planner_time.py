@@ -562,7 +562,8 @@ def _mcore_h100(heads, hidden, layers, tp, pp, batch):
 # Transformer Models" (MLSys'23): Table 5's iteration seconds of its Table 3 models, with sequence
 # parallelism and selective recomputation and with full recomputation (data parallel size 1,
 # one sequence per micro-batch). On H100s: Megatron-LM's README, "Training Speed and Scalability"
-# (Megatron-Core r0.8.0): its weak-scaling table's model TFLOP/s per GPU (data parallel size 48).
+# (Megatron-Core r0.8.0): its weak-scaling table's model TFLOP/s per GPU (data parallel size 48)
+# and the MFU of its strong scaling's smallest run.
 MEGATRON_2021 = ["model.dropout=0.1", "model.attention_kernel=megatron_fused"]
 # size, heads, hidden, layers, TP, PP, micro-batch, batch, overlapped all-reduce, layers per
 # virtual stage, GPUs, TFLOP/s per GPU
@@ -634,6 +635,15 @@ for size, heads, hidden, layers, tp, pp, batch, tflops in MCORE_H100:
         "tflops_per_gpu",
         tflops,
     )
+# the README's strong scaling of the 177B row from 96 H100s (data parallel size 2, 576 micro-batches
+# a rank, so the bubble and the data-parallel collectives are small at any interleaving): MFU 47%
+PUBLISHED["Megatron-Core 177B strong scaling, 96 H100"] = (
+    _mcore_h100(96, 12288, 96, 8, 6, 1152),
+    96,
+    "h100",
+    "mfu",
+    0.47,
+)
 
 
 EXPOSED_DATA_PARALLEL = pytest.mark.xfail(
