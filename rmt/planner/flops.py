@@ -52,6 +52,12 @@ from rmt.outputs import write_json
 from rmt.planner.recurrent_ops import recurrent_ops_per_sample, transformer_ops_per_sample
 
 
+def norm_params(normalization: str, D: int) -> int:
+    """Parameters of one norm of a width-``D`` hidden state: LayerNorm's gain and bias, RMSNorm's
+    gain."""
+    return 2 * D if normalization == "LayerNorm" else D
+
+
 def _layer_counts(D: int, H: int, Dh: int, Dff: int, w: int, norm: int) -> Dict[str, int]:
     """One megatron transformer layer (local spec, biased linears) on a sequence of ``w``
     tokens: its parameters and forward FLOPs (attention over all ``w x w`` pairs)."""
@@ -81,7 +87,7 @@ def transformer_counts(
     is on."""
     Vp = V if Vp is None else Vp
     A = H * Dh
-    norm = 2 * D if normalization == "LayerNorm" else D
+    norm = norm_params(normalization, D)
     learned = position == "learned"
     layer = _layer_counts(D, H, Dh, Dff, N, norm)
     params = Vp * D + (N * D if learned else 0) + L * layer["params"] + norm + Vp * D
@@ -205,7 +211,7 @@ def recurrent_counts(config: RMTConfig, Vp: int) -> Dict:
     m = config.model
     D, H, L, N, k = m.hidden_size, m.num_attention_heads, m.num_layers, m.seq_length, m.block_width
     Dff = m.ffn_hidden_size or 4 * D
-    norm = 2 * D if m.normalization == "LayerNorm" else D
+    norm = norm_params(m.normalization, D)
     blocks = -(-N // k)
     block, window = (_layer_counts(D, H, D // H, Dff, w, norm) for w in (k, 2 * k))
     embedding = Vp * D + m.position_rows() * D + Vp * D  # tokens, positions, output layer
@@ -230,7 +236,7 @@ def mixer_counts(config: RMTConfig, Vp: int) -> Dict:
     m = config.model
     D, H, L, N = m.hidden_size, m.num_attention_heads, m.num_layers, m.seq_length
     Dff = m.ffn_hidden_size or 4 * D
-    norm = 2 * D if m.normalization == "LayerNorm" else D
+    norm = norm_params(m.normalization, D)
     token = H * N * N if m.mixer_kind == "masked" else H * N
     layer = norm + D * Dff + Dff + Dff * D + D + norm + 2 * (D * D + D) + token + H * N + (H if m.mixer_decay else 0)
     params = Vp * D + L * layer + norm + Vp * D

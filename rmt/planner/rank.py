@@ -175,9 +175,10 @@ def with_vocabulary(config):
 
 # -- parameters -----------------------------------------------------------------------------------
 def norm_params(config) -> int:
-    """Parameters of one norm of the hidden state: LayerNorm's gain and bias, RMSNorm's gain."""
-    m = config.model
-    return 2 * m.hidden_size if m.normalization == "LayerNorm" else m.hidden_size
+    """Parameters of one norm of the hidden state (:func:`rmt.planner.flops.norm_params`)."""
+    from rmt.planner.flops import norm_params as of_width
+
+    return of_width(config.model.normalization, config.model.hidden_size)
 
 
 def _layer_params(config, layout: Layout) -> int:
