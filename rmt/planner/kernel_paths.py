@@ -35,3 +35,10 @@ def dropout_mask_bytes(config, device: str) -> int:
     if config.model.dropout == 0:
         return 0
     return 1 if device == "gpu" else DTYPE_BYTES[config.train.precision]
+
+
+def drops_embedding(config) -> bool:
+    """Whether the embedding's output goes through a dropout: megatron-core's embedding under
+    ``model.dropout`` (the transformer and the recurrent transformer); the RMT has no dropout and
+    the mixer drops only inside its layers."""
+    return config.model.dropout > 0 and config.model.arch in ("transformer", "recurrent")

@@ -75,7 +75,7 @@ from rmt.config import TABLE_TYPES
 from rmt.memory.byte_sizes import DTYPE_BYTES
 from rmt.models.vocab import padded_vocab_size
 from rmt.planner.dense import dense_bytes_per_param
-from rmt.planner.kernel_paths import attention_path, dropout_mask_bytes, materializes_scores
+from rmt.planner.kernel_paths import attention_path, dropout_mask_bytes, drops_embedding, materializes_scores
 from rmt.planner.memory import GIB
 
 CPU_PROCESS_BYTES = 385 << 20
@@ -385,7 +385,7 @@ def chunk_activations(config, layout: Layout, stage: int, chunk: int) -> Dict[st
     Vp = padded_vocab_size(config)
     if stage == 0 and chunk == 0 and m.arch == "rmt":
         extra += m.rank * m.dv * b + 4 * m.rank * m.seq_length // t // config.train.micro_batch_size
-    elif stage == 0 and chunk == 0:  # the embedding's dropout mask
+    elif stage == 0 and chunk == 0 and drops_embedding(config):  # the embedding's dropout mask
         extra += width * dropout_mask_bytes(config, layout.device) // (t if sp else 1)
     if stage == layout.pp - 1 and chunk == layout.vpp - 1:
         extra += (width + (2 * m.rank * m.dv if m.arch == "rmt" else width)) * b // (t if sp else 1)

@@ -69,7 +69,7 @@ from typing import Dict, List, NamedTuple, Tuple
 
 from rmt.memory.byte_sizes import DTYPE_BYTES
 from rmt.planner.hardware import Profile, attention_seconds, elementwise_seconds, gemm_seconds, memory_seconds
-from rmt.planner.kernel_paths import attention_path, dropout_mask_bytes, materializes_scores
+from rmt.planner.kernel_paths import attention_path, dropout_mask_bytes, drops_embedding, materializes_scores
 
 LAYER_OPS = {"transformer": 129, "rmt": 156, "recurrent": 129, "mixer": 176}
 """Operations the host issues per layer and micro-batch, forward and backward, with torch's fused
@@ -352,9 +352,7 @@ def layer_ops(config, device: str) -> float:
 def microbatch_ops(config) -> float:
     """Host operations per micro-batch besides the layers: :data:`MICROBATCH_OPS` and the
     embedding's dropout."""
-    m = config.model
-    embedding_dropout = m.dropout > 0 and m.arch in ("transformer", "recurrent")
-    return MICROBATCH_OPS[m.arch] + (DROPOUT_OPS if embedding_dropout else 0)
+    return MICROBATCH_OPS[config.model.arch] + (DROPOUT_OPS if drops_embedding(config) else 0)
 
 
 def layer_param_elements(config, tp: int) -> int:
@@ -383,7 +381,7 @@ def embedding_work(config, tp: int, sp: bool, first: bool, last: bool, device: s
             fwd.gemm(T * m.dv, m.dk, m.rank)
             bwd.gemm(T * m.dv, m.rank, m.dk, 2)
         bwd.mem(2 * T * rows * 4 + GRAD_ACCUMULATE_BYTES * Vt * rows)  # scatter, into the buffer
-        if m.dropout > 0 and m.arch in ("transformer", "recurrent"):
+        if drops_embedding(config):
             Ts = T // tp if sp else T
             dropped = Ts * rows * (2 * b + dropout_mask_bytes(config, device))
             fwd.elementwise("dropout", Ts * rows, dropped)

@@ -259,8 +259,9 @@ def stage_time(config, layout: Layout, profile: Profile, stage: int) -> Dict:
             config, tp, sp, stage == 0 and c == 0, stage == layout.pp - 1 and c == len(chunks) - 1, layout.device
         )
         if c == 0:  # the schedule's, the batch's, the embedding's and the loss's operations
-            edge_f.ops += FORWARD_SHARE * microbatch_ops(config)
-            edge_b.ops += (1 - FORWARD_SHARE) * microbatch_ops(config)
+            batch_ops = microbatch_ops(config)
+            edge_f.ops += FORWARD_SHARE * batch_ops
+            edge_b.ops += (1 - FORWARD_SHARE) * batch_ops
         forward.add(edge_f)
         backward.add(edge_b)
         recompute = _recompute(config, layout, fwd_layer, n)
