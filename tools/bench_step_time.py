@@ -158,7 +158,7 @@ def worker(args) -> None:
         dist.barrier()
         start = time.perf_counter()
         trainer.train_step()
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=trainer.device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(float(elapsed))
     if dist.get_rank() == 0:
