@@ -28,6 +28,7 @@ def test_components_of_a_small_number_wise_adamw_table():
         "table": rows * cols * 4,
         "slot_stats": 16,
         "gradients": rows * cols * 4,
+        "ddp_buffer": 0,  # a sharded table's gradient is reduced outside DDP
         "optimizer_states": 2 * rows * cols * 4,
         "keys": 2 * 2 * n * 4 * 4,
         "retrieval_activations": 2 * 10 * 2 * 2 * 2 * n * 4,
@@ -60,15 +61,19 @@ def test_sparse_gradients_are_bounded_by_the_coalescing_hook():
     assert dim["gradients"] == 2 * 4 * served * (2 * 4 + 8)  # every requester's lookups, 2 columns
 
 
-def test_phases_compose_the_components():
-    plan = TablePlan(**SMALL, layers=3)
+@pytest.mark.parametrize("ddp_buffered", [False, True])
+def test_phases_compose_the_components(ddp_buffered):
+    """A table whose gradient megatron's DDP buffers holds the fp32 buffer from init on."""
+    plan = TablePlan(**SMALL, layers=3, ddp_buffered=ddp_buffered)
     c, p = components(plan), phases(plan)
+    buffer = 3 * c["ddp_buffer"]
+    assert buffer == (3 * 4 * 16 * 8 if ddp_buffered else 0)  # a number-wise shard: 64 / 4 rows of 8
     trained = c["table"] + c["slot_stats"] + 4 * c["keys"] + c["optimizer_states"]
-    assert p["init"] == 3 * (c["table"] + c["slot_stats"] + 2 * c["keys"]) + 2 * c["keys"]
+    assert p["init"] == 3 * (c["table"] + c["slot_stats"] + 2 * c["keys"]) + 2 * c["keys"] + buffer
     assert p["step"] == 3 * (trained + c["gradients"]) + c["retrieval_activations"]
     assert p["save"] == 3 * (trained + c["gradients"])
-    assert p["load"] == 3 * trained + 2 * c["keys"]
-    assert p["load_resharded"] == 3 * trained + max(2 * c["keys"], c["checkpoint_chunk"])
+    assert p["load"] == 3 * trained + 2 * c["keys"] + buffer
+    assert p["load_resharded"] == 3 * trained + max(2 * c["keys"], c["checkpoint_chunk"]) + buffer
     big = components(TablePlan(slots=4096**2, dim=1024, group_size=2))
     assert big["checkpoint_chunk"] == CHECKPOINT_CHUNK_BYTES
 

@@ -42,6 +42,36 @@ def test_rank_params_equal_the_built_model(single_process, case):
     assert stage_params(config, layout_of(config, 1), 0) == built
 
 
+@pytest.mark.parametrize(
+    "extra, buffered",
+    [
+        ([], True),
+        (["train.distributed_optimizer=true"], False),
+        (["memory.value_optimizer=sparse_adam"], False),
+        (["memory.partition=number"], False),
+    ],
+)
+def test_the_tables_ddp_buffers_are_those_the_plan_holds_from_init(single_process, extra, buffered):
+    """megatron's DDP allocates its fp32 gradient buffer when it wraps the model: the value tables
+    it buffers (local, dense-gradient, without the distributed optimizer) hold that buffer from
+    ``init`` on, the others none."""
+    from rmt.planner.memory import components
+    from rmt.planner.rank import stage_table_plan
+    from rmt.training.ddp import wrap_chunks
+
+    config = validate(load_config(None, COMMON + CASES["transformer_ultramem"] + extra), world_size=1)
+    wrapped = wrap_chunks(build(config), config)
+    in_buffer = sum(
+        p.main_grad.numel() * p.main_grad.element_size()
+        for chunk in wrapped
+        for p in chunk.module.parameters()
+        if is_table(p) and getattr(p, "main_grad", None) is not None
+    )
+    plan = stage_table_plan(config, layout_of(config, 1), 0)
+    assert plan.ddp_buffered is buffered and (in_buffer > 0) is buffered
+    assert plan.layers * components(plan)["ddp_buffer"] == in_buffer
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "precision, z_loss, arch", list(itertools.product(("bf16", "fp32"), (0.0, 1e-4), ("transformer", "mixer")))

@@ -63,13 +63,16 @@ of ``D``, a dimension-wise one ``N`` rows of ``D/P``; ``n = num_keys * sqrt(E)``
 
 Phases (per rank; ``L`` memory layers on the rank):
 
-``init``  ``L x (table + slot_stats + 2 keys)`` + ``2 keys``: the shards, the keys and their DDP
-          gradient buffer, and one key tensor drawn whole and scaled (dense init).
+``init``  ``L x (table + slot_stats + 2 keys + ddp_buffer)`` + ``2 keys``: the shards, the keys
+          and their DDP gradient buffer, and one key tensor drawn whole and scaled (dense init);
+          ``ddp_buffer``, the tables' fp32 gradient buffer where megatron's DDP holds it
+          (``ddp_buffered``: local dense-gradient tables without the distributed optimizer),
+          allocated when DDP wraps the model.
 ``step``  ``L x (table + slot_stats + 4 keys + optimizer_states + gradients)`` + the retrieval
           activations of one layer (the fused optimizers and torch's fused AdamW step in place).
 ``save``  as ``step`` without the activations: gradients are held until the next step; a GPU
           shard is written through one host chunk (``host_chunk``, not device memory).
-``load``  ``L x (table + slot_stats + 4 keys + optimizer_states)`` + ``max(2 keys, chunk)``:
+``load``  ``L x (table + slot_stats + 4 keys + optimizer_states + ddp_buffer)`` + ``max(2 keys, chunk)``:
           a checkpoint of the same partition is read straight into the shard (chunk 0);
           ``load_resharded`` is a load from the other partition (one read buffer of at
           most :data:`rmt.memory.byte_sizes.CHECKPOINT_CHUNK_BYTES`, and at most the overlap of one saved block with
@@ -190,6 +193,9 @@ class TablePlan:
     threads: int = 1
     """Worker threads of a CPU rank (``train.threads``): each holds one tile working set of the
     fused retrieval's CPU selection."""
+    ddp_buffered: bool = False
+    """Whether megatron's DDP buffers the tables' gradient (:func:`ddp_buffers_tables`): its fp32
+    buffer is allocated when DDP wraps the model, so it is held from ``init`` on."""
 
     @property
     def fused_retrieval(self) -> bool:
@@ -414,6 +420,7 @@ def components(plan: TablePlan) -> dict:
         "table": table,
         "slot_stats": -(-plan.slots // plan.group_size),
         "gradients": gradients,
+        "ddp_buffer": elements * 4 if plan.ddp_buffered else 0,
         "optimizer_states": states,
         "keys": keys,
         "retrieval_activations": retrieval,
@@ -499,12 +506,13 @@ def phases(plan: TablePlan, keys: bool = True) -> dict:
     cache = L * (c.get("cache", 0) + c.get("cache_gradients", 0))  # filled from the first refresh on
     held = c["table"] + c["slot_stats"]
     trained = held + 4 * c["keys"] + c["optimizer_states"]
+    buffer = L * c["ddp_buffer"]
     return {
-        "init": L * (held + 2 * c["keys"]) + 2 * c["keys"],
+        "init": L * (held + 2 * c["keys"]) + 2 * c["keys"] + buffer,
         "step": L * (trained + c["gradients"]) + c["retrieval_activations"] + staged + cache,
         "save": L * (trained + c["gradients"]) + cache,
-        "load": L * trained + 2 * c["keys"],
-        "load_resharded": L * trained + max(2 * c["keys"], c["checkpoint_chunk"]),
+        "load": L * trained + 2 * c["keys"] + buffer,
+        "load_resharded": L * trained + max(2 * c["keys"], c["checkpoint_chunk"]) + buffer,
     }
 
 
@@ -677,4 +685,13 @@ def plan_from_config(
         cache_rows=mem.host_cache_rows,
         retrieval_kernel=mem.retrieval_kernel,
         threads=t.threads or os.cpu_count() or 1,
+        ddp_buffered=ddp_buffers_tables(config),
     )
+
+
+def ddp_buffers_tables(config) -> bool:
+    """Whether megatron's DDP buffers the value tables' gradient: local tables with a dense
+    gradient (``adamw``) without the distributed optimizer (:mod:`rmt.memory.groups`: every other
+    table is reduced by the memory code, outside DDP)."""
+    mem = config.memory
+    return mem.partition == "local" and mem.value_optimizer == "adamw" and not config.train.distributed_optimizer

@@ -463,7 +463,7 @@ def memory_layer_work(config, index: int, tokens: int) -> Tuple[Kernels, Kernels
     return fwd, bwd
 
 
-def table_optimizer_work(config, plan, microbatches: int, in_ddp: bool, device: str) -> Tuple[Kernels, Kernels]:
+def table_optimizer_work(config, plan, microbatches: int, device: str) -> Tuple[Kernels, Kernels]:
     """The value tables' optimizer of one memory layer on a rank (``plan``: its
     :class:`rmt.planner.memory.TablePlan`): (inside the backward, per micro-batch; in the step)."""
     from rmt.memory.comm_volume import expected_unique
@@ -477,7 +477,7 @@ def table_optimizer_work(config, plan, microbatches: int, in_ddp: bool, device: 
         lookups //= max(1, plan.group_size)  # a number-wise owner serves 1/P of the group's lookups
     unique = expected_unique(max(1, lookups // plan.topk), plan.topk, rows) if lookups else 0
     if mem.value_optimizer == "adamw":
-        per = 4 + (16 if in_ddp else 0) + 4 + 8 + FUSED_ADAMW_BYTES
+        per = 4 + (16 if plan.ddp_buffered else 0) + 4 + 8 + FUSED_ADAMW_BYTES
         step.mem(per * rows * cols)
         return inside, step
     state = 3 * vb + 16 if mem.value_optimizer == "sparse_adam" else 3 * vb

@@ -187,7 +187,7 @@ def memory_layer_time(
     fwd, bwd = memory_layer_work(config, index, tokens)
     inside = Kernels("fp32")
     if plan is not None:
-        inside, _ = table_optimizer_work(config, plan, layout.microbatches, _table_in_ddp(config), profile.device)
+        inside, _ = table_optimizer_work(config, plan, layout.microbatches, profile.device)
     compute_f = fwd.seconds(profile)["total"]
     compute_b = bwd.seconds(profile)["total"] + inside.seconds(profile)["total"]
     waits = _memory_comm(config, layout, profile, plan)
@@ -208,13 +208,6 @@ def memory_layer_time(
         "exposed_s": max(0.0, wait_f - window_f) + max(0.0, wait_b - window_b) + moe,
         "flops": fwd.flops() + bwd.flops(),
     }
-
-
-def _table_in_ddp(config) -> bool:
-    """Whether megatron's DDP buffers a dense-gradient value table's gradient (local tables
-    without the distributed optimizer; :mod:`rmt.memory.groups`)."""
-    mem = config.memory
-    return mem.partition == "local" and mem.value_optimizer == "adamw" and not config.train.distributed_optimizer
 
 
 def _recomputed_layers(layout: Layout, layers: int) -> int:
@@ -358,7 +351,7 @@ def optimizer_seconds(config, layout: Layout, profile: Profile, stage: int) -> D
     out = {"dense_s": dense.seconds(profile)["total"], "tables_s": 0.0, "host_s": 0.0}
     plan = stage_table_plan(config, layout, stage)
     if plan is not None:
-        _, step = table_optimizer_work(config, plan, layout.microbatches, _table_in_ddp(config), profile.device)
+        _, step = table_optimizer_work(config, plan, layout.microbatches, profile.device)
         step_s = step.scaled(plan.layers).seconds(profile)["total"]
         if plan.location == "host":
             work = host.optimizer_work(plan)
