@@ -312,6 +312,29 @@ def test_mfu_is_model_flops_over_step_and_peak():
     assert doc["tokens_per_s"] == pytest.approx(tokens / doc["step_s"])
 
 
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
+def test_a_stage_says_where_its_dense_layers_time_goes(device, capsys):
+    """A stage's ``work`` splits its dense layers' time into GEMMs, attention, memory-bound
+    operations and the host's issue: one thread doing both (a CPU) spends their sum; a GPU's host
+    issues ahead, so each phase takes the longer of its device time and its issue."""
+    p = profile_from_dict(dict(PROFILES["h100"], device=device, async_launch=device == "gpu"))
+    recompute = ["train.recompute_granularity=full", "train.recompute_method=uniform", "train.recompute_num_layers=1"]
+    config, doc = _time(recompute, 1, p)
+    s = doc["stages"]["0"]
+    w = s["work"]
+    device_s = w["gemm"] + w["attention"] + w["memory"]
+    dense_s = s["forward_s"] + s["backward_s"] + s["recompute_s"]
+    assert min(w.values()) > 0 and s["recompute_s"] > 0
+    if device == "cpu":
+        assert dense_s == pytest.approx(device_s + w["issue"])
+    else:
+        assert max(device_s, w["issue"]) <= dense_s * (1 + 1e-12) < device_s + w["issue"]
+    assert main(["time", "--config", TINY, "--world-size", "1", "--hardware", "h100"] + recompute) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "dense layers:" in x)
+    gpu = plan_time(config, 1, load_profile("h100"))["stages"]["0"]["work"]
+    assert f"GEMMs {gpu['gemm'] * 1e3:,.2f} ms, attention {gpu['attention'] * 1e3:,.2f} ms" in line
+
+
 @pytest.mark.parametrize("vpp", [1, 2])
 def test_the_pipeline_bubble_is_the_other_stages_over_vpp(vpp):
     over = [

@@ -112,6 +112,8 @@ GPU_LAYOUTS = [
     ("gpu_dense", 1, ["memory.type=none"]),
     ("gpu_sync_fused", 1, FUSED + ["memory.async_stream=false"]),
     ("gpu_async_fused", 1, FUSED + ["memory.async_stream=true"]),
+    # the retrieval's reference path beside the fused op a GPU takes by default
+    ("gpu_sync_unfused_retrieval", 1, FUSED + ["memory.async_stream=false", "memory.retrieval_kernel=unfused"]),
     ("gpu_dense_bf16", 1, ["memory.type=none", "train.precision=bf16"]),
 ]
 
@@ -167,6 +169,11 @@ def worker(args) -> None:
     parallel.destroy()
 
 
+def _read(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
 # -- driver --------------------------------------------------------------------------------------
 def _env() -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -216,8 +223,7 @@ def measure(args, ranks: int, overrides: list) -> list:
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
         raise SystemExit(f"bench_step_time: training {overrides} failed (exit {proc.returncode})")
-    with open(out) as f:
-        times = json.load(f)["step_s"]
+    times = _read(out)["step_s"]
     os.remove(out)
     return times
 
@@ -348,6 +354,7 @@ def main(argv=None) -> int:
                         "attempts": attempt,
                         "speed_spread": spread,
                         "prediction": doc,
+                        "profile": _read(profile),
                     }
                 )
                 print(

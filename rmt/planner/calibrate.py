@@ -176,6 +176,10 @@ def measure_memory(clock: Clock, device, sizes, repeats: int, dispatch: float = 
     return out
 
 
+ATTENTION_SHAPE = {"cpu": (2, 4, 128, 64), "gpu": (2, 16, 2048, 64)}
+"""``(b, h, s, d)`` of the attention measurement: a small model's heads at the sequence it trains
+(on a GPU 34 GFLOP forward, milliseconds of work: a shape of a few microseconds would time its
+launches rather than the kernel)."""
 ELEMENTWISE_ELEMENTS = {"cpu": 1 << 20, "gpu": 1 << 26}
 """Elements of the elementwise kinds' measurement (a GPU's large enough for its launch not to
 count)."""
@@ -350,10 +354,9 @@ def calibrate(out: str, quick: bool = False, threads: int = 1) -> Dict:
         shapes = gemm_shapes("gpu" if cuda else "cpu", quick, name)
         peak[name], gemm[name] = _efficiency(measure_gemms(clock, device, dtype, shapes, repeats, dispatch))
     say(f"GEMMs: {peak['fp32'] / 1e9:,.1f} GFLOP/s fp32, {peak['bf16'] / 1e9:,.1f} bf16 at best")
-    shape = (2, 4, 512, 64) if cuda else (2, 4, 128, 64)
     attention = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        rates = measure_attention(clock, device, dtype, repeats, shape)
+        rates = measure_attention(clock, device, dtype, repeats, ATTENTION_SHAPE["gpu" if cuda else "cpu"])
         attention[name] = {p: min(1.0, r / peak[name]) for p, r in rates.items()}
     sizes = MEMORY_BYTES if cuda else MEMORY_BYTES[:-1]
     memory = measure_memory(clock, device, sizes, repeats, dispatch)

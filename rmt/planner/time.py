@@ -94,6 +94,12 @@ from rmt.planner.step_work import (
     table_optimizer_work,
 )
 
+WORK_KINDS = ("gemm", "attention", "memory", "issue")
+"""The parts of the dense layers' time (:meth:`rmt.planner.step_work.Kernels.seconds`) a stage
+reports in ``work``: device seconds of GEMMs, fused attention and memory-bound operations, and the
+host's seconds issuing their operations (on a GPU each phase takes the longer of its device time
+and its issue, so a stage whose issue exceeds its device time is host-bound)."""
+
 BUCKET_ELEMENTS = 40_000_000
 """megatron-core's default gradient bucket: ``max(40 M, 1 M x DP)`` elements."""
 
@@ -242,7 +248,14 @@ def stage_time(config, layout: Layout, profile: Profile, stage: int) -> Dict:
     plan = stage_table_plan(config, layout, stage)
     mlp_moe = config.memory.type == "moe" and config.memory.moe_placement == "mlp"
     placements = memory_placement(config) if config.memory.type != "none" and not mlp_moe else []
-    out = {"forward_s": 0.0, "backward_s": 0.0, "recompute_s": 0.0, "tensor_parallel_s": 0.0, "memory": []}
+    out = {
+        "forward_s": 0.0,
+        "backward_s": 0.0,
+        "recompute_s": 0.0,
+        "tensor_parallel_s": 0.0,
+        "memory": [],
+        "work": dict.fromkeys(WORK_KINDS, 0.0),
+    }
     flops = 0.0
     chunks = chunks_of(config, layout, stage)
     for c, (first, last) in enumerate(chunks):
@@ -258,11 +271,14 @@ def stage_time(config, layout: Layout, profile: Profile, stage: int) -> Dict:
         forward.add(edge_f)
         backward.add(edge_b)
         recompute = _recompute(config, layout, fwd_layer, n)
-        out["forward_s"] += forward.seconds(profile)["total"]
-        out["backward_s"] += backward.seconds(profile)["total"]
-        out["recompute_s"] += (
-            recompute.seconds(profile)["total"] if recompute.gemms or recompute.attention_flops else 0.0
-        )
+        phases = [("forward_s", forward), ("backward_s", backward)]
+        if recompute.gemms or recompute.attention_flops:
+            phases.append(("recompute_s", recompute))
+        for key, work in phases:
+            parts = work.seconds(profile)
+            out[key] += parts["total"]
+            for kind in WORK_KINDS:
+                out["work"][kind] += parts[kind]
         flops += forward.flops() + backward.flops() + recompute.flops()
         tps = tensor_parallel_seconds(
             config,

@@ -48,6 +48,13 @@ def time_lines(config, doc: Dict) -> List[str]:
         if s["memory"]:
             parts.append(f"memory layers {_ms(s['memory_s'])}")
         lines.append(f"  stage {stage}, one micro-batch {_ms(s['microbatch_s'])}: " + ", ".join(parts))
+        w = s["work"]
+        device = w["gemm"] + w["attention"] + w["memory"]
+        lines.append(
+            f"    dense layers: GEMMs {_ms(w['gemm'])}, attention {_ms(w['attention'])}, memory-bound "
+            f"{_ms(w['memory'])}; the host issues their operations in {_ms(w['issue'])}"
+            + (" (host-bound)" if w["issue"] > device else "")
+        )
         for r in s["memory"]:
             waits = r["collectives_s"] + r["host_link_s"]
             lines.append(
