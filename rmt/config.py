@@ -89,6 +89,19 @@ class ModelConfig:
     """Feed-forward inner width; ``null`` = 4 x ``hidden_size`` (4·R·Dv for ``arch: rmt``). Must be
     divisible by the tensor parallel size."""
 
+    num_query_groups: Optional[Annotated[int, Range(gt=0)]] = None
+    """Grouped-query attention (Ainslie et al., 2023; megatron-core's ``num_query_groups``): the
+    query heads share this many key and value heads, each group ``num_attention_heads /
+    num_query_groups`` query heads; ``null`` = one per query head (multi-head attention).
+    ``arch: transformer`` only; must divide ``num_attention_heads`` and be divisible by the tensor
+    parallel size."""
+
+    gated_linear_unit: bool = False
+    """A gated feed-forward layer (Shazeer, "GLU Variants Improve Transformer", 2020, Eq. 5-6;
+    megatron-core's ``gated_linear_unit``): the first linear makes two ``ffn_hidden_size`` halves
+    and the layer computes ``activation(x W) * (x V)`` before the second; with ``activation: silu``
+    it is SwiGLU (Llama's FFN). ``arch: transformer`` only, not with MoE experts."""
+
     seq_length: Annotated[int, Range(gt=0)] = 128
     """Tokens per sample. For synthetic tasks it must be at least 2·``data.task_tokens`` +
     ``data.curriculum_target``."""

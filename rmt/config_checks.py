@@ -81,6 +81,26 @@ def validate_recompute(config: RMTConfig, stages: int) -> None:
         )
 
 
+def validate_attention_variants(config: RMTConfig) -> None:
+    """Grouped-query attention and the gated feed-forward layer: the transformer's (megatron-core
+    layers), with groups that split the heads and the tensor-parallel ranks evenly."""
+    m, tp = config.model, config.parallel.tensor_model_parallel_size
+    for key, on in (("num_query_groups", m.num_query_groups is not None), ("gated_linear_unit", m.gated_linear_unit)):
+        if on and m.arch != "transformer":
+            raise ConfigError(f"model.{key} applies to model.arch 'transformer', not '{m.arch}'")
+    if m.gated_linear_unit and config.memory.type == "moe":
+        raise ConfigError("model.gated_linear_unit applies to the dense feed-forward layers, not to memory.type 'moe'")
+    g = m.num_query_groups
+    if g is not None and m.num_attention_heads % g:
+        raise ConfigError(
+            f"model.num_query_groups ({g}) must divide model.num_attention_heads ({m.num_attention_heads})"
+        )
+    if g is not None and g % tp:
+        raise ConfigError(
+            f"model.num_query_groups ({g}) must be divisible by parallel.tensor_model_parallel_size ({tp})"
+        )
+
+
 def validate_sequence_parallel(config: RMTConfig) -> None:
     """``parallel.sequence_parallel``: megatron's GPTModel shards the sequence between its TP
     linears; the other architectures' layers have no sequence-parallel mappings."""
@@ -160,6 +180,7 @@ def validate(config: RMTConfig, world_size: Optional[int] = None) -> RMTConfig:
         )
     validate_recompute(config, stages)
     validate_sequence_parallel(config)
+    validate_attention_variants(config)
     if t.decay_rmt_keys and m.arch != "rmt":
         raise ConfigError(f"train.decay_rmt_keys applies to model.arch 'rmt' (its key matrices), not '{m.arch}'")
     for key in ("lr_curriculum_decay", "lr_target_decay"):

@@ -11,7 +11,9 @@ module that emits it) so that every other warning still shows:
 * on a machine without CUDA, megatron-core's advice to set ``CUDA_DEVICE_MAX_CONNECTIONS``
   (:func:`on_cpu`, called by :func:`rmt.parallel.compat.apply`);
 * the profiler's ``USDT:``/``STAGE:`` lines, which Kineto writes straight to file descriptor 2
-  (:func:`profiler_lines_dropped`).
+  (:func:`profiler_lines_dropped`);
+* megatron-core's "Unknown MLP type" while it builds layers whose feed-forward module is rmt's
+  subclass of its own (:func:`quiet_mlp_type_warning`).
 
 :func:`install` is part of :func:`rmt.setup_process`.
 """
@@ -19,6 +21,7 @@ module that emits it) so that every other warning still shows:
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import sys
@@ -100,3 +103,23 @@ def profiler_lines_dropped():
             ]
             sys.stderr.write("".join(kept))
             sys.stderr.flush()
+
+
+class _UnknownMLPType(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Unknown MLP type")
+
+
+@contextlib.contextmanager
+def quiet_mlp_type_warning():
+    """While megatron builds layers whose MLP is a subclass of its own (rmt's MoE, the gated
+    layer): its TransformerLayer warns "Unknown MLP type" for any class but its own (the subclass
+    runs on megatron's default process groups, which is what that warning is about). Nothing for
+    a user to act on."""
+    log = logging.getLogger("megatron.core.transformer.transformer_layer")
+    quiet = _UnknownMLPType()
+    log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        log.removeFilter(quiet)

@@ -37,6 +37,15 @@ ARCHS = {
     "transformer": ["model.arch=transformer"],
     "transformer_rope": ["model.arch=transformer", "model.position=rope"],
     "recurrent": ["model.arch=recurrent", "model.block_width=8"],
+    # Llama's attention and feed-forward layer: two key/value heads for four query heads, SwiGLU
+    "transformer_gqa_swiglu": [
+        "model.arch=transformer",
+        "model.position=rope",
+        "model.num_query_groups=2",
+        "model.gated_linear_unit=true",
+        "model.activation=silu",
+        "model.normalization=RMSNorm",
+    ],
     "moe_mlp": [
         "model.arch=transformer",
         "memory.type=moe",

@@ -1,6 +1,7 @@
 """Checkpoints: exact resume (by default, from the newest complete checkpoint, with logs that
 hold every step once), resume under a different data-parallel size, resharding TP=2 -> TP=1
-(weights and weight average),
+(weights and weight average, also of a gated feed-forward layer), a gated model's exact resume
+under TP=2,
 manifests, fallback past corrupt checkpoints, rotation, saves that cannot complete, and clear
 errors for missing or corrupt checkpoints."""
 
@@ -64,10 +65,37 @@ def test_resume_under_different_data_parallel_size(six_steps, cache_dir, tmp_pat
     assert _losses(second) == pytest.approx(six_steps[3:], abs=1e-5)
 
 
-def test_save_tp2_load_tp1_same_validation_loss(cache_dir, tmp_path):
+# Llama's layer: grouped-query attention and SwiGLU, whose first linear is checkpointed as one
+# piece of its two halves' stack (rmt.models.gated_mlp)
+LLAMA = [
+    "model.position=rope",
+    "model.normalization=RMSNorm",
+    "model.num_query_groups=2",
+    "model.gated_linear_unit=true",
+    "model.activation=silu",
+]
+
+
+def test_a_gated_model_resumes_exactly_under_tensor_parallelism(cache_dir, tmp_path):
+    """The optimizer's moments of the stacked first linear come back where they were saved."""
+    ckpt = tmp_path / "ckpt"
+    whole, first, second = tmp_path / "w.json", tmp_path / "a.json", tmp_path / "b.json"
+    common = tiny_overrides(cache_dir, steps=4) + LLAMA + ["parallel.tensor_model_parallel_size=2"]
+    rmt_train(common + ["--json", str(whole)], nproc=2)
+    rmt_train(common + [f"train.save={ckpt}", "train.exit_interval=2", "--json", str(first)], nproc=2)
+    rmt_train(common + [f"train.load={ckpt}", "--json", str(second)], nproc=2)
+    assert _losses(first) + _losses(second) == _losses(whole)
+
+
+@pytest.mark.parametrize("model", [[], LLAMA], ids=["gelu", "gqa_swiglu"])
+def test_save_tp2_load_tp1_same_validation_loss(cache_dir, tmp_path, model):
     ckpt = tmp_path / "ckpt"
     trained, evaluated = tmp_path / "a.json", tmp_path / "b.json"
-    common = tiny_overrides(cache_dir, steps=2) + ["train.eval_iters=2", "train.eval_interval=2", "data.split=80,20,0"]
+    common = (
+        tiny_overrides(cache_dir, steps=2)
+        + model
+        + ["train.eval_iters=2", "train.eval_interval=2", "data.split=80,20,0"]
+    )
     rmt_train(
         common
         + [

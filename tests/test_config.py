@@ -70,6 +70,27 @@ def test_yaml_and_overrides_merge(tmp_path):
             2,
             "model.rank (3) must be divisible by parallel.tensor_model_parallel_size (2)",
         ),
+        (["model.num_query_groups=3"], 1, "model.num_query_groups (3) must divide model.num_attention_heads (4)"),
+        (
+            ["model.num_query_groups=1", "parallel.tensor_model_parallel_size=2"],
+            2,
+            "model.num_query_groups (1) must be divisible by parallel.tensor_model_parallel_size (2)",
+        ),
+        (
+            ["model.arch=mixer", "model.gated_linear_unit=true"],
+            1,
+            "model.gated_linear_unit applies to model.arch 'transformer', not 'mixer'",
+        ),
+        (
+            ["model.arch=recurrent", "model.num_query_groups=2"],
+            1,
+            "model.num_query_groups applies to model.arch 'transformer', not 'recurrent'",
+        ),
+        (
+            ["model.gated_linear_unit=true", "memory.type=moe"],
+            1,
+            "model.gated_linear_unit applies to the dense feed-forward layers, not to memory.type 'moe'",
+        ),
     ],
 )
 def test_validate_rejects(overrides, world, message):

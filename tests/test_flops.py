@@ -26,6 +26,8 @@ COMMON = [
     "model.ffn_hidden_size=40",
 ]
 TRANSFORMER = ["model.hidden_size=24", "model.num_attention_heads=4"]
+# Llama's layer: grouped-query attention (two key/value heads for four query heads), SwiGLU
+LLAMA = ["model.num_query_groups=2", "model.gated_linear_unit=true", "model.activation=silu"]
 RMT = ["model.arch=rmt", "model.dk=6", "model.dv=4", "model.rank=3", "model.position=alibi"]
 ULTRAMEM = [
     "memory.type=ultramem",
@@ -66,6 +68,8 @@ CASES = {
         "memory.half_value_dim=false",
     ],
     "transformer_pkm": TRANSFORMER + ULTRAMEM + ["memory.type=pkm"],
+    "transformer_gqa_swiglu": TRANSFORMER + LLAMA,
+    "transformer_gqa_swiglu_ultramem": TRANSFORMER + LLAMA + ULTRAMEM,
     "transformer_moe_skip": TRANSFORMER + ["memory.type=moe", "memory.placement='1:3/2:2'", "memory.num_experts=3"],
     "transformer_moe_mlp": TRANSFORMER
     + [
@@ -128,6 +132,7 @@ ORACLE_RMT = ["model.arch=rmt", "model.dk=32", "model.dv=16", "model.rank=8"]
 ORACLE_MEMORY = ["memory.placement='1:2'", "memory.key_dim=64", "memory.num_keys=32", "memory.topk=8"]
 ORACLE_CASES = {
     "transformer": [],
+    "gqa_swiglu": LLAMA,
     "rmt": ORACLE_RMT,
     "recurrent": ["model.arch=recurrent", "model.block_width=24"],
     "mixer": ["model.arch=mixer"],
@@ -303,9 +308,10 @@ def saved_bytes_per_token(overrides, batch=4):
     [
         ["model.arch=transformer", "model.attention_kernel=sdpa"],
         ["model.arch=transformer", "model.attention_kernel=megatron"],
+        ["model.arch=transformer"] + LLAMA,
         ["model.arch=rmt", "model.dk=16", "model.dv=32", "model.rank=4", "model.position=alibi"],
     ],
-    ids=["transformer_sdpa", "transformer_megatron", "rmt"],
+    ids=["transformer_sdpa", "transformer_megatron", "transformer_gqa_swiglu", "rmt"],
 )
 def test_activation_bytes_match_what_autograd_saves(overrides):
     """The per-token model counts tensors by shape (inputs of every matmul and norm, GELU in and

@@ -1,6 +1,7 @@
 """Distributed == single process: the same tiny model trained 3 steps in one process and
 under TP=2, PP=2, DP=2 and interleaved PP=2 x VPP=2 gives equal losses, gradients, weights and
-weight averages (``train.ema_decay``, kept in every run: it does not change the training)."""
+weight averages (``train.ema_decay``, kept in every run: it does not change the training); so
+does Llama's layer (grouped-query attention, SwiGLU) under TP=2."""
 
 import pytest
 import torch
@@ -18,21 +19,39 @@ LAYOUTS = {
         "parallel.pipeline_model_parallel_size=2",
         "parallel.virtual_pipeline_model_parallel_size=2",
     ],
+    "tp2_gqa_swiglu": [
+        "parallel.tensor_model_parallel_size=2",
+        "model.position=rope",
+        "model.normalization=RMSNorm",
+        "model.num_query_groups=2",
+        "model.gated_linear_unit=true",
+        "model.activation=silu",
+    ],
 }
+
+
+def model_overrides(layout: str) -> list:
+    """``layout``'s model: its overrides without the parallel settings."""
+    return [x for x in LAYOUTS[layout] if not x.startswith("parallel.")]
+
+
+def reference(layout: str) -> str:
+    """The name of ``layout``'s single-process run (the first layout's of the same model)."""
+    return "single_" + next(n for n in sorted(LAYOUTS) if model_overrides(n) == model_overrides(layout))
 
 
 @pytest.fixture(scope="module")
 def runs(cache_dir, tmp_path_factory):
     """Every layout in one launch of 2 processes; the references in this process."""
     common = tiny_overrides(cache_dir) + ["train.ema_decay=0.5"]
-    cases = {f"single{layers}": (common + [f"model.num_layers={layers}"], 1) for layers in (2, 4)}
+    cases = {reference(name): (common + model_overrides(name), 1) for name in LAYOUTS}
     cases.update({name: (common + extra, 2) for name, extra in LAYOUTS.items()})
     return train_cases(tmp_path_factory, "layouts", cases)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_layout_matches_single_process(layout, runs):
-    ref = runs["single4" if "model.num_layers=4" in LAYOUTS[layout] else "single2"]
+    ref = runs[reference(layout)]
     got = runs[layout]
     assert len(got["losses"]) == 3
     assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)

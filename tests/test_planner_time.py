@@ -178,6 +178,29 @@ def test_a_layers_gelu_and_norms_are_priced_by_their_elements():
     assert layer.seconds(stream)["memory"] == pytest.approx(sum(p.nbytes * p.count for p in layer.memory) / 1e12)
 
 
+@pytest.mark.parametrize("position", ["learned", "rope"])
+def test_grouped_query_attention_and_a_gated_layer_reshape_the_layers_work(position):
+    """Grouped-query attention (``G`` key-value heads) narrows the query-key-value GEMM to
+    ``(H + 2G) Dh`` and copies the keys and values to their query heads (``T (G Dh + A)`` bytes
+    each; RoPE rotates ``G Dh`` keys); the gated layer's first GEMM is ``2F`` wide, and it adds two
+    passes, the linear half's offset (``2 T F`` bytes) and the product (``3 T F``)."""
+    llama = ["model.num_query_groups=2", "model.gated_linear_unit=true", "model.activation=silu"]
+    base = [f"model.position={position}", "model.num_attention_heads=4"]
+    config = load_planned(TINY, base + llama, 1)
+    m = config.model
+    T, D, F = config.train.micro_batch_size * m.seq_length, m.hidden_size, m.ffn_hidden_size or 4 * m.hidden_size
+    Dh, b = D // 4, 4
+    plain, gated = (layer_forward(load_planned(TINY, base + x, 1), 1, False, "gpu") for x in ([], llama))
+    assert plain.gemms == [(T, 3 * D, D, 1), (T, D, D, 1), (T, F, D, 1), (T, D, F, 1)]
+    assert gated.gemms == [(T, (4 + 2 * 2) * Dh, D, 1), (T, D, D, 1), (T, 2 * F, D, 1), (T, D, F, 1)]
+    streamed = {
+        k: sum(p.nbytes * p.count for p in w.memory if p.kind == "stream")
+        for k, w in (("plain", plain), ("gated", gated))
+    }
+    rope = 2 * T * (D - 2 * Dh) * b if position == "rope" else 0  # the keys of two heads not rotated
+    assert streamed["gated"] - streamed["plain"] == 2 * T * (2 * Dh + D) * b - rope + (2 + 3) * T * F * b
+
+
 @pytest.mark.parametrize("kernel", ["sdpa", "megatron"])
 def test_each_dropout_is_priced_by_its_elements(kernel):
     """With ``model.dropout``, where elements bind: a layer adds its two hidden dropouts' ``T D``
@@ -733,6 +756,18 @@ TRACED = {
     ],
     "recurrent, 4 blocks, dropout": ["model.arch=recurrent", "model.seq_length=128", "model.dropout=0.1"],
     "mixer, dropout": ["model.arch=mixer", "model.dropout=0.1"],
+    "transformer, grouped-query, gated": [
+        "model.num_query_groups=2",
+        "model.gated_linear_unit=true",
+        "model.activation=silu",
+    ],
+    "transformer, grouped-query, selective": ["model.num_query_groups=2", "train.recompute_granularity=selective"],
+    "transformer, grouped-query, megatron attention, dropout, selective": [
+        "model.num_query_groups=2",
+        "model.attention_kernel=megatron",
+        "model.dropout=0.1",
+        "train.recompute_granularity=selective",
+    ],
 }
 
 

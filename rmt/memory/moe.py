@@ -27,9 +27,7 @@ adds an expert bias in place on a custom Function's output and fails without exp
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
 import math
 from typing import Dict, List, Optional
 
@@ -58,25 +56,6 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from rmt.memory.shapes import expert_hidden_size, memory_width
 from rmt.models.attention import with_attention_kernel
 from rmt.models.init import set_init_std
-
-
-class _UnknownMLPType(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Unknown MLP type")
-
-
-@contextlib.contextmanager
-def quiet_mlp_type_warning():
-    """While megatron builds layers whose MLP is :class:`MoE`: its TransformerLayer warns
-    "Unknown MLP type" for any class but its own (the subclass runs on megatron's default
-    process groups, which is what that warning is about). Nothing for a user to act on."""
-    log = logging.getLogger("megatron.core.transformer.transformer_layer")
-    quiet = _UnknownMLPType()
-    log.addFilter(quiet)
-    try:
-        yield
-    finally:
-        log.removeFilter(quiet)
 
 
 def moe_fields(config) -> Dict:

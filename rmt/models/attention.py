@@ -49,11 +49,11 @@ class SDPAttention(DotProductAttention):
         assert packed_seq_params is None and attention_bias is None, (
             "SDPAttention, like megatron's DotProductAttention, takes neither packed sequences nor a bias"
         )
-        assert (
-            self.softmax_offset is None
-            and self.num_query_groups_per_partition == self.num_attention_heads_per_partition
-        ), "SDPAttention supports vanilla softmax without query groups"
+        assert self.softmax_offset is None, "SDPAttention supports vanilla softmax"
         s, b = query.shape[0], query.shape[1]
+        group = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        if group > 1:  # each key and value head serves its group's query heads, as megatron's kernel
+            key, value = (x.repeat_interleave(group, dim=2) for x in (key, value))
         # megatron folds apply_query_key_layer_scaling's 1/layer_number into softmax_scale and
         # multiplies it back inside its softmax; the product is the scale of the logits.
         scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)

@@ -1,7 +1,8 @@
 """Transformer baseline: megatron-core's GPTModel with its local (torch-only) layer spec, its core
 attention computed by ``model.attention_kernel`` (:mod:`rmt.models.attention`).
 
-Pre-norm, GELU MLP, learned absolute positions or RoPE, untied input/output embeddings. With
+Pre-norm, GELU MLP (or a gated one, :mod:`rmt.models.gated_mlp`; grouped-query attention with
+``model.num_query_groups``), learned absolute positions or RoPE, untied input/output embeddings. With
 ``memory.type: moe`` and ``memory.moe_placement: mlp`` the MLP of the listed layers is
 megatron's MoE (:mod:`rmt.memory.moe`, megatron's decoder block spec with ``moe_layer_freq``).
 ``parallel.sequence_parallel`` is megatron's (``TransformerConfig.sequence_parallel``), its torch
@@ -18,9 +19,11 @@ from rmt.config import RMTConfig
 from rmt.errors import ConfigError
 from rmt.models.attention import with_attention_kernel
 from rmt.models.build import register
+from rmt.models.gated_mlp import with_gated_mlp
 from rmt.models.megatron_config import transformer_config, validate_attention_shapes
 from rmt.models.sequence_parallel import with_sequence_parallel_norms
 from rmt.models.vocab import padded_vocab_size
+from rmt.quiet import quiet_mlp_type_warning
 
 _POSITIONS = {"learned": "learned_absolute", "rope": "rope"}
 
@@ -41,21 +44,18 @@ def _moe_mlp(config: RMTConfig) -> bool:
 def build_transformer(config: RMTConfig, pre_process: bool, post_process: bool, vp_stage):
     m = config.model
     if _moe_mlp(config):
-        from rmt.memory.moe import moe_block_spec, moe_layer_pattern, quiet_mlp_type_warning
+        from rmt.memory.moe import moe_block_spec, moe_layer_pattern
 
         # Dense and MoE layers mixed: checkpoint keys per layer, as megatron does for a
         # moe_layer_freq pattern (stacked keys need every layer to have the same tensors).
         tcfg = transformer_config(config, hetereogenous_dist_checkpoint=0 in moe_layer_pattern(config))
         with quiet_mlp_type_warning():
             return _gpt(config, tcfg, moe_block_spec(config, tcfg, vp_stage), pre_process, post_process, vp_stage)
-    return _gpt(
-        config,
-        transformer_config(config),
-        with_attention_kernel(get_gpt_layer_local_spec(normalization=m.normalization), config),
-        pre_process,
-        post_process,
-        vp_stage,
+    spec = with_gated_mlp(
+        with_attention_kernel(get_gpt_layer_local_spec(normalization=m.normalization), config), config
     )
+    with quiet_mlp_type_warning():
+        return _gpt(config, transformer_config(config), spec, pre_process, post_process, vp_stage)
 
 
 def _gpt(config: RMTConfig, tcfg, layer_spec, pre_process: bool, post_process: bool, vp_stage) -> GPTModel:

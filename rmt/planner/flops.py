@@ -20,7 +20,8 @@ for the softmax, as Table 7. Exact counts treat embedding lookups as gathers (0 
 skip norms, biases and residual adds.
 
 Activation bytes per token: tensors kept for the backward pass of one training step without
-recomputation (inputs of every matmul and norm, GELU input and output; the RMT's norms are
+recomputation (inputs of every matmul and norm, GELU input and output, a gated layer's
+:func:`ffn_kept_elements`; the RMT's norms are
 fused with the reads after them, which keep the norm's input only; of the attention, the
 fused kernel's fp32 log-sum-exp per head, or with megatron's kernels the softmax's
 probabilities ``heads x N``; under ``model.dropout`` each dropout's one-byte mask, as a GPU's
@@ -58,12 +59,32 @@ def norm_params(normalization: str, D: int) -> int:
     return 2 * D if normalization == "LayerNorm" else D
 
 
-def _layer_counts(D: int, H: int, Dh: int, Dff: int, w: int, norm: int) -> Dict[str, int]:
-    """One megatron transformer layer (local spec, biased linears) on a sequence of ``w``
-    tokens: its parameters and forward FLOPs (attention over all ``w x w`` pairs)."""
-    A = H * Dh
-    params = norm + D * 3 * A + 3 * A + A * D + D + norm + D * Dff + Dff + Dff * D + D
-    flops = w * (2 * D * 3 * A + 2 * A * D + 4 * D * Dff) + w * w * (4 * A + 3 * H)
+def qkv_width(H: int, G: int, Dh: int) -> int:
+    """Output width of the fused query-key-value projection: ``H`` query heads and ``G`` key and
+    value heads (grouped-query attention; ``G = H`` multi-head) of width ``Dh``."""
+    return (H + 2 * G) * Dh
+
+
+def fc1_width(Dff: int, glu: bool) -> int:
+    """Output width of the feed-forward layer's first linear: both halves of a gated one."""
+    return 2 * Dff if glu else Dff
+
+
+def ffn_kept_elements(Dff: int, glu: bool) -> int:
+    """Elements per token the feed-forward layer keeps between its linears for the backward:
+    the activation's input and output (``2 Dff``), or in megatron's gated layer the first
+    linear's biased output (both halves), the activation's output, the linear half plus
+    ``glu_linear_offset`` (a new tensor) and their product: ``5 Dff``."""
+    return 5 * Dff if glu else 2 * Dff
+
+
+def _layer_counts(D: int, H: int, Dh: int, Dff: int, w: int, norm: int, G: int = 0, glu: bool = False) -> Dict:
+    """One megatron transformer layer (local spec, biased linears; ``G`` key-value heads, 0:
+    ``H``; ``glu``: a gated feed-forward layer) on a sequence of ``w`` tokens: its parameters and
+    forward FLOPs (attention over all ``w x w`` pairs)."""
+    A, qkv, f1 = H * Dh, qkv_width(H, G or H, Dh), fc1_width(Dff, glu)
+    params = norm + D * qkv + qkv + A * D + D + norm + D * f1 + f1 + Dff * D + D
+    flops = w * (2 * D * qkv + 2 * A * D + 2 * D * f1 + 2 * Dff * D) + w * w * (4 * A + 3 * H)
     return {"params": params, "flops": flops}
 
 
@@ -81,19 +102,26 @@ def transformer_counts(
     dtype_bytes: int = 4,
     fused_attention: bool = True,
     dropout: bool = False,
+    groups: int = 0,
+    glu: bool = False,
 ) -> Dict:
     """Exact and Table 7 counts of megatron's GPTModel (local spec, linear biases on);
     ``fused_attention``: ``model.attention_kernel`` is ``sdpa``; ``dropout``: ``model.dropout``
-    is on."""
+    is on; ``groups``: key-value heads of grouped-query attention (0: ``H``); ``glu``: gated
+    feed-forward layers."""
     Vp = V if Vp is None else Vp
     A = H * Dh
+    G = groups or H
+    qkv, f1 = qkv_width(H, G, Dh), fc1_width(Dff, glu)
     norm = norm_params(normalization, D)
     learned = position == "learned"
-    layer = _layer_counts(D, H, Dh, Dff, N, norm)
+    layer = _layer_counts(D, H, Dh, Dff, N, norm, G, glu)
     params = Vp * D + (N * D if learned else 0) + L * layer["params"] + norm + Vp * D
     paper_params = D * (L * (4 * H * Dh + 2 * Dff) + V)
     diff_params = [
-        ("linear biases L(3 H Dh + 2 D + Dff), not counted", L * (3 * A + 2 * D + Dff)),
+        ("grouped-query attention: key and value weights L D 2 (G - H) Dh", L * D * 2 * (G - H) * Dh),
+        ("gated feed-forward layers: the second half of the first linear L D Dff", L * D * (f1 - Dff)),
+        ("linear biases L(qkv + 2 D + fc1), not counted", L * (qkv + 2 * D + f1)),
         (f"{normalization} parameters (2L+1) x {norm}, not counted", (2 * L + 1) * norm),
         ("learned position table N D, not counted" if learned else "RoPE: no position table", N * D if learned else 0),
         ("untied output layer V D (Table 7 counts one V D table)", V * D),
@@ -102,10 +130,12 @@ def transformer_counts(
     flops = L * layer["flops"] // N + 2 * D * Vp
     paper_flops = 4 * (D * V + L * D * (2 * Dh * H + Dff) + L * (N * Dh * H + 0.75 * N * H))
     diff_flops = [
+        ("grouped-query attention: key and value projections 4 L D (G - H) Dh", 4 * L * D * (G - H) * Dh),
+        ("gated feed-forward layers: the first linear's second half 2 L D Dff", 2 * L * D * (f1 - Dff)),
         ("embedding lookup is a gather; Chinchilla counts it as a one-hot matmul (2 D V)", -2 * D * V),
         ("logits over the padded vocabulary 2 D (Vp - V)", 2 * D * (Vp - V)),
     ]
-    layer_act = 4 * D + 4 * A + 2 * Dff
+    layer_act = 4 * D + 4 * A + ffn_kept_elements(Dff, glu)
     mask = 1 if dropout else 0  # bytes a dropout keeps an element (a GPU's bool mask)
     # the core attention's own state: the fused kernel's log-sum-exp, or the probabilities and
     # under dropout its mask and the dropped probabilities
@@ -293,6 +323,8 @@ def plan_model(config: RMTConfig) -> Dict:
             dtype,
             fused_attention=m.attention_kernel == "sdpa",
             dropout=m.dropout > 0,
+            groups=m.num_query_groups or 0,
+            glu=m.gated_linear_unit,
         )
         doc["embedding_params"] = 2 * Vp * m.hidden_size + (m.seq_length * m.hidden_size if learned else 0)
     elif m.arch == "rmt":

@@ -75,6 +75,7 @@ from rmt.config import TABLE_TYPES
 from rmt.memory.byte_sizes import DTYPE_BYTES
 from rmt.models.vocab import padded_vocab_size
 from rmt.planner.dense import dense_bytes_per_param
+from rmt.planner.flops import fc1_width, ffn_kept_elements, qkv_width
 from rmt.planner.kernel_paths import attention_path, dropout_mask_bytes, drops_embedding, materializes_scores
 from rmt.planner.memory import GIB
 
@@ -188,8 +189,9 @@ def _layer_params(config, layout: Layout) -> int:
     if m.arch == "rmt":
         Dk, Dv, R = m.dk, m.dv, m.rank
         return (3 * R * Dk + R * Dk + 2 * R * Dv * Dff) // t + 2 * Dk * Dv + 2 * R * Dk
-    D, A = m.hidden_size, m.hidden_size  # megatron's local spec: heads x head dim = hidden size
-    return (D * 3 * A + 3 * A + A * D + D * Dff + Dff + Dff * D) // t + 2 * norm_params(config) + 2 * D
+    D, A, H = m.hidden_size, m.hidden_size, m.num_attention_heads  # heads x head dim = hidden size
+    qkv, f1 = qkv_width(H, m.num_query_groups or H, D // H), fc1_width(Dff, m.gated_linear_unit)
+    return (D * qkv + qkv + A * D + D * f1 + f1 + Dff * D) // t + 2 * norm_params(config) + 2 * D
 
 
 def _embedding_params(config, layout: Layout, first: bool, last: bool) -> int:
@@ -309,7 +311,7 @@ def _layer_activation_elements(config, layout: Layout):
     else:
         keys = 2 * m.block_width if m.arch == "recurrent" else m.seq_length  # a query's keys
         core = H * keys * (b + (b + mask if mask else 0))
-    return whole, 4 * D + 2 * Dff, core
+    return whole, 4 * D + ffn_kept_elements(Dff, m.gated_linear_unit), core
 
 
 def _memory_activation_bytes(config, layers: List[Dict], device: str) -> int:

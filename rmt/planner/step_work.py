@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, NamedTuple, Tuple
 
 from rmt.memory.byte_sizes import DTYPE_BYTES
+from rmt.planner.flops import fc1_width, qkv_width
 from rmt.planner.hardware import Profile, attention_seconds, elementwise_seconds, gemm_seconds, memory_seconds
 from rmt.planner.kernel_paths import attention_path, dropout_mask_bytes, drops_embedding, materializes_scores
 
@@ -80,6 +81,15 @@ unfused math path under dropout with its attention dropout, megatron-core's atte
 the same for ``megatron_fused``, whose fused softmax was not traced)."""
 SELECTIVE_OPS = {"rmt": 8, "none": 0, "sdpa": 21, "math": 42, "megatron": 30, "megatron_fused": 30}
 """More per layer under selective recomputation (the core attention run again), by path."""
+GROUPED_QUERY_OPS = {"sdpa": 15, "math": 16, "megatron": 16, "megatron_fused": 16}
+"""More per layer under grouped-query attention, by the core attention's path: the keys and
+values repeated to the query heads and their gradients summed back (traced)."""
+GROUPED_QUERY_RECOMPUTE_OPS = {"sdpa": 9, "math": 9, "megatron": 8, "megatron_fused": 8}
+"""More per layer when selective recomputation repeats them again (traced; ``math``, the same
+module as ``sdpa``, taken as its)."""
+GATED_FFN_OPS = 6
+"""More per layer in a gated feed-forward layer: the halves split, the offset added, their
+product, and those operations' gradients (traced)."""
 DROPOUT_OPS = 5
 """Per dropout, forward and backward, on a CPU (torch's noise drawn, scaled and applied); counted
 the same on a GPU. A layer has two (and megatron's attention one more, run again under selective
@@ -308,6 +318,8 @@ def layer_forward(config, tp: int, sp: bool, device: str) -> Kernels:
     D = m.hidden_size
     F = m.ffn_hidden_size or 4 * D
     A = D  # megatron's local spec: heads x head dim = hidden size
+    H, G = m.num_attention_heads, m.num_query_groups or m.num_attention_heads
+    KV = G * (D // H)  # the key (and the value) heads' width
     Ts = T // tp if sp else T
     if m.arch == "recurrent":
         T = Ts = layer_tokens(config)
@@ -315,19 +327,24 @@ def layer_forward(config, tp: int, sp: bool, device: str) -> Kernels:
         k.gemm(T, D, D, 2)
         k.gemm(s, D, s, config.train.micro_batch_size)
     else:
-        k.gemm(T, 3 * A // tp, D)
+        k.gemm(T, qkv_width(H, G, D // H) // tp, D)
         k.gemm(T, D, A // tp)
         k.add(core_attention(config, tp, device))
         k.mem(8 * T * A // tp * b)  # q, k, v into the kernel's layout, the context back
+        if KV < A:  # grouped-query attention: each key and value head copied to its query heads
+            k.mem(T * (KV + A) // tp * b, 2)
         if m.position == "rope":
-            k.mem(4 * T * A // tp * b)
-    k.gemm(T, F // tp, D)
+            k.mem(2 * T * (A + KV) // tp * b)  # the queries and keys rotated
+    k.gemm(T, fc1_width(F, m.gated_linear_unit) // tp, D)
     k.gemm(T, D, F // tp)
     k.elementwise("norm", Ts * D, 2 * Ts * D * b, 2)  # two norms
     k.mem(3 * Ts * D * b, 2)  # bias-adds with the residual
     if m.dropout > 0:  # their dropouts: the output and the mask or noise written
         k.elementwise("dropout", Ts * D, Ts * D * (b + dropout_mask_bytes(config, device)), 2)
     k.elementwise("gelu", T * F // tp, 2 * T * F // tp * b)
+    if m.gated_linear_unit:  # the linear half plus megatron's offset, and the product
+        k.mem(2 * T * F // tp * b)
+        k.mem(3 * T * F // tp * b)
     return k
 
 
@@ -340,10 +357,16 @@ def layer_ops(config, device: str) -> float:
     path = attention_path(config, device)
     megatron = path in ("megatron", "megatron_fused")
     ops = LAYER_OPS[m.arch] + ATTENTION_OPS[path]
+    grouped = m.num_query_groups is not None and m.num_query_groups < m.num_attention_heads
+    if grouped:
+        ops += GROUPED_QUERY_OPS[path]
+    if m.gated_linear_unit:
+        ops += GATED_FFN_OPS
     if m.dropout > 0:
         ops += DROPOUT_OPS * (3 if megatron else 2)
     if config.train.recompute_granularity == "selective":
         ops += SELECTIVE_OPS[path] + (DROPOUT_RECOMPUTE_OPS if megatron and m.dropout > 0 else 0)
+        ops += GROUPED_QUERY_RECOMPUTE_OPS[path] if grouped else 0
     if m.arch == "recurrent":
         return ops * (-(-m.seq_length // m.block_width) + 1) - RECURRENT_FEWER_OPS
     return ops

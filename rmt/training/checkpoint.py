@@ -87,7 +87,7 @@ def _dense_sharded(shard, state, name: str):
     tensor = state.tensors[name]
     prefix = f"optimizer.{name}"
     if state.flat_range is None:
-        return make_sharded_optimizer_tensor(shard.sharded, tensor, prefix=prefix)
+        return make_sharded_optimizer_tensor(shard.sharded, tensor.view(shard.sharded.local_shape), prefix=prefix)
     sh = shard.sharded
     replica = tuple(sh.replica_id[:-1]) + (0,) if isinstance(sh.replica_id, tuple) else 0
     pre = sh.prepend_axis_num
@@ -158,7 +158,8 @@ def sharded_state(
     }
     for i, shard in enumerate(shards(chunks) if averages else []):
         if shard.param in averages:
-            state[f"ema.{i}"] = make_sharded_optimizer_tensor(shard.sharded, averages[shard.param], prefix="ema")
+            average = averages[shard.param].view(shard.sharded.local_shape)
+            state[f"ema.{i}"] = make_sharded_optimizer_tensor(shard.sharded, average, prefix="ema")
     if optimizer is not None:
         _ensure_optimizer_state(optimizer)
         dense = dense_states(optimizer.dense_optimizers)
