@@ -19,7 +19,11 @@ under sequence parallelism, ``b`` bytes of ``train.precision``):
   ``2 T' D b`` each, two bias-adds with the residual ``3 T' D b`` each (and with ``model.dropout``
   their dropouts, priced by their elements too: the output and the mask or noise written), the GELU ``2 T F/t b``, the attention's layout copies
   (q, k, v into the kernel's ``[b, h, s, d]`` and the context back, ``8 T A/t b``), RoPE on q and
-  k ``4 T A/t b``;
+  k ``4 T A/t b``; with ``G`` key-value heads of width ``Dh`` (grouped-query attention) the first
+  GEMM is ``(H + 2G) Dh/t`` wide, RoPE rotates ``2 T (A + G Dh)/t b``, and the keys and values are
+  repeated to their query heads (``T (G Dh + A)/t b`` each); a gated feed-forward layer's first
+  GEMM is ``2F/t`` wide, and it adds the linear half's offset ``2 T F/t b`` and the product
+  ``3 T F/t b``;
 * RMT (:mod:`rmt.models.rmt`): the reads ``[T Dv, Dk] @ [Dk, 3R/t]`` and ``[T Dv, Dk] @ [Dk, R]``
   (their norm fused: one read of the residual matrix, ``T Dk Dv b`` each), the writes
   ``[T Dv, R] @ [R, Dk]`` (reading and writing the residual matrix, ``2 T Dk Dv b`` each), the
