@@ -181,8 +181,8 @@ def test_a_layers_gelu_and_norms_are_priced_by_their_elements():
 @pytest.mark.parametrize("position", ["learned", "rope"])
 def test_grouped_query_attention_and_a_gated_layer_reshape_the_layers_work(position):
     """Grouped-query attention (``G`` key-value heads) narrows the query-key-value GEMM to
-    ``(H + 2G) Dh`` and copies the keys and values to their query heads (``T (G Dh + A)`` bytes
-    each; RoPE rotates ``G Dh`` keys); the gated layer's first GEMM is ``2F`` wide, and it adds two
+    ``(H + 2G) Dh`` and its core attention copies the keys and values to their query heads
+    (``T (G Dh + A)`` bytes each; RoPE rotates ``G Dh`` keys); the gated layer's first GEMM is ``2F`` wide, and it adds two
     passes, the linear half's offset (``2 T F`` bytes) and the product (``3 T F``)."""
     llama = ["model.num_query_groups=2", "model.gated_linear_unit=true", "model.activation=silu"]
     base = [f"model.position={position}", "model.num_attention_heads=4"]
@@ -199,6 +199,8 @@ def test_grouped_query_attention_and_a_gated_layer_reshape_the_layers_work(posit
     }
     rope = 2 * T * (D - 2 * Dh) * b if position == "rope" else 0  # the keys of two heads not rotated
     assert streamed["gated"] - streamed["plain"] == 2 * T * (2 * Dh + D) * b - rope + (2 + 3) * T * F * b
+    # the copies are the core attention's, which selective recomputation runs again
+    assert [(p.nbytes, p.count) for p in core_attention(config, 1, "gpu").memory] == [(T * (2 * Dh + D) * b, 2)]
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "megatron"])

@@ -20,8 +20,8 @@ under sequence parallelism, ``b`` bytes of ``train.precision``):
   their dropouts, priced by their elements too: the output and the mask or noise written), the GELU ``2 T F/t b``, the attention's layout copies
   (q, k, v into the kernel's ``[b, h, s, d]`` and the context back, ``8 T A/t b``), RoPE on q and
   k ``4 T A/t b``; with ``G`` key-value heads of width ``Dh`` (grouped-query attention) the first
-  GEMM is ``(H + 2G) Dh/t`` wide, RoPE rotates ``2 T (A + G Dh)/t b``, and the keys and values are
-  repeated to their query heads (``T (G Dh + A)/t b`` each); a gated feed-forward layer's first
+  GEMM is ``(H + 2G) Dh/t`` wide, RoPE rotates ``2 T (A + G Dh)/t b``, and the core attention
+  repeats the keys and values to their query heads (``T (G Dh + A)/t b`` each); a gated feed-forward layer's first
   GEMM is ``2F/t`` wide, and it adds the linear half's offset ``2 T F/t b`` and the product
   ``3 T F/t b``;
 * RMT (:mod:`rmt.models.rmt`): the reads ``[T Dv, Dk] @ [Dk, 3R/t]`` and ``[T Dv, Dk] @ [Dk, R]``
@@ -257,7 +257,9 @@ def core_attention(config, tp: int, device: str) -> Kernels:
     filled in place and the softmax, both in fp32 (``attention_softmax_in_fp32``: under bf16 the
     scores cast up and the probabilities back), the dropout with ``model.dropout``; under
     ``megatron_fused`` one pass that reads the 16-bit scores and writes the probabilities where
-    the fused kernel runs (:func:`fused_softmax_runs`), else the unfused passes."""
+    the fused kernel runs (:func:`fused_softmax_runs`), else the unfused passes. Under
+    grouped-query attention either kernel first copies each key and value head to its query
+    heads."""
     m = config.model
     b = _bytes(config)
     k = Kernels(config.train.precision)
@@ -269,6 +271,9 @@ def core_attention(config, tp: int, device: str) -> Kernels:
         return k
     T, heads, d = layer_tokens(config), m.num_attention_heads // tp, m.hidden_size // m.num_attention_heads
     w = 2 * m.block_width if m.arch == "recurrent" else m.seq_length
+    groups = (m.num_query_groups or m.num_attention_heads) // tp
+    if groups < heads:  # each key and value head copied to its group's query heads, by either kernel
+        k.mem(T * (groups + heads) * d * b, 2)
     if not materializes_scores(attention_path(config, device)):
         k.attention_flops = 4.0 * T * w * heads * d
         return k
@@ -335,8 +340,6 @@ def layer_forward(config, tp: int, sp: bool, device: str) -> Kernels:
         k.gemm(T, D, A // tp)
         k.add(core_attention(config, tp, device))
         k.mem(8 * T * A // tp * b)  # q, k, v into the kernel's layout, the context back
-        if KV < A:  # grouped-query attention: each key and value head copied to its query heads
-            k.mem(T * (KV + A) // tp * b, 2)
         if m.position == "rope":
             k.mem(2 * T * (A + KV) // tp * b)  # the queries and keys rotated
     k.gemm(T, fc1_width(F, m.gated_linear_unit) // tp, D)
