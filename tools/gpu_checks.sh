@@ -29,6 +29,11 @@ OUT=${OUT:-gpu_checks}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# a machine without a package index: the wheels carried in .whl (docs/testing.md), installed aside
+if ! $PY -c 'import megatron.core, omegaconf' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/rmt-site .whl/*.whl || exit 2
+    export PYTHONPATH=$PYTHONPATH:/tmp/rmt-site
+fi
 # the card's own architecture only: a quarter of the CUDA build's time
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$($PY -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')}
 CHECKS=${CHECKS:-stream tests recompute torchrun architectures dense rank_memory host_table step_time lookup retrieval}
