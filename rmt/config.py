@@ -102,6 +102,10 @@ class ModelConfig:
     and the layer computes ``activation(x W) * (x V)`` before the second; with ``activation: silu``
     it is SwiGLU (Llama's FFN). ``arch: transformer`` only, not with MoE experts."""
 
+    add_bias_linear: bool = True
+    """Biases on the transformer layers' linears (megatron-core's ``add_bias_linear``); ``false``:
+    bias-free, as Llama's. ``arch: transformer`` only, not with MoE experts."""
+
     seq_length: Annotated[int, Range(gt=0)] = 128
     """Tokens per sample. For synthetic tasks it must be at least 2·``data.task_tokens`` +
     ``data.curriculum_target``."""

@@ -82,14 +82,21 @@ def validate_recompute(config: RMTConfig, stages: int) -> None:
 
 
 def validate_attention_variants(config: RMTConfig) -> None:
-    """Grouped-query attention and the gated feed-forward layer: the transformer's (megatron-core
-    layers), with groups that split the heads and the tensor-parallel ranks evenly."""
+    """Grouped-query attention, the gated feed-forward layer and bias-free linears: the
+    transformer's (megatron-core layers; not MoE experts'), with groups that split the heads and
+    the tensor-parallel ranks evenly."""
     m, tp = config.model, config.parallel.tensor_model_parallel_size
-    for key, on in (("num_query_groups", m.num_query_groups is not None), ("gated_linear_unit", m.gated_linear_unit)):
+    variants = {
+        "num_query_groups": m.num_query_groups is not None,
+        "gated_linear_unit": m.gated_linear_unit,
+        "add_bias_linear": not m.add_bias_linear,
+    }
+    for key, on in variants.items():
         if on and m.arch != "transformer":
             raise ConfigError(f"model.{key} applies to model.arch 'transformer', not '{m.arch}'")
-    if m.gated_linear_unit and config.memory.type == "moe":
-        raise ConfigError("model.gated_linear_unit applies to the dense feed-forward layers, not to memory.type 'moe'")
+    for key in ("gated_linear_unit", "add_bias_linear"):
+        if variants[key] and config.memory.type == "moe":
+            raise ConfigError(f"model.{key} applies to the dense layers, not to memory.type 'moe'")
     g = m.num_query_groups
     if g is not None and m.num_attention_heads % g:
         raise ConfigError(

@@ -65,14 +65,15 @@ def test_resume_under_different_data_parallel_size(six_steps, cache_dir, tmp_pat
     assert _losses(second) == pytest.approx(six_steps[3:], abs=1e-5)
 
 
-# Llama's layer: grouped-query attention and SwiGLU, whose first linear is checkpointed as one
-# piece of its two halves' stack (rmt.models.gated_mlp)
+# Llama's layer: grouped-query attention, SwiGLU (its first linear checkpointed as one piece of
+# its two halves' stack, rmt.models.gated_mlp), bias-free linears
 LLAMA = [
     "model.position=rope",
     "model.normalization=RMSNorm",
     "model.num_query_groups=2",
     "model.gated_linear_unit=true",
     "model.activation=silu",
+    "model.add_bias_linear=false",
 ]
 
 

@@ -24,7 +24,7 @@ def test_yaml_and_overrides_merge(tmp_path):
         (
             ["model.hidden_sz=3"],
             1,
-            "unknown config key 'model.hidden_sz' in override 'model.hidden_sz=3'; valid keys of 'model' are: activation, arch,",
+            "unknown config key 'model.hidden_sz' in override 'model.hidden_sz=3'; valid keys of 'model' are: activation, add_bias_linear, arch,",
         ),
         (["optim.lr=3"], 1, "unknown config section 'optim'"),
         (["train.steps=abc"], 1, "bad value for 'train.steps'"),
@@ -89,7 +89,12 @@ def test_yaml_and_overrides_merge(tmp_path):
         (
             ["model.gated_linear_unit=true", "memory.type=moe"],
             1,
-            "model.gated_linear_unit applies to the dense feed-forward layers, not to memory.type 'moe'",
+            "model.gated_linear_unit applies to the dense layers, not to memory.type 'moe'",
+        ),
+        (
+            ["model.arch=rmt", "model.add_bias_linear=false"],
+            1,
+            "model.add_bias_linear applies to model.arch 'transformer', not 'rmt'",
         ),
     ],
 )

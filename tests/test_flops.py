@@ -26,8 +26,14 @@ COMMON = [
     "model.ffn_hidden_size=40",
 ]
 TRANSFORMER = ["model.hidden_size=24", "model.num_attention_heads=4"]
-# Llama's layer: grouped-query attention (two key/value heads for four query heads), SwiGLU
-LLAMA = ["model.num_query_groups=2", "model.gated_linear_unit=true", "model.activation=silu"]
+# Llama's layer: grouped-query attention (two key/value heads for four query heads), SwiGLU,
+# bias-free linears
+LLAMA = [
+    "model.num_query_groups=2",
+    "model.gated_linear_unit=true",
+    "model.activation=silu",
+    "model.add_bias_linear=false",
+]
 RMT = ["model.arch=rmt", "model.dk=6", "model.dv=4", "model.rank=3", "model.position=alibi"]
 ULTRAMEM = [
     "memory.type=ultramem",

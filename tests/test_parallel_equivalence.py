@@ -1,7 +1,7 @@
 """Distributed == single process: the same tiny model trained 3 steps in one process and
 under TP=2, PP=2, DP=2 and interleaved PP=2 x VPP=2 gives equal losses, gradients, weights and
 weight averages (``train.ema_decay``, kept in every run: it does not change the training); so
-does Llama's layer (grouped-query attention, SwiGLU) under TP=2."""
+does Llama's layer (grouped-query attention, SwiGLU, bias-free linears) under TP=2."""
 
 import pytest
 import torch
@@ -26,6 +26,7 @@ LAYOUTS = {
         "model.num_query_groups=2",
         "model.gated_linear_unit=true",
         "model.activation=silu",
+        "model.add_bias_linear=false",
     ],
 }
 

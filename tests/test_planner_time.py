@@ -764,6 +764,11 @@ TRACED = {
         "model.activation=silu",
     ],
     "transformer, grouped-query, selective": ["model.num_query_groups=2", "train.recompute_granularity=selective"],
+    "transformer, gated, no biases": [
+        "model.gated_linear_unit=true",
+        "model.activation=silu",
+        "model.add_bias_linear=false",
+    ],
     "transformer, grouped-query, megatron attention, dropout, selective": [
         "model.num_query_groups=2",
         "model.attention_kernel=megatron",

@@ -75,7 +75,7 @@ done
 echo "-- tiny with Llama's layer (grouped-query attention, SwiGLU, RoPE, RMSNorm)"
 $PY -m rmt.training.cli --config configs/tiny.yaml train.steps=10 train.precision=bf16 train.eval_interval=10 \
     train.progress=false model.position=rope model.normalization=RMSNorm model.num_query_groups=2 \
-    model.gated_linear_unit=true model.activation=silu 2>&1 | tee -a "$OUT/architectures.log" | grep -E "final|rror"
+    model.gated_linear_unit=true model.activation=silu model.add_bias_linear=false 2>&1 | tee -a "$OUT/architectures.log" | grep -E "final|rror"
 fi
 if wanted dense; then
 step "dense switches together on the GPU: bf16, distributed optimizer, full recomputation; saved, then resumed"

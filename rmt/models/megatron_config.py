@@ -56,6 +56,7 @@ def transformer_config(config: RMTConfig, **extra) -> TransformerConfig:
         num_query_groups=m.num_query_groups,
         ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
         gated_linear_unit=m.gated_linear_unit,
+        add_bias_linear=m.add_bias_linear,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,

@@ -78,12 +78,19 @@ def ffn_kept_elements(Dff: int, glu: bool) -> int:
     return 5 * Dff if glu else 2 * Dff
 
 
-def _layer_counts(D: int, H: int, Dh: int, Dff: int, w: int, norm: int, G: int = 0, glu: bool = False) -> Dict:
-    """One megatron transformer layer (local spec, biased linears; ``G`` key-value heads, 0:
-    ``H``; ``glu``: a gated feed-forward layer) on a sequence of ``w`` tokens: its parameters and
-    forward FLOPs (attention over all ``w x w`` pairs)."""
+def linear_biases(D: int, qkv: int, f1: int, bias: bool = True) -> int:
+    """Bias elements of one layer's four linears (none without ``model.add_bias_linear``)."""
+    return qkv + D + f1 + D if bias else 0
+
+
+def _layer_counts(
+    D: int, H: int, Dh: int, Dff: int, w: int, norm: int, G: int = 0, glu: bool = False, bias: bool = True
+) -> Dict:
+    """One megatron transformer layer (local spec; ``G`` key-value heads, 0: ``H``; ``glu``: a
+    gated feed-forward layer; ``bias``: biased linears) on a sequence of ``w`` tokens: its
+    parameters and forward FLOPs (attention over all ``w x w`` pairs)."""
     A, qkv, f1 = H * Dh, qkv_width(H, G or H, Dh), fc1_width(Dff, glu)
-    params = norm + D * qkv + qkv + A * D + D + norm + D * f1 + f1 + Dff * D + D
+    params = 2 * norm + D * qkv + A * D + D * f1 + Dff * D + linear_biases(D, qkv, f1, bias)
     flops = w * (2 * D * qkv + 2 * A * D + 2 * D * f1 + 2 * Dff * D) + w * w * (4 * A + 3 * H)
     return {"params": params, "flops": flops}
 
@@ -104,24 +111,25 @@ def transformer_counts(
     dropout: bool = False,
     groups: int = 0,
     glu: bool = False,
+    bias: bool = True,
 ) -> Dict:
     """Exact and Table 7 counts of megatron's GPTModel (local spec, linear biases on);
     ``fused_attention``: ``model.attention_kernel`` is ``sdpa``; ``dropout``: ``model.dropout``
     is on; ``groups``: key-value heads of grouped-query attention (0: ``H``); ``glu``: gated
-    feed-forward layers."""
+    feed-forward layers; ``bias``: biased linears."""
     Vp = V if Vp is None else Vp
     A = H * Dh
     G = groups or H
     qkv, f1 = qkv_width(H, G, Dh), fc1_width(Dff, glu)
     norm = norm_params(normalization, D)
     learned = position == "learned"
-    layer = _layer_counts(D, H, Dh, Dff, N, norm, G, glu)
+    layer = _layer_counts(D, H, Dh, Dff, N, norm, G, glu, bias)
     params = Vp * D + (N * D if learned else 0) + L * layer["params"] + norm + Vp * D
     paper_params = D * (L * (4 * H * Dh + 2 * Dff) + V)
     diff_params = [
         ("grouped-query attention: key and value weights L D 2 (G - H) Dh", L * D * 2 * (G - H) * Dh),
         ("gated feed-forward layers: the second half of the first linear L D Dff", L * D * (f1 - Dff)),
-        ("linear biases L(qkv + 2 D + fc1), not counted", L * (qkv + 2 * D + f1)),
+        ("linear biases L(qkv + 2 D + fc1), not counted", L * linear_biases(D, qkv, f1, bias)),
         (f"{normalization} parameters (2L+1) x {norm}, not counted", (2 * L + 1) * norm),
         ("learned position table N D, not counted" if learned else "RoPE: no position table", N * D if learned else 0),
         ("untied output layer V D (Table 7 counts one V D table)", V * D),
@@ -325,6 +333,7 @@ def plan_model(config: RMTConfig) -> Dict:
             dropout=m.dropout > 0,
             groups=m.num_query_groups or 0,
             glu=m.gated_linear_unit,
+            bias=m.add_bias_linear,
         )
         doc["embedding_params"] = 2 * Vp * m.hidden_size + (m.seq_length * m.hidden_size if learned else 0)
     elif m.arch == "rmt":

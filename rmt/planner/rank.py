@@ -75,7 +75,7 @@ from rmt.config import TABLE_TYPES
 from rmt.memory.byte_sizes import DTYPE_BYTES
 from rmt.models.vocab import padded_vocab_size
 from rmt.planner.dense import dense_bytes_per_param
-from rmt.planner.flops import fc1_width, ffn_kept_elements, qkv_width
+from rmt.planner.flops import fc1_width, ffn_kept_elements, linear_biases, qkv_width
 from rmt.planner.kernel_paths import attention_path, dropout_mask_bytes, drops_embedding, materializes_scores
 from rmt.planner.memory import GIB
 
@@ -191,7 +191,9 @@ def _layer_params(config, layout: Layout) -> int:
         return (3 * R * Dk + R * Dk + 2 * R * Dv * Dff) // t + 2 * Dk * Dv + 2 * R * Dk
     D, A, H = m.hidden_size, m.hidden_size, m.num_attention_heads  # heads x head dim = hidden size
     qkv, f1 = qkv_width(H, m.num_query_groups or H, D // H), fc1_width(Dff, m.gated_linear_unit)
-    return (D * qkv + qkv + A * D + D * f1 + f1 + Dff * D) // t + 2 * norm_params(config) + 2 * D
+    biases = linear_biases(D, qkv, f1, m.add_bias_linear)
+    whole = 2 * D if m.add_bias_linear else 0  # the row-parallel linears' biases, on every rank
+    return (D * qkv + A * D + D * f1 + Dff * D + biases - whole) // t + 2 * norm_params(config) + whole
 
 
 def _embedding_params(config, layout: Layout, first: bool, last: bool) -> int:

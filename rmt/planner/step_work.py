@@ -91,6 +91,9 @@ values repeated to the query heads and their gradients summed back (traced)."""
 GROUPED_QUERY_RECOMPUTE_OPS = {"sdpa": 9, "math": 9, "megatron": 8, "megatron_fused": 8}
 """More per layer when selective recomputation repeats them again (traced; ``math``, the same
 module as ``sdpa``, taken as its)."""
+LINEAR_BIAS_OPS = 23
+"""Fewer per layer without the linears' biases (``model.add_bias_linear: false``): their adds,
+and their gradients' sums (traced)."""
 GATED_FFN_OPS = 6
 """More per layer in a gated feed-forward layer: the halves split, the offset added, their
 product, and those operations' gradients (traced)."""
@@ -369,6 +372,8 @@ def layer_ops(config, device: str) -> float:
         ops += GROUPED_QUERY_OPS[path]
     if m.gated_linear_unit:
         ops += GATED_FFN_OPS
+    if not m.add_bias_linear:
+        ops -= LINEAR_BIAS_OPS
     if m.dropout > 0:
         ops += DROPOUT_OPS * (3 if megatron else 2)
     if config.train.recompute_granularity == "selective":
