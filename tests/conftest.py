@@ -18,6 +18,19 @@ rmt.setup_process()  # as rmt's commands do (rmt.process), before torch is impor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Llama's layer on a transformer of 4 heads: RoPE, RMSNorm, grouped-query attention (two key/value
+# heads), SwiGLU (its first linear checkpointed as one piece of its halves' stack,
+# rmt.models.gated_mlp), bias-free linears
+LLAMA = [
+    "model.position=rope",
+    "model.normalization=RMSNorm",
+    "model.num_query_groups=2",
+    "model.gated_linear_unit=true",
+    "model.activation=silu",
+    "model.add_bias_linear=false",
+]
+
+
 def tiny_overrides(cache_dir, steps=3):
     """A 2-layer transformer small enough for three steps in a second or two."""
     return [

@@ -22,7 +22,7 @@ from rmt.models.build import build
 from rmt.models.fused_softmax import FUSED_SOFTMAX_EXTENSIONS
 from rmt.models.megatron_config import transformer_config
 
-from conftest import run_python
+from conftest import LLAMA, run_python
 
 warnings.filterwarnings("ignore")
 
@@ -37,15 +37,7 @@ ARCHS = {
     "transformer": ["model.arch=transformer"],
     "transformer_rope": ["model.arch=transformer", "model.position=rope"],
     "recurrent": ["model.arch=recurrent", "model.block_width=8"],
-    # Llama's attention and feed-forward layer: two key/value heads for four query heads, SwiGLU
-    "transformer_gqa_swiglu": [
-        "model.arch=transformer",
-        "model.position=rope",
-        "model.num_query_groups=2",
-        "model.gated_linear_unit=true",
-        "model.activation=silu",
-        "model.normalization=RMSNorm",
-    ],
+    "transformer_llama": ["model.arch=transformer"] + LLAMA,
     "moe_mlp": [
         "model.arch=transformer",
         "memory.type=moe",

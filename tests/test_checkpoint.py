@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, _env, rmt_train, tiny_overrides
+from conftest import LLAMA, ROOT, _env, rmt_train, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -63,18 +63,6 @@ def test_resume_under_different_data_parallel_size(six_steps, cache_dir, tmp_pat
     rmt_train(tiny_overrides(cache_dir, steps=6) + [f"train.save={ckpt}", "train.exit_interval=3"])
     rmt_train(tiny_overrides(cache_dir, steps=6) + [f"train.load={ckpt}", "--json", str(second)], nproc=2)
     assert _losses(second) == pytest.approx(six_steps[3:], abs=1e-5)
-
-
-# Llama's layer: grouped-query attention, SwiGLU (its first linear checkpointed as one piece of
-# its two halves' stack, rmt.models.gated_mlp), bias-free linears
-LLAMA = [
-    "model.position=rope",
-    "model.normalization=RMSNorm",
-    "model.num_query_groups=2",
-    "model.gated_linear_unit=true",
-    "model.activation=silu",
-    "model.add_bias_linear=false",
-]
 
 
 def test_a_gated_model_resumes_exactly_under_tensor_parallelism(cache_dir, tmp_path):

@@ -17,6 +17,8 @@ from rmt.planner.cli import main as plan_main
 from rmt.planner.flops import plan_model, rmt_counts, transformer_counts
 from rmt.planner.rank import chunk_activations, layout_of
 
+from conftest import LLAMA
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMON = [
     "model.num_layers=3",
@@ -26,14 +28,6 @@ COMMON = [
     "model.ffn_hidden_size=40",
 ]
 TRANSFORMER = ["model.hidden_size=24", "model.num_attention_heads=4"]
-# Llama's layer: grouped-query attention (two key/value heads for four query heads), SwiGLU,
-# bias-free linears
-LLAMA = [
-    "model.num_query_groups=2",
-    "model.gated_linear_unit=true",
-    "model.activation=silu",
-    "model.add_bias_linear=false",
-]
 RMT = ["model.arch=rmt", "model.dk=6", "model.dv=4", "model.rank=3", "model.position=alibi"]
 ULTRAMEM = [
     "memory.type=ultramem",

@@ -6,7 +6,7 @@ does Llama's layer (grouped-query attention, SwiGLU, bias-free linears) under TP
 import pytest
 import torch
 
-from conftest import tiny_overrides, train_cases
+from conftest import LLAMA, tiny_overrides, train_cases
 
 pytestmark = pytest.mark.slow
 
@@ -19,15 +19,7 @@ LAYOUTS = {
         "parallel.pipeline_model_parallel_size=2",
         "parallel.virtual_pipeline_model_parallel_size=2",
     ],
-    "tp2_gqa_swiglu": [
-        "parallel.tensor_model_parallel_size=2",
-        "model.position=rope",
-        "model.normalization=RMSNorm",
-        "model.num_query_groups=2",
-        "model.gated_linear_unit=true",
-        "model.activation=silu",
-        "model.add_bias_linear=false",
-    ],
+    "tp2_gqa_swiglu": ["parallel.tensor_model_parallel_size=2"] + LLAMA,
 }
 
 
