@@ -113,7 +113,7 @@ def transformer_counts(
     glu: bool = False,
     bias: bool = True,
 ) -> Dict:
-    """Exact and Table 7 counts of megatron's GPTModel (local spec, linear biases on);
+    """Exact and Table 7 counts of megatron's GPTModel (local spec);
     ``fused_attention``: ``model.attention_kernel`` is ``sdpa``; ``dropout``: ``model.dropout``
     is on; ``groups``: key-value heads of grouped-query attention (0: ``H``); ``glu``: gated
     feed-forward layers; ``bias``: biased linears."""

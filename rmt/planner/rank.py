@@ -76,6 +76,7 @@ from rmt.memory.byte_sizes import DTYPE_BYTES
 from rmt.models.vocab import padded_vocab_size
 from rmt.planner.dense import dense_bytes_per_param
 from rmt.planner.flops import fc1_width, ffn_kept_elements, linear_biases, qkv_width
+from rmt.planner.flops import norm_params as width_norm_params
 from rmt.planner.kernel_paths import attention_path, dropout_mask_bytes, drops_embedding, materializes_scores
 from rmt.planner.memory import GIB
 
@@ -177,9 +178,7 @@ def with_vocabulary(config):
 # -- parameters -----------------------------------------------------------------------------------
 def norm_params(config) -> int:
     """Parameters of one norm of the hidden state (:func:`rmt.planner.flops.norm_params`)."""
-    from rmt.planner.flops import norm_params as of_width
-
-    return of_width(config.model.normalization, config.model.hidden_size)
+    return width_norm_params(config.model.normalization, config.model.hidden_size)
 
 
 def _layer_params(config, layout: Layout) -> int:
